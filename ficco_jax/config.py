@@ -1,0 +1,44 @@
+"""Every threshold, limit and environment variable of ficco_jax, named and documented in one place.
+
+Environment variables are read once, at import; change them before importing ficco_jax, or set the
+module attributes directly (tests do).
+"""
+from __future__ import annotations
+
+import os
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError as exc:
+        raise ValueError(f"{name}={raw!r} is not a number; unset it or give seconds, e.g. {name}=10") from exc
+
+
+#: Seconds a device waits in a host rendezvous for the other devices of its group before the call
+#: fails with an error that names the op, the group and the missing ranks. The rendezvous happens
+#: when the handlers enqueue work, not when the GPU runs it, so peers arrive within microseconds
+#: of each other in a healthy program; 5 s only guards against a missing peer.
+RENDEZVOUS_TIMEOUT_S: float = _env_float("FICCO_RENDEZVOUS_TIMEOUT_S", 5.0)
+
+#: Debug switch for fault-injection tests: "" (off), or "skip:<rank>" (that rank of every group
+#: returns an error without joining the rendezvous), or "fail:<rank>" (that rank fails before
+#: its transfers). Never set it in production.
+FAULT_INJECTION: str = os.environ.get("FICCO_FAULT_INJECTION", "")
+
+#: Chunk counts (sub-shard decomposition factors) the design space enumerates.
+CHUNK_CHOICES: tuple[int, ...] = (1, 2, 4, 8)
+
+#: Copy-stream counts the design space enumerates for `comm="dma"` direct schedules.
+COPY_STREAM_CHOICES: tuple[int, ...] = (1, 2, 4)
+
+#: dtypes the DMA executor handles; others take the XLA path (`comm="xla"`).
+DMA_DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
+
+#: Where `schedule="autotune"` keeps its measured winners.
+AUTOTUNE_CACHE_DIR: str = os.environ.get(
+    "FICCO_AUTOTUNE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "ficco_jax")
+)

@@ -1,0 +1,202 @@
+"""The FiCCO design space: one `Schedule` per way of overlapping a collective with its matmul.
+
+A schedule says how the communication of `ag_matmul` (all-gather then matmul) or `matmul_rs`
+(matmul then reduce-scatter) is cut and overlapped with the matmul:
+
+- ``comm``: who moves the data. ``"none"``: the plain collective, then the matmul (no overlap);
+  ``"xla"``: chunked ``ppermute`` steps lowered by XLA (NCCL on GPUs; the multi-host path);
+  ``"dma"``: the GPU's copy engines, driven by the ficco_jax XLA FFI executor.
+- ``chunks``: sub-shard decomposition factor c. Each device's shard (``ag_matmul``) or each
+  per-peer block of the output (``matmul_rs``) is cut into c row chunks that move and multiply
+  separately. c = 1 is shard-level overlap (XLA's windowed einsum, PyTorch async-TP).
+- ``order``: ``"ring"`` (one neighbour distance at a time), ``"bidirectional"`` (half of the
+  chunks travel each way round the ring; xla only), ``"direct"`` (every peer at once: uses every
+  link of a fully connected NVSwitch node).
+- ``gemm``: ``"per_chunk"`` (one matmul per chunk as it lands) or ``"grouped"`` (chunks move
+  separately but one matmul per shard once all its chunks are there).
+- ``copy_streams``: how many copy streams (copy engines) the transfers of a ``dma`` direct
+  schedule are spread over.
+
+Chunks always cut rows (the gathered / scattered dimension), so every chunk matmul keeps the
+full K and N of the shard matmul.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator, Sequence
+
+from . import config
+
+OPS = ("ag_matmul", "matmul_rs")
+COMMS = ("none", "xla", "dma")
+ORDERS = ("ring", "bidirectional", "direct")
+GEMMS = ("per_chunk", "grouped")
+
+# Which orders each (op, comm) pair implements.
+_ORDERS_FOR = {
+    ("ag_matmul", "xla"): ("ring", "bidirectional", "direct"),
+    ("matmul_rs", "xla"): ("ring", "bidirectional", "direct"),
+    ("ag_matmul", "dma"): ("ring", "direct"),
+    ("matmul_rs", "dma"): ("direct",),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """One point of the FiCCO design space (frozen and hashable: usable as a cache key)."""
+
+    comm: str = "xla"
+    chunks: int = 1
+    order: str = "ring"
+    gemm: str = "per_chunk"
+    copy_streams: int = 1
+
+    def __post_init__(self):
+        for field, allowed in (("comm", COMMS), ("order", ORDERS), ("gemm", GEMMS)):
+            value = getattr(self, field)
+            if value not in allowed:
+                raise ValueError(f"Schedule: {field}={value!r} is not one of {allowed}")
+        for field in ("chunks", "copy_streams"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Schedule: {field}={value!r} must be a positive int")
+
+    # ----------------------------------------------------------------------------------------
+    # The design space
+    # ----------------------------------------------------------------------------------------
+    @staticmethod
+    def enumerate(op: str, axis_size: int, comms: Sequence[str] = COMMS) -> list["Schedule"]:
+        """Every valid schedule of `op` on an axis of `axis_size` devices, `comm="none"` first."""
+        _check_op(op)
+        return [s for s in _candidates(op, comms) if s._problem(op, axis_size) is None]
+
+    def validate(self, op: str, shapes: Sequence[Sequence[int]], axis_size: int) -> None:
+        """Raise ValueError if this schedule cannot run `op` on these per-device shapes.
+
+        `shapes` is ``(x.shape, w.shape)`` for ``ag_matmul`` and ``(y.shape, w.shape)`` for
+        ``matmul_rs``. The message names the shape, the dimension and the valid values.
+        """
+        _check_op(op)
+        problem = self._problem(op, axis_size)
+        if problem is not None:
+            raise ValueError(f"{op}: schedule {self} is not valid: {problem}")
+        rows = check_shapes(op, shapes, axis_size)
+        if rows % self.chunks:
+            valid = valid_chunks(op, shapes, axis_size)
+            what = "rows per device" if op == "ag_matmul" else f"rows per output block (M / {axis_size})"
+            raise ValueError(
+                f"{op}: {what} = {rows} (from shape {tuple(shapes[0])}) must divide by "
+                f"schedule.chunks={self.chunks}; valid chunk counts for this shape: {valid}"
+            )
+
+    def replace(self, **changes) -> "Schedule":
+        return dataclasses.replace(self, **changes)
+
+    def __str__(self) -> str:
+        if self.comm == "none":
+            return "none"
+        text = f"{self.comm}/{self.order}/c{self.chunks}"
+        if self.gemm != "per_chunk":
+            text += f"/{self.gemm}"
+        if self.copy_streams != 1:
+            text += f"/s{self.copy_streams}"
+        return text
+
+    @classmethod
+    def parse(cls, text: str) -> "Schedule":
+        """Inverse of `str()`: ``"none"``, ``"dma/direct/c4/s2"``, ``"xla/ring/c2/grouped"``."""
+        parts = text.strip().split("/")
+        if parts == ["none"]:
+            return cls(comm="none")
+        if len(parts) < 3 or not parts[2].startswith("c"):
+            raise ValueError(
+                f"cannot parse schedule {text!r}: expected 'none' or COMM/ORDER/cCHUNKS[/grouped][/sSTREAMS], "
+                f"e.g. 'dma/direct/c4/s2'"
+            )
+        fields = dict(comm=parts[0], order=parts[1], chunks=int(parts[2][1:]))
+        for extra in parts[3:]:
+            if extra == "grouped":
+                fields["gemm"] = "grouped"
+            elif extra.startswith("s") and extra[1:].isdigit():
+                fields["copy_streams"] = int(extra[1:])
+            else:
+                raise ValueError(f"cannot parse schedule {text!r}: unknown part {extra!r}")
+        return cls(**fields)
+
+    # ----------------------------------------------------------------------------------------
+    def _problem(self, op: str, axis_size: int) -> str | None:
+        """Why this point is outside the design space of `op` (None if it is inside)."""
+        if axis_size < 1:
+            return f"axis_size={axis_size} must be >= 1"
+        if self.comm == "none":
+            if self != Schedule(comm="none"):
+                return "comm='none' takes no other fields; use Schedule(comm='none')"
+            return None
+        orders = _ORDERS_FOR[(op, self.comm)]
+        if self.order not in orders:
+            return f"order={self.order!r} is not implemented for comm={self.comm!r}; valid orders: {orders}"
+        if self.order == "bidirectional" and self.chunks % 2:
+            return f"order='bidirectional' sends half of the chunks each way: chunks={self.chunks} must be even"
+        if self.gemm == "grouped" and self.chunks == 1:
+            return "gemm='grouped' needs chunks > 1 (with one chunk it is per_chunk)"
+        if self.comm == "xla" and self.copy_streams != 1:
+            return f"copy_streams={self.copy_streams} applies to comm='dma' only; use 1"
+        if self.comm == "dma":
+            if self.order == "ring" and self.copy_streams != 1:
+                return "order='ring' moves one transfer at a time: copy_streams must be 1"
+            if self.copy_streams > max(axis_size - 1, 1):
+                return f"copy_streams={self.copy_streams} exceeds the {axis_size - 1} peers"
+        return None
+
+
+def _check_op(op: str) -> None:
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}; valid ops: {OPS}")
+
+
+def _candidates(op: str, comms: Sequence[str]) -> Iterator[Schedule]:
+    if "none" in comms:
+        yield Schedule(comm="none")
+    for comm in ("xla", "dma"):
+        if comm not in comms:
+            continue
+        for order in _ORDERS_FOR[(op, comm)]:
+            streams = config.COPY_STREAM_CHOICES if (comm == "dma" and order == "direct") else (1,)
+            for chunks in config.CHUNK_CHOICES:
+                for gemm in GEMMS:
+                    for copy_streams in streams:
+                        yield Schedule(comm=comm, chunks=chunks, order=order, gemm=gemm, copy_streams=copy_streams)
+
+
+def check_shapes(op: str, shapes: Sequence[Sequence[int]], axis_size: int) -> int:
+    """Check ranks and contraction sizes; return the row count that chunks must divide."""
+    _check_op(op)
+    if len(shapes) != 2:
+        raise ValueError(f"{op}: expected two shapes (input, weight), found {len(shapes)}")
+    a, w = (tuple(int(d) for d in s) for s in shapes)
+    names = ("x", "w") if op == "ag_matmul" else ("y", "w")
+    for name, shape in zip(names, (a, w)):
+        if len(shape) != 2:
+            raise ValueError(
+                f"{op}: {name} must be 2-D per device, found shape {shape}; reshape leading dimensions "
+                f"into rows first (ficco_jax.overlap does this for einsum forms)"
+            )
+        if 0 in shape:
+            raise ValueError(f"{op}: {name} has an empty dimension, shape {shape}")
+    if a[1] != w[0]:
+        raise ValueError(
+            f"{op}: contraction sizes differ: {names[0]}.shape[1]={a[1]} but w.shape[0]={w[0]} "
+            f"({names[0]} {a}, w {w})"
+        )
+    if op == "ag_matmul":
+        return a[0]
+    if a[0] % axis_size:
+        raise ValueError(
+            f"matmul_rs: y.shape[0]={a[0]} rows must divide by the axis size {axis_size} to be scattered"
+        )
+    return a[0] // axis_size
+
+
+def valid_chunks(op: str, shapes: Sequence[Sequence[int]], axis_size: int) -> list[int]:
+    rows = check_shapes(op, shapes, axis_size)
+    return [c for c in config.CHUNK_CHOICES if rows % c == 0]
