@@ -1,0 +1,245 @@
+"""The overlapped ops: `ag_matmul` and `matmul_rs`, their plain-JAX references and their VJPs.
+
+Call them inside `jax.shard_map`. Each equals its reference for every schedule:
+
+    ag_matmul(x, w, "tp")  == jax.lax.all_gather(x, "tp", axis=0, tiled=True) @ w
+    matmul_rs(y, w, "tp")  == jax.lax.psum_scatter(y @ w, "tp", scatter_dimension=0, tiled=True)
+
+The VJPs are overlapped too: the input gradient of `ag_matmul` is a `matmul_rs` (of the output
+gradient with w transposed) and its weight gradient a local matmul with the gathered input; the
+input gradient of `matmul_rs` is an `ag_matmul` whose gathered output gradient also feeds the
+weight gradient.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Union
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.custom_derivatives import SymbolicZero
+
+from . import xla_lowering
+from .schedule import Schedule, check_shapes
+
+log = logging.getLogger("ficco_jax")
+
+ScheduleArg = Union[str, Schedule]
+
+
+# ------------------------------------------------------------------------------------------------
+# References
+# ------------------------------------------------------------------------------------------------
+def ag_matmul_ref(x, w, axis_name):
+    """The meaning of `ag_matmul`: `all_gather(x, axis_name, axis=0, tiled=True) @ w`."""
+    return lax.all_gather(x, axis_name, axis=0, tiled=True) @ w
+
+
+def matmul_rs_ref(y, w, axis_name):
+    """The meaning of `matmul_rs`: `psum_scatter(y @ w, axis_name, scatter_dimension=0, tiled=True)`."""
+    return lax.psum_scatter(y @ w, axis_name, scatter_dimension=0, tiled=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# Public ops
+# ------------------------------------------------------------------------------------------------
+def ag_matmul(x, w, axis_name: str, *, schedule: ScheduleArg = "auto", return_gathered: bool = False):
+    """`all_gather(x, axis_name, axis=0, tiled=True) @ w`, overlapped by a FiCCO schedule.
+
+    Per device: x [m, K], w [K, N] -> [n*m, N] (n = size of `axis_name`). With
+    `return_gathered=True` also returns the gathered x [n*m, K], so a caller that needs it gathers
+    nothing twice. `schedule` is "auto" (the cost model's pick), "autotune" (measured once, then
+    cached), a `Schedule`, or its string form ("dma/direct/c4/s2"). Differentiable; the backward
+    pass is itself overlapped. dtypes: any float; `comm="dma"` takes bf16, f16 and f32.
+    """
+    n = _axis_size(axis_name, "ag_matmul")
+    _check_operands("ag_matmul", x, w)
+    sched = resolve_schedule("ag_matmul", schedule, (x.shape, w.shape), x.dtype, n)
+    out, gathered = _ag_matmul(x, w, axis_name, sched)
+    return (out, gathered) if return_gathered else out
+
+
+def matmul_rs(y, w, axis_name: str, *, schedule: ScheduleArg = "auto"):
+    """`psum_scatter(y @ w, axis_name, scatter_dimension=0, tiled=True)`, overlapped by a FiCCO schedule.
+
+    Per device: y [M, N], w [N, K] -> [M/n, K] (n = size of `axis_name`; M must divide by n).
+    `schedule` as in `ag_matmul`. Differentiable; the backward pass is itself overlapped.
+    """
+    n = _axis_size(axis_name, "matmul_rs")
+    _check_operands("matmul_rs", y, w)
+    sched = resolve_schedule("matmul_rs", schedule, (y.shape, w.shape), y.dtype, n)
+    return _matmul_rs(y, w, axis_name, sched)
+
+
+def resolve_schedule(op: str, schedule: ScheduleArg, shapes, dtype, axis_size: int) -> Schedule:
+    """Turn the user's `schedule` argument into a valid Schedule for this call (trace time)."""
+    from . import heuristics  # heuristics imports the cost model; keep ops importable without it
+
+    check_shapes(op, shapes, axis_size)
+    if isinstance(schedule, str) and schedule in ("auto", "autotune"):
+        chosen = heuristics.choose(op, shapes, dtype, axis_size, autotune=(schedule == "autotune"))
+        log.debug("%s %s %s: schedule %s", op, shapes, jnp.dtype(dtype).name, chosen)
+        return chosen
+    if isinstance(schedule, str):
+        schedule = Schedule.parse(schedule)
+    if not isinstance(schedule, Schedule):
+        raise TypeError(
+            f"{op}: schedule must be 'auto', 'autotune', a ficco_jax.Schedule or its string form; "
+            f"found {type(schedule).__name__}"
+        )
+    schedule.validate(op, shapes, axis_size)
+    if schedule.comm == "dma":
+        from . import dma
+
+        dma.check_supported(op, dtype)
+    return schedule
+
+
+# ------------------------------------------------------------------------------------------------
+# Private positional ops carrying the custom VJPs
+# ------------------------------------------------------------------------------------------------
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _ag_matmul(x, w, axis_name, sched):
+    return _ag_matmul_impl(x, w, axis_name, sched)
+
+
+def _ag_matmul_fwd(x, w, axis_name, sched):
+    x, w = x.value, w.value  # symbolic_zeros=True hands in CustomVJPPrimal records
+    out, gathered = _ag_matmul_impl(x, w, axis_name, sched)
+    return (out, gathered), (gathered, w)
+
+
+def _ag_matmul_bwd(axis_name, sched, res, cotangents):
+    gathered, w = res
+    g_out, g_gathered = cotangents
+    if _is_zero_cotangent(g_out):
+        g_out = jnp.zeros(g_out.aval.shape, g_out.aval.dtype)
+    n = _axis_size(axis_name, "ag_matmul")
+    w_t = w.T
+    bwd_sched = _transposed_schedule("matmul_rs", sched, (g_out.shape, w_t.shape), g_out.dtype, n)
+    # d x = reduce_scatter(g_out @ w.T + g_gathered): the reduce-scatter rides on the matmul.
+    dx = _matmul_rs(g_out, w_t, axis_name, bwd_sched)
+    if not _is_zero_cotangent(g_gathered):
+        dx = dx + lax.psum_scatter(g_gathered, axis_name, scatter_dimension=0, tiled=True)
+    dw = gathered.T @ g_out
+    return _like_primal(dx, gathered.dtype, _gathered_input_axes(gathered, axis_name)), _like_primal(dw, w.dtype, _varying_axes(w))
+
+
+# symbolic zeros: when only `out` is used, the gathered output's cotangent stays symbolic and the
+# backward pass skips its reduce-scatter entirely.
+_ag_matmul.defvjp(_ag_matmul_fwd, _ag_matmul_bwd, symbolic_zeros=True)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _matmul_rs(y, w, axis_name, sched):
+    return _matmul_rs_impl(y, w, axis_name, sched)
+
+
+def _matmul_rs_fwd(y, w, axis_name, sched):
+    y, w = y.value, w.value
+    return _matmul_rs_impl(y, w, axis_name, sched), (y, w)
+
+
+def _matmul_rs_bwd(axis_name, sched, res, g):
+    y, w = res
+    if _is_zero_cotangent(g):
+        g = jnp.zeros(g.aval.shape, g.aval.dtype)
+    n = _axis_size(axis_name, "matmul_rs")
+    w_t = w.T
+    bwd_sched = _transposed_schedule("ag_matmul", sched, (g.shape, w_t.shape), g.dtype, n)
+    # d y = all_gather(g) @ w.T; the gathered g is reused for d w = y.T @ all_gather(g).
+    dy, g_gathered = _ag_matmul(g, w_t, axis_name, bwd_sched)
+    dw = y.T @ g_gathered
+    return _like_primal(dy, y.dtype, _varying_axes(y)), _like_primal(dw, w.dtype, _varying_axes(w))
+
+
+_matmul_rs.defvjp(_matmul_rs_fwd, _matmul_rs_bwd, symbolic_zeros=True)
+
+
+def _ag_matmul_impl(x, w, axis_name, sched):
+    if sched.comm == "dma":
+        from . import dma
+
+        return dma.ag_matmul_dma(x, w, axis_name, sched)
+    return xla_lowering.ag_matmul(x, w, axis_name, sched, _axis_size(axis_name, "ag_matmul"))
+
+
+def _matmul_rs_impl(y, w, axis_name, sched):
+    if sched.comm == "dma":
+        from . import dma
+
+        return dma.matmul_rs_dma(y, w, axis_name, sched)
+    return xla_lowering.matmul_rs(y, w, axis_name, sched, _axis_size(axis_name, "matmul_rs"))
+
+
+def _transposed_schedule(op, sched: Schedule, shapes, dtype, n) -> Schedule:
+    """The backward op runs the forward's schedule where that point is valid for it, else auto."""
+    try:
+        return resolve_schedule(op, sched, shapes, dtype, n)
+    except (ValueError, TypeError):
+        pass
+    if sched.comm == "dma" and op == "matmul_rs":
+        try:  # matmul_rs on copy engines is direct-only: keep the copy engines, change the order
+            return resolve_schedule(op, sched.replace(order="direct"), shapes, dtype, n)
+        except (ValueError, TypeError):
+            pass
+    return resolve_schedule(op, "auto", shapes, dtype, n)
+
+
+def _varying_axes(v) -> frozenset:
+    """Mesh axes along which `v` varies inside shard_map (empty outside it, or on old JAX)."""
+    aval = jax.typeof(v)
+    vma = getattr(aval, "vma", None)  # jax < 0.10
+    if vma is None:
+        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
+    return frozenset(vma)
+
+
+def _gathered_input_axes(gathered, axis_name) -> frozenset:
+    """x varied along the gather axis and along every axis its gathered form varies on."""
+    return _varying_axes(gathered) | {axis_name}
+
+
+def _like_primal(ct, dtype, primal_axes: frozenset):
+    """Cast a cotangent to its primal's dtype and sum it over mesh axes the primal was
+    replicated on: what JAX's own AD does when a replicated operand meets a varying one."""
+    extra = tuple(sorted(_varying_axes(ct) - primal_axes))
+    if extra:
+        ct = lax.psum(ct, extra)
+    return ct.astype(dtype)
+
+
+def _is_zero_cotangent(ct) -> bool:
+    return isinstance(ct, SymbolicZero)
+
+
+# ------------------------------------------------------------------------------------------------
+# Checks
+# ------------------------------------------------------------------------------------------------
+def _axis_size(axis_name, op: str) -> int:
+    if not isinstance(axis_name, str):
+        raise TypeError(
+            f"{op}: axis_name must be one mesh axis name (a str), found {axis_name!r}; "
+            f"ops over several mesh axes are not supported yet"
+        )
+    try:
+        return int(lax.axis_size(axis_name))
+    except NameError as exc:
+        raise ValueError(
+            f"{op}: axis {axis_name!r} is not bound here; call {op} inside jax.shard_map over a mesh "
+            f"with that axis ({exc})"
+        ) from exc
+
+
+def _check_operands(op: str, a, w) -> None:
+    names = ("x", "w") if op == "ag_matmul" else ("y", "w")
+    for name, v in zip(names, (a, w)):
+        if not jnp.issubdtype(v.dtype, jnp.floating):
+            raise TypeError(f"{op}: {name} must be a floating-point array, found dtype {v.dtype}")
+    if a.dtype != w.dtype:
+        raise TypeError(
+            f"{op}: {names[0]} and w must have the same dtype, found {a.dtype} and {w.dtype}; "
+            f"cast one of them (e.g. w.astype({names[0]}.dtype))"
+        )

@@ -1,0 +1,55 @@
+"""Shared test helpers: shard_map wrappers for the ops on 1-D and 2-D meshes, and error metrics."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+#: Tolerances by dtype: relative Frobenius error against a float32 reference of the same inputs.
+TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 2e-3}
+
+
+def batch_axes(mesh):
+    return tuple(a for a in mesh.axis_names if a != "tp")
+
+
+def rows_spec(mesh):
+    """Rows split over every mesh axis, tp fastest: the per-device row block of x / of the RS output."""
+    return P((*batch_axes(mesh), "tp"), None)
+
+
+def ag_specs(mesh):
+    b = batch_axes(mesh) or None
+    return (rows_spec(mesh), P(None, "tp")), P(b, "tp")
+
+
+def rs_specs(mesh):
+    b = batch_axes(mesh) or None
+    return (P(b, "tp"), P("tp", None)), rows_spec(mesh)
+
+
+def run_sharded(mesh, body, specs, *args):
+    in_specs, out_specs = specs
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+    args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, in_specs)]
+    return f(*args)
+
+
+def random(rng, shape, dtype):
+    return jnp.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(dtype)
+
+
+def rel_err(got, want):
+    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+    want = np.asarray(jnp.asarray(want, jnp.float32), np.float64)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    assert np.all(np.isfinite(got)), "non-finite values in the result"
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def global_shapes(op, mesh, m, k, n_cols):
+    """Global (input, weight) shapes giving per-device x [m, K], w [K, N] (ag) or y [M=n*m, N], w [N, K] (rs)."""
+    tp = mesh.shape["tp"]
+    dp = int(np.prod([mesh.shape[a] for a in batch_axes(mesh)])) if batch_axes(mesh) else 1
+    if op == "ag_matmul":
+        return (dp * tp * m, k), (k, tp * n_cols)
+    return (dp * tp * m, tp * n_cols), (tp * n_cols, k)

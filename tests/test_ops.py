@@ -1,0 +1,141 @@
+"""ag_matmul / matmul_rs: every none/xla schedule against the plain-JAX reference, with gradients.
+
+(`comm="dma"` schedules run the extension's executor and are covered by test_dma.py.)
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ficco_jax
+from ficco_jax import Schedule
+from helpers import TOLERANCE, ag_specs, global_shapes, random, rel_err, rs_specs, run_sharded
+
+OPS = {
+    "ag_matmul": (ficco_jax.ag_matmul, ficco_jax.ag_matmul_ref, ag_specs),
+    "matmul_rs": (ficco_jax.matmul_rs, ficco_jax.matmul_rs_ref, rs_specs),
+}
+# Rows per device chosen so every enumerated chunk count divides them.
+M_ROWS, K, N_COLS = 16, 24, 8
+
+
+def _cases():
+    for op in OPS:
+        for tp in (8, 4):  # 1-D mesh of 8; tp axis of the (2, 4) mesh
+            for sched in Schedule.enumerate(op, tp, comms=("none", "xla")):
+                yield pytest.param(op, tp, sched, id=f"{op}-tp{tp}-{sched}")
+
+
+def _mesh(request, tp):
+    return request.getfixturevalue("mesh1d" if tp == 8 else "mesh2d")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("op,tp,sched", list(_cases()))
+def test_schedule_matches_reference(request, rng, op, tp, sched, dtype):
+    mesh = _mesh(request, tp)
+    fn, ref, specs = OPS[op]
+    a_shape, w_shape = global_shapes(op, mesh, M_ROWS, K, N_COLS)
+    a, w = random(rng, a_shape, dtype), random(rng, w_shape, dtype)
+    got = run_sharded(mesh, lambda a, w: fn(a, w, "tp", schedule=sched), specs(mesh), a, w)
+    # The reference in float32 from the same (rounded) inputs: bf16 results must be within
+    # bf16 rounding of it, f32 results within f32 rounding.
+    want = run_sharded(mesh, lambda a, w: ref(a, w, "tp"), specs(mesh),
+                       a.astype(jnp.float32), w.astype(jnp.float32))
+    assert got.dtype == jnp.dtype(dtype)
+    assert rel_err(got, want) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("op,tp,sched", [c for c in _cases() if c.values[1] == 4])
+def test_gradients_match_reference(request, rng, op, tp, sched):
+    mesh = _mesh(request, tp)
+    fn, ref, specs = OPS[op]
+    a_shape, w_shape = global_shapes(op, mesh, M_ROWS, K, N_COLS)
+    a, w = random(rng, a_shape, "float32"), random(rng, w_shape, "float32")
+    out_shape = jax.eval_shape(lambda a, w: run_sharded(mesh, lambda a, w: ref(a, w, "tp"), specs(mesh), a, w), a, w)
+    cot = random(rng, out_shape.shape, "float32")
+
+    def loss(body, a, w):
+        return jnp.sum(run_sharded(mesh, body, specs(mesh), a, w) * cot)
+
+    got = jax.grad(functools.partial(loss, lambda a, w: fn(a, w, "tp", schedule=sched)), argnums=(0, 1))(a, w)
+    want = jax.grad(functools.partial(loss, lambda a, w: ref(a, w, "tp")), argnums=(0, 1))(a, w)
+    for g, r in zip(got, want):
+        assert rel_err(g, r) < TOLERANCE["float32"]
+
+
+def test_ag_matmul_returns_gathered_and_its_gradient(mesh2d, rng):
+    a_shape, w_shape = global_shapes("ag_matmul", mesh2d, M_ROWS, K, N_COLS)
+    x, w = random(rng, a_shape, "float32"), random(rng, w_shape, "float32")
+    sched = Schedule(comm="xla", order="bidirectional", chunks=2)
+    in_specs, out_spec = ag_specs(mesh2d)
+    gathered_spec = jax.sharding.PartitionSpec(("dp", "tp"), None)  # all_gather output is typed varying
+
+    def both(x, w):
+        out, g = ficco_jax.ag_matmul(x, w, "tp", schedule=sched, return_gathered=True)
+        return out, g
+
+    def ref_both(x, w):
+        g = jax.lax.all_gather(x, "tp", axis=0, tiled=True)
+        return g @ w, g
+
+    specs = (in_specs, (out_spec, gathered_spec))
+    got, want = run_sharded(mesh2d, both, specs, x, w), run_sharded(mesh2d, ref_both, specs, x, w)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))  # a gather is exact
+    assert rel_err(got[0], want[0]) < TOLERANCE["float32"]
+
+    def loss(body, x, w):  # the gathered tensor has a second user: its cotangent must flow back
+        out, g = run_sharded(mesh2d, body, specs, x, w)
+        return jnp.sum(out ** 2) + jnp.sum(jnp.sin(g))
+
+    got_g = jax.grad(functools.partial(loss, both), argnums=(0, 1))(x, w)
+    want_g = jax.grad(functools.partial(loss, ref_both), argnums=(0, 1))(x, w)
+    for g, r in zip(got_g, want_g):
+        assert rel_err(g, r) < TOLERANCE["float32"]
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_auto_schedule_matches_reference(mesh1d, rng, op):
+    fn, ref, specs = OPS[op]
+    a_shape, w_shape = global_shapes(op, mesh1d, M_ROWS, K, N_COLS)
+    a, w = random(rng, a_shape, "float32"), random(rng, w_shape, "float32")
+    got = run_sharded(mesh1d, lambda a, w: fn(a, w, "tp"), specs(mesh1d), a, w)
+    want = run_sharded(mesh1d, lambda a, w: ref(a, w, "tp"), specs(mesh1d), a, w)
+    assert rel_err(got, want) < TOLERANCE["float32"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Shapes a schedule cannot split, and other bad input: clear errors at trace time
+# ------------------------------------------------------------------------------------------------
+def test_unsplittable_rows_name_shape_and_valid_chunks(mesh1d, rng):
+    x = random(rng, (8 * 6, K), "float32")  # 6 rows per device: chunks=4 cannot split them
+    w = random(rng, (K, 8 * N_COLS), "float32")
+    sched = Schedule(comm="xla", chunks=4)
+    with pytest.raises(ValueError, match=r"rows per device = 6.*\(6, 24\).*chunks=4.*valid chunk counts.*\[1, 2\]"):
+        run_sharded(mesh1d, lambda x, w: ficco_jax.ag_matmul(x, w, "tp", schedule=sched), ag_specs(mesh1d), x, w)
+
+
+def test_matmul_rs_rows_not_divisible_by_axis(mesh1d, rng):
+    y = random(rng, (12, 8 * N_COLS), "float32")  # 12 rows cannot scatter over 8 devices
+    w = random(rng, (8 * N_COLS, K), "float32")
+    specs = ((jax.sharding.PartitionSpec(None, "tp"), jax.sharding.PartitionSpec("tp", None)),
+             jax.sharding.PartitionSpec(None, None))
+    with pytest.raises(ValueError, match=r"y.shape\[0\]=12 rows must divide by the axis size 8"):
+        run_sharded(mesh1d, lambda y, w: ficco_jax.matmul_rs(y, w, "tp", schedule="xla/ring/c1"), specs, y, w)
+
+
+@pytest.mark.parametrize("bad,match,exc", [
+    (dict(w_dtype="bfloat16"), "same dtype", TypeError),
+    (dict(k_w=K + 1), "contraction sizes differ", ValueError),
+    (dict(axis="nope"), "nope", (ValueError, NameError)),
+    (dict(schedule=3), "schedule must be", TypeError),
+    (dict(schedule="xla/sideways/c2"), "order", ValueError),
+])
+def test_bad_input_is_a_clear_error(mesh1d, rng, bad, match, exc):
+    x = random(rng, (8 * M_ROWS, K), "float32")
+    w = random(rng, (bad.get("k_w", K), 8 * N_COLS), bad.get("w_dtype", "float32"))
+    body = lambda x, w: ficco_jax.ag_matmul(x, w, bad.get("axis", "tp"), schedule=bad.get("schedule", "auto"))
+    with pytest.raises(exc, match=match):
+        run_sharded(mesh1d, body, ag_specs(mesh1d), x, w)

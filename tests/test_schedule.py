@@ -1,0 +1,51 @@
+"""The design space: enumeration, validation messages, string round trip."""
+import pytest
+
+from ficco_jax import Schedule
+from ficco_jax.schedule import OPS
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_enumeration_is_valid_unique_and_complete(op, n):
+    points = Schedule.enumerate(op, n)
+    assert points[0] == Schedule(comm="none")
+    assert len(set(points)) == len(points)
+    assert {p.comm for p in points} == {"none", "xla", "dma"}
+    for p in points:
+        p.validate(op, ((8 * n, 16), (16, 8)) if op == "matmul_rs" else ((8, 16), (16, 8)), n)
+        assert Schedule.parse(str(p)) == p
+    orders = {p.order for p in points if p.comm == "dma"}
+    assert orders == ({"ring", "direct"} if op == "ag_matmul" else {"direct"})
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(comm="nccl"), "comm='nccl' is not one of"),
+    (dict(chunks=0), "chunks=0 must be a positive int"),
+    (dict(order="spiral"), "order='spiral'"),
+])
+def test_bad_fields_rejected_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Schedule(**kwargs)
+
+
+@pytest.mark.parametrize("sched,match", [
+    (Schedule(comm="xla", order="bidirectional", chunks=3), "must be even"),
+    (Schedule(comm="xla", gemm="grouped"), "needs chunks > 1"),
+    (Schedule(comm="xla", copy_streams=2), "applies to comm='dma' only"),
+    (Schedule(comm="dma", order="ring", copy_streams=2), "copy_streams must be 1"),
+    (Schedule(comm="none", chunks=2), "takes no other fields"),
+])
+def test_invalid_points_explain_themselves(sched, match):
+    with pytest.raises(ValueError, match=match):
+        sched.validate("ag_matmul", ((12, 4), (4, 4)), 4)
+
+
+def test_matmul_rs_dma_ring_is_not_in_the_space():
+    with pytest.raises(ValueError, match=r"valid orders: \('direct',\)"):
+        Schedule(comm="dma", order="ring").validate("matmul_rs", ((16, 4), (4, 4)), 4)
+
+
+def test_parse_rejects_garbage():
+    with pytest.raises(ValueError, match="cannot parse schedule"):
+        Schedule.parse("fast please")
