@@ -1,0 +1,147 @@
+"""Choosing a schedule per op: the cost model's pick (`schedule="auto"`) or a measured one
+(`schedule="autotune"`, cached on disk by op, shapes, dtype, axis size and device kind)."""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import tempfile
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from . import config, cost_model
+from .schedule import Schedule
+
+log = logging.getLogger("ficco_jax")
+
+#: Profiles shipped for known machines: (device-kind substring, axis size) -> profile name.
+_KNOWN_PROFILES = {("H200", 4): "h200x4", ("H200", 8): "h200x8"}
+
+#: How many of the model's best candidates autotune measures.
+AUTOTUNE_TOP_K = 6
+
+
+def available_comms(platform: str | None = None) -> tuple[str, ...]:
+    """The comm kinds that can run on `platform` (default: JAX's default backend)."""
+    platform = platform or jax.default_backend()
+    comms = ("none", "xla")
+    if platform == "gpu":
+        try:
+            from . import _ext
+
+            if _ext.cuda_built():
+                comms += ("dma",)
+        except ImportError as exc:
+            log.warning("ficco_jax: copy-engine schedules unavailable: %s", exc)
+    return comms
+
+
+def profile_for(axis_size: int) -> dict:
+    """The calibrated profile of this machine if one ships, else the conservative default."""
+    kind = jax.devices()[0].device_kind
+    for (needle, size), name in _KNOWN_PROFILES.items():
+        if needle in kind and size == axis_size:
+            with contextlib.suppress(FileNotFoundError):
+                return cost_model.load_profile(name)
+    return cost_model.default_profile()
+
+
+def select_schedule(op: str, shapes, dtype, axis_size: int, profile=None,
+                    comms: Sequence[str] | None = None) -> Schedule:
+    """The predicted-fastest valid schedule, or `Schedule(comm="none")` when overlap does not pay."""
+    comms = tuple(comms or available_comms())
+    profile = profile or profile_for(axis_size)
+    ranked = cost_model.rank(op, shapes, dtype, axis_size, Schedule.enumerate(op, axis_size, comms), profile)
+    return ranked[0][1]
+
+
+def choose(op: str, shapes, dtype, axis_size: int, *, autotune: bool = False) -> Schedule:
+    """What `schedule="auto"` / `"autotune"` resolve to at trace time."""
+    if jax.default_backend() == "cpu":
+        # Host "collectives" are memcpys that block the host thread: nothing to overlap.
+        return Schedule(comm="none")
+    if not autotune:
+        return select_schedule(op, shapes, dtype, axis_size)
+    return autotune_schedule(op, shapes, dtype, axis_size)
+
+
+# ------------------------------------------------------------------------------------------------
+# Autotune cache
+# ------------------------------------------------------------------------------------------------
+def cache_key(op, shapes, dtype, axis_size, device_kind) -> str:
+    dims = "x".join(",".join(str(int(d)) for d in s) for s in shapes)
+    return f"{op}|{dims}|{np.dtype(dtype).name}|n{axis_size}|{device_kind}"
+
+
+class AutotuneCache:
+    """A JSON file of measured winners; safe under concurrent processes (lock + atomic replace)."""
+
+    def __init__(self, directory: str | None = None):
+        self.directory = directory or config.AUTOTUNE_CACHE_DIR
+        self.path = os.path.join(self.directory, "autotune.json")
+
+    def load(self) -> dict:
+        try:
+            with open(self.path) as fh:
+                data = json.load(fh)
+            if not isinstance(data, dict):
+                raise ValueError("top level is not an object")
+            return data
+        except FileNotFoundError:
+            return {}
+        except (ValueError, OSError) as exc:
+            log.warning("ficco_jax: autotune cache %s is unreadable (%s); starting a fresh one", self.path, exc)
+            return {}
+
+    def get(self, key: str) -> Schedule | None:
+        entry = self.load().get(key)
+        try:
+            return Schedule.parse(entry["schedule"]) if entry else None
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    def put(self, key: str, schedule: Schedule, times: dict) -> None:
+        os.makedirs(self.directory, exist_ok=True)
+        with self._locked():
+            data = self.load()
+            data[key] = {"schedule": str(schedule), "times_ms": times}
+            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".autotune.", suffix=".json")
+            with os.fdopen(fd, "w") as fh:
+                json.dump(data, fh, indent=1, sort_keys=True)
+            os.replace(tmp, self.path)
+
+    @contextlib.contextmanager
+    def _locked(self):
+        import fcntl
+
+        with open(self.path + ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def autotune_schedule(op, shapes, dtype, axis_size, *, cache: AutotuneCache | None = None) -> Schedule:
+    """Measure the model's top candidates once on local devices; cache and return the fastest."""
+    cache = cache or AutotuneCache()
+    key = cache_key(op, shapes, dtype, axis_size, jax.devices()[0].device_kind)
+    hit = cache.get(key)
+    if hit is not None:
+        return hit
+    from . import bench  # measuring needs the benchmark harness; only autotune pays for importing it
+
+    comms = available_comms()
+    ranked = cost_model.rank(op, shapes, dtype, axis_size, Schedule.enumerate(op, axis_size, comms),
+                             profile_for(axis_size))
+    candidates = [s for _, s in ranked[:AUTOTUNE_TOP_K]]
+    if Schedule(comm="none") not in candidates:
+        candidates.append(Schedule(comm="none"))
+    times = {str(s): bench.time_op(op, s, shapes, dtype, axis_size) for s in candidates}
+    best = min(candidates, key=lambda s: times[str(s)])
+    log.info("ficco_jax autotune %s: chose %s (%.3f ms) of %s", key, best, times[str(best)], times)
+    cache.put(key, best, times)
+    return best
