@@ -25,17 +25,20 @@ AUTOTUNE_TOP_K = 6
 
 
 def available_comms(platform: str | None = None) -> tuple[str, ...]:
-    """The comm kinds that can run on `platform` (default: JAX's default backend)."""
+    """The comm kinds that can run on `platform` (default: JAX's default backend).
+
+    `dma` needs the compiled extension: its CUDA backend on GPUs, its CPU backend (memcpy and
+    reference loops, for testing) on CPU.
+    """
     platform = platform or jax.default_backend()
     comms = ("none", "xla")
-    if platform == "gpu":
-        try:
-            from . import _ext
+    try:
+        from . import _ext
 
-            if _ext.cuda_built():
-                comms += ("dma",)
-        except ImportError as exc:
-            log.warning("ficco_jax: copy-engine schedules unavailable: %s", exc)
+        if (platform == "gpu" and _ext.cuda_built()) or (platform == "cpu" and _ext.available()):
+            comms += ("dma",)
+    except ImportError as exc:
+        log.warning("ficco_jax: copy-engine schedules unavailable: %s", exc)
     return comms
 
 

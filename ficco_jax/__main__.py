@@ -1,0 +1,121 @@
+"""`python -m ficco_jax {demo,bench,explain}`."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+# Without GPUs, run on 8 virtual CPU devices. The flag only affects JAX's CPU platform, so it is
+# harmless on a GPU host; it must be set before JAX starts.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+
+def _shapes(args_shapes, default):
+    if not args_shapes:
+        return default
+    shapes = {}
+    for text in args_shapes:
+        try:
+            M, K, N = (int(v) for v in text.split(","))
+        except ValueError:
+            raise SystemExit(f"--shape {text!r}: expected M,K,N (three integers), e.g. --shape 8192,8192,28672")
+        shapes[f"M{M}_K{K}_N{N}"] = (M, K, N)
+    return shapes
+
+
+def _cmd_bench(args):
+    import jax
+
+    from . import bench
+
+    dtype = bench.DTYPES.get(args.dtype)
+    if dtype is None:
+        raise SystemExit(f"--dtype {args.dtype!r}: use one of {sorted(bench.DTYPES)}")
+    default = bench.CPU_SHAPES if jax.default_backend() == "cpu" else bench.ANCHOR_SHAPES
+    ops = ["ag_matmul", "matmul_rs"] if args.op == "all" else [args.op]
+    bench.run(ops, _shapes(args.shape, default), dtype, args.schedules, args.out, plot=args.plot,
+              windowed=not args.no_windowed)
+
+
+def _cmd_demo(args):
+    import jax
+
+    from . import bench
+
+    on_cpu = jax.default_backend() == "cpu"
+    print(f"ficco_jax demo on {len(jax.local_devices())} x {jax.devices()[0].device_kind} ({jax.default_backend()})")
+    if on_cpu:
+        print("No GPU: running on 8 virtual CPU devices. Every schedule is checked against the reference;\n"
+              "times on CPU are NOT meaningful (host memcpys, no copy engines, no overlap).")
+    shapes = bench.CPU_SHAPES if on_cpu else {"llama70b_qkv_M8k": bench.ANCHOR_SHAPES["llama70b_qkv_M8k"]}
+    bench.run(["ag_matmul", "matmul_rs"], shapes, "float32" if on_cpu else "bfloat16", "all", args.out,
+              windowed=False)
+
+
+def _cmd_explain(args):
+    from . import cost_model, heuristics
+    from .bench import DTYPES, local_shapes
+    from .schedule import Schedule
+
+    (M, K, N), = _shapes([args.shape], None).values()
+    n = args.axis_size
+    shapes = local_shapes(args.op, M, K, N, n)
+    dtype = DTYPES[args.dtype]
+    profile = cost_model.load_profile(args.profile) if args.profile else heuristics.profile_for(n)
+    comms = ("none", "xla", "dma")
+    ranked = cost_model.rank(args.op, shapes, dtype, n, Schedule.enumerate(args.op, n, comms), profile)
+    print(f"{args.op} M,K,N={M},{K},{N} on {n} devices, {dtype}, profile {profile.get('name')}: per-device {shapes}")
+    print(f"{'predicted ms':>12}  schedule")
+    for t, s in ranked[: args.top]:
+        print(f"{t * 1e3:12.3f}  {s}")
+    print(f"choice: {ranked[0][1]}")
+
+
+def _cmd_windowed(args):
+    import json
+
+    from .bench import windowed_einsum_child
+
+    print(json.dumps(windowed_einsum_child(args.op, args.M, args.K, args.N, args.dtype)))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m ficco_jax", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("demo", help="check every schedule on all local devices and print a timing table")
+    p.add_argument("--out", default="out/demo")
+    p.set_defaults(fn=_cmd_demo)
+
+    p = sub.add_parser("bench", help="ficco_jax vs JAX sequential, ring, windowed einsum and the ideal bound")
+    p.add_argument("--op", choices=["ag_matmul", "matmul_rs", "all"], default="all")
+    p.add_argument("--shape", action="append", help="M,K,N (repeatable); default: the anchor shapes (GPU) or a tiny one (CPU)")
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--schedules", default="auto", help="auto | all | comma-separated list like dma/direct/c4/s2,xla/ring/c1")
+    p.add_argument("--out", default="out/bench")
+    p.add_argument("--plot", action="store_true", help="write speedup PNGs (needs matplotlib)")
+    p.add_argument("--no-windowed", action="store_true", help="skip XLA's windowed einsum child process")
+    p.set_defaults(fn=_cmd_bench)
+
+    p = sub.add_parser("explain", help="the cost model's prediction for every candidate schedule")
+    p.add_argument("--op", choices=["ag_matmul", "matmul_rs"], required=True)
+    p.add_argument("--shape", required=True, help="M,K,N")
+    p.add_argument("--axis-size", type=int, default=4)
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--profile", default=None, help="profile name or JSON path (default: this machine's)")
+    p.add_argument("--top", type=int, default=15)
+    p.set_defaults(fn=_cmd_explain)
+
+    p = sub.add_parser("_windowed")  # internal: the windowed-einsum child of `bench`
+    p.add_argument("op"); p.add_argument("M", type=int); p.add_argument("K", type=int)
+    p.add_argument("N", type=int); p.add_argument("dtype")
+    p.set_defaults(fn=_cmd_windowed)
+
+    args = parser.parse_args(argv)
+    args.fn(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,263 @@
+"""`python -m ficco_jax bench`: ficco_jax schedules side by side with JAX's own options.
+
+For each op and shape, on all local devices (one 1-D mesh axis "tp"), in one run: every selected
+ficco_jax schedule, JAX sequential (the plain collective then the matmul), JAX's shard-level
+ring (`ppermute`), XLA's windowed einsum (GPU only, in a child process with its flags), the GEMM
+alone, the collective alone and the ideal bound max(GEMM, collective). Every variant's result is
+checked against the reference before it is timed. Times: see `timing.METHOD`.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from . import heuristics, ops, timing
+from .schedule import Schedule
+
+#: (M tokens, K, N) of a tensor-parallel layer, as in the anchors (../shared/ANCHORS.md).
+ANCHOR_SHAPES = {
+    "llama70b_mlp_up_M8k": (8192, 8192, 28672),
+    "llama70b_qkv_M8k": (8192, 8192, 10240),
+    "llama70b_mlp_up_M2k": (2048, 8192, 28672),
+    "gpt3_175b_mlp_M4k": (4096, 12288, 49152),
+    "small_M1k_K4k_N4k": (1024, 4096, 4096),
+}
+CPU_SHAPES = {"tiny_M256_K128_N256": (256, 128, 256)}
+TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}
+DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "f16": "float16", "float16": "float16",
+          "f32": "float32", "float32": "float32"}
+
+
+@dataclass
+class Row:
+    op: str
+    shape: str
+    M: int
+    K: int
+    N: int
+    variant: str
+    median_ms: float | None = None
+    spread_ms: float | None = None
+    verified: bool | None = None
+    rel_err: float | None = None
+    selected: bool = False
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------------------------
+# Building blocks
+# ------------------------------------------------------------------------------------------------
+def local_shapes(op: str, M: int, K: int, N: int, n: int):
+    """Per-device (input, weight) shapes of a layer (M tokens, K, N) over n devices."""
+    if M % n or N % n:
+        raise ValueError(f"bench: M={M} and N={N} must divide by the {n} devices")
+    return ((M // n, K), (K, N // n)) if op == "ag_matmul" else ((M, N // n), (N // n, K))
+
+
+def _specs(op):
+    if op == "ag_matmul":
+        return (P("tp", None), P(None, "tp")), P(None, "tp")
+    return (P(None, "tp"), P("tp", None)), P("tp", None)
+
+
+def make_inputs(op, M, K, N, dtype, mesh, seed=0):
+    """Random global operands (never zeros), sharded as the op expects."""
+    n = mesh.shape["tp"]
+    (a_shape, w_shape) = local_shapes(op, M, K, N, n)
+    a_global = (a_shape[0] * n, a_shape[1]) if op == "ag_matmul" else (a_shape[0], a_shape[1] * n)
+    w_global = (w_shape[0], w_shape[1] * n) if op == "ag_matmul" else (w_shape[0] * n, w_shape[1])
+    ka, kw = jax.random.split(jax.random.PRNGKey(seed))
+    scale = 1.0 / np.sqrt(a_shape[1])
+    in_specs, _ = _specs(op)
+    a = jax.random.normal(ka, a_global, jnp.float32).astype(dtype)
+    w = (jax.random.normal(kw, w_global, jnp.float32) * scale).astype(dtype)
+    return [jax.device_put(v, NamedSharding(mesh, s)) for v, s in zip((a, w), in_specs)]
+
+
+def sharded(mesh, op, body, repeats=None):
+    in_specs, out_specs = _specs(op)
+    if repeats is not None:
+        body, out_specs = timing.chain(body, repeats), in_specs[0]
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+
+
+def op_body(op, schedule):
+    if schedule == "ref":
+        return (lambda a, w: ops.ag_matmul_ref(a, w, "tp")) if op == "ag_matmul" else (lambda a, w: ops.matmul_rs_ref(a, w, "tp"))
+    fn = ops.ag_matmul if op == "ag_matmul" else ops.matmul_rs
+    return lambda a, w: fn(a, w, "tp", schedule=schedule)
+
+
+def _rel_err(got, want):
+    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+    want = np.asarray(jnp.asarray(want, jnp.float32), np.float64)
+    if not np.all(np.isfinite(got)):
+        return float("inf")
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def time_op(op, schedule, shapes, dtype, axis_size) -> float:
+    """Milliseconds per call of `op` under `schedule` on the first `axis_size` local devices (autotune)."""
+    mesh = Mesh(np.array(jax.local_devices()[:axis_size]), ("tp",))
+    (a0, a1), (w0, w1) = shapes
+    M, K, N = (a0 * axis_size, a1, w1 * axis_size) if op == "ag_matmul" else (a0, w1, a1 * axis_size)
+    args = make_inputs(op, M, K, N, dtype, mesh)
+    body = op_body(op, schedule)
+    return timing.device_time(lambda r: sharded(mesh, op, body, r), args)["median_s"] * 1e3
+
+
+# ------------------------------------------------------------------------------------------------
+# One (op, shape): every variant
+# ------------------------------------------------------------------------------------------------
+def bench_shape(op, name, M, K, N, dtype, mesh, schedules, progress) -> list[Row]:
+    n = mesh.shape["tp"]
+    shapes = local_shapes(op, M, K, N, n)
+    args = make_inputs(op, M, K, N, dtype, mesh)
+    want = sharded(mesh, op, op_body(op, "ref"))(*[a.astype(jnp.float32) for a in args])
+    # What "auto" would pick on a GPU of this machine's profile (on CPU "auto" means no overlap).
+    selected = heuristics.select_schedule(op, shapes, dtype, n)
+    rows = []
+    variants = [("jax_seq", "ref")] + [(f"ficco:{s}", s) for s in schedules]
+    if Schedule(comm="xla", order="ring") not in schedules:
+        variants.append(("jax_ring", Schedule(comm="xla", order="ring")))
+    if selected not in schedules:
+        variants.append((f"ficco:{selected}", selected))
+    for label, sched in variants:
+        progress(f"{op} {name} {label}")
+        row = Row(op, name, M, K, N, label, selected=(sched == selected))
+        try:
+            got = sharded(mesh, op, op_body(op, sched))(*args)
+            row.rel_err = _rel_err(got, want)
+            row.verified = row.rel_err < TOLERANCE[dtype]
+            if row.verified:
+                t = timing.device_time(lambda r: sharded(mesh, op, op_body(op, sched), r), args)
+                row.median_ms, row.spread_ms = t["median_s"] * 1e3, t["spread_s"] * 1e3
+            else:
+                row.note = f"WRONG RESULT: rel err {row.rel_err:.3g}; not timed"
+        except Exception as exc:  # a failing variant is reported, not fatal for the run
+            row.note = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        rows.append(row)
+    rows += _bounds(op, name, M, K, N, dtype, mesh, progress)
+    return rows
+
+
+def _bounds(op, name, M, K, N, dtype, mesh, progress) -> list[Row]:
+    """GEMM alone (full size, one device), the collective alone, and the ideal max of the two."""
+    n = mesh.shape["tp"]
+    (a_shape, w_shape) = local_shapes(op, M, K, N, n)
+    dev = mesh.devices.flat[0]
+    key = jax.random.PRNGKey(1)
+    full_a = (M, K) if op == "ag_matmul" else (M, N // n)
+    a = jax.device_put(jax.random.normal(key, full_a, jnp.float32).astype(dtype), dev)
+    w = jax.device_put(jax.random.normal(key, w_shape, jnp.float32).astype(dtype), dev)
+    progress(f"{op} {name} gemm_alone")
+    gemm = timing.device_time(lambda r: jax.jit(timing.chain(lambda a, w: a @ w, r)), (a, w))
+    if op == "ag_matmul":
+        coll_body = lambda x: jax.lax.all_gather(x, "tp", axis=0, tiled=True)
+        coll_in = jax.device_put(jnp.ones((M, K), dtype) * 0.5, NamedSharding(mesh, P("tp", None)))
+    else:
+        coll_body = lambda y: jax.lax.psum_scatter(y, "tp", scatter_dimension=0, tiled=True)
+        coll_in = jax.device_put(jnp.ones((M * n, K), dtype) * 0.5, NamedSharding(mesh, P("tp", None)))
+    progress(f"{op} {name} collective_alone")
+    make = lambda r: jax.jit(jax.shard_map(timing.chain(coll_body, r), mesh=mesh, in_specs=(P("tp", None),),
+                                           out_specs=P("tp", None)))
+    coll = timing.device_time(make, (coll_in,))
+    rows = [Row(op, name, M, K, N, "gemm_alone", gemm["median_s"] * 1e3, gemm["spread_s"] * 1e3),
+            Row(op, name, M, K, N, "collective_alone", coll["median_s"] * 1e3, coll["spread_s"] * 1e3)]
+    rows.append(Row(op, name, M, K, N, "ideal", max(r.median_ms for r in rows), note="max(gemm_alone, collective_alone)"))
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------
+# XLA windowed einsum: its flags must be set before the backend starts, so it runs in a child
+# ------------------------------------------------------------------------------------------------
+WINDOWED_FLAGS = "--xla_gpu_threshold_for_windowed_einsum_mib=0 --xla_gpu_multi_streamed_windowed_einsum=true"
+
+
+def windowed_einsum_child(op, M, K, N, dtype) -> dict:
+    """Runs in the child: GSPMD-sharded matmul whose collective XLA turns into a windowed einsum."""
+    mesh = Mesh(np.array(jax.local_devices()), ("tp",))
+    args = make_inputs(op, M, K, N, dtype, mesh)
+    out_spec = P(None, "tp") if op == "ag_matmul" else P("tp", None)
+    sharding = NamedSharding(mesh, out_spec)
+
+    def make(r):
+        def loop(a, w):
+            def one(_, a):
+                out = jax.lax.with_sharding_constraint(a @ w, sharding)
+                return jax.lax.dynamic_update_slice(a, out[:1, :1].astype(a.dtype), (0, 0))
+            return jax.lax.fori_loop(0, r, one, a)
+        return jax.jit(loop, out_shardings=args[0].sharding)
+
+    t = timing.device_time(make, args)
+    return {"median_ms": t["median_s"] * 1e3, "spread_ms": t["spread_s"] * 1e3}
+
+
+def windowed_einsum(op, name, M, K, N, dtype) -> Row:
+    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + WINDOWED_FLAGS).strip())
+    cmd = [sys.executable, "-m", "ficco_jax", "_windowed", op, str(M), str(K), str(N), dtype]
+    row = Row(op, name, M, K, N, "xla_windowed_einsum", note=f"child process, XLA_FLAGS+={WINDOWED_FLAGS}")
+    try:
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        row.median_ms, row.spread_ms = result["median_ms"], result["spread_ms"]
+    except Exception as exc:
+        row.note = f"error: {type(exc).__name__}: {str(exc)[:200]}"
+    return row
+
+
+# ------------------------------------------------------------------------------------------------
+# The command
+# ------------------------------------------------------------------------------------------------
+def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=True) -> dict:
+    from .report import git_commit, markdown_table, plot_speedups, progress_printer
+
+    n = len(jax.local_devices())
+    mesh = Mesh(np.array(jax.local_devices()), ("tp",))
+    on_cpu = jax.default_backend() == "cpu"
+    plan = []
+    for op in ops_to_run:
+        comms = heuristics.available_comms()
+        for name, (M, K, N) in shapes.items():
+            if schedules_arg == "all":
+                scheds = Schedule.enumerate(op, n, comms)
+            elif schedules_arg == "auto":
+                scheds = []
+            else:
+                scheds = [Schedule.parse(s) for s in schedules_arg.split(",")]
+            plan.append((op, name, M, K, N, [s for s in scheds if s.comm != "none"]))
+    total = sum(len(p[5]) + 5 + (not on_cpu and windowed) for p in plan)
+    progress = progress_printer(total)
+    rows = []
+    for op, name, M, K, N, scheds in plan:
+        rows += bench_shape(op, name, M, K, N, dtype, mesh, scheds, progress)
+        if windowed and not on_cpu:
+            progress(f"{op} {name} xla_windowed_einsum")
+            rows.append(windowed_einsum(op, name, M, K, N, dtype))
+    result = {
+        "device": jax.devices()[0].device_kind, "platform": jax.default_backend(), "n_devices": n,
+        "dtype": dtype, "jax": jax.__version__, "commit": git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "method": timing.METHOD + ("; ON CPU: times are host memcpy/loop times, NOT meaningful" if on_cpu else ""),
+        "rows": [asdict(r) for r in rows],
+    }
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "bench.json"), "w") as fh:
+        json.dump(result, fh, indent=1)
+    table = markdown_table(result)
+    with open(os.path.join(out_dir, "bench.md"), "w") as fh:
+        fh.write(table)
+    if plot:
+        plot_speedups(result, out_dir)
+    print(table)
+    return result

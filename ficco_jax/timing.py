@@ -1,0 +1,65 @@
+"""Device time of a sharded op, without host dispatch.
+
+Method ("in-jit loop differencing"): the op is run R times inside one jitted `fori_loop`, each
+iteration writing one element of its output into its input (a true data dependency, O(1) cost,
+so XLA can neither hoist nor overlap iterations). The wall time of R1 and R2 iterations, each
+the median of several launches, gives `(t(R2) - t(R1)) / (R2 - R1)`: launch, dispatch and the
+final synchronisation cancel. On CPU the numbers are host-memcpy times and not meaningful.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import jax
+import numpy as np
+from jax import lax
+
+METHOD = ("device time per op: R iterations inside one jit (fori_loop with a data dependency), "
+          "(t(R2)-t(R1))/(R2-R1), t = median wall time of 5 launches after warm-up")
+
+
+def chain(step: Callable, repeats: int) -> Callable:
+    """A body running `step(a, *rest)` `repeats` times, feeding one output element back into `a`."""
+
+    def body(a, *rest):
+        def one(_, a):
+            out = step(a, *rest)
+            out = out[0] if isinstance(out, (tuple, list)) else out
+            corner = out[(slice(0, 1),) * out.ndim].astype(a.dtype)
+            corner = corner.reshape((1,) * a.ndim)
+            return lax.dynamic_update_slice(a, corner, (0,) * a.ndim)
+
+        return lax.fori_loop(0, repeats, one, a)
+
+    return body
+
+
+def _wall(fn: Callable, args, launches: int) -> float:
+    jax.block_until_ready(fn(*args))  # warm-up (compiles)
+    times = []
+    for _ in range(launches):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def device_time(make: Callable[[int], Callable], args, *, target_s: float = 0.02,
+                launches: int = 5, max_repeats: int = 200) -> dict:
+    """Seconds per op of `make(R)` (a jitted fn running the op R times), by loop differencing.
+
+    Returns {"median_s", "spread_s", "repeats"}: spread is the half-range of three differences.
+    """
+    small = make(1)
+    t1 = _wall(small, args, launches)
+    t2 = _wall(make(3), args, launches)
+    per_op = max((t2 - t1) / 2, 1e-7)
+    repeats = int(min(max_repeats, max(4, target_s / per_op)))
+    big = make(1 + repeats)
+    estimates = []
+    for _ in range(3):
+        estimates.append((_wall(big, args, launches) - _wall(small, args, launches)) / repeats)
+    estimates.sort()
+    return {"median_s": max(estimates[1], 0.0), "spread_s": (estimates[2] - estimates[0]) / 2,
+            "repeats": repeats}
