@@ -1,0 +1,25 @@
+// The two implementations of executor.h's Backend: CPU (synchronous, for CI) and CUDA.
+#ifndef FICCO_JAX_XLA_FFI_BACKENDS_H_
+#define FICCO_JAX_XLA_FFI_BACKENDS_H_
+
+#include <memory>
+
+#include "executor.h"
+
+#ifdef FICCO_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace ficco {
+
+// Everything runs at once, in issue order; events are no-ops.
+std::unique_ptr<Backend> MakeCpuBackend(const CallContext& ctx);
+
+#ifdef FICCO_WITH_CUDA
+// `compute_stream` is XLA's stream for this call on device ctx.device_ordinal.
+std::unique_ptr<Backend> MakeCudaBackend(const CallContext& ctx, cudaStream_t compute_stream);
+#endif
+
+}  // namespace ficco
+
+#endif  // FICCO_JAX_XLA_FFI_BACKENDS_H_

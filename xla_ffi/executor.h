@@ -1,0 +1,112 @@
+// Runs one schedule of one op on one device: ordering, dependencies, rendezvous and joins.
+//
+// The executor is backend-neutral: it speaks to a Backend that owns the streams. On CUDA the
+// compute stream is XLA's stream and copies run on copy streams ordered by events; on CPU
+// every call runs synchronously in the order issued, so the same issue order is the execution
+// order and the CPU backend exercises the rendezvous, chunk indexing and ordering.
+//
+// Roles inside one call of device r (group of n, c chunks):
+//   Owner:  records `ready` (its inputs, or its send partials, are valid) before the exchange;
+//           must not return until every peer's pulls from it are done (the join).
+//   Puller: after the exchange, copy streams wait on the owner's event, pull each chunk into
+//           local memory and record one event per chunk for the compute stream.
+#ifndef FICCO_JAX_XLA_FFI_EXECUTOR_H_
+#define FICCO_JAX_XLA_FFI_EXECUTOR_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "errors.h"
+#include "gemm.h"
+#include "reduce.h"
+#include "registry.h"
+
+namespace ficco {
+
+// ------------------------------------------------------------------------------------------
+// The schedule and group of one call, decoded from the FFI attributes (module.cc).
+// ------------------------------------------------------------------------------------------
+enum class Order : int { kRing = 0, kDirect = 1 };
+enum class GemmMode : int { kPerChunk = 0, kGrouped = 1 };
+enum class Fault : int { kNone = 0, kSkip = 1, kFail = 2 };
+
+struct OpConfig {
+  CallContext ctx;
+  int64_t run_id = 0;
+  std::vector<int> group;  // this device's group: ordinals in rank order
+  int64_t group_index = 0;
+  int rank = 0;
+  int64_t chunks = 1;
+  Order order = Order::kRing;
+  GemmMode gemm = GemmMode::kPerChunk;
+  int copy_streams = 1;
+  double timeout_s = 5.0;
+  Fault fault = Fault::kNone;
+  int fault_rank = -1;
+
+  int n() const { return static_cast<int>(group.size()); }
+  // Peer read in slot s (s = 0 .. n-2): ring distance s + 1 behind this rank, so rank r pulls
+  // from r-1 first, then r-2, ... Every rank's slot 0 peer is its ring neighbour, and the
+  // matmul_rs partial a peer computes first (its slot 0, for rank peer+1) is the one pulled first.
+  int SourceOfSlot(int slot) const { return (rank - 1 - slot + 2 * n()) % n(); }
+  // Peer whose rows a rank computes into send slot s (matmul_rs): distance s + 1 ahead.
+  int TargetOfSlot(int slot) const { return (rank + 1 + slot) % n(); }
+  // The copy stream carrying slot s: ring moves one transfer at a time on one stream.
+  int StreamOfSlot(int slot) const { return order == Order::kRing ? 0 : slot % copy_streams; }
+};
+
+// ------------------------------------------------------------------------------------------
+// The backend: streams, events, copies, matmuls and reductions of one device.
+// ------------------------------------------------------------------------------------------
+class Backend {
+ public:
+  static constexpr int kCompute = -1;  // XLA's stream; copy streams are 0 .. copy_streams-1
+  virtual ~Backend() = default;
+  // Creates persistent resources on first use (copy streams, peer access, cuBLASLt).
+  virtual ffi::Error Prepare(int copy_streams, const std::vector<int>& group) = 0;
+  // Takes an event from the pool and records it on `stream`.
+  virtual ffi::Error Record(int stream, Event* event) = 0;
+  // `stream` waits for `event` (possibly recorded on another device).
+  virtual ffi::Error Wait(int stream, Event event) = 0;
+  virtual ffi::Error Copy(int stream, void* dst, const void* src, size_t bytes) = 0;
+  virtual ffi::Error Gemm(const GemmProblem& problem) = 0;       // on the compute stream
+  virtual ffi::Error Reduce(const ReduceProblem& problem) = 0;   // on the compute stream
+  // Returns this call's events to the pool. Called only after the "release" rendezvous, see
+  // Join() in executor.cc for why that makes re-recording them safe.
+  virtual void ReleaseEvents() = 0;
+};
+
+// ------------------------------------------------------------------------------------------
+// The ops. Pointers are device buffers of this device; shapes are per device, row-major.
+// ------------------------------------------------------------------------------------------
+struct AllGatherArgs {        // ag_matmul and all_gather
+  const void* x;              // [m, row_bytes]
+  void* gathered;             // [n*m, row_bytes]
+  int64_t m;
+  int64_t row_bytes;
+  // ag_matmul only (w == nullptr for all_gather): out[n*m, cols] = gathered @ w[inner, cols]
+  const void* w = nullptr;
+  void* out = nullptr;
+  int64_t inner = 0, cols = 0;
+  Dtype dtype = Dtype::kF32;
+};
+
+struct ReduceScatterArgs {    // matmul_rs and reduce_scatter
+  const void* y;              // [n*m, inner] (matmul_rs) or [n*m, row_elems] (reduce_scatter)
+  void* out;                  // [m, row_elems]
+  void* send;                 // matmul_rs: [n-1, m, row_elems]; reduce_scatter: nullptr
+  void* recv;                 // [n-1, m, row_elems]
+  int64_t m;
+  int64_t row_elems;          // K of matmul_rs (w's cols), or the row size of reduce_scatter
+  const void* w = nullptr;    // matmul_rs only: [inner, row_elems]
+  int64_t inner = 0;
+  Dtype dtype = Dtype::kF32;
+};
+
+ffi::Error RunAllGather(Backend& backend, const OpConfig& config, const AllGatherArgs& args);
+ffi::Error RunReduceScatter(Backend& backend, const OpConfig& config, const ReduceScatterArgs& args);
+
+}  // namespace ficco
+
+#endif  // FICCO_JAX_XLA_FFI_EXECUTOR_H_

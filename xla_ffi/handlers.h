@@ -1,0 +1,43 @@
+// The FFI-facing layer between the bindings (module.cc) and the executor: decodes the one
+// attribute struct shared by every target into an OpConfig, checks buffers, and runs the op.
+#ifndef FICCO_JAX_XLA_FFI_HANDLERS_H_
+#define FICCO_JAX_XLA_FFI_HANDLERS_H_
+
+#include <cstdint>
+
+#include "executor.h"
+
+namespace ficco {
+
+inline constexpr char kAgMatmulTarget[] = "ficco_ag_matmul";
+inline constexpr char kMatmulRsTarget[] = "ficco_matmul_rs";
+inline constexpr char kAllGatherTarget[] = "ficco_all_gather";
+inline constexpr char kReduceScatterTarget[] = "ficco_reduce_scatter";
+
+// The attributes of every ficco target (dma.py writes them; see its _attributes()).
+struct OpAttrs {
+  int64_t op_id;                  // unique per call site, set at trace time
+  ffi::Span<const int64_t> groups;  // device groups of the mesh axis, flat, members in rank order
+  int64_t group_size;             // n
+  int64_t chunks;
+  int64_t order;                  // 0 ring, 1 direct
+  int64_t gemm;                   // 0 per_chunk, 1 grouped
+  int64_t copy_streams;
+  int64_t timeout_ms;
+  int64_t fault;                  // -1 none, else mode * 1000 + rank (mode 1 skip, 2 fail)
+};
+
+ffi::Error DecodeConfig(const OpAttrs& attrs, const char* target, int32_t device_ordinal, int64_t run_id,
+                        OpConfig* config);
+
+ffi::Error AgMatmulImpl(Backend& backend, const OpConfig& config, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                        ffi::AnyBuffer out, ffi::AnyBuffer gathered);
+ffi::Error MatmulRsImpl(Backend& backend, const OpConfig& config, ffi::AnyBuffer y, ffi::AnyBuffer w,
+                        ffi::AnyBuffer out, ffi::AnyBuffer send, ffi::AnyBuffer recv);
+ffi::Error AllGatherImpl(Backend& backend, const OpConfig& config, ffi::AnyBuffer x, ffi::AnyBuffer out);
+ffi::Error ReduceScatterImpl(Backend& backend, const OpConfig& config, ffi::AnyBuffer x, ffi::AnyBuffer out,
+                             ffi::AnyBuffer recv);
+
+}  // namespace ficco
+
+#endif  // FICCO_JAX_XLA_FFI_HANDLERS_H_

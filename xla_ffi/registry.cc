@@ -1,0 +1,169 @@
+#include "registry.h"
+
+#include <chrono>
+#include <sstream>
+
+namespace ficco {
+
+const char* PhaseName(Phase phase) {
+  switch (phase) {
+    case Phase::kExchange: return "exchange";
+    case Phase::kDone: return "done";
+    case Phase::kRelease: return "release";
+  }
+  return "?";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rendezvous
+// ---------------------------------------------------------------------------------------------
+
+ffi::Error Rendezvous::TimeoutError(const RendezvousKey& key, const Arrival& who, const Slot& slot,
+                                    bool late) {
+  std::ostringstream group, missing;
+  const std::vector<int>& ordinals = *who.group_ordinals;
+  for (size_t i = 0; i < ordinals.size(); ++i) group << (i ? ", " : "") << ordinals[i];
+  bool first = true;
+  for (size_t rank = 0; rank < slot.present.size(); ++rank) {
+    if (slot.present[rank]) continue;
+    missing << (first ? "" : ", ") << rank;
+    first = false;
+  }
+  std::ostringstream msg;
+  msg << "ficco_jax: rendezvous timed out after " << who.timeout_s << " s in op " << key.op_id
+      << " (" << who.ctx->target << ") phase " << PhaseName(key.phase) << ", group [" << group.str()
+      << "], rank " << who.rank << ": missing ranks [" << missing.str() << "]"
+      << (late ? " (this rank arrived after the group gave up)" : "")
+      << "; a peer failed or never launched this op; set FICCO_RENDEZVOUS_TIMEOUT_S to wait longer";
+  return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, msg.str());
+}
+
+ffi::Error Rendezvous::Arrive(const RendezvousKey& key, const Arrival& who, Post post,
+                              std::vector<Post>* posts) {
+  const int n = static_cast<int>(who.group_ordinals->size());
+  std::unique_lock<std::mutex> lock(mu_);
+  std::unique_ptr<Slot>& entry = slots_[key];
+  if (!entry) {
+    entry = std::make_unique<Slot>();
+    entry->posts.resize(n);
+    entry->present.assign(n, false);
+  }
+  Slot& slot = *entry;
+  if (slot.abandoned) return TimeoutError(key, who, slot, /*late=*/true);
+  if (slot.present[who.rank]) {
+    return MakeError(*who.ctx, "rendezvous: rank " + std::to_string(who.rank) +
+                                   " arrived twice in phase " + PhaseName(key.phase));
+  }
+  slot.posts[who.rank] = std::move(post);
+  slot.present[who.rank] = true;
+  if (++slot.arrived == n) slot.cv.notify_all();
+
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                            std::chrono::duration<double>(who.timeout_s));
+  bool complete = slot.cv.wait_until(lock, deadline, [&] { return slot.arrived == n || slot.abandoned; });
+  if (!complete || slot.abandoned) {
+    // Abandoned slots stay in the map (they are tiny and keyed by a unique run id) so that a
+    // rank arriving late fails at once instead of waiting for peers that already left.
+    slot.abandoned = true;
+    slot.cv.notify_all();
+    return TimeoutError(key, who, slot, /*late=*/false);
+  }
+  *posts = slot.posts;
+  if (++slot.departed == n) slots_.erase(key);  // the last one out removes the slot
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------------------
+// DeviceState
+// ---------------------------------------------------------------------------------------------
+
+int64_t DeviceState::NextOccurrence(int64_t run_id, int64_t op_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!has_run_id_ || run_id != run_id_) {
+    occurrences_.clear();
+    run_id_ = run_id;
+    has_run_id_ = true;
+  }
+  return occurrences_[op_id]++;
+}
+
+#ifdef FICCO_WITH_CUDA
+namespace {
+// cuBLASLt workspace per device; Hopper kernels want at least 32 MiB for the best algorithms.
+constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;
+}  // namespace
+
+ffi::Error DeviceState::PrepareCuda(const CallContext& ctx, int copy_streams,
+                                    const std::vector<int>& peers, CudaResources** out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  FICCO_CHECK_CUDA(cudaSetDevice(ordinal_));
+  if (copy_streams > kMaxCopyStreams) {
+    return MakeInvalid(ctx, "copy_streams = " + std::to_string(copy_streams) + " exceeds the maximum " +
+                                std::to_string(kMaxCopyStreams));
+  }
+  while (cuda_.num_copy_streams < copy_streams) {
+    FICCO_CHECK_CUDA(cudaStreamCreateWithFlags(&cuda_.copy_streams[cuda_.num_copy_streams],
+                                               cudaStreamNonBlocking));
+    ++cuda_.num_copy_streams;
+  }
+  if (cuda_.lt == nullptr) {
+    FICCO_CHECK_CUBLAS(cublasLtCreate(&cuda_.lt));
+    FICCO_CHECK_CUDA(cudaMalloc(&cuda_.workspace, kCublasWorkspaceBytes));
+    cuda_.workspace_bytes = kCublasWorkspaceBytes;
+  }
+  for (int peer : peers) {
+    if (peer == ordinal_ || cuda_.peers_enabled.count(peer)) continue;
+    int can_access = 0;
+    FICCO_CHECK_CUDA(cudaDeviceCanAccessPeer(&can_access, ordinal_, peer));
+    if (can_access) {
+      cudaError_t status = cudaDeviceEnablePeerAccess(peer, 0);
+      if (status == cudaErrorPeerAccessAlreadyEnabled) {
+        (void)cudaGetLastError();  // clear the sticky-free "already enabled" error
+      } else {
+        FICCO_CHECK_CUDA(status);
+      }
+    }
+    // Without peer access cudaMemcpyAsync still works (staged by the driver), only slower.
+    cuda_.peers_enabled.insert(peer);
+  }
+  *out = &cuda_;
+  return ffi::Error::Success();
+}
+
+ffi::Error DeviceState::AcquireEvent(const CallContext& ctx, cudaEvent_t* event) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!cuda_.free_events.empty()) {
+      *event = cuda_.free_events.back();
+      cuda_.free_events.pop_back();
+      return ffi::Error::Success();
+    }
+  }
+  FICCO_CHECK_CUDA(cudaEventCreateWithFlags(event, cudaEventDisableTiming));
+  return ffi::Error::Success();
+}
+
+void DeviceState::ReleaseEvents(const std::vector<cudaEvent_t>& events) {
+  std::lock_guard<std::mutex> lock(mu_);
+  cuda_.free_events.insert(cuda_.free_events.end(), events.begin(), events.end());
+}
+#endif  // FICCO_WITH_CUDA
+
+// ---------------------------------------------------------------------------------------------
+// Registry
+// ---------------------------------------------------------------------------------------------
+
+Registry& Registry::Get() {
+  static Registry* registry = new Registry();  // never destroyed: handlers may run at exit
+  return *registry;
+}
+
+DeviceState& Registry::Device(int ordinal) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_ptr<DeviceState>& state = devices_[ordinal];
+  if (!state) state = std::make_unique<DeviceState>(ordinal);
+  return *state;
+}
+
+}  // namespace ficco

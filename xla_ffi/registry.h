@@ -1,0 +1,141 @@
+// The one process-wide object of ficco_jax: per-device state and the host rendezvous.
+//
+// Per-device state (copy streams, the event pool, the cuBLASLt handle and workspace, which peers
+// have peer access, and the occurrence counter) is created on first use, kept for the life of
+// the process and indexed by device ordinal. The rendezvous lets the devices of one group meet
+// on the host inside one call to exchange pointers and events. Nothing else in ficco_jax is
+// global.
+#ifndef FICCO_JAX_XLA_FFI_REGISTRY_H_
+#define FICCO_JAX_XLA_FFI_REGISTRY_H_
+
+#include <array>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "errors.h"
+
+namespace ficco {
+
+// An opaque event handle: a cudaEvent_t on CUDA, unused (nullptr) on CPU.
+using Event = void*;
+
+// What one rank posts in a rendezvous phase.
+struct Post {
+  int ordinal = -1;
+  std::vector<int64_t> signature;  // shapes, dtype and schedule; must agree across the group
+  const void* buffer = nullptr;    // the buffer peers read from (x, or the send workspace)
+  std::vector<Event> events;       // the events peers wait on before reading `buffer`
+};
+
+enum class Phase : int { kExchange = 0, kDone = 1, kRelease = 2 };
+const char* PhaseName(Phase phase);
+
+struct RendezvousKey {
+  int64_t run_id;
+  int64_t op_id;
+  int64_t occurrence;  // how many times this device already ran (run_id, op_id)
+  Phase phase;
+  int64_t group_index;
+
+  bool operator<(const RendezvousKey& o) const {
+    return std::tie(run_id, op_id, occurrence, phase, group_index) <
+           std::tie(o.run_id, o.op_id, o.occurrence, o.phase, o.group_index);
+  }
+};
+
+// Who is arriving, for the error messages.
+struct Arrival {
+  const CallContext* ctx;
+  const std::vector<int>* group_ordinals;  // the group's ordinals in rank order
+  int rank;
+  double timeout_s;
+};
+
+class Rendezvous {
+ public:
+  // Blocks until every rank of the group has arrived at `key`, then returns all posts (indexed
+  // by rank) in `posts`. Fails with an error naming the missing ranks after `timeout_s`, or at
+  // once if the slot was already abandoned by a rank that timed out.
+  ffi::Error Arrive(const RendezvousKey& key, const Arrival& who, Post post, std::vector<Post>* posts);
+
+ private:
+  struct Slot {
+    std::vector<Post> posts;
+    std::vector<bool> present;
+    int arrived = 0;
+    int departed = 0;
+    bool abandoned = false;
+    std::condition_variable cv;
+  };
+  static ffi::Error TimeoutError(const RendezvousKey& key, const Arrival& who, const Slot& slot,
+                                 bool late);
+
+  std::mutex mu_;
+  std::map<RendezvousKey, std::unique_ptr<Slot>> slots_;
+};
+
+#ifdef FICCO_WITH_CUDA
+// CUDA resources of one device, created once (registry.cc) and reused by every call.
+constexpr int kMaxCopyStreams = 8;
+struct CudaResources {
+  // A fixed array so that a stream handle never moves while another call reads it.
+  std::array<cudaStream_t, kMaxCopyStreams> copy_streams = {};
+  int num_copy_streams = 0;  // grows to the largest copy_streams asked for
+  std::vector<cudaEvent_t> free_events;    // the event pool (see Backend::ReleaseEvents)
+  cublasLtHandle_t lt = nullptr;
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+  std::set<int> peers_enabled;
+};
+#endif
+
+class DeviceState {
+ public:
+  explicit DeviceState(int ordinal) : ordinal_(ordinal) {}
+
+  // How many times this device already ran `op_id` in launch `run_id`; counts this run.
+  // The counts reset when the device sees a new run_id.
+  int64_t NextOccurrence(int64_t run_id, int64_t op_id);
+
+#ifdef FICCO_WITH_CUDA
+  // Creates on first use: at least `copy_streams` copy streams, the cuBLASLt handle and
+  // workspace, and peer access to each of `peers`. Thread-safe; `ctx` names the caller in errors.
+  ffi::Error PrepareCuda(const CallContext& ctx, int copy_streams, const std::vector<int>& peers,
+                         CudaResources** out);
+  ffi::Error AcquireEvent(const CallContext& ctx, cudaEvent_t* event);
+  void ReleaseEvents(const std::vector<cudaEvent_t>& events);
+#endif
+
+ private:
+  const int ordinal_;
+  std::mutex mu_;
+  int64_t run_id_ = 0;
+  bool has_run_id_ = false;
+  std::map<int64_t, int64_t> occurrences_;
+#ifdef FICCO_WITH_CUDA
+  CudaResources cuda_;
+#endif
+};
+
+class Registry {
+ public:
+  static Registry& Get();
+  DeviceState& Device(int ordinal);
+  Rendezvous& rendezvous() { return rendezvous_; }
+
+ private:
+  std::mutex mu_;
+  std::map<int, std::unique_ptr<DeviceState>> devices_;
+  Rendezvous rendezvous_;
+};
+
+}  // namespace ficco
+
+#endif  // FICCO_JAX_XLA_FFI_REGISTRY_H_
