@@ -1,4 +1,4 @@
-"""`python -m ficco_jax {demo,bench,explain}`."""
+"""`python -m ficco_jax {demo,bench,characterize,calibrate,explain}`."""
 from __future__ import annotations
 
 import argparse
@@ -72,6 +72,24 @@ def _cmd_explain(args):
     print(f"choice: {ranked[0][1]}")
 
 
+def _cmd_characterize(args):
+    from . import characterize
+
+    characterize.run(args.out, plot=args.plot)
+
+
+def _cmd_calibrate(args):
+    import json
+
+    from . import characterize
+
+    char = characterize.run(os.path.dirname(os.path.abspath(args.out)) or ".", plot=False)
+    profile = characterize.fit_profile(char)
+    with open(args.out, "w") as fh:
+        json.dump(profile, fh, indent=1, sort_keys=True)
+    print(f"profile written to {args.out}: " + json.dumps({k: profile[k] for k in ("peak_tflops", "rows_half", "dma_latency_us", "dma_ingress_gbps", "xla_latency_us", "xla_ingress_gbps", "contention_xla")}))
+
+
 def _cmd_windowed(args):
     import json
 
@@ -106,6 +124,15 @@ def main(argv=None):
     p.add_argument("--profile", default=None, help="profile name or JSON path (default: this machine's)")
     p.add_argument("--top", type=int, default=15)
     p.set_defaults(fn=_cmd_explain)
+
+    p = sub.add_parser("characterize", help="decomposition loss, contention and transfer cost on this machine")
+    p.add_argument("--out", default="out/characterize")
+    p.add_argument("--plot", action="store_true")
+    p.set_defaults(fn=_cmd_characterize)
+
+    p = sub.add_parser("calibrate", help="characterize, then fit and write a machine profile for the cost model")
+    p.add_argument("--out", default="out/calibrate/profile.json")
+    p.set_defaults(fn=_cmd_calibrate)
 
     p = sub.add_parser("_windowed")  # internal: the windowed-einsum child of `bench`
     p.add_argument("op"); p.add_argument("M", type=int); p.add_argument("K", type=int)

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One device-machine session step: build the extension with CUDA, check, then measure.
+# Usage (on the GPU host, repo root): bash scripts/device_run.sh STAGE [ARGS...]
+#   STAGE=check   build + GPU tests + a short bench of one shape
+#   STAGE=bench   the anchor shapes, ficco_jax vs JAX options (+ torch anchors if .carry/anchors exists)
+# Writes logs and JSON under $OUT (default ./out/device). Never changes GPU settings.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-out/device}; mkdir -p "$OUT"
+STAGE=${1:-check}; shift || true
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpus.txt" 2>&1
+nvidia-smi topo -m >> "$OUT/gpus.txt" 2>&1
+
+build() {
+  local t0=$SECONDS
+  FICCO_CUDA=ON python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
+    || { echo "BUILD FAILED"; tail -40 "$OUT/build.log"; exit 1; }
+  python3 -c "import ficco_jax._ext as e; print('extension', e.build_info())" || exit 1
+  echo "build: $((SECONDS - t0)) s"
+}
+
+case "$STAGE" in
+  check)
+    build
+    timeout 300 python3 -m pytest tests/gpu -x -q 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+    timeout 200 python3 -m ficco_jax bench --shape 8192,8192,10240 --no-windowed \
+      --schedules "${1:-dma/direct/c1,dma/direct/c2/s2,dma/ring/c1}" --out "$OUT/bench_check" 2>"$OUT/bench_check.err" | tail -12
+    ;;
+  bench)
+    build
+    timeout 420 python3 -m ficco_jax bench --schedules "${1:-auto}" --out "$OUT/bench" --plot 2>"$OUT/bench.err" | tail -14
+    if [ -d .carry/anchors ]; then
+      timeout 100 python3 -m torch.distributed.run --nproc-per-node="$(nvidia-smi -L | wc -l)" .carry/anchors/anchors_torch.py \
+        > "$OUT/anchors_torch.log" 2>&1; tail -6 "$OUT/anchors_torch.log"
+    fi
+    ;;
+  *) echo "unknown stage $STAGE"; exit 2 ;;
+esac

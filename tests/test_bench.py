@@ -1,0 +1,61 @@
+"""`python -m ficco_jax bench` / `demo`: they run on 8 CPU devices and write verified, well-formed results."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ficco_jax import bench, timing
+
+ROW_KEYS = {"op", "shape", "M", "K", "N", "variant", "median_ms", "spread_ms", "verified", "rel_err", "selected", "note"}
+
+
+def test_bench_writes_verified_json_and_table(tmp_path):
+    result = bench.run(["ag_matmul", "matmul_rs"], {"t": (64, 32, 64)}, "float32",
+                       "xla/ring/c2,xla/direct/c1,none", str(tmp_path), windowed=False)
+    on_disk = json.loads((tmp_path / "bench.json").read_text())
+    assert on_disk == json.loads(json.dumps(result))
+    assert {"device", "platform", "n_devices", "dtype", "jax", "commit", "date", "method", "rows"} <= set(on_disk)
+    assert "NOT meaningful" in on_disk["method"]
+    for row in on_disk["rows"]:
+        assert ROW_KEYS <= set(row)
+    timed = [r for r in on_disk["rows"] if r["variant"].startswith(("ficco:", "jax_"))]
+    assert {r["variant"] for r in timed} >= {"ficco:xla/ring/c2", "ficco:xla/direct/c1", "jax_seq"}
+    for r in timed:  # every timed variant was checked against the reference first
+        assert r["verified"] is True and r["rel_err"] < bench.TOLERANCE["float32"], r
+        assert r["median_ms"] is not None and r["median_ms"] > 0
+    for op in ("ag_matmul", "matmul_rs"):
+        ideal = next(r for r in on_disk["rows"] if r["op"] == op and r["variant"] == "ideal")
+        bounds = [r["median_ms"] for r in on_disk["rows"] if r["op"] == op and r["variant"] in ("gemm_alone", "collective_alone")]
+        assert ideal["median_ms"] == max(bounds)
+    table = (tmp_path / "bench.md").read_text()
+    assert "| ag_matmul |" in table and "| matmul_rs |" in table and "Method:" in table
+
+
+def test_a_wrong_variant_is_reported_not_timed(tmp_path, monkeypatch):
+    real = bench.op_body
+
+    def corrupt(op, schedule):  # a deliberately wrong "schedule": the check must catch it
+        body = real(op, schedule)
+        return body if schedule == "ref" else (lambda a, w: body(a, w) * 1.01)
+
+    monkeypatch.setattr(bench, "op_body", corrupt)
+    result = bench.run(["ag_matmul"], {"t": (64, 32, 64)}, "float32", "xla/ring/c1", str(tmp_path), windowed=False)
+    row = next(r for r in result["rows"] if r["variant"] == "ficco:xla/ring/c1")
+    assert row["verified"] is False and row["median_ms"] is None and row["note"].startswith("WRONG RESULT")
+
+
+def test_device_time_differencing_sees_repeats():
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((64, 64), jnp.float32) * 0.5
+    t = timing.device_time(lambda r: jax.jit(timing.chain(lambda a: a @ a * 0.01, r)), (a,), target_s=0.005)
+    assert t["median_s"] > 0 and t["repeats"] >= 4
+
+
+def test_cli_rejects_bad_shape():
+    out = subprocess.run([sys.executable, "-m", "ficco_jax", "bench", "--shape", "1,2"], capture_output=True, text=True,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode != 0 and "expected M,K,N" in out.stderr

@@ -1,0 +1,27 @@
+"""`characterize` / `calibrate` on 8 CPU devices: the JSON they write and the profile fitted from it."""
+import json
+
+from ficco_jax import characterize, cost_model
+from ficco_jax.schedule import Schedule
+
+
+def test_characterize_writes_schema_and_calibrate_fits_a_usable_profile(tmp_path, monkeypatch):
+    monkeypatch.setattr(characterize, "CPU_GRID", {"rows": [32, 64], "kn": [(32, 32)], "chunks": [1, 2],
+                                                   "shard_mib": [0.03125, 0.0625]})
+    char = characterize.run(str(tmp_path))
+    on_disk = json.loads((tmp_path / "characterize.json").read_text())
+    assert on_disk == json.loads(json.dumps(char))
+    assert "NOT meaningful" in on_disk["method"]
+    assert {(r["rows"], r["chunks"]) for r in on_disk["decomposition"]} == {(32, 1), (32, 2), (64, 1), (64, 2)}
+    assert all(r["ms"] > 0 for r in on_disk["decomposition"])
+    assert {r["comm"] for r in on_disk["transfers"]} >= {"nccl"}
+    assert all(r["ingress_gbps"] > 0 for r in on_disk["transfers"])
+    assert {"matmul_ms", "matmul_plus_nccl_ms", "nccl_alone_ms"} <= set(on_disk["contention"])
+
+    profile = characterize.fit_profile(on_disk)
+    assert profile["axis_size"] == 8 and profile["calibrated"] == on_disk["date"]
+    assert profile["peak_tflops"]["float32"] != cost_model.DEFAULT_PROFILE["peak_tflops"]["float32"]
+    assert profile["xla_ingress_gbps"] > 0 and profile["rows_half"] >= 0
+    # The fitted profile drives the cost model end to end.
+    t = cost_model.predict("ag_matmul", Schedule(comm="xla", chunks=2), ((64, 32), (32, 16)), "float32", 8, profile)
+    assert t > 0
