@@ -10,7 +10,9 @@ The model replays a schedule as a small event simulation on one device:
   decomposition loss: the row count at which a matmul runs at half its peak rate (thin matmuls
   under-fill the GPU); `calibrate` fits it from measured chunk-matmul times;
 - contention: a matmul running beside transfers is slowed by `contention_dma` (copy engines
-  steal no SMs: a few %) or `contention_xla` (NCCL kernels take SMs).
+  steal no SMs: a few %) or `contention_xla` (NCCL kernels take SMs);
+- a fixed cost per copy-engine call, `dma_call_us` (events, host rendezvous, the join): what
+  makes copy-engine overlap lose on small operations.
 
 A profile is a dict (see `profiles/*.json`); `default_profile()` is conservative for unknown
 machines, `load_profile(name_or_path)` reads a calibrated one.
@@ -36,6 +38,7 @@ DEFAULT_PROFILE = {
     "gemm_launch_us": 6.0,
     "hbm_gbps": 3000.0,
     "dma_latency_us": 12.0,
+    "dma_call_us": 30.0,
     "dma_ingress_gbps": 250.0,
     "dma_stream_gbps": 150.0,
     "xla_latency_us": 20.0,
@@ -97,7 +100,8 @@ def predict(op: str, schedule: Schedule, shapes: Sequence[Sequence[int]], dtype,
     if schedule.comm == "none":
         coll = profile["collective_latency_us"] * 1e-6 + (n - 1) * m * moved_cols * itemsize / (profile["xla_ingress_gbps"] * 1e9)
         return coll + gemm_time(n * m, k, cols, dtype, profile)
-    return _simulate(op, schedule, m, k, cols, moved_cols * itemsize, n, dtype, profile)
+    fixed = profile["dma_call_us"] * 1e-6 if schedule.comm == "dma" else 0.0
+    return fixed + _simulate(op, schedule, m, k, cols, moved_cols * itemsize, n, dtype, profile)
 
 
 def _simulate(op, s: Schedule, m, k, cols, row_bytes, n, dtype, profile) -> float:

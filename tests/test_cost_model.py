@@ -1,0 +1,95 @@
+"""Cost model and selection on a synthetic profile; the autotune cache."""
+import json
+
+import pytest
+
+from ficco_jax import cost_model, heuristics
+from ficco_jax.schedule import Schedule
+
+PROFILE = cost_model.default_profile()  # synthetic: fixed numbers, independent of this machine
+
+
+def shapes(op, M, K, N, n=4):
+    return ((M // n, K), (K, N // n)) if op == "ag_matmul" else ((M, N // n), (N // n, K))
+
+
+def predict(op, sched, M=8192, K=8192, N=28672, n=4, profile=PROFILE):
+    return cost_model.predict(op, sched, shapes(op, M, K, N, n), "bfloat16", n, profile)
+
+
+@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs"])
+def test_tiny_operations_choose_no_overlap(op):
+    chosen = heuristics.select_schedule(op, shapes(op, 512, 1024, 1024), "bfloat16", 4, profile=PROFILE,
+                                        comms=("none", "xla", "dma"))
+    assert chosen == Schedule(comm="none")
+
+
+@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs"])
+def test_large_operations_choose_copy_engine_overlap(op):
+    chosen = heuristics.select_schedule(op, shapes(op, 8192, 8192, 28672), "bfloat16", 4, profile=PROFILE,
+                                        comms=("none", "xla", "dma"))
+    assert chosen.comm == "dma"
+    assert predict(op, chosen) < predict(op, Schedule(comm="none"))
+
+
+def test_orderings_that_must_hold():
+    none = Schedule(comm="none")
+    # Overlap can never beat the larger of its two parts, and no schedule beats the GEMM alone.
+    gemm = cost_model.gemm_time(8192, 8192, 28672 // 4, "bfloat16", PROFILE)
+    for s in Schedule.enumerate("ag_matmul", 4):
+        assert predict("ag_matmul", s) >= gemm * 0.999
+    # More copy-engine contention or a larger call overhead never makes a schedule faster.
+    s = Schedule(comm="dma", order="direct", chunks=2, copy_streams=2)
+    worse = {**PROFILE, "contention_dma": 0.2, "dma_call_us": 100.0}
+    assert predict("ag_matmul", s, profile=worse) > predict("ag_matmul", s)
+    # Decomposition loss: with thin matmuls expensive, more chunks cost more.
+    lossy = {**PROFILE, "rows_half": 4096.0}
+    c1, c8 = (Schedule(comm="dma", order="direct", chunks=c) for c in (1, 8))
+    assert predict("ag_matmul", c8, profile=lossy) > predict("ag_matmul", c1, profile=lossy)
+    # Faster links help every overlapped schedule and leave the GEMM alone.
+    fast = {**PROFILE, "dma_ingress_gbps": 1000.0, "dma_stream_gbps": 1000.0}
+    assert predict("ag_matmul", c1, profile=fast) <= predict("ag_matmul", c1)
+    assert predict("ag_matmul", none, profile=fast) == predict("ag_matmul", none)
+
+
+def test_predict_rejects_invalid_schedules():
+    with pytest.raises(ValueError, match="valid chunk counts"):
+        cost_model.predict("ag_matmul", Schedule(comm="xla", chunks=8), ((12, 16), (16, 16)), "float32", 4)
+
+
+def test_load_profile_names_the_shipped_ones():
+    with pytest.raises(FileNotFoundError, match="shipped profiles"):
+        cost_model.load_profile("no_such_machine")
+
+
+def test_autotune_cache_round_trips_and_survives_corruption(tmp_path):
+    cache = heuristics.AutotuneCache(str(tmp_path))
+    key = heuristics.cache_key("ag_matmul", ((128, 64), (64, 32)), "bfloat16", 4, "NVIDIA H200")
+    assert cache.get(key) is None
+    sched = Schedule(comm="dma", order="direct", chunks=4, copy_streams=2)
+    cache.put(key, sched, {"dma/direct/c4/s2": 0.5, "none": 0.7})
+    assert heuristics.AutotuneCache(str(tmp_path)).get(key) == sched
+    assert json.loads((tmp_path / "autotune.json").read_text())[key]["times_ms"]["none"] == 0.7
+    (tmp_path / "autotune.json").write_text("{ not json")
+    assert cache.get(key) is None  # a corrupt file is a miss, with a warning, not a crash
+    cache.put(key, sched, {})
+    assert cache.get(key) == sched
+
+
+def test_autotune_measures_once_then_uses_the_cache(tmp_path, monkeypatch):
+    from ficco_jax import bench
+
+    calls = []
+
+    def fake_time(op, s, shapes, dtype, n):
+        calls.append(s)
+        return 1.0 if s.comm == "none" else 2.0 + s.chunks  # make "none" the measured winner
+
+    monkeypatch.setattr(bench, "time_op", fake_time)
+    cache = heuristics.AutotuneCache(str(tmp_path))
+    args = ("matmul_rs", ((256, 64), (64, 32)), "float32", 4)
+    first = heuristics.autotune_schedule(*args, cache=cache)
+    measured = len(calls)
+    assert first == Schedule(comm="none") and measured >= 2
+    assert heuristics.autotune_schedule(*args, cache=cache) == first
+    assert len(calls) == measured  # the second call measured nothing
