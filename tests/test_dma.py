@@ -1,0 +1,297 @@
+"""The DMA executor on 8 virtual CPU devices: rendezvous, chunk indexing, ordering, joins.
+
+Origin-coded exact tests come first (every value says which rank and element it came from),
+then random f32/bf16 against the plain-JAX references, for every dma schedule.
+"""
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import functools  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
+
+from ficco_jax import _ext, dma  # noqa: E402
+from ficco_jax.schedule import Schedule  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not _ext.available(), reason="ficco_jax._ffi is not built")
+
+# max |out - ref| / max |ref|, per dtype (bf16: a few roundings of the f32 result).
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 2e-3}
+POISON = -7777.0
+
+
+def _meshes():
+    devices = np.array(jax.devices()[:8])
+    permuted = devices[[5, 2, 7, 0, 3, 6, 1, 4]].reshape(2, 4)  # ordinals != tp ranks
+    return {"1d": Mesh(devices, ("tp",)), "2d": Mesh(permuted, ("dp", "tp"))}
+
+
+MESHES = _meshes()
+
+
+def _all_axes(mesh):
+    return mesh.axis_names if len(mesh.axis_names) > 1 else mesh.axis_names[0]
+
+
+def _poison_heap(*shapes):
+    """Fill freshly freed host buffers with POISON so that a missing write shows up as POISON."""
+    for shape in shapes:
+        jax.block_until_ready(jnp.full(shape, POISON, jnp.float32)).delete()
+
+
+def _run(mesh, fn, in_specs, *args):
+    """Run fn per device; every output is concatenated over all devices along dim 0."""
+    spec = P(_all_axes(mesh))
+    f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=spec, check_vma=True))
+    return jax.tree.map(np.asarray, f(*args))
+
+
+def _rel_err(out, ref):
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    return float(np.max(np.abs(out - ref)) / max(np.max(np.abs(ref)), 1e-30))
+
+
+def _origin_coded(mesh, rows, cols):
+    """Global [devices*rows, cols]: block of mesh position p holds p*1000 + element index."""
+    n_dev = mesh.devices.size
+    index = np.arange(rows * cols, dtype=np.float32).reshape(rows, cols)
+    return np.concatenate([p * 1000 + index for p in range(n_dev)])
+
+
+def _schedules(op, n):
+    return Schedule.enumerate(op, n, comms=("dma",))
+
+
+def _cases(op, dtypes):
+    for mesh_name, mesh in MESHES.items():
+        n = mesh.shape["tp"]
+        for dtype in dtypes:
+            for sched in _schedules(op, n):
+                # bf16 on the 1-D mesh only at c1/c8 to keep the suite fast.
+                if dtype == jnp.bfloat16 and mesh_name == "1d" and sched.chunks not in (1, 8):
+                    continue
+                yield pytest.param(mesh_name, dtype, sched, id=f"{mesh_name}-{jnp.dtype(dtype).name}-{sched}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Origin-coded, exact
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mesh_name", ["1d", "2d"])
+@pytest.mark.parametrize("sched", ["dma/direct/c1", "dma/ring/c2", "dma/direct/c4/s2", "dma/direct/c8/s4"])
+def test_all_gather_origin_coded(mesh_name, sched):
+    mesh = MESHES[mesh_name]
+    if mesh.shape["tp"] < 8 and sched.endswith("s4"):
+        sched = sched[:-1] + "2"
+    x = _origin_coded(mesh, 8, 3)
+    _poison_heap(x.shape, (len(x) * 8, 3))
+    out = _run(mesh, lambda a: dma.all_gather(a, "tp", schedule=sched), P(_all_axes(mesh)), x)
+    ref = _run(mesh, lambda a: jax.lax.all_gather(a, "tp", tiled=True), P(_all_axes(mesh)), x)
+    np.testing.assert_array_equal(out, ref)
+    # Decode origins directly for mesh position 0: its gathered rows are the tp group of position 0.
+    n = mesh.shape["tp"]
+    group0 = [int(np.argwhere(mesh.devices.reshape(-1, n)[0] == d)[0][0]) for d in mesh.devices.reshape(-1, n)[0]]
+    assert group0 == list(range(n))
+    np.testing.assert_array_equal(out[: 8 * n] // 1000, np.repeat(np.arange(n), 8)[:, None] * np.ones((1, 3)))
+
+
+@pytest.mark.parametrize("mesh_name", ["1d", "2d"])
+@pytest.mark.parametrize("sched", ["dma/direct/c1", "dma/direct/c2/grouped/s2", "dma/direct/c4/s2"])
+def test_matmuls_origin_coded(mesh_name, sched):
+    """With w = identity both ops are exact in f32: out = gathered rows, and sums of coded blocks."""
+    mesh = MESHES[mesh_name]
+    n = mesh.shape["tp"]
+    x = _origin_coded(mesh, 32, 4)
+    eye = np.tile(np.eye(4, dtype=np.float32), (1, n))  # w [4, 4n]: each device gets I_4
+    spec, wspec = P(_all_axes(mesh)), P(None, "tp")
+    s = Schedule.parse(sched)
+    _poison_heap((len(x) * n, 4))
+
+    out, gathered = _run(mesh, lambda a, w: dma.ag_matmul_dma(a, w, "tp", s), (spec, wspec), x, eye)
+    ref = _run(mesh, lambda a: jax.lax.all_gather(a, "tp", tiled=True), spec, x)
+    np.testing.assert_array_equal(gathered, ref)
+    np.testing.assert_array_equal(out, ref)
+
+    rs = _run(mesh, lambda a, w: dma.matmul_rs_dma(a, w, "tp", s), (spec, wspec), x, eye)
+    rs_ref = _run(mesh, lambda a: jax.lax.psum_scatter(a, "tp", scatter_dimension=0, tiled=True), spec, x)
+    np.testing.assert_array_equal(rs, rs_ref)
+
+
+# ------------------------------------------------------------------------------------------------
+# Every dma schedule, random f32 / bf16
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mesh_name,dtype,sched", list(_cases("ag_matmul", (jnp.float32, jnp.bfloat16))))
+def test_ag_matmul_every_schedule(mesh_name, dtype, sched, rng):
+    mesh = MESHES[mesh_name]
+    n, m, k, cols = mesh.shape["tp"], 16, 24, 8
+    x = jnp.asarray(rng.standard_normal((mesh.devices.size * m, k)), dtype)
+    w = jnp.asarray(rng.standard_normal((k, cols * n)), dtype)
+    spec, wspec = P(_all_axes(mesh)), P(None, "tp")
+    _poison_heap((mesh.devices.size * n * m, cols))
+    out, gathered = _run(mesh, lambda a, b: dma.ag_matmul_dma(a, b, "tp", sched), (spec, wspec), x, w)
+
+    def ref(a, b):
+        g = jax.lax.all_gather(a, "tp", tiled=True)
+        return jnp.dot(g.astype(jnp.float32), b.astype(jnp.float32)), g
+
+    out_ref, gathered_ref = _run(mesh, ref, (spec, wspec), x, w)
+    np.testing.assert_array_equal(gathered, gathered_ref)
+    assert out.dtype == jnp.dtype(dtype)
+    assert _rel_err(out, out_ref) < TOLERANCE[dtype], sched
+
+
+@pytest.mark.parametrize("mesh_name,dtype,sched", list(_cases("matmul_rs", (jnp.float32, jnp.bfloat16))))
+def test_matmul_rs_every_schedule(mesh_name, dtype, sched, rng):
+    mesh = MESHES[mesh_name]
+    n, m, inner, k = mesh.shape["tp"], 8, 12, 16
+    y = jnp.asarray(rng.standard_normal((mesh.devices.size * n * m, inner)), dtype)
+    w = jnp.asarray(rng.standard_normal((inner * n, k)), dtype)
+    spec, wspec = P(_all_axes(mesh)), P("tp", None)
+
+    def per_device(a, b):  # y [n*m, inner] per device (rows of every target), w [inner, k]
+        return dma.matmul_rs_dma(a, b, "tp", sched)
+
+    def ref(a, b):
+        part = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32))
+        return jax.lax.psum_scatter(part, "tp", scatter_dimension=0, tiled=True)
+
+    _poison_heap((mesh.devices.size * m, k))
+    out = _run(mesh, per_device, (spec, wspec), y, w)
+    out_ref = _run(mesh, ref, (spec, wspec), y, w)
+    assert out.dtype == jnp.dtype(dtype)
+    assert _rel_err(out, out_ref) < TOLERANCE[dtype], sched
+
+
+# ------------------------------------------------------------------------------------------------
+# Standalone collectives, non-leading axes, gradients
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mesh_name", ["1d", "2d"])
+@pytest.mark.parametrize("axis", [0, 1, -1])
+def test_collectives_any_axis(mesh_name, axis, rng):
+    mesh = MESHES[mesh_name]
+    n = mesh.shape["tp"]
+    x = jnp.asarray(rng.standard_normal((mesh.devices.size * 4, 2 * n, n)), jnp.float32)
+    spec = P(_all_axes(mesh))
+    ag = _run(mesh, lambda a: dma.all_gather(a, "tp", axis=axis), spec, x)
+    ag_ref = _run(mesh, lambda a: jax.lax.all_gather(a, "tp", axis=axis, tiled=True), spec, x)
+    np.testing.assert_array_equal(ag, ag_ref)
+    dim = axis if axis != 0 else 1  # scatter a dimension divisible by n
+    rs = _run(mesh, lambda a: dma.reduce_scatter(a, "tp", scatter_dimension=dim), spec, x)
+    rs_ref = _run(mesh, lambda a: jax.lax.psum_scatter(a, "tp", scatter_dimension=dim % 3, tiled=True), spec, x)
+    assert _rel_err(rs, rs_ref) < 1e-6
+
+
+def test_all_gather_int_dtype():
+    mesh = MESHES["1d"]
+    x = jnp.arange(8 * 4 * 5, dtype=jnp.int32).reshape(32, 5)
+    out = _run(mesh, lambda a: dma.all_gather(a, "tp"), P("tp"), x)
+    np.testing.assert_array_equal(out, np.tile(np.asarray(x), (8, 1)))
+
+
+@pytest.mark.parametrize("mesh_name", ["1d", "2d"])
+def test_collective_gradients(mesh_name, rng):
+    mesh = MESHES[mesh_name]
+    x = jnp.asarray(rng.standard_normal((mesh.devices.size * 8, 6)), jnp.float32)
+    spec = P(_all_axes(mesh))
+
+    def loss(gather, scatter, a):
+        def per_device(b):
+            g = gather(b)
+            return scatter(jnp.sin(g) * g)
+        f = jax.shard_map(per_device, mesh=mesh, in_specs=spec, out_specs=spec)
+        return jnp.sum(f(a) ** 2)
+
+    ours = jax.jit(jax.grad(functools.partial(
+        loss, lambda b: dma.all_gather(b, "tp"), lambda b: dma.reduce_scatter(b, "tp"))))(x)
+    ref = jax.jit(jax.grad(functools.partial(
+        loss, lambda b: jax.lax.all_gather(b, "tp", tiled=True),
+        lambda b: jax.lax.psum_scatter(b, "tp", tiled=True))))(x)
+    assert _rel_err(ours, ref) < 1e-5
+
+
+# ------------------------------------------------------------------------------------------------
+# Occurrences, chaining and joins
+# ------------------------------------------------------------------------------------------------
+def test_ops_inside_scan(rng):
+    """The same two call sites run 3 times in one launch: each execution meets its peers once."""
+    mesh = MESHES["2d"]
+    n, m, k, hidden = 4, 8, 16, 8
+    x = jnp.asarray(rng.standard_normal((8 * m, k)), jnp.float32)
+    w1 = jnp.asarray(rng.standard_normal((3, k, hidden * n)) / 4, jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((3, hidden * n, k)) / 4, jnp.float32)
+    spec, specs_w = P(("dp", "tp")), (P(None, None, "tp"), P(None, "tp", None))
+    s_ag, s_rs = Schedule.parse("dma/ring/c2"), Schedule.parse("dma/direct/c2/s2")
+
+    def layers(ag, rs, a, b1, b2):
+        def step(h, ws):
+            out, _ = ag(h, ws[0])
+            return rs(jnp.tanh(out), ws[1]), None
+        return jax.lax.scan(step, a, (b1, b2))[0]
+
+    ours = _run(mesh, functools.partial(layers, lambda h, w: dma.ag_matmul_dma(h, w, "tp", s_ag),
+                                        lambda h, w: dma.matmul_rs_dma(h, w, "tp", s_rs)),
+                (spec, *specs_w), x, w1, w2)
+    ref = _run(mesh, functools.partial(layers, lambda h, w: (jax.lax.all_gather(h, "tp", tiled=True) @ w, None),
+                                       lambda h, w: jax.lax.psum_scatter(h @ w, "tp", tiled=True)),
+               (spec, *specs_w), x, w1, w2)
+    assert _rel_err(ours, ref) < 1e-5
+
+
+def test_chained_ops_and_buffer_reuse(rng):
+    """Each op reads the previous op's output, whose buffer XLA may reuse right after the call."""
+    mesh = MESHES["1d"]
+    x = jnp.asarray(rng.standard_normal((8 * 8, 4)), jnp.float32)
+
+    def chain(gather, scatter, a):
+        for _ in range(3):
+            g = gather(a)
+            a = scatter(g * 2.0) - a  # a's buffer is dead after this line
+            a = a.at[0].set(a[0] + 1.0)
+        return a
+
+    ours = _run(mesh, functools.partial(chain, lambda a: dma.all_gather(a, "tp", schedule="dma/direct/c2/s2"),
+                                        lambda a: dma.reduce_scatter(a, "tp", schedule="dma/ring/c4")), P("tp"), x)
+    ref = _run(mesh, functools.partial(chain, lambda a: jax.lax.all_gather(a, "tp", tiled=True),
+                                       lambda a: jax.lax.psum_scatter(a, "tp", tiled=True)), P("tp"), x)
+    assert _rel_err(ours, ref) < 1e-5
+
+
+# ------------------------------------------------------------------------------------------------
+# The FFI target directly, and errors
+# ------------------------------------------------------------------------------------------------
+def _direct_all_gather(groups, x):
+    n = groups.shape[1]
+    call = jax.ffi.ffi_call("ficco_all_gather", jax.ShapeDtypeStruct((n * x.shape[0], *x.shape[1:]), x.dtype))
+    return call(x, op_id=np.int64(10**9), groups=groups.reshape(-1).astype(np.int64), group_size=np.int64(n),
+                chunks=np.int64(2), order=np.int64(1), gemm=np.int64(0), copy_streams=np.int64(2),
+                timeout_ms=np.int64(5000), fault=np.int64(-1))
+
+
+def test_direct_ffi_target():
+    mesh = MESHES["1d"]
+    x = _origin_coded(mesh, 4, 2)
+    groups = np.array([[0, 1, 2, 3], [4, 5, 6, 7]], np.int64)
+    out = _run(mesh, lambda a: _direct_all_gather(groups, a), P("tp"), x)
+    expected = np.concatenate([np.concatenate([x[4 * d: 4 * d + 4] for d in g] * 4) for g in groups])
+    np.testing.assert_array_equal(out, expected)
+
+
+def test_direct_ffi_target_device_not_in_groups():
+    mesh = MESHES["1d"]
+    groups = np.array([[0, 1, 2, 3]], np.int64)  # devices 4..7 are in no group
+    with pytest.raises(Exception, match="is not in any group"):
+        _run(mesh, lambda a: _direct_all_gather(groups, a), P("tp"), np.zeros((32, 2), np.float32))
+
+
+def test_clear_errors():
+    mesh = MESHES["1d"]
+    with pytest.raises(TypeError, match="comm='dma' handles dtypes"):
+        _run(mesh, lambda a: dma.reduce_scatter(a, "tp"), P("tp"), np.zeros((64, 2), np.int32))
+    with pytest.raises(NotImplementedError, match="tiled=True"):
+        _run(mesh, lambda a: dma.all_gather(a, "tp", tiled=False), P("tp"), np.zeros((64, 2), np.float32))
+    with pytest.raises(TypeError, match="one mesh axis name"):
+        _run(MESHES["2d"], lambda a: dma.all_gather(a, ("dp", "tp")), P(("dp", "tp")), np.zeros((64, 2), np.float32))
