@@ -110,7 +110,7 @@ def main(argv=None):
     p.add_argument("--op", choices=["ag_matmul", "matmul_rs", "all"], default="all")
     p.add_argument("--shape", action="append", help="M,K,N (repeatable); default: the anchor shapes (GPU) or a tiny one (CPU)")
     p.add_argument("--dtype", default="bf16")
-    p.add_argument("--schedules", default="auto", help="auto | all | comma-separated list like dma/direct/c4/s2,xla/ring/c1")
+    p.add_argument("--schedules", default="auto", help="auto | all | dma | xla | comma-separated list like dma/direct/c4/s2,xla/ring/c1")
     p.add_argument("--out", default="out/bench")
     p.add_argument("--plot", action="store_true", help="write speedup PNGs (needs matplotlib)")
     p.add_argument("--no-windowed", action="store_true", help="skip XLA's windowed einsum child process")

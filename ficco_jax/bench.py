@@ -231,6 +231,8 @@ def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=
         for name, (M, K, N) in shapes.items():
             if schedules_arg == "all":
                 scheds = Schedule.enumerate(op, n, comms)
+            elif schedules_arg in ("xla", "dma"):
+                scheds = Schedule.enumerate(op, n, (schedules_arg,))
             elif schedules_arg == "auto":
                 scheds = []
             else:
