@@ -295,6 +295,8 @@ def _match_scatter(ctx: _MatchContext, i: int, enabled: bool, taken_dots: set) -
     if problem is None and (dot is None or dot.primitive.name != _DOT):
         producer = dot.primitive.name if dot is not None else "an input of the body"
         problem = f"the scattered tensor comes from {producer}, not from a matmul"
+        if producer == "pvary":
+            problem += " (the product does not vary over the axis)"
         if producer == "convert_element_type":
             problem += " (a dtype cast between matmul and reduce-scatter changes the reduction dtype)"
     if problem is None and (len(ctx.users.get(v, [])) != 1 or v in ctx.outputs):
