@@ -37,5 +37,15 @@ case "$STAGE" in
         > "$OUT/anchors_torch.log" 2>&1; tail -6 "$OUT/anchors_torch.log"
     fi
     ;;
+  trace)  # trace OP SCHEDULE M K N: an nsys GPU timeline of one op (device 0)
+    build
+    NSYS=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)
+    [ -n "$NSYS" ] || { echo "no nsys on this machine"; exit 0; }
+    name="trace_${1}_${2//\//_}"
+    timeout 200 "$NSYS" profile -t cuda -o "$OUT/$name" --force-overwrite true python3 scripts/trace_op.py "$@" > "$OUT/$name.log" 2>&1
+    "$NSYS" stats --report cuda_gpu_trace --format csv --output "$OUT/$name" "$OUT/$name.nsys-rep" > /dev/null 2>&1
+    python3 scripts/timeline.py "$OUT/${name}_cuda_gpu_trace.csv" 0 "${TRACE_FIRST:-200}" "${TRACE_COUNT:-40}"
+    rm -f "$OUT/$name.nsys-rep" "$OUT/$name.sqlite"
+    ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac

@@ -39,8 +39,8 @@ class CudaBackend final : public Backend {
 
   ffi::Error Gemm(const GemmProblem& problem) override {
     const CallContext& ctx = ctx_;
-    FICCO_CHECK_CUBLAS(GemmCublasLt(problem, resources_->lt, resources_->workspace,
-                                    resources_->workspace_bytes, compute_));
+    FICCO_CHECK_CUBLAS(resources_->gemm_plans->Run(problem, resources_->lt, resources_->workspace,
+                                                   resources_->workspace_bytes, compute_));
     return ffi::Error::Success();
   }
 

@@ -147,8 +147,6 @@ ffi::Error RunAllGather(Backend& backend, const OpConfig& config, const AllGathe
   // Owner: x is valid from `ready`; own work that needs no peer starts at once.
   Event ready;
   FICCO_RETURN_IF_ERROR(backend.Record(Backend::kCompute, &ready));
-  FICCO_RETURN_IF_ERROR(backend.Wait(0, ready));
-  FICCO_RETURN_IF_ERROR(backend.Copy(0, Offset(a.gathered, r * a.m * a.row_bytes), a.x, a.m * a.row_bytes));
   if (matmul) {
     FICCO_RETURN_IF_ERROR(backend.Gemm({a.x, a.w, Offset(a.out, r * a.m * a.cols * esize), a.m, a.inner,
                                         a.cols, a.dtype}));
@@ -171,6 +169,11 @@ ffi::Error RunAllGather(Backend& backend, const OpConfig& config, const AllGathe
       FICCO_RETURN_IF_ERROR(backend.Record(stream, &landed[slot][j]));
     }
   }
+  // Our own rows of `gathered` go last on the last copy stream: the copy is only needed by the
+  // join, so it must not delay the first peer chunk the matmuls wait for.
+  const int last_stream = CopyStreamsUsed(config) - 1;
+  FICCO_RETURN_IF_ERROR(backend.Wait(last_stream, ready));
+  FICCO_RETURN_IF_ERROR(backend.Copy(last_stream, Offset(a.gathered, r * a.m * a.row_bytes), a.x, a.m * a.row_bytes));
   if (matmul) FICCO_RETURN_IF_ERROR(AllGatherMatmuls(backend, config, a, landed));
   return JoinAndRelease(backend, config, session);
 }

@@ -1,5 +1,9 @@
 #include "gemm.h"
 
+#include <map>
+#include <memory>
+#include <mutex>
+#include <tuple>
 #include <vector>
 
 namespace ficco {
@@ -31,20 +35,6 @@ cudaDataType_t CudaType(Dtype dtype) {
   return CUDA_R_32F;
 }
 
-// Owns the cuBLASLt descriptors of one call; destroys them on every path.
-struct LtDescriptors {
-  cublasLtMatmulDesc_t op = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
-  cublasLtMatmulPreference_t preference = nullptr;
-  ~LtDescriptors() {
-    if (preference) cublasLtMatmulPreferenceDestroy(preference);
-    if (c) cublasLtMatrixLayoutDestroy(c);
-    if (b) cublasLtMatrixLayoutDestroy(b);
-    if (a) cublasLtMatrixLayoutDestroy(a);
-    if (op) cublasLtMatmulDescDestroy(op);
-  }
-};
-
 #define FICCO_LT_RETURN_IF_ERROR(call)                 \
   do {                                                 \
     cublasStatus_t status_ = (call);                   \
@@ -53,31 +43,78 @@ struct LtDescriptors {
 
 }  // namespace
 
+// Owns the cuBLASLt descriptors of one problem shape and the algorithm chosen for it.
+struct GemmPlan {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulAlgo_t algo = {};
+  ~GemmPlan() {
+    if (c) cublasLtMatrixLayoutDestroy(c);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
+};
+
+namespace {
+
+using PlanKey = std::tuple<int64_t, int64_t, int64_t, int>;
+
 // cuBLASLt is column-major. A row-major [rows, cols] matrix is the column-major [cols, rows]
 // matrix with the same bytes, so row-major C = A @ B is computed as column-major
 // C^T[cols, rows] = B^T[cols, inner] @ A^T[inner, rows]: pass b as cuBLASLt's "A" and a as its
 // "B", no transposes, leading dimensions cols, inner and cols.
-cublasStatus_t GemmCublasLt(const GemmProblem& p, cublasLtHandle_t handle, void* workspace,
-                            size_t workspace_bytes, cudaStream_t stream) {
+cublasStatus_t MakePlan(const GemmProblem& p, cublasLtHandle_t handle, size_t workspace_bytes,
+                        GemmPlan* plan) {
   const cudaDataType_t type = CudaType(p.dtype);
   // f32 inputs use true f32 (no TF32) so results match the XLA reference within 1e-5.
-  const cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
-  LtDescriptors d;
-  FICCO_LT_RETURN_IF_ERROR(cublasLtMatmulDescCreate(&d.op, compute, CUDA_R_32F));
-  FICCO_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&d.a, type, p.cols, p.inner, p.cols));
-  FICCO_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&d.b, type, p.inner, p.rows, p.inner));
-  FICCO_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&d.c, type, p.cols, p.rows, p.cols));
-  FICCO_LT_RETURN_IF_ERROR(cublasLtMatmulPreferenceCreate(&d.preference));
-  FICCO_LT_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
-      d.preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes, sizeof(workspace_bytes)));
+  FICCO_LT_RETURN_IF_ERROR(cublasLtMatmulDescCreate(&plan->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  FICCO_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan->a, type, p.cols, p.inner, p.cols));
+  FICCO_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan->b, type, p.inner, p.rows, p.inner));
+  FICCO_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan->c, type, p.cols, p.rows, p.cols));
+  cublasLtMatmulPreference_t preference = nullptr;
+  FICCO_LT_RETURN_IF_ERROR(cublasLtMatmulPreferenceCreate(&preference));
+  cublasStatus_t status = cublasLtMatmulPreferenceSetAttribute(
+      preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes, sizeof(workspace_bytes));
   cublasLtMatmulHeuristicResult_t heuristic = {};
   int found = 0;
-  FICCO_LT_RETURN_IF_ERROR(cublasLtMatmulAlgoGetHeuristic(handle, d.op, d.a, d.b, d.c, d.c,
-                                                          d.preference, 1, &heuristic, &found));
+  if (status == CUBLAS_STATUS_SUCCESS) {
+    status = cublasLtMatmulAlgoGetHeuristic(handle, plan->op, plan->a, plan->b, plan->c, plan->c,
+                                            preference, 1, &heuristic, &found);
+  }
+  cublasLtMatmulPreferenceDestroy(preference);
+  if (status != CUBLAS_STATUS_SUCCESS) return status;
   if (found == 0) return CUBLAS_STATUS_NOT_SUPPORTED;
+  plan->algo = heuristic.algo;
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+}  // namespace
+
+struct GemmPlans::Impl {
+  std::mutex mu;
+  std::map<PlanKey, std::unique_ptr<GemmPlan>> plans;
+};
+
+GemmPlans::GemmPlans() : impl_(new Impl) {}
+GemmPlans::~GemmPlans() { delete impl_; }
+
+cublasStatus_t GemmPlans::Run(const GemmProblem& p, cublasLtHandle_t handle, void* workspace,
+                              size_t workspace_bytes, cudaStream_t stream) {
+  const GemmPlan* plan = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    std::unique_ptr<GemmPlan>& slot = impl_->plans[PlanKey{p.rows, p.inner, p.cols, static_cast<int>(p.dtype)}];
+    if (!slot) {
+      auto fresh = std::make_unique<GemmPlan>();
+      FICCO_LT_RETURN_IF_ERROR(MakePlan(p, handle, workspace_bytes, fresh.get()));
+      slot = std::move(fresh);
+    }
+    plan = slot.get();  // plans are never erased, so the pointer stays valid after unlocking
+  }
   const float alpha = 1.0f, beta = 0.0f;
-  return cublasLtMatmul(handle, d.op, &alpha, p.b, d.a, p.a, d.b, &beta, p.c, d.c, p.c, d.c,
-                        &heuristic.algo, workspace, workspace_bytes, stream);
+  return cublasLtMatmul(handle, plan->op, &alpha, p.b, plan->a, p.a, plan->b, &beta, p.c, plan->c, p.c,
+                        plan->c, &plan->algo, workspace, workspace_bytes, stream);
 }
 #endif  // FICCO_WITH_CUDA
 

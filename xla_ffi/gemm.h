@@ -28,9 +28,23 @@ struct GemmProblem {
 void GemmHost(const GemmProblem& problem);
 
 #ifdef FICCO_WITH_CUDA
-// cuBLASLt on `stream`. Returns the first failing status.
-cublasStatus_t GemmCublasLt(const GemmProblem& problem, cublasLtHandle_t handle, void* workspace,
-                            size_t workspace_bytes, cudaStream_t stream);
+struct GemmPlan;  // cuBLASLt descriptors and the chosen algorithm of one problem shape
+
+// The cuBLASLt plans of one device, by (rows, inner, cols, dtype). Building a plan (descriptor
+// creation and the algorithm heuristic) costs tens of microseconds of host time; a chunked
+// schedule runs the same few shapes on every call, so each is planned once. Thread-safe.
+class GemmPlans {
+ public:
+  GemmPlans();
+  ~GemmPlans();
+  // cuBLASLt on `stream`. Returns the first failing status.
+  cublasStatus_t Run(const GemmProblem& problem, cublasLtHandle_t handle, void* workspace,
+                     size_t workspace_bytes, cudaStream_t stream);
+
+ private:
+  struct Impl;
+  Impl* impl_;
+};
 #endif
 
 }  // namespace ficco

@@ -109,6 +109,7 @@ ffi::Error DeviceState::PrepareCuda(const CallContext& ctx, int copy_streams,
   }
   if (cuda_.lt == nullptr) {
     FICCO_CHECK_CUBLAS(cublasLtCreate(&cuda_.lt));
+    cuda_.gemm_plans = std::make_unique<GemmPlans>();
     FICCO_CHECK_CUDA(cudaMalloc(&cuda_.workspace, kCublasWorkspaceBytes));
     cuda_.workspace_bytes = kCublasWorkspaceBytes;
   }

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "errors.h"
+#include "gemm.h"
 
 namespace ficco {
 
@@ -90,6 +91,7 @@ struct CudaResources {
   int num_copy_streams = 0;  // grows to the largest copy_streams asked for
   std::vector<cudaEvent_t> free_events;    // the event pool (see Backend::ReleaseEvents)
   cublasLtHandle_t lt = nullptr;
+  std::unique_ptr<GemmPlans> gemm_plans;  // cuBLASLt plans by problem shape
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   std::set<int> peers_enabled;
