@@ -58,14 +58,55 @@ struct GemmPlan {
 
 namespace {
 
-using PlanKey = std::tuple<int64_t, int64_t, int64_t, int>;
+// (rows, inner, cols, dtype, alignment of a, b, c): cuBLASLt algorithms depend on alignment.
+using PlanKey = std::tuple<int64_t, int64_t, int64_t, int, uint32_t, uint32_t, uint32_t>;
+
+// The largest power of two (at most 256) dividing the address: what cuBLASLt may assume.
+uint32_t Alignment(const void* pointer) {
+  const uintptr_t address = reinterpret_cast<uintptr_t>(pointer);
+  uint32_t alignment = 256;
+  while (alignment > 1 && address % alignment != 0) alignment /= 2;
+  return alignment;
+}
+
+PlanKey KeyOf(const GemmProblem& p) {
+  return PlanKey{p.rows, p.inner, p.cols, static_cast<int>(p.dtype), Alignment(p.a), Alignment(p.b), Alignment(p.c)};
+}
+
+// How many of the heuristic's candidates a new plan times on the device (once per shape).
+constexpr int kAlgoCandidates = 8;
+
+// Times `algo` on the problem's own buffers (the output is overwritten by the real run after).
+float TimeAlgo(const GemmProblem& p, cublasLtHandle_t handle, const GemmPlan& plan,
+               const cublasLtMatmulAlgo_t& algo, void* workspace, size_t workspace_bytes,
+               cudaStream_t stream, cudaEvent_t start, cudaEvent_t stop) {
+  const float alpha = 1.0f, beta = 0.0f;
+  auto run = [&] {
+    return cublasLtMatmul(handle, plan.op, &alpha, p.b, plan.a, p.a, plan.b, &beta, p.c, plan.c, p.c,
+                          plan.c, &algo, workspace, workspace_bytes, stream);
+  };
+  constexpr int kRepeats = 3;
+  if (run() != CUBLAS_STATUS_SUCCESS) return -1.0f;
+  cudaEventRecord(start, stream);
+  for (int i = 0; i < kRepeats; ++i) run();
+  cudaEventRecord(stop, stream);
+  float ms = -1.0f;
+  if (cudaEventSynchronize(stop) != cudaSuccess || cudaEventElapsedTime(&ms, start, stop) != cudaSuccess) {
+    return -1.0f;
+  }
+  return ms;
+}
 
 // cuBLASLt is column-major. A row-major [rows, cols] matrix is the column-major [cols, rows]
 // matrix with the same bytes, so row-major C = A @ B is computed as column-major
 // C^T[cols, rows] = B^T[cols, inner] @ A^T[inner, rows]: pass b as cuBLASLt's "A" and a as its
 // "B", no transposes, leading dimensions cols, inner and cols.
-cublasStatus_t MakePlan(const GemmProblem& p, cublasLtHandle_t handle, size_t workspace_bytes,
-                        GemmPlan* plan) {
+//
+// The algorithm: the heuristic's best guesses are timed once on the device and the fastest is
+// kept (as XLA's GEMM autotuner does at compile time); the one synchronisation this costs
+// happens on the first call of each shape only.
+cublasStatus_t MakePlan(const GemmProblem& p, cublasLtHandle_t handle, void* workspace,
+                        size_t workspace_bytes, cudaStream_t stream, GemmPlan* plan) {
   const cudaDataType_t type = CudaType(p.dtype);
   // f32 inputs use true f32 (no TF32) so results match the XLA reference within 1e-5.
   FICCO_LT_RETURN_IF_ERROR(cublasLtMatmulDescCreate(&plan->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
@@ -74,18 +115,39 @@ cublasStatus_t MakePlan(const GemmProblem& p, cublasLtHandle_t handle, size_t wo
   FICCO_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan->c, type, p.cols, p.rows, p.cols));
   cublasLtMatmulPreference_t preference = nullptr;
   FICCO_LT_RETURN_IF_ERROR(cublasLtMatmulPreferenceCreate(&preference));
+  const uint32_t align[3] = {Alignment(p.b), Alignment(p.a), Alignment(p.c)};  // cuBLASLt's A, B, C
+  const cublasLtMatmulPreferenceAttributes_t align_attr[3] = {
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES};
   cublasStatus_t status = cublasLtMatmulPreferenceSetAttribute(
       preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes, sizeof(workspace_bytes));
-  cublasLtMatmulHeuristicResult_t heuristic = {};
+  for (int i = 0; i < 3 && status == CUBLAS_STATUS_SUCCESS; ++i) {
+    status = cublasLtMatmulPreferenceSetAttribute(preference, align_attr[i], &align[i], sizeof(align[i]));
+  }
+  cublasLtMatmulHeuristicResult_t candidates[kAlgoCandidates] = {};
   int found = 0;
   if (status == CUBLAS_STATUS_SUCCESS) {
     status = cublasLtMatmulAlgoGetHeuristic(handle, plan->op, plan->a, plan->b, plan->c, plan->c,
-                                            preference, 1, &heuristic, &found);
+                                            preference, kAlgoCandidates, candidates, &found);
   }
   cublasLtMatmulPreferenceDestroy(preference);
   if (status != CUBLAS_STATUS_SUCCESS) return status;
   if (found == 0) return CUBLAS_STATUS_NOT_SUPPORTED;
-  plan->algo = heuristic.algo;
+  plan->algo = candidates[0].algo;
+  cudaEvent_t start = nullptr, stop = nullptr;
+  if (found > 1 && cudaEventCreate(&start) == cudaSuccess && cudaEventCreate(&stop) == cudaSuccess) {
+    float best = -1.0f;
+    for (int i = 0; i < found; ++i) {
+      const float ms = TimeAlgo(p, handle, *plan, candidates[i].algo, workspace, workspace_bytes, stream, start, stop);
+      if (ms >= 0.0f && (best < 0.0f || ms < best)) {
+        best = ms;
+        plan->algo = candidates[i].algo;
+      }
+    }
+  }
+  if (start) cudaEventDestroy(start);
+  if (stop) cudaEventDestroy(stop);
+  (void)cudaGetLastError();  // a candidate that failed to launch must not leave a sticky error
   return CUBLAS_STATUS_SUCCESS;
 }
 
@@ -104,10 +166,10 @@ cublasStatus_t GemmPlans::Run(const GemmProblem& p, cublasLtHandle_t handle, voi
   const GemmPlan* plan = nullptr;
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
-    std::unique_ptr<GemmPlan>& slot = impl_->plans[PlanKey{p.rows, p.inner, p.cols, static_cast<int>(p.dtype)}];
+    std::unique_ptr<GemmPlan>& slot = impl_->plans[KeyOf(p)];
     if (!slot) {
       auto fresh = std::make_unique<GemmPlan>();
-      FICCO_LT_RETURN_IF_ERROR(MakePlan(p, handle, workspace_bytes, fresh.get()));
+      FICCO_LT_RETURN_IF_ERROR(MakePlan(p, handle, workspace, workspace_bytes, stream, fresh.get()));
       slot = std::move(fresh);
     }
     plan = slot.get();  // plans are never erased, so the pointer stays valid after unlocking

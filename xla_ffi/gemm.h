@@ -30,9 +30,10 @@ void GemmHost(const GemmProblem& problem);
 #ifdef FICCO_WITH_CUDA
 struct GemmPlan;  // cuBLASLt descriptors and the chosen algorithm of one problem shape
 
-// The cuBLASLt plans of one device, by (rows, inner, cols, dtype). Building a plan (descriptor
-// creation and the algorithm heuristic) costs tens of microseconds of host time; a chunked
-// schedule runs the same few shapes on every call, so each is planned once. Thread-safe.
+// The cuBLASLt plans of one device, by (rows, inner, cols, dtype, alignments). Building a plan
+// (descriptors, the heuristic's candidates, timing them once on the device) costs host time and
+// one synchronisation; a chunked schedule runs the same few shapes on every call, so each is
+// planned once. Thread-safe.
 class GemmPlans {
  public:
   GemmPlans();

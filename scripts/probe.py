@@ -1,0 +1,59 @@
+"""Diagnostics for the copy-engine path, printed as one table (run on the GPU host).
+
+1. GEMM efficiency: XLA's dot vs the executor's cuBLASLt chunk matmuls (ag_matmul on a 1-device
+   mesh: no transfers, so only the matmuls and the call's fixed cost remain).
+2. Transfers: ficco_jax.dma.all_gather alone vs NCCL's all-gather on all devices.
+Usage: python scripts/probe.py [M K N]
+"""
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import ficco_jax
+from ficco_jax import bench, timing
+from ficco_jax.schedule import Schedule
+
+M, K, N = (int(v) for v in sys.argv[1:4]) if len(sys.argv) > 3 else (8192, 8192, 10240)
+n = len(jax.local_devices())
+rows = []
+
+
+def record(what, fn, args):
+    try:
+        t = timing.device_time(fn, args)
+        rows.append((what, t["median_s"] * 1e3, t["spread_s"] * 1e3))
+    except Exception as exc:  # a probe that fails is reported, the others still run
+        rows.append((what, float("nan"), str(exc).splitlines()[0][:80]))
+
+
+# 1. GEMM efficiency on one device: [M, K] @ [K, N/n]
+one = Mesh(np.array(jax.local_devices()[:1]), ("tp",))
+x1, w1 = bench.make_inputs("ag_matmul", M, K, N // n, "bfloat16", one)
+record(f"xla dot [{M},{K}]@[{K},{N // n}]", lambda r: bench.sharded(one, "ag_matmul", bench.op_body("ag_matmul", "ref"), r), (x1, w1))
+# With one device there are no peers: the executor runs the own shard as one cuBLASLt matmul.
+s1 = Schedule(comm="dma", order="direct")
+record("cublasLt via executor, 1 matmul", lambda r: bench.sharded(one, "ag_matmul", bench.op_body("ag_matmul", s1), r), (x1, w1))
+for c in (2, 4, 8):
+    xs, ws = bench.make_inputs("ag_matmul", M // c, K, N // n, "bfloat16", one)
+    s = Schedule(comm="dma", order="direct")
+    record(f"cublasLt via executor, 1 matmul of M/{c} rows (x{c} = chunked)",
+           lambda r: bench.sharded(one, "ag_matmul", bench.op_body("ag_matmul", s), r), (xs, ws))
+    record(f"xla dot of M/{c} rows", lambda r: bench.sharded(one, "ag_matmul", bench.op_body("ag_matmul", "ref"), r), (xs, ws))
+
+# 2. all-gather alone, shard [M/n, K]
+mesh = Mesh(np.array(jax.local_devices()), ("tp",))
+x = jax.device_put(jnp.ones((M, K), jnp.bfloat16) * 0.5, NamedSharding(mesh, P("tp", None)))
+gather = lambda body: (lambda r: jax.jit(jax.shard_map(timing.chain(body, r), mesh=mesh, in_specs=(P("tp", None),), out_specs=P("tp", None))))
+record("nccl all_gather", gather(lambda v: jax.lax.all_gather(v, "tp", axis=0, tiled=True)), (x,))
+for s in ("dma/direct/c1", "dma/direct/c2", "dma/direct/c1/s2", "dma/direct/c1/s3", "dma/ring/c1", "dma/direct/c4/s3"):
+    sched = Schedule.parse(s)
+    record(f"dma all_gather {s}", gather(lambda v, sched=sched: ficco_jax.dma.all_gather(v, "tp", schedule=sched)), (x,))
+
+shard_bytes = (M // n) * K * 2
+print(f"\nprobe M,K,N={M},{K},{N} on {n} x {jax.devices()[0].device_kind}; shard {shard_bytes / 2**20:.1f} MiB; {timing.METHOD}")
+for what, ms, spread in rows:
+    extra = f"  ingress {(n - 1) * shard_bytes / (ms * 1e-3) / 1e9:6.1f} GB/s" if "all_gather" in what and ms == ms else ""
+    print(f"{what:<58} {ms:8.3f} ms  ±{spread if isinstance(spread, str) else f'{spread:.3f}'}{extra}")
