@@ -43,12 +43,15 @@ for c in (2, 4, 8):
            lambda r: bench.sharded(one, "ag_matmul", bench.op_body("ag_matmul", s), r), (xs, ws))
     record(f"xla dot of M/{c} rows", lambda r: bench.sharded(one, "ag_matmul", bench.op_body("ag_matmul", "ref"), r), (xs, ws))
 
-# 2. all-gather alone, shard [M/n, K]
+# 2. all-gather alone, shard [M/n, K]  (PROBE_GEMM_ONLY=1 skips it)
+import os
+gemm_only = os.environ.get("PROBE_GEMM_ONLY") == "1"
 mesh = Mesh(np.array(jax.local_devices()), ("tp",))
 x = jax.device_put(jnp.ones((M, K), jnp.bfloat16) * 0.5, NamedSharding(mesh, P("tp", None)))
 gather = lambda body: (lambda r: jax.jit(jax.shard_map(timing.chain(body, r), mesh=mesh, in_specs=(P("tp", None),), out_specs=P("tp", None))))
-record("nccl all_gather", gather(lambda v: jax.lax.all_gather(v, "tp", axis=0, tiled=True)), (x,))
-for s in ("dma/direct/c1", "dma/direct/c2", "dma/direct/c1/s2", "dma/direct/c1/s3", "dma/ring/c1", "dma/direct/c4/s3"):
+if not gemm_only:
+    record("nccl all_gather", gather(lambda v: jax.lax.all_gather(v, "tp", axis=0, tiled=True)), (x,))
+for s in () if gemm_only else ("dma/direct/c1", "dma/direct/c2", "dma/direct/c1/s2", "dma/direct/c1/s3", "dma/ring/c1", "dma/direct/c4/s3"):
     sched = Schedule.parse(s)
     record(f"dma all_gather {s}", gather(lambda v, sched=sched: ficco_jax.dma.all_gather(v, "tp", schedule=sched)), (x,))
 

@@ -74,7 +74,7 @@ PlanKey KeyOf(const GemmProblem& p) {
 }
 
 // How many of the heuristic's candidates a new plan times on the device (once per shape).
-constexpr int kAlgoCandidates = 8;
+constexpr int kAlgoCandidates = 32;
 
 // Times `algo` on the problem's own buffers (the output is overwritten by the real run after).
 float TimeAlgo(const GemmProblem& p, cublasLtHandle_t handle, const GemmPlan& plan,
@@ -85,8 +85,8 @@ float TimeAlgo(const GemmProblem& p, cublasLtHandle_t handle, const GemmPlan& pl
     return cublasLtMatmul(handle, plan.op, &alpha, p.b, plan.a, p.a, plan.b, &beta, p.c, plan.c, p.c,
                           plan.c, &algo, workspace, workspace_bytes, stream);
   };
-  constexpr int kRepeats = 3;
-  if (run() != CUBLAS_STATUS_SUCCESS) return -1.0f;
+  constexpr int kRepeats = 5;
+  if (run() != CUBLAS_STATUS_SUCCESS || run() != CUBLAS_STATUS_SUCCESS) return -1.0f;
   cudaEventRecord(start, stream);
   for (int i = 0; i < kRepeats; ++i) run();
   cudaEventRecord(stop, stream);
