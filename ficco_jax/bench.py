@@ -219,6 +219,15 @@ def windowed_einsum(op, name, M, K, N, dtype) -> Row:
 # ------------------------------------------------------------------------------------------------
 # The command
 # ------------------------------------------------------------------------------------------------
+def _fits(schedule, op, M, K, N, n) -> bool:
+    """Whether a listed schedule applies to this op and shape (a list may name ag-only points)."""
+    try:
+        schedule.validate(op, local_shapes(op, M, K, N, n), n)
+        return True
+    except ValueError:
+        return False
+
+
 def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=True) -> dict:
     from .report import git_commit, markdown_table, plot_speedups, progress_printer
 
@@ -237,7 +246,7 @@ def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=
                 scheds = []
             else:
                 scheds = [Schedule.parse(s) for s in schedules_arg.split(",")]
-            plan.append((op, name, M, K, N, [s for s in scheds if s.comm != "none"]))
+            plan.append((op, name, M, K, N, [s for s in scheds if s.comm != "none" and _fits(s, op, M, K, N, n)]))
     total = sum(len(p[5]) + 5 + (not on_cpu and windowed) for p in plan)
     progress = progress_printer(total)
     rows = []

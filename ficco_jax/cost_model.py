@@ -3,14 +3,17 @@
 The model replays a schedule as a small event simulation on one device:
 
 - transfers: each copy stream moves its chunks one after the other; a transfer of b bytes takes
-  `latency + b / bandwidth`, where the bandwidth of concurrent streams shares the device's
-  ingress (`dma_ingress_gbps`) — copy engines (comm="dma") or NCCL steps (comm="xla");
+  `latency + b / bandwidth`, where concurrent streams share the device's ingress
+  (`dma_ingress_gbps` for one copy stream, `dma_multistream_gbps` in total for several) —
+  copy engines (comm="dma") or NCCL steps (comm="xla");
 - chunk matmuls: issued on one stream in schedule order, each after its chunk has landed; a
   matmul of r rows costs `launch + 2*r*K*N / (peak * r / (r + rows_half))`. `rows_half` is the
   decomposition loss: the row count at which a matmul runs at half its peak rate (thin matmuls
   under-fill the GPU); `calibrate` fits it from measured chunk-matmul times;
 - contention: a matmul running beside transfers is slowed by `contention_dma` (copy engines
   steal no SMs: a few %) or `contention_xla` (NCCL kernels take SMs);
+- the executor's chunk matmuls (cuBLASLt) run `executor_gemm_slowdown` times slower than XLA's
+  own autotuned GEMMs, which the `none` and `xla` schedules use;
 - a fixed cost per copy-engine call, `dma_call_us` (events, host rendezvous, the join): what
   makes copy-engine overlap lose on small operations.
 
@@ -36,11 +39,13 @@ DEFAULT_PROFILE = {
     "peak_tflops": {"bfloat16": 650.0, "float16": 650.0, "float32": 50.0},
     "rows_half": 256.0,
     "gemm_launch_us": 6.0,
+    "executor_gemm_slowdown": 1.0,
     "hbm_gbps": 3000.0,
     "dma_latency_us": 12.0,
     "dma_call_us": 30.0,
     "dma_ingress_gbps": 250.0,
     "dma_stream_gbps": 150.0,
+    "dma_multistream_gbps": 150.0,
     "xla_latency_us": 20.0,
     "xla_ingress_gbps": 250.0,
     "collective_latency_us": 25.0,
@@ -65,19 +70,24 @@ def load_profile(name_or_path: str) -> dict:
     return {**DEFAULT_PROFILE, **profile}
 
 
-def gemm_time(rows: int, k: int, n_cols: int, dtype: str, profile: Mapping) -> float:
-    """Seconds for a [rows, k] @ [k, n_cols] matmul, decomposition loss included."""
+def gemm_time(rows: int, k: int, n_cols: int, dtype: str, profile: Mapping, executor: bool = False) -> float:
+    """Seconds for a [rows, k] @ [k, n_cols] matmul, decomposition loss included (by XLA, or by
+    the copy-engine executor's cuBLASLt when `executor`)."""
     peak = profile["peak_tflops"].get(dtype, profile["peak_tflops"]["float32"]) * 1e12
     flops = 2.0 * rows * k * n_cols
     compute = flops * (rows + profile["rows_half"]) / (rows * peak)
     itemsize = np.dtype(dtype).itemsize if dtype != "bfloat16" else 2
     memory = itemsize * (rows * k + k * n_cols + rows * n_cols) / (profile["hbm_gbps"] * 1e9)
-    return profile["gemm_launch_us"] * 1e-6 + max(compute, memory)
+    slowdown = profile["executor_gemm_slowdown"] if executor else 1.0
+    return profile["gemm_launch_us"] * 1e-6 + max(compute * slowdown, memory)
 
 
 def _transfer_time(nbytes: float, streams: int, comm: str, profile: Mapping) -> float:
     if comm == "dma":
-        bw = min(profile["dma_stream_gbps"], profile["dma_ingress_gbps"] / streams) * 1e9
+        # Several copy streams per device share its ingress, and on NVSwitch they got less of it
+        # in total than one stream did (dma_multistream_gbps is that total).
+        total = profile["dma_ingress_gbps"] if streams == 1 else profile["dma_multistream_gbps"]
+        bw = min(profile["dma_stream_gbps"], total / streams) * 1e9
         return profile["dma_latency_us"] * 1e-6 + nbytes / bw
     return profile["xla_latency_us"] * 1e-6 + nbytes / (profile["xla_ingress_gbps"] * 1e9 / streams)
 
@@ -111,6 +121,7 @@ def _simulate(op, s: Schedule, m, k, cols, row_bytes, n, dtype, profile) -> floa
     if s.comm == "xla" and s.order == "direct":
         streams = n - 1
     contention = 1.0 + (profile["contention_dma"] if s.comm == "dma" else profile["contention_xla"])
+    ex = s.comm == "dma"  # chunk matmuls by the executor's cuBLASLt, else by XLA
     chunk_bytes = q * row_bytes
     # Transfers: (peer step, chunk) items dealt round-robin over streams; a ring moves one step
     # after the other, so every item waits for the previous one on its single stream.
@@ -119,33 +130,33 @@ def _simulate(op, s: Schedule, m, k, cols, row_bytes, n, dtype, profile) -> floa
     arrival = {}
     per_item = _transfer_time(chunk_bytes, streams, s.comm, profile)
     if op == "matmul_rs":
-        return _simulate_rs(s, m, q, k, cols, n, dtype, profile, contention, streams, per_item)
+        return _simulate_rs(s, m, q, k, cols, n, dtype, profile, contention, streams, per_item, ex)
     for i, (step, j) in enumerate(items):
         lane = ((step - 1) % streams) if s.comm == "dma" else (i % streams)
         start = stream_free[lane]
         stream_free[lane] = start + per_item
         arrival[(step, j)] = stream_free[lane]
     # Matmuls: own shard first (no wait), then peers in order.
-    t = gemm_time(m, k, cols, dtype, profile) * contention
+    t = gemm_time(m, k, cols, dtype, profile, ex) * contention
     group = c if s.gemm == "grouped" else 1
     for step in range(1, n):
         for j0 in range(0, c, group):
             ready = max(arrival[(step, j)] for j in range(j0, j0 + group))
-            t = max(t, ready) + gemm_time(q * group, k, cols, dtype, profile) * contention
+            t = max(t, ready) + gemm_time(q * group, k, cols, dtype, profile, ex) * contention
     return t
 
 
-def _simulate_rs(s, m, q, k, cols, n, dtype, profile, contention, streams, per_item) -> float:
+def _simulate_rs(s, m, q, k, cols, n, dtype, profile, contention, streams, per_item, ex) -> float:
     c = s.chunks
     group = c if s.gemm == "grouped" else 1
     t = 0.0
     produced = {}
     for step in range(1, n):  # partials for peers first, in distance order
         for j0 in range(0, c, group):
-            t += gemm_time(q * group, k, cols, dtype, profile) * contention
+            t += gemm_time(q * group, k, cols, dtype, profile, ex) * contention
             for j in range(j0, j0 + group):
                 produced[(step, j)] = t
-    own_done = t + gemm_time(m, k, cols, dtype, profile) * contention
+    own_done = t + gemm_time(m, k, cols, dtype, profile, ex) * contention
     stream_free = [0.0] * streams
     last_arrival = 0.0
     for i, key in enumerate(sorted(produced, key=produced.get)):
