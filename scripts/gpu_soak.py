@@ -61,13 +61,18 @@ def pair(x, w, w2):
 f = jax.jit(jax.shard_map(pair, mesh=mesh, in_specs=(P("tp", None), P(None, "tp"), P("tp", None)), out_specs=P("tp", None)))
 first = f(x, w, w2).block_until_ready()
 mem = lambda: [(d.memory_stats() or {}).get("bytes_in_use", -1) for d in jax.local_devices()]
-before = mem()
+out = f(x, w, w2).block_until_ready()  # from here on two results are alive: `first` and `out`
+samples = [mem()]
 t0 = time.time()
-for _ in range(calls):
-    out = f(x, w, w2)
-out.block_until_ready()
+for quarter in range(4):
+    for _ in range(calls // 4):
+        out = f(x, w, w2)
+    out.block_until_ready()
+    samples.append(mem())
 dt = time.time() - t0
-after = mem()
 same = bool(jnp.array_equal(out, first))
 print(f"soak: {calls} back-to-back ag_matmul+matmul_rs calls in {dt:.1f} s ({dt / calls * 1e3:.3f} ms/pair), "
-      f"last result identical to first: {same}; device bytes in use before {before} after {after}")
+      f"last result identical to first: {same}")
+print("device bytes in use after 0, 1/4, 1/2, 3/4, all of the calls:")
+for k, row in enumerate(samples):
+    print(f"  {k}/4: {row}")
