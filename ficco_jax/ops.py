@@ -19,7 +19,6 @@ from typing import Union
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.custom_derivatives import SymbolicZero
 
 from . import xla_lowering
 from .schedule import Schedule, check_shapes
@@ -57,8 +56,9 @@ def ag_matmul(x, w, axis_name: str, *, schedule: ScheduleArg = "auto", return_ga
     n = _axis_size(axis_name, "ag_matmul")
     _check_operands("ag_matmul", x, w)
     sched = resolve_schedule("ag_matmul", schedule, (x.shape, w.shape), x.dtype, n)
-    out, gathered = _ag_matmul(x, w, axis_name, sched)
-    return (out, gathered) if return_gathered else out
+    if return_gathered:
+        return _ag_matmul_gathered(x, w, axis_name, sched)
+    return _ag_matmul(x, w, axis_name, sched)
 
 
 def matmul_rs(y, w, axis_name: str, *, schedule: ScheduleArg = "auto"):
@@ -100,36 +100,54 @@ def resolve_schedule(op: str, schedule: ScheduleArg, shapes, dtype, axis_size: i
 # ------------------------------------------------------------------------------------------------
 # Private positional ops carrying the custom VJPs
 # ------------------------------------------------------------------------------------------------
+# Two positional forms of ag_matmul, so that the common one (only `out` used) carries no
+# cotangent for the gathered tensor at all, and its backward pass no reduce-scatter for it.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _ag_matmul(x, w, axis_name, sched):
-    return _ag_matmul_impl(x, w, axis_name, sched)
+    return _ag_matmul_impl(x, w, axis_name, sched)[0]
 
 
 def _ag_matmul_fwd(x, w, axis_name, sched):
-    x, w = x.value, w.value  # symbolic_zeros=True hands in CustomVJPPrimal records
+    out, gathered = _ag_matmul_impl(x, w, axis_name, sched)
+    return out, (gathered, w)
+
+
+def _ag_matmul_bwd(axis_name, sched, res, g_out):
+    return _ag_matmul_backward(axis_name, sched, res, g_out, None)
+
+
+_ag_matmul.defvjp(_ag_matmul_fwd, _ag_matmul_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _ag_matmul_gathered(x, w, axis_name, sched):
+    return _ag_matmul_impl(x, w, axis_name, sched)
+
+
+def _ag_matmul_gathered_fwd(x, w, axis_name, sched):
     out, gathered = _ag_matmul_impl(x, w, axis_name, sched)
     return (out, gathered), (gathered, w)
 
 
-def _ag_matmul_bwd(axis_name, sched, res, cotangents):
+def _ag_matmul_gathered_bwd(axis_name, sched, res, cotangents):
+    return _ag_matmul_backward(axis_name, sched, res, *cotangents)
+
+
+_ag_matmul_gathered.defvjp(_ag_matmul_gathered_fwd, _ag_matmul_gathered_bwd)
+
+
+def _ag_matmul_backward(axis_name, sched, res, g_out, g_gathered):
     gathered, w = res
-    g_out, g_gathered = cotangents
-    if _is_zero_cotangent(g_out):
-        g_out = jnp.zeros(g_out.aval.shape, g_out.aval.dtype)
     n = _axis_size(axis_name, "ag_matmul")
     w_t = w.T
     bwd_sched = _transposed_schedule("matmul_rs", sched, (g_out.shape, w_t.shape), g_out.dtype, n)
     # d x = reduce_scatter(g_out @ w.T + g_gathered): the reduce-scatter rides on the matmul.
     dx = _matmul_rs(g_out, w_t, axis_name, bwd_sched)
-    if not _is_zero_cotangent(g_gathered):
+    if g_gathered is not None:
         dx = dx + lax.psum_scatter(g_gathered, axis_name, scatter_dimension=0, tiled=True)
     dw = gathered.T @ g_out
-    return _like_primal(dx, gathered.dtype, _gathered_input_axes(gathered, axis_name)), _like_primal(dw, w.dtype, _varying_axes(w))
-
-
-# symbolic zeros: when only `out` is used, the gathered output's cotangent stays symbolic and the
-# backward pass skips its reduce-scatter entirely.
-_ag_matmul.defvjp(_ag_matmul_fwd, _ag_matmul_bwd, symbolic_zeros=True)
+    return (_like_primal(dx, gathered.dtype, _gathered_input_axes(gathered, axis_name)),
+            _like_primal(dw, w.dtype, _varying_axes(w)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -138,24 +156,21 @@ def _matmul_rs(y, w, axis_name, sched):
 
 
 def _matmul_rs_fwd(y, w, axis_name, sched):
-    y, w = y.value, w.value
     return _matmul_rs_impl(y, w, axis_name, sched), (y, w)
 
 
 def _matmul_rs_bwd(axis_name, sched, res, g):
     y, w = res
-    if _is_zero_cotangent(g):
-        g = jnp.zeros(g.aval.shape, g.aval.dtype)
     n = _axis_size(axis_name, "matmul_rs")
     w_t = w.T
     bwd_sched = _transposed_schedule("ag_matmul", sched, (g.shape, w_t.shape), g.dtype, n)
     # d y = all_gather(g) @ w.T; the gathered g is reused for d w = y.T @ all_gather(g).
-    dy, g_gathered = _ag_matmul(g, w_t, axis_name, bwd_sched)
+    dy, g_gathered = _ag_matmul_gathered(g, w_t, axis_name, bwd_sched)
     dw = y.T @ g_gathered
     return _like_primal(dy, y.dtype, _varying_axes(y)), _like_primal(dw, w.dtype, _varying_axes(w))
 
 
-_matmul_rs.defvjp(_matmul_rs_fwd, _matmul_rs_bwd, symbolic_zeros=True)
+_matmul_rs.defvjp(_matmul_rs_fwd, _matmul_rs_bwd)
 
 
 def _ag_matmul_impl(x, w, axis_name, sched):
@@ -210,9 +225,6 @@ def _like_primal(ct, dtype, primal_axes: frozenset):
         ct = lax.psum(ct, extra)
     return ct.astype(dtype)
 
-
-def _is_zero_cotangent(ct) -> bool:
-    return isinstance(ct, SymbolicZero)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -58,9 +58,12 @@ def ag_matmul(x: jax.Array, w: jax.Array, axis_name: str, schedule: Schedule, n:
     for offset, rows_at, chunk_list in steps:
         src = (idx + offset) % n
         block = _matmul_blocks(chunk_list, w, schedule.gemm)
-        start = src * m + rows_at
-        out = lax.dynamic_update_slice(out, block.astype(out.dtype), (start, 0))
-        gathered = lax.dynamic_update_slice(gathered, jnp.concatenate(chunk_list, axis=0), (start, 0))
+        # int32 throughout: with jax_enable_x64 a Python int would become int64 beside the int32
+        # axis index, and dynamic_update_slice wants one index type.
+        start = (src * m + rows_at).astype(jnp.int32)
+        zero = jnp.int32(0)
+        out = lax.dynamic_update_slice(out, block.astype(out.dtype), (start, zero))
+        gathered = lax.dynamic_update_slice(gathered, jnp.concatenate(chunk_list, axis=0), (start, zero))
     return out, gathered
 
 
@@ -108,7 +111,7 @@ def matmul_rs(y: jax.Array, w: jax.Array, axis_name: str, schedule: Schedule, n:
 
     def partial(target, j0, j1):
         """Rows [j0*q, j1*q) of `target`'s output block, as this device's partial sum."""
-        rows = lax.dynamic_slice_in_dim(y, target * m + j0 * q, (j1 - j0) * q, axis=0)
+        rows = lax.dynamic_slice_in_dim(y, (target * m + j0 * q).astype(jnp.int32), (j1 - j0) * q, axis=0)
         if schedule.gemm == "grouped" or j1 - j0 == 1:
             return (rows @ w).astype(dtype)
         return jnp.concatenate([(rows[k * q:(k + 1) * q] @ w).astype(dtype) for k in range(j1 - j0)])

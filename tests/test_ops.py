@@ -139,3 +139,24 @@ def test_bad_input_is_a_clear_error(mesh1d, rng, bad, match, exc):
     body = lambda x, w: ficco_jax.ag_matmul(x, w, bad.get("axis", "tp"), schedule=bad.get("schedule", "auto"))
     with pytest.raises(exc, match=match):
         run_sharded(mesh1d, body, ag_specs(mesh1d), x, w)
+
+
+@pytest.mark.parametrize("sched", ["xla/ring/c2", "xla/bidirectional/c2", "none"])
+def test_grad_without_jit_and_with_x64(mesh1d, rng, sched):
+    """Users differentiate un-jitted shard_maps and enable x64; neither may break the ops."""
+    x, w = random(rng, (8 * M_ROWS, K), "float32"), random(rng, (K, 8 * N_COLS), "float32")
+    in_specs, out_spec = ag_specs(mesh1d)
+
+    def loss(body, x, w):
+        return jnp.sum(jax.shard_map(body, mesh=mesh1d, in_specs=in_specs, out_specs=out_spec)(x, w) ** 2)
+
+    got_fn = functools.partial(loss, lambda x, w: ficco_jax.ag_matmul(x, w, "tp", schedule=sched))
+    want_fn = functools.partial(loss, lambda x, w: ficco_jax.ag_matmul_ref(x, w, "tp"))
+    previous = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    try:
+        got, want = jax.grad(got_fn, argnums=(0, 1))(x, w), jax.grad(want_fn, argnums=(0, 1))(x, w)
+    finally:
+        jax.config.update("jax_enable_x64", previous)
+    for g, r in zip(got, want):
+        assert rel_err(g, r) < TOLERANCE["float32"]
