@@ -18,7 +18,9 @@ A schedule says how the communication of `ag_matmul` (all-gather then matmul) or
   schedule are spread over.
 
 Chunks always cut rows (the gathered / scattered dimension), so every chunk matmul keeps the
-full K and N of the shard matmul.
+full K and N of the shard matmul. For the expert-parallel ops `a2a_matmul` / `matmul_a2a`
+(per-peer blocks [n, E_local, C, d]) chunks cut the capacity C of every per-peer block, and
+``ring`` means neighbour steps (xla: blocks relayed hop by hop; dma: one peer at a time).
 """
 from __future__ import annotations
 
@@ -27,7 +29,9 @@ from typing import Iterator, Sequence
 
 from . import config
 
-OPS = ("ag_matmul", "matmul_rs")
+OPS = ("ag_matmul", "matmul_rs", "a2a_matmul", "matmul_a2a")
+#: The expert-parallel ops: 4-D per-peer blocks [n, E_local, C, d] (ficco_jax/a2a.py).
+A2A_OPS = ("a2a_matmul", "matmul_a2a")
 COMMS = ("none", "xla", "dma")
 ORDERS = ("ring", "bidirectional", "direct")
 GEMMS = ("per_chunk", "grouped")
@@ -38,6 +42,10 @@ _ORDERS_FOR = {
     ("matmul_rs", "xla"): ("ring", "bidirectional", "direct"),
     ("ag_matmul", "dma"): ("ring", "direct"),
     ("matmul_rs", "dma"): ("direct",),
+    ("a2a_matmul", "xla"): ("ring", "direct"),
+    ("matmul_a2a", "xla"): ("ring", "direct"),
+    ("a2a_matmul", "dma"): ("ring", "direct"),
+    ("matmul_a2a", "dma"): ("ring", "direct"),
 }
 
 
@@ -83,7 +91,8 @@ class Schedule:
         rows = check_shapes(op, shapes, axis_size)
         if rows % self.chunks:
             valid = valid_chunks(op, shapes, axis_size)
-            what = "rows per device" if op == "ag_matmul" else f"rows per output block (M / {axis_size})"
+            what = {"ag_matmul": "rows per device", "matmul_rs": f"rows per output block (M / {axis_size})"}.get(
+                op, "capacity per peer block (dimension 2, C)")
             raise ValueError(
                 f"{op}: {what} = {rows} (from shape {tuple(shapes[0])}) must divide by "
                 f"schedule.chunks={self.chunks}; valid chunk counts for this shape: {valid}"
@@ -173,6 +182,8 @@ def check_shapes(op: str, shapes: Sequence[Sequence[int]], axis_size: int) -> in
     _check_op(op)
     if len(shapes) != 2:
         raise ValueError(f"{op}: expected two shapes (input, weight), found {len(shapes)}")
+    if op in A2A_OPS:
+        return _check_a2a_shapes(op, shapes, axis_size)
     a, w = (tuple(int(d) for d in s) for s in shapes)
     names = ("x", "w") if op == "ag_matmul" else ("y", "w")
     for name, shape in zip(names, (a, w)):
@@ -195,6 +206,36 @@ def check_shapes(op: str, shapes: Sequence[Sequence[int]], axis_size: int) -> in
             f"matmul_rs: y.shape[0]={a[0]} rows must divide by the axis size {axis_size} to be scattered"
         )
     return a[0] // axis_size
+
+
+def _check_a2a_shapes(op: str, shapes, axis_size: int) -> int:
+    """a2a_matmul: x [n, E, C, d], w [E, d, f]; matmul_a2a: y [n, E, C, f], w [E, f, d]. Returns C."""
+    a, w = (tuple(int(d) for d in s) for s in shapes)
+    names = ("x", "w") if op == "a2a_matmul" else ("y", "w")
+    if len(a) != 4:
+        raise ValueError(
+            f"{op}: {names[0]} must be 4-D per device [n, E_local, C, d] (peer block, local expert, capacity, "
+            f"features), found shape {a}"
+        )
+    if len(w) != 3:
+        raise ValueError(f"{op}: w must be 3-D per device [E_local, in, out], found shape {w}")
+    if 0 in a or 0 in w:
+        raise ValueError(f"{op}: an operand has an empty dimension ({names[0]} {a}, w {w})")
+    if a[0] != axis_size:
+        raise ValueError(
+            f"{op}: {names[0]}.shape[0]={a[0]} (dimension 0, peer blocks) must equal the axis size {axis_size}"
+        )
+    if a[1] != w[0]:
+        raise ValueError(
+            f"{op}: local expert counts differ: {names[0]}.shape[1]={a[1]} (dimension 1, E_local) but "
+            f"w.shape[0]={w[0]} ({names[0]} {a}, w {w})"
+        )
+    if a[3] != w[1]:
+        raise ValueError(
+            f"{op}: contraction sizes differ: {names[0]}.shape[3]={a[3]} (dimension 3) but w.shape[1]={w[1]} "
+            f"({names[0]} {a}, w {w})"
+        )
+    return a[2]
 
 
 def valid_chunks(op: str, shapes: Sequence[Sequence[int]], axis_size: int) -> list[int]:

@@ -12,11 +12,13 @@ def test_enumeration_is_valid_unique_and_complete(op, n):
     assert points[0] == Schedule(comm="none")
     assert len(set(points)) == len(points)
     assert {p.comm for p in points} == {"none", "xla", "dma"}
+    shapes = {"ag_matmul": ((8, 16), (16, 8)), "matmul_rs": ((8 * n, 16), (16, 8)),
+              "a2a_matmul": ((n, 2, 8, 16), (2, 16, 8)), "matmul_a2a": ((n, 2, 8, 16), (2, 16, 8))}[op]
     for p in points:
-        p.validate(op, ((8 * n, 16), (16, 8)) if op == "matmul_rs" else ((8, 16), (16, 8)), n)
+        p.validate(op, shapes, n)
         assert Schedule.parse(str(p)) == p
     orders = {p.order for p in points if p.comm == "dma"}
-    assert orders == ({"ring", "direct"} if op == "ag_matmul" else {"direct"})
+    assert orders == ({"direct"} if op == "matmul_rs" else {"ring", "direct"})
 
 
 @pytest.mark.parametrize("kwargs,match", [
