@@ -30,7 +30,7 @@ class CallSession {
   // shapes or schedule differ from ours is an error, not a wrong answer.
   ffi::Error Meet(Phase phase, const void* buffer, std::vector<Event> events, std::vector<Post>* posts) {
     RendezvousKey key{config_.run_id, config_.ctx.op_id, occurrence_, phase, config_.group_index};
-    Arrival who{&config_.ctx, &config_.group, config_.rank, config_.timeout_s};
+    Arrival who{&config_.ctx, &config_.group, config_.rank, config_.timeout_s, config_.spin_s};
     Post post{config_.ctx.device_ordinal, signature_, buffer, std::move(events)};
     FICCO_RETURN_IF_ERROR(Registry::Get().rendezvous().Arrive(key, who, std::move(post), posts));
     for (int rank = 0; rank < config_.n(); ++rank) {

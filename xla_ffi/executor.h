@@ -42,6 +42,7 @@ struct OpConfig {
   GemmMode gemm = GemmMode::kPerChunk;
   int copy_streams = 1;
   double timeout_s = 5.0;
+  double spin_s = 0.0;  // rendezvous spin before sleeping (set by the CUDA bindings)
   Fault fault = Fault::kNone;
   int fault_rank = -1;
 

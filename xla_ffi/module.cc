@@ -29,10 +29,11 @@ using BackendFactory = std::function<std::unique_ptr<Backend>(const CallContext&
 using Body = std::function<ffi::Error(Backend&, const OpConfig&)>;
 
 ffi::Error Guard(const char* target, int32_t ordinal, ffi::RunId run_id, const OpAttrs& attrs,
-                 const BackendFactory& make_backend, const Body& body) {
+                 const BackendFactory& make_backend, const Body& body, double spin_s = 0.0) {
   try {
     OpConfig config;
     FICCO_RETURN_IF_ERROR(DecodeConfig(attrs, target, ordinal, run_id.run_id, &config));
+    config.spin_s = spin_s;
     std::unique_ptr<Backend> backend = make_backend(config.ctx);
     return body(*backend, config);
   } catch (const std::exception& e) {
@@ -78,6 +79,9 @@ ffi::Error ReduceScatterCpu(int32_t ordinal, ffi::RunId run, ffi::AnyBuffer x, f
 // CUDA handlers: the same, with XLA's stream as the compute stream.
 // ---------------------------------------------------------------------------------------------
 #ifdef FICCO_WITH_CUDA
+// GPU peers reach a rendezvous within microseconds of each other: spin that long before sleeping.
+constexpr double kCudaRendezvousSpinSeconds = 100e-6;
+
 BackendFactory CudaOn(cudaStream_t stream) {
   return [stream](const CallContext& ctx) { return MakeCudaBackend(ctx, stream); };
 }
@@ -87,7 +91,7 @@ ffi::Error AgMatmulCuda(cudaStream_t stream, int32_t ordinal, ffi::RunId run, ff
                         OpAttrs attrs) {
   return Guard(kAgMatmulTarget, ordinal, run, attrs, CudaOn(stream), [&](Backend& b, const OpConfig& c) {
     return AgMatmulImpl(b, c, x, w, *out, *gathered);
-  });
+  }, kCudaRendezvousSpinSeconds);
 }
 
 ffi::Error MatmulRsCuda(cudaStream_t stream, int32_t ordinal, ffi::RunId run, ffi::AnyBuffer y,
@@ -95,19 +99,19 @@ ffi::Error MatmulRsCuda(cudaStream_t stream, int32_t ordinal, ffi::RunId run, ff
                         ffi::Result<ffi::AnyBuffer> recv, OpAttrs attrs) {
   return Guard(kMatmulRsTarget, ordinal, run, attrs, CudaOn(stream), [&](Backend& b, const OpConfig& c) {
     return MatmulRsImpl(b, c, y, w, *out, *send, *recv);
-  });
+  }, kCudaRendezvousSpinSeconds);
 }
 
 ffi::Error AllGatherCuda(cudaStream_t stream, int32_t ordinal, ffi::RunId run, ffi::AnyBuffer x,
                          ffi::Result<ffi::AnyBuffer> out, OpAttrs attrs) {
   return Guard(kAllGatherTarget, ordinal, run, attrs, CudaOn(stream),
-               [&](Backend& b, const OpConfig& c) { return AllGatherImpl(b, c, x, *out); });
+               [&](Backend& b, const OpConfig& c) { return AllGatherImpl(b, c, x, *out); }, kCudaRendezvousSpinSeconds);
 }
 
 ffi::Error ReduceScatterCuda(cudaStream_t stream, int32_t ordinal, ffi::RunId run, ffi::AnyBuffer x,
                              ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> recv, OpAttrs attrs) {
   return Guard(kReduceScatterTarget, ordinal, run, attrs, CudaOn(stream),
-               [&](Backend& b, const OpConfig& c) { return ReduceScatterImpl(b, c, x, *out, *recv); });
+               [&](Backend& b, const OpConfig& c) { return ReduceScatterImpl(b, c, x, *out, *recv); }, kCudaRendezvousSpinSeconds);
 }
 #endif  // FICCO_WITH_CUDA
 

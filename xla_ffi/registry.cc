@@ -1,6 +1,7 @@
 #include "registry.h"
 
 #include <chrono>
+#include <thread>
 #include <sstream>
 
 namespace ficco {
@@ -57,6 +58,17 @@ ffi::Error Rendezvous::Arrive(const RendezvousKey& key, const Arrival& who, Post
   slot.posts[who.rank] = std::move(post);
   slot.present[who.rank] = true;
   if (++slot.arrived == n) slot.cv.notify_all();
+  if (slot.arrived < n && who.spin_s > 0.0) {
+    // The slot cannot be erased while we have not departed, so it stays valid unlocked.
+    lock.unlock();
+    const auto spin_until = std::chrono::steady_clock::now() +
+                            std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                std::chrono::duration<double>(who.spin_s));
+    while (slot.arrived.load(std::memory_order_acquire) < n && std::chrono::steady_clock::now() < spin_until) {
+      std::this_thread::yield();
+    }
+    lock.lock();
+  }
 
   const auto deadline = std::chrono::steady_clock::now() +
                         std::chrono::duration_cast<std::chrono::steady_clock::duration>(

@@ -9,6 +9,7 @@
 #define FICCO_JAX_XLA_FFI_REGISTRY_H_
 
 #include <array>
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <map>
@@ -57,6 +58,10 @@ struct Arrival {
   const std::vector<int>* group_ordinals;  // the group's ordinals in rank order
   int rank;
   double timeout_s;
+  // Seconds to spin (yielding) before sleeping on the condition variable. A GPU handler's
+  // peers arrive within microseconds; a futex sleep and wake-up costs tens of microseconds per
+  // phase, which is what a small op pays three times per call. CPU handlers use 0.
+  double spin_s = 0.0;
 };
 
 class Rendezvous {
@@ -70,7 +75,7 @@ class Rendezvous {
   struct Slot {
     std::vector<Post> posts;
     std::vector<bool> present;
-    int arrived = 0;
+    std::atomic<int> arrived{0};  // written under mu_, read without it while spinning
     int departed = 0;
     bool abandoned = false;
     std::condition_variable cv;
