@@ -14,8 +14,10 @@ The model replays a schedule as a small event simulation on one device:
   steal no SMs: a few %) or `contention_xla` (NCCL kernels take SMs);
 - the executor's chunk matmuls (cuBLASLt) run `executor_gemm_slowdown` times slower than XLA's
   own autotuned GEMMs, which the `none` and `xla` schedules use;
-- a fixed cost per copy-engine call, `dma_call_us` (events, host rendezvous, the join): what
-  makes copy-engine overlap lose on small operations.
+- a fixed cost per copy-engine call on the GPU, `dma_call_us` (event waits, the join), and its
+  host time, `dma_host_us` (three host rendezvous, enqueueing): the host work overlaps earlier
+  GPU work, so it only bounds the time from below — what makes copy-engine overlap lose on
+  small operations.
 
 A profile is a dict (see `profiles/*.json`); `default_profile()` is conservative for unknown
 machines, `load_profile(name_or_path)` reads a calibrated one.
@@ -42,7 +44,8 @@ DEFAULT_PROFILE = {
     "executor_gemm_slowdown": 1.0,
     "hbm_gbps": 3000.0,
     "dma_latency_us": 12.0,
-    "dma_call_us": 30.0,
+    "dma_call_us": 10.0,
+    "dma_host_us": 100.0,
     "dma_ingress_gbps": 250.0,
     "dma_stream_gbps": 150.0,
     "dma_multistream_gbps": 150.0,
@@ -110,8 +113,10 @@ def predict(op: str, schedule: Schedule, shapes: Sequence[Sequence[int]], dtype,
     if schedule.comm == "none":
         coll = profile["collective_latency_us"] * 1e-6 + (n - 1) * m * moved_cols * itemsize / (profile["xla_ingress_gbps"] * 1e9)
         return coll + gemm_time(n * m, k, cols, dtype, profile)
-    fixed = profile["dma_call_us"] * 1e-6 if schedule.comm == "dma" else 0.0
-    return fixed + _simulate(op, schedule, m, k, cols, moved_cols * itemsize, n, dtype, profile)
+    device_time = _simulate(op, schedule, m, k, cols, moved_cols * itemsize, n, dtype, profile)
+    if schedule.comm != "dma":
+        return device_time
+    return max(device_time + profile["dma_call_us"] * 1e-6, profile["dma_host_us"] * 1e-6)
 
 
 def _simulate(op, s: Schedule, m, k, cols, row_bytes, n, dtype, profile) -> float:
