@@ -101,8 +101,22 @@ def _check_axis_name(op: str, axis_name) -> None:
         )
 
 
-def _axis_size(axis_name: str) -> int:
-    return int(jax.lax.psum(1, axis_name))
+def _axis_size(axis_name: str, op: str = "dma") -> int:
+    try:
+        return int(jax.lax.psum(1, axis_name))
+    except NameError as exc:
+        raise ValueError(
+            f"{op}: axis {axis_name!r} is not bound here; call it inside jax.shard_map over a mesh "
+            f"with that axis ({exc})"
+        ) from exc
+
+
+def _check_not_empty(op: str, x) -> None:
+    if 0 in x.shape:
+        raise ValueError(
+            f"{op}: x has an empty dimension: found shape {tuple(x.shape)}, every dimension must be >= 1; "
+            f"skip the call, or use jax.lax for empty arrays"
+        )
 
 
 def _fault_code() -> int:
@@ -124,13 +138,22 @@ def _collective_schedule(op: str, schedule, n: int, rows: int) -> Schedule:
         schedule = Schedule(comm="dma", order="direct", chunks=1, copy_streams=streams)
     elif isinstance(schedule, str):
         schedule = Schedule.parse(schedule)
+    if not isinstance(schedule, Schedule):
+        raise TypeError(
+            f"{op}: schedule must be None, a comm='dma' ficco_jax.Schedule or its string form; "
+            f"found {type(schedule).__name__}"
+        )
     if schedule.comm != "dma":
         raise ValueError(f"{op}: dma.{op} runs comm='dma' schedules only, found {schedule}")
     problem = schedule._problem("ag_matmul", n)  # same transfer rules: ring/direct, stream counts
     if problem is not None:
         raise ValueError(f"{op}: schedule {schedule} is not valid: {problem}")
     if rows % schedule.chunks:
-        raise ValueError(f"{op}: {rows} rows per block must divide by schedule.chunks={schedule.chunks}")
+        valid = [c for c in config.CHUNK_CHOICES if rows % c == 0]
+        raise ValueError(
+            f"{op}: {rows} rows per block must divide by schedule.chunks={schedule.chunks}; "
+            f"valid chunk counts for this shape: {valid}"
+        )
     return schedule
 
 
@@ -301,7 +324,8 @@ def all_gather(x, axis_name, *, axis=0, tiled=True, schedule=None):
     if not tiled:
         raise NotImplementedError("dma.all_gather: only tiled=True is supported; use jax.lax.all_gather")
     axis = _normalize_axis("all_gather", axis, jnp.ndim(x))
-    n = _axis_size(axis_name)
+    _check_not_empty("all_gather", x)
+    n = _axis_size(axis_name, "all_gather")
     sched = _collective_schedule("all_gather", schedule, n, x.shape[axis])
     return _all_gather(x, axis_name, axis, sched)
 
@@ -316,7 +340,8 @@ def reduce_scatter(x, axis_name, *, scatter_dimension=0, tiled=True, schedule=No
     if not tiled:
         raise NotImplementedError("dma.reduce_scatter: only tiled=True is supported; use jax.lax.psum_scatter")
     axis = _normalize_axis("reduce_scatter", scatter_dimension, jnp.ndim(x))
-    n = _axis_size(axis_name)
+    _check_not_empty("reduce_scatter", x)
+    n = _axis_size(axis_name, "reduce_scatter")
     if x.shape[axis] % n:
         raise ValueError(
             f"reduce_scatter: x.shape[{axis}]={x.shape[axis]} must divide by the axis size {n} of {axis_name!r}"
@@ -326,6 +351,8 @@ def reduce_scatter(x, axis_name, *, scatter_dimension=0, tiled=True, schedule=No
 
 
 def _normalize_axis(op: str, axis: int, ndim: int) -> int:
+    if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
+        raise TypeError(f"{op}: axis must be an int, found {axis!r}")
     if ndim == 0:
         raise ValueError(f"{op}: x must have at least one dimension")
     if not -ndim <= axis < ndim:

@@ -18,6 +18,7 @@ from typing import Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from . import xla_lowering
@@ -55,6 +56,8 @@ def ag_matmul(x, w, axis_name: str, *, schedule: ScheduleArg = "auto", return_ga
     """
     n = _axis_size(axis_name, "ag_matmul")
     _check_operands("ag_matmul", x, w)
+    if not isinstance(return_gathered, (bool, np.bool_)):
+        raise TypeError(f"ag_matmul: return_gathered must be a bool, found {return_gathered!r}")
     sched = resolve_schedule("ag_matmul", schedule, (x.shape, w.shape), x.dtype, n)
     if return_gathered:
         return _ag_matmul_gathered(x, w, axis_name, sched)
@@ -81,7 +84,7 @@ def resolve_schedule(op: str, schedule: ScheduleArg, shapes, dtype, axis_size: i
     if isinstance(schedule, str) and schedule in ("auto", "autotune"):
         chosen = heuristics.choose(op, shapes, dtype, axis_size, autotune=(schedule == "autotune"))
         log.debug("%s %s %s: schedule %s", op, shapes, jnp.dtype(dtype).name, chosen)
-        return chosen
+        return _runnable(op, chosen, shapes, dtype, axis_size)
     if isinstance(schedule, str):
         schedule = Schedule.parse(schedule)
     if not isinstance(schedule, Schedule):
@@ -95,6 +98,24 @@ def resolve_schedule(op: str, schedule: ScheduleArg, shapes, dtype, axis_size: i
 
         dma.check_supported(op, dtype)
     return schedule
+
+
+def _runnable(op: str, chosen: Schedule, shapes, dtype, axis_size: int) -> Schedule:
+    """`chosen` if it can run this call; else the best schedule without copy engines.
+
+    The cost model ranks schedules by shape alone; the executor also needs one of
+    config.DMA_DTYPES. "auto" means "whatever runs fastest", so it falls back, and says so."""
+    if chosen.comm != "dma":
+        return chosen
+    from . import config, heuristics
+
+    name = jnp.dtype(dtype).name
+    if name in config.DMA_DTYPES:
+        return chosen
+    fallback = heuristics.select_schedule(op, shapes, dtype, axis_size, comms=("none", "xla"))
+    log.info("%s %s: 'auto' chose %s, but comm='dma' handles dtypes %s, not %s; using %s",
+             op, shapes, chosen, config.DMA_DTYPES, name, fallback)
+    return fallback
 
 
 # ------------------------------------------------------------------------------------------------
@@ -248,8 +269,15 @@ def _axis_size(axis_name, op: str) -> int:
 def _check_operands(op: str, a, w) -> None:
     names = ("x", "w") if op == "ag_matmul" else ("y", "w")
     for name, v in zip(names, (a, w)):
+        if not (hasattr(v, "shape") and hasattr(v, "dtype")):
+            raise TypeError(
+                f"{op}: {name} must be a jax or numpy array, found {type(v).__name__}; wrap it in jnp.asarray"
+            )
         if not jnp.issubdtype(v.dtype, jnp.floating):
-            raise TypeError(f"{op}: {name} must be a floating-point array, found dtype {v.dtype}")
+            raise TypeError(
+                f"{op}: {name} must be a floating-point array, found dtype {v.dtype}; "
+                f"cast it, e.g. {name}.astype(jnp.bfloat16)"
+            )
     if a.dtype != w.dtype:
         raise TypeError(
             f"{op}: {names[0]} and w must have the same dtype, found {a.dtype} and {w.dtype}; "

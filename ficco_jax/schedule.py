@@ -122,6 +122,10 @@ class Schedule:
                 f"cannot parse schedule {text!r}: expected 'none' or COMM/ORDER/cCHUNKS[/grouped][/sSTREAMS], "
                 f"e.g. 'dma/direct/c4/s2'"
             )
+        if not parts[2][1:].isdigit():
+            raise ValueError(
+                f"cannot parse schedule {text!r}: chunks {parts[2]!r} must be c<positive int>, e.g. 'c4'"
+            )
         fields = dict(comm=parts[0], order=parts[1], chunks=int(parts[2][1:]))
         for extra in parts[3:]:
             if extra == "grouped":
@@ -193,7 +197,10 @@ def check_shapes(op: str, shapes: Sequence[Sequence[int]], axis_size: int) -> in
                 f"into rows first (ficco_jax.overlap does this for einsum forms)"
             )
         if 0 in shape:
-            raise ValueError(f"{op}: {name} has an empty dimension, shape {shape}")
+            raise ValueError(
+                f"{op}: {name} has an empty dimension: found shape {shape}, every dimension must be >= 1; "
+                f"skip the call when there is nothing to compute"
+            )
     if a[1] != w[0]:
         raise ValueError(
             f"{op}: contraction sizes differ: {names[0]}.shape[1]={a[1]} but w.shape[0]={w[0]} "

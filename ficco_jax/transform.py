@@ -71,6 +71,13 @@ class _Options:
 
     @classmethod
     def make(cls, schedule, autotune: bool, ops: Sequence[str]) -> "_Options":
+        if isinstance(ops, str) or not isinstance(ops, (tuple, list, set, frozenset)):
+            raise TypeError(
+                f"overlap: ops must be a sequence of op names from {(AG, RS)}, found "
+                f"{'the str ' if isinstance(ops, str) else ''}{ops!r}; write ops=({ops!r},)"
+            )
+        if not isinstance(autotune, bool):
+            raise TypeError(f"overlap: autotune must be a bool, found {autotune!r}")
         unknown = [op for op in ops if op not in (AG, RS)]
         if unknown:
             raise ValueError(f"overlap: unknown ops {unknown}; valid ops: {(AG, RS)}")
@@ -344,7 +351,9 @@ def overlap(fn: Callable | None = None, *, schedule="auto", autotune: bool = Fal
     """
     options = _Options.make(schedule, autotune, ops)
     if fn is None:
-        return lambda f: Overlapped(f, options)
+        return lambda f: overlap(f, schedule=schedule, autotune=autotune, ops=ops)
+    if not callable(fn):
+        raise TypeError(f"overlap: fn must be callable, found {type(fn).__name__} {fn!r}")
     return Overlapped(fn, options)
 
 

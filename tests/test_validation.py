@@ -1,0 +1,237 @@
+"""Input validation at trace time: every public op and `overlap` rejects bad input with an error
+that names the op, the argument, what was expected and what was found; `schedule="auto"` always
+resolves to a schedule that can run.
+
+(test_ops.py covers ag_matmul's dtype / contraction / axis / schedule-type errors and the
+unsplittable-rows message; test_dma.py the dma dtype, tiled=False and tuple-axis errors. This
+file covers the rest: matmul_rs, the standalone collectives, `overlap`, and "auto".)
+"""
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import logging  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import ficco_jax  # noqa: E402
+from ficco_jax import _ext, config, heuristics, ops  # noqa: E402
+from ficco_jax.schedule import COMMS, Schedule  # noqa: E402
+from helpers import ag_specs, rs_specs, run_sharded  # noqa: E402
+
+needs_ext = pytest.mark.skipif(not _ext.available(), reason="ficco_jax._ffi is not built")
+
+
+def _zeros(shape, dtype="float32"):
+    return jnp.zeros(shape, dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# The ops: one row per mistake; the message must name the op, the argument and expected vs found
+# ------------------------------------------------------------------------------------------------
+def _rs(mesh, y, w, schedule="auto", axis="tp"):
+    return run_sharded(mesh, lambda y, w: ficco_jax.matmul_rs(y, w, axis, schedule=schedule), rs_specs(mesh), y, w)
+
+
+def _ag(mesh, x, w, schedule="auto", axis="tp", **kwargs):
+    def body(x, w):
+        out = ficco_jax.ag_matmul(x, w, axis, schedule=schedule, **kwargs)
+        return out[0] if isinstance(out, tuple) else out
+    return run_sharded(mesh, body, ag_specs(mesh), x, w)
+
+
+# Per device on the 1-D mesh of 8: y [8*4, 8], w [8, 6] unless a case changes it.
+Y, W_RS = (8 * 32, 8 * 8), (8 * 8, 6)
+X, W_AG = (8 * 16, 8), (8, 8 * 6)
+
+OP_CASES = [
+    # id, call(mesh), exception, regex over the message
+    ("rs-int-dtype", lambda m: _rs(m, _zeros(Y, "int32"), _zeros(W_RS, "int32"), "xla/ring/c1"),
+     TypeError, r"matmul_rs: y must be a floating-point array, found dtype int32.*astype"),
+    ("rs-mixed-dtype", lambda m: _rs(m, _zeros(Y), _zeros(W_RS, "bfloat16"), "none"),
+     TypeError, r"matmul_rs: y and w must have the same dtype, found float32 and bfloat16"),
+    ("rs-mixed-dtype-dma", lambda m: _rs(m, _zeros(Y, "bfloat16"), _zeros(W_RS, "float16"), "dma/direct/c1"),
+     TypeError, r"matmul_rs: y and w must have the same dtype, found bfloat16 and float16"),
+    ("rs-contraction", lambda m: _rs(m, _zeros(Y), _zeros((8 * 9, 6)), "xla/ring/c1"),
+     ValueError, r"matmul_rs: contraction sizes differ: y.shape\[1\]=8 but w.shape\[0\]=9"),
+    ("rs-rank-3", lambda m: run_sharded(
+        m, lambda y, w: ficco_jax.matmul_rs(y, w, "tp"), ((P(None, None, "tp"), P("tp", None)), P("tp")),
+        _zeros((32, 2, 64)), _zeros(W_RS)),
+     ValueError, r"matmul_rs: y must be 2-D per device, found shape \(32, 2, 8\)"),
+    ("rs-empty", lambda m: _rs(m, _zeros((0, 64)), _zeros(W_RS)),
+     ValueError, r"matmul_rs: y has an empty dimension: found shape \(0, 8\).*>= 1"),
+    ("rs-axis-not-in-mesh", lambda m: _rs(m, _zeros(Y), _zeros(W_RS), axis="sp"),
+     ValueError, r"matmul_rs: axis 'sp' is not bound here"),
+    ("rs-rows-vs-chunks-dma", lambda m: _rs(m, _zeros((8 * 3, 64)), _zeros(W_RS), "dma/direct/c4"),
+     ValueError, r"matmul_rs: rows per output block \(M / 8\) = 3 .*chunks=4.*valid chunk counts.*\[1\]"),
+    ("rs-dma-ring", lambda m: _rs(m, _zeros(Y), _zeros(W_RS), "dma/ring/c1"),
+     ValueError, r"matmul_rs: schedule dma/ring/c1 is not valid: .*valid orders: \('direct',\)"),
+    ("rs-dma-dtype", lambda m: _rs(m, _zeros(Y, "float8_e4m3fn"), _zeros(W_RS, "float8_e4m3fn"), "dma/direct/c1"),
+     TypeError, r"matmul_rs: comm='dma' handles dtypes .*found float8_e4m3fn.*comm='xla'"),
+    ("rs-streams-vs-peers", lambda m: _rs(m, _zeros(Y), _zeros(W_RS), "dma/direct/c1/s8"),
+     ValueError, r"copy_streams=8 exceeds the 7 peers"),
+    ("ag-list-operand", lambda m: run_sharded(m, lambda x, w: ficco_jax.ag_matmul([[1.0] * 8], w, "tp"),
+                                              ag_specs(m), _zeros(X), _zeros(W_AG)),
+     TypeError, r"ag_matmul: x must be a jax or numpy array, found list"),
+    ("ag-return-gathered-not-bool", lambda m: _ag(m, _zeros(X), _zeros(W_AG), return_gathered="yes"),
+     TypeError, r"ag_matmul: return_gathered must be a bool, found 'yes'"),
+    ("ag-unparsable-chunks", lambda m: _ag(m, _zeros(X), _zeros(W_AG), "xla/ring/cX"),
+     ValueError, r"cannot parse schedule 'xla/ring/cX': chunks 'cX' must be c<positive int>"),
+    ("ag-rows-vs-chunks-dma", lambda m: _ag(m, _zeros((8 * 6, 8)), _zeros(W_AG), "dma/ring/c4"),
+     ValueError, r"ag_matmul: rows per device = 6 .*chunks=4.*valid chunk counts.*\[1, 2\]"),
+]
+
+
+@needs_ext
+@pytest.mark.parametrize("call,exc,pattern", [pytest.param(*c[1:], id=c[0]) for c in OP_CASES])
+def test_op_rejects_bad_input(mesh1d, call, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        call(mesh1d)
+
+
+def test_ops_check_their_axis_on_a_2d_mesh(mesh2d):
+    """On the (dp=2, tp=4) mesh an op over 'dp' checks rows against dp's size, not tp's."""
+    y, w = _zeros((3, 4 * 8)), _zeros((4 * 8, 6))  # y [3, 8] per device: 3 rows over dp=2
+    specs = ((P(None, "tp"), P("tp", None)), P(None, None))
+    with pytest.raises(ValueError, match=r"matmul_rs: y.shape\[0\]=3 rows must divide by the axis size 2"):
+        run_sharded(mesh2d, lambda y, w: ficco_jax.matmul_rs(y, w, "dp", schedule="xla/ring/c1"), specs, y, w)
+
+
+# ------------------------------------------------------------------------------------------------
+# The standalone collectives
+# ------------------------------------------------------------------------------------------------
+def _gather(mesh, x, **kwargs):
+    return run_sharded(mesh, lambda a: ficco_jax.dma.all_gather(a, kwargs.pop("axis_name", "tp"), **kwargs),
+                       ((P("tp"),), P("tp")), x)
+
+
+def _scatter(mesh, x, **kwargs):
+    return run_sharded(mesh, lambda a: ficco_jax.dma.reduce_scatter(a, kwargs.pop("axis_name", "tp"), **kwargs),
+                       ((P("tp"),), P("tp")), x)
+
+
+COLLECTIVE_CASES = [
+    ("ag-axis-not-in-mesh", lambda m: _gather(m, _zeros((64, 4)), axis_name="sp"),
+     ValueError, r"all_gather: axis 'sp' is not bound here"),
+    ("rs-axis-not-in-mesh", lambda m: _scatter(m, _zeros((512, 4)), axis_name="sp"),
+     ValueError, r"reduce_scatter: axis 'sp' is not bound here"),
+    ("ag-empty", lambda m: _gather(m, _zeros((0, 4))),
+     ValueError, r"all_gather: x has an empty dimension: found shape \(0, 4\)"),
+    ("ag-empty-inner", lambda m: _gather(m, _zeros((64, 0))),
+     ValueError, r"all_gather: x has an empty dimension: found shape \(8, 0\)"),
+    ("rs-empty", lambda m: _scatter(m, _zeros((512, 0))),
+     ValueError, r"reduce_scatter: x has an empty dimension: found shape \(64, 0\)"),
+    ("ag-axis-not-int", lambda m: _gather(m, _zeros((64, 4)), axis=1.0),
+     TypeError, r"all_gather: axis must be an int, found 1.0"),
+    ("rs-dim-out-of-range", lambda m: _scatter(m, _zeros((512, 4)), scatter_dimension=2),
+     ValueError, r"reduce_scatter: axis 2 is out of range for an array of rank 2"),
+    ("ag-schedule-type", lambda m: _gather(m, _zeros((64, 4)), schedule=3),
+     TypeError, r"all_gather: schedule must be None, a comm='dma' ficco_jax.Schedule or its string form; found int"),
+    ("ag-schedule-xla", lambda m: _gather(m, _zeros((64, 4)), schedule="xla/ring/c1"),
+     ValueError, r"all_gather: dma.all_gather runs comm='dma' schedules only, found xla/ring/c1"),
+    ("ag-rows-vs-chunks", lambda m: _gather(m, _zeros((24, 4)), schedule="dma/direct/c8"),
+     ValueError, r"all_gather: 3 rows per block .*schedule.chunks=8; valid chunk counts for this shape: \[1\]"),
+    ("rs-not-divisible", lambda m: _scatter(m, _zeros((8 * 12, 4))),
+     ValueError, r"reduce_scatter: x.shape\[0\]=12 must divide by the axis size 8"),
+    ("rs-dtype", lambda m: _scatter(m, _zeros((512, 4), "complex64")),
+     TypeError, r"reduce_scatter: comm='dma' handles dtypes .*found complex64"),
+]
+
+
+@needs_ext
+@pytest.mark.parametrize("call,exc,pattern", [pytest.param(*c[1:], id=c[0]) for c in COLLECTIVE_CASES])
+def test_collective_rejects_bad_input(mesh1d, call, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        call(mesh1d)
+
+
+@needs_ext
+def test_dma_across_processes_is_refused(mesh1d, monkeypatch):
+    """Copy engines reach only the devices of this process: a group that spans processes must be
+    refused when lowered, pointing at comm='xla'. (Faked: this process claims another index.)"""
+    monkeypatch.setattr(jax, "process_index", lambda *a, **k: 1)
+    with pytest.raises(ValueError, match=r"all_gather: mesh axis 'tp' spans several processes.*comm='xla'"):
+        _gather(mesh1d, _zeros((64, 4)))
+    with pytest.raises(ValueError, match=r"ag_matmul: mesh axis 'tp' spans several processes.*comm='xla'"):
+        _ag(mesh1d, _zeros(X), _zeros(W_AG), "dma/direct/c1")
+
+
+# ------------------------------------------------------------------------------------------------
+# overlap(fn)
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs,exc,pattern", [
+    (dict(fn=3), TypeError, r"overlap: fn must be callable, found int"),
+    (dict(ops="ag_matmul"), TypeError, r"overlap: ops must be a sequence of op names.*found the str 'ag_matmul'"),
+    (dict(autotune="yes"), TypeError, r"overlap: autotune must be a bool, found 'yes'"),
+    (dict(schedule=3), TypeError, r"overlap: schedule must be"),
+    (dict(schedule="dma/sideways/c2"), ValueError, r"order='sideways' is not one of"),
+], ids=["fn", "ops-str", "autotune", "schedule-type", "schedule-order"])
+def test_overlap_rejects_bad_arguments(kwargs, exc, pattern):
+    fn = kwargs.pop("fn", lambda x: x)
+    with pytest.raises(exc, match=pattern):
+        ficco_jax.overlap(fn, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------
+# schedule="auto" always resolves to a schedule that runs
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture
+def gpu_like_auto(monkeypatch):
+    """'auto' as on a GPU with the CUDA build: the cost model over every comm kind (on CPU,
+    `heuristics.choose` short-cuts to comm='none')."""
+    def choose(op, shapes, dtype, axis_size, *, autotune=False):
+        return heuristics.select_schedule(op, shapes, dtype, axis_size, comms=COMMS)
+    monkeypatch.setattr(heuristics, "choose", choose)
+
+
+@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs"])
+def test_auto_avoids_dma_for_a_dtype_the_executor_lacks(gpu_like_auto, caplog, op):
+    """float64 is not a copy-engine dtype; the model alone would pick dma for this large shape."""
+    n, shapes = 4, ((2048, 8192), (8192, 2560)) if op == "ag_matmul" else ((8192, 2560), (2560, 8192))
+    assert heuristics.select_schedule(op, shapes, "float64", n, comms=COMMS).comm == "dma"
+    with caplog.at_level(logging.INFO, logger="ficco_jax"):
+        chosen = ops.resolve_schedule(op, "auto", shapes, np.float64, n)
+    assert chosen.comm != "dma", chosen
+    chosen.validate(op, shapes, n)
+    assert "float64" in caplog.text and "comm='dma'" in caplog.text
+
+
+def test_auto_with_float64_runs_end_to_end(gpu_like_auto, mesh1d):
+    previous = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    try:
+        x = jnp.ones((8 * 256, 512), jnp.float64)
+        w = jnp.ones((512, 8 * 256), jnp.float64)
+        out = run_sharded(mesh1d, lambda x, w: ficco_jax.ag_matmul(x, w, "tp"), ag_specs(mesh1d), x, w)
+    finally:
+        jax.config.update("jax_enable_x64", previous)
+    assert out.dtype == jnp.float64 and float(out[0, 0]) == 512.0
+
+
+@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs"])
+def test_auto_is_valid_for_awkward_shapes_and_axis_sizes(gpu_like_auto, op):
+    """Rows that few chunk counts divide (primes, odd), every axis size 1..8, small and large K/N."""
+    for n in range(1, 9):
+        for rows in (1, 3, 5, 6, 7, 9, 12, 1023, 1536, 3000):
+            for k, cols in ((8, 8), (4096, 4096)):
+                a = (rows, k) if op == "ag_matmul" else (rows * n, k)
+                shapes = (a, (k, cols))
+                for dtype in ("bfloat16", "float32", "float64"):
+                    chosen = ops.resolve_schedule(op, "auto", shapes, dtype, n)
+                    chosen.validate(op, shapes, n)
+                    if chosen.comm == "dma":
+                        assert dtype in config.DMA_DTYPES
+
+
+@needs_ext
+def test_auto_on_a_2d_mesh_with_odd_rows_runs(gpu_like_auto, mesh2d, rng):
+    """End to end through the executor on the (dp=2, tp=4) mesh, 3 rows per device."""
+    x = jnp.asarray(rng.standard_normal((8 * 3, 512)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((512, 4 * 512)), jnp.float32)
+    got = run_sharded(mesh2d, lambda x, w: ficco_jax.ag_matmul(x, w, "tp"), ag_specs(mesh2d), x, w)
+    want = run_sharded(mesh2d, lambda x, w: ficco_jax.ag_matmul_ref(x, w, "tp"), ag_specs(mesh2d), x, w)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-3)
