@@ -394,3 +394,16 @@ def _reduce_scatter_bwd(axis_name, axis, sched, _, g):
 
 
 _reduce_scatter.defvjp(_reduce_scatter_fwd, _reduce_scatter_bwd)
+
+
+# The all-to-all family (standalone all_to_all and the expert-parallel fused ops) lives in
+# dma_a2a.py, which adds its targets to the tables above; loaded on first use.
+_A2A_NAMES = ("all_to_all", "all_to_all_ref", "a2a_matmul_dma", "matmul_a2a_dma")
+
+
+def __getattr__(name):
+    if name in _A2A_NAMES:
+        from . import dma_a2a
+
+        return getattr(dma_a2a, name)
+    raise AttributeError(f"module 'ficco_jax.dma' has no attribute {name!r}")

@@ -15,42 +15,32 @@ std::string Join(const std::vector<int64_t>& values) {
   return out.str();
 }
 
-// The rendezvous of one call: the key is (run id, op id, occurrence, phase, group), where the
-// occurrence separates repeated executions of one call site inside one launch (lax.scan,
-// fori_loop, rematerialised copies), because every device runs them in the same order.
-class CallSession {
- public:
-  CallSession(const OpConfig& config, std::vector<int64_t> signature)
-      : config_(config), signature_(std::move(signature)) {
-    occurrence_ = Registry::Get().Device(config.ctx.device_ordinal).NextOccurrence(config.run_id,
-                                                                                  config.ctx.op_id);
-  }
+}  // namespace
 
-  // Posts (buffer, events) and returns every rank's post once all have arrived. A peer whose
-  // shapes or schedule differ from ours is an error, not a wrong answer.
-  ffi::Error Meet(Phase phase, const void* buffer, std::vector<Event> events, std::vector<Post>* posts) {
-    RendezvousKey key{config_.run_id, config_.ctx.op_id, occurrence_, phase, config_.group_index};
-    Arrival who{&config_.ctx, &config_.group, config_.rank, config_.timeout_s, config_.spin_s};
-    Post post{config_.ctx.device_ordinal, signature_, buffer, std::move(events)};
-    FICCO_RETURN_IF_ERROR(Registry::Get().rendezvous().Arrive(key, who, std::move(post), posts));
-    for (int rank = 0; rank < config_.n(); ++rank) {
-      const Post& peer = (*posts)[rank];
-      if (peer.signature != signature_) {
-        return MakeInvalid(config_.ctx, "rank " + std::to_string(rank) + " (device " +
-                                            std::to_string(peer.ordinal) + ") runs this op with [" +
-                                            Join(peer.signature) + "] but rank " +
-                                            std::to_string(config_.rank) + " with [" +
-                                            Join(signature_) + "] (shapes, dtype, schedule)");
-      }
+// ---------------------------------------------------------------------------------------------
+// Building blocks shared by every op's executor (declared in executor.h)
+// ---------------------------------------------------------------------------------------------
+CallSession::CallSession(const OpConfig& config, std::vector<int64_t> signature)
+    : config_(config), signature_(std::move(signature)) {
+  occurrence_ = Registry::Get().Device(config.ctx.device_ordinal).NextOccurrence(config.run_id, config.ctx.op_id);
+}
+
+ffi::Error CallSession::Meet(Phase phase, const void* buffer, std::vector<Event> events, std::vector<Post>* posts) {
+  RendezvousKey key{config_.run_id, config_.ctx.op_id, occurrence_, phase, config_.group_index};
+  Arrival who{&config_.ctx, &config_.group, config_.rank, config_.timeout_s, config_.spin_s};
+  Post post{config_.ctx.device_ordinal, signature_, buffer, std::move(events)};
+  FICCO_RETURN_IF_ERROR(Registry::Get().rendezvous().Arrive(key, who, std::move(post), posts));
+  for (int rank = 0; rank < config_.n(); ++rank) {
+    const Post& peer = (*posts)[rank];
+    if (peer.signature != signature_) {
+      return MakeInvalid(config_.ctx, "rank " + std::to_string(rank) + " (device " + std::to_string(peer.ordinal) +
+                                          ") runs this op with [" + Join(peer.signature) + "] but rank " +
+                                          std::to_string(config_.rank) + " with [" + Join(signature_) +
+                                          "] (shapes, dtype, schedule)");
     }
-    return ffi::Error::Success();
   }
-
- private:
-  const OpConfig& config_;
-  std::vector<int64_t> signature_;
-  int64_t occurrence_ = 0;
-};
+  return ffi::Error::Success();
+}
 
 int CopyStreamsUsed(const OpConfig& config) {
   if (config.order == Order::kRing) return 1;
@@ -100,8 +90,6 @@ ffi::Error CheckChunks(const OpConfig& config, int64_t rows, const char* what) {
   return MakeInvalid(config.ctx, std::string(what) + " = " + std::to_string(rows) +
                                      " must divide by chunks = " + std::to_string(config.chunks));
 }
-
-}  // namespace
 
 // ---------------------------------------------------------------------------------------------
 // all_gather and ag_matmul

@@ -108,6 +108,35 @@ struct ReduceScatterArgs {    // matmul_rs and reduce_scatter
 ffi::Error RunAllGather(Backend& backend, const OpConfig& config, const AllGatherArgs& args);
 ffi::Error RunReduceScatter(Backend& backend, const OpConfig& config, const ReduceScatterArgs& args);
 
+// ------------------------------------------------------------------------------------------
+// Building blocks shared by the executors of every op (executor.cc, executor_a2a.cc).
+// ------------------------------------------------------------------------------------------
+// The rendezvous of one call: the key is (run id, op id, occurrence, phase, group), where the
+// occurrence separates repeated executions of one call site inside one launch (lax.scan,
+// fori_loop, rematerialised copies), because every device runs them in the same order.
+class CallSession {
+ public:
+  // `signature`: shapes, dtype and schedule; every rank of the group must post the same one.
+  CallSession(const OpConfig& config, std::vector<int64_t> signature);
+  // Posts (buffer, events) and returns every rank's post once all have arrived. A peer whose
+  // shapes or schedule differ from ours is an error, not a wrong answer.
+  ffi::Error Meet(Phase phase, const void* buffer, std::vector<Event> events, std::vector<Post>* posts);
+
+ private:
+  const OpConfig& config_;
+  std::vector<int64_t> signature_;
+  int64_t occurrence_ = 0;
+};
+
+// Copy streams a call uses: one for ring, else min(copy_streams, n - 1).
+int CopyStreamsUsed(const OpConfig& config);
+// The injected fault of config.FAULT_INJECTION, if it is for this rank and moment.
+ffi::Error CheckFault(const OpConfig& config, Fault when);
+// `rows` (of a block or chunked dimension, named by `what`) must divide by config.chunks.
+ffi::Error CheckChunks(const OpConfig& config, int64_t rows, const char* what);
+// The join and event release that end every call (see executor.cc).
+ffi::Error JoinAndRelease(Backend& backend, const OpConfig& config, CallSession& session);
+
 }  // namespace ficco
 
 #endif  // FICCO_JAX_XLA_FFI_EXECUTOR_H_

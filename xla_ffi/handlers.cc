@@ -3,8 +3,8 @@
 #include <sstream>
 
 namespace ficco {
-namespace {
 
+// Buffer checks shared by every op's Impl (declared in handlers.h).
 std::string Shape(ffi::AnyBuffer buffer) {
   std::ostringstream out;
   out << "[";
@@ -44,8 +44,6 @@ ffi::Error SameDtype(const CallContext& ctx, std::initializer_list<ffi::AnyBuffe
   }
   return ToDtype(ctx, first, dtype);
 }
-
-}  // namespace
 
 ffi::Error DecodeConfig(const OpAttrs& attrs, const char* target, int32_t device_ordinal, int64_t run_id,
                         OpConfig* config) {

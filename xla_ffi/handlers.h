@@ -4,6 +4,9 @@
 #define FICCO_JAX_XLA_FFI_HANDLERS_H_
 
 #include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <vector>
 
 #include "executor.h"
 
@@ -27,6 +30,12 @@ struct OpAttrs {
   int64_t fault;                  // -1 none, else mode * 1000 + rank (mode 1 skip, 2 fail)
 };
 
+// Buffer checks shared by the Impls: "[2, 3]"; `buffer` has exactly `dims` (the message names
+// `name`); every buffer has one supported dtype.
+std::string Shape(ffi::AnyBuffer buffer);
+ffi::Error ExpectShape(const CallContext& ctx, const char* name, ffi::AnyBuffer buffer, std::vector<int64_t> dims);
+ffi::Error SameDtype(const CallContext& ctx, std::initializer_list<ffi::AnyBuffer> buffers, Dtype* dtype);
+
 ffi::Error DecodeConfig(const OpAttrs& attrs, const char* target, int32_t device_ordinal, int64_t run_id,
                         OpConfig* config);
 
@@ -39,5 +48,14 @@ ffi::Error ReduceScatterImpl(Backend& backend, const OpConfig& config, ffi::AnyB
                              ffi::AnyBuffer recv);
 
 }  // namespace ficco
+
+// How XLA decodes OpAttrs from the attribute dictionary (every target binds .Attrs<OpAttrs>()).
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    ficco::OpAttrs, ::xla::ffi::StructMember<int64_t>("op_id"),
+    ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("groups"),
+    ::xla::ffi::StructMember<int64_t>("group_size"), ::xla::ffi::StructMember<int64_t>("chunks"),
+    ::xla::ffi::StructMember<int64_t>("order"), ::xla::ffi::StructMember<int64_t>("gemm"),
+    ::xla::ffi::StructMember<int64_t>("copy_streams"), ::xla::ffi::StructMember<int64_t>("timeout_ms"),
+    ::xla::ffi::StructMember<int64_t>("fault"));
 
 #endif  // FICCO_JAX_XLA_FFI_HANDLERS_H_

@@ -8,18 +8,21 @@
 #include <functional>
 #include <string>
 
+#include "a2a.h"
 #include "backends.h"
 #include "handlers.h"
 #include "nanobind/nanobind.h"
 #include "xla/ffi/api/c_api.h"
 
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
-    ficco::OpAttrs, ::xla::ffi::StructMember<int64_t>("op_id"),
-    ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("groups"),
-    ::xla::ffi::StructMember<int64_t>("group_size"), ::xla::ffi::StructMember<int64_t>("chunks"),
-    ::xla::ffi::StructMember<int64_t>("order"), ::xla::ffi::StructMember<int64_t>("gemm"),
-    ::xla::ffi::StructMember<int64_t>("copy_streams"), ::xla::ffi::StructMember<int64_t>("timeout_ms"),
-    ::xla::ffi::StructMember<int64_t>("fault"));
+// The all-to-all targets' handler symbols live in handlers_a2a.cc.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FiccoAllToAllCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FiccoA2aMatmulCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FiccoMatmulA2aCpu);
+#ifdef FICCO_WITH_CUDA
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FiccoAllToAllCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FiccoA2aMatmulCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FiccoMatmulA2aCuda);
+#endif
 
 namespace ficco {
 namespace {
@@ -249,11 +252,17 @@ NB_MODULE(_ffi, m) {
     targets[ficco::kMatmulRsTarget] = Platforms(FiccoMatmulRsCpu, FiccoMatmulRsCuda);
     targets[ficco::kAllGatherTarget] = Platforms(FiccoAllGatherCpu, FiccoAllGatherCuda);
     targets[ficco::kReduceScatterTarget] = Platforms(FiccoReduceScatterCpu, FiccoReduceScatterCuda);
+    targets[ficco::kAllToAllTarget] = Platforms(FiccoAllToAllCpu, FiccoAllToAllCuda);
+    targets[ficco::kA2aMatmulTarget] = Platforms(FiccoA2aMatmulCpu, FiccoA2aMatmulCuda);
+    targets[ficco::kMatmulA2aTarget] = Platforms(FiccoMatmulA2aCpu, FiccoMatmulA2aCuda);
 #else
     targets[ficco::kAgMatmulTarget] = Platforms(FiccoAgMatmulCpu, nullptr);
     targets[ficco::kMatmulRsTarget] = Platforms(FiccoMatmulRsCpu, nullptr);
     targets[ficco::kAllGatherTarget] = Platforms(FiccoAllGatherCpu, nullptr);
     targets[ficco::kReduceScatterTarget] = Platforms(FiccoReduceScatterCpu, nullptr);
+    targets[ficco::kAllToAllTarget] = Platforms(FiccoAllToAllCpu, nullptr);
+    targets[ficco::kA2aMatmulTarget] = Platforms(FiccoA2aMatmulCpu, nullptr);
+    targets[ficco::kMatmulA2aTarget] = Platforms(FiccoMatmulA2aCpu, nullptr);
 #endif
     return targets;
   });

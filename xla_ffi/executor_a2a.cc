@@ -1,0 +1,166 @@
+// The executors of all_to_all, a2a_matmul (dispatch) and matmul_a2a (combine); roles in a2a.h.
+// Rendezvous, fault injection and the join are the shared building blocks of executor.h.
+#include "a2a.h"
+
+namespace ficco {
+namespace {
+
+const char* Offset(const void* base, int64_t bytes) { return static_cast<const char*>(base) + bytes; }
+char* Offset(void* base, int64_t bytes) { return static_cast<char*>(base) + bytes; }
+
+// Byte offsets inside a [n, groups, rows, row] buffer with `row_bytes` bytes per row.
+struct BlockLayout {
+  int64_t groups, rows, row_bytes;
+  int64_t Block() const { return groups * rows * row_bytes; }
+  int64_t At(int64_t block, int64_t group, int64_t row) const {
+    return ((block * groups + group) * rows + row) * row_bytes;
+  }
+};
+
+// Signature kinds of the a2a targets (executor.cc uses 1 .. 4 for its ops).
+enum SignatureKind : int64_t { kAllToAllKind = 5, kA2aMatmulKind = 6, kMatmulA2aKind = 7 };
+
+// Dispatch, compute stream: each local expert's matmul on every landed chunk, peers in pull order.
+ffi::Error DispatchMatmuls(Backend& backend, const OpConfig& config, const AllToAllArgs& a,
+                           const std::vector<std::vector<Event>>& landed) {
+  const int64_t esize = static_cast<int64_t>(ByteWidth(a.dtype));
+  const BlockLayout in{a.groups, a.rows, a.row_bytes};
+  const BlockLayout res{a.groups, a.rows, a.cols * esize};
+  const int64_t q = a.rows / config.chunks;
+  auto expert_gemm = [&](int peer, int64_t e, int64_t row, int64_t rows) {
+    return backend.Gemm({Offset(a.received, in.At(peer, e, row)), Offset(a.w, e * a.inner * a.cols * esize),
+                         Offset(a.out, res.At(peer, e, row)), rows, a.inner, a.cols, a.dtype});
+  };
+  for (int slot = 0; slot < config.n() - 1; ++slot) {
+    const int peer = config.SourceOfSlot(slot);
+    for (int64_t j = 0; j < config.chunks; ++j) {
+      FICCO_RETURN_IF_ERROR(backend.Wait(Backend::kCompute, landed[slot][j]));
+      if (config.gemm != GemmMode::kPerChunk) continue;
+      for (int64_t e = 0; e < a.groups; ++e) FICCO_RETURN_IF_ERROR(expert_gemm(peer, e, j * q, q));
+    }
+    if (config.gemm == GemmMode::kGrouped) {
+      for (int64_t e = 0; e < a.groups; ++e) FICCO_RETURN_IF_ERROR(expert_gemm(peer, e, 0, a.rows));
+    }
+  }
+  return ffi::Error::Success();
+}
+
+// Combine, compute stream before the exchange: the results for every peer (send slots, one event
+// per chunk), then our own block straight into `out`. gemm=grouped: one matmul per expert and
+// peer block, one event for all of its chunks (they still move separately).
+ffi::Error CombineMatmuls(Backend& backend, const OpConfig& config, const MatmulAllToAllArgs& a,
+                          std::vector<Event>* written) {
+  const int64_t esize = static_cast<int64_t>(ByteWidth(a.dtype));
+  const BlockLayout in{a.groups, a.rows, a.inner * esize};
+  const BlockLayout res{a.groups, a.rows, a.cols * esize};
+  const int64_t q = a.rows / config.chunks;
+  auto expert_gemm = [&](int64_t source_block, void* dst, int64_t dst_block, int64_t e, int64_t row, int64_t rows) {
+    return backend.Gemm({Offset(a.y, in.At(source_block, e, row)), Offset(a.w, e * a.inner * a.cols * esize),
+                         Offset(dst, res.At(dst_block, e, row)), rows, a.inner, a.cols, a.dtype});
+  };
+  written->assign((config.n() - 1) * config.chunks, nullptr);
+  for (int slot = 0; slot < config.n() - 1; ++slot) {
+    const int target = config.TargetOfSlot(slot);
+    if (config.gemm == GemmMode::kGrouped) {
+      for (int64_t e = 0; e < a.groups; ++e) FICCO_RETURN_IF_ERROR(expert_gemm(target, a.send, slot, e, 0, a.rows));
+      Event done;
+      FICCO_RETURN_IF_ERROR(backend.Record(Backend::kCompute, &done));
+      for (int64_t j = 0; j < config.chunks; ++j) (*written)[slot * config.chunks + j] = done;
+      continue;
+    }
+    for (int64_t j = 0; j < config.chunks; ++j) {
+      for (int64_t e = 0; e < a.groups; ++e) FICCO_RETURN_IF_ERROR(expert_gemm(target, a.send, slot, e, j * q, q));
+      FICCO_RETURN_IF_ERROR(backend.Record(Backend::kCompute, &(*written)[slot * config.chunks + j]));
+    }
+  }
+  for (int64_t e = 0; e < a.groups; ++e) FICCO_RETURN_IF_ERROR(expert_gemm(config.rank, a.out, config.rank, e, 0, a.rows));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+ffi::Error RunAllToAll(Backend& backend, const OpConfig& config, const AllToAllArgs& a) {
+  FICCO_RETURN_IF_ERROR(CheckFault(config, Fault::kSkip));
+  FICCO_RETURN_IF_ERROR(CheckChunks(config, a.rows, "rows per peer block (the capacity C)"));
+  FICCO_RETURN_IF_ERROR(backend.Prepare(CopyStreamsUsed(config), config.group));
+  const bool matmul = a.w != nullptr;
+  CallSession session(config, {matmul ? kA2aMatmulKind : kAllToAllKind, static_cast<int>(a.dtype), a.groups, a.rows,
+                               a.row_bytes, a.inner, a.cols, config.chunks, static_cast<int>(config.order),
+                               static_cast<int>(config.gemm), config.copy_streams, config.n()});
+  const int r = config.rank;
+  const int64_t esize = static_cast<int64_t>(ByteWidth(a.dtype));
+  const BlockLayout layout{a.groups, a.rows, a.row_bytes};
+
+  // Owner: x is valid from `ready`; our own tokens for our own experts need no peer.
+  Event ready;
+  FICCO_RETURN_IF_ERROR(backend.Record(Backend::kCompute, &ready));
+  if (matmul) {
+    const BlockLayout res{a.groups, a.rows, a.cols * esize};
+    for (int64_t e = 0; e < a.groups; ++e) {
+      FICCO_RETURN_IF_ERROR(backend.Gemm({Offset(a.x, layout.At(r, e, 0)), Offset(a.w, e * a.inner * a.cols * esize),
+                                          Offset(a.out, res.At(r, e, 0)), a.rows, a.inner, a.cols, a.dtype}));
+    }
+  }
+  std::vector<Post> posts;
+  FICCO_RETURN_IF_ERROR(session.Meet(Phase::kExchange, a.x, {ready}, &posts));
+  FICCO_RETURN_IF_ERROR(CheckFault(config, Fault::kFail));
+
+  // Puller: peer p = r-1-s holds our block at x_p[r]; chunk j is rows [j*q, (j+1)*q) of every group.
+  const int64_t q = a.rows / config.chunks;
+  std::vector<std::vector<Event>> landed(config.n() - 1, std::vector<Event>(config.chunks));
+  for (int slot = 0; slot < config.n() - 1; ++slot) {
+    const int peer = config.SourceOfSlot(slot);
+    const int stream = config.StreamOfSlot(slot);
+    FICCO_RETURN_IF_ERROR(backend.Wait(stream, posts[peer].events[0]));
+    for (int64_t j = 0; j < config.chunks; ++j) {
+      for (int64_t e = 0; e < a.groups; ++e) {
+        FICCO_RETURN_IF_ERROR(backend.Copy(stream, Offset(a.received, layout.At(peer, e, j * q)),
+                                           Offset(posts[peer].buffer, layout.At(r, e, j * q)), q * a.row_bytes));
+      }
+      FICCO_RETURN_IF_ERROR(backend.Record(stream, &landed[slot][j]));
+    }
+  }
+  // Our own block last on the last copy stream: only the join needs it.
+  const int last_stream = CopyStreamsUsed(config) - 1;
+  FICCO_RETURN_IF_ERROR(backend.Wait(last_stream, ready));
+  FICCO_RETURN_IF_ERROR(backend.Copy(last_stream, Offset(a.received, layout.At(r, 0, 0)),
+                                     Offset(a.x, layout.At(r, 0, 0)), layout.Block()));
+  if (matmul) FICCO_RETURN_IF_ERROR(DispatchMatmuls(backend, config, a, landed));
+  return JoinAndRelease(backend, config, session);
+}
+
+ffi::Error RunMatmulAllToAll(Backend& backend, const OpConfig& config, const MatmulAllToAllArgs& a) {
+  FICCO_RETURN_IF_ERROR(CheckFault(config, Fault::kSkip));
+  FICCO_RETURN_IF_ERROR(CheckChunks(config, a.rows, "rows per peer block (the capacity C)"));
+  FICCO_RETURN_IF_ERROR(backend.Prepare(CopyStreamsUsed(config), config.group));
+  CallSession session(config, {kMatmulA2aKind, static_cast<int>(a.dtype), a.groups, a.rows, a.inner, a.cols,
+                               config.chunks, static_cast<int>(config.order), static_cast<int>(config.gemm),
+                               config.copy_streams, config.n()});
+  const int64_t esize = static_cast<int64_t>(ByteWidth(a.dtype));
+  const BlockLayout layout{a.groups, a.rows, a.cols * esize};
+
+  // Owner: the results for every peer, one event per chunk, exposed through `send`.
+  std::vector<Event> written;
+  FICCO_RETURN_IF_ERROR(CombineMatmuls(backend, config, a, &written));
+  std::vector<Post> posts;
+  FICCO_RETURN_IF_ERROR(session.Meet(Phase::kExchange, a.send, written, &posts));
+  FICCO_RETURN_IF_ERROR(CheckFault(config, Fault::kFail));
+
+  // Puller: peer p = r-1-s computed its send slot s for us (p + 1 + s = r).
+  const int64_t q = a.rows / config.chunks;
+  for (int slot = 0; slot < config.n() - 1; ++slot) {
+    const int peer = config.SourceOfSlot(slot);
+    const Post& post = posts[peer];
+    const int stream = config.StreamOfSlot(slot);
+    for (int64_t j = 0; j < config.chunks; ++j) {
+      FICCO_RETURN_IF_ERROR(backend.Wait(stream, post.events[slot * config.chunks + j]));
+      for (int64_t e = 0; e < a.groups; ++e) {
+        FICCO_RETURN_IF_ERROR(backend.Copy(stream, Offset(a.out, layout.At(peer, e, j * q)),
+                                           Offset(post.buffer, layout.At(slot, e, j * q)), q * layout.row_bytes));
+      }
+    }
+  }
+  return JoinAndRelease(backend, config, session);
+}
+
+}  // namespace ficco
