@@ -1,0 +1,443 @@
+"""Train a Llama-style decoder with tensor + sequence parallelism, with and without `ficco_jax.overlap`.
+
+Usage:
+    python examples/tp_transformer.py                        # tiny preset, 8 virtual CPU devices, overlap on
+    python examples/tp_transformer.py --compare --steps 5    # both modes, same init and data, side by side
+    python examples/tp_transformer.py --preset llama70b-layer --layers 6 --compare   # 4 x H200
+
+The model is written as a user would write it, with no ficco_jax call inside: decoder blocks
+(RMSNorm, causal attention with RoPE and grouped-query heads, SwiGLU MLP) run in one
+`jax.shard_map` over a (dp, tp) mesh, as a `lax.scan` over stacked layer parameters
+(`--remat`: `jax.checkpoint` per layer). Between blocks, activations are sequence-parallel:
+[batch/dp, seq/tp, hidden]. Each block gathers the sequence in front of its column-parallel
+matmuls and reduce-scatters it behind its row-parallel ones:
+
+    attention: all_gather(norm(x)) -> QKV matmul -> RoPE, causal attention on local heads -> O matmul -> psum_scatter
+    MLP:       all_gather(norm(x)) -> gate/up matmul -> silu(gate) * up -> down matmul -> psum_scatter
+
+Q, K and V share one weight [hidden, kv_heads, q_per_kv + 2, head_dim], sharded over kv heads
+(and the MLP's gate and up one weight [hidden, 2, ffn]): one matmul per gather, so in the
+backward pass the input gradient is one matmul before its reduce-scatter, a site `overlap` can
+rewrite (with separate Q/K/V weights it is a sum of three matmuls, left as written).
+
+`--overlap` trains with `jit(ficco_jax.overlap(value_and_grad(loss)))`: the rewrite sees the
+forward and the backward shard_map bodies, so both passes' all_gather->matmul and
+matmul->psum_scatter sites become `ag_matmul` / `matmul_rs`. The embedding, final norm, LM head
+and loss run outside the shard_map, partitioned by XLA from the shardings given to `jit`.
+
+Precision: on GPU, bf16 parameters and activations, f32 Adam moments and f32 update arithmetic
+(no f32 master copy); on CPU, f32 throughout (`--dtype` overrides). Optimizer: AdamW in plain JAX.
+Data: synthetic token sequences that mostly follow a fixed affine recurrence, so the loss falls.
+Timing: wall time of each training step, one `block_until_ready` per step (a training loop's
+real time, dispatch included); the step function is compiled before the first step.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+import time
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):  # CPU: 8 virtual devices
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+import ficco_jax  # noqa: E402
+from ficco_jax import timing  # noqa: E402
+
+
+# ------------------------------------------------------------------------------------------------
+# Configuration
+# ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Config:
+    vocab: int = 256
+    hidden: int = 64
+    ffn: int = 128
+    heads: int = 8
+    kv_heads: int = 4
+    layers: int = 2
+    seq: int = 64
+    batch: int = 2  # sequences per data-parallel replica; global batch = batch * dp
+    tp: int = 4
+    dtype: str = "auto"  # "auto": bfloat16 on GPU, float32 elsewhere
+    lr: float = 3e-3
+    steps: int = 3
+    remat: bool = False
+    overlap: bool = True
+    schedule: str = "auto"  # handed to ficco_jax.overlap
+    attention: str = "xla"  # jax.nn.dot_product_attention implementation: "xla" or "cudnn"
+    rope_theta: float = 10000.0
+    seed: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def compute_dtype(self):
+        name = self.dtype if self.dtype != "auto" else ("bfloat16" if jax.default_backend() == "gpu" else "float32")
+        return jnp.dtype(name)
+
+    def validate(self, tp: int) -> None:
+        problems = []
+        if self.hidden % self.heads or self.head_dim % 2:
+            problems.append(f"hidden={self.hidden} must split into heads={self.heads} of even head_dim")
+        if self.heads % self.kv_heads:
+            problems.append(f"heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
+        for name, value in (("kv_heads", self.kv_heads), ("ffn", self.ffn), ("seq", self.seq), ("hidden", self.hidden)):
+            if value % tp:
+                problems.append(f"{name}={value} must divide by tp={tp}")
+        if problems:
+            raise ValueError(f"tp_transformer: invalid config: {'; '.join(problems)}")
+
+
+PRESETS = {
+    # 8 virtual CPU devices as dp=2 x tp=4; trains in seconds.
+    "tiny": Config(),
+    # One Llama-70B decoder layer's shapes, stacked `layers` deep, at tp=4 (4 x H200, dp=1). Per layer and
+    # device: 214M parameters -> 2.0 GiB of bf16 params + f32 Adam moments. XLA's attention keeps
+    # [16 local heads, 8192, 8192] f32 scores per layer for the backward pass, so activations cost
+    # ~15 GiB per layer without --remat. XLA's memory analysis (compiled for 4 CPU devices): 4 layers
+    # ~72 GiB per device; 8 layers with --remat ~46 GiB. The step prints the analysis it compiled.
+    # The vocabulary is Llama-2's 32000, kept small so that the blocks, not the LM head, fill the step.
+    "llama70b-layer": Config(vocab=32000, hidden=8192, ffn=28672, heads=64, kv_heads=8, layers=4, seq=8192,
+                             batch=1, tp=4, lr=1e-4, rope_theta=500000.0),
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# Parameters
+# ------------------------------------------------------------------------------------------------
+def init_params(cfg: Config, key):
+    """Parameters; layer weights are stacked on a leading `layers` axis for the scan."""
+    dt, L, D, F, dh = cfg.compute_dtype, cfg.layers, cfg.hidden, cfg.ffn, cfg.head_dim
+    kv, q_per_kv = cfg.kv_heads, cfg.heads // cfg.kv_heads
+    keys = jax.random.split(key, 6)
+
+    def normal(k, shape, fan_in, scale=1.0):
+        return (jax.random.normal(k, shape, jnp.float32) * scale / math.sqrt(fan_in)).astype(dt)
+
+    residual_scale = 1.0 / math.sqrt(2 * L)  # keeps the residual stream's variance flat in depth
+    return {
+        "embed": normal(keys[0], (cfg.vocab, D), 1),
+        "layers": {
+            "attn_norm": jnp.ones((L, D), dt),
+            "wqkv": normal(keys[1], (L, D, kv, q_per_kv + 2, dh), D),
+            "wo": normal(keys[2], (L, cfg.heads, dh, D), D, residual_scale),
+            "mlp_norm": jnp.ones((L, D), dt),
+            "w_gate_up": normal(keys[3], (L, D, 2, F), D),
+            "w_down": normal(keys[4], (L, F, D), F, residual_scale),
+        },
+        "final_norm": jnp.ones((D,), dt),
+        "head": normal(keys[5], (D, cfg.vocab), D),
+    }
+
+
+def param_specs():
+    """Megatron-style: column-parallel QKV / gate-up (over kv heads / ffn), row-parallel O / down."""
+    return {
+        "embed": P(None, "tp"),
+        "layers": {
+            "attn_norm": P(),
+            "wqkv": P(None, None, "tp", None, None),
+            "wo": P(None, "tp", None, None),
+            "mlp_norm": P(),
+            "w_gate_up": P(None, None, None, "tp"),
+            "w_down": P(None, "tp", None),
+        },
+        "final_norm": P(),
+        "head": P(None, "tp"),
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# Model
+# ------------------------------------------------------------------------------------------------
+def rms_norm(x, weight, eps=1e-6):
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x, theta):
+    """Rotary position embedding of x [batch, seq, heads, head_dim]; positions are 0..seq-1."""
+    half = x.shape[-1] // 2
+    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * freqs  # [seq, half]
+    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def attention_block(cfg: Config, x, p):
+    """x [b, s/tp, D] -> [b, s/tp, D]; heads are sharded over tp, the sequence is gathered."""
+    g = jax.lax.all_gather(rms_norm(x, p["attn_norm"]), "tp", axis=1, tiled=True)  # [b, s, D]
+    qkv = jnp.einsum("bsd,dkgh->bskgh", g, p["wqkv"])  # local kv heads, each with its q group, k, v
+    b, s, kv, groups, dh = qkv.shape
+    q = rope(qkv[:, :, :, :-2].reshape(b, s, kv * (groups - 2), dh), cfg.rope_theta)
+    k = rope(qkv[:, :, :, -2], cfg.rope_theta)
+    v = qkv[:, :, :, -1]
+    o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=cfg.attention)
+    return jax.lax.psum_scatter(jnp.einsum("bshk,hkd->bsd", o, p["wo"]), "tp", scatter_dimension=1, tiled=True)
+
+
+def mlp_block(x, p):
+    g = jax.lax.all_gather(rms_norm(x, p["mlp_norm"]), "tp", axis=1, tiled=True)
+    gate_up = jnp.einsum("bsd,dcf->bscf", g, p["w_gate_up"])
+    h = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
+    return jax.lax.psum_scatter(jnp.einsum("bsf,fd->bsd", h, p["w_down"]), "tp", scatter_dimension=1, tiled=True)
+
+
+def decoder_stack(cfg: Config, x, layers):
+    """The shard_map body: every decoder layer, as a scan over the stacked parameters."""
+    def layer(x, p):
+        x = x + attention_block(cfg, x, p)
+        return x + mlp_block(x, p), None
+
+    return jax.lax.scan(jax.checkpoint(layer) if cfg.remat else layer, x, layers)[0]
+
+
+ACT_SPEC = P("dp", "tp", None)  # [batch, seq, hidden]: batch over dp, sequence over tp
+
+
+def make_loss(cfg: Config, mesh: Mesh):
+    stack = jax.shard_map(lambda x, layers: decoder_stack(cfg, x, layers), mesh=mesh,
+                          in_specs=(ACT_SPEC, param_specs()["layers"]), out_specs=ACT_SPEC)
+
+    def loss(params, inputs, targets):
+        x = jax.lax.with_sharding_constraint(params["embed"][inputs], NamedSharding(mesh, ACT_SPEC))
+        x = rms_norm(stack(x, params["layers"]), params["final_norm"])
+        logits = jnp.einsum("bsd,dv->bsv", x, params["head"], preferred_element_type=jnp.float32)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+    return loss
+
+
+# ------------------------------------------------------------------------------------------------
+# Optimizer: AdamW, f32 moments
+# ------------------------------------------------------------------------------------------------
+def adamw_init(params):
+    zeros = lambda p: jnp.zeros(p.shape, jnp.float32)  # noqa: E731
+    return {"m": jax.tree.map(zeros, params), "v": jax.tree.map(zeros, params), "count": jnp.zeros((), jnp.int32)}
+
+
+def adamw_update(params, grads, state, lr, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1):
+    count = state["count"] + 1
+    m = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g.astype(jnp.float32), state["m"], grads)
+    v = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * jnp.square(g.astype(jnp.float32)), state["v"], grads)
+    c1, c2 = 1 - b1 ** count.astype(jnp.float32), 1 - b2 ** count.astype(jnp.float32)
+
+    def step(path, p, m, v):
+        decay = 0.0 if "norm" in jax.tree_util.keystr(path) else weight_decay  # none on norm weights
+        p32 = p.astype(jnp.float32)
+        return (p32 - lr * ((m / c1) / (jnp.sqrt(v / c2) + eps) + decay * p32)).astype(p.dtype)
+
+    return jax.tree_util.tree_map_with_path(step, params, m, v), {"m": m, "v": v, "count": count}
+
+
+# ------------------------------------------------------------------------------------------------
+# Data
+# ------------------------------------------------------------------------------------------------
+def synthetic_batch(cfg: Config, dp: int, step: int):
+    """[global batch, seq + 1] tokens: next = (5 * token + 3) mod vocab, with 10% random tokens."""
+    rng = np.random.default_rng([cfg.seed, step])
+    n = cfg.batch * dp
+    tokens = np.empty((n, cfg.seq + 1), np.int64)
+    tokens[:, 0] = rng.integers(0, cfg.vocab, n)
+    noise = rng.random((n, cfg.seq + 1)) < 0.1
+    random_tokens = rng.integers(0, cfg.vocab, (n, cfg.seq + 1))
+    for t in range(1, cfg.seq + 1):
+        tokens[:, t] = np.where(noise[:, t], random_tokens[:, t], (5 * tokens[:, t - 1] + 3) % cfg.vocab)
+    return tokens[:, :-1].astype(np.int32), tokens[:, 1:].astype(np.int32)
+
+
+# ------------------------------------------------------------------------------------------------
+# Training
+# ------------------------------------------------------------------------------------------------
+def make_mesh(cfg: Config) -> Mesh:
+    devices = jax.devices()
+    tp = cfg.tp
+    if len(devices) % tp:
+        raise ValueError(f"tp_transformer: tp={tp} must divide the device count {len(devices)}; pass --tp")
+    return Mesh(np.array(devices).reshape(len(devices) // tp, tp), ("dp", "tp"))
+
+
+@dataclasses.dataclass
+class Trainer:
+    """The compiled step and everything it is called with, for one mode (overlap on or off)."""
+    cfg: Config
+    mesh: Mesh
+    step_fn: object  # compiled: (params, opt_state, inputs, targets) -> (params, opt_state, loss)
+    grad_fn: object  # loss and gradients, overlapped or not
+    shardings: dict
+
+
+def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
+    cfg.validate(mesh.shape["tp"])
+    grad_fn = jax.value_and_grad(make_loss(cfg, mesh))
+    if cfg.overlap:
+        grad_fn = ficco_jax.overlap(grad_fn, schedule=cfg.schedule)
+
+    def train_step(params, opt_state, inputs, targets):
+        loss, grads = grad_fn(params, inputs, targets)
+        params, opt_state = adamw_update(params, grads, opt_state, cfg.lr)
+        return params, opt_state, loss
+
+    named = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
+    param_sh = jax.tree.map(named, param_specs(), is_leaf=lambda s: isinstance(s, P))
+    opt_sh = {"m": param_sh, "v": param_sh, "count": named(P())}
+    batch_sh = named(P("dp", "tp"))
+    shardings = {"params": param_sh, "opt": opt_sh, "batch": batch_sh}
+    params_abs = jax.eval_shape(lambda k: init_params(cfg, k), jax.random.PRNGKey(0))
+    opt_abs = jax.eval_shape(adamw_init, params_abs)
+    with_sharding = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)  # noqa: E731
+    batch_abs = jax.ShapeDtypeStruct((cfg.batch * mesh.shape["dp"], cfg.seq), jnp.int32, sharding=batch_sh)
+    abstract = (jax.tree.map(with_sharding, params_abs, param_sh), jax.tree.map(with_sharding, opt_abs, opt_sh),
+                batch_abs, batch_abs)
+    step_fn = jax.jit(train_step, in_shardings=(param_sh, opt_sh, batch_sh, batch_sh),
+                      out_shardings=(param_sh, opt_sh, named(P())), donate_argnums=(0, 1))
+    return Trainer(cfg, mesh, step_fn.lower(*abstract).compile(), grad_fn, shardings)
+
+
+def init_state(trainer: Trainer):
+    cfg, sh = trainer.cfg, trainer.shardings
+    params = jax.jit(lambda k: init_params(cfg, k), out_shardings=sh["params"])(jax.random.PRNGKey(cfg.seed))
+    return params, jax.jit(adamw_init, out_shardings=sh["opt"])(params)
+
+
+def train(cfg: Config, mesh: Mesh | None = None, log=print) -> dict:
+    """Train `cfg.steps` steps; returns {"losses", "step_s", "tokens_per_step", "report", "memory"}."""
+    mesh = mesh or make_mesh(cfg)
+    trainer = build_trainer(cfg, mesh)
+    mode = "overlap" if cfg.overlap else "no-overlap"
+    params, opt_state = init_state(trainer)
+    dp = mesh.shape["dp"]
+    report = None
+    if cfg.overlap:
+        report = ficco_jax.explain(trainer.grad_fn, params, *synthetic_batch(cfg, dp, 0))
+        log(f"[{mode}] ficco_jax.explain of the loss-and-gradient function:\n{report}")
+    tokens_per_step = cfg.batch * dp * cfg.seq
+    losses, times = [], []
+    for step in range(cfg.steps):
+        inputs, targets = (jax.device_put(a, trainer.shardings["batch"]) for a in synthetic_batch(cfg, dp, step))
+        t0 = time.perf_counter()
+        params, opt_state, loss = trainer.step_fn(params, opt_state, inputs, targets)
+        loss = float(jax.block_until_ready(loss))
+        times.append(time.perf_counter() - t0)
+        losses.append(loss)
+        log(f"[{mode}] step {step + 1}/{cfg.steps}  loss {loss:.6f}  {times[-1] * 1e3:9.2f} ms  "
+            f"{tokens_per_step / times[-1]:12,.0f} tokens/s")
+    return {"losses": losses, "step_s": times, "tokens_per_step": tokens_per_step, "report": report,
+            "memory": trainer.step_fn.memory_analysis()}
+
+
+# ------------------------------------------------------------------------------------------------
+# Reporting: memory, matmul-only bound, comparison
+# ------------------------------------------------------------------------------------------------
+def steady_step_s(times) -> float:
+    """Median step time, the first step left out when there are more (first-run allocation)."""
+    return float(np.median(times[1:] if len(times) > 1 else times))
+
+
+def matmul_flops_per_device(cfg: Config, tp: int) -> float:
+    """Matmul FLOPs of one training step on one device: forward x 3 (x 4 for the layers with --remat)."""
+    tokens, D, F, dh, S = cfg.batch * cfg.seq, cfg.hidden, cfg.ffn, cfg.head_dim, cfg.seq
+    per_layer = 2 * tokens * D * (cfg.heads + 2 * cfg.kv_heads) * dh / tp  # QKV
+    per_layer += 4 * cfg.batch * (cfg.heads / tp) * S * S * dh  # QK^T and PV, full square (the XLA path)
+    per_layer += 2 * tokens * cfg.heads * dh * D / tp + 6 * tokens * D * F / tp  # O, gate/up, down
+    head = 2 * tokens * D * cfg.vocab / tp
+    return (3 + cfg.remat) * cfg.layers * per_layer + 3 * head
+
+
+def gemm_rate(cfg: Config, tp: int) -> float:
+    """FLOP/s of one device on the stack's largest matmul (gate/up), by ficco_jax.timing.device_time."""
+    m, k, n = cfg.batch * cfg.seq, cfg.hidden, 2 * cfg.ffn // tp
+    key_a, key_b = jax.random.split(jax.random.PRNGKey(1))
+    dt = cfg.compute_dtype
+    a, b = jax.random.normal(key_a, (m, k), dt), jax.random.normal(key_b, (k, n), dt)
+    timed = timing.device_time(lambda r: jax.jit(timing.chain(jnp.matmul, r)), (a, b))
+    return 2 * m * k * n / timed["median_s"]
+
+
+def describe_memory(memory) -> str:
+    if memory is None:
+        return "XLA memory analysis: not available on this backend"
+    gb = lambda b: f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.2f} MiB"  # noqa: E731
+    peak = memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes + memory.temp_size_in_bytes
+    return (f"XLA memory per device: arguments {gb(memory.argument_size_in_bytes)} (params + Adam + batch), "
+            f"temporaries {gb(memory.temp_size_in_bytes)}, outputs not aliased to donated inputs "
+            f"{gb(memory.output_size_in_bytes - memory.alias_size_in_bytes)}; total {gb(peak)}")
+
+
+def print_comparison(plain: dict, over: dict) -> None:
+    print("\nstep  loss (no overlap)  loss (overlap)   rel diff   time no-overlap   time overlap   speedup")
+    for i, (l0, l1, t0, t1) in enumerate(zip(plain["losses"], over["losses"], plain["step_s"], over["step_s"])):
+        rel = abs(l1 - l0) / max(abs(l0), 1e-30)
+        print(f"{i + 1:4d}  {l0:17.6f}  {l1:14.6f}  {rel:9.2e}  {t0 * 1e3:13.2f} ms  {t1 * 1e3:10.2f} ms  {t0 / t1:7.2f}x")
+    t0, t1 = steady_step_s(plain["step_s"]), steady_step_s(over["step_s"])
+    tokens = plain["tokens_per_step"]
+    print(f"steady state (median, first step excluded): no-overlap {t0 * 1e3:.2f} ms ({tokens / t0:,.0f} tokens/s), "
+          f"overlap {t1 * 1e3:.2f} ms ({tokens / t1:,.0f} tokens/s), speedup {t0 / t1:.3f}x")
+
+
+# ------------------------------------------------------------------------------------------------
+# Command line
+# ------------------------------------------------------------------------------------------------
+def parse_config(argv=None) -> tuple[Config, argparse.Namespace]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                        help="rewrite the step with ficco_jax.overlap (default: on)")
+    parser.add_argument("--compare", action="store_true", help="run without, then with overlap; print a table")
+    parser.add_argument("--remat", action=argparse.BooleanOptionalAction, default=None, help="jax.checkpoint per layer")
+    parser.add_argument("--bound", action=argparse.BooleanOptionalAction, default=True,
+                        help="print the matmul-only bound (measures one GEMM)")
+    for name in ("layers", "hidden", "ffn", "heads", "kv_heads", "seq", "batch", "steps", "tp", "seed"):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int)
+    parser.add_argument("--lr", type=float)
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"))
+    parser.add_argument("--schedule", help="schedule for every site: auto (default), autotune, or e.g. dma/direct/c4/s2")
+    parser.add_argument("--attention", choices=("xla", "cudnn"), help="jax.nn.dot_product_attention implementation")
+    args = parser.parse_args(argv)
+    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(Config)
+                 if getattr(args, f.name, None) is not None}
+    return dataclasses.replace(PRESETS[args.preset], **overrides), args
+
+
+def main(argv=None) -> None:
+    cfg, args = parse_config(argv)
+    mesh = make_mesh(cfg)
+    dp, tp = mesh.shape["dp"], mesh.shape["tp"]
+    n_params = sum(math.prod(a.shape) for a in jax.tree.leaves(jax.eval_shape(lambda k: init_params(cfg, k),
+                                                                               jax.random.PRNGKey(0))))
+    print(f"tp_transformer ({args.preset}): {cfg.layers} layers, hidden {cfg.hidden}, ffn {cfg.ffn}, heads "
+          f"{cfg.heads}/{cfg.kv_heads} kv, seq {cfg.seq}, batch {cfg.batch} x dp {dp}, {n_params / 1e6:,.1f}M params, "
+          f"{cfg.compute_dtype.name}, remat {cfg.remat}; mesh dp={dp} x tp={tp} on "
+          f"{jax.device_count()} x {jax.devices()[0].device_kind}")
+    print("timing: wall time per training step, block_until_ready after each (dispatch included)")
+    modes = (False, True) if args.compare else (cfg.overlap,)
+    results = {mode: train(dataclasses.replace(cfg, overlap=mode), mesh) for mode in modes}
+    for mode, res in results.items():
+        t = steady_step_s(res["step_s"])
+        print(f"{'overlap' if mode else 'no-overlap'}: {t * 1e3:.2f} ms/step, {res['tokens_per_step'] / t:,.0f} tokens/s "
+              f"(median step, first step excluded); {describe_memory(res['memory'])}")
+    if args.bound:
+        flops = matmul_flops_per_device(cfg, tp)
+        rate = gemm_rate(cfg, tp)
+        print(f"matmul-only bound: {flops / 1e9:,.2f} GFLOP per device per step / {rate / 1e12:.3f} TFLOP/s "
+              f"(one device, gate/up GEMM) = {flops / rate * 1e3:.2f} ms/step"
+              + ("; CPU times mean nothing" if jax.default_backend() == "cpu" else ""))
+    if args.compare:
+        print_comparison(results[False], results[True])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
