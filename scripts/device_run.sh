@@ -47,16 +47,16 @@ case "$STAGE" in
     python3 scripts/timeline.py "$OUT/${name}_cuda_gpu_trace.csv" 0 "${TRACE_FIRST:-200}" "${TRACE_COUNT:-40}"
     rm -f "$OUT/$name.nsys-rep" "$OUT/$name.sqlite"
     ;;
-  final)  # the session's last short run: which GEMM XLA uses, GEMM probe, two shapes, the example
+  final)  # the session's last short run: the example, which GEMM XLA uses, GEMM probe, small shape
     build
-    timeout 60 python3 scripts/xla_gemm_hlo.py > "$OUT/xla_gemm_hlo.txt" 2>&1; grep -o 'custom_call_target="[^"]*"' "$OUT/xla_gemm_hlo.txt" | sort | uniq -c
-    PROBE_GEMM_ONLY=1 timeout 90 python3 scripts/probe.py 2>&1 | tail -8
-    timeout 120 python3 -m ficco_jax bench --no-windowed --shape 8192,8192,10240 --shape 1024,4096,4096 \
-      --schedules "dma/direct/c1,dma/direct/c2" --out "$OUT/bench_final" 2>"$OUT/bench_final.err" | grep -E "^\| (ag|mat)"
     if [ -f examples/tp_transformer.py ]; then
-      timeout 200 python3 examples/tp_transformer.py --preset llama70b-layer --compare ${EXAMPLE_ARGS:-} > "$OUT/tp_transformer.log" 2>&1
-      tail -12 "$OUT/tp_transformer.log"
+      timeout 170 python3 examples/tp_transformer.py --preset llama70b-layer --compare ${EXAMPLE_ARGS:-} > "$OUT/tp_transformer.log" 2>&1
+      grep -v "^\[" "$OUT/tp_transformer.log" | tail -14
     fi
+    timeout 40 python3 scripts/xla_gemm_hlo.py > "$OUT/xla_gemm_hlo.txt" 2>&1; grep -o 'custom_call_target="[^"]*"' "$OUT/xla_gemm_hlo.txt" | sort | uniq -c
+    PROBE_GEMM_ONLY=1 timeout 60 python3 scripts/probe.py 2>&1 | tail -8
+    timeout 50 python3 -m ficco_jax bench --no-windowed --op ag_matmul --shape 1024,4096,4096 \
+      --schedules "dma/direct/c1" --out "$OUT/bench_final" 2>"$OUT/bench_final.err" | grep -E "^\| ag"
     ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac
