@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 
 from .heuristics import select_schedule
+from .a2a import a2a_matmul, a2a_matmul_ref, matmul_a2a, matmul_a2a_ref
 from .ops import ag_matmul, ag_matmul_ref, matmul_rs, matmul_rs_ref
 from .schedule import Schedule
 
@@ -17,6 +18,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Schedule", "ag_matmul", "ag_matmul_ref", "matmul_rs", "matmul_rs_ref", "select_schedule",
+    "a2a_matmul", "a2a_matmul_ref", "matmul_a2a", "matmul_a2a_ref",
     "overlap", "explain", "dma", "__version__",
 ]
 

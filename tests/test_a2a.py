@@ -1,0 +1,254 @@
+"""Expert parallelism: dma.all_to_all, a2a_matmul (dispatch) and matmul_a2a (combine).
+
+Every schedule of both ops (none, xla, dma: the CPU backend of the executor) against the
+plain-JAX reference on the 1-D mesh (tp=8) and on the tp axis of the permuted 2-D mesh (2, 4),
+in f32 and bf16, with gradients; dma.all_to_all exactly against jax.lax.all_to_all on
+origin-coded values.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import ficco_jax
+from ficco_jax import Schedule, dma
+from helpers import TOLERANCE, random, rel_err
+
+pytestmark = pytest.mark.skipif(not dma.available(), reason="the ficco_jax extension is not built")
+
+# Per device: x [n, E, C, D] and w [E, D, F] (dispatch); y [n, E, C, F] and w [E, F, D] (combine).
+# C = 4 so chunk counts 1, 2 and 4 divide it (8 does not: filtered out at generation).
+E, C, D, F = 2, 4, 8, 6
+OPS = ("a2a_matmul", "matmul_a2a")
+
+
+def _mesh(request, tp):
+    return request.getfixturevalue("mesh1d" if tp == 8 else "mesh2d")
+
+
+def _tokens_spec(mesh):
+    """The leading (peer-block) axis of x split over every mesh axis, tp fastest."""
+    return P(tuple(a for a in mesh.axis_names if a != "tp") + ("tp",))
+
+
+def _specs(mesh):
+    return (_tokens_spec(mesh), P("tp")), _tokens_spec(mesh)
+
+
+def _global_shapes(op, mesh):
+    tp, devices = mesh.shape["tp"], mesh.devices.size
+    a_inner, w_in, w_out = (D, D, F) if op == "a2a_matmul" else (F, F, D)
+    return (devices * tp, E, C, a_inner), (tp * E, w_in, w_out)
+
+
+def _run(mesh, body, *args):
+    in_specs, out_specs = _specs(mesh)
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+    return f(*[jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, in_specs)])
+
+
+def _fn(op):
+    return {"a2a_matmul": (ficco_jax.a2a_matmul, ficco_jax.a2a_matmul_ref),
+            "matmul_a2a": (ficco_jax.matmul_a2a, ficco_jax.matmul_a2a_ref)}[op]
+
+
+def _cases(tps=(8, 4)):
+    for tp in tps:
+        for sched in Schedule.enumerate("a2a_matmul", tp):
+            if C % sched.chunks == 0:  # invalid points filtered here, not skipped in the test
+                yield pytest.param(tp, sched, id=f"tp{tp}-{sched}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Both ops, every schedule, against the reference
+# ------------------------------------------------------------------------------------------------
+def _both(fns):
+    def body(x, w1, y, w2):
+        return fns[0](x, w1, "tp"), fns[1](y, w2, "tp")
+    return body
+
+
+def _both_sharded(mesh, fns):
+    in_specs, out_spec = _specs(mesh)
+    return jax.jit(jax.shard_map(_both(fns), mesh=mesh, in_specs=in_specs * 2, out_specs=(out_spec, out_spec)))
+
+
+@functools.lru_cache(maxsize=None)
+def _operands_and_reference(mesh, dtype):
+    """Inputs of both ops (fixed per mesh and dtype) and the float32 reference from the same
+    rounded inputs: computed once, every schedule is compared with it."""
+    rng = np.random.default_rng(sum(map(ord, dtype)) + mesh.devices.size * mesh.shape["tp"])
+    args = [random(rng, s, dtype) for op in OPS for s in _global_shapes(op, mesh)]
+    want = _both_sharded(mesh, [_fn(op)[1] for op in OPS])(*[a.astype(jnp.float32) for a in args])
+    return args, want
+
+
+def _forward_cases():
+    """f32: every schedule on both meshes; bf16 (rounding, not indexing): every schedule on the
+    tp axis of the 2-D mesh, whose compiles are cheaper, and every dma schedule on tp=8 too."""
+    for case in _cases():
+        tp, sched = case.values
+        yield pytest.param(*case.values, "float32", id=f"{case.id}-float32")
+        if tp == 4 or sched.comm == "dma":
+            yield pytest.param(*case.values, "bfloat16", id=f"{case.id}-bfloat16")
+
+
+@pytest.mark.parametrize("tp,sched,dtype", list(_forward_cases()))
+def test_every_schedule_matches_reference(request, tp, sched, dtype):
+    mesh = _mesh(request, tp)
+    args, want = _operands_and_reference(mesh, dtype)
+    got = _both_sharded(mesh, [functools.partial(_fn(op)[0], schedule=sched) for op in OPS])(*args)
+    for op, g, w in zip(OPS, got, want):
+        assert g.dtype == jnp.dtype(dtype), op
+        assert rel_err(g, w) < TOLERANCE[dtype], op
+
+
+def _gradient_cases():
+    """Every none/xla schedule on the 2-D mesh; for dma one schedule per (order, gemm, streams>1):
+    the executor's indexing is covered by the forward cases, and each gradient compiles 4 programs."""
+    seen = set()
+    for case in _cases(tps=(4,)):
+        _, sched = case.values
+        kind = (sched.comm, sched.order, sched.gemm, sched.copy_streams > 1)
+        if sched.comm == "dma" and (kind in seen or sched.chunks == 1):
+            continue
+        seen.add(kind)
+        yield case
+
+
+# Gradients (the backward ops reuse the forward's schedule).
+@pytest.mark.parametrize("tp,sched", list(_gradient_cases()))
+def test_gradients_match_reference(mesh2d, rng, tp, sched):
+    mesh = mesh2d
+    grads = {}
+    for op in OPS:
+        fn, ref = _fn(op)
+        a, w = [random(rng, s, "float32") for s in _global_shapes(op, mesh)]
+        out_shape = jax.eval_shape(lambda a, w: _run(mesh, lambda a, w: ref(a, w, "tp"), a, w), a, w)
+        cot = random(rng, out_shape.shape, "float32")
+
+        def loss(body, a, w):
+            return jnp.sum(_run(mesh, body, a, w) * cot)
+
+        got = jax.grad(functools.partial(loss, lambda a, w: fn(a, w, "tp", schedule=sched)), argnums=(0, 1))(a, w)
+        want = jax.grad(functools.partial(loss, lambda a, w: ref(a, w, "tp")), argnums=(0, 1))(a, w)
+        grads[op] = [rel_err(g, r) for g, r in zip(got, want)]
+    assert all(e < TOLERANCE["float32"] for errs in grads.values() for e in errs), grads
+
+
+def test_dispatch_returns_received_and_its_gradient(mesh1d, rng):
+    mesh = mesh1d
+    x, w = [random(rng, s, "float32") for s in _global_shapes("a2a_matmul", mesh)]
+    sched = Schedule(comm="xla", order="ring", chunks=2)
+    spec = _tokens_spec(mesh)
+
+    def run(body):
+        f = jax.shard_map(body, mesh=mesh, in_specs=(spec, P("tp")), out_specs=(spec, spec))
+        return jax.jit(f)
+
+    def fused(x, w):
+        return ficco_jax.a2a_matmul(x, w, "tp", schedule=sched, return_received=True)
+
+    def ref(x, w):
+        return ficco_jax.a2a_matmul_ref(x, w, "tp"), jax.lax.all_to_all(x, "tp", 0, 0, tiled=True)
+
+    for g, r in zip(run(fused)(x, w), run(ref)(x, w)):
+        assert rel_err(g, r) < TOLERANCE["float32"]
+
+    def loss(body, x, w):
+        out, received = run(body)(x, w)
+        return jnp.sum(out ** 2) + jnp.sum(jnp.sin(received))
+
+    got = jax.grad(functools.partial(loss, fused), argnums=(0, 1))(x, w)
+    want = jax.grad(functools.partial(loss, ref), argnums=(0, 1))(x, w)
+    for g, r in zip(got, want):
+        assert rel_err(g, r) < TOLERANCE["float32"]
+
+
+# ------------------------------------------------------------------------------------------------
+# dma.all_to_all: exact, origin-coded
+# ------------------------------------------------------------------------------------------------
+def _origin_coded(mesh, shape_per_device, dtype):
+    """Device of tp rank r holds r * 10000 + flat index: every value says where it came from."""
+    tp = mesh.shape["tp"]
+    per = int(np.prod(shape_per_device))
+    ranks = np.arange(mesh.devices.size) % tp  # rank of each device block along the sharded axis
+    blocks = [r * 10000 + np.arange(per).reshape(shape_per_device) for r in ranks]
+    return jnp.asarray(np.concatenate(blocks, axis=0), dtype)
+
+
+@pytest.mark.parametrize("split_axis,concat_axis,sched", [
+    (0, 0, None), (1, 0, None), (0, 2, None), (2, 1, "dma/ring/c1"), (1, 1, "dma/direct/c2/s2"),
+    (0, 0, "dma/direct/c4/s4"),
+])
+@pytest.mark.parametrize("mesh_name", ["mesh1d", "mesh2d"])
+@pytest.mark.parametrize("dtype", ["float32", "int32"])
+def test_dma_all_to_all_is_exact(request, mesh_name, split_axis, concat_axis, sched, dtype):
+    mesh = request.getfixturevalue(mesh_name)
+    tp = mesh.shape["tp"]
+    if sched is not None and Schedule.parse(sched).copy_streams > tp - 1:
+        sched = "dma/direct/c2"  # this mesh's tp axis has fewer peers than streams
+    shape = (tp * 4, 8, tp) if split_axis != 2 else (4, 8, tp * 2)
+    x = _origin_coded(mesh, shape, dtype)
+    spec = _tokens_spec(mesh)
+
+    def run(body):
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))(x)
+
+    got = run(lambda v: dma.all_to_all(v, "tp", split_axis, concat_axis, schedule=sched))
+    want = run(lambda v: jax.lax.all_to_all(v, "tp", split_axis, concat_axis, tiled=True))
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # Not the identity: every device now holds values from every rank of its group.
+    assert not np.array_equal(np.asarray(got), np.asarray(x)) or split_axis == concat_axis == 0 and tp == 1
+
+
+def test_dma_all_to_all_gradient(mesh2d, rng):
+    x = random(rng, (8 * 4, 3, 4), "float32")
+    spec = _tokens_spec(mesh2d)
+
+    def apply(fn, x):
+        return jax.jit(jax.shard_map(fn, mesh=mesh2d, in_specs=spec, out_specs=spec))(x)
+
+    ref = functools.partial(apply, lambda v: jax.lax.all_to_all(v, "tp", 0, 1, tiled=True))
+    cot = random(rng, jax.eval_shape(ref, x).shape, "float32")
+
+    def loss(fn, x):
+        return jnp.sum(jnp.sin(apply(fn, x)) * cot)
+
+    got = jax.grad(functools.partial(loss, lambda v: dma.all_to_all(v, "tp", 0, 1)))(x)
+    want = jax.grad(functools.partial(loss, lambda v: jax.lax.all_to_all(v, "tp", 0, 1, tiled=True)))(x)
+    assert rel_err(got, want) < TOLERANCE["float32"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad shapes and schedules: ValueError naming the dimension
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("op,a_shape,w_shape,sched,match", [
+    ("a2a_matmul", (4, 2, 4), (2, 8, 6), "none", r"x must be 4-D per device \[n, E_local, C, d\]"),
+    ("a2a_matmul", (3, 2, 4, 8), (2, 8, 6), "none", r"x.shape\[0\]=3 \(dimension 0, peer blocks\) must equal the axis size 4"),
+    ("a2a_matmul", (4, 2, 4, 8), (3, 8, 6), "none", r"x.shape\[1\]=2 \(dimension 1, E_local\) but w.shape\[0\]=3"),
+    ("matmul_a2a", (4, 2, 4, 6), (2, 5, 8), "none", r"y.shape\[3\]=6 \(dimension 3\) but w.shape\[1\]=5"),
+    ("matmul_a2a", (4, 2, 4, 6), (2, 6), "none", r"w must be 3-D"),
+    ("a2a_matmul", (4, 2, 6, 8), (2, 8, 6), "xla/direct/c4",
+     r"capacity per peer block \(dimension 2, C\) = 6 .* must divide by schedule.chunks=4; valid chunk counts for this shape: \[1, 2\]"),
+    ("matmul_a2a", (4, 2, 4, 6), (2, 6, 8), "xla/bidirectional/c2", r"valid orders: \('ring', 'direct'\)"),
+])
+def test_bad_shapes_raise_naming_the_dimension(mesh2d, op, a_shape, w_shape, sched, match):
+    fn = _fn(op)[0]
+    spec = _tokens_spec(mesh2d)
+    a = jnp.zeros((8 * a_shape[0], *a_shape[1:]), jnp.float32)
+    w = jnp.zeros((4 * w_shape[0], *w_shape[1:]), jnp.float32)
+    body = jax.shard_map(lambda a, w: fn(a, w, "tp", schedule=sched), mesh=mesh2d,
+                         in_specs=(spec, P("tp")), out_specs=spec)
+    with pytest.raises(ValueError, match=match):
+        jax.eval_shape(body, a, w)
+
+
+def test_dma_all_to_all_rejects_an_indivisible_split_axis(mesh1d):
+    body = jax.shard_map(lambda v: dma.all_to_all(v, "tp", 1, 0), mesh=mesh1d, in_specs=P("tp"), out_specs=P("tp"))
+    with pytest.raises(ValueError, match=r"x.shape\[1\]=6 \(the split axis\) must divide by the axis size 8"):
+        jax.eval_shape(body, jnp.zeros((8 * 8, 6), jnp.float32))
