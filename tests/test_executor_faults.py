@@ -75,3 +75,116 @@ def test_bad_fault_spec_is_rejected(monkeypatch):
     monkeypatch.setattr(config, "FAULT_INJECTION", "explode:1")
     with pytest.raises(ValueError, match="skip:<rank>"):
         _gather_fn(_mesh())(jnp.zeros((8 * 4, 2), jnp.float32))
+
+
+# ------------------------------------------------------------------------------------------------
+# Every public op on copy engines, a 2-D mesh group, the error's arrival time, and the process
+# staying usable: a program compiled before the fault still runs after it.
+# ------------------------------------------------------------------------------------------------
+#: Slack over the rendezvous timeout for the error to reach Python: the peers' wait ends at the
+#: timeout; the rest is unwinding the launch (no compile: the programs are compiled beforehand).
+ARRIVAL_SLACK_S = 2.0
+
+
+def _mesh2d():
+    devices = np.array(jax.devices()[:8])[[5, 2, 7, 0, 3, 6, 1, 4]]  # ordinals != ranks
+    return Mesh(devices.reshape(2, 4), ("dp", "tp"))
+
+
+def _program(mesh, op):
+    """A freshly traced (so the fault switch is read now) and compiled program running `op`,
+    with its inputs and the expected output."""
+    import ficco_jax
+
+    spec = P(tuple(mesh.axis_names))
+    n, devices = mesh.shape["tp"], mesh.devices.size
+    x = jnp.arange(devices * 16 * 4, dtype=jnp.float32).reshape(devices * 16, 4) / 64  # 16 rows per device
+    if op == "ag_matmul":
+        w = jnp.ones((4, n * 2), jnp.float32)
+        body = lambda a, b: ficco_jax.ag_matmul(a, b, "tp", schedule="dma/ring/c2")
+        in_specs, out_spec = (spec, P(None, "tp")), P(mesh.axis_names[:-1] or None, "tp")
+        ref = lambda a, b: jax.lax.all_gather(a, "tp", tiled=True) @ b
+    elif op == "matmul_rs":
+        w = jnp.ones((4 * n, 3), jnp.float32)
+        body = lambda a, b: ficco_jax.matmul_rs(a, b, "tp", schedule="dma/direct/c2/s2")
+        in_specs, out_spec = (spec, P("tp", None)), spec
+        ref = lambda a, b: jax.lax.psum_scatter(a @ b, "tp", tiled=True)
+    else:
+        w = None
+        body = (lambda a: dma.reduce_scatter(a, "tp", schedule="dma/direct/c1/s2")) if op == "reduce_scatter" \
+            else (lambda a: dma.all_gather(a, "tp", schedule="dma/direct/c2/s2"))
+        ref = (lambda a: jax.lax.psum_scatter(a, "tp", tiled=True)) if op == "reduce_scatter" \
+            else (lambda a: jax.lax.all_gather(a, "tp", tiled=True))
+        in_specs, out_spec = (spec,), spec
+    args = (x,) if w is None else (x, w)
+    make = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_spec))
+    compiled = make(body).lower(*args).compile()
+    expected = np.asarray(make(ref)(*args))
+    return compiled, args, expected
+
+
+@pytest.mark.parametrize("mesh_kind", ["1d", "2d"])
+@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs", "all_gather", "reduce_scatter"])
+@pytest.mark.parametrize("mode", ["skip", "fail"])
+def test_every_op_fails_in_time_naming_the_rank_then_runs_again(op, mode, mesh_kind, short_timeout, monkeypatch):
+    mesh = _mesh() if mesh_kind == "1d" else _mesh2d()
+    missing = 1 if mesh_kind == "2d" else 6  # on the 2-D mesh: rank 1 of both tp groups
+    healthy, args, expected = _program(mesh, op)
+    monkeypatch.setattr(config, "FAULT_INJECTION", f"{mode}:{missing}")
+    faulty, _, _ = _program(mesh, op)
+    monkeypatch.setattr(config, "FAULT_INJECTION", "")
+
+    start = time.monotonic()
+    with pytest.raises(Exception, match=rf"missing ranks \[{missing}\]|injected fault '{mode}' on rank {missing}"):
+        jax.block_until_ready(faulty(*args))
+    elapsed = time.monotonic() - start
+    print(f"fault {mode}:{missing} {op} {mesh_kind}: error after {elapsed:.3f} s (timeout {TIMEOUT_S} s)")
+    assert elapsed < TIMEOUT_S + ARRIVAL_SLACK_S, f"{op} {mode}: the error took {elapsed:.2f} s"
+
+    # The process stays usable: the program compiled before the fault, a fresh trace, and the
+    # faulty program's peers on the next launch (a new RunId) are unaffected by the stale call.
+    np.testing.assert_allclose(np.asarray(healthy(*args)), expected, rtol=1e-6)
+    fresh, _, _ = _program(mesh, op)
+    np.testing.assert_allclose(np.asarray(fresh(*args)), expected, rtol=1e-6)
+
+
+def test_a_waiting_rank_names_the_op_group_and_missing_ranks():
+    """What every waiting rank reports. (With an injected fault XLA surfaces the faulty rank's own
+    error first, so here the missing ranks are real: the group names 8 devices, 4 launch.)"""
+    mesh = Mesh(np.array(jax.devices()[:4]), ("tp",))
+    groups = np.arange(8, dtype=np.int64)
+
+    def gather(a):
+        call = jax.ffi.ffi_call("ficco_all_gather", jax.ShapeDtypeStruct((8 * a.shape[0], a.shape[1]), a.dtype))
+        return call(a, op_id=np.int64(2 * 10**9), groups=groups, group_size=np.int64(8), chunks=np.int64(1),
+                    order=np.int64(1), gemm=np.int64(0), copy_streams=np.int64(1),
+                    timeout_ms=np.int64(int(TIMEOUT_S * 1000)), fault=np.int64(-1))
+
+    f = jax.jit(jax.shard_map(gather, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False))
+    x = jnp.zeros((4 * 2, 3), jnp.float32)
+    compiled = f.lower(x).compile()
+    start = time.monotonic()
+    with pytest.raises(Exception) as info:
+        jax.block_until_ready(compiled(x))
+    elapsed = time.monotonic() - start
+    message = str(info.value)
+    print(f"missing ranks [4, 5, 6, 7]: error after {elapsed:.3f} s (timeout {TIMEOUT_S} s)")
+    assert f"rendezvous timed out after {TIMEOUT_S} s in op {2 * 10**9} (ficco_all_gather)" in message, message
+    assert "group [0, 1, 2, 3, 4, 5, 6, 7]" in message and "missing ranks [4, 5, 6, 7]" in message, message
+    assert TIMEOUT_S * 0.9 <= elapsed < TIMEOUT_S + ARRIVAL_SLACK_S, elapsed
+
+
+def test_repeated_faults_do_not_accumulate(short_timeout, monkeypatch):
+    """Five failed launches in a row, then healthy ones: nothing stale blocks or slows them."""
+    mesh = _mesh()
+    healthy, args, expected = _program(mesh, "all_gather")
+    monkeypatch.setattr(config, "FAULT_INJECTION", "fail:0")
+    faulty, _, _ = _program(mesh, "all_gather")
+    for _ in range(5):
+        with pytest.raises(Exception, match=r"missing ranks \[0\]|on rank 0"):
+            jax.block_until_ready(faulty(*args))
+    start = time.monotonic()
+    for _ in range(20):
+        out = healthy(*args)
+    np.testing.assert_array_equal(np.asarray(out), expected)
+    assert time.monotonic() - start < TIMEOUT_S, "healthy launches after faults waited on something"
