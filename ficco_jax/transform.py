@@ -4,7 +4,9 @@
 signature, finds ``all_gather → matmul`` and ``matmul → psum_scatter`` sites inside each
 `shard_map` body (also inside scan / cond / while / jit / checkpoint bodies nested there; see
 `_patterns.py` for the matching rules), and evaluates the jaxpr again with each site replaced by
-``ag_matmul`` / ``matmul_rs`` and everything else bound as it was written.
+``ag_matmul`` / ``matmul_rs`` and everything else bound as it was written. The expert-parallel
+forms ``all_to_all → expert matmul`` and ``expert matmul → all_to_all`` (4-D per-peer blocks,
+`_patterns_a2a.py`) become ``a2a_matmul`` / ``matmul_a2a`` the same way.
 
 Composition: the result is an ordinary traceable function, so ``jit(overlap(f))``,
 ``grad(overlap(f))`` (the ops' custom VJPs overlap the backward pass) and ``overlap(grad(f))``
@@ -25,11 +27,14 @@ import jax
 import jax.extend.core as jex
 
 from ._patterns import AG, RS, SiteRecord, _Site, find_sites
+from ._patterns_a2a import A2A_MM, MM_A2A, find_a2a_sites
 from .schedule import Schedule
 
 __all__ = ["overlap", "explain", "Report", "SiteRecord"]
 
 logger = logging.getLogger("ficco_jax")
+
+_ALL_OPS = (AG, RS, A2A_MM, MM_A2A)
 
 _SHARD_MAP = "shard_map"
 # Sub-jaxprs of these are user-written custom derivatives: rewriting their primal body alone
@@ -73,14 +78,14 @@ class _Options:
     def make(cls, schedule, autotune: bool, ops: Sequence[str]) -> "_Options":
         if isinstance(ops, str) or not isinstance(ops, (tuple, list, set, frozenset)):
             raise TypeError(
-                f"overlap: ops must be a sequence of op names from {(AG, RS)}, found "
+                f"overlap: ops must be a sequence of op names from {_ALL_OPS}, found "
                 f"{'the str ' if isinstance(ops, str) else ''}{ops!r}; write ops=({ops!r},)"
             )
         if not isinstance(autotune, bool):
             raise TypeError(f"overlap: autotune must be a bool, found {autotune!r}")
-        unknown = [op for op in ops if op not in (AG, RS)]
+        unknown = [op for op in ops if op not in _ALL_OPS]
         if unknown:
-            raise ValueError(f"overlap: unknown ops {unknown}; valid ops: {(AG, RS)}")
+            raise ValueError(f"overlap: unknown ops {unknown}; valid ops: {_ALL_OPS}")
         if autotune:
             schedule = "autotune"
         elif isinstance(schedule, str) and schedule not in ("auto", "autotune"):
@@ -91,8 +96,11 @@ class _Options:
 
     def resolve(self, site: _Site) -> tuple[Any, str]:
         """The schedule handed to the op at `site`, and how to show it."""
+        from .a2a import resolve_schedule as resolve_a2a
         from .ops import resolve_schedule  # what the op itself does with its `schedule` argument
 
+        if site.op in (A2A_MM, MM_A2A):
+            resolve_schedule = resolve_a2a
         if self.schedule == "autotune":
             return "autotune", "autotune"  # measured when the op is traced, not by explain()
         args = (site.shapes_2d(), site.dot.outvars[0].aval.dtype, site.axis_size)
@@ -108,10 +116,12 @@ class _Options:
 
 def _call_op(site: _Site, operand, weight):
     """Run the fused op of `site` on its canonical 2-D operands."""
-    from . import ops
+    from . import a2a, ops
 
     kwargs = {"return_gathered": True} if site.op == AG and site.return_gathered else {}
-    fn = ops.ag_matmul if site.op == AG else ops.matmul_rs
+    if site.op == A2A_MM and site.return_received:
+        kwargs = {"return_received": True}
+    fn = {AG: ops.ag_matmul, RS: ops.matmul_rs, A2A_MM: a2a.a2a_matmul, MM_A2A: a2a.matmul_a2a}[site.op]
     try:
         return fn(operand, weight, site.axis_name, schedule=site.schedule, **kwargs)
     except ValueError as err:
@@ -153,6 +163,8 @@ def _analyse(jaxpr, axis_sizes: dict | None, where: str, options: _Options, reco
     plan = _Plan()
     if axis_sizes is not None:
         sites, misses = find_sites(jaxpr, axis_sizes, where, options.ops)
+        a2a_sites, a2a_misses = find_a2a_sites(jaxpr, axis_sizes, where, options.ops)
+        sites, misses = sites + a2a_sites, misses + a2a_misses
         for site in sites:
             if frozen:
                 records.append(dataclasses.replace(site.record, reason=frozen))
@@ -342,8 +354,9 @@ class Overlapped:
 
 
 def overlap(fn: Callable | None = None, *, schedule="auto", autotune: bool = False,
-            ops: Sequence[str] = (AG, RS)):
-    """Return `fn` with every all_gather→matmul and matmul→psum_scatter in its shard_maps overlapped.
+            ops: Sequence[str] = _ALL_OPS):
+    """Return `fn` with every all_gather→matmul, matmul→psum_scatter, all_to_all→expert matmul
+    and expert matmul→all_to_all (4-D, see _patterns_a2a.py) in its shard_maps overlapped.
 
     ``overlap(f)(*args)`` equals ``f(*args)``. `schedule` applies to every site where it is valid
     ("auto" elsewhere, with a log line); ``autotune=True`` measures candidates per site; `ops`

@@ -252,3 +252,77 @@ def test_dma_all_to_all_rejects_an_indivisible_split_axis(mesh1d):
     body = jax.shard_map(lambda v: dma.all_to_all(v, "tp", 1, 0), mesh=mesh1d, in_specs=P("tp"), out_specs=P("tp"))
     with pytest.raises(ValueError, match=r"x.shape\[1\]=6 \(the split axis\) must divide by the axis size 8"):
         jax.eval_shape(body, jnp.zeros((8 * 8, 6), jnp.float32))
+
+
+# ------------------------------------------------------------------------------------------------
+# overlap(): all_to_all → expert matmul and expert matmul → all_to_all, as MoE code writes them
+# ------------------------------------------------------------------------------------------------
+def _moe_body(x, w_in, w_out):
+    received = jax.lax.all_to_all(x, "tp", 0, 0, tiled=True)
+    h = jax.nn.relu(jnp.einsum("pecd,edf->pecf", received, w_in))
+    back = jax.lax.all_to_all(jnp.einsum("pecf,efd->pecd", h, w_out), "tp", 0, 0, tiled=True)
+    return back + jnp.mean(received)  # the received tokens have a second user
+
+
+def _moe_args(mesh, rng):
+    x_shape, w_in_shape = _global_shapes("a2a_matmul", mesh)
+    _, w_out_shape = _global_shapes("matmul_a2a", mesh)
+    return [random(rng, s, "float32") for s in (x_shape, w_in_shape, w_out_shape)]
+
+
+def _sharded(mesh, body, n_weights):
+    spec = _tokens_spec(mesh)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) + (P("tp"),) * n_weights, out_specs=spec))
+
+
+@pytest.mark.parametrize("mesh_name,sched", [("mesh1d", "xla/ring/c2"), ("mesh2d", "dma/direct/c2/s2"),
+                                             ("mesh2d", "xla/direct/c4/grouped")])
+def test_overlap_rewrites_dispatch_and_combine(request, rng, mesh_name, sched):
+    mesh = request.getfixturevalue(mesh_name)
+    fn = _sharded(mesh, _moe_body, 2)
+    args = _moe_args(mesh, rng)
+    fused = ficco_jax.overlap(fn, schedule=sched)
+    report = ficco_jax.explain(fused, *args)
+    assert [(r.op, r.schedule) for r in report.sites] == [("a2a_matmul", sched), ("matmul_a2a", sched)], str(report)
+    assert "received tokens also used elsewhere" in report.sites[0].shapes
+    assert rel_err(fused(*args), fn(*args)) < TOLERANCE["float32"]
+
+    def loss(f, *a):
+        return jnp.sum(jnp.sin(f(*a)))
+
+    got = jax.grad(functools.partial(loss, fused), argnums=(0, 1, 2))(*args)
+    want = jax.grad(functools.partial(loss, fn), argnums=(0, 1, 2))(*args)
+    for g, r in zip(got, want):
+        assert rel_err(g, r) < TOLERANCE["float32"]
+
+
+def test_overlap_near_misses_say_why(mesh1d, rng):
+    x, w_in, _ = _moe_args(mesh1d, rng)
+
+    def one_matmul_between(x, w):  # a2a → matmul → a2a: the matmul can belong to one site only
+        received = jax.lax.all_to_all(x, "tp", 0, 0, tiled=True)
+        return jax.lax.all_to_all(jnp.einsum("pecd,edf->pecf", received, w), "tp", 0, 0, tiled=True)
+
+    fn = _sharded(mesh1d, one_matmul_between, 1)
+    report = ficco_jax.explain(fn, x, w_in)
+    assert [r.op for r in report.sites] == ["a2a_matmul"]
+    assert "already consumes an a2a_matmul site" in report.near_misses[0].reason
+    fused = ficco_jax.overlap(fn, schedule="xla/direct/c2")
+    assert rel_err(fused(x, w_in), fn(x, w_in)) < TOLERANCE["float32"]
+
+    def other_split(x, w):  # exchanges the expert axis, not the peer-block axis
+        received = jax.lax.all_to_all(x, "tp", 1, 1, tiled=True)
+        return jnp.einsum("pecd,edf->pecf", received, w)
+
+    x2 = jnp.zeros((8 * 8, 8, C, D), jnp.float32)
+    w2 = jnp.zeros((8 * 8, D, F), jnp.float32)
+    report = ficco_jax.explain(_sharded(mesh1d, other_split, 1), x2, w2)
+    assert not report.sites and "split_axis=1, concat_axis=1" in report.near_misses[0].reason
+
+    def not_per_expert(x, w):  # one shared weight: contracts the features but batches no expert
+        received = jax.lax.all_to_all(x, "tp", 0, 0, tiled=True)
+        return jnp.einsum("pecd,df->pecf", received, w[0])
+
+    report = ficco_jax.explain(_sharded(mesh1d, not_per_expert, 1), x, w_in)
+    assert not report.sites and "expected the experts (1) batched" in report.near_misses[0].reason
+    assert report.near_misses[0].op == "a2a_matmul"

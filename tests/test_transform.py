@@ -348,4 +348,4 @@ def test_ops_filter_and_schedule_fallback(mesh, caplog):
     assert [r.schedule for r in explain(overlap(loss, schedule="xla/ring/c2"), *args).sites] == ["xla/ring/c2"] * 2
     assert_close(overlap(loss, schedule="xla/bidirectional/c2")(*args), loss(*args))
     with pytest.raises(ValueError, match="unknown ops"):
-        overlap(loss, ops=("a2a_matmul",))
+        overlap(loss, ops=("conv_matmul",))
