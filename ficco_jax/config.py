@@ -38,6 +38,16 @@ COPY_STREAM_CHOICES: tuple[int, ...] = (1, 2, 4)
 #: dtypes the DMA executor handles; others take the XLA path (`comm="xla"`).
 DMA_DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
 
+#: This process's host id in a multi-process run (topology.py): processes with equal ids share a
+#: host. Default (""): socket.gethostname(). Set it where host names do not identify machines
+#: (containers with generated names on one machine, or one name reused across machines).
+HOST_ID: str = os.environ.get("FICCO_HOST_ID", "")
+
+#: Seconds a process waits for another process's host id in the jax.distributed key-value store
+#: (read once, when an op site first spans processes). A process missing after that counts as
+#: another host; the schedule is the same (comm="xla"), only the log line is less precise.
+HOST_EXCHANGE_TIMEOUT_S: float = _env_float("FICCO_HOST_EXCHANGE_TIMEOUT_S", 30.0)
+
 #: Where `schedule="autotune"` keeps its measured winners.
 AUTOTUNE_CACHE_DIR: str = os.environ.get(
     "FICCO_AUTOTUNE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "ficco_jax")

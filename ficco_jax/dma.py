@@ -15,8 +15,11 @@ Public:
 How a call finds its peers (computed at LOWERING time, when the concrete mesh is known):
   * groups: the mesh's device array with the op's axis moved last, reshaped to (-1, n); each row
     is one group, members in rank order (rank = index along the axis), written as device
-    ordinals (``Device.local_hardware_id``) into the ``groups`` attribute. At run time each
-    handler finds its own ordinal there: that gives its group and rank.
+    ordinals (``Device.local_hardware_id`` on GPUs, ``Device.id`` on CPU: what the FFI's
+    ``DeviceOrdinal`` reports there) into the ``groups`` attribute, for this process's groups
+    only. At run time each handler finds its own ordinal there: that gives its group and rank.
+    A group that spans processes is refused with an error pointing at comm='xla' (topology.py
+    says which processes and hosts it reaches).
   * op_id: a process-wide counter drawn when the op is traced (bound), unique per call site, so
     two ops of one program never share a rendezvous.
   * occurrence: counted by the executor per device and launch (RunId): the same call site run
@@ -48,7 +51,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from . import _ext, config
+from . import _ext, config, topology
 from .schedule import Schedule
 
 __all__ = [
@@ -224,14 +227,22 @@ def _groups(ctx, op: str, axis_name: str, axis_size: int) -> np.ndarray:
     n = mesh.shape[axis_name]
     if n != axis_size:
         raise ValueError(f"{op}: axis {axis_name!r} has {n} devices in the mesh but {axis_size} when traced")
-    devices = np.moveaxis(mesh.devices, mesh.axis_names.index(axis_name), -1).reshape(-1, n)
+    site = topology.describe(mesh, axis_name)
+    if site.spanning_groups():
+        raise ValueError(topology.dma_refusal(op, site))
+    # Ordinals are numbered per process, and each process runs only the groups of its own devices.
     here = jax.process_index()
-    if any(d.process_index != here for d in devices.flat):
+    local = site.groups_of(here)
+    if not local:
         raise ValueError(
-            f"{op}: mesh axis {axis_name!r} spans several processes; "
-            f"multi-process groups need comm='xla' (issue: beyond one process)"
+            f"{op}: no group of mesh axis {axis_name!r} is in this process (process {here}); its groups are "
+            f"on processes {sorted({p for g in site.groups for p in g.processes})}; use comm='xla'"
         )
-    return np.vectorize(lambda d: d.local_hardware_id, otypes=[np.int64])(devices)
+    # Handlers find themselves by the FFI's DeviceOrdinal: the CUDA ordinal (local) on GPUs, the
+    # device id on jax's CPU client (process p's devices are p*2048+i there, not 0..3).
+    on_cpu = mesh.devices.flat[0].platform == "cpu"
+    return np.array([[m.device_id if on_cpu else m.local_ordinal for m in g.members] for g in local],
+                    dtype=np.int64)
 
 
 def _lowering(ctx, *operands, op, axis_name, axis_size, op_id, schedule, timeout_ms, fault):

@@ -24,14 +24,18 @@ _KNOWN_PROFILES = {("H200", 4): "h200x4", ("H200", 8): "h200x8"}
 AUTOTUNE_TOP_K = 6
 
 
-def available_comms(platform: str | None = None) -> tuple[str, ...]:
-    """The comm kinds that can run on `platform` (default: JAX's default backend).
+def available_comms(platform: str | None = None, topology=None) -> tuple[str, ...]:
+    """The comm kinds that can run on `platform` (default: JAX's default backend) for an op site
+    whose peers are described by `topology` (a `topology.SiteTopology`; None: all in this process).
 
-    `dma` needs the compiled extension: its CUDA backend on GPUs, its CPU backend (memcpy and
-    reference loops, for testing) on CPU.
+    `dma` needs the compiled extension (its CUDA backend on GPUs, its CPU backend of memcpy and
+    reference loops on CPU) and every group of the site inside one process: copy engines reach no
+    other process yet (CUDA IPC for processes of one host is planned, docs/multiprocess.md).
     """
     platform = platform or jax.default_backend()
     comms = ("none", "xla")
+    if topology is not None and not topology.in_process:
+        return comms
     try:
         from . import _ext
 
@@ -40,6 +44,19 @@ def available_comms(platform: str | None = None) -> tuple[str, ...]:
     except ImportError as exc:
         log.warning("ficco_jax: copy-engine schedules unavailable: %s", exc)
     return comms
+
+
+def reachable(op: str, chosen: Schedule, shapes, dtype, axis_size: int, topology) -> Schedule:
+    """`chosen` if its comm can reach the peers in `topology`; else the best schedule that can
+    (comm="xla" or "none": XLA's collectives), with a log line saying why."""
+    comms = available_comms(topology=topology)
+    if chosen.comm in comms:
+        return chosen
+    fallback = select_schedule(op, shapes, dtype, axis_size, comms=comms)
+    log.info("ficco_jax %s over axis %r: %s; comm='dma' reaches only devices of this process, "
+             "so %s instead of %s (XLA's collectives)", op, topology.axis_name,
+             topology.why_not_in_process(), fallback, chosen)
+    return fallback
 
 
 def profile_for(axis_size: int) -> dict:

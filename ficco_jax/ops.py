@@ -58,7 +58,7 @@ def ag_matmul(x, w, axis_name: str, *, schedule: ScheduleArg = "auto", return_ga
     _check_operands("ag_matmul", x, w)
     if not isinstance(return_gathered, (bool, np.bool_)):
         raise TypeError(f"ag_matmul: return_gathered must be a bool, found {return_gathered!r}")
-    sched = resolve_schedule("ag_matmul", schedule, (x.shape, w.shape), x.dtype, n)
+    sched = resolve_schedule("ag_matmul", schedule, (x.shape, w.shape), x.dtype, n, axis_name=axis_name)
     if return_gathered:
         return _ag_matmul_gathered(x, w, axis_name, sched)
     return _ag_matmul(x, w, axis_name, sched)
@@ -72,17 +72,25 @@ def matmul_rs(y, w, axis_name: str, *, schedule: ScheduleArg = "auto"):
     """
     n = _axis_size(axis_name, "matmul_rs")
     _check_operands("matmul_rs", y, w)
-    sched = resolve_schedule("matmul_rs", schedule, (y.shape, w.shape), y.dtype, n)
+    sched = resolve_schedule("matmul_rs", schedule, (y.shape, w.shape), y.dtype, n, axis_name=axis_name)
     return _matmul_rs(y, w, axis_name, sched)
 
 
-def resolve_schedule(op: str, schedule: ScheduleArg, shapes, dtype, axis_size: int) -> Schedule:
-    """Turn the user's `schedule` argument into a valid Schedule for this call (trace time)."""
+def resolve_schedule(op: str, schedule: ScheduleArg, shapes, dtype, axis_size: int, *,
+                     axis_name: str | None = None) -> Schedule:
+    """Turn the user's `schedule` argument into a valid Schedule for this call (trace time).
+
+    `axis_name` locates the peers (topology.for_axis): "auto" avoids comm="dma" where they are
+    not all in this process, and an explicit comm="dma" there is an error. Without it, a
+    multi-process program counts the peers as remote for "auto"."""
     from . import heuristics  # heuristics imports the cost model; keep ops importable without it
+    from . import topology
 
     check_shapes(op, shapes, axis_size)
+    site = topology.for_axis(axis_name)
     if isinstance(schedule, str) and schedule in ("auto", "autotune"):
         chosen = heuristics.choose(op, shapes, dtype, axis_size, autotune=(schedule == "autotune"))
+        chosen = heuristics.reachable(op, chosen, shapes, dtype, axis_size, site)
         log.debug("%s %s %s: schedule %s", op, shapes, jnp.dtype(dtype).name, chosen)
         return _runnable(op, chosen, shapes, dtype, axis_size)
     if isinstance(schedule, str):
@@ -97,6 +105,8 @@ def resolve_schedule(op: str, schedule: ScheduleArg, shapes, dtype, axis_size: i
         from . import dma
 
         dma.check_supported(op, dtype)
+        if site.spanning_groups():  # unknown sites pass here; dma's lowering checks the real mesh
+            raise ValueError(topology.dma_refusal(op, site))
     return schedule
 
 

@@ -11,6 +11,7 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import logging  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -19,7 +20,7 @@ import pytest  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import ficco_jax  # noqa: E402
-from ficco_jax import _ext, config, heuristics, ops  # noqa: E402
+from ficco_jax import _ext, config, heuristics, ops, topology  # noqa: E402
 from ficco_jax.schedule import COMMS, Schedule  # noqa: E402
 from helpers import ag_specs, rs_specs, run_sharded  # noqa: E402
 
@@ -152,8 +153,15 @@ def test_collective_rejects_bad_input(mesh1d, call, exc, pattern):
 @needs_ext
 def test_dma_across_processes_is_refused(mesh1d, monkeypatch):
     """Copy engines reach only the devices of this process: a group that spans processes must be
-    refused when lowered, pointing at comm='xla'. (Faked: this process claims another index.)"""
-    monkeypatch.setattr(jax, "process_index", lambda *a, **k: 1)
+    refused when lowered, pointing at comm='xla'. (Faked: devices 4-7 claim to be in process 1.)"""
+    real_describe = topology.describe
+
+    def describe(mesh, axis_name):
+        groups = [[SimpleNamespace(id=m.device_id, process_index=m.device_id // 4, local_hardware_id=m.local_ordinal)
+                   for m in g.members] for g in real_describe(mesh, axis_name).groups]
+        return topology.describe_groups(groups, axis_name)
+
+    monkeypatch.setattr(topology, "describe", describe)
     with pytest.raises(ValueError, match=r"all_gather: mesh axis 'tp' spans several processes.*comm='xla'"):
         _gather(mesh1d, _zeros((64, 4)))
     with pytest.raises(ValueError, match=r"ag_matmul: mesh axis 'tp' spans several processes.*comm='xla'"):
