@@ -1,0 +1,111 @@
+"""ficco_jax under jax.distributed: two processes x 4 virtual CPU devices, one global mesh of 8.
+
+The two-process test launches tests/mp_worker.py twice (gloo carries the cross-process
+collectives); see that file for the checks. The rest checks the classification of topology.py
+on stand-in devices, in this process.
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from ficco_jax import _ext, heuristics, topology
+from ficco_jax.schedule import Schedule
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mp_worker.py")
+#: Seconds the two workers get in all (they take about 8 s on 2 shared cores).
+WORKER_TIMEOUT_S = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(not _ext.available(), reason="ficco_jax._ffi is not built")
+def test_two_processes_fall_back_to_xla_across_processes_and_keep_dma_within(tmp_path):
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "FICCO_HOST_ID")}
+    env["JAX_PLATFORMS"] = "cpu"
+    outs = [tmp_path / f"process{i}.json" for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, WORKER, str(i), "2", str(port), str(outs[i])], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    deadline = time.monotonic() + WORKER_TIMEOUT_S
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"the workers did not finish within {WORKER_TIMEOUT_S} s:\n" +
+                    "\n".join(p.communicate()[0][-3000:] for p in procs))
+    failures = []
+    for i, (p, out, log) in enumerate(zip(procs, outs, logs)):
+        if not out.exists():
+            failures.append(f"process {i} wrote no results (exit {p.returncode}):\n{log[-3000:]}")
+            continue
+        checks = json.loads(out.read_text())["checks"]
+        failures += [f"process {i} {name}:\n{err}" for name, err in checks.items() if err != "ok"]
+        assert len(checks) == 9, checks
+    assert not failures, "\n".join(failures)
+    assert [p.returncode for p in procs] == [0, 0], logs
+
+
+# ------------------------------------------------------------------------------------------------
+# Classification on stand-in devices (no second process needed)
+# ------------------------------------------------------------------------------------------------
+def _dev(device_id, process_index, ordinal):
+    return SimpleNamespace(id=device_id, process_index=process_index, local_hardware_id=ordinal)
+
+
+HOSTS = {0: "node-a", 1: "node-a", 2: "node-b"}
+
+
+@pytest.mark.parametrize("rows,kind", [
+    ([[_dev(0, 0, 0), _dev(1, 0, 1)], [_dev(4, 1, 0), _dev(5, 1, 1)]], topology.IN_PROCESS),
+    ([[_dev(0, 0, 0), _dev(4, 1, 0)]], topology.SAME_HOST_MULTI_PROCESS),
+    ([[_dev(0, 0, 0), _dev(1, 0, 1)], [_dev(4, 1, 0), _dev(8, 2, 0)]], topology.MULTI_HOST),
+], ids=["groups-in-processes", "group-over-processes-of-one-host", "one-group-over-hosts"])
+def test_a_site_is_as_remote_as_its_most_remote_group(rows, kind):
+    with topology.hosts_overridden(HOSTS):
+        site = topology.describe_groups(rows, "tp")
+    assert site.kind == kind
+    assert [m.device_id for m in site.groups[0].members] == [d.id for d in rows[0]]
+    allowed = heuristics.available_comms("cpu", topology=site)
+    assert ("dma" in allowed) == (kind == topology.IN_PROCESS and _ext.available())
+
+
+def test_why_names_the_group_the_processes_and_the_hosts():
+    with topology.hosts_overridden(HOSTS):
+        site = topology.describe_groups([[_dev(0, 0, 0), _dev(8, 2, None)], [_dev(1, 0, 1), _dev(9, 2, None)]], "tp")
+    why = site.why_not_in_process()
+    assert why == ("group devices [0, 8] on processes [0, 2] (hosts ['node-a', 'node-b']) (and 1 more group(s)) "
+                   "spans several hosts"), why
+    msg = topology.dma_refusal("ag_matmul", site)
+    assert msg.startswith("ag_matmul: mesh axis 'tp' spans several processes: group devices [0, 8]")
+    assert "comm='xla'" in msg
+
+
+def test_auto_falls_back_with_a_log_line_and_keeps_what_reaches(caplog):
+    with topology.hosts_overridden(HOSTS):
+        remote = topology.describe_groups([[_dev(0, 0, 0), _dev(4, 1, None)]], "tp")
+    shapes = ((64, 32), (32, 16))
+    dma = Schedule.parse("dma/direct/c2/s1")
+    with caplog.at_level("INFO", logger="ficco_jax"):
+        fallback = heuristics.reachable("ag_matmul", dma, shapes, "float32", 2, remote)
+    assert fallback.comm in ("xla", "none"), fallback
+    assert "CUDA IPC, not implemented yet" in caplog.text and f"instead of {dma} " in caplog.text
+    assert heuristics.reachable("ag_matmul", dma, shapes, "float32", 2, topology.for_axis("tp")) == dma
+
+
+def test_one_process_needs_no_mesh():
+    site = topology.for_axis("tp")
+    assert site.kind == topology.IN_PROCESS and site.source == "single process"
