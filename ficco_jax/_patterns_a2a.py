@@ -40,6 +40,7 @@ class _A2ASite:
     collective: Any
     tokens_side: int  # which dot operand holds the [n, E, C, .] tokens (0 lhs, 1 rhs)
     w_dims: tuple[int, int, int]  # the weight's (expert, contracted, free) dimensions
+    tokens_labels: tuple[str, ...]  # the tokens operand's dims as p(eer) e(xpert) c(apacity) d(contracted)
     record: SiteRecord
     schedule: Any = "auto"
     return_received: bool = False
@@ -54,7 +55,7 @@ class _A2ASite:
 
     def _dot_labels(self) -> list[str]:
         """The dot's output dimensions named as the op's: batch e, then lhs free, then rhs free."""
-        tokens_free, w_free = ["p", "c"], ["f"]
+        tokens_free, w_free = [label for label in self.tokens_labels if label in ("p", "c")], ["f"]
         return ["e"] + (tokens_free + w_free if self.tokens_side == 0 else w_free + tokens_free)
 
     def run(self, read: Callable, write: Callable, call_op: Callable) -> None:
@@ -156,15 +157,22 @@ def _a2a_problem(eqn) -> str | None:
     return None
 
 
-def _expert_dot(dot, tokens_pos: int) -> tuple[tuple[int, int, int] | None, str | None]:
-    """The weight's (expert, contracted, free) dims if `dot` is tokens[n,E,C,d] x w -> per-expert matmul."""
+_TOKENS = ("p", "e", "c", "d")  # the all_to_all's layout [n, E, C, d]
+
+
+def _expert_dot(dot, tokens_pos: int, labels=_TOKENS) -> tuple[tuple[int, int, int] | None, str | None]:
+    """The weight's (expert, contracted, free) dims if `dot` is tokens[n,E,C,d] x w -> per-expert matmul.
+
+    `labels` names the tokens operand's dimensions (a transpose may sit between the all_to_all
+    and the matmul, as in the backward pass)."""
     (lc, rc), (lb, rb) = dot.params["dimension_numbers"]
     contract, batch = (lc, rc), (lb, rb)
     w_aval = dot.invars[1 - tokens_pos].aval
-    if tuple(batch[tokens_pos]) != (1,) or tuple(contract[tokens_pos]) != (3,):
+    expert_dim, feature_dim = labels.index("e"), labels.index("d")
+    if tuple(batch[tokens_pos]) != (expert_dim,) or tuple(contract[tokens_pos]) != (feature_dim,):
         return None, (f"the matmul batches dims {tuple(batch[tokens_pos])} and contracts dims "
-                      f"{tuple(contract[tokens_pos])} of the [n, E, C, d] tokens; expected the experts (1) "
-                      f"batched and the features (3) contracted, as einsum('pecd,edf->pecf')")
+                      f"{tuple(contract[tokens_pos])} of the tokens (dims {''.join(labels)} of [n, E, C, d]); "
+                      f"expected the experts batched and the features contracted, as einsum('pecd,edf->pecf')")
     if len(w_aval.shape) != 3:
         return None, f"the weight is {len(w_aval.shape)}-D; expected one [E, d, f] matrix per local expert"
     wb, wc = batch[1 - tokens_pos][0], contract[1 - tokens_pos][0]
@@ -189,14 +197,14 @@ def _match_dispatch(ctx: _Context, i: int, enabled: bool, taken_dots: set):
     if problem:
         return ctx.miss(A2A_MM, i, shapes, problem)
     uses = ctx.users.get(r, [])
+    if not uses:
+        return ctx.miss(A2A_MM, i, shapes, "the received tokens feed no matmul directly (users: none)")
+    first_use = min(k for k, _ in uses)
     reasons = []
-    for j, pos in uses:
+    for j, pos, labels, through in _dot_users(ctx, r):
         dot = ctx.eqns[j]
-        if dot.primitive.name != _DOT:
-            continue
-        w_dims, problem = _expert_dot(dot, pos)
+        w_dims, problem = _expert_dot(dot, pos, labels)
         w = dot.invars[1 - pos]
-        first_use = min(k for k, _ in uses)
         if problem is None and j in taken_dots:
             problem = "the matmul is already part of another site"
         if problem is None and not _is_var(w):
@@ -206,9 +214,11 @@ def _match_dispatch(ctx: _Context, i: int, enabled: bool, taken_dots: set):
         if problem:
             reasons.append(f"eqn {j}: {problem}")
             continue
+        # Through a transpose, the transpose stays (it may have other users) and reads the
+        # received tokens, so the op returns them.
         site = _A2ASite(A2A_MM, _single_axis(a2a.params), ctx.axis_size(a2a), first_use, tuple(sorted({i, j})),
-                        dot, a2a, pos, w_dims, record=None,  # type: ignore[arg-type]
-                        return_received=len(uses) > 1 or r in ctx.outputs)
+                        dot, a2a, pos, w_dims, tuple(labels), record=None,  # type: ignore[arg-type]
+                        return_received=len(uses) > 1 or r in ctx.outputs or through)
         (tokens, w_shape) = site.op_shapes()
         site.record = SiteRecord(A2A_MM, f"{ctx.where}eqn {i}", site.axis_name,
                                  f"{shapes} · w {_fmt(w.aval)} -> {_fmt(dot.outvars[0].aval)}"
@@ -219,6 +229,20 @@ def _match_dispatch(ctx: _Context, i: int, enabled: bool, taken_dots: set):
         return ctx.miss(A2A_MM, i, shapes, "; ".join(reasons))
     others = sorted({ctx.eqns[j].primitive.name for j, _ in uses})
     return ctx.miss(A2A_MM, i, shapes, f"the received tokens feed no matmul directly (users: {others or 'none'})")
+
+
+def _dot_users(ctx: _Context, r):
+    """(eqn, operand position, tokens labels, through a transpose) of every matmul reading r,
+    directly or through one transpose."""
+    found = []
+    for j, pos in ctx.users.get(r, []):
+        eqn = ctx.eqns[j]
+        if eqn.primitive.name == _DOT:
+            found.append((j, pos, _TOKENS, False))
+        elif eqn.primitive.name == _TRANSPOSE:
+            labels = tuple(_TOKENS[p] for p in eqn.params["permutation"])
+            found += [(k, p, labels, True) for k, p in ctx.users.get(eqn.outvars[0], []) if ctx.eqns[k].primitive.name == _DOT]
+    return sorted(found)
 
 
 def _match_combine(ctx: _Context, i: int, enabled: bool, taken_dots: set):
@@ -254,7 +278,7 @@ def _match_combine(ctx: _Context, i: int, enabled: bool, taken_dots: set):
         w_dims, problem = _expert_dot(dot, pos)
         if problem is None:
             site = _A2ASite(MM_A2A, _single_axis(a2a.params), ctx.axis_size(a2a), k, tuple(sorted(chain)), dot, a2a,
-                            pos, w_dims, record=None)  # type: ignore[arg-type]
+                            pos, w_dims, _TOKENS, record=None)  # type: ignore[arg-type]
             labels = site._dot_labels()
             layout = [labels[p] for p in perm] if perm is not None else labels
             if layout != ["p", "e", "c", "f"]:

@@ -324,5 +324,5 @@ def test_overlap_near_misses_say_why(mesh1d, rng):
         return jnp.einsum("pecd,df->pecf", received, w[0])
 
     report = ficco_jax.explain(_sharded(mesh1d, not_per_expert, 1), x, w_in)
-    assert not report.sites and "expected the experts (1) batched" in report.near_misses[0].reason
+    assert not report.sites and "expected the experts batched and the features contracted" in report.near_misses[0].reason
     assert report.near_misses[0].op == "a2a_matmul"
