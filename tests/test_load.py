@@ -1,0 +1,54 @@
+"""Load: 160 op sites (80 layers x ag_matmul + matmul_rs) per program, two programs interleaved
+(a lax.scan over the layers: 2 call sites run 80 times per launch; and the unrolled loop: 160
+distinct call sites), run for a bounded number of steps on 8 CPU devices with the dma executor;
+host memory must stay flat after warm-up and the results equal the references.
+
+The full 10,000-step run is `python scripts/load_test.py --steps 10000 --comm dma` (GPU).
+
+Tolerance: after warm-up the run makes STEPS_AFTER_WARMUP x 2 programs x 160 = 38,400 op calls;
+RSS_TOLERANCE_MIB = 16 flags any leak of more than ~440 bytes per op call (16 MiB / 38,400), while
+leaving room for allocator noise (measured on CPU: +1.3 MiB over 200 post-warm-up steps).
+On jax 0.10.2's CPU client, programs with collectives dispatched ahead deadlock inside XLA itself
+(plain lax collectives too), so this test blocks every step (`sync_every=1`); see RELIABILITY.md.
+"""
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import importlib.util  # noqa: E402
+import pathlib  # noqa: E402
+import sys  # noqa: E402
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+from ficco_jax import _ext  # noqa: E402
+
+WARMUP, STEPS_AFTER_WARMUP = 80, 120
+RSS_TOLERANCE_MIB = 16.0
+
+
+def _load_test_module():
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "load_test.py"
+    spec = importlib.util.spec_from_file_location("ficco_load_test", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _ext.available(), reason="ficco_jax._ffi is not built")
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices")
+def test_160_sites_interleaved_memory_flat():
+    load = _load_test_module()
+    cfg = load.LoadConfig(steps=WARMUP + STEPS_AFTER_WARMUP, layers=80, comm="dma", rows=8, d_model=64, d_ff=128,
+                          dtype="float32", programs=("scan", "unrolled"), interval=40, warmup=WARMUP,
+                          rss_tolerance_mib=RSS_TOLERANCE_MIB, devices=8,
+                          sync_every=1 if jax.default_backend() == "cpu" else 0)
+    result = load.run(cfg, log=print)
+    assert result["finite"]
+    assert result["op_calls"] == cfg.steps * 2 * 160
+    assert result["rss_growth_after_warmup_mib"] < RSS_TOLERANCE_MIB, result["samples"]
+    assert all(d < 1e-4 for d in result["reference_diff_end"].values()), result["reference_diff_end"]
+    assert result["verdict"] == "PASS"
