@@ -2,12 +2,10 @@
 // module.cc hands to Python. Same shape as module.cc's handlers: decode the attributes, make the
 // platform's Backend, run the Impl; nothing thrown escapes.
 #include <algorithm>
-#include <exception>
-#include <functional>
 #include <string>
 
 #include "a2a.h"
-#include "backends.h"
+#include "guard.h"
 
 namespace ficco {
 
@@ -91,69 +89,41 @@ ffi::Error MatmulA2aImpl(Backend& backend, const OpConfig& config, ffi::AnyBuffe
 // ---------------------------------------------------------------------------------------------
 namespace {
 
-using BackendFactory = std::function<std::unique_ptr<Backend>(const CallContext&)>;
-using Body = std::function<ffi::Error(Backend&, const OpConfig&)>;
-
-// GPU peers reach a rendezvous within microseconds of each other: spin before sleeping (the
-// value module.cc's CUDA handlers use).
-constexpr double kCudaSpinSeconds = 100e-6;
-
-ffi::Error Guarded(const char* target, int32_t ordinal, ffi::RunId run_id, const OpAttrs& attrs,
-                   const BackendFactory& make_backend, double spin_s, const Body& body) {
-  try {
-    OpConfig config;
-    FICCO_RETURN_IF_ERROR(DecodeConfig(attrs, target, ordinal, run_id.run_id, &config));
-    config.spin_s = spin_s;
-    std::unique_ptr<Backend> backend = make_backend(config.ctx);
-    return body(*backend, config);
-  } catch (const std::exception& e) {
-    return ffi::Error::Internal(std::string("ficco_jax: ") + target + ": unexpected exception: " + e.what());
-  } catch (...) {
-    return ffi::Error::Internal(std::string("ficco_jax: ") + target + ": unexpected exception");
-  }
-}
-
-const BackendFactory kCpu = [](const CallContext& ctx) { return MakeCpuBackend(ctx); };
-
 ffi::Error AllToAllCpu(int32_t ordinal, ffi::RunId run, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
                        OpAttrs attrs) {
-  return Guarded(kAllToAllTarget, ordinal, run, attrs, kCpu, 0.0,
-                 [&](Backend& b, const OpConfig& c) { return AllToAllImpl(b, c, x, *out); });
+  return GuardCpu(kAllToAllTarget, ordinal, run, attrs,
+                  [&](Backend& b, const OpConfig& c) { return AllToAllImpl(b, c, x, *out); });
 }
 
 ffi::Error A2aMatmulCpu(int32_t ordinal, ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer w,
                         ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> received, OpAttrs attrs) {
-  return Guarded(kA2aMatmulTarget, ordinal, run, attrs, kCpu, 0.0,
-                 [&](Backend& b, const OpConfig& c) { return A2aMatmulImpl(b, c, x, w, *out, *received); });
+  return GuardCpu(kA2aMatmulTarget, ordinal, run, attrs,
+                  [&](Backend& b, const OpConfig& c) { return A2aMatmulImpl(b, c, x, w, *out, *received); });
 }
 
 ffi::Error MatmulA2aCpu(int32_t ordinal, ffi::RunId run, ffi::AnyBuffer y, ffi::AnyBuffer w,
                         ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> send, OpAttrs attrs) {
-  return Guarded(kMatmulA2aTarget, ordinal, run, attrs, kCpu, 0.0,
-                 [&](Backend& b, const OpConfig& c) { return MatmulA2aImpl(b, c, y, w, *out, *send); });
+  return GuardCpu(kMatmulA2aTarget, ordinal, run, attrs,
+                  [&](Backend& b, const OpConfig& c) { return MatmulA2aImpl(b, c, y, w, *out, *send); });
 }
 
 #ifdef FICCO_WITH_CUDA
-BackendFactory CudaOn(cudaStream_t stream) {
-  return [stream](const CallContext& ctx) { return MakeCudaBackend(ctx, stream); };
-}
-
 ffi::Error AllToAllCuda(cudaStream_t stream, int32_t ordinal, ffi::RunId run, ffi::AnyBuffer x,
                         ffi::Result<ffi::AnyBuffer> out, OpAttrs attrs) {
-  return Guarded(kAllToAllTarget, ordinal, run, attrs, CudaOn(stream), kCudaSpinSeconds,
-                 [&](Backend& b, const OpConfig& c) { return AllToAllImpl(b, c, x, *out); });
+  return GuardCuda(kAllToAllTarget, stream, ordinal, run, attrs,
+                   [&](Backend& b, const OpConfig& c) { return AllToAllImpl(b, c, x, *out); });
 }
 
 ffi::Error A2aMatmulCuda(cudaStream_t stream, int32_t ordinal, ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer w,
                          ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> received, OpAttrs attrs) {
-  return Guarded(kA2aMatmulTarget, ordinal, run, attrs, CudaOn(stream), kCudaSpinSeconds,
-                 [&](Backend& b, const OpConfig& c) { return A2aMatmulImpl(b, c, x, w, *out, *received); });
+  return GuardCuda(kA2aMatmulTarget, stream, ordinal, run, attrs,
+                   [&](Backend& b, const OpConfig& c) { return A2aMatmulImpl(b, c, x, w, *out, *received); });
 }
 
 ffi::Error MatmulA2aCuda(cudaStream_t stream, int32_t ordinal, ffi::RunId run, ffi::AnyBuffer y, ffi::AnyBuffer w,
                          ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> send, OpAttrs attrs) {
-  return Guarded(kMatmulA2aTarget, ordinal, run, attrs, CudaOn(stream), kCudaSpinSeconds,
-                 [&](Backend& b, const OpConfig& c) { return MatmulA2aImpl(b, c, y, w, *out, *send); });
+  return GuardCuda(kMatmulA2aTarget, stream, ordinal, run, attrs,
+                   [&](Backend& b, const OpConfig& c) { return MatmulA2aImpl(b, c, y, w, *out, *send); });
 }
 #endif  // FICCO_WITH_CUDA
 

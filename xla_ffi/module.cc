@@ -4,13 +4,10 @@
 // Every handler: decode the attributes (handlers.cc), make the platform's Backend, run the
 // op's Impl. No exception or CUDA error escapes: Impls return ffi::Error and Guard() catches
 // anything thrown (e.g. std::bad_alloc).
-#include <exception>
-#include <functional>
 #include <string>
 
 #include "a2a.h"
-#include "backends.h"
-#include "handlers.h"
+#include "guard.h"
 #include "nanobind/nanobind.h"
 #include "xla/ffi/api/c_api.h"
 
@@ -28,32 +25,13 @@ namespace ficco {
 namespace {
 
 namespace nb = nanobind;
-using BackendFactory = std::function<std::unique_ptr<Backend>(const CallContext&)>;
-using Body = std::function<ffi::Error(Backend&, const OpConfig&)>;
-
-ffi::Error Guard(const char* target, int32_t ordinal, ffi::RunId run_id, const OpAttrs& attrs,
-                 const BackendFactory& make_backend, const Body& body, double spin_s = 0.0) {
-  try {
-    OpConfig config;
-    FICCO_RETURN_IF_ERROR(DecodeConfig(attrs, target, ordinal, run_id.run_id, &config));
-    config.spin_s = spin_s;
-    std::unique_ptr<Backend> backend = make_backend(config.ctx);
-    return body(*backend, config);
-  } catch (const std::exception& e) {
-    return ffi::Error::Internal(std::string("ficco_jax: ") + target + ": unexpected exception: " + e.what());
-  } catch (...) {
-    return ffi::Error::Internal(std::string("ficco_jax: ") + target + ": unexpected exception");
-  }
-}
-
-const BackendFactory kCpu = [](const CallContext& ctx) { return MakeCpuBackend(ctx); };
 
 // ---------------------------------------------------------------------------------------------
 // CPU handlers
 // ---------------------------------------------------------------------------------------------
 ffi::Error AgMatmulCpu(int32_t ordinal, ffi::RunId run, ffi::AnyBuffer x, ffi::AnyBuffer w,
                        ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> gathered, OpAttrs attrs) {
-  return Guard(kAgMatmulTarget, ordinal, run, attrs, kCpu, [&](Backend& b, const OpConfig& c) {
+  return GuardCpu(kAgMatmulTarget, ordinal, run, attrs, [&](Backend& b, const OpConfig& c) {
     return AgMatmulImpl(b, c, x, w, *out, *gathered);
   });
 }
@@ -61,60 +39,53 @@ ffi::Error AgMatmulCpu(int32_t ordinal, ffi::RunId run, ffi::AnyBuffer x, ffi::A
 ffi::Error MatmulRsCpu(int32_t ordinal, ffi::RunId run, ffi::AnyBuffer y, ffi::AnyBuffer w,
                        ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> send,
                        ffi::Result<ffi::AnyBuffer> recv, OpAttrs attrs) {
-  return Guard(kMatmulRsTarget, ordinal, run, attrs, kCpu, [&](Backend& b, const OpConfig& c) {
+  return GuardCpu(kMatmulRsTarget, ordinal, run, attrs, [&](Backend& b, const OpConfig& c) {
     return MatmulRsImpl(b, c, y, w, *out, *send, *recv);
   });
 }
 
 ffi::Error AllGatherCpu(int32_t ordinal, ffi::RunId run, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
                         OpAttrs attrs) {
-  return Guard(kAllGatherTarget, ordinal, run, attrs, kCpu,
-               [&](Backend& b, const OpConfig& c) { return AllGatherImpl(b, c, x, *out); });
+  return GuardCpu(kAllGatherTarget, ordinal, run, attrs,
+                  [&](Backend& b, const OpConfig& c) { return AllGatherImpl(b, c, x, *out); });
 }
 
 ffi::Error ReduceScatterCpu(int32_t ordinal, ffi::RunId run, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
                             ffi::Result<ffi::AnyBuffer> recv, OpAttrs attrs) {
-  return Guard(kReduceScatterTarget, ordinal, run, attrs, kCpu,
-               [&](Backend& b, const OpConfig& c) { return ReduceScatterImpl(b, c, x, *out, *recv); });
+  return GuardCpu(kReduceScatterTarget, ordinal, run, attrs,
+                  [&](Backend& b, const OpConfig& c) { return ReduceScatterImpl(b, c, x, *out, *recv); });
 }
 
 // ---------------------------------------------------------------------------------------------
 // CUDA handlers: the same, with XLA's stream as the compute stream.
 // ---------------------------------------------------------------------------------------------
 #ifdef FICCO_WITH_CUDA
-// GPU peers reach a rendezvous within microseconds of each other: spin that long before sleeping.
-constexpr double kCudaRendezvousSpinSeconds = 100e-6;
-
-BackendFactory CudaOn(cudaStream_t stream) {
-  return [stream](const CallContext& ctx) { return MakeCudaBackend(ctx, stream); };
-}
-
 ffi::Error AgMatmulCuda(cudaStream_t stream, int32_t ordinal, ffi::RunId run, ffi::AnyBuffer x,
                         ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> gathered,
                         OpAttrs attrs) {
-  return Guard(kAgMatmulTarget, ordinal, run, attrs, CudaOn(stream), [&](Backend& b, const OpConfig& c) {
+  return GuardCuda(kAgMatmulTarget, stream, ordinal, run, attrs, [&](Backend& b, const OpConfig& c) {
     return AgMatmulImpl(b, c, x, w, *out, *gathered);
-  }, kCudaRendezvousSpinSeconds);
+  });
 }
 
 ffi::Error MatmulRsCuda(cudaStream_t stream, int32_t ordinal, ffi::RunId run, ffi::AnyBuffer y,
                         ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> send,
                         ffi::Result<ffi::AnyBuffer> recv, OpAttrs attrs) {
-  return Guard(kMatmulRsTarget, ordinal, run, attrs, CudaOn(stream), [&](Backend& b, const OpConfig& c) {
+  return GuardCuda(kMatmulRsTarget, stream, ordinal, run, attrs, [&](Backend& b, const OpConfig& c) {
     return MatmulRsImpl(b, c, y, w, *out, *send, *recv);
-  }, kCudaRendezvousSpinSeconds);
+  });
 }
 
 ffi::Error AllGatherCuda(cudaStream_t stream, int32_t ordinal, ffi::RunId run, ffi::AnyBuffer x,
                          ffi::Result<ffi::AnyBuffer> out, OpAttrs attrs) {
-  return Guard(kAllGatherTarget, ordinal, run, attrs, CudaOn(stream),
-               [&](Backend& b, const OpConfig& c) { return AllGatherImpl(b, c, x, *out); }, kCudaRendezvousSpinSeconds);
+  return GuardCuda(kAllGatherTarget, stream, ordinal, run, attrs,
+               [&](Backend& b, const OpConfig& c) { return AllGatherImpl(b, c, x, *out); });
 }
 
 ffi::Error ReduceScatterCuda(cudaStream_t stream, int32_t ordinal, ffi::RunId run, ffi::AnyBuffer x,
                              ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> recv, OpAttrs attrs) {
-  return Guard(kReduceScatterTarget, ordinal, run, attrs, CudaOn(stream),
-               [&](Backend& b, const OpConfig& c) { return ReduceScatterImpl(b, c, x, *out, *recv); }, kCudaRendezvousSpinSeconds);
+  return GuardCuda(kReduceScatterTarget, stream, ordinal, run, attrs,
+               [&](Backend& b, const OpConfig& c) { return ReduceScatterImpl(b, c, x, *out, *recv); });
 }
 #endif  // FICCO_WITH_CUDA
 
