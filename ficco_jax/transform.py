@@ -99,18 +99,21 @@ class _Options:
         from .a2a import resolve_schedule as resolve_a2a
         from .ops import resolve_schedule  # what the op itself does with its `schedule` argument
 
+        # The axis locates the peers, so "auto" keeps copy engines for in-process groups of a
+        # multi-process program (a2a sites do not take it yet).
+        where = {"axis_name": site.axis_name}
         if site.op in (A2A_MM, MM_A2A):
-            resolve_schedule = resolve_a2a
+            resolve_schedule, where = resolve_a2a, {}
         if self.schedule == "autotune":
             return "autotune", "autotune"  # measured when the op is traced, not by explain()
         args = (site.shapes_2d(), site.dot.outvars[0].aval.dtype, site.axis_size)
         if isinstance(self.schedule, Schedule):
             try:
-                return resolve_schedule(site.op, self.schedule, *args), str(self.schedule)
+                return resolve_schedule(site.op, self.schedule, *args, **where), str(self.schedule)
             except ValueError as err:
                 logger.info("ficco_jax.overlap: %s at %s: using 'auto' instead (%s)",
                             self.schedule, site.record.where, err)
-        chosen = resolve_schedule(site.op, "auto", *args)
+        chosen = resolve_schedule(site.op, "auto", *args, **where)
         return chosen, f"{chosen} (auto)"
 
 
