@@ -21,7 +21,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ._patterns import SiteRecord, _collective_problem, _default_precision, _fmt, _is_var, _single_axis
+from ._patterns import (SiteRecord, _MatchContext, _collective_problem, _default_precision, _fmt, _is_var,
+                        _single_axis)
 
 A2A_MM, MM_A2A = "a2a_matmul", "matmul_a2a"
 _A2A, _DOT, _TRANSPOSE = "all_to_all", "dot_general", "transpose"
@@ -110,23 +111,8 @@ def find_a2a_sites(jaxpr, axis_sizes: dict, where: str, ops: Sequence[str]):
     return sites, misses
 
 
-@dataclasses.dataclass
-class _Context:
-    eqns: Sequence[Any]
-    defined_at: dict
-    users: dict
-    outputs: set
-    axis_sizes: dict
-    where: str
-
-    def axis_size(self, eqn) -> int:
-        size = eqn.params.get("axis_size")
-        return int(size) if size is not None else int(self.axis_sizes[_single_axis(eqn.params)])
-
-    def miss(self, op, i, shapes, reason) -> SiteRecord:
-        axis = self.eqns[i].params.get("axis_name")
-        axis = axis[0] if isinstance(axis, (tuple, list)) and len(axis) == 1 else axis
-        return SiteRecord(op, f"{self.where}eqn {i}", str(axis), shapes, "", "", reason)
+# The matching context is the all-gather matcher's own (same fields, same helpers).
+_Context = _MatchContext
 
 
 def _merge_misses(dispatch: SiteRecord, combine: SiteRecord) -> SiteRecord:

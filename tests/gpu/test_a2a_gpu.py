@@ -13,23 +13,12 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 import ficco_jax
-from ficco_jax import _ext, dma
+from ficco_jax import dma
 from ficco_jax.schedule import Schedule
+from gpu_common import GPU_MARKS, GPUS
 
 
-def _gpus():
-    try:
-        return jax.devices("gpu")
-    except RuntimeError:
-        return []
-
-
-GPUS = _gpus()
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(len(GPUS) < 2, reason="needs >= 2 CUDA GPUs"),
-    pytest.mark.skipif(not _ext.cuda_built(), reason="ficco_jax._ffi was built without CUDA"),
-]
+pytestmark = GPU_MARKS
 
 # Per device: x [n, E, C, d], w [E, d, f]; "medium" spans several cuBLASLt tiles per expert.
 SHAPES = {"small": (2, 8, 64, 32), "medium": (4, 256, 1024, 512)}

@@ -12,23 +12,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from ficco_jax import _ext, dma
+from ficco_jax import dma
 from ficco_jax.schedule import Schedule
+from gpu_common import GPU_MARKS, GPUS
 
 
-def _gpus():
-    try:
-        return jax.devices("gpu")
-    except RuntimeError:
-        return []
-
-
-GPUS = _gpus()
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(len(GPUS) < 2, reason="needs >= 2 CUDA GPUs"),
-    pytest.mark.skipif(not _ext.cuda_built(), reason="ficco_jax._ffi was built without CUDA"),
-]
+pytestmark = GPU_MARKS
 
 # (rows per device m, K, N per device): small, and medium enough for several cuBLASLt tiles.
 SHAPES = {"small": (64, 128, 64), "medium": (1024, 2048, 1024)}

@@ -1,0 +1,21 @@
+"""What every GPU test module shares: the visible CUDA GPUs and the marks that skip without them."""
+import jax
+import pytest
+
+from ficco_jax import _ext
+
+
+def _gpus():
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:
+        return []
+
+
+GPUS = _gpus()
+#: pytestmark of a GPU test module: skips cleanly on machines without >= 2 GPUs or a CUDA build.
+GPU_MARKS = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(len(GPUS) < 2, reason="needs >= 2 CUDA GPUs"),
+    pytest.mark.skipif(not _ext.cuda_built(), reason="ficco_jax._ffi was built without CUDA"),
+]
