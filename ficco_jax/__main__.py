@@ -33,9 +33,23 @@ def _cmd_bench(args):
     if dtype is None:
         raise SystemExit(f"--dtype {args.dtype!r}: use one of {sorted(bench.DTYPES)}")
     default = bench.CPU_SHAPES if jax.default_backend() == "cpu" else bench.ANCHOR_SHAPES
-    ops = ["ag_matmul", "matmul_rs"] if args.op == "all" else [args.op]
+    ops = {"all": ["ag_matmul", "matmul_rs"], "moe": ["a2a_matmul", "matmul_a2a"]}.get(args.op, [args.op])
     bench.run(ops, _shapes(args.shape, default), dtype, args.schedules, args.out, plot=args.plot,
-              windowed=not args.no_windowed)
+              windowed=not args.no_windowed, moe_shapes=_moe_shapes(args.moe_shape))
+
+
+def _moe_shapes(texts):
+    if not texts:
+        return None  # bench_moe's defaults: a Mixtral-8x7B-like layer on GPUs, a tiny one on CPU
+    shapes = {}
+    for text in texts:
+        try:
+            T, d, f, E, k = (int(v) for v in text.split(","))
+        except ValueError:
+            raise SystemExit(f"--moe-shape {text!r}: expected T,d,f,E,k (tokens per device, model dim, "
+                             f"expert hidden dim, experts, experts per token), e.g. 8192,4096,14336,8,2")
+        shapes[f"T{T}_d{d}_f{f}_E{E}_k{k}"] = (T, d, f, E, k)
+    return shapes
 
 
 def _cmd_demo(args):
@@ -107,8 +121,11 @@ def main(argv=None):
     p.set_defaults(fn=_cmd_demo)
 
     p = sub.add_parser("bench", help="ficco_jax vs JAX sequential, ring, windowed einsum and the ideal bound")
-    p.add_argument("--op", choices=["ag_matmul", "matmul_rs", "all"], default="all")
+    p.add_argument("--op", choices=["ag_matmul", "matmul_rs", "all", "a2a_matmul", "matmul_a2a", "moe"], default="all",
+                   help="all = ag_matmul + matmul_rs; moe = a2a_matmul + matmul_a2a")
     p.add_argument("--shape", action="append", help="M,K,N (repeatable); default: the anchor shapes (GPU) or a tiny one (CPU)")
+    p.add_argument("--moe-shape", action="append",
+                   help="T,d,f,E,k for the moe ops (repeatable); default: Mixtral-8x7B-like on GPU, tiny on CPU")
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--schedules", default="auto", help="auto | all | dma | xla | comma-separated list like dma/direct/c4/s2,xla/ring/c1")
     p.add_argument("--out", default="out/bench")

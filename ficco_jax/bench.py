@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from . import heuristics, ops, timing
-from .schedule import Schedule
+from .schedule import A2A_OPS, Schedule
 
 #: (M tokens, K, N) of a tensor-parallel layer, as in the anchors (../shared/ANCHORS.md).
 ANCHOR_SHAPES = {
@@ -228,33 +228,48 @@ def _fits(schedule, op, M, K, N, n) -> bool:
         return False
 
 
-def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=True) -> dict:
+def listed_schedules(op, schedules_arg, n, comms) -> list[Schedule]:
+    """The schedules `--schedules` names for `op`: auto (none listed) | all | xla | dma | a list."""
+    if schedules_arg == "all":
+        return Schedule.enumerate(op, n, comms)
+    if schedules_arg in ("xla", "dma"):
+        return Schedule.enumerate(op, n, (schedules_arg,))
+    if schedules_arg == "auto":
+        return []
+    return [Schedule.parse(s) for s in schedules_arg.split(",")]
+
+
+def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=True, moe_shapes=None) -> dict:
+    """Bench `ops_to_run` on all local devices: ag_matmul/matmul_rs on `shapes` {name: (M, K, N)},
+    a2a_matmul/matmul_a2a on `moe_shapes` {name: (T, d, f, E, k)} (see bench_moe.py)."""
+    from . import bench_moe
     from .report import git_commit, markdown_table, plot_speedups, progress_printer
 
     n = len(jax.local_devices())
     mesh = Mesh(np.array(jax.local_devices()), ("tp",))
     on_cpu = jax.default_backend() == "cpu"
-    plan = []
+    comms = heuristics.available_comms()
+    if moe_shapes is None:
+        moe_shapes = bench_moe.CPU_SHAPES if on_cpu else bench_moe.GPU_SHAPES
+    tp_plan, moe_plan = [], []
     for op in ops_to_run:
-        comms = heuristics.available_comms()
+        if op in A2A_OPS:
+            moe_plan += bench_moe.plan(op, moe_shapes, schedules_arg, n, comms)
+            continue
         for name, (M, K, N) in shapes.items():
-            if schedules_arg == "all":
-                scheds = Schedule.enumerate(op, n, comms)
-            elif schedules_arg in ("xla", "dma"):
-                scheds = Schedule.enumerate(op, n, (schedules_arg,))
-            elif schedules_arg == "auto":
-                scheds = []
-            else:
-                scheds = [Schedule.parse(s) for s in schedules_arg.split(",")]
-            plan.append((op, name, M, K, N, [s for s in scheds if s.comm != "none" and _fits(s, op, M, K, N, n)]))
-    total = sum(len(p[5]) + 5 + (not on_cpu and windowed) for p in plan)
+            scheds = listed_schedules(op, schedules_arg, n, comms)
+            tp_plan.append((op, name, M, K, N, [s for s in scheds if s.comm != "none" and _fits(s, op, M, K, N, n)]))
+    total = (sum(len(p[5]) + 5 + (not on_cpu and windowed) for p in tp_plan)
+             + sum(len(p[3]) + 4 for p in moe_plan))
     progress = progress_printer(total)
     rows = []
-    for op, name, M, K, N, scheds in plan:
+    for op, name, M, K, N, scheds in tp_plan:
         rows += bench_shape(op, name, M, K, N, dtype, mesh, scheds, progress)
         if windowed and not on_cpu:
             progress(f"{op} {name} xla_windowed_einsum")
             rows.append(windowed_einsum(op, name, M, K, N, dtype))
+    for op, name, dims, scheds in moe_plan:
+        rows += bench_moe.bench_shape(op, name, dims, dtype, mesh, scheds, progress)
     result = {
         "device": jax.devices()[0].device_kind, "platform": jax.default_backend(), "n_devices": n,
         "dtype": dtype, "jax": jax.__version__, "commit": git_commit(),

@@ -47,6 +47,12 @@ case "$STAGE" in
     python3 scripts/timeline.py "$OUT/${name}_cuda_gpu_trace.csv" 0 "${TRACE_FIRST:-200}" "${TRACE_COUNT:-40}"
     rm -f "$OUT/$name.nsys-rep" "$OUT/$name.sqlite"
     ;;
+  moe)  # issue 8: the Mixtral-like dispatch/combine side by side with JAX's all_to_all + einsum
+    build
+    if ls tests/gpu/test_a2a_gpu.py >/dev/null 2>&1; then timeout 200 python3 -m pytest tests/gpu/test_a2a_gpu.py -x -q 2>&1 | tail -3; fi
+    timeout 300 python3 -m ficco_jax bench --op moe --schedules "${1:-dma/direct/c1,dma/direct/c2,dma/direct/c1/s2,xla/direct/c1}" \
+      --out "$OUT/bench_moe" 2>"$OUT/bench_moe.err" | tail -6
+    ;;
   final)  # the session's last short run: the example, which GEMM XLA uses, GEMM probe, small shape
     build
     if [ -f examples/tp_transformer.py ]; then

@@ -59,3 +59,17 @@ def test_cli_rejects_bad_shape():
     out = subprocess.run([sys.executable, "-m", "ficco_jax", "bench", "--shape", "1,2"], capture_output=True, text=True,
                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert out.returncode != 0 and "expected M,K,N" in out.stderr
+
+
+def test_bench_moe_ops_verified_side_by_side(tmp_path):
+    result = bench.run(["a2a_matmul", "matmul_a2a"], {}, "float32", "xla/direct/c2,dma/direct/c1", str(tmp_path),
+                       windowed=False, moe_shapes={"t": (32, 16, 24, 8, 2)})
+    rows = result["rows"]
+    for op in ("a2a_matmul", "matmul_a2a"):
+        mine = {r["variant"]: r for r in rows if r["op"] == op}
+        assert {"jax_seq", "ficco:xla/direct/c2", "ficco:dma/direct/c1", "gemm_alone", "collective_alone", "ideal"} <= set(mine)
+        for label in ("jax_seq", "ficco:xla/direct/c2", "ficco:dma/direct/c1"):
+            assert mine[label]["verified"] is True and mine[label]["median_ms"] > 0, mine[label]
+        assert mine["ideal"]["median_ms"] == max(mine["gemm_alone"]["median_ms"], mine["collective_alone"]["median_ms"])
+        assert mine["jax_seq"]["extra"] == {"experts": 8, "top_k": 2}
+    assert "| a2a_matmul |" in (tmp_path / "bench.md").read_text()
