@@ -190,16 +190,7 @@ def _reshape(x, shape):
 def find_sites(jaxpr, axis_sizes: dict, where: str, ops: Sequence[str]) -> tuple[list[_Site], list[SiteRecord]]:
     """Sites and near-misses of one jaxpr (not of its sub-jaxprs); `axis_sizes` maps mesh axes."""
     eqns = jaxpr.eqns
-    defined_at = {v: -1 for v in (*jaxpr.constvars, *jaxpr.invars)}
-    users: dict[Any, list[tuple[int, int]]] = {}
-    for i, eqn in enumerate(eqns):
-        for pos, v in enumerate(eqn.invars):
-            if _is_var(v):
-                users.setdefault(v, []).append((i, pos))
-        for v in eqn.outvars:
-            defined_at[v] = i
-    outputs = {v for v in jaxpr.outvars if _is_var(v)}
-    ctx = _MatchContext(eqns, defined_at, users, outputs, axis_sizes, where)
+    ctx = _MatchContext.of(jaxpr, axis_sizes, where)
 
     sites: list[_Site] = []
     misses: list[SiteRecord] = []
@@ -228,6 +219,20 @@ class _MatchContext:
     outputs: set
     axis_sizes: dict
     where: str
+
+    @classmethod
+    def of(cls, jaxpr, axis_sizes: dict, where: str) -> "_MatchContext":
+        """Definitions and users of every variable of one jaxpr (not of its sub-jaxprs)."""
+        defined_at = {v: -1 for v in (*jaxpr.constvars, *jaxpr.invars)}
+        users: dict[Any, list[tuple[int, int]]] = {}
+        for i, eqn in enumerate(jaxpr.eqns):
+            for pos, v in enumerate(eqn.invars):
+                if _is_var(v):
+                    users.setdefault(v, []).append((i, pos))
+            for v in eqn.outvars:
+                defined_at[v] = i
+        outputs = {v for v in jaxpr.outvars if _is_var(v)}
+        return cls(jaxpr.eqns, defined_at, users, outputs, axis_sizes, where)
 
     def axis_size(self, eqn) -> int:
         size = eqn.params.get("axis_size")

@@ -85,16 +85,7 @@ def _transpose(x, perm):
 def find_a2a_sites(jaxpr, axis_sizes: dict, where: str, ops: Sequence[str]):
     """Sites and near-misses of the all_to_all patterns in one jaxpr (not its sub-jaxprs)."""
     eqns = jaxpr.eqns
-    defined_at = {v: -1 for v in (*jaxpr.constvars, *jaxpr.invars)}
-    users: dict = {}
-    for i, eqn in enumerate(eqns):
-        for pos, v in enumerate(eqn.invars):
-            if _is_var(v):
-                users.setdefault(v, []).append((i, pos))
-        for v in eqn.outvars:
-            defined_at[v] = i
-    outputs = {v for v in jaxpr.outvars if _is_var(v)}
-    ctx = _Context(eqns, defined_at, users, outputs, axis_sizes, where)
+    ctx = _Context.of(jaxpr, axis_sizes, where)
     sites, misses, taken_dots = [], [], set()
     for i, eqn in enumerate(eqns):
         if eqn.primitive.name != _A2A:
