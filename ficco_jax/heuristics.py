@@ -46,19 +46,6 @@ def available_comms(platform: str | None = None, topology=None) -> tuple[str, ..
     return comms
 
 
-def reachable(op: str, chosen: Schedule, shapes, dtype, axis_size: int, topology) -> Schedule:
-    """`chosen` if its comm can reach the peers in `topology`; else the best schedule that can
-    (comm="xla" or "none": XLA's collectives), with a log line saying why."""
-    comms = available_comms(topology=topology)
-    if chosen.comm in comms:
-        return chosen
-    fallback = select_schedule(op, shapes, dtype, axis_size, comms=comms)
-    log.info("ficco_jax %s over axis %r: %s; comm='dma' reaches only devices of this process, "
-             "so %s instead of %s (XLA's collectives)", op, topology.axis_name,
-             topology.why_not_in_process(), fallback, chosen)
-    return fallback
-
-
 def profile_for(axis_size: int) -> dict:
     """The calibrated profile of this machine if one ships, else the conservative default."""
     kind = jax.devices()[0].device_kind
@@ -78,14 +65,40 @@ def select_schedule(op: str, shapes, dtype, axis_size: int, profile=None,
     return ranked[0][1]
 
 
-def choose(op: str, shapes, dtype, axis_size: int, *, autotune: bool = False) -> Schedule:
-    """What `schedule="auto"` / `"autotune"` resolve to at trace time."""
-    if jax.default_backend() == "cpu":
+#: On CPU "auto" means no overlap (host collectives are memcpys). Tests set this to run the GPU
+#: decision (cost model over every comm kind that can run) on CPU devices.
+MODEL_ON_CPU = False
+
+
+def choose(op: str, shapes, dtype, axis_size: int, *, autotune: bool = False, topology=None) -> Schedule:
+    """What `schedule="auto"` / `"autotune"` resolve to at trace time.
+
+    The candidates are only schedules that can run this call: `comm="dma"` is left out where the
+    peers are not all in this process (`topology`) or the executor lacks the dtype, with a log
+    line saying why, so the pick never needs correcting afterwards.
+    """
+    if jax.default_backend() == "cpu" and not MODEL_ON_CPU:
         # Host "collectives" are memcpys that block the host thread: nothing to overlap.
         return Schedule(comm="none")
-    if not autotune:
-        return select_schedule(op, shapes, dtype, axis_size)
-    return autotune_schedule(op, shapes, dtype, axis_size)
+    comms, why_not_dma = allowed_comms(dtype, topology)
+    chosen = (autotune_schedule(op, shapes, dtype, axis_size, comms=comms) if autotune
+              else select_schedule(op, shapes, dtype, axis_size, comms=comms))
+    if why_not_dma:
+        log.info("ficco_jax %s %s over axis %r: %s, so %s (XLA's collectives)", op, shapes,
+                 getattr(topology, "axis_name", None), why_not_dma, chosen)
+    return chosen
+
+
+def allowed_comms(dtype, topology=None) -> tuple[tuple[str, ...], str]:
+    """(comm kinds that can run a call of `dtype` whose peers are `topology`, why dma is not among
+    them or "" when it is, or when the extension is simply not built)."""
+    comms = available_comms(topology=topology)
+    if topology is not None and not topology.in_process:
+        return comms, f"{topology.why_not_in_process()}; comm='dma' reaches only devices of this process"
+    name = np.dtype(dtype).name
+    if "dma" in comms and name not in config.DMA_DTYPES:
+        return tuple(c for c in comms if c != "dma"), f"comm='dma' handles dtypes {config.DMA_DTYPES}, not {name}"
+    return comms, ""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -145,16 +158,19 @@ class AutotuneCache:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def autotune_schedule(op, shapes, dtype, axis_size, *, cache: AutotuneCache | None = None) -> Schedule:
-    """Measure the model's top candidates once on local devices; cache and return the fastest."""
+def autotune_schedule(op, shapes, dtype, axis_size, *, cache: AutotuneCache | None = None,
+                      comms: Sequence[str] | None = None) -> Schedule:
+    """Measure the model's top candidates (among `comms`) once on local devices; cache and return the fastest."""
     cache = cache or AutotuneCache()
     key = cache_key(op, shapes, dtype, axis_size, jax.devices()[0].device_kind)
+    if comms is not None and "dma" not in comms:
+        key += "|no-dma"  # a winner measured with copy engines must not serve a call that cannot use them
     hit = cache.get(key)
     if hit is not None:
         return hit
     from . import bench  # measuring needs the benchmark harness; only autotune pays for importing it
 
-    comms = available_comms()
+    comms = tuple(comms or available_comms())
     ranked = cost_model.rank(op, shapes, dtype, axis_size, Schedule.enumerate(op, axis_size, comms),
                              profile_for(axis_size))
     candidates = [s for _, s in ranked[:AUTOTUNE_TOP_K]]

@@ -89,10 +89,9 @@ def resolve_schedule(op: str, schedule: ScheduleArg, shapes, dtype, axis_size: i
     check_shapes(op, shapes, axis_size)
     site = topology.for_axis(axis_name)
     if isinstance(schedule, str) and schedule in ("auto", "autotune"):
-        chosen = heuristics.choose(op, shapes, dtype, axis_size, autotune=(schedule == "autotune"))
-        chosen = heuristics.reachable(op, chosen, shapes, dtype, axis_size, site)
+        chosen = heuristics.choose(op, shapes, dtype, axis_size, autotune=(schedule == "autotune"), topology=site)
         log.debug("%s %s %s: schedule %s", op, shapes, jnp.dtype(dtype).name, chosen)
-        return _runnable(op, chosen, shapes, dtype, axis_size)
+        return chosen
     if isinstance(schedule, str):
         schedule = Schedule.parse(schedule)
     if not isinstance(schedule, Schedule):
@@ -108,24 +107,6 @@ def resolve_schedule(op: str, schedule: ScheduleArg, shapes, dtype, axis_size: i
         if site.spanning_groups():  # unknown sites pass here; dma's lowering checks the real mesh
             raise ValueError(topology.dma_refusal(op, site))
     return schedule
-
-
-def _runnable(op: str, chosen: Schedule, shapes, dtype, axis_size: int) -> Schedule:
-    """`chosen` if it can run this call; else the best schedule without copy engines.
-
-    The cost model ranks schedules by shape alone; the executor also needs one of
-    config.DMA_DTYPES. "auto" means "whatever runs fastest", so it falls back, and says so."""
-    if chosen.comm != "dma":
-        return chosen
-    from . import config, heuristics
-
-    name = jnp.dtype(dtype).name
-    if name in config.DMA_DTYPES:
-        return chosen
-    fallback = heuristics.select_schedule(op, shapes, dtype, axis_size, comms=("none", "xla"))
-    log.info("%s %s: 'auto' chose %s, but comm='dma' handles dtypes %s, not %s; using %s",
-             op, shapes, chosen, config.DMA_DTYPES, name, fallback)
-    return fallback
 
 
 # ------------------------------------------------------------------------------------------------

@@ -173,11 +173,8 @@ def _gpu_like_auto(heuristics) -> None:
         comms = tuple(comms or ("none", "xla", "dma"))
         return Schedule.parse("dma/direct/c2/s1" if "dma" in comms else "xla/ring/c2")
 
-    def choose(op, shapes, dtype, axis_size, *, autotune=False):
-        return heuristics.select_schedule(op, shapes, dtype, axis_size, comms=("none", "xla", "dma"))
-
     heuristics.select_schedule = select_schedule
-    heuristics.choose = choose
+    heuristics.MODEL_ON_CPU = True  # "auto" decides as on a GPU: over the comms that can run
 
 
 def _global(mesh, spec, value):

@@ -94,16 +94,19 @@ def test_why_names_the_group_the_processes_and_the_hosts():
     assert "comm='xla'" in msg
 
 
-def test_auto_falls_back_with_a_log_line_and_keeps_what_reaches(caplog):
+def test_auto_falls_back_with_a_log_line_and_keeps_what_reaches(caplog, monkeypatch):
+    monkeypatch.setattr(heuristics, "MODEL_ON_CPU", True)  # the GPU decision, on CPU devices
     with topology.hosts_overridden(HOSTS):
         remote = topology.describe_groups([[_dev(0, 0, 0), _dev(4, 1, None)]], "tp")
+    comms, why = heuristics.allowed_comms("float32", remote)
+    assert "dma" not in comms and "CUDA IPC, not implemented yet" in why
     shapes = ((64, 32), (32, 16))
-    dma = Schedule.parse("dma/direct/c2/s1")
     with caplog.at_level("INFO", logger="ficco_jax"):
-        fallback = heuristics.reachable("ag_matmul", dma, shapes, "float32", 2, remote)
-    assert fallback.comm in ("xla", "none"), fallback
-    assert "CUDA IPC, not implemented yet" in caplog.text and f"instead of {dma} " in caplog.text
-    assert heuristics.reachable("ag_matmul", dma, shapes, "float32", 2, topology.for_axis("tp")) == dma
+        chosen = heuristics.choose("ag_matmul", shapes, "float32", 2, topology=remote)
+    assert chosen.comm in ("xla", "none"), chosen
+    assert "CUDA IPC, not implemented yet" in caplog.text and f"so {chosen} " in caplog.text
+    comms_here, why_here = heuristics.allowed_comms("float32", topology.for_axis("tp"))
+    assert "dma" in comms_here and why_here == ""
 
 
 def test_one_process_needs_no_mesh():
