@@ -2,11 +2,10 @@
 cause, measured on this machine, and a machine profile fitted to them for the cost model.
 
 (a) decomposition loss: c chunk matmuls [M/c, K] @ [K, N] against one [M, K] @ [K, N];
-(b) contention: a matmul's slowdown while an all-gather of the same group runs beside it with
-    NCCL (XLA's async all-gather, SM-based). The copy-engine counterpart cannot be measured this
-    way: a ficco_jax custom call joins XLA's stream before it returns, so XLA never runs another
-    matmul beside it; the copy engines' contention shows in `bench` as ag_matmul dma/direct/c1
-    against the GEMM alone;
+(b) contention: a matmul's slowdown while an all-gather of the same group runs beside it, with
+    NCCL (XLA's async all-gather, SM-based) and with copy engines (dma_probe: the executor's
+    matmuls with and without its copy streams pulling every peer's shard in the same call, since
+    a ficco call joins XLA's stream before it returns and so never runs beside another matmul);
 (c) transfer cost: all-gather time by shard size for copy engines (1..k streams) and NCCL,
     fitted to latency + size / bandwidth.
 All times by `timing.device_time` (in-jit loop differencing). On CPU they are not meaningful.
@@ -116,11 +115,29 @@ def contention(dtype, progress, rows=4096, k=8192, n_cols=7168, shard_mib=64) ->
     progress("contention: matmul alone")
     result = {"rows": rows, "K": k, "N": n_cols, "shard_bytes": x_rows * 1024 * jnp.dtype(dtype).itemsize,
               "matmul_ms": timed(None)}
+    if "dma" in heuristics.available_comms():
+        result.update(_dma_contention(a, w, x, mesh, specs, progress))
     progress("contention: all-gather alone")
     result["nccl_alone_ms"] = timed(lambda v: jax.lax.all_gather(v, "tp", axis=0, tiled=True), matmul=False)
     progress("contention: matmul + NCCL all-gather")
     result["matmul_plus_nccl_ms"] = timed(lambda v: jax.lax.all_gather(v, "tp", axis=0, tiled=True))
     return result
+
+
+def _dma_contention(a, w, x, mesh, specs, progress, repeats: int = 4) -> dict:
+    """The executor's matmuls with and without copy engines pulling every peer's x meanwhile
+    (dma_probe: one custom call, so the copies really run beside the matmuls)."""
+    from . import dma_probe
+
+    def timed(pull):
+        body = lambda a, w, x: dma_probe.matmuls_beside_pulls(a, w, x, "tp", repeats=repeats, pull=pull)
+        make = lambda r: jax.jit(jax.shard_map(timing.chain(body, r), mesh=mesh, in_specs=specs, out_specs=specs[0]))
+        return timing.device_time(make, (a, w, x))["median_s"] * 1e3 / repeats
+
+    progress("contention: executor matmuls alone")
+    alone = timed(False)
+    progress("contention: executor matmuls beside copy-engine pulls")
+    return {"executor_matmul_ms": alone, "executor_matmul_beside_dma_ms": timed(True), "probe_repeats": repeats}
 
 
 def run(out_dir: str, dtype: str = "bfloat16", plot: bool = False) -> dict:
@@ -173,9 +190,10 @@ def fit_profile(char: dict) -> dict:
             profile[bw_key] = float(1.0 / slope / 1e9) if slope > 0 else profile[bw_key]
             profile[lat_key] = float(max(icpt, 1e-6) * 1e6)
     c = char["contention"]
-    for key, comm in (("matmul_plus_nccl_ms", "contention_xla"), ("matmul_plus_dma_ms", "contention_dma")):
-        if key in c and c["matmul_ms"] > 0:
-            profile[comm] = float(max(c[key] / c["matmul_ms"] - 1.0, 0.0))
+    if c.get("matmul_ms", 0) > 0:
+        profile["contention_xla"] = float(max(c["matmul_plus_nccl_ms"] / c["matmul_ms"] - 1.0, 0.0))
+    if c.get("executor_matmul_ms", 0) > 0:
+        profile["contention_dma"] = float(max(c["executor_matmul_beside_dma_ms"] / c["executor_matmul_ms"] - 1.0, 0.0))
     return profile
 
 
@@ -190,7 +208,8 @@ def summary(char: dict) -> str:
         lines.append(f"  {r['comm']:>7} shard {r['shard_bytes'] / 2**20:8.2f} MiB: {r['ms']:.3f} ms  {r['ingress_gbps']:.1f} GB/s")
     c = char["contention"]
     lines.append(f"contention: matmul alone {c['matmul_ms']:.3f} ms; beside NCCL all-gather {c['matmul_plus_nccl_ms']:.3f} ms"
-                 + (f"; beside copy-engine all-gather {c['matmul_plus_dma_ms']:.3f} ms" if "matmul_plus_dma_ms" in c else ""))
+                 + (f"; executor matmul alone {c['executor_matmul_ms']:.3f} ms, beside copy-engine pulls "
+                    f"{c['executor_matmul_beside_dma_ms']:.3f} ms" if "executor_matmul_ms" in c else ""))
     return "\n".join(lines)
 
 

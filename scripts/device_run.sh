@@ -47,6 +47,10 @@ case "$STAGE" in
     python3 scripts/timeline.py "$OUT/${name}_cuda_gpu_trace.csv" 0 "${TRACE_FIRST:-200}" "${TRACE_COUNT:-40}"
     rm -f "$OUT/$name.nsys-rep" "$OUT/$name.sqlite"
     ;;
+  characterize)  # issue 4: decomposition loss, NCCL vs copy-engine contention, transfer cost; then the profile
+    build
+    timeout 400 python3 -m ficco_jax characterize --plot --out "$OUT/characterize" 2>"$OUT/characterize.err" | tail -30
+    ;;
   moe)  # issue 8: the Mixtral-like dispatch/combine side by side with JAX's all_to_all + einsum
     build
     if ls tests/gpu/test_a2a_gpu.py >/dev/null 2>&1; then timeout 200 python3 -m pytest tests/gpu/test_a2a_gpu.py -x -q 2>&1 | tail -3; fi

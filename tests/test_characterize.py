@@ -16,12 +16,15 @@ def test_characterize_writes_schema_and_calibrate_fits_a_usable_profile(tmp_path
     assert all(r["ms"] > 0 for r in on_disk["decomposition"])
     assert {r["comm"] for r in on_disk["transfers"]} >= {"nccl"}
     assert all(r["ingress_gbps"] > 0 for r in on_disk["transfers"])
-    assert {"matmul_ms", "matmul_plus_nccl_ms", "nccl_alone_ms"} <= set(on_disk["contention"])
+    assert {"matmul_ms", "matmul_plus_nccl_ms", "nccl_alone_ms", "executor_matmul_ms",
+            "executor_matmul_beside_dma_ms"} <= set(on_disk["contention"])
 
     profile = characterize.fit_profile(on_disk)
     assert profile["axis_size"] == 8 and profile["calibrated"] == on_disk["date"]
     assert profile["peak_tflops"]["float32"] != cost_model.DEFAULT_PROFILE["peak_tflops"]["float32"]
     assert profile["xla_ingress_gbps"] > 0 and profile["rows_half"] >= 0
+    c = on_disk["contention"]
+    assert profile["contention_dma"] == max(c["executor_matmul_beside_dma_ms"] / c["executor_matmul_ms"] - 1, 0)
     # The fitted profile drives the cost model end to end.
     t = cost_model.predict("ag_matmul", Schedule(comm="xla", chunks=2), ((64, 32), (32, 16)), "float32", 8, profile)
     assert t > 0

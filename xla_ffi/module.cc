@@ -15,7 +15,10 @@
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FiccoAllToAllCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FiccoA2aMatmulCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FiccoMatmulA2aCpu);
+// The contention probe of `characterize` lives in probe.cc.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FiccoContentionProbeCpu);
 #ifdef FICCO_WITH_CUDA
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FiccoContentionProbeCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FiccoAllToAllCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FiccoA2aMatmulCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FiccoMatmulA2aCuda);
@@ -226,6 +229,7 @@ NB_MODULE(_ffi, m) {
     targets[ficco::kAllToAllTarget] = Platforms(FiccoAllToAllCpu, FiccoAllToAllCuda);
     targets[ficco::kA2aMatmulTarget] = Platforms(FiccoA2aMatmulCpu, FiccoA2aMatmulCuda);
     targets[ficco::kMatmulA2aTarget] = Platforms(FiccoMatmulA2aCpu, FiccoMatmulA2aCuda);
+    targets["ficco_contention_probe"] = Platforms(FiccoContentionProbeCpu, FiccoContentionProbeCuda);
 #else
     targets[ficco::kAgMatmulTarget] = Platforms(FiccoAgMatmulCpu, nullptr);
     targets[ficco::kMatmulRsTarget] = Platforms(FiccoMatmulRsCpu, nullptr);
@@ -234,6 +238,7 @@ NB_MODULE(_ffi, m) {
     targets[ficco::kAllToAllTarget] = Platforms(FiccoAllToAllCpu, nullptr);
     targets[ficco::kA2aMatmulTarget] = Platforms(FiccoA2aMatmulCpu, nullptr);
     targets[ficco::kMatmulA2aTarget] = Platforms(FiccoMatmulA2aCpu, nullptr);
+    targets["ficco_contention_probe"] = Platforms(FiccoContentionProbeCpu, nullptr);
 #endif
     return targets;
   });
