@@ -106,6 +106,22 @@ def _rel_err(got, want):
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
 
 
+def verify_then_time(row: Row, make, args, want, dtype) -> Row:
+    """Fill `row`: check `make(None)(*args)` against `want`, and only if it agrees time `make(R)`
+    (R repetitions in one jit, timing.device_time). A failing variant is reported, not fatal."""
+    try:
+        row.rel_err = _rel_err(make(None)(*args), want)
+        row.verified = row.rel_err < TOLERANCE[dtype]
+        if row.verified:
+            t = timing.device_time(make, args)
+            row.median_ms, row.spread_ms = t["median_s"] * 1e3, t["spread_s"] * 1e3
+        else:
+            row.note = f"WRONG RESULT: rel err {row.rel_err:.3g}; not timed"
+    except Exception as exc:  # noqa: BLE001 - the run goes on and the table says what broke
+        row.note = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    return row
+
+
 def time_op(op, schedule, shapes, dtype, axis_size) -> float:
     """Milliseconds per call of `op` under `schedule` on the first `axis_size` local devices (autotune)."""
     mesh = Mesh(np.array(jax.local_devices()[:axis_size]), ("tp",))
@@ -135,18 +151,8 @@ def bench_shape(op, name, M, K, N, dtype, mesh, schedules, progress) -> list[Row
     for label, sched in variants:
         progress(f"{op} {name} {label}")
         row = Row(op, name, M, K, N, label, selected=(sched == selected))
-        try:
-            got = sharded(mesh, op, op_body(op, sched))(*args)
-            row.rel_err = _rel_err(got, want)
-            row.verified = row.rel_err < TOLERANCE[dtype]
-            if row.verified:
-                t = timing.device_time(lambda r: sharded(mesh, op, op_body(op, sched), r), args)
-                row.median_ms, row.spread_ms = t["median_s"] * 1e3, t["spread_s"] * 1e3
-            else:
-                row.note = f"WRONG RESULT: rel err {row.rel_err:.3g}; not timed"
-        except Exception as exc:  # a failing variant is reported, not fatal for the run
-            row.note = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-        rows.append(row)
+        rows.append(verify_then_time(row, lambda r, sched=sched: sharded(mesh, op, op_body(op, sched), r),
+                                     args, want, dtype))
     rows += _bounds(op, name, M, K, N, dtype, mesh, progress)
     return rows
 

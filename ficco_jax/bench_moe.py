@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import a2a, timing
-from .bench import TOLERANCE, Row, _rel_err
+from .bench import Row, verify_then_time
 
 #: Mixtral-8x7B-like layer on 4 GPUs (issue 8): hidden 4096, ffn 14336, 8 experts, top-2, 8192 tokens per GPU.
 GPU_SHAPES = {"mixtral_8x7b_T8k": (8192, 4096, 14336, 8, 2)}
@@ -77,17 +77,8 @@ def bench_shape(op, name, dims, dtype, mesh, schedules, progress) -> list[Row]:
     for label, sched in variants:
         progress(f"{op} {name} {label}")
         row = Row(op, name, T, d, f, label, selected=(sched == selected), extra={"experts": E, "top_k": k})
-        try:
-            row.rel_err = _rel_err(sharded(mesh, op_body(op, sched))(*args), want)
-            row.verified = row.rel_err < TOLERANCE[dtype]
-            if row.verified:
-                t = timing.device_time(lambda r: sharded(mesh, op_body(op, sched), r), args)
-                row.median_ms, row.spread_ms = t["median_s"] * 1e3, t["spread_s"] * 1e3
-            else:
-                row.note = f"WRONG RESULT: rel err {row.rel_err:.3g}; not timed"
-        except Exception as exc:  # a failing variant is reported, not fatal for the run
-            row.note = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-        rows.append(row)
+        rows.append(verify_then_time(row, lambda r, sched=sched: sharded(mesh, op_body(op, sched), r),
+                                     args, want, dtype))
     return rows + _bounds(op, name, dims, shapes, dtype, mesh, progress)
 
 
