@@ -12,14 +12,25 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 
 def _shapes(args_shapes, default):
+    """--shape values: M,K,N, a named shape (e.g. llama70b_qkv_M8k) or a set (anchors, llama405b)."""
     if not args_shapes:
         return default
+    from .bench import SHAPE_SETS
+
+    named = {k: v for group in SHAPE_SETS.values() for k, v in group.items()}
     shapes = {}
     for text in args_shapes:
+        if text in SHAPE_SETS:
+            shapes.update(SHAPE_SETS[text])
+            continue
+        if text in named:
+            shapes[text] = named[text]
+            continue
         try:
             M, K, N = (int(v) for v in text.split(","))
         except ValueError:
-            raise SystemExit(f"--shape {text!r}: expected M,K,N (three integers), e.g. --shape 8192,8192,28672")
+            raise SystemExit(f"--shape {text!r}: expected M,K,N (three integers, e.g. 8192,8192,28672), a shape "
+                             f"name ({', '.join(sorted(named))}) or a set ({', '.join(sorted(SHAPE_SETS))})")
         shapes[f"M{M}_K{K}_N{N}"] = (M, K, N)
     return shapes
 
@@ -123,7 +134,7 @@ def main(argv=None):
     p = sub.add_parser("bench", help="ficco_jax vs JAX sequential, ring, windowed einsum and the ideal bound")
     p.add_argument("--op", choices=["ag_matmul", "matmul_rs", "all", "a2a_matmul", "matmul_a2a", "moe"], default="all",
                    help="all = ag_matmul + matmul_rs; moe = a2a_matmul + matmul_a2a")
-    p.add_argument("--shape", action="append", help="M,K,N (repeatable); default: the anchor shapes (GPU) or a tiny one (CPU)")
+    p.add_argument("--shape", action="append", help="M,K,N, a shape name or a set: anchors, llama405b (repeatable); default: the anchor shapes (GPU) or a tiny one (CPU)")
     p.add_argument("--moe-shape", action="append",
                    help="T,d,f,E,k for the moe ops (repeatable); default: Mixtral-8x7B-like on GPU, tiny on CPU")
     p.add_argument("--dtype", default="bf16")

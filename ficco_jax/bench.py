@@ -31,6 +31,13 @@ ANCHOR_SHAPES = {
     "gpt3_175b_mlp_M4k": (4096, 12288, 49152),
     "small_M1k_K4k_N4k": (1024, 4096, 4096),
 }
+#: Llama-3-405B layers (hidden 16384, ffn 53248, q+k+v 18432) at 8192 tokens, for tp=8 (issue 10).
+LLAMA405B_SHAPES = {
+    "llama405b_qkv_M8k": (8192, 16384, 18432),
+    "llama405b_mlp_up_M8k": (8192, 16384, 53248),
+}
+#: Names `--shape` accepts for a set of shapes.
+SHAPE_SETS = {"anchors": ANCHOR_SHAPES, "llama405b": LLAMA405B_SHAPES}
 CPU_SHAPES = {"tiny_M256_K128_N256": (256, 128, 256)}
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "f16": "float16", "float16": "float16",
@@ -269,23 +276,30 @@ def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=
              + sum(len(p[3]) + 4 for p in moe_plan))
     progress = progress_printer(total)
     rows = []
-    for op, name, M, K, N, scheds in tp_plan:
-        rows += bench_shape(op, name, M, K, N, dtype, mesh, scheds, progress)
-        if windowed and not on_cpu:
-            progress(f"{op} {name} xla_windowed_einsum")
-            rows.append(windowed_einsum(op, name, M, K, N, dtype))
-    for op, name, dims, scheds in moe_plan:
-        rows += bench_moe.bench_shape(op, name, dims, dtype, mesh, scheds, progress)
     result = {
         "device": jax.devices()[0].device_kind, "platform": jax.default_backend(), "n_devices": n,
         "dtype": dtype, "jax": jax.__version__, "commit": git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "method": timing.METHOD + ("; ON CPU: times are host memcpy/loop times, NOT meaningful" if on_cpu else ""),
-        "rows": [asdict(r) for r in rows],
+        "rows": [],
     }
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "bench.json"), "w") as fh:
-        json.dump(result, fh, indent=1)
+
+    def save(rows):  # after every shape, so a run stopped early keeps what it measured
+        result["rows"] = [asdict(r) for r in rows]
+        with open(os.path.join(out_dir, "bench.json"), "w") as fh:
+            json.dump(result, fh, indent=1)
+
+    for op, name, M, K, N, scheds in tp_plan:
+        rows += bench_shape(op, name, M, K, N, dtype, mesh, scheds, progress)
+        if windowed and not on_cpu:
+            progress(f"{op} {name} xla_windowed_einsum")
+            rows.append(windowed_einsum(op, name, M, K, N, dtype))
+        save(rows)
+    for op, name, dims, scheds in moe_plan:
+        rows += bench_moe.bench_shape(op, name, dims, dtype, mesh, scheds, progress)
+        save(rows)
+    save(rows)
     table = markdown_table(result)
     with open(os.path.join(out_dir, "bench.md"), "w") as fh:
         fh.write(table)

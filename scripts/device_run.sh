@@ -6,7 +6,7 @@
 # Writes logs and JSON under $OUT (default ./out/device). Never changes GPU settings.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-OUT=${OUT:-out/device}; mkdir -p "$OUT"
+OUT=${OUT:-out/device}; mkdir -p "$OUT" "$OUT/calib"
 STAGE=${1:-check}; shift || true
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpus.txt" 2>&1
 nvidia-smi topo -m >> "$OUT/gpus.txt" 2>&1
@@ -67,6 +67,24 @@ case "$STAGE" in
     PROBE_GEMM_ONLY=1 timeout 60 python3 scripts/probe.py 2>&1 | tail -8
     timeout 50 python3 -m ficco_jax bench --no-windowed --op ag_matmul --shape 1024,4096,4096 \
       --schedules "dma/direct/c1" --out "$OUT/bench_final" 2>"$OUT/bench_final.err" | grep -E "^\| ag"
+    ;;
+  x8a)  # issue 10, first part, on all GPUs of the node: calibrate, PyTorch anchors, bench (anchors + Llama-405B)
+    T0=$SECONDS; DEADLINE=${DEADLINE:-585}
+    left() { echo $((DEADLINE - (SECONDS - T0))); }
+    build
+    N=$(nvidia-smi -L | wc -l)
+    timeout 230 python3 -m ficco_jax calibrate --out "$OUT/calib/h200x${N}.json" 2>"$OUT/calib/calibrate.err" | tail -40
+    [ -f "$OUT/calib/h200x${N}.json" ] && cp "$OUT/calib/h200x${N}.json" "ficco_jax/profiles/h200x${N}.json"
+    if [ -d .carry/anchors ]; then
+      ANCHOR_JSON=anchors_torch_405b.json ANCHOR_SHAPES='{"llama405b_qkv_M8k": [8192, 16384, 18432], "llama405b_mlp_up_M8k": [8192, 16384, 53248]}' \
+        timeout 90 python3 -m torch.distributed.run --nproc-per-node="$N" .carry/anchors/anchors_torch_shapes.py > "$OUT/anchors_torch_405b.log" 2>&1
+      timeout 110 python3 -m torch.distributed.run --nproc-per-node="$N" .carry/anchors/anchors_torch.py > "$OUT/anchors_torch.log" 2>&1
+      grep '^{' "$OUT/anchors_torch_405b.log" "$OUT/anchors_torch.log" | cut -c1-220
+    fi
+    echo "bench with $(left) s left"
+    timeout $(( $(left) - 10 )) python3 -m ficco_jax bench --no-windowed --shape llama405b --shape anchors \
+      --schedules "${1:-dma/direct/c1,dma/direct/c2,dma/direct/c4/grouped}" --out "$OUT/bench" 2>"$OUT/bench.err" | tail -40
+    tail -2 "$OUT/bench.err"
     ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac
