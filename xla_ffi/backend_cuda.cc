@@ -8,8 +8,9 @@ namespace {
 
 class CudaBackend final : public Backend {
  public:
-  CudaBackend(const CallContext& ctx, cudaStream_t compute)
-      : ctx_(ctx), compute_(compute), device_(Registry::Get().Device(ctx.device_ordinal)) {}
+  CudaBackend(const CallContext& ctx, cudaStream_t compute, bool interprocess)
+      : ctx_(ctx), compute_(compute), interprocess_(interprocess),
+        device_(Registry::Get().Device(ctx.device_ordinal)) {}
 
   ffi::Error Prepare(int copy_streams, const std::vector<int>& group) override {
     return device_.PrepareCuda(ctx_, copy_streams, group, &resources_);
@@ -18,7 +19,7 @@ class CudaBackend final : public Backend {
   ffi::Error Record(int stream, Event* event) override {
     const CallContext& ctx = ctx_;
     cudaEvent_t cuda_event;
-    FICCO_RETURN_IF_ERROR(device_.AcquireEvent(ctx, &cuda_event));
+    FICCO_RETURN_IF_ERROR(device_.AcquireEvent(ctx, &cuda_event, interprocess_));
     acquired_.push_back(cuda_event);
     FICCO_CHECK_CUDA(cudaEventRecord(cuda_event, StreamOf(stream)));
     *event = cuda_event;
@@ -51,7 +52,7 @@ class CudaBackend final : public Backend {
   }
 
   void ReleaseEvents() override {
-    device_.ReleaseEvents(acquired_);
+    device_.ReleaseEvents(acquired_, interprocess_);
     acquired_.clear();
   }
 
@@ -62,6 +63,7 @@ class CudaBackend final : public Backend {
 
   CallContext ctx_;
   cudaStream_t compute_;
+  const bool interprocess_;  // a group across processes: events from the interprocess pool
   DeviceState& device_;
   CudaResources* resources_ = nullptr;
   std::vector<cudaEvent_t> acquired_;  // returned to the pool only by ReleaseEvents()
@@ -69,8 +71,9 @@ class CudaBackend final : public Backend {
 
 }  // namespace
 
-std::unique_ptr<Backend> MakeCudaBackend(const CallContext& ctx, cudaStream_t compute_stream) {
-  return std::make_unique<CudaBackend>(ctx, compute_stream);
+std::unique_ptr<Backend> MakeCudaBackend(const CallContext& ctx, cudaStream_t compute_stream,
+                                         bool interprocess_events) {
+  return std::make_unique<CudaBackend>(ctx, compute_stream, interprocess_events);
 }
 
 }  // namespace ficco

@@ -16,8 +16,10 @@ namespace ficco {
 std::unique_ptr<Backend> MakeCpuBackend(const CallContext& ctx);
 
 #ifdef FICCO_WITH_CUDA
-// `compute_stream` is XLA's stream for this call on device ctx.device_ordinal.
-std::unique_ptr<Backend> MakeCudaBackend(const CallContext& ctx, cudaStream_t compute_stream);
+// `compute_stream` is XLA's stream for this call on device ctx.device_ordinal. With
+// `interprocess_events` every recorded event can be waited on by other processes (ipc.h).
+std::unique_ptr<Backend> MakeCudaBackend(const CallContext& ctx, cudaStream_t compute_stream,
+                                         bool interprocess_events = false);
 #endif
 
 }  // namespace ficco

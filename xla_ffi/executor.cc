@@ -1,5 +1,7 @@
 #include "executor.h"
 
+#include "ipc.h"
+
 #include <algorithm>
 #include <sstream>
 
@@ -20,20 +22,33 @@ std::string Join(const std::vector<int64_t>& values) {
 // ---------------------------------------------------------------------------------------------
 // Building blocks shared by every op's executor (declared in executor.h)
 // ---------------------------------------------------------------------------------------------
+std::vector<int> OpConfig::LocalOrdinals() const {
+  std::vector<int> local;
+  for (int ordinal : group_local) {
+    if (ordinal >= 0) local.push_back(ordinal);
+  }
+  return local;
+}
+
 CallSession::CallSession(const OpConfig& config, std::vector<int64_t> signature)
     : config_(config), signature_(std::move(signature)) {
   occurrence_ = Registry::Get().Device(config.ctx.device_ordinal).NextOccurrence(config.run_id, config.ctx.op_id);
 }
 
 ffi::Error CallSession::Meet(Phase phase, const void* buffer, std::vector<Event> events, std::vector<Post>* posts) {
-  RendezvousKey key{config_.run_id, config_.ctx.op_id, occurrence_, phase, config_.group_index};
-  Arrival who{&config_.ctx, &config_.group, config_.rank, config_.timeout_s, config_.spin_s};
   Post post{config_.ctx.device_ordinal, signature_, buffer, std::move(events)};
-  FICCO_RETURN_IF_ERROR(Registry::Get().rendezvous().Arrive(key, who, std::move(post), posts));
+  if (config_.cross_process()) {
+    // Peers in other processes of this host: the host mailbox, buffers and events as IPC handles.
+    FICCO_RETURN_IF_ERROR(MeetAcrossProcesses(config_, phase, post, posts));
+  } else {
+    RendezvousKey key{config_.run_id, config_.ctx.op_id, occurrence_, phase, config_.group_index};
+    Arrival who{&config_.ctx, &config_.group, config_.rank, config_.timeout_s, config_.spin_s};
+    FICCO_RETURN_IF_ERROR(Registry::Get().rendezvous().Arrive(key, who, std::move(post), posts));
+  }
   for (int rank = 0; rank < config_.n(); ++rank) {
     const Post& peer = (*posts)[rank];
     if (peer.signature != signature_) {
-      return MakeInvalid(config_.ctx, "rank " + std::to_string(rank) + " (device " + std::to_string(peer.ordinal) +
+      return MakeInvalid(config_.ctx, "rank " + std::to_string(rank) + " (device " + std::to_string(config_.group[rank]) +
                                           ") runs this op with [" + Join(peer.signature) + "] but rank " +
                                           std::to_string(config_.rank) + " with [" + Join(signature_) +
                                           "] (shapes, dtype, schedule)");
@@ -124,7 +139,7 @@ ffi::Error AllGatherMatmuls(Backend& backend, const OpConfig& config, const AllG
 ffi::Error RunAllGather(Backend& backend, const OpConfig& config, const AllGatherArgs& a) {
   FICCO_RETURN_IF_ERROR(CheckFault(config, Fault::kSkip));
   FICCO_RETURN_IF_ERROR(CheckChunks(config, a.m, "rows per device"));
-  FICCO_RETURN_IF_ERROR(backend.Prepare(CopyStreamsUsed(config), config.group));
+  FICCO_RETURN_IF_ERROR(backend.Prepare(CopyStreamsUsed(config), config.LocalOrdinals()));
   const bool matmul = a.w != nullptr;
   CallSession session(config, {matmul ? 1 : 3, static_cast<int>(a.dtype), a.m, a.row_bytes, a.inner,
                                a.cols, config.chunks, static_cast<int>(config.order),
@@ -232,7 +247,7 @@ ffi::Error ReduceChunks(Backend& backend, const OpConfig& config, const ReduceSc
 ffi::Error RunReduceScatter(Backend& backend, const OpConfig& config, const ReduceScatterArgs& a) {
   FICCO_RETURN_IF_ERROR(CheckFault(config, Fault::kSkip));
   FICCO_RETURN_IF_ERROR(CheckChunks(config, a.m, "rows per output block"));
-  FICCO_RETURN_IF_ERROR(backend.Prepare(CopyStreamsUsed(config), config.group));
+  FICCO_RETURN_IF_ERROR(backend.Prepare(CopyStreamsUsed(config), config.LocalOrdinals()));
   const bool matmul = a.w != nullptr;
   CallSession session(config, {matmul ? 2 : 4, static_cast<int>(a.dtype), a.m, a.row_elems, a.inner,
                                config.chunks, static_cast<int>(config.order), static_cast<int>(config.gemm),

@@ -34,7 +34,12 @@ enum class Fault : int { kNone = 0, kSkip = 1, kFail = 2 };
 struct OpConfig {
   CallContext ctx;
   int64_t run_id = 0;
-  std::vector<int> group;  // this device's group: ordinals in rank order
+  // This device's group in rank order: device ordinals of this process, or, for a group across
+  // processes (ipc_job != 0), global device ids; `group_local` has each member's ordinal in this
+  // process, -1 for a device of another process.
+  std::vector<int> group;
+  std::vector<int> group_local;
+  int64_t ipc_job = 0;  // != 0: the group spans processes of this host; the host mailbox's job id
   int64_t group_index = 0;
   int rank = 0;
   int64_t chunks = 1;
@@ -47,6 +52,9 @@ struct OpConfig {
   int fault_rank = -1;
 
   int n() const { return static_cast<int>(group.size()); }
+  bool cross_process() const { return ipc_job != 0; }
+  // The members whose ordinals this process knows (its own devices): where to enable peer access.
+  std::vector<int> LocalOrdinals() const;
   // Peer read in slot s (s = 0 .. n-2): ring distance s + 1 behind this rank, so rank r pulls
   // from r-1 first, then r-2, ... Every rank's slot 0 peer is its ring neighbour, and the
   // matmul_rs partial a peer computes first (its slot 0, for rank peer+1) is the one pulled first.

@@ -13,7 +13,7 @@
 
 namespace ficco {
 
-using BackendFactory = std::function<std::unique_ptr<Backend>(const CallContext&)>;
+using BackendFactory = std::function<std::unique_ptr<Backend>(const OpConfig&)>;
 using OpBody = std::function<ffi::Error(Backend&, const OpConfig&)>;
 
 // GPU peers reach a rendezvous within microseconds of each other: CUDA handlers spin this long
@@ -26,7 +26,7 @@ inline ffi::Error Guard(const char* target, int32_t ordinal, ffi::RunId run_id, 
     OpConfig config;
     FICCO_RETURN_IF_ERROR(DecodeConfig(attrs, target, ordinal, run_id.run_id, &config));
     config.spin_s = spin_s;
-    std::unique_ptr<Backend> backend = make_backend(config.ctx);
+    std::unique_ptr<Backend> backend = make_backend(config);
     return body(*backend, config);
   } catch (const std::exception& e) {
     return ffi::Error::Internal(std::string("ficco_jax: ") + target + ": unexpected exception: " + e.what());
@@ -37,15 +37,18 @@ inline ffi::Error Guard(const char* target, int32_t ordinal, ffi::RunId run_id, 
 
 inline ffi::Error GuardCpu(const char* target, int32_t ordinal, ffi::RunId run_id, const OpAttrs& attrs,
                            const OpBody& body) {
-  return Guard(target, ordinal, run_id, attrs, [](const CallContext& ctx) { return MakeCpuBackend(ctx); },
+  return Guard(target, ordinal, run_id, attrs, [](const OpConfig& config) { return MakeCpuBackend(config.ctx); },
                0.0, body);
 }
 
 #ifdef FICCO_WITH_CUDA
 inline ffi::Error GuardCuda(const char* target, cudaStream_t stream, int32_t ordinal, ffi::RunId run_id,
                             const OpAttrs& attrs, const OpBody& body) {
+  // A group across processes records interprocess events: peers in other processes wait on them.
   return Guard(target, ordinal, run_id, attrs,
-               [stream](const CallContext& ctx) { return MakeCudaBackend(ctx, stream); },
+               [stream](const OpConfig& config) {
+                 return MakeCudaBackend(config.ctx, stream, /*interprocess_events=*/config.cross_process());
+               },
                kCudaRendezvousSpinSeconds, body);
 }
 #endif

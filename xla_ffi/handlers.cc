@@ -56,12 +56,19 @@ ffi::Error DecodeConfig(const OpAttrs& attrs, const char* target, int32_t device
     return MakeInvalid(ctx, "groups has " + std::to_string(total) + " ordinals, not a multiple of group_size " +
                                 std::to_string(n));
   }
+  if (static_cast<int64_t>(attrs.local_ordinals.size()) != total) {
+    return MakeInvalid(ctx, "local_ordinals has " + std::to_string(attrs.local_ordinals.size()) +
+                                " entries, groups " + std::to_string(total) + "; they must match");
+  }
+  config->ipc_job = attrs.ipc_job;
   for (int64_t i = 0; i < total; ++i) {
-    if (attrs.groups[i] != device_ordinal) continue;
+    if (attrs.local_ordinals[i] != device_ordinal) continue;
     config->group_index = i / n;
     config->rank = static_cast<int>(i % n);
     config->group.assign(attrs.groups.begin() + config->group_index * n,
                          attrs.groups.begin() + (config->group_index + 1) * n);
+    config->group_local.assign(attrs.local_ordinals.begin() + config->group_index * n,
+                               attrs.local_ordinals.begin() + (config->group_index + 1) * n);
   }
   if (config->group.empty()) {
     return MakeInvalid(ctx, "device ordinal " + std::to_string(device_ordinal) +

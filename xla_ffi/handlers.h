@@ -20,7 +20,11 @@ inline constexpr char kReduceScatterTarget[] = "ficco_reduce_scatter";
 // The attributes of every ficco target (dma.py writes them; see its _attributes()).
 struct OpAttrs {
   int64_t op_id;                  // unique per call site, set at trace time
-  ffi::Span<const int64_t> groups;  // device groups of the mesh axis, flat, members in rank order
+  // Device groups of the mesh axis, flat, members in rank order: device ordinals of this process,
+  // or global device ids when ipc_job != 0 (groups across processes of this host).
+  ffi::Span<const int64_t> groups;
+  ffi::Span<const int64_t> local_ordinals;  // per member of `groups`: its ordinal here, -1 if remote
+  int64_t ipc_job;                // 0: every group is in this process; else the host mailbox's job id
   int64_t group_size;             // n
   int64_t chunks;
   int64_t order;                  // 0 ring, 1 direct
@@ -53,6 +57,8 @@ ffi::Error ReduceScatterImpl(Backend& backend, const OpConfig& config, ffi::AnyB
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ficco::OpAttrs, ::xla::ffi::StructMember<int64_t>("op_id"),
     ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("groups"),
+    ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("local_ordinals"),
+    ::xla::ffi::StructMember<int64_t>("ipc_job"),
     ::xla::ffi::StructMember<int64_t>("group_size"), ::xla::ffi::StructMember<int64_t>("chunks"),
     ::xla::ffi::StructMember<int64_t>("order"), ::xla::ffi::StructMember<int64_t>("gemm"),
     ::xla::ffi::StructMember<int64_t>("copy_streams"), ::xla::ffi::StructMember<int64_t>("timeout_ms"),

@@ -4,11 +4,18 @@
 // Every handler: decode the attributes (handlers.cc), make the platform's Backend, run the
 // op's Impl. No exception or CUDA error escapes: Impls return ffi::Error and Guard() catches
 // anything thrown (e.g. std::bad_alloc).
+#include <stdexcept>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "a2a.h"
 #include "guard.h"
+#include "ipc.h"
 #include "nanobind/nanobind.h"
+#include "nanobind/stl/string.h"
+#include "nanobind/stl/tuple.h"
+#include "nanobind/stl/vector.h"
 #include "xla/ffi/api/c_api.h"
 
 // The all-to-all targets' handler symbols live in handlers_a2a.cc.
@@ -207,6 +214,40 @@ nanobind::dict Platforms(XLA_FFI_Error* (*cpu)(XLA_FFI_CallFrame*),
   return platforms;
 }
 
+// The host mailbox's exchange with plain integers, for tests of its protocol across processes
+// (tests/test_ipc_mailbox.py): every rank calls it once per post; returns every rank's
+// (op_id, signature, buffer_export, buffer_offset, event_ids) or raises RuntimeError.
+using WireTuple = std::tuple<int64_t, std::vector<int64_t>, int64_t, int64_t, std::vector<int32_t>>;
+std::vector<WireTuple> MailboxExchange(int64_t job, std::vector<int> members, int rank, int64_t op_id,
+                                       std::vector<int64_t> signature, int64_t buffer_export, int64_t buffer_offset,
+                                       std::vector<int32_t> event_ids, double timeout_s) {
+  ficco::CallContext ctx{"mailbox_test", op_id, rank};
+  ficco::WirePost mine;
+  mine.op_id = op_id;
+  mine.signature = std::move(signature);
+  mine.buffer_export = buffer_export;
+  mine.buffer_offset = buffer_offset;
+  mine.event_ids = std::move(event_ids);
+  mine.raw_events.assign(mine.event_ids.size(), 0);
+  std::vector<ficco::WirePost> posts;
+  ::xla::ffi::Error error = ::xla::ffi::Error::Success();
+  {
+    nanobind::gil_scoped_release release;
+    ficco::HostMailbox* mailbox = nullptr;
+    error = ficco::Registry::Get().Mailbox(ctx, job, &mailbox);
+    if (error.success()) {
+      ficco::MailboxArrival who{&ctx, &members, rank, "test", timeout_s};
+      error = mailbox->Exchange(who, mine, &posts);
+    }
+  }
+  if (error.failure()) throw std::runtime_error(error.message());
+  std::vector<WireTuple> out;
+  for (const ficco::WirePost& p : posts) {
+    out.emplace_back(p.op_id, p.signature, p.buffer_export, p.buffer_offset, p.event_ids);
+  }
+  return out;
+}
+
 }  // namespace
 
 NB_MODULE(_ffi, m) {
@@ -216,8 +257,54 @@ NB_MODULE(_ffi, m) {
                             std::to_string(XLA_FFI_API_MINOR);
     info["version"] = nanobind::str(FICCO_VERSION);
     info["cuda"] = nanobind::bool_(kCudaBuilt);
+    info["ipc"] = nanobind::bool_(kCudaBuilt);  // copy engines across processes of one host (ipc.h)
     info["abi"] = nanobind::str(abi.c_str());
     return info;
+  });
+  m.def("_mailbox_exchange", &MailboxExchange);
+  m.def("mailbox_name", [](int64_t job) { return ficco::MailboxName(job); });
+  // At exit: remove the mailbox's name from /dev/shm (mappings stay valid until the process ends).
+  m.def("ipc_unlink", []() { ficco::Registry::Get().UnlinkMailbox(); });
+  m.def("ipc_stats", []() {
+    nanobind::list stats;
+#ifdef FICCO_WITH_CUDA
+    for (const ficco::IpcDeviceStats& s : ficco::IpcStats()) {
+      nanobind::dict d;
+      d["ordinal"] = s.ordinal;
+      d["exported_allocations"] = s.exported_allocations;
+      d["exported_events"] = s.exported_events;
+      d["opened_allocations"] = s.opened_allocations;
+      d["opened_events"] = s.opened_events;
+      d["exchanges"] = s.exchanges;
+      stats.append(d);
+    }
+#endif
+    return stats;
+  });
+  m.def("ipc_close", []() -> int64_t {
+#ifdef FICCO_WITH_CUDA
+    nanobind::gil_scoped_release release;
+    return ficco::IpcClose();
+#else
+    ficco::Registry::Get().CloseMailbox();
+    return 0;
+#endif
+  });
+  m.def("ipc_describe_pointer", [](uint64_t pointer) {
+    nanobind::dict d;
+#ifdef FICCO_WITH_CUDA
+    ficco::IpcPointerInfo info;
+    std::string problem = ficco::DescribePointer(pointer, &info);
+    if (!problem.empty()) throw std::runtime_error(problem);
+    d["base"] = info.base;
+    d["bytes"] = info.bytes;
+    d["offset"] = pointer - info.base;
+    d["buffer_id"] = info.buffer_id;
+    d["ipc_capable"] = info.ipc_capable;
+#else
+    throw std::runtime_error("ipc_describe_pointer needs the CUDA build");
+#endif
+    return d;
   });
   m.def("registrations", []() {
     nanobind::dict targets;

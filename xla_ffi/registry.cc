@@ -144,22 +144,31 @@ ffi::Error DeviceState::PrepareCuda(const CallContext& ctx, int copy_streams,
   return ffi::Error::Success();
 }
 
-ffi::Error DeviceState::AcquireEvent(const CallContext& ctx, cudaEvent_t* event) {
+ffi::Error DeviceState::AcquireEvent(const CallContext& ctx, cudaEvent_t* event, bool interprocess) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!cuda_.free_events.empty()) {
-      *event = cuda_.free_events.back();
-      cuda_.free_events.pop_back();
+    std::vector<cudaEvent_t>& pool = interprocess ? cuda_.free_ipc_events : cuda_.free_events;
+    if (!pool.empty()) {
+      *event = pool.back();
+      pool.pop_back();
       return ffi::Error::Success();
     }
   }
-  FICCO_CHECK_CUDA(cudaEventCreateWithFlags(event, cudaEventDisableTiming));
+  FICCO_CHECK_CUDA(cudaSetDevice(ordinal_));
+  FICCO_CHECK_CUDA(cudaEventCreateWithFlags(
+      event, interprocess ? (cudaEventDisableTiming | cudaEventInterprocess) : cudaEventDisableTiming));
   return ffi::Error::Success();
 }
 
-void DeviceState::ReleaseEvents(const std::vector<cudaEvent_t>& events) {
+void DeviceState::ReleaseEvents(const std::vector<cudaEvent_t>& events, bool interprocess) {
   std::lock_guard<std::mutex> lock(mu_);
-  cuda_.free_events.insert(cuda_.free_events.end(), events.begin(), events.end());
+  std::vector<cudaEvent_t>& pool = interprocess ? cuda_.free_ipc_events : cuda_.free_events;
+  pool.insert(pool.end(), events.begin(), events.end());
+}
+
+CudaResources* DeviceState::cuda_resources() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return cuda_.lt == nullptr ? nullptr : &cuda_;
 }
 #endif  // FICCO_WITH_CUDA
 
@@ -177,6 +186,42 @@ DeviceState& Registry::Device(int ordinal) {
   std::unique_ptr<DeviceState>& state = devices_[ordinal];
   if (!state) state = std::make_unique<DeviceState>(ordinal);
   return *state;
+}
+
+std::vector<int> Registry::Ordinals() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<int> ordinals;
+  for (const auto& entry : devices_) ordinals.push_back(entry.first);
+  return ordinals;
+}
+
+ffi::Error Registry::Mailbox(const CallContext& ctx, int64_t job, HostMailbox** out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (mailbox_closed_) {
+    return MakeError(ctx, "the host mailbox of this process was closed (ficco_jax.ipc.close()); copy-engine "
+                          "ops across processes cannot run after it");
+  }
+  if (!mailbox_) {
+    FICCO_RETURN_IF_ERROR(HostMailbox::Open(ctx, job, &mailbox_));
+  } else if (mailbox_->job() != job) {
+    return MakeInvalid(ctx, "cross-process op of job " + std::to_string(job) + " but this process already "
+                            "meets its peers in the mailbox of job " + std::to_string(mailbox_->job()) +
+                            " (one jax.distributed job per process)");
+  }
+  *out = mailbox_.get();
+  return ffi::Error::Success();
+}
+
+void Registry::UnlinkMailbox() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (mailbox_) mailbox_->Unlink();
+}
+
+void Registry::CloseMailbox() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (mailbox_) mailbox_->Unlink();
+  mailbox_.reset();
+  mailbox_closed_ = true;
 }
 
 }  // namespace ficco

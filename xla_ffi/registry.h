@@ -18,10 +18,12 @@
 #include <set>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "errors.h"
 #include "gemm.h"
+#include "ipc_mailbox.h"
 
 namespace ficco {
 
@@ -100,6 +102,20 @@ struct CudaResources {
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   std::set<int> peers_enabled;
+
+  // Groups across processes of this host (ipc_cuda.cc), guarded by ipc_mu. Interprocess events
+  // have their own pool: every event of a cross-process call may be waited on by another process.
+  std::mutex ipc_mu;
+  std::vector<cudaEvent_t> free_ipc_events;
+  std::map<cudaEvent_t, int32_t> exported_events;            // our interprocess event -> its id
+  std::map<uint64_t, int32_t> exported_allocations;          // CU_POINTER_ATTRIBUTE_BUFFER_ID -> id
+  struct Opened {
+    char* base = nullptr;
+    uint64_t bytes = 0;
+  };
+  std::map<std::pair<int, int32_t>, Opened> opened_allocations;    // (peer device, its id) -> mapping
+  std::map<std::pair<int, int32_t>, cudaEvent_t> opened_events;    // (peer device, its id) -> event
+  int64_t ipc_exchanges = 0;
 };
 #endif
 
@@ -116,8 +132,11 @@ class DeviceState {
   // workspace, and peer access to each of `peers`. Thread-safe; `ctx` names the caller in errors.
   ffi::Error PrepareCuda(const CallContext& ctx, int copy_streams, const std::vector<int>& peers,
                          CudaResources** out);
-  ffi::Error AcquireEvent(const CallContext& ctx, cudaEvent_t* event);
-  void ReleaseEvents(const std::vector<cudaEvent_t>& events);
+  // `interprocess`: an event other processes can wait on (cudaEventInterprocess), from its own pool.
+  ffi::Error AcquireEvent(const CallContext& ctx, cudaEvent_t* event, bool interprocess = false);
+  void ReleaseEvents(const std::vector<cudaEvent_t>& events, bool interprocess = false);
+  // The resources PrepareCuda made (nullptr before the first PrepareCuda).
+  CudaResources* cuda_resources();
 #endif
 
  private:
@@ -135,12 +154,23 @@ class Registry {
  public:
   static Registry& Get();
   DeviceState& Device(int ordinal);
+  std::vector<int> Ordinals();  // the devices that ran an op so far
   Rendezvous& rendezvous() { return rendezvous_; }
+
+  // The host mailbox of job `job` (groups across processes, ipc_mailbox.h), opened on first use.
+  // One job per process; after CloseMailbox() every cross-process call fails.
+  ffi::Error Mailbox(const CallContext& ctx, int64_t job, HostMailbox** out);
+  // Removes the mailbox's name from /dev/shm (at exit: the mapping stays valid until then).
+  void UnlinkMailbox();
+  // Unmaps it; later cross-process calls fail instead of meeting in a fresh, empty segment.
+  void CloseMailbox();
 
  private:
   std::mutex mu_;
   std::map<int, std::unique_ptr<DeviceState>> devices_;
   Rendezvous rendezvous_;
+  std::unique_ptr<HostMailbox> mailbox_;
+  bool mailbox_closed_ = false;
 };
 
 }  // namespace ficco
