@@ -1,7 +1,8 @@
 """Collectives and overlapped matmuls on the GPU's copy engines (the ficco_jax FFI executor).
 
 Everything here runs inside ``jax.shard_map`` under ``jax.jit`` on a ``jax.sharding.Mesh`` whose
-devices all belong to this process. Each op is one XLA custom call per device; the extension
+groups lie inside this process, or, on GPUs, span processes of this host (CUDA IPC, ipc.py).
+Each op is one XLA custom call per device; the extension
 (xla_ffi/) pulls the peers' chunks with copy engines while the chunk matmuls run on the SMs.
 On CPU the same executor runs with memcpy and reference loops (what the tests exercise).
 
@@ -17,16 +18,22 @@ How a call finds its peers (computed at LOWERING time, when the concrete mesh is
     is one group, members in rank order (rank = index along the axis), written as device
     ordinals (``Device.local_hardware_id`` on GPUs, ``Device.id`` on CPU: what the FFI's
     ``DeviceOrdinal`` reports there) into the ``groups`` attribute, for this process's groups
-    only. At run time each handler finds its own ordinal there: that gives its group and rank.
-    A group that spans processes is refused with an error pointing at comm='xla' (topology.py
-    says which processes and hosts it reaches).
+    only; ``local_ordinals`` repeats them and ``ipc_job`` is 0. At run time each handler finds
+    its own ordinal in ``local_ordinals``: that gives its group and rank.
+    A group across processes of this host (CUDA build on GPUs) is written with global device ids
+    in ``groups``, each member's ordinal in this process or -1 in ``local_ordinals``, and the
+    job id naming the host mailbox in ``ipc_job``; the executor then meets its peers there and
+    reaches their buffers through CUDA IPC (xla_ffi/ipc.h). Any other spanning group (other
+    hosts, or CPU) is refused with an error pointing at comm='xla' (topology.py says which
+    processes and hosts it reaches).
   * op_id: a process-wide counter drawn when the op is traced (bound), unique per call site, so
     two ops of one program never share a rendezvous.
   * occurrence: counted by the executor per device and launch (RunId): the same call site run
     many times in one launch (lax.scan, fori_loop) meets its peers once per execution.
 
 Attributes of every FFI target (one struct, ``OpAttrs`` in xla_ffi/handlers.h):
-  op_id, groups (flat i64 array), group_size, chunks, order (0 ring, 1 direct),
+  op_id, groups (flat i64 array), local_ordinals (same length), ipc_job, group_size, chunks,
+  order (0 ring, 1 direct),
   gemm (0 per_chunk, 1 grouped), copy_streams, timeout_ms (config.RENDEZVOUS_TIMEOUT_S),
   fault: -1 none, else mode*1000 + rank with mode 1 = "skip:<rank>" (that rank errors without
   joining any rendezvous) and 2 = "fail:<rank>" (it joins the exchange, then errors before its
@@ -51,7 +58,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from . import _ext, config, topology
+from . import _ext, config, ipc, topology
 from .schedule import Schedule
 
 __all__ = [
@@ -219,17 +226,51 @@ def _concrete_mesh(ctx, op: str):
     )
 
 
-def _groups(ctx, op: str, axis_name: str, axis_size: int) -> np.ndarray:
-    """Device ordinals of every group along `axis_name`, shape (groups, n), rank order."""
+def _site(ctx, op: str, axis_name: str, axis_size: int):
+    """(the concrete mesh, the topology of `axis_name` in it), checked against the traced size."""
     mesh = _concrete_mesh(ctx, op)
     if axis_name not in mesh.axis_names:
         raise ValueError(f"{op}: axis {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
     n = mesh.shape[axis_name]
     if n != axis_size:
         raise ValueError(f"{op}: axis {axis_name!r} has {n} devices in the mesh but {axis_size} when traced")
-    site = topology.describe(mesh, axis_name)
-    if site.spanning_groups():
+    return mesh, topology.describe(mesh, axis_name)
+
+
+def _group_attrs(ctx, op: str, axis_name: str, axis_size: int) -> dict:
+    """The executor's group attributes: `groups` (groups, n) in rank order, each member's ordinal
+    in this process `local_ordinals` (-1: another process), and `ipc_job` (0: in-process groups).
+
+    In-process groups (the default path) carry device ordinals in both. Groups across processes
+    of this host (CUDA build on GPUs) carry global device ids, which name the members in the host
+    mailbox, and the job id that names the mailbox (ipc.job_id)."""
+    mesh, site = _site(ctx, op, axis_name, axis_size)
+    if not site.spanning_groups():
+        groups = _local_groups(op, mesh, site, axis_name)
+        return {"groups": groups, "local_ordinals": groups, "ipc_job": 0}
+    platform = mesh.devices.flat[0].platform
+    if site.kind != topology.SAME_HOST_MULTI_PROCESS or not ipc.supported("gpu" if platform in ("cuda", "gpu") else platform):
         raise ValueError(topology.dma_refusal(op, site))
+    here = jax.process_index()
+    mine = [g for g in site.groups if here in g.processes]
+    if not mine:
+        raise ValueError(f"{op}: no group of mesh axis {axis_name!r} has a device in this process (process {here})")
+    groups = np.array([[m.device_id for m in g.members] for g in mine], dtype=np.int64)
+    local = np.array([[m.local_ordinal if m.process_index == here else -1 for m in g.members] for g in mine],
+                     dtype=np.int64)
+    return {"groups": groups, "local_ordinals": local, "ipc_job": ipc.job_id()}
+
+
+def _groups(ctx, op: str, axis_name: str, axis_size: int) -> np.ndarray:
+    """Device ordinals of every in-process group along `axis_name`, shape (groups, n), rank order;
+    a group across processes is refused (targets without the IPC path, e.g. the contention probe)."""
+    mesh, site = _site(ctx, op, axis_name, axis_size)
+    if site.spanning_groups():
+        raise ValueError(topology.dma_refusal(op, site, ipc_path=False))
+    return _local_groups(op, mesh, site, axis_name)
+
+
+def _local_groups(op: str, mesh, site, axis_name: str) -> np.ndarray:
     # Ordinals are numbered per process, and each process runs only the groups of its own devices.
     here = jax.process_index()
     local = site.groups_of(here)
@@ -246,12 +287,14 @@ def _groups(ctx, op: str, axis_name: str, axis_size: int) -> np.ndarray:
 
 
 def _lowering(ctx, *operands, op, axis_name, axis_size, op_id, schedule, timeout_ms, fault):
-    groups = _groups(ctx, op, axis_name, axis_size)
+    group = _group_attrs(ctx, op, axis_name, axis_size)
     rule = jax.ffi.ffi_lowering(_TARGETS[op])
     return rule(
         ctx, *operands,
         op_id=np.int64(op_id),
-        groups=groups.reshape(-1),
+        groups=group["groups"].reshape(-1),
+        local_ordinals=group["local_ordinals"].reshape(-1),
+        ipc_job=np.int64(group["ipc_job"]),
         group_size=np.int64(axis_size),
         chunks=np.int64(schedule.chunks),
         order=np.int64({"ring": 0, "direct": 1}[schedule.order]),

@@ -29,12 +29,13 @@ def available_comms(platform: str | None = None, topology=None) -> tuple[str, ..
     whose peers are described by `topology` (a `topology.SiteTopology`; None: all in this process).
 
     `dma` needs the compiled extension (its CUDA backend on GPUs, its CPU backend of memcpy and
-    reference loops on CPU) and every group of the site inside one process: copy engines reach no
-    other process yet (CUDA IPC for processes of one host is planned, docs/multiprocess.md).
+    reference loops on CPU) and copy engines that reach every peer: every group of the site inside
+    one process, or, on GPUs with the CUDA build, inside one host (CUDA IPC between its
+    processes, docs/multiprocess.md). Other hosts, and other processes on CPU, take xla.
     """
     platform = platform or jax.default_backend()
     comms = ("none", "xla")
-    if topology is not None and not topology.in_process:
+    if not dma_reaches(topology, platform):
         return comms
     try:
         from . import _ext
@@ -44,6 +45,16 @@ def available_comms(platform: str | None = None, topology=None) -> tuple[str, ..
     except ImportError as exc:
         log.warning("ficco_jax: copy-engine schedules unavailable: %s", exc)
     return comms
+
+
+def dma_reaches(site, platform: str | None = None) -> bool:
+    """Whether copy engines reach every peer of `site` (a `topology.SiteTopology`; None: one
+    process): groups inside one process, or across processes of one host through CUDA IPC."""
+    from . import ipc, topology as topology_lib
+
+    if site is None or site.in_process:
+        return True
+    return site.kind == topology_lib.SAME_HOST_MULTI_PROCESS and ipc.supported(platform)
 
 
 def profile_for(axis_size: int) -> dict:
@@ -93,8 +104,8 @@ def allowed_comms(dtype, topology=None) -> tuple[tuple[str, ...], str]:
     """(comm kinds that can run a call of `dtype` whose peers are `topology`, why dma is not among
     them or "" when it is, or when the extension is simply not built)."""
     comms = available_comms(topology=topology)
-    if topology is not None and not topology.in_process:
-        return comms, f"{topology.why_not_in_process()}; comm='dma' reaches only devices of this process"
+    if not dma_reaches(topology):
+        return comms, f"{topology.why_not_in_process()}; comm='dma' cannot reach every peer from here"
     name = np.dtype(dtype).name
     if "dma" in comms and name not in config.DMA_DTYPES:
         return tuple(c for c in comms if c != "dma"), f"comm='dma' handles dtypes {config.DMA_DTYPES}, not {name}"

@@ -104,7 +104,9 @@ def resolve_schedule(op: str, schedule: ScheduleArg, shapes, dtype, axis_size: i
         from . import dma
 
         dma.check_supported(op, dtype)
-        if site.spanning_groups():  # unknown sites pass here; dma's lowering checks the real mesh
+        # Unknown sites pass here; dma's lowering checks the real mesh. Groups across processes
+        # of one host run through CUDA IPC where the build and platform have it.
+        if site.spanning_groups() and not heuristics.dma_reaches(site):
             raise ValueError(topology.dma_refusal(op, site))
     return schedule
 

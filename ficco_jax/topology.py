@@ -1,12 +1,13 @@
 """Where a collective's peers live: in this process, in another process of this host, or on another host.
 
-Copy engines (``comm="dma"``) reach only the devices of this process today; every other peer is
-reached through XLA's collectives (``comm="xla"`` or ``"none"``: NCCL on GPUs, gloo on CPU).
-This module answers, for one op site (a mesh axis), which case it is in:
+Copy engines (``comm="dma"``) reach the devices of this process and, through CUDA IPC on GPUs,
+those of the other processes of this host (ipc.py); every other peer is reached through XLA's
+collectives (``comm="xla"`` or ``"none"``: NCCL on GPUs, gloo on CPU). This module answers, for
+one op site (a mesh axis), which case it is in:
 
   * ``in_process``: every group of the axis lies inside one process (dma runs);
-  * ``same_host_multi_process``: some group spans processes, all on one host (CUDA IPC would
-    let copy engines reach them: not implemented yet, so xla, and a log line says so);
+  * ``same_host_multi_process``: some group spans processes, all on one host (dma runs through
+    CUDA IPC with the CUDA build on GPUs; elsewhere, e.g. on CPU, xla, and a log line says so);
   * ``multi_host``: some group spans hosts (xla);
   * ``unknown``: several processes, and the devices of the axis cannot be seen (at trace time
     inside ``shard_map`` without ``jax.set_mesh``): treated like ``multi_host``, conservatively.
@@ -119,7 +120,8 @@ class SiteTopology:
         first = spanning[0]
         more = f" (and {len(spanning) - 1} more group(s))" if len(spanning) > 1 else ""
         if first.kind == SAME_HOST_MULTI_PROCESS:
-            reach = "processes of one host: copy engines would need CUDA IPC, not implemented yet"
+            reach = ("processes of one host: copy engines reach them only through CUDA IPC "
+                     "(GPUs with the CUDA build)")
         else:
             reach = "several hosts"
         return f"group {first}{more} spans {reach}"
@@ -253,9 +255,17 @@ _INSTEAD = {
 }
 
 
-def dma_refusal(op: str, site: SiteTopology) -> str:
-    """The error for an explicit comm="dma" on a site whose groups span processes."""
+def dma_refusal(op: str, site: SiteTopology, ipc_path: bool = True) -> str:
+    """The error for an explicit comm="dma" on a site whose groups span processes where copy
+    engines cannot reach them: other hosts, or other processes without CUDA IPC (CPU backend, a
+    build without CUDA, or an op without the IPC path: `ipc_path=False`)."""
     instead = _INSTEAD.get(op, "comm='xla' (e.g. schedule='xla/ring/c2'), or schedule='auto', which falls back by itself")
+    if site.kind == SAME_HOST_MULTI_PROCESS:
+        reach = ("comm='dma' reaches other processes of this host only through CUDA IPC, on GPUs with the CUDA "
+                 "build" + ("" if ipc_path else f" and for the ops that have it ({op} does not)") +
+                 f"; here: platform {jax.default_backend()!r}")
+    else:
+        reach = "comm='dma' reaches the devices of this host only"
     return (f"{op}: mesh axis {site.axis_name!r} spans several processes: {site.why_not_in_process()}. "
-            f"comm='dma' reaches only the devices of this process (process {jax.process_index()}); "
+            f"{reach} (this is process {jax.process_index()}); "
             f"use {instead}; comm='xla' runs on XLA's collectives (NCCL)")

@@ -266,7 +266,8 @@ def test_chained_ops_and_buffer_reuse(rng):
 def _direct_all_gather(groups, x):
     n = groups.shape[1]
     call = jax.ffi.ffi_call("ficco_all_gather", jax.ShapeDtypeStruct((n * x.shape[0], *x.shape[1:]), x.dtype))
-    return call(x, op_id=np.int64(10**9), groups=groups.reshape(-1).astype(np.int64), group_size=np.int64(n),
+    flat = groups.reshape(-1).astype(np.int64)
+    return call(x, op_id=np.int64(10**9), groups=flat, local_ordinals=flat, ipc_job=np.int64(0), group_size=np.int64(n),
                 chunks=np.int64(2), order=np.int64(1), gemm=np.int64(0), copy_streams=np.int64(2),
                 timeout_ms=np.int64(5000), fault=np.int64(-1))
 

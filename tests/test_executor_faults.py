@@ -156,7 +156,8 @@ def test_a_waiting_rank_names_the_op_group_and_missing_ranks():
 
     def gather(a):
         call = jax.ffi.ffi_call("ficco_all_gather", jax.ShapeDtypeStruct((8 * a.shape[0], a.shape[1]), a.dtype))
-        return call(a, op_id=np.int64(2 * 10**9), groups=groups, group_size=np.int64(8), chunks=np.int64(1),
+        return call(a, op_id=np.int64(2 * 10**9), groups=groups, local_ordinals=groups, ipc_job=np.int64(0),
+                    group_size=np.int64(8), chunks=np.int64(1),
                     order=np.int64(1), gemm=np.int64(0), copy_streams=np.int64(1),
                     timeout_ms=np.int64(int(TIMEOUT_S * 1000)), fault=np.int64(-1))
 

@@ -83,6 +83,25 @@ def test_a_site_is_as_remote_as_its_most_remote_group(rows, kind):
     assert ("dma" in allowed) == (kind == topology.IN_PROCESS and _ext.available())
 
 
+@pytest.mark.parametrize("kind,gpu_dma", [
+    (topology.IN_PROCESS, True), (topology.SAME_HOST_MULTI_PROCESS, True), (topology.MULTI_HOST, False),
+])
+def test_on_gpus_copy_engines_reach_the_processes_of_one_host_only(kind, gpu_dma, monkeypatch):
+    from ficco_jax import ipc
+
+    monkeypatch.setattr(ipc, "supported", lambda platform=None: platform == "gpu")  # a CUDA build
+    monkeypatch.setattr(_ext, "cuda_built", lambda: True)
+    rows = {topology.IN_PROCESS: [[_dev(0, 0, 0), _dev(1, 0, 1)]],
+            topology.SAME_HOST_MULTI_PROCESS: [[_dev(0, 0, 0), _dev(4, 1, 0)]],
+            topology.MULTI_HOST: [[_dev(0, 0, 0), _dev(8, 2, 0)]]}[kind]
+    with topology.hosts_overridden(HOSTS):
+        site = topology.describe_groups(rows, "tp")
+    assert site.kind == kind
+    assert ("dma" in heuristics.available_comms("gpu", topology=site)) == gpu_dma
+    assert heuristics.dma_reaches(site, "gpu") == gpu_dma
+    assert heuristics.dma_reaches(site, "cpu") == (kind == topology.IN_PROCESS)  # no IPC between CPU processes
+
+
 def test_why_names_the_group_the_processes_and_the_hosts():
     with topology.hosts_overridden(HOSTS):
         site = topology.describe_groups([[_dev(0, 0, 0), _dev(8, 2, None)], [_dev(1, 0, 1), _dev(9, 2, None)]], "tp")
@@ -99,12 +118,12 @@ def test_auto_falls_back_with_a_log_line_and_keeps_what_reaches(caplog, monkeypa
     with topology.hosts_overridden(HOSTS):
         remote = topology.describe_groups([[_dev(0, 0, 0), _dev(4, 1, None)]], "tp")
     comms, why = heuristics.allowed_comms("float32", remote)
-    assert "dma" not in comms and "CUDA IPC, not implemented yet" in why
+    assert "dma" not in comms and "only through CUDA IPC (GPUs with the CUDA build)" in why
     shapes = ((64, 32), (32, 16))
     with caplog.at_level("INFO", logger="ficco_jax"):
         chosen = heuristics.choose("ag_matmul", shapes, "float32", 2, topology=remote)
     assert chosen.comm in ("xla", "none"), chosen
-    assert "CUDA IPC, not implemented yet" in caplog.text and f"so {chosen} " in caplog.text
+    assert "only through CUDA IPC" in caplog.text and f"so {chosen} " in caplog.text
     comms_here, why_here = heuristics.allowed_comms("float32", topology.for_axis("tp"))
     assert "dma" in comms_here and why_here == ""
 
