@@ -1,0 +1,138 @@
+"""The host mailbox (xla_ffi/ipc_mailbox.h) between real processes, on CPU.
+
+Groups across processes of one host meet there once per call phase; on GPUs the posts carry
+CUDA IPC ids (not testable here), but the protocol itself is integers in /dev/shm: these tests
+run it across processes with origin-coded posts (rank * 1000 + post), ranks at uneven speeds,
+and a missing rank (an error naming it, within the timeout, and at once for a late arrival).
+
+    python tests/test_ipc_mailbox.py JOB RANK N POSTS [MEMBERS] [TIMEOUT_S]  (one rank; prints JSON)
+"""
+import json
+import os
+import random
+import secrets
+import subprocess
+import sys
+import time
+
+import pytest
+
+try:
+    from ficco_jax import _ffi
+except ImportError:  # the extension is not built: the tests skip
+    _ffi = None
+
+pytestmark = pytest.mark.skipif(_ffi is None or not hasattr(_ffi, "_mailbox_exchange"),
+                                reason="ficco_jax._ffi with the host mailbox is not built")
+
+#: Seconds every worker gets in all.
+WORKER_TIMEOUT_S = 120
+
+
+def _post(rank: int, k: int):
+    """What rank `rank` posts as its k-th post: every field says who and when."""
+    return dict(op_id=k, signature=[rank, k, rank * 1000 + k], buffer_export=rank * 1000 + k,
+                buffer_offset=7 * k + rank, event_ids=[rank, k, rank + k])
+
+
+def _worker(job: int, rank: int, n: int, posts: int, members, timeout_s: float) -> dict:
+    rng = random.Random(rank)
+    seen, errors = [], []
+    for k in range(posts):
+        if rng.random() < 0.2:  # uneven speeds: some ranks run ahead by a post, others lag
+            time.sleep(rng.random() * 2e-3)
+        p = _post(rank, k)
+        start = time.monotonic()
+        try:
+            got = _ffi._mailbox_exchange(job, members, rank, p["op_id"], p["signature"], p["buffer_export"],
+                                         p["buffer_offset"], p["event_ids"], timeout_s)
+        except RuntimeError as exc:
+            errors.append({"post": k, "message": str(exc), "after_s": time.monotonic() - start})
+            break
+        seen.append([list(map(lambda v: list(v) if isinstance(v, (list, tuple)) else v, g)) for g in got])
+    return {"rank": rank, "seen": seen, "errors": errors}
+
+
+def _launch(job, ranks, n, posts, members, timeout_s):
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), str(job), str(r), str(n), str(posts),
+                               ",".join(map(str, members)), str(timeout_s)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in ranks]
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=WORKER_TIMEOUT_S)
+            assert p.returncode == 0, err[-3000:]
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return results
+
+
+@pytest.fixture
+def job():
+    job = secrets.randbits(62) | 1
+    yield job
+    name = _ffi.mailbox_name(job)
+    try:
+        os.unlink("/dev/shm" + name)
+    except FileNotFoundError:
+        pass
+
+
+def test_every_rank_sees_every_post_of_its_group_in_order(job):
+    n, posts = 4, 300
+    members = [100 + 3 * r for r in range(n)]  # member ids are global device ids, any ints
+    results = _launch(job, range(n), n, posts, members, 30.0)
+    for res in results:
+        assert not res["errors"], res["errors"]
+        assert len(res["seen"]) == posts
+        for k, got in enumerate(res["seen"]):
+            for r, (op_id, signature, buffer_export, buffer_offset, event_ids) in enumerate(got):
+                want = _post(r, k)
+                assert (op_id, signature, buffer_export, buffer_offset, event_ids) == (
+                    want["op_id"], want["signature"], want["buffer_export"], want["buffer_offset"],
+                    want["event_ids"]), (res["rank"], k, r)
+
+
+def test_a_missing_rank_is_named_within_the_timeout_and_a_late_one_fails_at_once(job):
+    n, timeout_s = 3, 1.0
+    members = [0, 1, 2]
+    start = time.monotonic()
+    waiting = _launch(job, [0, 1], n, 1, members, timeout_s)  # rank 2 never comes
+    for res in waiting:
+        (error,) = res["errors"]
+        assert "rendezvous" in error["message"] and "missing ranks [2]" in error["message"], error
+        assert "group of devices [0, 1, 2] across processes" in error["message"], error
+        assert "op 0 (mailbox_test) phase test" in error["message"], error
+        assert "FICCO_RENDEZVOUS_TIMEOUT_S" in error["message"] or "gave up" in error["message"], error
+        assert error["after_s"] < timeout_s + 5.0, error
+    assert time.monotonic() - start < WORKER_TIMEOUT_S
+    (late,) = _launch(job, [2], n, 1, members, 30.0)  # arrives after the group gave up
+    (error,) = late["errors"]
+    assert "already gave up" in error["message"] and error["after_s"] < 5.0, error
+
+
+def test_two_groups_of_one_job_do_not_mix(job):
+    """Groups [0, 1] and [2, 3] post concurrently in one segment; each sees only its own."""
+    posts = 50
+    procs = []
+    for members in ([10, 11], [12, 13]):
+        for rank in range(2):
+            procs.append((members, rank, subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), str(job), str(rank), "2", str(posts),
+                 ",".join(map(str, members)), "30"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
+    for members, rank, p in procs:
+        out, err = p.communicate(timeout=WORKER_TIMEOUT_S)
+        assert p.returncode == 0, err[-3000:]
+        res = json.loads(out.strip().splitlines()[-1])
+        assert not res["errors"] and len(res["seen"]) == posts, res["errors"]
+        assert [g[1][2] for g in res["seen"][-1]] == [0 * 1000 + posts - 1, 1 * 1000 + posts - 1]
+
+
+if __name__ == "__main__":
+    job_, rank_, n_, posts_ = (int(a) for a in sys.argv[1:5])
+    members_ = [int(m) for m in sys.argv[5].split(",")] if len(sys.argv) > 5 else list(range(n_))
+    timeout_ = float(sys.argv[6]) if len(sys.argv) > 6 else 30.0
+    print(json.dumps(_worker(job_, rank_, n_, posts_, members_, timeout_)))
