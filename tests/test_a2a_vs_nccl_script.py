@@ -1,0 +1,50 @@
+"""scripts/a2a_vs_nccl.py on 4 virtual CPU devices with tiny blocks, in a subprocess: the script
+the GPU run uses cannot rot. Every variant must verify bit-exact and be timed, the JSON must hold
+what the lead reads, and the all_to_all table must come last. (CPU times mean nothing.)"""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from ficco_jax import _ext
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "a2a_vs_nccl.py"
+
+
+@pytest.mark.skipif(not _ext.available(), reason="ficco_jax._ffi is not built")
+def test_a2a_vs_nccl_script_on_cpu(tmp_path):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, str(SCRIPT), "--sizes", "0.015625,0.0625", "--overlap-sizes", "0.0625",
+           "--matmul", "32,64,48", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    result = json.loads((tmp_path / "a2a_vs_nccl.json").read_text())
+    assert result["n_devices"] == 4 and not result["times_meaningful"] and "NOT meaningful" in result["method"]
+    assert result["skipped"] == []
+
+    a2a = result["a2a"]
+    schedules = [r["schedule"] for r in a2a if r["block_mib"] == 0.0625]
+    assert schedules == ["nccl", "dma/direct/c1/s2 (default)", "dma/ring/c1", "dma/direct/c1/s3"]
+    assert len(a2a) == 8
+    for row in a2a:
+        assert row["bit_exact"] and row["median_ms"] >= 0 and row["gbps"] >= 0, row
+        assert row["gbps"] == pytest.approx(3 * row["block_mib"] * 2**20 / (row["median_ms"] * 1e-3) / 1e9)
+
+    overlap = {r["variant"]: r for r in result["overlap"]}
+    assert set(overlap) == {"matmul_alone", "pair_nccl", "pair_dma", "a2a_alone_nccl", "bound_max_nccl",
+                            "bound_sum_nccl", "a2a_alone_dma", "bound_max_dma", "bound_sum_dma"}
+    assert overlap["matmul_alone"]["matmul"] == [32, 64, 48]
+    for label in ("nccl", "dma"):
+        pair = overlap[f"pair_{label}"]
+        assert pair["bit_exact"] and pair["matmul_rel_err"] < 1e-2 and pair["median_ms"] >= 0, pair
+        mm, alone = overlap["matmul_alone"]["median_ms"], overlap[f"a2a_alone_{label}"]["median_ms"]
+        assert overlap[f"bound_max_{label}"]["median_ms"] == max(mm, alone)
+        assert overlap[f"bound_sum_{label}"]["median_ms"] == pytest.approx(mm + alone)
+
+    progress = [line for line in done.stderr.splitlines() if line.startswith("[")]
+    assert len(progress) == 8 + 1 + 2, done.stderr  # a2a variants, the matmul alone, two pairs
+    tail = done.stdout.strip().splitlines()
+    assert tail[-1].startswith("| 0.0625 |") and "| block MiB | NCCL ms | dma schedule |" in done.stdout
