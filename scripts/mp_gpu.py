@@ -1,0 +1,424 @@
+"""Copy engines across the processes of one host (CUDA IPC): checks, then timings.
+
+One process of an N-process job on one host, one device each (scripts/mp_gpu_launch.sh starts
+them; it is the way to run this). The mesh's one axis "tp" spans every process, so every
+comm="dma" call goes through the host mailbox and CUDA IPC (xla_ffi/ipc.h).
+
+  1. setup      jax.distributed on localhost; the site's topology; what "auto" picks; on GPUs
+                how XLA's allocation under an input looks to CUDA IPC (base, size, exportable?).
+  2. checks     every dma schedule of ag_matmul and matmul_rs (direct and ring), and of
+                dma.all_gather / dma.reduce_scatter, against the reference on random bf16
+                inputs, at a small shape and one anchor shape: PASS / FAIL per schedule.
+  3. timings    the anchor shapes (M, K, N): the model's best dma schedules (verified first,
+                the fastest measured kept) and JAX sequential (all_gather / psum_scatter + dot
+                by XLA), with ficco_jax.timing.device_time.
+  4. report     rank 0 collects every process's results through the jax.distributed key-value
+                store, writes $OUT/<--json> and prints a table; exit status 1 if any check failed.
+
+On CPU (the smoke test of this script: 2 processes, tiny shapes) copy engines cannot reach the
+other process: every dma schedule must be *refused* with a clear error (that is its PASS), and
+the timings use the best comm that can run (xla).
+
+Every step logs to stderr ("[p<i> +<seconds>s] ..."); a failing check is reported and the run
+goes on. All processes take the same decisions (the budget check is agreed through the store),
+so no process waits in a collective that another skipped.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+#: (M, K, N) timed on GPUs (bench.ANCHOR_SHAPES' names); the first one is also checked.
+GPU_TIMED = {"llama70b_qkv_M8k": (8192, 8192, 10240), "llama70b_mlp_up_M8k": (8192, 8192, 28672),
+             "llama70b_mlp_up_M2k": (2048, 8192, 28672), "gpt3_175b_mlp_M4k": (4096, 12288, 49152)}
+GPU_CHECKED = {"small_M1k_K512_N1k": (1024, 512, 1024), "llama70b_qkv_M8k": (8192, 8192, 10240)}
+CPU_TIMED = {"tiny_M64_K32_N64": (64, 32, 64)}
+CPU_CHECKED = {"tiny_M64_K32_N64": (64, 32, 64)}
+DTYPE = "bfloat16"
+#: Relative Frobenius error allowed against the f32 reference (bf16 inputs and outputs).
+TOLERANCE = 2e-2
+#: How many of the model's best dma schedules are timed per shape (the fastest measured is kept).
+TIMED_CANDIDATES = 2
+OPS = ("ag_matmul", "matmul_rs")
+
+_T0 = time.monotonic()
+
+
+def log(msg: str) -> None:
+    print(f"[p{jax.process_index() if _INITIALISED else '?'} +{time.monotonic() - _T0:6.1f}s] {msg}",
+          file=sys.stderr, flush=True)
+
+
+_INITIALISED = False
+
+
+# ------------------------------------------------------------------------------------------------
+# Agreement between the processes (the key-value store)
+# ------------------------------------------------------------------------------------------------
+class Store:
+    def __init__(self, timeout_s: float):
+        from jax._src import distributed  # the client of jax.distributed.initialize; no public getter
+
+        self.client = distributed.global_state.client
+        self.timeout_ms = int(timeout_s * 1000)
+        self.steps = 0
+
+    def agree(self, decide) -> object:
+        """Rank 0's `decide()`, the same in every process (budget checks must not diverge)."""
+        self.steps += 1
+        key = f"ficco_mp_gpu/decision/{self.steps}"
+        if jax.process_index() == 0:
+            value = json.dumps(decide())
+            self.client.key_value_set(key, value)
+            return json.loads(value)
+        return json.loads(self.client.blocking_key_value_get(key, self.timeout_ms))
+
+    def gather(self, name: str, record: dict) -> list[dict] | None:
+        """Every process's `record` (on rank 0; None elsewhere). A missing process gives None in its place."""
+        self.client.key_value_set(f"ficco_mp_gpu/{name}/{jax.process_index()}", json.dumps(record))
+        if jax.process_index() != 0:
+            return None
+        out = []
+        for p in range(jax.process_count()):
+            try:
+                out.append(json.loads(self.client.blocking_key_value_get(f"ficco_mp_gpu/{name}/{p}", self.timeout_ms)))
+            except Exception as exc:  # noqa: BLE001 - that process died or is stuck: say so, keep going
+                out.append({"process": p, "missing": f"{type(exc).__name__}: {str(exc)[:200]}"})
+        return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Inputs, references, errors (local shards only: no collective that a failing process could skip)
+# ------------------------------------------------------------------------------------------------
+def local_rel_err(got, want) -> float:
+    """Relative Frobenius error over this process's shards of two arrays of one sharding."""
+    wants = {str(s.index): s.data for s in want.addressable_shards}
+    num = den = 0.0
+    for shard in got.addressable_shards:
+        g = np.asarray(jnp.asarray(shard.data, jnp.float32), np.float64)
+        w = np.asarray(jnp.asarray(wants[str(shard.index)], jnp.float32), np.float64)
+        if not np.all(np.isfinite(g)):
+            return float("inf")
+        num += float(np.sum((g - w) ** 2))
+        den += float(np.sum(w ** 2))
+    return float(np.sqrt(num) / max(np.sqrt(den), 1e-30))
+
+
+def collective_inputs(mesh, M, K, seed):
+    """x [n*M, K] sharded on rows (every device its own [M, K] block), random bf16."""
+    n = mesh.shape["tp"]
+    x = jax.random.normal(jax.random.PRNGKey(seed), (n * M, K), jnp.float32).astype(DTYPE)
+    return jax.device_put(x, NamedSharding(mesh, P("tp", None)))
+
+
+def collective_fn(mesh, which: str, schedule):
+    from ficco_jax import dma
+
+    if which == "all_gather":
+        body = ((lambda x: jax.lax.all_gather(x, "tp", tiled=True)) if schedule == "ref"
+                else (lambda x: dma.all_gather(x, "tp", schedule=schedule)))
+    else:
+        body = ((lambda x: jax.lax.psum_scatter(x.astype(jnp.float32), "tp", tiled=True)) if schedule == "ref"
+                else (lambda x: dma.reduce_scatter(x, "tp", schedule=schedule)))
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp", None), out_specs=P("tp", None)))
+
+
+def dma_schedules(op: str, n: int):
+    """Every dma schedule the design space enumerates for `op` (ring is direct on one stream there)."""
+    from ficco_jax.schedule import Schedule
+
+    return list(Schedule.enumerate(op, n, ("dma",)))
+
+
+def collective_schedules(n: int):
+    """The distinct transfer points of the standalone collectives: order x chunks x streams, and
+    the ring issue order they also accept."""
+    seen, out = set(), []
+    for s in dma_schedules("ag_matmul", n):
+        key = (s.order, s.chunks, s.copy_streams)
+        if key not in seen:
+            seen.add(key)
+            out.append(str(s).replace("/grouped", ""))
+    return out + ["dma/ring/c1", "dma/ring/c4"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Steps
+# ------------------------------------------------------------------------------------------------
+class Run:
+    def __init__(self, args, mesh, store):
+        self.args, self.mesh, self.store = args, mesh, store
+        self.n = mesh.shape["tp"]
+        self.checks: list[dict] = []
+        self.timings: list[dict] = []
+        self.notes: list[str] = []
+        from ficco_jax import ipc
+
+        self.ipc = ipc.supported()
+        self.deadline = time.time() + args.budget_s
+
+    def time_left(self) -> float:
+        return self.deadline - time.time()
+
+    def go(self, what: str, need_s: float) -> bool:
+        ok = self.store.agree(lambda: self.time_left() > need_s)
+        if not ok:
+            log(f"SKIP {what}: budget (--budget-s) nearly spent")
+            self.notes.append(f"skipped {what}: budget")
+        return ok
+
+    def record(self, kind, name, op, shape, schedule, rel_err=None, error=None, expect_refusal=False, seconds=0.0):
+        if expect_refusal:
+            passed = error is not None and "CUDA IPC" in error
+            status = "PASS (refused as expected: no CUDA IPC here)" if passed else "FAIL (expected a refusal)"
+        elif error is not None:
+            passed, status = False, f"FAIL: {error.splitlines()[0][:300]}"
+        else:
+            passed = rel_err < TOLERANCE
+            status = f"PASS rel_err={rel_err:.2e}" if passed else f"FAIL rel_err={rel_err:.3g} >= {TOLERANCE}"
+        log(f"{'PASS' if passed else 'FAIL'} {kind} {op} {name} {schedule}: {status} ({seconds:.1f} s)")
+        self.checks.append({"kind": kind, "op": op, "shape": name, "MKN": shape, "schedule": str(schedule),
+                            "passed": passed, "rel_err": rel_err, "error": error, "status": status,
+                            "seconds": seconds})
+
+    def attempt(self, fn):
+        """(result, None) or (None, error text) of fn(): a failing schedule must not stop the run."""
+        try:
+            return fn(), None
+        except Exception as exc:  # noqa: BLE001
+            text = f"{type(exc).__name__}: {exc}"
+            log("  error: " + text.replace("\n", " | ")[:1500])
+            if os.environ.get("FICCO_MP_TRACEBACK"):
+                log(traceback.format_exc())
+            return None, text[:4000]
+
+    # -- checks ------------------------------------------------------------------------------
+    def check_ops(self, name, dims):
+        from ficco_jax import bench
+
+        M, K, N = dims
+        for op in OPS:
+            if not self.go(f"checks {op} {name}", 60):
+                return
+            args = bench.make_inputs(op, M, K, N, DTYPE, self.mesh, seed=1)
+            want = bench.sharded(self.mesh, op, bench.op_body(op, "ref"))(*[a.astype(jnp.float32) for a in args])
+            for sched in dma_schedules(op, self.n):
+                start = time.monotonic()
+                got, error = self.attempt(lambda: jax.block_until_ready(
+                    bench.sharded(self.mesh, op, bench.op_body(op, sched))(*args)))
+                rel = None if got is None else local_rel_err(got, want)
+                self.record("op", name, op, dims, sched, rel, error, expect_refusal=not self.ipc,
+                            seconds=time.monotonic() - start)
+            del args, want
+
+    def check_collectives(self, name, dims):
+        M, K, _ = dims
+        rows = M // self.n  # rows per device block, as the layer's x shard
+        for which in ("all_gather", "reduce_scatter"):
+            if not self.go(f"checks dma.{which} {name}", 60):
+                return
+            x = collective_inputs(self.mesh, rows if which == "all_gather" else M, K, seed=2)
+            want = collective_fn(self.mesh, which, "ref")(x)
+            for sched in collective_schedules(self.n):
+                start = time.monotonic()
+                got, error = self.attempt(lambda: jax.block_until_ready(collective_fn(self.mesh, which, sched)(x)))
+                rel = None if got is None else local_rel_err(got, want)
+                self.record("collective", name, f"dma.{which}", dims, sched, rel, error,
+                            expect_refusal=not self.ipc, seconds=time.monotonic() - start)
+            del x, want
+
+    # -- timings -----------------------------------------------------------------------------
+    def device_time(self, make, args) -> dict:
+        """timing.device_time with one repeat count for every process: it derives the count from
+        each process's own first launch, and processes that loop a different number of times run
+        different collectives (a mismatch: NCCL/gloo abort or hang, the mailbox times out)."""
+        from ficco_jax import timing
+
+        small = make(1)
+        jax.block_until_ready(small(*args))
+        start = time.perf_counter()
+        jax.block_until_ready(small(*args))
+        t1 = time.perf_counter() - start
+        repeats = self.store.agree(lambda: int(min(200, max(4, 0.02 / max(t1, 1e-7)))))
+        # target_s so large that device_time takes max_repeats, the agreed count, everywhere.
+        return timing.device_time(make, args, target_s=1e9, max_repeats=repeats)
+
+    def time_shape(self, name, dims):
+        from ficco_jax import bench, cost_model, heuristics, ops, topology
+        from ficco_jax.schedule import Schedule
+
+        M, K, N = dims
+        for op in OPS:
+            if not self.go(f"timings {op} {name}", 45):
+                return
+            shapes = bench.local_shapes(op, M, K, N, self.n)
+            args = bench.make_inputs(op, M, K, N, DTYPE, self.mesh, seed=3)
+            want = bench.sharded(self.mesh, op, bench.op_body(op, "ref"))(*[a.astype(jnp.float32) for a in args])
+            with jax.set_mesh(self.mesh):
+                auto = str(ops.resolve_schedule(op, "auto", shapes, DTYPE, self.n, axis_name="tp"))
+                site = topology.for_axis("tp")
+            comms, why = heuristics.allowed_comms(DTYPE, site)
+            comm = "dma" if "dma" in comms else "xla"
+            ranked = cost_model.rank(op, shapes, DTYPE, self.n, Schedule.enumerate(op, self.n, (comm,)),
+                                     heuristics.profile_for(self.n))
+            candidates = [s for _, s in ranked[:TIMED_CANDIDATES]]
+            row = {"op": op, "shape": name, "MKN": dims, "auto": auto, "comm_timed": comm,
+                   "why_not_dma": why, "candidates": {}}
+            for label, sched in [("jax_seq", "ref")] + [(str(s), s) for s in candidates]:
+                make = lambda r, sched=sched: bench.sharded(self.mesh, op, bench.op_body(op, sched), r)  # noqa: E731
+                got, error = self.attempt(lambda: jax.block_until_ready(make(None)(*args)))
+                rel = None if got is None else local_rel_err(got, want)
+                entry = {"rel_err": rel, "error": error}
+                if error is None and rel < TOLERANCE:
+                    t, error = self.attempt(lambda: self.device_time(make, args))
+                    if t is not None:
+                        entry.update(median_ms=t["median_s"] * 1e3, spread_ms=t["spread_s"] * 1e3)
+                    entry["error"] = error
+                elif error is None:
+                    entry["error"] = f"WRONG RESULT rel_err={rel:.3g}; not timed"
+                log(f"TIME {op} {name} {label}: " + (f"{entry['median_ms']:.3f} ms" if "median_ms" in entry
+                                                     else str(entry["error"])[:300]))
+                row["candidates"][label] = entry
+            timed = {k: v for k, v in row["candidates"].items() if k != "jax_seq" and "median_ms" in v}
+            if timed:
+                best = min(timed, key=lambda k: timed[k]["median_ms"])
+                row["best"] = best
+                row["best_ms"] = timed[best]["median_ms"]
+                seq = row["candidates"]["jax_seq"].get("median_ms")
+                row["speedup_vs_jax_seq"] = seq / row["best_ms"] if seq and row["best_ms"] > 0 else None
+            self.timings.append(row)
+            del args, want
+
+
+# ------------------------------------------------------------------------------------------------
+# Report
+# ------------------------------------------------------------------------------------------------
+def table(result: dict) -> str:
+    lines = [f"mp_gpu: {result['n_processes']} processes x {result['devices_per_process']} device(s), "
+             f"{result['device']} ({result['platform']}), ipc={result['ipc']}",
+             f"checks: {result['passed']} passed, {result['failed']} failed (over all processes)"]
+    for c in result["failed_checks"][:20]:
+        lines.append(f"  FAIL p{c['process']} {c['op']} {c['shape']} {c['schedule']}: {c['status'][:160]}")
+    lines.append("")
+    lines.append("| op | shape (M,K,N) | auto | best timed | best ms | JAX seq ms | speedup |")
+    lines.append("|---|---|---|---|---|---|---|")
+    for r in result["timings"]:
+        seq = r["candidates"].get("jax_seq", {}).get("median_ms")
+        fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+        sp = r.get("speedup_vs_jax_seq")
+        lines.append(f"| {r['op']} | {r['shape']} {tuple(r['MKN'])} | {r['auto']} | {r.get('best', '-')} | "
+                     f"{fmt(r.get('best_ms'))} | {fmt(seq)} | {'-' if sp is None else f'{sp:.2f}x'} |")
+    for note in result["notes"]:
+        lines.append(f"note: {note}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    global _INITIALISED
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--process-id", type=int, default=int(os.environ.get("FICCO_MP_PROCESS_ID", "0")))
+    parser.add_argument("--num-processes", type=int, default=int(os.environ.get("FICCO_MP_NUM_PROCESSES", "4")))
+    parser.add_argument("--port", type=int, default=int(os.environ.get("FICCO_MP_PORT", "0") or 0))
+    parser.add_argument("--local-device", type=int, default=None,
+                        help="all GPUs visible: this process uses only this one (jax local_device_ids)")
+    parser.add_argument("--out", default=os.environ.get("OUT", "out"))
+    parser.add_argument("--json", default="mp_gpu.json")
+    parser.add_argument("--budget-s", type=float, default=480.0, help="skip the remaining steps after this")
+    parser.add_argument("--quick", action="store_true", help="small checks only (no anchor check, one timed shape)")
+    args = parser.parse_args()
+    if not args.port:
+        parser.error("--port (or FICCO_MP_PORT) is required: the coordinator's port on localhost")
+
+    kwargs = {}
+    if args.local_device is not None:
+        kwargs["local_device_ids"] = [args.local_device]
+    jax.distributed.initialize(coordinator_address=f"localhost:{args.port}", num_processes=args.num_processes,
+                               process_id=args.process_id, initialization_timeout=120, **kwargs)
+    _INITIALISED = True
+    import ficco_jax
+    import ficco_jax.timing
+    from ficco_jax import _ext, ipc, topology
+
+    on_gpu = jax.default_backend() == "gpu"
+    log(f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.process_count()} processes, "
+        f"local devices {jax.local_devices()}, global {len(jax.devices())}; ficco_jax build {_ext.build_info()}; "
+        f"ipc supported: {ipc.supported()}; CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}")
+    mesh = Mesh(np.array(jax.devices()), ("tp",))
+    store = Store(timeout_s=120)
+    run = Run(args, mesh, store)
+    site = topology.describe(mesh, "tp")
+    log(f"site: kind {site.kind}; {site.groups[0]}; local ordinals "
+        f"{[m.local_ordinal for m in site.groups[0].members]}")
+    if site.kind != topology.SAME_HOST_MULTI_PROCESS:
+        run.notes.append(f"the tp axis is {site.kind}, not same_host_multi_process: IPC not exercised")
+
+    if on_gpu:  # how XLA's allocation under an input looks to CUDA IPC
+        x = collective_inputs(mesh, 8, 8, seed=0)
+        info, error = run.attempt(lambda: ipc.describe_pointer(x.addressable_shards[0].data))
+        log(f"allocation under an input buffer: {info or error}")
+        if info is not None and not info.get("ipc_capable"):
+            run.notes.append("XLA's allocation is not legacy-IPC capable: every dma check will fail")
+
+    checked = GPU_CHECKED if on_gpu else CPU_CHECKED
+    timed = GPU_TIMED if on_gpu else CPU_TIMED
+    if args.quick:
+        checked = dict(list(checked.items())[:1])
+        timed = dict(list(timed.items())[:1])
+    for name, dims in checked.items():
+        log(f"== checks at {name} {dims}")
+        run.check_ops(name, dims)
+        run.check_collectives(name, dims)
+        log(f"ipc stats: {ipc.stats()}")
+    for name, dims in timed.items():
+        log(f"== timings at {name} {dims}")
+        run.time_shape(name, dims)
+    log(f"ipc stats at the end: {ipc.stats()}")
+
+    mine = {"process": jax.process_index(), "checks": run.checks, "ipc_stats": ipc.stats(), "notes": run.notes}
+    everyone = store.gather("result", mine)
+    if everyone is not None:
+        flat = [dict(c, process=r["process"]) for r in everyone for c in r.get("checks", [])]
+        failed = [c for c in flat if not c["passed"]]
+        missing = [r for r in everyone if "missing" in r]
+        result = {
+            "device": jax.devices()[0].device_kind, "platform": jax.default_backend(), "jax": jax.__version__,
+            "n_processes": jax.process_count(), "devices_per_process": len(jax.local_devices()),
+            "ipc": ipc.supported(), "site_kind": site.kind, "dtype": DTYPE, "tolerance": TOLERANCE,
+            "visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "local_device": args.local_device,
+            "passed": len(flat) - len(failed), "failed": len(failed) + len(missing), "failed_checks": failed,
+            "ipc_open_failed": any("cudaIpcOpen" in (c.get("error") or "") for c in failed),
+            "missing_processes": missing, "timings": run.timings,
+            "ipc_stats": {r["process"]: r.get("ipc_stats") for r in everyone},
+            "notes": run.notes + [n for r in everyone[1:] for n in r.get("notes", [])],
+            "checks": flat, "method": ficco_jax.timing.METHOD,
+        }
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, args.json)
+        with open(path, "w") as fh:
+            json.dump(result, fh, indent=1)
+        print(table(result), flush=True)
+        log(f"wrote {path}")
+    ok = all(c["passed"] for c in run.checks) and (everyone is None or not result["failed"])
+    try:
+        store.client.wait_at_barrier("ficco_mp_gpu_end", 120_000)
+        closed = ficco_jax.ipc.close() if run.ipc else 0
+        log(f"ipc.close(): {closed} mappings closed")
+    except Exception as exc:  # noqa: BLE001
+        log(f"teardown: {type(exc).__name__}: {exc}")
+    jax.distributed.shutdown()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
