@@ -108,11 +108,36 @@ def _cmd_calibrate(args):
 
     from . import characterize
 
-    char = characterize.run(os.path.dirname(os.path.abspath(args.out)) or ".", plot=False)
+    if args.characterization:
+        with open(args.characterization) as fh:
+            char = json.load(fh)
+    else:
+        char = characterize.run(os.path.dirname(os.path.abspath(args.out)) or ".", plot=False)
     profile = characterize.fit_profile(char)
+    if args.name:
+        profile["name"] = args.name
+    for path in args.bench or ():
+        with open(path) as fh:
+            obs = characterize.op_observations(json.load(fh))
+        profile, err = characterize.fit_to_ops(profile, obs)
+        profile["fitted_to_ops"]["source"] = os.path.basename(path)
+        print(f"fitted to {len(obs)} op times of {path}: RMS log error {err:.3f}; {profile['fitted_to_ops']['parameters']}")
     with open(args.out, "w") as fh:
         json.dump(profile, fh, indent=1, sort_keys=True)
     print(f"profile written to {args.out}: " + json.dumps({k: profile[k] for k in ("peak_tflops", "rows_half", "dma_latency_us", "dma_ingress_gbps", "xla_latency_us", "xla_ingress_gbps", "contention_xla")}))
+
+
+def _cmd_accuracy(args):
+    from . import accuracy, cost_model
+
+    shapes = None
+    if args.shape:
+        named = dict(accuracy.HELDOUT_SHAPES)
+        shapes = {t: named[t] for t in args.shape if t in named}
+        shapes.update(_shapes([t for t in args.shape if t not in named], {}))
+    profile = cost_model.load_profile(args.profile) if args.profile else None
+    accuracy.run(args.out, axis_size=args.axis_size, shapes=shapes, top=args.top, profile=profile,
+                 budget_s=args.budget_s)
 
 
 def _cmd_windowed(args):
@@ -160,7 +185,20 @@ def main(argv=None):
 
     p = sub.add_parser("calibrate", help="characterize, then fit and write a machine profile for the cost model")
     p.add_argument("--out", default="out/calibrate/profile.json")
+    p.add_argument("--characterization", help="fit an existing characterize.json instead of measuring")
+    p.add_argument("--bench", action="append",
+                   help="a bench.json whose verified op times refine the op-level costs (repeatable)")
+    p.add_argument("--name", help="the profile's name (e.g. h200x8)")
     p.set_defaults(fn=_cmd_calibrate)
+
+    p = sub.add_parser("accuracy", help="held-out check of schedule='auto': pick vs best measured vs JAX sequential")
+    p.add_argument("--axis-size", type=int, help="devices in the tp group (default: all local devices)")
+    p.add_argument("--top", type=int, default=3, help="the model's next candidates measured besides its pick")
+    p.add_argument("--shape", action="append", help="M,K,N or a shape name (default: the 20 held-out shapes)")
+    p.add_argument("--profile", default=None, help="profile name or JSON path (default: this machine's)")
+    p.add_argument("--budget-s", type=float, help="stop starting new cases after this many seconds")
+    p.add_argument("--out", default="out/accuracy")
+    p.set_defaults(fn=_cmd_accuracy)
 
     p = sub.add_parser("_windowed")  # internal: the windowed-einsum child of `bench`
     p.add_argument("op"); p.add_argument("M", type=int); p.add_argument("K", type=int)

@@ -15,7 +15,8 @@ The model replays a schedule as a small event simulation on one device:
 - the executor's chunk matmuls (cuBLASLt) run `executor_gemm_slowdown` times slower than XLA's
   own autotuned GEMMs, which the `none` and `xla` schedules use;
 - a fixed cost per copy-engine call on the GPU, `dma_call_us` (event waits, the join), and its
-  host time, `dma_host_us` (three host rendezvous, enqueueing): the host work overlaps earlier
+  host time, `dma_host_us` (three host rendezvous) plus `dma_host_copy_us` per enqueued copy
+  ((n - 1) x chunks of them): the host work overlaps earlier
   GPU work, so it only bounds the time from below — what makes copy-engine overlap lose on
   small operations.
 
@@ -46,6 +47,7 @@ DEFAULT_PROFILE = {
     "dma_latency_us": 12.0,
     "dma_call_us": 10.0,
     "dma_host_us": 100.0,
+    "dma_host_copy_us": 0.0,
     "dma_ingress_gbps": 250.0,
     "dma_stream_gbps": 150.0,
     "dma_multistream_gbps": 150.0,
@@ -116,7 +118,9 @@ def predict(op: str, schedule: Schedule, shapes: Sequence[Sequence[int]], dtype,
     device_time = _simulate(op, schedule, m, k, cols, moved_cols * itemsize, n, dtype, profile)
     if schedule.comm != "dma":
         return device_time
-    return max(device_time + profile["dma_call_us"] * 1e-6, profile["dma_host_us"] * 1e-6)
+    copies = (n - 1) * schedule.chunks  # each enqueued with its event on the host
+    host = profile["dma_host_us"] + profile.get("dma_host_copy_us", 0.0) * copies
+    return max(device_time + profile["dma_call_us"] * 1e-6, host * 1e-6)
 
 
 def _simulate(op, s: Schedule, m, k, cols, row_bytes, n, dtype, profile) -> float:

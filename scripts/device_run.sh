@@ -6,7 +6,7 @@
 # Writes logs and JSON under $OUT (default ./out/device). Never changes GPU settings.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-OUT=${OUT:-out/device}; mkdir -p "$OUT" "$OUT/calib"
+OUT=${OUT:-out/device}; mkdir -p "$OUT" "$OUT/calib" "$OUT/acc"
 STAGE=${1:-check}; shift || true
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpus.txt" 2>&1
 nvidia-smi topo -m >> "$OUT/gpus.txt" 2>&1
@@ -85,6 +85,16 @@ case "$STAGE" in
     timeout $(( $(left) - 10 )) python3 -m ficco_jax bench --no-windowed --shape llama405b --shape anchors \
       --schedules "${1:-dma/direct/c1,dma/direct/c2,dma/direct/c4/grouped}" --out "$OUT/bench" 2>"$OUT/bench.err" | tail -40
     tail -2 "$OUT/bench.err"
+    ;;
+  x8b)  # issue 10 (+5): the example at tp=8 with the shipped h200x8 profile, then the held-out accuracy check at tp=8
+    T0=$SECONDS; DEADLINE=${DEADLINE:-570}
+    left() { echo $((DEADLINE - (SECONDS - T0))); }
+    build
+    timeout 120 python3 examples/tp_transformer.py --preset llama70b-layer --tp 8 --compare --steps 4 > "$OUT/ex_tp8.log" 2>&1
+    grep -v "^\[" "$OUT/ex_tp8.log" | grep -v "^ok " | tail -12
+    echo "accuracy with $(left) s left"
+    timeout $(( $(left) - 5 )) python3 -m ficco_jax accuracy --top 2 --budget-s $(( $(left) - 45 )) --out "$OUT/acc" \
+      2>"$OUT/acc/accuracy.err" | tail -50
     ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac

@@ -1,0 +1,207 @@
+"""How often does `schedule="auto"` pick well? The held-out check of the cost model (issue 5).
+
+`python -m ficco_jax accuracy [--axis-size N] [--top K] [--out DIR]` measures, for every held-out
+shape and both ops, on the first N local devices:
+
+- JAX sequential (the plain collective, then the matmul: `comm="none"`),
+- the schedule `auto` picks with this machine's profile (`heuristics.select_schedule`),
+- the model's next `top` candidates and a fixed set of schedules that often win on GPUs,
+
+each verified against the reference before it is timed (`bench.verify_then_time`). Per case it
+reports the predicted and measured time of each, the best measured, and whether the pick is within
+5 % of that best and no more than 3 % slower than JAX sequential. "Best" is the best of the
+schedules measured, not of the whole design space (every schedule of every shape would take an
+hour of GPU time); the fixed set and the model's top candidates are there to make it hard to miss.
+
+The held-out shapes are none of the shapes the shipped profiles were fitted to (the anchor shapes
+and the Llama-405B shapes at 8192 tokens): Llama-3 8B/70B/405B, GPT-3 175B and Mixtral-8x7B layers,
+M from 512 to 32768 tokens.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+from dataclasses import asdict
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from . import bench, cost_model, heuristics, timing
+from .schedule import Schedule
+
+#: (M tokens, K, N) of a tensor-parallel layer; K = hidden, N = the sharded width.
+HELDOUT_SHAPES = {
+    "llama8b_qkv_M2k": (2048, 4096, 6144),
+    "llama8b_qkv_M8k": (8192, 4096, 6144),
+    "llama8b_mlp_up_M512": (512, 4096, 14336),
+    "llama8b_mlp_up_M16k": (16384, 4096, 14336),
+    "llama70b_qkv_M4k": (4096, 8192, 10240),
+    "llama70b_qkv_M16k": (16384, 8192, 10240),
+    "llama70b_qkv_M32k": (32768, 8192, 10240),
+    "llama70b_mlp_up_M1k": (1024, 8192, 28672),
+    "llama70b_mlp_up_M4k": (4096, 8192, 28672),
+    "llama70b_gate_up_M8k": (8192, 8192, 57344),
+    "llama405b_qkv_M2k": (2048, 16384, 18432),
+    "llama405b_qkv_M32k": (32768, 16384, 18432),
+    "llama405b_mlp_up_M4k": (4096, 16384, 53248),
+    "gpt3_qkv_M2k": (2048, 12288, 36864),
+    "gpt3_qkv_M16k": (16384, 12288, 36864),
+    "gpt3_mlp_M1k": (1024, 12288, 49152),
+    "gpt3_mlp_M8k": (8192, 12288, 49152),
+    "mixtral_o_M4k": (4096, 4096, 4096),
+    "mixtral_expert_M2k": (2048, 4096, 14336),
+    "mixtral_expert_M32k": (32768, 4096, 14336),
+}
+CPU_SHAPES = {"tiny_a_M128": (128, 64, 128), "tiny_b_M256": (256, 32, 64)}
+
+#: Schedules measured in every case besides the model's top candidates (those that fit).
+FIXED = ("dma/direct/c1", "dma/direct/c4/grouped")
+
+WITHIN_BEST = 1.05   # the pick within 5 % of the best measured
+WITHIN_SEQ = 1.03    # and never more than 3 % slower than JAX sequential
+
+
+def candidates(op, shapes, dtype, n, comms, profile, top):
+    """[(schedule, predicted s)]: none, auto's pick, the next `top` by the model, the fixed set."""
+    ranked = cost_model.rank(op, shapes, dtype, n, Schedule.enumerate(op, n, comms), profile)
+    predicted = {s: t for t, s in ranked}
+    chosen = heuristics.select_schedule(op, shapes, dtype, n, profile=profile, comms=comms)
+    picked = [Schedule(comm="none"), chosen] + [s for _, s in ranked[:top + 1]]
+    for text in FIXED:
+        s = Schedule.parse(text)
+        if s.comm in comms and s in predicted:
+            picked.append(s)
+    out, seen = [], set()
+    for s in picked:
+        if s not in seen:
+            seen.add(s)
+            out.append((s, predicted.get(s, cost_model.predict(op, s, shapes, dtype, n, profile))))
+    return chosen, out
+
+
+def run(out_dir: str, axis_size: int | None = None, shapes: dict | None = None, top: int = 3,
+        dtype: str = "bfloat16", profile=None, budget_s: float | None = None) -> dict:
+    from .report import git_commit, progress_printer
+
+    devices = jax.local_devices()
+    n = axis_size or len(devices)
+    if n > len(devices):
+        raise ValueError(f"accuracy: --axis-size {n} needs {n} devices, this process has {len(devices)}")
+    mesh = Mesh(np.array(devices[:n]), ("tp",))
+    on_cpu = jax.default_backend() == "cpu"
+    if on_cpu:
+        dtype = "float32"
+    shapes = shapes or (CPU_SHAPES if on_cpu else HELDOUT_SHAPES)
+    comms = heuristics.available_comms()
+    if on_cpu and not heuristics.MODEL_ON_CPU:
+        heuristics.MODEL_ON_CPU = True  # judge the GPU decision (the model over every comm) on CPU
+    profile = profile or heuristics.profile_for(n)
+    plans = []
+    for name, (M, K, N) in shapes.items():  # shape-major: a time budget cuts shapes, not one op
+        for op in ("ag_matmul", "matmul_rs"):
+            local = bench.local_shapes(op, M, K, N, n)
+            chosen, cands = candidates(op, local, dtype, n, comms, profile, top)
+            plans.append((op, name, M, K, N, chosen, cands))
+    progress = progress_printer(sum(len(p[6]) for p in plans))
+    result = {
+        "device": jax.devices()[0].device_kind, "platform": jax.default_backend(), "axis_size": n,
+        "dtype": dtype, "jax": jax.__version__, "commit": git_commit(), "profile": profile.get("name"),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "method": timing.METHOD + ("; ON CPU: NOT meaningful" if on_cpu else ""),
+        "criteria": {"within_best": WITHIN_BEST, "within_seq": WITHIN_SEQ}, "cases": [],
+    }
+    os.makedirs(out_dir, exist_ok=True)
+    t0 = time.perf_counter()
+    for op, name, M, K, N, chosen, cands in plans:
+        if budget_s is not None and time.perf_counter() - t0 > budget_s:
+            result.setdefault("skipped", []).append(f"{op} {name}")
+            continue
+        args = bench.make_inputs(op, M, K, N, dtype, mesh)
+        want = bench.sharded(mesh, op, bench.op_body(op, "ref"))(*[a.astype(jnp.float32) for a in args])
+        rows = []
+        for sched, pred in cands:
+            progress(f"{op} {name} {sched}")
+            row = bench.Row(op, name, M, K, N, str(sched), selected=(sched == chosen))
+            body = bench.op_body(op, sched)
+            bench.verify_then_time(row, lambda r, body=body: bench.sharded(mesh, op, body, r), args, want, dtype)
+            row.extra["predicted_ms"] = pred * 1e3
+            rows.append(row)
+        result["cases"].append(judge(op, name, (M, K, N), chosen, rows))
+        del args, want
+        _save(result, out_dir)
+    result["summary"] = summarize(result["cases"])
+    _save(result, out_dir)
+    text = markdown(result)
+    with open(os.path.join(out_dir, "accuracy.md"), "w") as fh:
+        fh.write(text)
+    print(text)
+    return result
+
+
+def judge(op, name, dims, chosen, rows) -> dict:
+    timed = [r for r in rows if r.median_ms is not None]
+    case = {"op": op, "shape": name, "MKN": list(dims), "chosen": str(chosen), "rows": [asdict(r) for r in rows]}
+    by = {r.variant: r for r in timed}
+    seq, pick = by.get("none"), by.get(str(chosen))
+    if not timed or seq is None or pick is None:
+        case["verdict"] = "incomplete: " + "; ".join(f"{r.variant}: {r.note}" for r in rows if r.median_ms is None)
+        return case
+    best = min(timed, key=lambda r: r.median_ms)
+    predicted_best = min(rows, key=lambda r: r.extra["predicted_ms"])
+    case.update(best=best.variant, best_ms=best.median_ms, chosen_ms=pick.median_ms, seq_ms=seq.median_ms,
+                chosen_predicted_ms=pick.extra["predicted_ms"], predicted_best=predicted_best.variant,
+                chosen_vs_best=pick.median_ms / best.median_ms, chosen_vs_seq=pick.median_ms / seq.median_ms,
+                all_verified=all(r.verified for r in rows))
+    case["within_best"] = case["chosen_vs_best"] <= WITHIN_BEST
+    case["within_seq"] = case["chosen_vs_seq"] <= WITHIN_SEQ
+    case["verdict"] = "ok" if case["within_best"] and case["within_seq"] else "miss"
+    return case
+
+
+def summarize(cases) -> dict:
+    done = [c for c in cases if "chosen_vs_best" in c]
+    if not done:
+        return {"cases": 0}
+    errs = [abs(np.log(r["extra"]["predicted_ms"] / r["median_ms"])) for c in done for r in c["rows"]
+            if r["median_ms"]]
+    return {"cases": len(done), "incomplete": len(cases) - len(done),
+            "within_best": sum(c["within_best"] for c in done), "within_seq": sum(c["within_seq"] for c in done),
+            "share_within_best": sum(c["within_best"] for c in done) / len(done),
+            "worst_vs_seq": max(c["chosen_vs_seq"] for c in done),
+            "worst_vs_best": max(c["chosen_vs_best"] for c in done),
+            "rms_log_error_all_measured": float(np.sqrt(np.mean(np.square(errs)))) if errs else None}
+
+
+def _save(result, out_dir):
+    with open(os.path.join(out_dir, "accuracy.json"), "w") as fh:
+        json.dump(result, fh, indent=1)
+
+
+def markdown(result) -> str:
+    s = result.get("summary", {})
+    lines = [f"Held-out schedule choice: {result['axis_size']} x {result['device']} ({result['platform']}), "
+             f"{result['dtype']}, profile {result['profile']}, jax {result['jax']}, commit {result['commit']}, "
+             f"{result['date']}", f"Method: {result['method']}", "",
+             "| op | shape (M,K,N) | chosen | predicted | measured | best measured | chosen/best | chosen/seq | JAX seq |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for c in result["cases"]:
+        mkn = ",".join(map(str, c["MKN"]))
+        if "chosen_vs_best" not in c:
+            lines.append(f"| {c['op']} | {c['shape']} {mkn} | {c['chosen']} | — | — | — | — | — | {c['verdict']} |")
+            continue
+        flag = "" if c["verdict"] == "ok" else " **miss**"
+        lines.append(f"| {c['op']} | {c['shape']} {mkn} | {c['chosen']} | {c['chosen_predicted_ms']:.3f} | "
+                     f"{c['chosen_ms']:.3f} | {c['best_ms']:.3f} ({c['best']}) | {c['chosen_vs_best']:.3f}{flag} | "
+                     f"{c['chosen_vs_seq']:.3f} | {c['seq_ms']:.3f} |")
+    if s.get("cases"):
+        lines += ["", f"Within 5 % of the best measured: {s['within_best']}/{s['cases']} "
+                      f"({100 * s['share_within_best']:.0f} %); no more than 3 % slower than JAX seq: "
+                      f"{s['within_seq']}/{s['cases']} (worst {s['worst_vs_seq']:.3f}x); "
+                      f"RMS log error of the model over every measured time: {s['rms_log_error_all_measured']:.3f}"]
+    if result.get("skipped"):
+        lines.append(f"Not measured (time budget): {', '.join(result['skipped'])}")
+    return "\n".join(lines) + "\n"

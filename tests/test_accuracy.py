@@ -1,0 +1,89 @@
+"""The held-out accuracy check (`python -m ficco_jax accuracy`) and the op-level profile fit."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ficco_jax import accuracy, characterize, cost_model
+from ficco_jax.bench import local_shapes
+from ficco_jax.schedule import Schedule
+
+
+def test_accuracy_cpu_run_writes_verified_cases(tmp_path):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    out = tmp_path / "acc"
+    proc = subprocess.run([sys.executable, "-m", "ficco_jax", "accuracy", "--axis-size", "4", "--top", "1",
+                           "--shape", "64,32,64", "--out", str(out)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads((out / "accuracy.json").read_text())
+    assert result["axis_size"] == 4 and "NOT meaningful" in result["method"]
+    assert sorted(c["op"] for c in result["cases"]) == ["ag_matmul", "matmul_rs"]
+    for case in result["cases"]:
+        variants = [r["variant"] for r in case["rows"]]
+        assert "none" in variants and case["chosen"] in variants
+        assert all(r["verified"] for r in case["rows"]), case
+        assert case["verdict"] in ("ok", "miss")
+        assert case["chosen_vs_best"] >= 1.0 and all(r["extra"]["predicted_ms"] > 0 for r in case["rows"])
+    assert result["summary"]["cases"] == 2
+    assert "Within 5 % of the best measured" in (out / "accuracy.md").read_text()
+
+
+def test_heldout_shapes_are_not_the_calibration_shapes():
+    from ficco_jax.bench import SHAPE_SETS
+
+    calibration = {v for group in SHAPE_SETS.values() for v in group.values()}
+    assert len(accuracy.HELDOUT_SHAPES) >= 20
+    assert not calibration & set(accuracy.HELDOUT_SHAPES.values())
+    assert len(set(accuracy.HELDOUT_SHAPES.values())) == len(accuracy.HELDOUT_SHAPES)
+    ms = [m for m, _, _ in accuracy.HELDOUT_SHAPES.values()]
+    assert min(ms) == 512 and max(ms) == 32768
+    for m, k, n in accuracy.HELDOUT_SHAPES.values():  # every shape runs on 4 and on 8 devices
+        assert m % 64 == 0 and n % 8 == 0
+
+
+def test_judge_flags_a_pick_slower_than_sequential():
+    from ficco_jax.bench import Row
+
+    rows = [Row("ag_matmul", "s", 8, 8, 8, "none", median_ms=1.0, verified=True, extra={"predicted_ms": 1.0}),
+            Row("ag_matmul", "s", 8, 8, 8, "dma/direct/c1", median_ms=1.1, verified=True, extra={"predicted_ms": 0.8})]
+    case = accuracy.judge("ag_matmul", "s", (8, 8, 8), Schedule.parse("dma/direct/c1"), rows)
+    assert case["verdict"] == "miss" and not case["within_best"] and not case["within_seq"]
+    case = accuracy.judge("ag_matmul", "s", (8, 8, 8), Schedule(comm="none"), rows)
+    assert case["verdict"] == "ok" and case["chosen_vs_seq"] == 1.0
+
+
+def test_fit_to_ops_recovers_the_profile_that_made_the_times():
+    truth = {**cost_model.default_profile(), "executor_gemm_slowdown": 1.08, "dma_call_us": 30.0,
+             "dma_host_us": 150.0, "dma_host_copy_us": 10.0, "dma_latency_us": 15.0, "contention_dma": 0.04}
+    obs = []
+    for op in ("ag_matmul", "matmul_rs"):
+        for M, K, N in [(1024, 4096, 4096), (8192, 8192, 10240), (2048, 8192, 28672), (8192, 16384, 53248)]:
+            shapes = local_shapes(op, M, K, N, 8)
+            for text in ("none", "dma/direct/c1", "dma/direct/c2", "dma/direct/c4/grouped", "dma/direct/c1/s2"):
+                s = Schedule.parse(text)
+                obs.append((op, s, shapes, "bfloat16", 8, cost_model.predict(op, s, shapes, "bfloat16", 8, truth)))
+    start = {**truth, "executor_gemm_slowdown": 1.0, "dma_call_us": 5.0, "dma_host_us": 60.0,
+             "dma_host_copy_us": 0.0, "contention_dma": 0.15}
+    fitted, err = characterize.fit_to_ops(start, obs)
+    assert err < 1e-9
+    assert fitted["executor_gemm_slowdown"] == 1.08 and fitted["dma_host_copy_us"] == 10.0
+    with pytest.raises(ValueError, match="no verified op times"):
+        characterize.fit_to_ops(start, [])
+
+
+def test_serialized_nccl_probe_gives_no_contention_figure():
+    c = {"matmul_ms": 0.667, "nccl_alone_ms": 1.42, "matmul_plus_nccl_ms": 2.041}
+    assert characterize.nccl_serialized(c)
+    assert not characterize.nccl_serialized({**c, "matmul_plus_nccl_ms": 1.5})
+
+
+def test_shipped_profiles_predict_their_fitted_bench_within_their_error():
+    for name in ("h200x4", "h200x8"):
+        prof = cost_model.load_profile(name)
+        assert prof["fitted_to_ops"]["rms_log_error"] < 0.15
+        assert np.isfinite(cost_model.predict("ag_matmul", Schedule.parse("dma/direct/c1"),
+                                              ((1024, 8192), (8192, 1280)), "bfloat16", prof["axis_size"], prof))
