@@ -6,7 +6,7 @@
 # Writes logs and JSON under $OUT (default ./out/device). Never changes GPU settings.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-OUT=${OUT:-out/device}; mkdir -p "$OUT" "$OUT/calib" "$OUT/acc"
+OUT=${OUT:-out/device}; mkdir -p "$OUT" "$OUT/calib" "$OUT/acc" "$OUT/char" "$OUT/faults" "$OUT/a2a" "$OUT/load" "$OUT/mp"
 STAGE=${1:-check}; shift || true
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpus.txt" 2>&1
 nvidia-smi topo -m >> "$OUT/gpus.txt" 2>&1
@@ -95,6 +95,21 @@ case "$STAGE" in
     echo "accuracy with $(left) s left"
     timeout $(( $(left) - 5 )) python3 -m ficco_jax accuracy --top 2 --budget-s $(( $(left) - 45 )) --out "$OUT/acc" \
       2>"$OUT/acc/accuracy.err" | tail -50
+    ;;
+  x4a)  # issues 4, 8, 11 (+ a first look at 9) on 4 GPUs: characterize, dma.all_to_all vs NCCL, faults, load, IPC
+    T0=$SECONDS; DEADLINE=${DEADLINE:-560}
+    upto() { local l=$((DEADLINE - (SECONDS - T0) - 5)); [ "$1" -lt "$l" ] && echo "$1" || echo $((l > 1 ? l : 1)); }
+    build
+    timeout "$(upto 130)" python3 -m ficco_jax characterize --out "$OUT/char" 2>"$OUT/char/characterize.err" | tail -40
+    timeout "$(upto 130)" python3 scripts/gpu_faults.py --budget-s 100 --out "$OUT/faults" 2>"$OUT/faults/gpu_faults.err" | tail -30
+    timeout "$(upto 110)" python3 scripts/a2a_vs_nccl.py --budget-s 80 --out "$OUT/a2a" 2>"$OUT/a2a/a2a.err" | tail -25
+    timeout "$(upto 100)" python3 scripts/load_test.py --steps "${LOAD_STEPS:-600}" --comm dma --interval 100 --warmup 100 \
+      --json "$OUT/load/load.json" > "$OUT/load/load.log" 2>&1; echo "load rc=$?"; tail -12 "$OUT/load/load.log"
+    command -v python >/dev/null || ln -sf "$(command -v python3)" /usr/local/bin/python
+    if [ -f scripts/mp_gpu_launch.sh ]; then
+      B=$(upto 100); FICCO_MP_BUDGET_S=$((B - 10)) OUT="$OUT/mp" timeout "$B" bash scripts/mp_gpu_launch.sh > "$OUT/mp/launch.log" 2>&1
+      echo "mp_gpu rc=$?"; tail -25 "$OUT/mp/launch.log"
+    fi
     ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac
