@@ -89,10 +89,11 @@ class Store:
         self.client.key_value_set(f"ficco_mp_gpu/{name}/{jax.process_index()}", json.dumps(record))
         if jax.process_index() != 0:
             return None
-        out = []
+        out, until = [], time.monotonic() + self.timeout_ms / 1000  # one deadline for all of them
         for p in range(jax.process_count()):
+            wait_ms = max(1000, int((until - time.monotonic()) * 1000))
             try:
-                out.append(json.loads(self.client.blocking_key_value_get(f"ficco_mp_gpu/{name}/{p}", self.timeout_ms)))
+                out.append(json.loads(self.client.blocking_key_value_get(f"ficco_mp_gpu/{name}/{p}", wait_ms)))
             except Exception as exc:  # noqa: BLE001 - that process died or is stuck: say so, keep going
                 out.append({"process": p, "missing": f"{type(exc).__name__}: {str(exc)[:200]}"})
         return out

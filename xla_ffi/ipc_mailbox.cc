@@ -309,6 +309,10 @@ ffi::Error HostMailbox::FindDevice(const CallContext& ctx, int member, bool clai
     if (state == kFree) break;  // entries are claimed in order: nothing beyond a free one
     const auto started = Clock::now();
     while (state == kClaiming) {  // claimed a few instructions ago by another process
+      if (Clock::now() - started > std::chrono::seconds(10)) {
+        return MakeError(ctx, "host mailbox " + name_ + ": device entry " + std::to_string(i) +
+                                  " stayed half-written (a process died while claiming it?)");
+      }
       Backoff(started);
       state = d.state.load(std::memory_order_acquire);
     }
