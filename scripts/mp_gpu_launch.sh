@@ -7,7 +7,8 @@
 #
 # Environment (all optional):
 #   FICCO_MP_NPROC      processes (default 4 on GPUs, 2 with --cpu)
-#   FICCO_MP_BUDGET_S   seconds for everything (default 540: fits a 10-minute command)
+#   FICCO_MP_BUDGET_S   seconds for everything (default 540: fits a 10-minute command; about 300
+#                       covers the small checks and one anchor; steps that do not fit are skipped)
 #   FICCO_MP_VISIBLE    "isolated" (default: CUDA_VISIBLE_DEVICES=i per process) or "all" (every GPU
 #                       visible, jax local_device_ids=[i]); with "isolated", if CUDA IPC could not
 #                       open a peer's memory, the launcher retries once with "all" (quick checks)
@@ -41,7 +42,10 @@ free_port() { python -c 'import socket; s = socket.socket(); s.bind(("localhost"
 run_job() {
   local mode=$1 json=$2 budget=$3; shift 3
   local port=${FICCO_MP_PORT:-$(free_port)}
-  local limit=$((budget + 60))  # the script stops itself at its budget; this catches a hang
+  # The script starts no step it cannot finish within its budget (15 s kept for the report and
+  # teardown); this limit only catches a hang.
+  local limit=$((budget + 20))
+  budget=$((budget > 60 ? budget - 15 : budget))
   echo "== mp_gpu: $NPROC processes, mode $mode, port $port, budget ${budget}s (kill after ${limit}s), out $OUT" >&2
   local pids=() i
   for ((i = 0; i < NPROC; i++)); do
