@@ -324,13 +324,19 @@ def run(args) -> dict:
     budget = Budget(args.budget_s, (len(sizes) * (1 + len(variants)) + 2 * len(extra)
                                     + (1 + 2 * len(overlap_sizes) if overlap_sizes else 0)))
     a2a_rows, overlap_rows = [], []
+
+    def logged(rows):  # each result on stderr as it lands: a run that dies later keeps them
+        for r in rows if isinstance(rows, list) else [rows]:
+            sys.stderr.write("ROW " + json.dumps(r) + "\n")
+        return rows
+
     for size in sizes:
-        a2a_rows += measure_a2a(mesh, size, variants, budget)
+        a2a_rows += logged(measure_a2a(mesh, size, variants, budget))
     for size in extra:
-        a2a_rows += measure_a2a(mesh, size, ["default"], budget)
-    matmul_row = measure_matmul(mesh, matmul, budget) if overlap_sizes else None
+        a2a_rows += logged(measure_a2a(mesh, size, ["default"], budget))
+    matmul_row = logged(measure_matmul(mesh, matmul, budget)) if overlap_sizes else None
     for size in overlap_sizes:
-        overlap_rows += measure_pairs(mesh, size, matmul_row, [r for r in a2a_rows if r["block_mib"] == size], budget)
+        overlap_rows += logged(measure_pairs(mesh, size, matmul_row, [r for r in a2a_rows if r["block_mib"] == size], budget))
     return {
         "device": jax.devices()[0].device_kind, "platform": jax.default_backend(), "n_devices": n,
         "dtype": "bfloat16", "cols": COLS, "jax": jax.__version__, "commit": git_commit(),

@@ -111,5 +111,19 @@ case "$STAGE" in
       echo "mp_gpu rc=$?"; tail -25 "$OUT/mp/launch.log"
     fi
     ;;
+  x4b)  # why error paths died on the GPU, then issue 5 at tp=4, issue 8 all_to_all, issue 9 IPC (platform allocator)
+    T0=$SECONDS; DEADLINE=${DEADLINE:-555}
+    upto() { local l=$((DEADLINE - (SECONDS - T0) - 5)); [ "$1" -lt "$l" ] && echo "$1" || echo $((l > 1 ? l : 1)); }
+    build
+    timeout "$(upto 100)" python3 scripts/segv_probe.py > "$OUT/segv_probe.log" 2>&1; grep -v "^\s*$" "$OUT/segv_probe.log" | cut -c1-260 | tail -60
+    timeout "$(upto 330)" python3 -m ficco_jax accuracy --top 1 --budget-s "${ACC_BUDGET:-290}" --out "$OUT/acc" \
+      2>"$OUT/acc/accuracy.err" | tail -48
+    timeout "$(upto 60)" python3 scripts/a2a_vs_nccl.py --sizes 4,16,64 --overlap-sizes 64 --budget-s 45 --out "$OUT/a2a" \
+      2>"$OUT/a2a/a2a.err" | tail -20; grep -c "^ROW" "$OUT/a2a/a2a.err"
+    command -v python >/dev/null || ln -sf "$(command -v python3)" /usr/local/bin/python
+    B=$(upto 90); XLA_PYTHON_CLIENT_ALLOCATOR=platform FICCO_SEGV_TRACE=1 FICCO_MP_BUDGET_S=$((B - 15)) OUT="$OUT/mp" \
+      timeout "$B" bash scripts/mp_gpu_launch.sh > "$OUT/mp/launch.log" 2>&1
+    echo "mp_gpu rc=$?"; grep -v "^\s*$" "$OUT/mp/launch.log" | cut -c1-260 | tail -30
+    ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac

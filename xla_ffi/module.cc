@@ -4,6 +4,11 @@
 // Every handler: decode the attributes (handlers.cc), make the platform's Backend, run the
 // op's Impl. No exception or CUDA error escapes: Impls return ffi::Error and Guard() catches
 // anything thrown (e.g. std::bad_alloc).
+#include <csignal>
+#include <cstdlib>
+#include <execinfo.h>
+#include <unistd.h>
+
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -250,7 +255,29 @@ std::vector<WireTuple> MailboxExchange(int64_t job, std::vector<int> members, in
 
 }  // namespace
 
+namespace {
+// A debugging aid (FICCO_SEGV_TRACE=1): on SIGSEGV/SIGABRT print the native stack to stderr,
+// then die with the signal as before. Off by default; async-signal-safe calls only.
+void PrintNativeStack(int sig) {
+  void* frames[64];
+  const int n = backtrace(frames, 64);
+  const char head[] = "ficco_jax: fatal signal; native stack:\n";
+  (void)!write(STDERR_FILENO, head, sizeof(head) - 1);
+  backtrace_symbols_fd(frames, n, STDERR_FILENO);
+  std::signal(sig, SIG_DFL);
+  std::raise(sig);
+}
+
+void MaybeInstallCrashTrace() {
+  const char* flag = std::getenv("FICCO_SEGV_TRACE");
+  if (flag == nullptr || flag[0] == '\0' || flag[0] == '0') return;
+  std::signal(SIGSEGV, PrintNativeStack);
+  std::signal(SIGABRT, PrintNativeStack);
+}
+}  // namespace
+
 NB_MODULE(_ffi, m) {
+  MaybeInstallCrashTrace();
   m.def("build_info", []() {
     nanobind::dict info;
     const std::string abi = std::string("xla-ffi-api-") + std::to_string(XLA_FFI_API_MAJOR) + "." +
