@@ -1,9 +1,9 @@
 #include "executor.h"
 
 #include "ipc.h"
+#include "text.h"
 
 #include <algorithm>
-#include <sstream>
 
 namespace ficco {
 namespace {
@@ -11,11 +11,7 @@ namespace {
 const char* Offset(const void* base, int64_t bytes) { return static_cast<const char*>(base) + bytes; }
 char* Offset(void* base, int64_t bytes) { return static_cast<char*>(base) + bytes; }
 
-std::string Join(const std::vector<int64_t>& values) {
-  std::ostringstream out;
-  for (size_t i = 0; i < values.size(); ++i) out << (i ? ", " : "") << values[i];
-  return out.str();
-}
+std::string Join(const std::vector<int64_t>& values) { return JoinNumbers(values); }
 
 }  // namespace
 

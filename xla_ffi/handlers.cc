@@ -1,17 +1,12 @@
 #include "handlers.h"
 
-#include <sstream>
+#include "text.h"
 
 namespace ficco {
 
 // Buffer checks shared by every op's Impl (declared in handlers.h).
 std::string Shape(ffi::AnyBuffer buffer) {
-  std::ostringstream out;
-  out << "[";
-  auto dims = buffer.dimensions();
-  for (size_t i = 0; i < dims.size(); ++i) out << (i ? ", " : "") << dims[i];
-  out << "]";
-  return out.str();
+  return "[" + JoinNumbers(buffer.dimensions()) + "]";
 }
 
 ffi::Error ToDtype(const CallContext& ctx, ffi::DataType type, Dtype* dtype) {
@@ -32,9 +27,7 @@ ffi::Error ExpectShape(const CallContext& ctx, const char* name, ffi::AnyBuffer 
   bool same = found.size() == dims.size();
   for (size_t i = 0; same && i < dims.size(); ++i) same = found[i] == dims[i];
   if (same) return ffi::Error::Success();
-  std::ostringstream expected;
-  for (size_t i = 0; i < dims.size(); ++i) expected << (i ? ", " : "") << dims[i];
-  return MakeInvalid(ctx, std::string(name) + " has shape " + Shape(buffer) + ", expected [" + expected.str() + "]");
+  return MakeInvalid(ctx, std::string(name) + " has shape " + Shape(buffer) + ", expected [" + JoinNumbers(dims) + "]");
 }
 
 ffi::Error SameDtype(const CallContext& ctx, std::initializer_list<ffi::AnyBuffer> buffers, Dtype* dtype) {

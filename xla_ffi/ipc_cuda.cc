@@ -11,7 +11,6 @@
 
 #include <cstring>
 #include <mutex>
-#include <sstream>
 
 namespace ficco {
 namespace {

@@ -10,8 +10,9 @@
 #include <chrono>
 #include <cstring>
 #include <memory>
-#include <sstream>
 #include <thread>
+
+#include "text.h"
 
 namespace ficco {
 
@@ -87,27 +88,19 @@ void Backoff(Clock::time_point started) {
   }
 }
 
-std::string Members(const std::vector<int>& members) {
-  std::ostringstream out;
-  for (size_t i = 0; i < members.size(); ++i) out << (i ? ", " : "") << members[i];
-  return out.str();
-}
+std::string Members(const std::vector<int>& members) { return JoinNumbers(members); }
 
 // The first words of every mailbox error: which op, phase, group and rank.
 std::string Where(const MailboxArrival& who, const std::string& mailbox) {
-  std::ostringstream out;
-  out << "op " << who.ctx->op_id << " (" << who.ctx->target << ") phase " << who.phase_name
-      << ", group of devices [" << Members(*who.members) << "] across processes (host mailbox " << mailbox
-      << "), rank " << who.rank;
-  return out.str();
+  return "op " + std::to_string(who.ctx->op_id) + " (" + who.ctx->target + ") phase " + who.phase_name +
+         ", group of devices [" + Members(*who.members) + "] across processes (host mailbox " + mailbox +
+         "), rank " + std::to_string(who.rank);
 }
 
 }  // namespace
 
 std::string MailboxName(int64_t job) {
-  std::ostringstream out;
-  out << "/ficco_jax_" << std::hex << static_cast<uint64_t>(job);
-  return out.str();
+  return "/ficco_jax_" + Hex(static_cast<uint64_t>(job));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -254,20 +247,17 @@ ffi::Error HostMailbox::Exchange(const MailboxArrival& who, const WirePost& mine
     }
     if (all) break;
     if (Clock::now() > deadline) {
-      std::ostringstream missing;
-      bool first = true;
+      std::vector<int> missing;
       for (int r = 0; r < n; ++r) {
-        if (group->ranks[r].posted.load(std::memory_order_acquire) >= number) continue;
-        missing << (first ? "" : ", ") << r;
-        first = false;
+        if (group->ranks[r].posted.load(std::memory_order_acquire) < number) missing.push_back(r);
       }
       box.abandoned.store(number, std::memory_order_release);
-      std::ostringstream msg;
-      msg << "ficco_jax: rendezvous timed out after " << who.timeout_s << " s in " << Where(who, name_)
-          << ": missing ranks [" << missing.str() << "] (post " << number
-          << "); a peer process failed, exited or never launched this op; set FICCO_RENDEZVOUS_TIMEOUT_S to "
-             "wait longer";
-      return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, msg.str());
+      const std::string msg =
+          "ficco_jax: rendezvous timed out after " + ShortNumber(who.timeout_s) + " s in " + Where(who, name_) +
+          ": missing ranks [" + JoinNumbers(missing) + "] (post " + std::to_string(number) +
+          "); a peer process failed, exited or never launched this op; set FICCO_RENDEZVOUS_TIMEOUT_S to "
+          "wait longer";
+      return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, msg);
     }
     Backoff(started);
   }

@@ -2,7 +2,8 @@
 
 #include <chrono>
 #include <thread>
-#include <sstream>
+
+#include "text.h"
 
 namespace ficco {
 
@@ -21,22 +22,17 @@ const char* PhaseName(Phase phase) {
 
 ffi::Error Rendezvous::TimeoutError(const RendezvousKey& key, const Arrival& who, const Slot& slot,
                                     bool late) {
-  std::ostringstream group, missing;
-  const std::vector<int>& ordinals = *who.group_ordinals;
-  for (size_t i = 0; i < ordinals.size(); ++i) group << (i ? ", " : "") << ordinals[i];
-  bool first = true;
+  std::vector<int> missing;
   for (size_t rank = 0; rank < slot.present.size(); ++rank) {
-    if (slot.present[rank]) continue;
-    missing << (first ? "" : ", ") << rank;
-    first = false;
+    if (!slot.present[rank]) missing.push_back(static_cast<int>(rank));
   }
-  std::ostringstream msg;
-  msg << "ficco_jax: rendezvous timed out after " << who.timeout_s << " s in op " << key.op_id
-      << " (" << who.ctx->target << ") phase " << PhaseName(key.phase) << ", group [" << group.str()
-      << "], rank " << who.rank << ": missing ranks [" << missing.str() << "]"
-      << (late ? " (this rank arrived after the group gave up)" : "")
-      << "; a peer failed or never launched this op; set FICCO_RENDEZVOUS_TIMEOUT_S to wait longer";
-  return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, msg.str());
+  const std::string msg =
+      "ficco_jax: rendezvous timed out after " + ShortNumber(who.timeout_s) + " s in op " +
+      std::to_string(key.op_id) + " (" + who.ctx->target + ") phase " + PhaseName(key.phase) + ", group [" +
+      JoinNumbers(*who.group_ordinals) + "], rank " + std::to_string(who.rank) + ": missing ranks [" +
+      JoinNumbers(missing) + "]" + (late ? " (this rank arrived after the group gave up)" : "") +
+      "; a peer failed or never launched this op; set FICCO_RENDEZVOUS_TIMEOUT_S to wait longer";
+  return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, msg);
 }
 
 ffi::Error Rendezvous::Arrive(const RendezvousKey& key, const Arrival& who, Post post,
