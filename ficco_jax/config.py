@@ -29,6 +29,13 @@ RENDEZVOUS_TIMEOUT_S: float = _env_float("FICCO_RENDEZVOUS_TIMEOUT_S", 5.0)
 #: its transfers). Never set it in production.
 FAULT_INJECTION: str = os.environ.get("FICCO_FAULT_INJECTION", "")
 
+#: Copy engines across the processes of one host (CUDA IPC, ipc.py) are opt-in: "1" enables them.
+#: On 4 x H200 with jax 0.11.2 (2026-11-22) the allocations under XLA's buffers could not be
+#: exported with legacy CUDA IPC (neither the default allocator nor
+#: XLA_PYTHON_CLIENT_ALLOCATOR=platform), so the path has not run on a GPU yet. Off: such groups
+#: use XLA's collectives (comm="xla") and an explicit comm="dma" there is a ValueError.
+CROSS_PROCESS_DMA: bool = os.environ.get("FICCO_CROSS_PROCESS_DMA", "") not in ("", "0")
+
 #: Chunk counts (sub-shard decomposition factors) the design space enumerates.
 CHUNK_CHOICES: tuple[int, ...] = (1, 2, 4, 8)
 

@@ -142,10 +142,13 @@ def _fault_code() -> int:
 
 
 def _collective_schedule(op: str, schedule, n: int, rows: int) -> Schedule:
-    """The schedule of a standalone collective: default direct, one chunk, all the streams it can use."""
+    """The schedule of a standalone collective: default direct, one chunk, one copy stream.
+
+    One stream: on 4 x H200 (2026-11-22) one copy stream pulled 313 GB/s per GPU in an all-gather
+    of 64 MiB shards and two streams 181 GB/s; the all_to_all of 64 MiB blocks took 0.632 ms on
+    one stream and 1.084 ms on two (NCCL 0.706 ms)."""
     if schedule is None:
-        streams = max([s for s in config.COPY_STREAM_CHOICES if s <= max(n - 1, 1)])
-        schedule = Schedule(comm="dma", order="direct", chunks=1, copy_streams=streams)
+        schedule = Schedule(comm="dma", order="direct", chunks=1, copy_streams=1)
     elif isinstance(schedule, str):
         schedule = Schedule.parse(schedule)
     if not isinstance(schedule, Schedule):

@@ -33,9 +33,10 @@ _job: int | None = None
 
 
 def supported(platform: str | None = None) -> bool:
-    """True if copy engines can reach other processes of this host: the CUDA build on GPUs."""
+    """True if copy engines may reach other processes of this host: the CUDA build on GPUs, and
+    the opt-in `config.CROSS_PROCESS_DMA` (FICCO_CROSS_PROCESS_DMA=1; not yet run on a GPU)."""
     platform = platform or jax.default_backend()
-    if platform != "gpu" or not _ext.cuda_built():
+    if not config.CROSS_PROCESS_DMA or platform != "gpu" or not _ext.cuda_built():
         return False
     return bool(_ext.build_info().get("ipc"))
 

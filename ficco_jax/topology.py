@@ -121,7 +121,7 @@ class SiteTopology:
         more = f" (and {len(spanning) - 1} more group(s))" if len(spanning) > 1 else ""
         if first.kind == SAME_HOST_MULTI_PROCESS:
             reach = ("processes of one host: copy engines reach them only through CUDA IPC "
-                     "(GPUs with the CUDA build)")
+                     "(GPUs with the CUDA build, opt-in with FICCO_CROSS_PROCESS_DMA=1: not yet run on a GPU)")
         else:
             reach = "several hosts"
         return f"group {first}{more} spans {reach}"

@@ -31,6 +31,8 @@ START=$(date +%s)
 # NVLink SHARP (multicast) stays off on these machines (KINDS.md); NCCL only carries the
 # reference collectives and JAX sequential here.
 export NCCL_NVLS_ENABLE=0
+# The cross-process copy-engine path is opt-in (config.CROSS_PROCESS_DMA): this script is its check.
+export FICCO_CROSS_PROCESS_DMA=1
 # Processes reach a call's rendezvous after compiling it on their own; give slow compiles room.
 export FICCO_RENDEZVOUS_TIMEOUT_S=${FICCO_RENDEZVOUS_TIMEOUT_S:-30}
 export PYTHONUNBUFFERED=1

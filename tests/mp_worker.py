@@ -88,7 +88,7 @@ def main(process_id: int, num_processes: int, port: int, out_path: str) -> int:
                 assert "so xla/" in text and "comm='dma' cannot reach every peer from here" in text, text
                 if use_set_mesh:
                     assert ("processes of one host: copy engines reach them only through CUDA IPC "
-                            "(GPUs with the CUDA build)") in text, text
+                            "(GPUs with the CUDA build, opt-in with FICCO_CROSS_PROCESS_DMA=1") in text, text
                 else:
                     assert "jax.set_mesh" in text, text
         return run

@@ -118,7 +118,7 @@ def test_auto_falls_back_with_a_log_line_and_keeps_what_reaches(caplog, monkeypa
     with topology.hosts_overridden(HOSTS):
         remote = topology.describe_groups([[_dev(0, 0, 0), _dev(4, 1, None)]], "tp")
     comms, why = heuristics.allowed_comms("float32", remote)
-    assert "dma" not in comms and "only through CUDA IPC (GPUs with the CUDA build)" in why
+    assert "dma" not in comms and "only through CUDA IPC (GPUs with the CUDA build, opt-in" in why
     shapes = ((64, 32), (32, 16))
     with caplog.at_level("INFO", logger="ficco_jax"):
         chosen = heuristics.choose("ag_matmul", shapes, "float32", 2, topology=remote)
@@ -131,3 +131,16 @@ def test_auto_falls_back_with_a_log_line_and_keeps_what_reaches(caplog, monkeypa
 def test_one_process_needs_no_mesh():
     site = topology.for_axis("tp")
     assert site.kind == topology.IN_PROCESS and site.source == "single process"
+
+
+def test_cross_process_copy_engines_are_opt_in(monkeypatch):
+    """Until the CUDA IPC path has run on a GPU, a CUDA build on GPUs still keeps same-host
+    groups on XLA's collectives unless FICCO_CROSS_PROCESS_DMA=1 (config.CROSS_PROCESS_DMA)."""
+    from ficco_jax import config, ipc
+
+    monkeypatch.setattr(_ext, "cuda_built", lambda: True)
+    monkeypatch.setattr(_ext, "build_info", lambda: {"cuda": True, "ipc": True})
+    monkeypatch.setattr(config, "CROSS_PROCESS_DMA", False)
+    assert not ipc.supported("gpu")
+    monkeypatch.setattr(config, "CROSS_PROCESS_DMA", True)
+    assert ipc.supported("gpu") and not ipc.supported("cpu")
