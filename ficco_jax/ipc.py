@@ -1,15 +1,17 @@
 """Copy engines across the processes of one host: CUDA IPC (xla_ffi/ipc.h, docs/multiprocess.md).
 
 A tensor-parallel group whose devices live in several processes of one host (one process per
-GPU under ``jax.distributed``) runs ``comm="dma"`` through CUDA IPC: each process exports the
-allocations holding its buffers and its events once, the devices meet per call in a POSIX
-shared-memory mailbox on the host, and the copy engines pull straight from the peer processes'
-memory. This module is the Python side of it:
+GPU under ``jax.distributed``) runs ``comm="dma"`` through CUDA IPC. XLA's own allocations
+cannot be exported (cuMemCreate ranges, not legacy-IPC capable), so each device copies what its
+peers read into a staging buffer the extension allocates (cudaMalloc) and exports once per size;
+the devices meet per call in a POSIX shared-memory mailbox on the host, and the peers' copy
+engines pull from the staging buffers into their own XLA buffers. Opt-in
+(`config.CROSS_PROCESS_DMA`), not yet run on GPUs. This module is the Python side of it:
 
   * `supported()`: whether this build and platform have the IPC path (CUDA build, GPU backend);
   * `job_id()`: the id of this ``jax.distributed`` job, agreed once through its key-value store
     (it names the host mailbox, ``/dev/shm/ficco_jax_<id>``, the same in every process);
-  * `close()`, `stats()`, `describe_pointer()`: teardown and diagnostics.
+  * `close()`, `stats()`, `staging_info()`, `describe_pointer()`: teardown and diagnostics.
 
 The CPU backend cannot share memory between processes this way: there, sites whose groups span
 processes stay on XLA's collectives.
@@ -76,7 +78,7 @@ def job_id() -> int:
 
 def close() -> int:
     """Tear down the IPC state of this process: wait for its devices, close every peer mapping and
-    event it opened, unmap and unlink the host mailbox. Call after the last copy-engine op of
+    event it opened, free the staging buffers, unmap and unlink the host mailbox. Call after the last copy-engine op of
     every process has finished (e.g. after a barrier); later cross-process ops fail. Returns the
     number of mappings closed. Without it, process exit releases everything and an atexit hook
     removes the mailbox's name."""
@@ -86,15 +88,30 @@ def close() -> int:
 
 
 def stats() -> list[dict]:
-    """Per local device: allocations and events exported / opened, and mailbox exchanges so far."""
+    """Per local device: staging buffers (``exported_allocations``: generations exported) and
+    events exported / opened, mailbox exchanges so far, and the staging buffer's size
+    (``staging_bytes``), generations and retired bytes (kept until `close`)."""
     from . import _ffi
 
     return [dict(d) for d in _ffi.ipc_stats()]
 
 
+def staging_info(device=None, nbytes: int = 0) -> dict:
+    """The staging buffer of `device` (default: this process's first local device), grown to at
+    least `nbytes`: ``base``, ``bytes``, ``buffer_id``, ``ipc_capable`` (legacy CUDA IPC can
+    export it), ``generation``, ``retired_bytes`` and ``export_error`` ("" if
+    ``cudaIpcGetMemHandle`` accepts it). Allocates it if needed, so call it between ops (the first
+    step of scripts/mp_gpu.py does). Raises RuntimeError with the CUDA error otherwise."""
+    from . import _ffi
+
+    device = device if device is not None else jax.local_devices()[0]
+    return dict(_ffi.ipc_describe_staging(int(device.local_hardware_id), int(nbytes)))
+
+
 def describe_pointer(array) -> dict:
     """How the allocation under a single-device jax.Array looks to CUDA IPC: base, size, offset,
-    driver buffer id, and whether legacy CUDA IPC can export it (diagnostics for a first run)."""
+    driver buffer id, and whether legacy CUDA IPC can export it. Diagnostics only: the IPC path
+    never exports XLA's buffers (on the first GPU run none was exportable), it stages them."""
     from . import _ffi
 
     return dict(_ffi.ipc_describe_pointer(int(array.unsafe_buffer_pointer())))

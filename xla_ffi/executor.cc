@@ -31,6 +31,86 @@ CallSession::CallSession(const OpConfig& config, std::vector<int64_t> signature)
   occurrence_ = Registry::Get().Device(config.ctx.device_ordinal).NextOccurrence(config.run_id, config.ctx.op_id);
 }
 
+CallSession::~CallSession() {
+  if (staging_exposed_) RetireStaging(config_.ctx.device_ordinal);
+}
+
+// Across processes the owner's data goes through its staging buffer (ipc.h). One call, owner r
+// and one peer p, E events and P pieces (P = 1 for all_gather: one `ready`):
+//
+//   r compute (XLA) : write data [ev_0] .. [ev_E-1] ....................... wait(staged_last)  (join)
+//   r staging stream: (prev. call's peer waits) wait(ev_k) copy piece k [staged_k] .. | wait(p's pulls_done)
+//   p copy streams  :                           wait(staged_k) pull piece k ..  [pulls_done]
+//
+//   wait(ev_k)          piece k is valid in XLA's buffer only from the event that guards it.
+//   wait(staged_k)      peers pull a piece once it is in the staging buffer (pieces pipeline the
+//                       matmul_rs partials: a peer pulls the first while later ones are computed).
+//   wait(staged_last)   XLA may overwrite or free the exposed buffer as soon as the call returns,
+//                       so its stream waits for the staging copies (AwaitStagingCopies).
+//   wait(pulls_done)    the next call's staging copies run on this same stream and overwrite the
+//                       region: they must not start before every peer finished pulling this call's
+//                       data. The staging stream waits for the peers' pulls_done events right after
+//                       the done phase (ProtectStaging), before the release phase, while those
+//                       events still hold this call's records (JoinAndRelease explains the reuse).
+//                       Being stream-ordered, the wait protects every later call of this device,
+//                       whatever its group and whatever stream XLA runs it on; no double
+//                       buffering is needed, and the host never waits for the GPU.
+// If the call fails between the first staging copy and ProtectStaging, no such wait is in place:
+// the region is retired (kept allocated, never written again; ~CallSession) and the next call
+// gets a new one.
+// Cost: one more device-local copy of the exposed bytes per call (HBM read and write, about
+// bytes / 2 TB/s on H100/H200: ~8 us for 16 MiB), ahead of the peers' first pull of each piece,
+// on a stream of its own so that our own pulls do not queue behind it.
+ffi::Error CallSession::Exchange(Backend& backend, const Exposure& exposure, std::vector<Post>* posts) {
+  if (!config_.cross_process()) return Meet(Phase::kExchange, exposure.buffer, exposure.events, posts);
+  const CallContext& ctx = config_.ctx;
+  const int64_t num_events = static_cast<int64_t>(exposure.events.size());
+  if (exposure.bytes == 0) return Meet(Phase::kExchange, nullptr, exposure.events, posts);
+  if (exposure.bytes < 0 || exposure.buffer == nullptr || exposure.pieces < 1 || num_events < 1 ||
+      num_events % exposure.pieces != 0 || exposure.bytes % exposure.pieces != 0) {
+    return MakeInvalid(ctx, "exposure of " + std::to_string(exposure.bytes) + " bytes in " +
+                                std::to_string(exposure.pieces) + " pieces with " + std::to_string(num_events) +
+                                " events: pieces must divide both (a bug)");
+  }
+  if (CopyStreamsUsed(config_) > kMaxCopyStreams) {
+    return MakeInvalid(ctx, "copy_streams = " + std::to_string(config_.copy_streams) + " exceeds the maximum " +
+                                std::to_string(kMaxCopyStreams));
+  }
+  FICCO_RETURN_IF_ERROR(backend.Prepare(kCopyStreamSlots, config_.LocalOrdinals()));
+  void* staging = nullptr;
+  FICCO_RETURN_IF_ERROR(StagingBuffer(config_, static_cast<uint64_t>(exposure.bytes), &staging));
+  staging_exposed_ = true;
+  const int64_t piece_bytes = exposure.bytes / exposure.pieces;
+  std::vector<Event> staged(exposure.pieces);
+  for (int64_t k = 0; k < exposure.pieces; ++k) {
+    // Events are recorded in index order on one stream: the last one of piece k covers all of it.
+    const Event written = exposure.events[(k + 1) * num_events / exposure.pieces - 1];
+    FICCO_RETURN_IF_ERROR(backend.Wait(Backend::kStaging, written));
+    FICCO_RETURN_IF_ERROR(backend.Copy(Backend::kStaging, Offset(staging, k * piece_bytes),
+                                       Offset(exposure.buffer, k * piece_bytes), piece_bytes));
+    FICCO_RETURN_IF_ERROR(backend.Record(Backend::kStaging, &staged[k]));
+  }
+  staged_last_ = staged.back();
+  std::vector<Event> exposed(num_events);
+  for (int64_t i = 0; i < num_events; ++i) exposed[i] = staged[i * exposure.pieces / num_events];
+  return Meet(Phase::kExchange, staging, std::move(exposed), posts);
+}
+
+ffi::Error CallSession::AwaitStagingCopies(Backend& backend) {
+  if (!staging_exposed_) return ffi::Error::Success();
+  return backend.Wait(Backend::kCompute, staged_last_);
+}
+
+ffi::Error CallSession::ProtectStaging(Backend& backend, const std::vector<Post>& done_posts) {
+  if (!staging_exposed_) return ffi::Error::Success();
+  for (int rank = 0; rank < config_.n(); ++rank) {
+    if (rank == config_.rank) continue;
+    for (Event pulls_done : done_posts[rank].events) FICCO_RETURN_IF_ERROR(backend.Wait(Backend::kStaging, pulls_done));
+  }
+  staging_exposed_ = false;
+  return ffi::Error::Success();
+}
+
 ffi::Error CallSession::Meet(Phase phase, const void* buffer, std::vector<Event> events, std::vector<Post>* posts) {
   Post post{config_.ctx.device_ordinal, signature_, buffer, std::move(events)};
   if (config_.cross_process()) {
@@ -85,12 +165,14 @@ ffi::Error JoinAndRelease(Backend& backend, const OpConfig& config, CallSession&
     FICCO_RETURN_IF_ERROR(backend.Record(stream, &pulls_done[stream]));
     FICCO_RETURN_IF_ERROR(backend.Wait(Backend::kCompute, pulls_done[stream]));
   }
+  FICCO_RETURN_IF_ERROR(session.AwaitStagingCopies(backend));  // across processes: see CallSession::Exchange
   std::vector<Post> posts;
   FICCO_RETURN_IF_ERROR(session.Meet(Phase::kDone, nullptr, pulls_done, &posts));
   for (int rank = 0; rank < config.n(); ++rank) {
     if (rank == config.rank) continue;
     for (Event event : posts[rank].events) FICCO_RETURN_IF_ERROR(backend.Wait(Backend::kCompute, event));
   }
+  FICCO_RETURN_IF_ERROR(session.ProtectStaging(backend, posts));
   FICCO_RETURN_IF_ERROR(session.Meet(Phase::kRelease, nullptr, {}, &posts));
   backend.ReleaseEvents();
   return ffi::Error::Success();
@@ -151,7 +233,7 @@ ffi::Error RunAllGather(Backend& backend, const OpConfig& config, const AllGathe
                                         a.cols, a.dtype}));
   }
   std::vector<Post> posts;
-  FICCO_RETURN_IF_ERROR(session.Meet(Phase::kExchange, a.x, {ready}, &posts));
+  FICCO_RETURN_IF_ERROR(session.Exchange(backend, {a.x, a.m * a.row_bytes, 1, {ready}}, &posts));
   FICCO_RETURN_IF_ERROR(CheckFault(config, Fault::kFail));
 
   // Puller: peers by ring distance (r-1 first), each chunk into its rows of `gathered`.
@@ -264,7 +346,11 @@ ffi::Error RunReduceScatter(Backend& backend, const OpConfig& config, const Redu
     exposed.assign((config.n() - 1) * config.chunks, ready);
   }
   std::vector<Post> posts;
-  FICCO_RETURN_IF_ERROR(session.Meet(Phase::kExchange, matmul ? a.send : a.y, exposed, &posts));
+  // Peers read send's n-1 blocks (one piece per (slot, chunk) event), or y's other blocks.
+  const Exposure exposure = matmul ? Exposure{a.send, (config.n() - 1) * block_bytes,
+                                              static_cast<int64_t>(exposed.size()), exposed}
+                                   : Exposure{a.y, config.n() * block_bytes, 1, exposed};
+  FICCO_RETURN_IF_ERROR(session.Exchange(backend, exposure, &posts));
   FICCO_RETURN_IF_ERROR(CheckFault(config, Fault::kFail));
 
   // Puller: from peer p = r-1-s, its block for us. In matmul_rs that is p's send slot s (p's

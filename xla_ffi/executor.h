@@ -71,6 +71,9 @@ struct OpConfig {
 class Backend {
  public:
   static constexpr int kCompute = -1;  // XLA's stream; copy streams are 0 .. copy_streams-1
+  // The copy stream of the staging copies (groups across processes, see CallSession::Exchange);
+  // Prepare(kCopyStreamSlots, ...) creates it.
+  static constexpr int kStaging = kStagingStream;
   virtual ~Backend() = default;
   // Creates persistent resources on first use (copy streams, peer access, cuBLASLt).
   virtual ffi::Error Prepare(int copy_streams, const std::vector<int>& group) = 0;
@@ -119,6 +122,19 @@ ffi::Error RunReduceScatter(Backend& backend, const OpConfig& config, const Redu
 // ------------------------------------------------------------------------------------------
 // Building blocks shared by the executors of every op (executor.cc, executor_a2a.cc).
 // ------------------------------------------------------------------------------------------
+// What an owner exposes to its peers in the exchange phase: they read inside
+// [buffer, buffer + bytes) after waiting on `events`. The events are recorded in index order on
+// one stream, each after the data it guards was written; split into `pieces` equal parts, the
+// data of event i lies in part i * pieces / E (E = events.size(); pieces divides E). Examples:
+// all_gather exposes x, 1 piece, {ready}; matmul_rs its send partials, one piece per (slot, chunk)
+// event; matmul_a2a its send slots, one piece per slot (a slot's chunks are strided rows).
+struct Exposure {
+  const void* buffer = nullptr;
+  int64_t bytes = 0;
+  int64_t pieces = 1;
+  std::vector<Event> events;
+};
+
 // The rendezvous of one call: the key is (run id, op id, occurrence, phase, group), where the
 // occurrence separates repeated executions of one call site inside one launch (lax.scan,
 // fori_loop, rematerialised copies), because every device runs them in the same order.
@@ -126,14 +142,31 @@ class CallSession {
  public:
   // `signature`: shapes, dtype and schedule; every rank of the group must post the same one.
   CallSession(const OpConfig& config, std::vector<int64_t> signature);
+  ~CallSession();
+  CallSession(const CallSession&) = delete;
+  CallSession& operator=(const CallSession&) = delete;
+
+  // The exchange phase. In-process: posts the exposed buffer itself (zero-copy). Across
+  // processes: first copies it into this device's staging buffer (the only memory peers in other
+  // processes can open, ipc.h), piece by piece on the staging stream, and posts that instead.
+  ffi::Error Exchange(Backend& backend, const Exposure& exposure, std::vector<Post>* posts);
   // Posts (buffer, events) and returns every rank's post once all have arrived. A peer whose
   // shapes or schedule differ from ours is an error, not a wrong answer.
   ffi::Error Meet(Phase phase, const void* buffer, std::vector<Event> events, std::vector<Post>* posts);
+  // Across processes, within JoinAndRelease (no-ops otherwise): XLA's stream waits for the
+  // staging copies (they read XLA's buffers), and, once the peers' pulls_done events are known,
+  // the staging stream waits for them (see executor.cc for why).
+  ffi::Error AwaitStagingCopies(Backend& backend);
+  ffi::Error ProtectStaging(Backend& backend, const std::vector<Post>& done_posts);
 
  private:
   const OpConfig& config_;
   std::vector<int64_t> signature_;
   int64_t occurrence_ = 0;
+  // The staging buffer holds this call's data and peers may pull from it, but the staging stream
+  // does not yet wait for their pulls: if the call fails now, the region is retired (~CallSession).
+  bool staging_exposed_ = false;
+  Event staged_last_ = nullptr;  // the last staging copy of this call
 };
 
 // Copy streams a call uses: one for ring, else min(copy_streams, n - 1).

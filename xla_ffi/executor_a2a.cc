@@ -102,7 +102,7 @@ ffi::Error RunAllToAll(Backend& backend, const OpConfig& config, const AllToAllA
     }
   }
   std::vector<Post> posts;
-  FICCO_RETURN_IF_ERROR(session.Meet(Phase::kExchange, a.x, {ready}, &posts));
+  FICCO_RETURN_IF_ERROR(session.Exchange(backend, {a.x, config.n() * layout.Block(), 1, {ready}}, &posts));
   FICCO_RETURN_IF_ERROR(CheckFault(config, Fault::kFail));
 
   // Puller: peer p = r-1-s holds our block at x_p[r]; chunk j is rows [j*q, (j+1)*q) of every group.
@@ -143,7 +143,9 @@ ffi::Error RunMatmulAllToAll(Backend& backend, const OpConfig& config, const Mat
   std::vector<Event> written;
   FICCO_RETURN_IF_ERROR(CombineMatmuls(backend, config, a, &written));
   std::vector<Post> posts;
-  FICCO_RETURN_IF_ERROR(session.Meet(Phase::kExchange, a.send, written, &posts));
+  // One piece per send slot: a slot's chunks are strided rows of every group, not contiguous.
+  FICCO_RETURN_IF_ERROR(session.Exchange(
+      backend, {a.send, (config.n() - 1) * layout.Block(), config.n() - 1, written}, &posts));
   FICCO_RETURN_IF_ERROR(CheckFault(config, Fault::kFail));
 
   // Puller: peer p = r-1-s computed its send slot s for us (p + 1 + s = r).

@@ -303,6 +303,9 @@ NB_MODULE(_ffi, m) {
       d["opened_allocations"] = s.opened_allocations;
       d["opened_events"] = s.opened_events;
       d["exchanges"] = s.exchanges;
+      d["staging_bytes"] = s.staging_bytes;
+      d["staging_generations"] = s.staging_generations;
+      d["retired_staging_bytes"] = s.retired_staging_bytes;
       stats.append(d);
     }
 #endif
@@ -330,6 +333,31 @@ NB_MODULE(_ffi, m) {
     d["ipc_capable"] = info.ipc_capable;
 #else
     throw std::runtime_error("ipc_describe_pointer needs the CUDA build");
+#endif
+    return d;
+  });
+  m.def("ipc_describe_staging", [](int ordinal, uint64_t bytes) {
+    nanobind::dict d;
+#ifdef FICCO_WITH_CUDA
+    ficco::IpcStagingInfo info;
+    std::string problem;
+    {
+      nanobind::gil_scoped_release release;
+      problem = ficco::DescribeStaging(ordinal, bytes, &info);
+    }
+    if (!problem.empty()) throw std::runtime_error(problem);
+    d["ordinal"] = ordinal;
+    d["base"] = info.allocation.base;
+    d["bytes"] = info.allocation.bytes;
+    d["buffer_id"] = info.allocation.buffer_id;
+    d["ipc_capable"] = info.allocation.ipc_capable;
+    d["generation"] = info.generation;
+    d["retired_bytes"] = info.retired_bytes;
+    d["export_error"] = info.export_error;
+#else
+    (void)ordinal;
+    (void)bytes;
+    throw std::runtime_error("ipc_describe_staging needs the CUDA build");
 #endif
     return d;
   });

@@ -106,7 +106,7 @@ ffi::Error DeviceState::PrepareCuda(const CallContext& ctx, int copy_streams,
                                     const std::vector<int>& peers, CudaResources** out) {
   std::lock_guard<std::mutex> lock(mu_);
   FICCO_CHECK_CUDA(cudaSetDevice(ordinal_));
-  if (copy_streams > kMaxCopyStreams) {
+  if (copy_streams > kCopyStreamSlots) {  // kMaxCopyStreams pull streams + the staging stream
     return MakeInvalid(ctx, "copy_streams = " + std::to_string(copy_streams) + " exceeds the maximum " +
                                 std::to_string(kMaxCopyStreams));
   }

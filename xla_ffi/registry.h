@@ -89,13 +89,20 @@ class Rendezvous {
   std::map<RendezvousKey, std::unique_ptr<Slot>> slots_;
 };
 
+// Copy streams of one device: 0 .. kMaxCopyStreams-1 carry a schedule's pulls; one more,
+// kStagingStream, carries the staging copies of groups across processes (ipc.h). It is always
+// the same stream, so that the wait which protects the staging buffer (CallSession, executor.cc)
+// orders every later staging copy of this device.
+constexpr int kMaxCopyStreams = 8;
+constexpr int kStagingStream = kMaxCopyStreams;
+constexpr int kCopyStreamSlots = kMaxCopyStreams + 1;
+
 #ifdef FICCO_WITH_CUDA
 // CUDA resources of one device, created once (registry.cc) and reused by every call.
-constexpr int kMaxCopyStreams = 8;
 struct CudaResources {
   // A fixed array so that a stream handle never moves while another call reads it.
-  std::array<cudaStream_t, kMaxCopyStreams> copy_streams = {};
-  int num_copy_streams = 0;  // grows to the largest copy_streams asked for
+  std::array<cudaStream_t, kCopyStreamSlots> copy_streams = {};
+  int num_copy_streams = 0;  // grows to the largest count asked for (kStagingStream + 1 with staging)
   std::vector<cudaEvent_t> free_events;    // the event pool (see Backend::ReleaseEvents)
   cublasLtHandle_t lt = nullptr;
   std::unique_ptr<GemmPlans> gemm_plans;  // cuBLASLt plans by problem shape
@@ -108,7 +115,17 @@ struct CudaResources {
   std::mutex ipc_mu;
   std::vector<cudaEvent_t> free_ipc_events;
   std::map<cudaEvent_t, int32_t> exported_events;            // our interprocess event -> its id
-  std::map<uint64_t, int32_t> exported_allocations;          // CU_POINTER_ATTRIBUTE_BUFFER_ID -> id
+  // The staging buffer: the only memory this device exports (XLA's own allocations cannot be:
+  // docs/multiprocess.md). `staging` is the current region; regions it outgrew, or that a failed
+  // call may still expose to a peer, are `retired` and freed only by IpcClose.
+  struct StagingRegion {
+    char* base = nullptr;
+    uint64_t bytes = 0;
+    int32_t export_id = -1;  // its id in the mailbox's export table (the generation peers open)
+  };
+  StagingRegion staging;
+  std::vector<StagingRegion> retired_staging;
+  int64_t staging_generations = 0;  // regions allocated so far
   struct Opened {
     char* base = nullptr;
     uint64_t bytes = 0;
