@@ -4,11 +4,15 @@ One process of an N-process job on one host, one device each (scripts/mp_gpu_lau
 them; it is the way to run this). The mesh's one axis "tp" spans every process, so every
 comm="dma" call goes through the host mailbox and CUDA IPC (xla_ffi/ipc.h).
 
-  1. setup      jax.distributed on localhost; the site's topology; what "auto" picks; on GPUs
-                how XLA's allocation under an input looks to CUDA IPC (base, size, exportable?).
+  1. setup      jax.distributed on localhost; the site's topology; on GPUs the staging buffer
+                every device exports to its peers (ipc.staging_info: size, legacy-IPC capable,
+                cudaIpcGetMemHandle accepted: PASS / FAIL), and, for the record, how XLA's own
+                allocation under an input looks to CUDA IPC (never exported: not capable on the
+                first GPU run, which is why the data goes through the staging buffer).
   2. checks     every dma schedule of ag_matmul and matmul_rs (direct and ring), and of
                 dma.all_gather / dma.reduce_scatter, against the reference on random bf16
-                inputs, at a small shape and one anchor shape: PASS / FAIL per schedule.
+                inputs, at a small shape and one anchor shape; dma.all_to_all, a2a_matmul and
+                matmul_a2a at a small shape (their staging pieces differ): PASS / FAIL per schedule.
   3. timings    the anchor shapes (M, K, N): the model's best dma schedules (verified first,
                 the fastest measured kept) and JAX sequential (all_gather / psum_scatter + dot
                 by XLA), with ficco_jax.timing.device_time.
@@ -19,8 +23,8 @@ On CPU (the smoke test of this script: 2 processes, tiny shapes) copy engines ca
 other process: every dma schedule must be *refused* with a clear error (that is its PASS), and
 the timings use the best comm that can run (xla).
 
-Every step logs to stderr ("[p<i> +<seconds>s] ..."); a failing check is reported and the run
-goes on. All processes take the same decisions (the budget check is agreed through the store),
+Every step logs to stderr ("[p<i> +<seconds>s] ..."); a failing check, and any exception a step
+raises, is a FAIL line (and a failed check in the JSON), and the run goes on. All processes take the same decisions (the budget check is agreed through the store),
 so no process waits in a collective that another skipped.
 """
 from __future__ import annotations
@@ -51,6 +55,10 @@ TOLERANCE = 2e-2
 #: How many of the model's best dma schedules are timed per shape (the fastest measured is kept).
 TIMED_CANDIDATES = 2
 OPS = ("ag_matmul", "matmul_rs")
+#: Per-device all-to-all blocks (n, E_local, C, d) and the expert matmul's f, for the a2a checks.
+A2A_E, A2A_C, A2A_D, A2A_F = 2, 128, 256, 256
+#: The staging buffer size the setup step asks for (it grows later as calls need).
+STAGING_PROBE_BYTES = 64 << 20
 
 _T0 = time.monotonic()
 
@@ -167,6 +175,7 @@ class Run:
         from ficco_jax import ipc
 
         self.ipc = ipc.supported()
+        self.staging: dict | None = None  # ipc.staging_info() of the setup step (GPUs)
         self.deadline = time.time() - (time.monotonic() - _T0) + args.budget_s  # from the process's start
 
     def time_left(self) -> float:
@@ -192,6 +201,51 @@ class Run:
         self.checks.append({"kind": kind, "op": op, "shape": name, "MKN": shape, "schedule": str(schedule),
                             "passed": passed, "rel_err": rel_err, "error": error, "status": status,
                             "seconds": seconds})
+
+    def record_setup(self, what, passed, detail, error=None):
+        log(f"{'PASS' if passed else 'FAIL'} setup {what}: {detail}")
+        self.checks.append({"kind": "setup", "op": what, "shape": "-", "MKN": None, "schedule": "-",
+                            "passed": passed, "rel_err": None, "error": error, "status": detail, "seconds": 0.0})
+
+    def step(self, what, fn, *args):
+        """fn(*args) as one step: an exception it raises is a FAIL line and a failed check, not the
+        end of the run (a failing schedule is caught inside the step already; this catches the
+        rest: inputs, references, schedule resolution)."""
+        try:
+            fn(*args)
+        except Exception as exc:  # noqa: BLE001
+            text = f"{type(exc).__name__}: {exc}"
+            if os.environ.get("FICCO_MP_TRACEBACK"):
+                log(traceback.format_exc())
+            log(f"FAIL step {what}: {text.splitlines()[0][:300] if text else ''}")
+            self.checks.append({"kind": "step", "op": what, "shape": "-", "MKN": None, "schedule": "-",
+                                "passed": False, "rel_err": None, "error": text[:4000],
+                                "status": f"FAIL: {text.splitlines()[0][:300]}", "seconds": 0.0})
+
+    # -- setup -------------------------------------------------------------------------------
+    def check_staging(self):
+        """The staging buffer peers in other processes read (xla_ffi/ipc.h): allocated here, so that
+        a failure shows before any op runs, and reported with its size and exportability."""
+        from ficco_jax import ipc
+
+        x = collective_inputs(self.mesh, 8, 8, seed=0)
+        info, error = self.attempt(lambda: ipc.describe_pointer(x.addressable_shards[0].data))
+        log(f"for the record, XLA's allocation under an input buffer (never exported): {info or error}")
+        if not self.ipc:
+            self.notes.append("ipc.supported() is False on GPUs (FICCO_CROSS_PROCESS_DMA unset?): no staging")
+            return
+        info, error = self.attempt(lambda: ipc.staging_info(nbytes=STAGING_PROBE_BYTES))
+        if info is None:
+            self.record_setup("staging", False, f"FAIL: {error.splitlines()[0][:300]}", error)
+            self.notes.append("the staging buffer could not be allocated or described: every dma check will fail")
+            return
+        passed = bool(info.get("ipc_capable")) and not info.get("export_error")
+        detail = (f"{info['bytes'] / 2**20:.0f} MiB at {info['base']:#x}, generation {info['generation']}, "
+                  f"ipc_capable={info['ipc_capable']}, cudaIpcGetMemHandle: {info['export_error'] or 'ok'}")
+        self.record_setup("staging", passed, detail, None if passed else detail)
+        self.staging = info
+        if not passed:
+            self.notes.append("the staging buffer cannot be exported: every dma check will fail")
 
     def attempt(self, fn):
         """(result, None) or (None, error text) of fn(): a failing schedule must not stop the run."""
@@ -238,6 +292,53 @@ class Run:
                 self.record("collective", name, f"dma.{which}", dims, sched, rel, error,
                             expect_refusal=not self.ipc, seconds=time.monotonic() - start)
             del x, want
+
+    def check_a2a(self, name):
+        """dma.all_to_all (one staging piece), a2a_matmul (one piece) and matmul_a2a (one piece per
+        send slot) against jax.lax.all_to_all references, small blocks, bf16."""
+        from ficco_jax import a2a, dma
+        from ficco_jax.schedule import Schedule
+
+        n = self.n
+        scheds = [Schedule(comm="dma", order="direct", chunks=1), Schedule(comm="dma", order="ring", chunks=2),
+                  Schedule(comm="dma", order="direct", chunks=2, gemm="grouped")]
+        if n > 2:
+            scheds.append(Schedule(comm="dma", order="direct", chunks=2, copy_streams=2))
+        spec = P("tp")
+        key = jax.random.split(jax.random.PRNGKey(4), 3)
+        x = jax.device_put(jax.random.normal(key[0], (n * n, A2A_E, A2A_C, A2A_D)).astype(DTYPE),
+                           NamedSharding(self.mesh, spec))
+        w_up = jax.device_put((jax.random.normal(key[1], (n * A2A_E, A2A_D, A2A_F)) / A2A_D ** 0.5).astype(DTYPE),
+                              NamedSharding(self.mesh, spec))
+        w_down = jax.device_put((jax.random.normal(key[2], (n * A2A_E, A2A_F, A2A_D)) / A2A_F ** 0.5).astype(DTYPE),
+                                NamedSharding(self.mesh, spec))
+        y = jax.device_put(jnp.ones((n * n, A2A_E, A2A_C, A2A_F), DTYPE) * 0.5, NamedSharding(self.mesh, spec))
+
+        def smap(body, nargs):
+            return jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=(spec,) * nargs, out_specs=spec))
+
+        cases = {
+            "dma.all_to_all": ((x,), lambda s: (lambda v: jax.lax.all_to_all(v, "tp", 0, 0, tiled=True)) if s == "ref"
+                               else (lambda v: dma.all_to_all(v, "tp", 0, 0, schedule=s))),
+            "a2a_matmul": ((x, w_up), lambda s: (lambda v, w: a2a.a2a_matmul_ref(v, w, "tp")) if s == "ref"
+                           else (lambda v, w: a2a.a2a_matmul(v, w, "tp", schedule=s))),
+            "matmul_a2a": ((y, w_down), lambda s: (lambda v, w: a2a.matmul_a2a_ref(v, w, "tp")) if s == "ref"
+                           else (lambda v, w: a2a.matmul_a2a(v, w, "tp", schedule=s))),
+        }
+        dims = (n, A2A_E, A2A_C, A2A_D)
+        for op, (args, body) in cases.items():
+            if not self.go(f"checks {op} {name}", 15):
+                return
+            want = smap(body("ref"), len(args))(*[a.astype(jnp.float32) for a in args])
+            # dma.all_to_all's chunks cut the blocks' first dimension: 1 here (x [n, E, C, d] per device).
+            op_scheds = scheds if op != "dma.all_to_all" else list(dict.fromkeys(
+                s.replace(chunks=1, gemm="per_chunk") for s in scheds))
+            for sched in op_scheds:
+                start = time.monotonic()
+                got, error = self.attempt(lambda: jax.block_until_ready(smap(body(sched), len(args))(*args)))
+                rel = None if got is None else local_rel_err(got, want)
+                self.record("a2a", name, op, dims, sched, rel, error, expect_refusal=not self.ipc,
+                            seconds=time.monotonic() - start)
 
     # -- timings -----------------------------------------------------------------------------
     def device_time(self, make, args) -> dict:
@@ -364,18 +465,15 @@ def main() -> int:
     if site.kind != topology.SAME_HOST_MULTI_PROCESS:
         run.notes.append(f"the tp axis is {site.kind}, not same_host_multi_process: IPC not exercised")
 
-    if on_gpu:  # how XLA's allocation under an input looks to CUDA IPC
-        x = collective_inputs(mesh, 8, 8, seed=0)
-        info, error = run.attempt(lambda: ipc.describe_pointer(x.addressable_shards[0].data))
-        log(f"allocation under an input buffer: {info or error}")
-        if info is not None and not info.get("ipc_capable"):
-            run.notes.append("XLA's allocation is not legacy-IPC capable: every dma check will fail")
+    if on_gpu:  # the staging buffer peers read, and (for the record) XLA's allocation
+        run.step("setup staging", run.check_staging)
 
     checked = GPU_CHECKED if on_gpu else CPU_CHECKED
     timed = GPU_TIMED if on_gpu else CPU_TIMED
     if args.quick:
         checked = dict(list(checked.items())[:1])
         timed = dict(list(timed.items())[:1])
+    first_checked = next(iter(checked))
     # Most informative first, in case the budget runs out: the small checks, one anchor timed,
     # the anchor checks, then the other anchors timed.
     plan = [("checks", n, d) for n, d in list(checked.items())[:1]] + \
@@ -385,13 +483,18 @@ def main() -> int:
     for step, name, dims in plan:
         log(f"== {step} at {name} {dims}")
         if step == "checks":
-            run.check_ops(name, dims)
-            run.check_collectives(name, dims)
+            run.step(f"checks ops {name}", run.check_ops, name, dims)
+            run.step(f"checks collectives {name}", run.check_collectives, name, dims)
+            if name == first_checked:
+                run.step(f"checks a2a {name}", run.check_a2a, name)
         else:
-            run.time_shape(name, dims)
-        log(f"ipc stats: {ipc.stats()}")
+            run.step(f"timings {name}", run.time_shape, name, dims)
+        stats, error = run.attempt(ipc.stats)
+        log(f"ipc stats: {stats if error is None else error}")
 
-    mine = {"process": jax.process_index(), "checks": run.checks, "ipc_stats": ipc.stats(), "notes": run.notes}
+    stats, error = run.attempt(ipc.stats)
+    mine = {"process": jax.process_index(), "checks": run.checks, "ipc_stats": stats if error is None else error,
+            "staging": run.staging, "notes": run.notes}
     everyone = store.gather("result", mine)
     if everyone is not None:
         flat = [dict(c, process=r["process"]) for r in everyone for c in r.get("checks", [])]
@@ -406,6 +509,7 @@ def main() -> int:
             "ipc_open_failed": any("cudaIpcOpen" in (c.get("error") or "") for c in failed),
             "missing_processes": missing, "timings": run.timings,
             "ipc_stats": {r["process"]: r.get("ipc_stats") for r in everyone},
+            "staging": {r["process"]: r.get("staging") for r in everyone},
             "notes": run.notes + [n for r in everyone[1:] for n in r.get("notes", [])],
             "checks": flat, "method": ficco_jax.timing.METHOD,
         }

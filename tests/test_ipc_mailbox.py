@@ -131,6 +131,33 @@ def test_two_groups_of_one_job_do_not_mix(job):
         assert [g[1][2] for g in res["seen"][-1]] == [0 * 1000 + posts - 1, 1 * 1000 + posts - 1]
 
 
+
+_STAGING_PROBE = """
+import json
+from ficco_jax import _ffi
+try:
+    print(json.dumps({"info": dict(_ffi.ipc_describe_staging(0, 1 << 20))}))
+except RuntimeError as exc:
+    print(json.dumps({"error": str(exc)}))
+print(json.dumps({"stats": [dict(d) for d in _ffi.ipc_stats()]}))
+"""
+
+
+def test_the_staging_buffer_without_a_gpu_is_an_error_not_a_crash():
+    """ipc.staging_info() (the first step of scripts/mp_gpu.py) on a machine without a usable GPU:
+    a RuntimeError naming the call, in a process that goes on (the GPU run's processes died
+    formatting an error; this path formats one too)."""
+    p = subprocess.run([sys.executable, "-c", _STAGING_PROBE], capture_output=True, text=True,
+                       timeout=WORKER_TIMEOUT_S, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = [json.loads(line) for line in p.stdout.strip().splitlines()]
+    assert "error" in lines[0], lines[0]  # no GPU visible: no staging buffer
+    error = lines[0]["error"]
+    assert "ipc_describe_staging" in error, error
+    assert "CUDA build" in error or "cudaSetDevice" in error or "cuda" in error.lower(), error
+    assert lines[1] == {"stats": []}  # nothing was allocated or exported
+
+
 if __name__ == "__main__":
     job_, rank_, n_, posts_ = (int(a) for a in sys.argv[1:5])
     members_ = [int(m) for m in sys.argv[5].split(",")] if len(sys.argv) > 5 else list(range(n_))
