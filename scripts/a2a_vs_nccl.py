@@ -263,9 +263,10 @@ def resolved(variant, n) -> str:
 
 
 def dma_variants(arg: str, n: int) -> list[str]:
-    """The dma schedules to time: the default, then ring and direct with every peer on its own
-    stream; the ones that resolve to the same schedule as an earlier one are dropped."""
-    listed = arg.split(",") if arg else ["default", "dma/ring/c1", f"dma/direct/c1/s{max(n - 1, 1)}"]
+    """The dma schedules to time: the default (one copy stream; dma's ring order is the same
+    program), then two streams and every peer on its own stream; the ones that resolve to the same
+    schedule as an earlier one are dropped."""
+    listed = arg.split(",") if arg else ["default", "dma/direct/c1/s2", f"dma/direct/c1/s{max(n - 1, 1)}"]
     out, seen = [], set()
     for v in listed:
         key = resolved(v, n).replace(" (default)", "")
