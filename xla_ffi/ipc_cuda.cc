@@ -187,28 +187,28 @@ ffi::Error OpenBuffer(const IpcCall& call, int peer, int64_t id, int64_t offset,
     return ffi::Error::Success();
   }
   std::lock_guard<std::mutex> lock(call.res->ipc_mu);
-  CudaResources::Opened& opened = call.res->opened_allocations[{peer, static_cast<int32_t>(id)}];
-  if (opened.base == nullptr) {
+  const std::pair<int, int32_t> key{peer, static_cast<int32_t>(id)};
+  auto found = call.res->opened_allocations.find(key);
+  if (found == call.res->opened_allocations.end()) {  // a generation of this peer not seen before
     IpcHandleBytes bytes;
     uint64_t size = 0;
-    FICCO_RETURN_IF_ERROR(call.mailbox->ReadExport(ctx, peer, static_cast<int32_t>(id), &bytes, &size));
+    FICCO_RETURN_IF_ERROR(call.mailbox->ReadExport(ctx, peer, key.second, &bytes, &size));
     cudaIpcMemHandle_t handle;
     std::memcpy(&handle, bytes.bytes, sizeof(handle));
     void* base = nullptr;
-    cudaError_t status = cudaIpcOpenMemHandle(&base, handle, cudaIpcMemLazyEnablePeerAccess);
+    const cudaError_t status = cudaIpcOpenMemHandle(&base, handle, cudaIpcMemLazyEnablePeerAccess);
     if (status != cudaSuccess) {
-      call.res->opened_allocations.erase({peer, static_cast<int32_t>(id)});
+      (void)cudaGetLastError();  // not sticky: keep it from surfacing in XLA's next check
       return MakeError(ctx, std::string("cudaIpcOpenMemHandle(staging buffer generation ") + std::to_string(id) +
-                                " of device " +
-                                std::to_string(peer) + ") failed: " + cudaGetErrorName(status) + " (" +
-                                cudaGetErrorString(status) + "); the processes' GPUs need peer access to each "
-                                "other: if CUDA_VISIBLE_DEVICES gives each process one GPU, try making all GPUs "
-                                "visible and jax.distributed.initialize(local_device_ids=[i]); containers need "
-                                "--ipc=host");
+                                " of device " + std::to_string(peer) + ") failed: " + cudaGetErrorName(status) +
+                                " (" + cudaGetErrorString(status) + "); the processes' GPUs need peer access to "
+                                "each other: if CUDA_VISIBLE_DEVICES gives each process one GPU, try making all "
+                                "GPUs visible and jax.distributed.initialize(local_device_ids=[i]); containers "
+                                "need --ipc=host");
     }
-    opened.base = static_cast<char*>(base);
-    opened.bytes = size;
+    found = call.res->opened_allocations.emplace(key, CudaResources::Opened{static_cast<char*>(base), size}).first;
   }
+  const CudaResources::Opened& opened = found->second;
   if (offset < 0 || static_cast<uint64_t>(offset) >= opened.bytes) {
     return MakeError(ctx, "device " + std::to_string(peer) + " posted offset " + std::to_string(offset) +
                               " beyond its staging buffer generation " + std::to_string(id) + " of " +

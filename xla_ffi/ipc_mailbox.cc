@@ -325,9 +325,9 @@ ffi::Error HostMailbox::PublishExport(const CallContext& ctx, int member, const 
   const int32_t next = d->num_exports.load(std::memory_order_relaxed);
   if (next >= kIpcMaxExports) {
     return MakeError(ctx, "device " + std::to_string(member) + " exported " + std::to_string(next) +
-                              " allocations to its peers, the most the host mailbox holds; XLA's allocator "
-                              "hands out a new allocation per buffer (XLA_PYTHON_CLIENT_ALLOCATOR=platform?): "
-                              "use the default (bfc) allocator");
+                              " staging buffers to its peers, the most the host mailbox holds (staging buffers "
+                              "grow twofold and are replaced after a failed call: this many means calls kept "
+                              "failing; restart the processes)");
   }
   d->exports[next] = handle;
   d->export_bytes[next] = bytes;
@@ -341,7 +341,7 @@ ffi::Error HostMailbox::ReadExport(const CallContext& ctx, int member, int32_t i
   DeviceEntry* d = nullptr;
   FICCO_RETURN_IF_ERROR(FindDevice(ctx, member, /*claim=*/false, &d));
   if (id < 0 || id >= d->num_exports.load(std::memory_order_acquire)) {
-    return MakeError(ctx, "device " + std::to_string(member) + " posted allocation id " + std::to_string(id) +
+    return MakeError(ctx, "device " + std::to_string(member) + " posted staging buffer id " + std::to_string(id) +
                               " that it has not published");
   }
   *handle = d->exports[id];

@@ -1,6 +1,6 @@
 // The host mailbox of the processes of one job on one host: a POSIX shared-memory segment in which
 // the devices of a group that spans processes meet once per call phase, and in which each device
-// publishes the IPC handles of its exported allocations and events (ipc_cuda.cc fills those).
+// publishes the IPC handles of its staging buffers and events (ipc_cuda.cc fills those).
 //
 // It carries integers only (buffer = (export id, offset), events = event ids), so it is
 // backend-neutral and its protocol is tested on CPU (tests/test_ipc_mailbox.py).
@@ -38,7 +38,7 @@ inline constexpr int kIpcMaxGroups = 64;        // distinct groups of one job on
 inline constexpr int kIpcMaxDevices = 16;       // devices of one host that take part
 inline constexpr int kIpcMaxSignature = 16;     // int64s of one op's signature
 inline constexpr int kIpcMaxPostEvents = 128;   // events one post exposes ((n-1) * chunks)
-inline constexpr int kIpcMaxExports = 1024;     // allocations one device exports
+inline constexpr int kIpcMaxExports = 1024;     // staging generations one device exports
 inline constexpr int kIpcMaxEvents = 2048;      // IPC events one device exports
 inline constexpr int kIpcHandleBytes = 64;      // cudaIpcMemHandle_t / cudaIpcEventHandle_t
 
@@ -46,8 +46,8 @@ inline constexpr int kIpcHandleBytes = 64;      // cudaIpcMemHandle_t / cudaIpcE
 struct WirePost {
   int64_t op_id = -1;
   std::vector<int64_t> signature;
-  int64_t buffer_export = -1;  // the poster's export id of the allocation; -1: no buffer
-  int64_t buffer_offset = 0;   // bytes from the allocation's base
+  int64_t buffer_export = -1;  // the export id (generation) of the poster's staging buffer; -1: none
+  int64_t buffer_offset = 0;   // bytes from the staging buffer's base
   std::vector<int32_t> event_ids;  // the poster's exported event ids
   // The same buffer and events as addresses in the poster's process: what a peer device of the
   // same process uses (a process cannot open its own IPC handles).
@@ -64,7 +64,7 @@ struct MailboxArrival {
   double timeout_s;
 };
 
-// One exported IPC handle (of an allocation or an event).
+// One exported IPC handle (of a staging buffer or an event).
 struct IpcHandleBytes {
   char bytes[kIpcHandleBytes];
 };
