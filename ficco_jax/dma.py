@@ -1,7 +1,8 @@
 """Collectives and overlapped matmuls on the GPU's copy engines (the ficco_jax FFI executor).
 
 Everything here runs inside ``jax.shard_map`` under ``jax.jit`` on a ``jax.sharding.Mesh`` whose
-groups lie inside this process, or, on GPUs, span processes of this host (CUDA IPC, ipc.py).
+groups lie inside this process, or, on GPUs and opt-in (FICCO_CROSS_PROCESS_DMA=1, not yet run on
+a GPU), span processes of this host (CUDA IPC, ipc.py).
 Each op is one XLA custom call per device; the extension
 (xla_ffi/) pulls the peers' chunks with copy engines while the chunk matmuls run on the SMs.
 On CPU the same executor runs with memcpy and reference loops (what the tests exercise).
