@@ -3,6 +3,8 @@
 # Usage (on the GPU host, repo root): bash scripts/device_run.sh STAGE [ARGS...]
 #   STAGE=check   build + GPU tests + a short bench of one shape
 #   STAGE=bench   the anchor shapes, ficco_jax vs JAX options (+ torch anchors if .carry/anchors exists)
+#   STAGE=x8a|x8b the 8-GPU run (issue 10); x4a|x4b the 4-GPU runs of 2026-11-22 session 2
+#   STAGE=nextA then nextB (back to back): what session 2 could not run or verify
 # Writes logs and JSON under $OUT (default ./out/device). Never changes GPU settings.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -124,6 +126,31 @@ case "$STAGE" in
     B=$(upto 90); XLA_PYTHON_CLIENT_ALLOCATOR=platform FICCO_SEGV_TRACE=1 FICCO_MP_BUDGET_S=$((B - 15)) OUT="$OUT/mp" \
       timeout "$B" bash scripts/mp_gpu_launch.sh > "$OUT/mp/launch.log" 2>&1
     echo "mp_gpu rc=$?"; grep -v "^\s*$" "$OUT/mp/launch.log" | cut -c1-260 | tail -30
+    ;;
+  nextA)  # next 4-GPU session, call 1: verify the error-path fix, faults, all_to_all (+pair), the 13 held-out
+          # cases not reached, then start the 10,000-step load in the background (it outlives this call)
+    T0=$SECONDS; DEADLINE=${DEADLINE:-570}
+    upto() { local l=$((DEADLINE - (SECONDS - T0) - 5)); [ "$1" -lt "$l" ] && echo "$1" || echo $((l > 1 ? l : 1)); }
+    build
+    timeout "$(upto 100)" python3 scripts/segv_probe.py > "$OUT/segv_probe.log" 2>&1; grep -E "^==|raised|alive" "$OUT/segv_probe.log"
+    timeout "$(upto 130)" python3 scripts/gpu_faults.py --budget-s 110 --out "$OUT/faults" 2>"$OUT/faults/gpu_faults.err" | tail -28
+    timeout "$(upto 80)" python3 scripts/a2a_vs_nccl.py --sizes 4,16,64 --overlap-sizes 16,64 --budget-s 60 --out "$OUT/a2a" \
+      2>"$OUT/a2a/a2a.err" | tail -20
+    timeout "$(upto 260)" python3 -m ficco_jax accuracy --top 1 --budget-s 230 --out "$OUT/acc" \
+      --shape gpt3_qkv_M2k --shape gpt3_qkv_M16k --shape gpt3_mlp_M1k --shape gpt3_mlp_M8k --shape mixtral_o_M4k \
+      --shape mixtral_expert_M2k --shape mixtral_expert_M32k 2>"$OUT/acc/accuracy.err" | tail -20
+    mkdir -p /tmp/ficco_load && setsid nohup python3 scripts/load_test.py --steps 10000 --comm dma --interval 500 \
+      --warmup 500 --json /tmp/ficco_load/load.json > /tmp/ficco_load/load.log 2>&1 < /dev/null &
+    echo "load test started in the background (pid $!): collect with stage nextB within 30 s of this call"
+    ;;
+  nextB)  # call 2, right after nextA on the same warm machine: GPU tests and the IPC run, then the load's result
+    build
+    timeout 150 python3 -m pytest tests/gpu -x -q 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
+    command -v python >/dev/null || ln -sf "$(command -v python3)" /usr/local/bin/python
+    FICCO_MP_BUDGET_S=200 OUT="$OUT/mp" timeout 240 bash scripts/mp_gpu_launch.sh > "$OUT/mp/launch.log" 2>&1
+    echo "mp_gpu rc=$?"; grep -E "PASS|FAIL|setup" "$OUT/mp/launch.log" | cut -c1-200 | tail -30
+    for _ in $(seq 1 40); do [ -f /tmp/ficco_load/load.json ] && break; sleep 5; done
+    cp /tmp/ficco_load/load.* "$OUT/load/" 2>/dev/null; tail -4 "$OUT/load/load.log"
     ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac
