@@ -408,7 +408,7 @@ def parse_config(argv=None) -> tuple[Config, argparse.Namespace]:
     parser.add_argument("--attention", choices=("xla", "cudnn"),
                         help="jax.nn.dot_product_attention implementation (default xla). cudnn killed the process "
                              "(SIGSEGV, before the first step) with the llama70b-layer preset at tp=4 on 4 x H200, "
-                             "jax 0.11.2, 2026-11-22: not a measured path")
+                             "jax 0.11.2, 2026-11-22 (it ran at --tp 1 on one H200): not a measured path")
     args = parser.parse_args(argv)
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(Config)
                  if getattr(args, f.name, None) is not None}
