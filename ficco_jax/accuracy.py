@@ -96,9 +96,7 @@ def run(out_dir: str, axis_size: int | None = None, shapes: dict | None = None, 
     if on_cpu:
         dtype = "float32"
     shapes = shapes or (CPU_SHAPES if on_cpu else HELDOUT_SHAPES)
-    comms = heuristics.available_comms()
-    if on_cpu and not heuristics.MODEL_ON_CPU:
-        heuristics.MODEL_ON_CPU = True  # judge the GPU decision (the model over every comm) on CPU
+    comms = heuristics.available_comms()  # the model's pick over these is what "auto" resolves to on a GPU
     profile = profile or heuristics.profile_for(n)
     plans = []
     for name, (M, K, N) in shapes.items():  # shape-major: a time budget cuts shapes, not one op

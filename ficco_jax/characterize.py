@@ -125,7 +125,34 @@ def contention(dtype, progress, rows=4096, k=8192, n_cols=7168, shard_mib=64) ->
     result["nccl_alone_ms"] = timed(lambda v: jax.lax.all_gather(v, "tp", axis=0, tiled=True), matmul=False)
     progress("contention: matmul + NCCL all-gather")
     result["matmul_plus_nccl_ms"] = timed(lambda v: jax.lax.all_gather(v, "tp", axis=0, tiled=True))
+    # XLA may serialize the all-gather with the matmul (it did on 4 x H200). Its collective-permutes
+    # are asynchronous and scheduled beside independent compute (what comm="xla" schedules rely
+    # on): the same bytes moved as n-1 ppermutes give a second, concurrent NCCL probe.
+    progress("contention: NCCL ppermutes alone")
+    result["nccl_p2p_alone_ms"] = timed(_ppermute_gather(n), matmul=False)
+    progress("contention: matmul + NCCL ppermutes")
+    result["matmul_plus_nccl_p2p_ms"] = timed(_ppermute_gather(n))
     return result
+
+
+def _ppermute_gather(n: int):
+    """x's shard from every peer by n-1 independent ppermutes (NCCL send/recv on GPUs)."""
+    def gather(v):
+        parts = [v] + [jax.lax.ppermute(v, "tp", [(i, (i + d) % n) for i in range(n)]) for d in range(1, n)]
+        return jnp.concatenate(parts, axis=0)
+    return gather
+
+
+def nccl_contention(c: dict) -> tuple[float | None, str]:
+    """(matmul slowdown beside NCCL transfers, how it was obtained), from the probe that ran
+    concurrently: the all-gather if XLA overlapped it, else the ppermutes if those overlapped;
+    (None, why) if XLA serialized both. The slowdown assumes the transfers hide under the matmul
+    (t_both >= t_matmul): t_both / t_matmul - 1."""
+    for both, alone, what in (("matmul_plus_nccl_ms", "nccl_alone_ms", "all-gather"),
+                              ("matmul_plus_nccl_p2p_ms", "nccl_p2p_alone_ms", "ppermutes")):
+        if both in c and alone in c and c[both] < 0.9 * (c["matmul_ms"] + c[alone]):
+            return max(c[both] / c["matmul_ms"] - 1.0, 0.0), f"NCCL {what} beside the matmul"
+    return None, "XLA ran the matmul and the NCCL transfers one after the other in both probes"
 
 
 def _dma_contention(a, w, x, mesh, specs, progress, repeats: int = 4) -> dict:
@@ -148,7 +175,7 @@ def run(out_dir: str, dtype: str = "bfloat16", plot: bool = False) -> dict:
     on_cpu = jax.default_backend() == "cpu"
     grid = CPU_GRID if on_cpu else GPU_GRID
     dtype = "float32" if on_cpu else dtype
-    steps = len(grid["kn"]) * len(grid["rows"]) * len(grid["chunks"]) + 3 * len(grid["shard_mib"]) + 3
+    steps = len(grid["kn"]) * len(grid["rows"]) * len(grid["chunks"]) + 3 * len(grid["shard_mib"]) + 7
     progress = progress_printer(steps)
     result = {
         "device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
@@ -204,18 +231,13 @@ def fit_profile(char: dict) -> dict:
     if dma_pts:  # several copy streams share the ingress less well than one
         profile["dma_multistream_gbps"] = float(max(dma_pts, key=lambda r: r["shard_bytes"])["ingress_gbps"])
     c = char["contention"]
-    if c.get("matmul_ms", 0) > 0 and not nccl_serialized(c):
-        profile["contention_xla"] = float(max(c["matmul_plus_nccl_ms"] / c["matmul_ms"] - 1.0, 0.0))
+    if c.get("matmul_ms", 0) > 0:
+        slowdown, _ = nccl_contention(c)
+        if slowdown is not None:
+            profile["contention_xla"] = float(slowdown)
     if c.get("executor_matmul_ms", 0) > 0:
         profile["contention_dma"] = float(max(c["executor_matmul_beside_dma_ms"] / c["executor_matmul_ms"] - 1.0, 0.0))
     return profile
-
-
-def nccl_serialized(c: dict) -> bool:
-    """Whether XLA ran the matmul and the NCCL all-gather of the contention probe one after the
-    other (their sum), so the probe says nothing about NCCL slowing a concurrent matmul."""
-    alone = c.get("nccl_alone_ms")
-    return bool(alone) and c["matmul_plus_nccl_ms"] >= 0.9 * (c["matmul_ms"] + alone)
 
 
 #: What `fit_to_ops` searches: the costs no standalone probe isolates.
@@ -285,8 +307,10 @@ def summary(char: dict) -> str:
     for r in char["transfers"]:
         lines.append(f"  {r['comm']:>7} shard {r['shard_bytes'] / 2**20:8.2f} MiB: {r['ms']:.3f} ms  {r['ingress_gbps']:.1f} GB/s")
     c = char["contention"]
+    slowdown, how = nccl_contention(c)
     lines.append(f"contention: matmul alone {c['matmul_ms']:.3f} ms; beside NCCL all-gather {c['matmul_plus_nccl_ms']:.3f} ms"
-                 + (" (XLA ran the two one after the other: no contention figure)" if nccl_serialized(c) else "")
+                 + (f", beside NCCL ppermutes {c['matmul_plus_nccl_p2p_ms']:.3f} ms" if "matmul_plus_nccl_p2p_ms" in c else "")
+                 + (f" -> NCCL slowdown {slowdown * 100:+.1f} % ({how})" if slowdown is not None else f" ({how})")
                  + (f"; executor matmul alone {c['executor_matmul_ms']:.3f} ms, beside copy-engine pulls "
                     f"{c['executor_matmul_beside_dma_ms']:.3f} ms" if "executor_matmul_ms" in c else ""))
     return "\n".join(lines)

@@ -75,10 +75,19 @@ def test_fit_to_ops_recovers_the_profile_that_made_the_times():
         characterize.fit_to_ops(start, [])
 
 
-def test_serialized_nccl_probe_gives_no_contention_figure():
-    c = {"matmul_ms": 0.667, "nccl_alone_ms": 1.42, "matmul_plus_nccl_ms": 2.041}
-    assert characterize.nccl_serialized(c)
-    assert not characterize.nccl_serialized({**c, "matmul_plus_nccl_ms": 1.5})
+def test_serialized_nccl_probes_give_no_contention_figure():
+    # 4 x H200, 2026-11-22: XLA ran the matmul and the all-gather one after the other.
+    c = {"matmul_ms": 0.690, "nccl_alone_ms": 0.685, "matmul_plus_nccl_ms": 1.371}
+    slowdown, why = characterize.nccl_contention(c)
+    assert slowdown is None and "one after the other" in why
+    c.update(nccl_p2p_alone_ms=0.70, matmul_plus_nccl_p2p_ms=1.38)
+    assert characterize.nccl_contention(c)[0] is None
+    c["matmul_plus_nccl_p2p_ms"] = 0.828  # the ppermutes ran beside the matmul: +20 %
+    slowdown, why = characterize.nccl_contention(c)
+    assert slowdown == pytest.approx(0.2) and "ppermutes" in why
+    assert characterize.fit_profile({"device": "x", "n_devices": 4, "date": "d", "commit": "c", "dtype": "bfloat16",
+                                     "decomposition": [], "transfers": [], "contention": c})["contention_xla"] == \
+        pytest.approx(0.2)
 
 
 def test_shipped_profiles_predict_their_fitted_bench_within_their_error():
