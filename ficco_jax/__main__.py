@@ -100,7 +100,7 @@ def _cmd_explain(args):
 def _cmd_characterize(args):
     from . import characterize
 
-    characterize.run(args.out, plot=args.plot)
+    characterize.run(args.out, plot=args.plot, parts=tuple(args.parts.split(",")))
 
 
 def _cmd_calibrate(args):
@@ -181,6 +181,8 @@ def main(argv=None):
     p = sub.add_parser("characterize", help="decomposition loss, contention and transfer cost on this machine")
     p.add_argument("--out", default="out/characterize")
     p.add_argument("--plot", action="store_true")
+    p.add_argument("--parts", default="decomposition,transfers,contention",
+                   help="comma-separated subset of decomposition, transfers, contention")
     p.set_defaults(fn=_cmd_characterize)
 
     p = sub.add_parser("calibrate", help="characterize, then fit and write a machine profile for the cost model")

@@ -171,20 +171,29 @@ def _dma_contention(a, w, x, mesh, specs, progress, repeats: int = 4) -> dict:
     return {"executor_matmul_ms": alone, "executor_matmul_beside_dma_ms": timed(True), "probe_repeats": repeats}
 
 
-def run(out_dir: str, dtype: str = "bfloat16", plot: bool = False) -> dict:
+PARTS = ("decomposition", "transfers", "contention")
+
+
+def run(out_dir: str, dtype: str = "bfloat16", plot: bool = False, parts=PARTS) -> dict:
+    """Measure `parts` (all three by default) and write characterize.json; a part left out is an
+    empty list/dict there (fit_profile then keeps the profile's values for it)."""
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown or not parts:
+        raise ValueError(f"characterize: parts {list(parts)}: choose among {', '.join(PARTS)}")
     on_cpu = jax.default_backend() == "cpu"
     grid = CPU_GRID if on_cpu else GPU_GRID
     dtype = "float32" if on_cpu else dtype
-    steps = len(grid["kn"]) * len(grid["rows"]) * len(grid["chunks"]) + 3 * len(grid["shard_mib"]) + 7
+    steps = ((len(grid["kn"]) * len(grid["rows"]) * len(grid["chunks"]) if "decomposition" in parts else 0)
+             + (3 * len(grid["shard_mib"]) if "transfers" in parts else 0) + (7 if "contention" in parts else 0))
     progress = progress_printer(steps)
     result = {
         "device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
         "n_devices": len(jax.local_devices()), "dtype": dtype, "jax": jax.__version__, "commit": git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "method": timing.METHOD + ("; ON CPU: NOT meaningful" if on_cpu else ""),
-        "decomposition": decomposition(grid, dtype, progress),
-        "transfers": transfers(grid, dtype, progress),
-        "contention": contention(dtype, progress),
+        "decomposition": decomposition(grid, dtype, progress) if "decomposition" in parts else [],
+        "transfers": transfers(grid, dtype, progress) if "transfers" in parts else [],
+        "contention": contention(dtype, progress) if "contention" in parts else {},
     }
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "characterize.json"), "w") as fh:
@@ -307,6 +316,8 @@ def summary(char: dict) -> str:
     for r in char["transfers"]:
         lines.append(f"  {r['comm']:>7} shard {r['shard_bytes'] / 2**20:8.2f} MiB: {r['ms']:.3f} ms  {r['ingress_gbps']:.1f} GB/s")
     c = char["contention"]
+    if not c:
+        return "\n".join(lines)
     slowdown, how = nccl_contention(c)
     lines.append(f"contention: matmul alone {c['matmul_ms']:.3f} ms; beside NCCL all-gather {c['matmul_plus_nccl_ms']:.3f} ms"
                  + (f", beside NCCL ppermutes {c['matmul_plus_nccl_p2p_ms']:.3f} ms" if "matmul_plus_nccl_p2p_ms" in c else "")

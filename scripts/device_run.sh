@@ -127,7 +127,7 @@ case "$STAGE" in
       timeout "$B" bash scripts/mp_gpu_launch.sh > "$OUT/mp/launch.log" 2>&1
     echo "mp_gpu rc=$?"; grep -v "^\s*$" "$OUT/mp/launch.log" | cut -c1-260 | tail -30
     ;;
-  nextA)  # next 4-GPU session, call 1: verify the error-path fix, faults, all_to_all (+pair), the 13 held-out
+  nextA)  # next 4-GPU session, call 1: verify the error-path fix, faults, all_to_all (+pair), NCCL contention, the 13 held-out
           # cases not reached, then start the 10,000-step load in the background (it outlives this call)
     T0=$SECONDS; DEADLINE=${DEADLINE:-570}
     upto() { local l=$((DEADLINE - (SECONDS - T0) - 5)); [ "$1" -lt "$l" ] && echo "$1" || echo $((l > 1 ? l : 1)); }
@@ -136,7 +136,8 @@ case "$STAGE" in
     timeout "$(upto 130)" python3 scripts/gpu_faults.py --budget-s 110 --out "$OUT/faults" 2>"$OUT/faults/gpu_faults.err" | tail -28
     timeout "$(upto 80)" python3 scripts/a2a_vs_nccl.py --sizes 4,16,64 --overlap-sizes 16,64 --budget-s 60 --out "$OUT/a2a" \
       2>"$OUT/a2a/a2a.err" | tail -20
-    timeout "$(upto 260)" python3 -m ficco_jax accuracy --top 1 --budget-s 230 --out "$OUT/acc" \
+    timeout "$(upto 60)" python3 -m ficco_jax characterize --parts contention --out "$OUT/char" 2>"$OUT/char/char.err" | tail -2
+    timeout "$(upto 240)" python3 -m ficco_jax accuracy --top 1 --budget-s 210 --out "$OUT/acc" \
       --shape gpt3_qkv_M2k --shape gpt3_qkv_M16k --shape gpt3_mlp_M1k --shape gpt3_mlp_M8k --shape mixtral_o_M4k \
       --shape mixtral_expert_M2k --shape mixtral_expert_M32k 2>"$OUT/acc/accuracy.err" | tail -20
     mkdir -p /tmp/ficco_load && setsid nohup python3 scripts/load_test.py --steps 10000 --comm dma --interval 500 \

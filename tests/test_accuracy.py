@@ -96,3 +96,16 @@ def test_shipped_profiles_predict_their_fitted_bench_within_their_error():
         assert prof["fitted_to_ops"]["rms_log_error"] < 0.15
         assert np.isfinite(cost_model.predict("ag_matmul", Schedule.parse("dma/direct/c1"),
                                               ((1024, 8192), (8192, 1280)), "bfloat16", prof["axis_size"], prof))
+
+
+def test_characterize_parts_measures_only_what_is_asked(tmp_path):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    proc = subprocess.run([sys.executable, "-m", "ficco_jax", "characterize", "--parts", "contention",
+                           "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    char = json.loads((tmp_path / "characterize.json").read_text())
+    assert char["decomposition"] == [] and char["transfers"] == []
+    assert {"matmul_ms", "matmul_plus_nccl_ms", "nccl_p2p_alone_ms", "matmul_plus_nccl_p2p_ms"} <= set(char["contention"])
+    bad = subprocess.run([sys.executable, "-m", "ficco_jax", "characterize", "--parts", "gemm", "--out", str(tmp_path)],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "choose among decomposition, transfers, contention" in bad.stderr
