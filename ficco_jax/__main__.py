@@ -137,7 +137,7 @@ def _cmd_accuracy(args):
         shapes.update(_shapes([t for t in args.shape if t not in named], {}))
     profile = cost_model.load_profile(args.profile) if args.profile else None
     accuracy.run(args.out, axis_size=args.axis_size, shapes=shapes, top=args.top, profile=profile,
-                 budget_s=args.budget_s)
+                 budget_s=args.budget_s, plot=args.plot)
 
 
 def _cmd_windowed(args):
@@ -200,6 +200,7 @@ def main(argv=None):
     p.add_argument("--profile", default=None, help="profile name or JSON path (default: this machine's)")
     p.add_argument("--budget-s", type=float, help="stop starting new cases after this many seconds")
     p.add_argument("--out", default="out/accuracy")
+    p.add_argument("--plot", action="store_true", help="write accuracy.png (needs matplotlib)")
     p.set_defaults(fn=_cmd_accuracy)
 
     p = sub.add_parser("_windowed")  # internal: the windowed-einsum child of `bench`

@@ -84,7 +84,7 @@ def candidates(op, shapes, dtype, n, comms, profile, top):
 
 
 def run(out_dir: str, axis_size: int | None = None, shapes: dict | None = None, top: int = 3,
-        dtype: str = "bfloat16", profile=None, budget_s: float | None = None) -> dict:
+        dtype: str = "bfloat16", profile=None, budget_s: float | None = None, plot: bool = False) -> dict:
     from .report import git_commit, progress_printer
 
     devices = jax.local_devices()
@@ -137,7 +137,44 @@ def run(out_dir: str, axis_size: int | None = None, shapes: dict | None = None, 
     with open(os.path.join(out_dir, "accuracy.md"), "w") as fh:
         fh.write(text)
     print(text)
+    if plot:
+        plot_accuracy(result, out_dir)
     return result
+
+
+def plot_accuracy(result: dict, out_dir: str) -> None:
+    """accuracy.png: predicted vs measured time of every measured schedule (left), and per case
+    the pick's time over the best measured (right, 5 % line)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot needs matplotlib: pip install 'ficco_jax[plot]'")
+        return
+    cases = [c for c in result["cases"] if "chosen_vs_best" in c]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for op, marker in (("ag_matmul", "o"), ("matmul_rs", "s")):
+        pts = [(r["median_ms"], r["extra"]["predicted_ms"]) for c in cases if c["op"] == op for r in c["rows"]
+               if r["median_ms"]]
+        if pts:
+            left.scatter(*zip(*pts), marker=marker, s=14, label=op)
+    lo = min([r["median_ms"] for c in cases for r in c["rows"] if r["median_ms"]] or [0.01])
+    hi = max([r["median_ms"] for c in cases for r in c["rows"] if r["median_ms"]] or [1.0])
+    left.plot([lo, hi], [lo, hi], "k--", lw=0.8)
+    left.set(xscale="log", yscale="log", xlabel="measured ms", ylabel="predicted ms", title="cost model")
+    left.legend()
+    labels = [f"{'AG' if c['op'] == 'ag_matmul' else 'RS'} {c['shape']}" for c in cases]
+    right.bar(range(len(cases)), [c["chosen_vs_best"] for c in cases],
+              color=["tab:green" if c["verdict"] == "ok" else "tab:red" for c in cases])
+    right.axhline(WITHIN_BEST, color="k", ls="--", lw=0.8)
+    right.set_xticks(range(len(cases)), labels, rotation=90, fontsize=6)
+    right.set(ylabel="pick / best measured", ylim=(0.95, max([c["chosen_vs_best"] for c in cases] + [1.1]) + 0.02),
+              title="auto's pick (green: within 5 % and <= 3 % over JAX seq)")
+    fig.suptitle(f"{result['axis_size']} x {result['device']}, profile {result['profile']}")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "accuracy.png"), dpi=110)
+    plt.close(fig)
 
 
 def judge(op, name, dims, chosen, rows) -> dict:

@@ -109,3 +109,12 @@ def test_characterize_parts_measures_only_what_is_asked(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "ficco_jax", "characterize", "--parts", "gemm", "--out", str(tmp_path)],
                          env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "choose among decomposition, transfers, contention" in bad.stderr
+
+
+def test_accuracy_plot_from_the_gpu_run(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "2026-11-22-h200x4-session2", "accuracy.json")
+    with open(path) as fh:
+        result = json.load(fh)
+    accuracy.plot_accuracy(result, str(tmp_path))
+    assert (tmp_path / "accuracy.png").stat().st_size > 10_000
