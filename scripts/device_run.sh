@@ -8,6 +8,9 @@
 # Writes logs and JSON under $OUT (default ./out/device). Never changes GPU settings.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+# The lent machines' jax/torch/scikit-build-core live in /opt/torch/.venv; on the one-GPU kind the
+# python3 first on PATH lacked scikit-build-core (2026-11-22).
+[ -x /opt/torch/.venv/bin/python3 ] && export PATH=/opt/torch/.venv/bin:$PATH
 OUT=${OUT:-out/device}; mkdir -p "$OUT" "$OUT/calib" "$OUT/acc" "$OUT/char" "$OUT/faults" "$OUT/a2a" "$OUT/load" "$OUT/mp"
 STAGE=${1:-check}; shift || true
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpus.txt" 2>&1
@@ -137,7 +140,7 @@ case "$STAGE" in
     timeout "$(upto 80)" python3 scripts/a2a_vs_nccl.py --sizes 4,16,64 --overlap-sizes 16,64 --budget-s 60 --out "$OUT/a2a" \
       2>"$OUT/a2a/a2a.err" | tail -20
     timeout "$(upto 60)" python3 -m ficco_jax characterize --parts contention --out "$OUT/char" 2>"$OUT/char/char.err" | tail -2
-    timeout "$(upto 240)" python3 -m ficco_jax accuracy --top 1 --budget-s 210 --out "$OUT/acc" \
+    timeout "$(upto 240)" python3 -m ficco_jax accuracy --top 1 --budget-s 210 --plot --out "$OUT/acc" \
       --shape gpt3_qkv_M2k --shape gpt3_qkv_M16k --shape gpt3_mlp_M1k --shape gpt3_mlp_M8k --shape mixtral_o_M4k \
       --shape mixtral_expert_M2k --shape mixtral_expert_M32k 2>"$OUT/acc/accuracy.err" | tail -20
     mkdir -p /tmp/ficco_load && setsid nohup python3 scripts/load_test.py --steps 10000 --comm dma --interval 500 \
