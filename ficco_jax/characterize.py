@@ -136,10 +136,12 @@ def contention(dtype, progress, rows=4096, k=8192, n_cols=7168, shard_mib=64) ->
 
 
 def _ppermute_gather(n: int):
-    """x's shard from every peer by n-1 independent ppermutes (NCCL send/recv on GPUs)."""
+    """x's shard from every peer by n-1 independent ppermutes (NCCL send/recv on GPUs). Not
+    concatenated: the probe reads one corner of the result, and XLA would slice through a
+    concatenate and drop the transfers; every received shard's corner is added in instead."""
     def gather(v):
-        parts = [v] + [jax.lax.ppermute(v, "tp", [(i, (i + d) % n) for i in range(n)]) for d in range(1, n)]
-        return jnp.concatenate(parts, axis=0)
+        got = [jax.lax.ppermute(v, "tp", [(i, (i + d) % n) for i in range(n)]) for d in range(1, n)]
+        return v.at[0, 0].add(sum(g[0, 0] for g in got)) if got else v
     return gather
 
 
@@ -148,6 +150,8 @@ def nccl_contention(c: dict) -> tuple[float | None, str]:
     concurrently: the all-gather if XLA overlapped it, else the ppermutes if those overlapped;
     (None, why) if XLA serialized both. The slowdown assumes the transfers hide under the matmul
     (t_both >= t_matmul): t_both / t_matmul - 1."""
+    if c.get("matmul_ms", 0) <= 0:
+        return None, "no matmul time measured"
     for both, alone, what in (("matmul_plus_nccl_ms", "nccl_alone_ms", "all-gather"),
                               ("matmul_plus_nccl_p2p_ms", "nccl_p2p_alone_ms", "ppermutes")):
         if both in c and alone in c and c[both] < 0.9 * (c["matmul_ms"] + c[alone]):
