@@ -35,6 +35,18 @@ def _rand(shape, dtype, seed=0, device=None):
     return jax.device_put(a, device) if device is not None else a
 
 
+def chunk_matmuls(c: int):
+    """a @ w as c matmuls of a's row chunks, for timing. The products are not concatenated: the
+    timing chain feeds back one corner element, and XLA would slice through a concatenate and
+    drop every chunk but the first (it did: 4xH200 showed c chunks c times faster). Each chunk's
+    corner is added in, so all c stay live."""
+    def step(a, w):
+        q = a.shape[0] // c
+        ys = [a[j * q:(j + 1) * q] @ w for j in range(c)]
+        return ys[0].at[0, 0].add(sum(y[0, 0] for y in ys[1:])) if c > 1 else ys[0]
+    return step
+
+
 def decomposition(grid, dtype, progress) -> list[dict]:
     dev = jax.local_devices()[0]
     rows_out = []
@@ -48,15 +60,8 @@ def decomposition(grid, dtype, progress) -> list[dict]:
                     continue
                 progress(f"decomposition rows={rows} K={k} N={n_cols} c={c}")
 
-                def step(a, w, c=c):
-                    # The chunk products are not concatenated: the timing chain feeds back one
-                    # corner element, and XLA would slice through a concatenate and drop every
-                    # chunk but the first. Each chunk's corner is added in, so all c stay live.
-                    q = a.shape[0] // c
-                    ys = [a[j * q:(j + 1) * q] @ w for j in range(c)]
-                    return ys[0].at[0, 0].add(sum(y[0, 0] for y in ys[1:]) if c > 1 else 0)
-
-                t = timing.device_time(lambda r: jax.jit(timing.chain(step, r)), (a, w))["median_s"]
+                step = chunk_matmuls(c)
+                t = timing.device_time(lambda r, step=step: jax.jit(timing.chain(step, r)), (a, w))["median_s"]
                 base = t if c == 1 else base
                 rows_out.append({"rows": rows, "K": k, "N": n_cols, "chunks": c, "ms": t * 1e3,
                                  "loss": t / base - 1.0 if base else 0.0})

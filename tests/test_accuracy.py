@@ -118,3 +118,16 @@ def test_accuracy_plot_from_the_gpu_run(tmp_path):
         result = json.load(fh)
     accuracy.plot_accuracy(result, str(tmp_path))
     assert (tmp_path / "accuracy.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("c", [1, 2, 4, 8])
+def test_every_chunk_matmul_survives_the_timing_chain(c):
+    """The decomposition probe once let XLA drop all chunk matmuls but the first."""
+    import jax
+    import jax.numpy as jnp
+
+    from ficco_jax import timing
+
+    a, w = jnp.ones((64, 32)), jnp.ones((32, 16))
+    hlo = jax.jit(timing.chain(characterize.chunk_matmuls(c), 3)).lower(a, w).compile().as_text()
+    assert hlo.count(" dot(") == c
