@@ -100,7 +100,10 @@ def _cmd_explain(args):
 def _cmd_characterize(args):
     from . import characterize
 
-    characterize.run(args.out, plot=args.plot, parts=tuple(args.parts.split(",")))
+    parts = tuple(p for p in args.parts.split(",") if p)
+    if not parts or any(p not in characterize.PARTS for p in parts):
+        raise SystemExit(f"--parts {args.parts!r}: choose among {', '.join(characterize.PARTS)} (comma-separated)")
+    characterize.run(args.out, plot=args.plot, parts=parts)
 
 
 def _cmd_calibrate(args):
@@ -116,12 +119,14 @@ def _cmd_calibrate(args):
     profile = characterize.fit_profile(char)
     if args.name:
         profile["name"] = args.name
-    for path in args.bench or ():
-        with open(path) as fh:
-            obs = characterize.op_observations(json.load(fh))
+    if args.bench:  # one fit over the op times of every bench file given
+        obs = []
+        for path in args.bench:
+            with open(path) as fh:
+                obs += characterize.op_observations(json.load(fh))
         profile, err = characterize.fit_to_ops(profile, obs)
-        profile["fitted_to_ops"]["source"] = os.path.basename(path)
-        print(f"fitted to {len(obs)} op times of {path}: RMS log error {err:.3f}; {profile['fitted_to_ops']['parameters']}")
+        profile["fitted_to_ops"]["source"] = ", ".join(os.path.basename(p) for p in args.bench)
+        print(f"fitted to {len(obs)} op times: RMS log error {err:.3f}; {profile['fitted_to_ops']['parameters']}")
     with open(args.out, "w") as fh:
         json.dump(profile, fh, indent=1, sort_keys=True)
     print(f"profile written to {args.out}: " + json.dumps({k: profile[k] for k in ("peak_tflops", "rows_half", "dma_latency_us", "dma_ingress_gbps", "xla_latency_us", "xla_ingress_gbps", "contention_xla")}))
@@ -136,8 +141,11 @@ def _cmd_accuracy(args):
         shapes = {t: named[t] for t in args.shape if t in named}
         shapes.update(_shapes([t for t in args.shape if t not in named], {}))
     profile = cost_model.load_profile(args.profile) if args.profile else None
-    accuracy.run(args.out, axis_size=args.axis_size, shapes=shapes, top=args.top, profile=profile,
-                 budget_s=args.budget_s, plot=args.plot)
+    try:
+        accuracy.run(args.out, axis_size=args.axis_size, shapes=shapes, top=args.top, profile=profile,
+                     budget_s=args.budget_s, plot=args.plot)
+    except ValueError as exc:  # a device count or shape the run cannot take: say so, no traceback
+        raise SystemExit(str(exc))
 
 
 def _cmd_windowed(args):

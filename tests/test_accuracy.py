@@ -109,6 +109,7 @@ def test_characterize_parts_measures_only_what_is_asked(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "ficco_jax", "characterize", "--parts", "gemm", "--out", str(tmp_path)],
                          env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "choose among decomposition, transfers, contention" in bad.stderr
+    assert "Traceback" not in bad.stderr
 
 
 def test_accuracy_plot_from_the_gpu_run(tmp_path):
@@ -131,3 +132,18 @@ def test_every_chunk_matmul_survives_the_timing_chain(c):
     a, w = jnp.ones((64, 32)), jnp.ones((32, 16))
     hlo = jax.jit(timing.chain(characterize.chunk_matmuls(c), 3)).lower(a, w).compile().as_text()
     assert hlo.count(" dot(") == c
+
+
+def test_calibrate_from_files_fits_the_op_times(tmp_path):
+    """calibrate --characterization --bench: the path that made the shipped h200x8 profile."""
+    root = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "2026-11-22-h200x8")
+    out = tmp_path / "p.json"
+    proc = subprocess.run([sys.executable, "-m", "ficco_jax", "calibrate", "--characterization",
+                           os.path.join(root, "characterize.json"), "--bench", os.path.join(root, "bench.json"),
+                           "--name", "test8", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    prof = json.loads(out.read_text())
+    assert prof["name"] == "test8" and prof["axis_size"] == 8
+    assert prof["fitted_to_ops"]["observations"] == 70 and prof["fitted_to_ops"]["rms_log_error"] < 0.12
+    shipped = cost_model.load_profile("h200x8")
+    assert prof["fitted_to_ops"]["parameters"] == shipped["fitted_to_ops"]["parameters"]
