@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import a2a_lowering, config
-from .ops import ScheduleArg, _axis_size, _like_primal, _varying_axes
+from .ops import ScheduleArg, _axis_size, _custom_vjp_pair, _like_primal, _varying_axes
 from .ops import resolve_schedule as _resolve_explicit
 from .schedule import Schedule, check_shapes
 
@@ -139,40 +139,6 @@ def _check_operands(op: str, a, w) -> None:
 # ------------------------------------------------------------------------------------------------
 # Private positional ops carrying the custom VJPs
 # ------------------------------------------------------------------------------------------------
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _a2a_matmul(x, w, axis_name, sched):
-    return _a2a_matmul_impl(x, w, axis_name, sched)[0]
-
-
-def _a2a_matmul_fwd(x, w, axis_name, sched):
-    out, received = _a2a_matmul_impl(x, w, axis_name, sched)
-    return out, (received, w)
-
-
-def _a2a_matmul_bwd(axis_name, sched, res, g_out):
-    return _a2a_matmul_backward(axis_name, sched, res, g_out, None)
-
-
-_a2a_matmul.defvjp(_a2a_matmul_fwd, _a2a_matmul_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _a2a_matmul_received(x, w, axis_name, sched):
-    return _a2a_matmul_impl(x, w, axis_name, sched)
-
-
-def _a2a_matmul_received_fwd(x, w, axis_name, sched):
-    out, received = _a2a_matmul_impl(x, w, axis_name, sched)
-    return (out, received), (received, w)
-
-
-def _a2a_matmul_received_bwd(axis_name, sched, res, cotangents):
-    return _a2a_matmul_backward(axis_name, sched, res, *cotangents)
-
-
-_a2a_matmul_received.defvjp(_a2a_matmul_received_fwd, _a2a_matmul_received_bwd)
-
-
 def _a2a_matmul_backward(axis_name, sched, res, g_out, g_received):
     received, w = res
     n = _axis_size(axis_name, "a2a_matmul")
@@ -216,6 +182,11 @@ def _a2a_matmul_impl(x, w, axis_name, sched):
 
         return dma_a2a.a2a_matmul_dma(x, w, axis_name, sched)
     return a2a_lowering.a2a_matmul(x, w, axis_name, sched, _axis_size(axis_name, "a2a_matmul"))
+
+
+# a2a_matmul returning out, and (out, received) when the received tokens have other users.
+_a2a_matmul, _a2a_matmul_received = _custom_vjp_pair(_a2a_matmul_impl, _a2a_matmul_backward, "_a2a_matmul",
+                                                      "_a2a_matmul_received")
 
 
 def _matmul_a2a_impl(y, w, axis_name, sched):

@@ -114,40 +114,34 @@ def resolve_schedule(op: str, schedule: ScheduleArg, shapes, dtype, axis_size: i
 # ------------------------------------------------------------------------------------------------
 # Private positional ops carrying the custom VJPs
 # ------------------------------------------------------------------------------------------------
-# Two positional forms of ag_matmul, so that the common one (only `out` used) carries no
-# cotangent for the gathered tensor at all, and its backward pass no reduce-scatter for it.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _ag_matmul(x, w, axis_name, sched):
-    return _ag_matmul_impl(x, w, axis_name, sched)[0]
+def _custom_vjp_pair(impl, backward, name: str, name_with_side: str):
+    """Two positional custom-VJP forms of an op whose `impl(x, w, axis_name, sched)` returns
+    (out, side): `name` returns out only, so the common use carries no cotangent for the side
+    output and its backward pass no collective for it; `name_with_side` returns both.
+    `backward(axis_name, sched, (side, w), g_out, g_side)` gets g_side None for the first."""
 
+    def only_out(x, w, axis_name, sched):
+        return impl(x, w, axis_name, sched)[0]
 
-def _ag_matmul_fwd(x, w, axis_name, sched):
-    out, gathered = _ag_matmul_impl(x, w, axis_name, sched)
-    return out, (gathered, w)
+    def both(x, w, axis_name, sched):
+        return impl(x, w, axis_name, sched)
 
+    only_out.__name__ = only_out.__qualname__ = name
+    both.__name__ = both.__qualname__ = name_with_side
+    only_out = jax.custom_vjp(only_out, nondiff_argnums=(2, 3))
+    both = jax.custom_vjp(both, nondiff_argnums=(2, 3))
 
-def _ag_matmul_bwd(axis_name, sched, res, g_out):
-    return _ag_matmul_backward(axis_name, sched, res, g_out, None)
+    def fwd_only_out(x, w, axis_name, sched):
+        out, side = impl(x, w, axis_name, sched)
+        return out, (side, w)
 
+    def fwd_both(x, w, axis_name, sched):
+        out, side = impl(x, w, axis_name, sched)
+        return (out, side), (side, w)
 
-_ag_matmul.defvjp(_ag_matmul_fwd, _ag_matmul_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _ag_matmul_gathered(x, w, axis_name, sched):
-    return _ag_matmul_impl(x, w, axis_name, sched)
-
-
-def _ag_matmul_gathered_fwd(x, w, axis_name, sched):
-    out, gathered = _ag_matmul_impl(x, w, axis_name, sched)
-    return (out, gathered), (gathered, w)
-
-
-def _ag_matmul_gathered_bwd(axis_name, sched, res, cotangents):
-    return _ag_matmul_backward(axis_name, sched, res, *cotangents)
-
-
-_ag_matmul_gathered.defvjp(_ag_matmul_gathered_fwd, _ag_matmul_gathered_bwd)
+    only_out.defvjp(fwd_only_out, lambda axis_name, sched, res, g_out: backward(axis_name, sched, res, g_out, None))
+    both.defvjp(fwd_both, lambda axis_name, sched, res, cotangents: backward(axis_name, sched, res, *cotangents))
+    return only_out, both
 
 
 def _ag_matmul_backward(axis_name, sched, res, g_out, g_gathered):
@@ -193,6 +187,11 @@ def _ag_matmul_impl(x, w, axis_name, sched):
 
         return dma.ag_matmul_dma(x, w, axis_name, sched)
     return xla_lowering.ag_matmul(x, w, axis_name, sched, _axis_size(axis_name, "ag_matmul"))
+
+
+# ag_matmul returning out, and (out, gathered) when the gathered tensor has other users.
+_ag_matmul, _ag_matmul_gathered = _custom_vjp_pair(_ag_matmul_impl, _ag_matmul_backward, "_ag_matmul",
+                                                   "_ag_matmul_gathered")
 
 
 def _matmul_rs_impl(y, w, axis_name, sched):
