@@ -178,10 +178,13 @@ ffi::Error JoinAndRelease(Backend& backend, const OpConfig& config, CallSession&
   return ffi::Error::Success();
 }
 
-ffi::Error CheckChunks(const OpConfig& config, int64_t rows, const char* what) {
-  if (config.chunks >= 1 && rows % config.chunks == 0) return ffi::Error::Success();
-  return MakeInvalid(config.ctx, std::string(what) + " = " + std::to_string(rows) +
-                                     " must divide by chunks = " + std::to_string(config.chunks));
+ffi::Error BeginCall(Backend& backend, const OpConfig& config, int64_t rows, const char* what) {
+  FICCO_RETURN_IF_ERROR(CheckFault(config, Fault::kSkip));
+  if (config.chunks < 1 || rows % config.chunks != 0) {
+    return MakeInvalid(config.ctx, std::string(what) + " = " + std::to_string(rows) +
+                                       " must divide by chunks = " + std::to_string(config.chunks));
+  }
+  return backend.Prepare(CopyStreamsUsed(config), config.LocalOrdinals());
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -215,9 +218,7 @@ ffi::Error AllGatherMatmuls(Backend& backend, const OpConfig& config, const AllG
 }  // namespace
 
 ffi::Error RunAllGather(Backend& backend, const OpConfig& config, const AllGatherArgs& a) {
-  FICCO_RETURN_IF_ERROR(CheckFault(config, Fault::kSkip));
-  FICCO_RETURN_IF_ERROR(CheckChunks(config, a.m, "rows per device"));
-  FICCO_RETURN_IF_ERROR(backend.Prepare(CopyStreamsUsed(config), config.LocalOrdinals()));
+  FICCO_RETURN_IF_ERROR(BeginCall(backend, config, a.m, "rows per device"));
   const bool matmul = a.w != nullptr;
   CallSession session(config, {matmul ? 1 : 3, static_cast<int>(a.dtype), a.m, a.row_bytes, a.inner,
                                a.cols, config.chunks, static_cast<int>(config.order),
@@ -323,9 +324,7 @@ ffi::Error ReduceChunks(Backend& backend, const OpConfig& config, const ReduceSc
 }  // namespace
 
 ffi::Error RunReduceScatter(Backend& backend, const OpConfig& config, const ReduceScatterArgs& a) {
-  FICCO_RETURN_IF_ERROR(CheckFault(config, Fault::kSkip));
-  FICCO_RETURN_IF_ERROR(CheckChunks(config, a.m, "rows per output block"));
-  FICCO_RETURN_IF_ERROR(backend.Prepare(CopyStreamsUsed(config), config.LocalOrdinals()));
+  FICCO_RETURN_IF_ERROR(BeginCall(backend, config, a.m, "rows per output block"));
   const bool matmul = a.w != nullptr;
   CallSession session(config, {matmul ? 2 : 4, static_cast<int>(a.dtype), a.m, a.row_elems, a.inner,
                                config.chunks, static_cast<int>(config.order), static_cast<int>(config.gemm),

@@ -173,8 +173,9 @@ class CallSession {
 int CopyStreamsUsed(const OpConfig& config);
 // The injected fault of config.FAULT_INJECTION, if it is for this rank and moment.
 ffi::Error CheckFault(const OpConfig& config, Fault when);
-// `rows` (of a block or chunked dimension, named by `what`) must divide by config.chunks.
-ffi::Error CheckChunks(const OpConfig& config, int64_t rows, const char* what);
+// The first steps of every op: the injected early fault ("skip"), then `rows` (of the chunked
+// dimension, named by `what`) must divide by config.chunks, then the device's copy streams and peers.
+ffi::Error BeginCall(Backend& backend, const OpConfig& config, int64_t rows, const char* what);
 // The join and event release that end every call (see executor.cc).
 ffi::Error JoinAndRelease(Backend& backend, const OpConfig& config, CallSession& session);
 

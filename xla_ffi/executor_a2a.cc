@@ -80,9 +80,7 @@ ffi::Error CombineMatmuls(Backend& backend, const OpConfig& config, const Matmul
 }  // namespace
 
 ffi::Error RunAllToAll(Backend& backend, const OpConfig& config, const AllToAllArgs& a) {
-  FICCO_RETURN_IF_ERROR(CheckFault(config, Fault::kSkip));
-  FICCO_RETURN_IF_ERROR(CheckChunks(config, a.rows, "rows per peer block (the capacity C)"));
-  FICCO_RETURN_IF_ERROR(backend.Prepare(CopyStreamsUsed(config), config.LocalOrdinals()));
+  FICCO_RETURN_IF_ERROR(BeginCall(backend, config, a.rows, "rows per peer block (the capacity C)"));
   const bool matmul = a.w != nullptr;
   CallSession session(config, {matmul ? kA2aMatmulKind : kAllToAllKind, static_cast<int>(a.dtype), a.groups, a.rows,
                                a.row_bytes, a.inner, a.cols, config.chunks, static_cast<int>(config.order),
@@ -130,9 +128,7 @@ ffi::Error RunAllToAll(Backend& backend, const OpConfig& config, const AllToAllA
 }
 
 ffi::Error RunMatmulAllToAll(Backend& backend, const OpConfig& config, const MatmulAllToAllArgs& a) {
-  FICCO_RETURN_IF_ERROR(CheckFault(config, Fault::kSkip));
-  FICCO_RETURN_IF_ERROR(CheckChunks(config, a.rows, "rows per peer block (the capacity C)"));
-  FICCO_RETURN_IF_ERROR(backend.Prepare(CopyStreamsUsed(config), config.LocalOrdinals()));
+  FICCO_RETURN_IF_ERROR(BeginCall(backend, config, a.rows, "rows per peer block (the capacity C)"));
   CallSession session(config, {kMatmulA2aKind, static_cast<int>(a.dtype), a.groups, a.rows, a.inner, a.cols,
                                config.chunks, static_cast<int>(config.order), static_cast<int>(config.gemm),
                                config.copy_streams, config.n()});
