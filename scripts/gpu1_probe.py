@@ -1,5 +1,6 @@
-"""Error paths on ONE GPU, each in a child process (FICCO_SEGV_TRACE=1, faulthandler): the checks
-that need no second GPU after the iostream fix (53664fb) and the IPC staging redesign.
+"""Error paths on ONE GPU, each in a child process (segv_probe.run_cases: FICCO_SEGV_TRACE=1,
+faulthandler): the checks that need no second GPU after the iostream fix (53664fb) and the IPC
+staging redesign.
 
   fault    : dma.all_gather on a 1-device mesh with FICCO_FAULT_INJECTION=skip:0 -> an error, alive
   mailbox  : a direct ficco_all_gather call whose group is [this device, a rank of another process
@@ -10,7 +11,6 @@ that need no second GPU after the iostream fix (53664fb) and the IPC staging red
     python3 scripts/gpu1_probe.py
 """
 import os
-import subprocess
 import sys
 import time
 
@@ -64,10 +64,7 @@ if __name__ == "__main__":
     if len(sys.argv) > 1:
         child(sys.argv[1])
         sys.exit(0)
-    env = dict(os.environ, FICCO_SEGV_TRACE="1", FICCO_RENDEZVOUS_TIMEOUT_S="1", FICCO_CROSS_PROCESS_DMA="1")
-    for case in ("fault", "mailbox"):
-        p = subprocess.run([sys.executable, "-X", "faulthandler", os.path.abspath(__file__), case], env=env,
-                           capture_output=True, text=True, timeout=120)
-        lines = [l for l in (p.stdout + p.stderr).splitlines() if l.startswith(("[", "ficco", "Fatal", "  File", "/"))]
-        print(f"== {case}: exit {p.returncode}")
-        print("\n".join(lines[-30:]))
+    sys.path.insert(0, HERE)
+    from segv_probe import run_cases
+
+    run_cases(__file__, ("fault", "mailbox"), timeout_s=120, FICCO_CROSS_PROCESS_DMA="1")

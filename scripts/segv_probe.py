@@ -51,14 +51,21 @@ def child(case: str) -> None:
     print(f"[{case}] process still alive", flush=True)
 
 
+def run_cases(script: str, cases, timeout_s: float = 90, **env_extra) -> None:
+    """Run `script CASE` for each case in a child process with faulthandler and the extension's
+    native stack on a crash (FICCO_SEGV_TRACE=1), rendezvous timeout 1 s; print each exit status
+    and the end of its output (more of it when the child failed). XLA's own log lines are dropped."""
+    env = dict(os.environ, FICCO_SEGV_TRACE="1", FICCO_RENDEZVOUS_TIMEOUT_S="1", PYTHONFAULTHANDLER="1", **env_extra)
+    for case in cases:
+        p = subprocess.run([sys.executable, "-X", "faulthandler", os.path.abspath(script), case], env=env,
+                           capture_output=True, text=True, timeout=timeout_s)
+        lines = [l for l in (p.stdout + p.stderr).splitlines() if not l.startswith(("E1", "W1", "I1"))]
+        print(f"== {case}: exit {p.returncode}")
+        print("\n".join(lines[-45:]) if p.returncode else "\n".join(lines[-4:]))
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 1:
         child(sys.argv[1])
         sys.exit(0)
-    env = dict(os.environ, FICCO_SEGV_TRACE="1", FICCO_RENDEZVOUS_TIMEOUT_S="1", PYTHONFAULTHANDLER="1")
-    for case in CASES:
-        p = subprocess.run([sys.executable, "-X", "faulthandler", os.path.abspath(__file__), case], env=env,
-                           capture_output=True, text=True, timeout=90)
-        lines = [l for l in (p.stdout + p.stderr).splitlines() if not l.startswith(("E1", "W1", "I1"))]
-        print(f"== {case}: exit {p.returncode}")
-        print("\n".join(lines[-45:]) if p.returncode else "\n".join(lines[-4:]))
+    run_cases(__file__, CASES)
