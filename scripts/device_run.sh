@@ -16,6 +16,12 @@ STAGE=${1:-check}; shift || true
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpus.txt" 2>&1
 nvidia-smi topo -m >> "$OUT/gpus.txt" 2>&1
 
+# Deadline-bound stages set DEADLINE (seconds for the whole stage, from here): `left` is what remains,
+# `upto S` is S or what remains less 5 s, whichever is smaller (at least 1), for `timeout`.
+T0=$SECONDS
+left() { echo $((DEADLINE - (SECONDS - T0))); }
+upto() { local l=$(($(left) - 5)); [ "$1" -lt "$l" ] && echo "$1" || echo $((l > 1 ? l : 1)); }
+
 build() {
   local t0=$SECONDS
   FICCO_CUDA=ON python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
@@ -74,8 +80,7 @@ case "$STAGE" in
       --schedules "dma/direct/c1" --out "$OUT/bench_final" 2>"$OUT/bench_final.err" | grep -E "^\| ag"
     ;;
   x8a)  # issue 10, first part, on all GPUs of the node: calibrate, PyTorch anchors, bench (anchors + Llama-405B)
-    T0=$SECONDS; DEADLINE=${DEADLINE:-585}
-    left() { echo $((DEADLINE - (SECONDS - T0))); }
+    DEADLINE=${DEADLINE:-585}
     build
     N=$(nvidia-smi -L | wc -l)
     timeout 230 python3 -m ficco_jax calibrate --out "$OUT/calib/h200x${N}.json" 2>"$OUT/calib/calibrate.err" | tail -40
@@ -92,8 +97,7 @@ case "$STAGE" in
     tail -2 "$OUT/bench.err"
     ;;
   x8b)  # issue 10 (+5): the example at tp=8 with the shipped h200x8 profile, then the held-out accuracy check at tp=8
-    T0=$SECONDS; DEADLINE=${DEADLINE:-570}
-    left() { echo $((DEADLINE - (SECONDS - T0))); }
+    DEADLINE=${DEADLINE:-570}
     build
     timeout 120 python3 examples/tp_transformer.py --preset llama70b-layer --tp 8 --compare --steps 4 > "$OUT/ex_tp8.log" 2>&1
     grep -v "^\[" "$OUT/ex_tp8.log" | grep -v "^ok " | tail -12
@@ -102,8 +106,7 @@ case "$STAGE" in
       2>"$OUT/acc/accuracy.err" | tail -50
     ;;
   x4a)  # issues 4, 8, 11 (+ a first look at 9) on 4 GPUs: characterize, dma.all_to_all vs NCCL, faults, load, IPC
-    T0=$SECONDS; DEADLINE=${DEADLINE:-560}
-    upto() { local l=$((DEADLINE - (SECONDS - T0) - 5)); [ "$1" -lt "$l" ] && echo "$1" || echo $((l > 1 ? l : 1)); }
+    DEADLINE=${DEADLINE:-560}
     build
     timeout "$(upto 130)" python3 -m ficco_jax characterize --out "$OUT/char" 2>"$OUT/char/characterize.err" | tail -40
     timeout "$(upto 130)" python3 scripts/gpu_faults.py --budget-s 100 --out "$OUT/faults" 2>"$OUT/faults/gpu_faults.err" | tail -30
@@ -117,8 +120,7 @@ case "$STAGE" in
     fi
     ;;
   x4b)  # why error paths died on the GPU, then issue 5 at tp=4, issue 8 all_to_all, issue 9 IPC (platform allocator)
-    T0=$SECONDS; DEADLINE=${DEADLINE:-555}
-    upto() { local l=$((DEADLINE - (SECONDS - T0) - 5)); [ "$1" -lt "$l" ] && echo "$1" || echo $((l > 1 ? l : 1)); }
+    DEADLINE=${DEADLINE:-555}
     build
     timeout "$(upto 100)" python3 scripts/segv_probe.py > "$OUT/segv_probe.log" 2>&1; grep -v "^\s*$" "$OUT/segv_probe.log" | cut -c1-260 | tail -60
     timeout "$(upto 330)" python3 -m ficco_jax accuracy --top 1 --budget-s "${ACC_BUDGET:-290}" --out "$OUT/acc" \
@@ -132,8 +134,7 @@ case "$STAGE" in
     ;;
   nextA)  # next 4-GPU session, call 1: verify the error-path fix, faults, all_to_all (+pair), NCCL contention, the 13 held-out
           # cases not reached, then start the 10,000-step load in the background (it outlives this call)
-    T0=$SECONDS; DEADLINE=${DEADLINE:-570}
-    upto() { local l=$((DEADLINE - (SECONDS - T0) - 5)); [ "$1" -lt "$l" ] && echo "$1" || echo $((l > 1 ? l : 1)); }
+    DEADLINE=${DEADLINE:-570}
     build
     timeout "$(upto 100)" python3 scripts/segv_probe.py > "$OUT/segv_probe.log" 2>&1; grep -E "^==|raised|alive" "$OUT/segv_probe.log"
     timeout "$(upto 130)" python3 scripts/gpu_faults.py --budget-s 110 --out "$OUT/faults" 2>"$OUT/faults/gpu_faults.err" | tail -28
