@@ -5,6 +5,7 @@
 #   STAGE=bench   the anchor shapes, ficco_jax vs JAX options (+ torch anchors if .carry/anchors exists)
 #   STAGE=x8a|x8b the 8-GPU run (issue 10); x4a|x4b the 4-GPU runs of 2026-11-22 session 2
 #   STAGE=nextA then nextB (back to back): what session 2 could not run or verify
+#   STAGE=s3a then s3b (back to back): session 3's plan (s3b checks correctness while s3a's load runs)
 # Writes logs and JSON under $OUT (default ./out/device). Never changes GPU settings.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -156,6 +157,32 @@ case "$STAGE" in
     echo "mp_gpu rc=$?"; grep -E "PASS|FAIL|setup" "$OUT/mp/launch.log" | cut -c1-200 | tail -30
     for _ in $(seq 1 40); do [ -f /tmp/ficco_load/load.json ] && break; sleep 5; done
     cp /tmp/ficco_load/load.* "$OUT/load/" 2>/dev/null; tail -4 "$OUT/load/load.log"
+    ;;
+  s3a)  # session 3, call 1 (quiet GPUs): all_to_all beside a matmul, NCCL contention, the 4-process IPC run, the example
+        # with cuDNN attention (its tp=4 crash predates the error-path fix); then the 10,000-step load in the background
+    DEADLINE=${DEADLINE:-575}
+    build
+    timeout "$(upto 80)" python3 scripts/a2a_vs_nccl.py --sizes 4,16,64 --overlap-sizes 16,64 --budget-s 60 --out "$OUT/a2a" \
+      2>"$OUT/a2a/a2a.err" | tail -20
+    timeout "$(upto 70)" python3 -m ficco_jax characterize --parts contention --out "$OUT/char" 2>"$OUT/char/char.err" | tail -12
+    command -v python >/dev/null || ln -sf "$(command -v python3)" /usr/local/bin/python
+    B=$(upto 200); FICCO_SEGV_TRACE=1 FICCO_MP_BUDGET_S=$((B - 25)) OUT="$OUT/mp" timeout "$B" bash scripts/mp_gpu_launch.sh > "$OUT/mp/launch.log" 2>&1
+    echo "mp_gpu rc=$?"; grep -E "PASS|FAIL|setup|^\|" "$OUT/mp/launch.log" | cut -c1-200 | tail -30
+    FICCO_SEGV_TRACE=1 timeout "$(upto 190)" python3 examples/tp_transformer.py --preset llama70b-layer --compare --steps 4 \
+      --attention cudnn > "$OUT/ex_cudnn.log" 2>&1; echo "example rc=$?"; grep -v "^\[" "$OUT/ex_cudnn.log" | tail -14
+    mkdir -p /tmp/ficco_load && setsid nohup python3 scripts/load_test.py --steps 10000 --comm dma --interval 500 \
+      --warmup 500 --json /tmp/ficco_load/load.json > /tmp/ficco_load/load.log 2>&1 < /dev/null &
+    echo "load test started in the background (pid $!) after $((SECONDS - T0)) s: collect with stage s3b within 30 s"
+    ;;
+  s3b)  # call 2, at once on the same warm machine, while the load runs: the error-path checks and GPU tests (correctness
+        # only, nothing timed), then wait for the load's verdict
+    DEADLINE=${DEADLINE:-590}
+    build
+    timeout "$(upto 70)" python3 scripts/segv_probe.py > "$OUT/segv_probe.log" 2>&1; grep -E "^==|raised|alive" "$OUT/segv_probe.log" | head -20
+    timeout "$(upto 130)" python3 scripts/gpu_faults.py --budget-s 110 --out "$OUT/faults" 2>"$OUT/faults/gpu_faults.err" | tail -28
+    timeout "$(upto 160)" python3 -m pytest tests/gpu -x -q 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
+    while [ ! -f /tmp/ficco_load/load.json ] && [ "$(left)" -gt 8 ]; do sleep 2; done
+    cp /tmp/ficco_load/load.* "$OUT/load/" 2>/dev/null; tail -5 "$OUT/load/load.log"
     ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac
