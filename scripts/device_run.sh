@@ -184,5 +184,20 @@ case "$STAGE" in
     while [ ! -f /tmp/ficco_load/load.json ] && [ "$(left)" -gt 8 ]; do sleep 2; done
     cp /tmp/ficco_load/load.* "$OUT/load/" 2>/dev/null; tail -5 "$OUT/load/load.log"
     ;;
+  s3c)  # session 3, last call (quiet GPUs, nothing else running): faults, NCCL contention by PyTorch, GPU tests, then as
+        # many load steps as fit. (s3b ran these beside s3a's load: every JAX process preallocates 75 % of each GPU, so
+        # the others ran out of memory and NCCL hung — never run two JAX GPU programs at once here.)
+    DEADLINE=${DEADLINE:-450}
+    build
+    timeout "$(upto 130)" python3 scripts/gpu_faults.py --budget-s 115 --out "$OUT/faults" 2>"$OUT/faults/gpu_faults.err" | tail -28
+    timeout "$(upto 70)" python3 -m torch.distributed.run --nproc-per-node="$(nvidia-smi -L | wc -l)" scripts/contention_torch.py \
+      --out "$OUT/char" > "$OUT/char/contention_torch.log" 2>&1; echo "contention_torch rc=$?"; grep '^{' "$OUT/char/contention_torch.log" | cut -c1-600
+    timeout "$(upto 200)" python3 -m pytest tests/gpu -q 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
+    STEPS=$(( ($(left) - 35) * 15 )); [ "$STEPS" -gt 10000 ] && STEPS=10000
+    if [ "$STEPS" -ge 1000 ]; then
+      timeout "$(upto $(left))" python3 scripts/load_test.py --steps "$STEPS" --comm dma --interval 250 --warmup 250 \
+        --json "$OUT/load/load.json" > "$OUT/load/load.log" 2>&1; echo "load rc=$?"; tail -3 "$OUT/load/load.log"
+    fi
+    ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac
