@@ -4,8 +4,7 @@
 #   STAGE=check   build + GPU tests + a short bench of one shape
 #   STAGE=bench   the anchor shapes, ficco_jax vs JAX options (+ torch anchors if .carry/anchors exists)
 #   STAGE=x8a|x8b the 8-GPU run (issue 10); x4a|x4b the 4-GPU runs of 2026-11-22 session 2
-#   STAGE=nextA then nextB (back to back): what session 2 could not run or verify
-#   STAGE=s3a then s3b (back to back): session 3's plan (s3b checks correctness while s3a's load runs)
+#   STAGE=s3a, s3c: session 3's runs; s4load, s4b: the next session's (the 10,000-step load alone; NCCL contention, accuracy)
 # Writes logs and JSON under $OUT (default ./out/device). Never changes GPU settings.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -133,33 +132,10 @@ case "$STAGE" in
       timeout "$B" bash scripts/mp_gpu_launch.sh > "$OUT/mp/launch.log" 2>&1
     echo "mp_gpu rc=$?"; grep -v "^\s*$" "$OUT/mp/launch.log" | cut -c1-260 | tail -30
     ;;
-  nextA)  # next 4-GPU session, call 1: verify the error-path fix, faults, all_to_all (+pair), NCCL contention, the 13 held-out
-          # cases not reached, then start the 10,000-step load in the background (it outlives this call)
-    DEADLINE=${DEADLINE:-570}
-    build
-    timeout "$(upto 100)" python3 scripts/segv_probe.py > "$OUT/segv_probe.log" 2>&1; grep -E "^==|raised|alive" "$OUT/segv_probe.log"
-    timeout "$(upto 130)" python3 scripts/gpu_faults.py --budget-s 110 --out "$OUT/faults" 2>"$OUT/faults/gpu_faults.err" | tail -28
-    timeout "$(upto 80)" python3 scripts/a2a_vs_nccl.py --sizes 4,16,64 --overlap-sizes 16,64 --budget-s 60 --out "$OUT/a2a" \
-      2>"$OUT/a2a/a2a.err" | tail -20
-    timeout "$(upto 60)" python3 -m ficco_jax characterize --parts contention --out "$OUT/char" 2>"$OUT/char/char.err" | tail -2
-    timeout "$(upto 240)" python3 -m ficco_jax accuracy --top 1 --budget-s 210 --plot --out "$OUT/acc" \
-      --shape gpt3_qkv_M2k --shape gpt3_qkv_M16k --shape gpt3_mlp_M1k --shape gpt3_mlp_M8k --shape mixtral_o_M4k \
-      --shape mixtral_expert_M2k --shape mixtral_expert_M32k 2>"$OUT/acc/accuracy.err" | tail -20
-    mkdir -p /tmp/ficco_load && setsid nohup python3 scripts/load_test.py --steps 10000 --comm dma --interval 500 \
-      --warmup 500 --json /tmp/ficco_load/load.json > /tmp/ficco_load/load.log 2>&1 < /dev/null &
-    echo "load test started in the background (pid $!): collect with stage nextB within 30 s of this call"
-    ;;
-  nextB)  # call 2, right after nextA on the same warm machine: GPU tests and the IPC run, then the load's result
-    build
-    timeout 150 python3 -m pytest tests/gpu -x -q 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
-    command -v python >/dev/null || ln -sf "$(command -v python3)" /usr/local/bin/python
-    FICCO_MP_BUDGET_S=200 OUT="$OUT/mp" timeout 240 bash scripts/mp_gpu_launch.sh > "$OUT/mp/launch.log" 2>&1
-    echo "mp_gpu rc=$?"; grep -E "PASS|FAIL|setup" "$OUT/mp/launch.log" | cut -c1-200 | tail -30
-    for _ in $(seq 1 40); do [ -f /tmp/ficco_load/load.json ] && break; sleep 5; done
-    cp /tmp/ficco_load/load.* "$OUT/load/" 2>/dev/null; tail -4 "$OUT/load/load.log"
-    ;;
-  s3a)  # session 3, call 1 (quiet GPUs): all_to_all beside a matmul, NCCL contention, the 4-process IPC run, the example
-        # with cuDNN attention (its tp=4 crash predates the error-path fix); then the 10,000-step load in the background
+  s3a)  # session 3, call 1: all_to_all beside a matmul, NCCL contention, the 4-process IPC run, the example with cuDNN
+        # attention. (It also started the 10,000-step load in the background for a second call to collect: the call
+        # then ran to its 600 s limit, and the load was spoiled by the processes run beside it. Never again: one
+        # JAX GPU program at a time, and the long load gets a call of its own, s4load.)
     DEADLINE=${DEADLINE:-575}
     build
     timeout "$(upto 80)" python3 scripts/a2a_vs_nccl.py --sizes 4,16,64 --overlap-sizes 16,64 --budget-s 60 --out "$OUT/a2a" \
@@ -170,23 +146,10 @@ case "$STAGE" in
     echo "mp_gpu rc=$?"; grep -E "PASS|FAIL|setup|^\|" "$OUT/mp/launch.log" | cut -c1-200 | tail -30
     FICCO_SEGV_TRACE=1 timeout "$(upto 190)" python3 examples/tp_transformer.py --preset llama70b-layer --compare --steps 4 \
       --attention cudnn > "$OUT/ex_cudnn.log" 2>&1; echo "example rc=$?"; grep -v "^\[" "$OUT/ex_cudnn.log" | tail -14
-    mkdir -p /tmp/ficco_load && setsid nohup python3 scripts/load_test.py --steps 10000 --comm dma --interval 500 \
-      --warmup 500 --json /tmp/ficco_load/load.json > /tmp/ficco_load/load.log 2>&1 < /dev/null &
-    echo "load test started in the background (pid $!) after $((SECONDS - T0)) s: collect with stage s3b within 30 s"
-    ;;
-  s3b)  # call 2, at once on the same warm machine, while the load runs: the error-path checks and GPU tests (correctness
-        # only, nothing timed), then wait for the load's verdict
-    DEADLINE=${DEADLINE:-590}
-    build
-    timeout "$(upto 70)" python3 scripts/segv_probe.py > "$OUT/segv_probe.log" 2>&1; grep -E "^==|raised|alive" "$OUT/segv_probe.log" | head -20
-    timeout "$(upto 130)" python3 scripts/gpu_faults.py --budget-s 110 --out "$OUT/faults" 2>"$OUT/faults/gpu_faults.err" | tail -28
-    timeout "$(upto 160)" python3 -m pytest tests/gpu -x -q 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
-    while [ ! -f /tmp/ficco_load/load.json ] && [ "$(left)" -gt 8 ]; do sleep 2; done
-    cp /tmp/ficco_load/load.* "$OUT/load/" 2>/dev/null; tail -5 "$OUT/load/load.log"
     ;;
   s3c)  # session 3, last call (quiet GPUs, nothing else running): faults, NCCL contention by PyTorch, GPU tests, then as
-        # many load steps as fit. (s3b ran these beside s3a's load: every JAX process preallocates 75 % of each GPU, so
-        # the others ran out of memory and NCCL hung — never run two JAX GPU programs at once here.)
+            # many load steps as fit. (Session 3 first ran these beside s3a's load: every JAX process preallocates 75 % of
+        # each GPU, so the others ran out of memory and NCCL hung.)
     DEADLINE=${DEADLINE:-450}
     build
     timeout "$(upto 130)" python3 scripts/gpu_faults.py --budget-s 115 --out "$OUT/faults" 2>"$OUT/faults/gpu_faults.err" | tail -28
@@ -198,6 +161,20 @@ case "$STAGE" in
       timeout "$(upto $(left))" python3 scripts/load_test.py --steps "$STEPS" --comm dma --interval 250 --warmup 250 \
         --json "$OUT/load/load.json" > "$OUT/load/load.log" 2>&1; echo "load rc=$?"; tail -3 "$OUT/load/load.log"
     fi
+    ;;
+  s4load)  # issue 11's 10,000-step load, alone on the GPUs (19.6 steps/s on 4xH200 in session 3: about 510 s + build)
+    build
+    timeout 570 python3 scripts/load_test.py --steps "${LOAD_STEPS:-10000}" --comm dma --interval 500 --warmup 500 \
+      --json "$OUT/load/load.json" > "$OUT/load/load.log" 2>&1; echo "load rc=$?"; tail -4 "$OUT/load/load.log"
+    ;;
+  s4b)  # NCCL contention by PyTorch (it timed out at 70 s in session 3: more room, progress lines), then the held-out check
+    DEADLINE=${DEADLINE:-570}
+    build
+    timeout "$(upto 150)" python3 -m torch.distributed.run --nproc-per-node="$(nvidia-smi -L | wc -l)" scripts/contention_torch.py \
+      --out "$OUT/char" > "$OUT/char/contention_torch.log" 2>&1; echo "contention_torch rc=$?"
+    grep -E '^\{|^\[rank0' "$OUT/char/contention_torch.log" | cut -c1-600
+    timeout "$(upto 420)" python3 -m ficco_jax accuracy --top 1 --budget-s "$(( $(left) - 40 ))" --plot --out "$OUT/acc" \
+      ${ACC_ARGS:-} 2>"$OUT/acc/accuracy.err" | tail -50
     ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac
