@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import datetime
 import math
 import os
 import statistics
+import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -47,9 +50,18 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "out/contention_torch"))
     args = parser.parse_args()
 
-    dist.init_process_group("nccl")
+    t0 = time.time()
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    # A collective that cannot complete ends the run with NCCL's error instead of hanging it.
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local), timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+
+    def progress(what: str) -> None:  # rank 0 says where it is (the first run hung without a word)
+        if rank == 0:
+            print(f"[rank0 +{time.time() - t0:.1f}s] {what}", file=sys.stderr, flush=True)
+
+    progress(f"process group of {world} up")
     gen = torch.Generator(device="cuda").manual_seed(rank + 1)
     a = torch.randn(args.rows, args.k, device="cuda", dtype=torch.bfloat16, generator=gen)
     w = torch.randn(args.k, args.n, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -64,6 +76,7 @@ def main() -> None:
     def all_gather():
         dist.all_gather_into_tensor(gathered, shard)
 
+    progress("inputs ready; first all-gather")
     # Check once that the all-gather is right (the shard of every rank lands in its place).
     with torch.cuda.stream(comm):
         all_gather()
@@ -90,8 +103,10 @@ def main() -> None:
 
     alone = {}
     for kind in ("matmul", "all_gather"):
+        progress(f"timing {kind} alone")
         trial(kind)  # warm-up
         alone[kind] = statistics.median(trial(kind) for _ in range(args.trials))
+    progress(f"alone: {alone}; timing the matmul beside all-gathers")
     trial("beside")
     beside = sorted(trial("beside") for _ in range(args.trials))
     result = {

@@ -172,7 +172,7 @@ case "$STAGE" in
     build
     timeout "$(upto 150)" python3 -m torch.distributed.run --nproc-per-node="$(nvidia-smi -L | wc -l)" scripts/contention_torch.py \
       --out "$OUT/char" > "$OUT/char/contention_torch.log" 2>&1; echo "contention_torch rc=$?"
-    grep -E '^\{|^\[rank0' "$OUT/char/contention_torch.log" | cut -c1-600
+    grep -E '^\{|rank0' "$OUT/char/contention_torch.log" | cut -c1-600
     timeout "$(upto 420)" python3 -m ficco_jax accuracy --top 1 --budget-s "$(( $(left) - 40 ))" --plot --out "$OUT/acc" \
       ${ACC_ARGS:-} 2>"$OUT/acc/accuracy.err" | tail -50
     ;;
