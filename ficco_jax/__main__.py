@@ -141,9 +141,12 @@ def _cmd_accuracy(args):
         shapes = {t: named[t] for t in args.shape if t in named}
         shapes.update(_shapes([t for t in args.shape if t not in named], {}))
     profile = cost_model.load_profile(args.profile) if args.profile else None
+    rounds = accuracy.CONFIRM_ROUNDS if args.confirm_rounds is None else args.confirm_rounds
+    if rounds < 0:
+        raise SystemExit(f"accuracy: --confirm-rounds must be >= 0 (0 turns re-timing off), got {rounds}")
     try:
         accuracy.run(args.out, axis_size=args.axis_size, shapes=shapes, top=args.top, profile=profile,
-                     budget_s=args.budget_s, plot=args.plot)
+                     budget_s=args.budget_s, plot=args.plot, confirm_rounds=rounds)
     except ValueError as exc:  # a device count or shape the run cannot take: say so, no traceback
         raise SystemExit(str(exc))
 
@@ -208,6 +211,8 @@ def main(argv=None):
     p.add_argument("--profile", default=None, help="profile name or JSON path (default: this machine's)")
     p.add_argument("--budget-s", type=float, help="stop starting new cases after this many seconds")
     p.add_argument("--out", default="out/accuracy")
+    p.add_argument("--confirm-rounds", type=int, default=None,
+                   help="re-timings of the pick, the best and JAX seq when a case first looks like a miss (default 2; 0: none)")
     p.add_argument("--plot", action="store_true", help="write accuracy.png (needs matplotlib)")
     p.set_defaults(fn=_cmd_accuracy)
 
