@@ -179,6 +179,14 @@ def autotune_schedule(op, shapes, dtype, axis_size, *, cache: AutotuneCache | No
     hit = cache.get(key)
     if hit is not None:
         return hit
+    local = len(jax.local_devices())
+    if axis_size > local:
+        # Measuring runs the op on this process's devices; a group spanning processes cannot be
+        # timed from one of them. The model's pick it is, said once per call site at trace time.
+        chosen = select_schedule(op, shapes, dtype, axis_size, comms=comms)
+        log.warning("ficco_jax autotune %s: the group of %d devices spans processes (%d local), so it cannot be "
+                    "measured here; using the cost model's pick %s (not cached)", key, axis_size, local, chosen)
+        return chosen
     from . import bench  # measuring needs the benchmark harness; only autotune pays for importing it
 
     comms = tuple(comms or available_comms())

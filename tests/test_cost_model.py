@@ -1,6 +1,7 @@
 """Cost model and selection on a synthetic profile; the autotune cache."""
 import json
 
+import jax
 import pytest
 
 from ficco_jax import cost_model, heuristics
@@ -93,3 +94,19 @@ def test_autotune_measures_once_then_uses_the_cache(tmp_path, monkeypatch):
     assert first == Schedule(comm="none") and measured >= 2
     assert heuristics.autotune_schedule(*args, cache=cache) == first
     assert len(calls) == measured  # the second call measured nothing
+
+
+def test_autotune_of_a_group_larger_than_this_process_uses_the_model(tmp_path, monkeypatch, caplog):
+    # A tp group that spans processes cannot be timed from one process: no measurement, no cache
+    # entry, the model's pick, and a warning that says why.
+    from ficco_jax import bench
+
+    monkeypatch.setattr(bench, "time_op", lambda *a: pytest.fail("autotune tried to time a group it does not hold"))
+    monkeypatch.setattr(heuristics.jax, "local_devices", lambda: jax.devices()[:2])
+    cache = heuristics.AutotuneCache(str(tmp_path))
+    args = ("ag_matmul", ((512, 1024), (1024, 256)), "bfloat16", 4)
+    with caplog.at_level("WARNING", logger="ficco_jax"):
+        got = heuristics.autotune_schedule(*args, cache=cache, comms=("none", "xla", "dma"))
+    assert got == heuristics.select_schedule(*args, comms=("none", "xla", "dma"))
+    assert "spans processes" in caplog.text
+    assert cache.get(heuristics.cache_key(*args, jax.devices()[0].device_kind)) is None
