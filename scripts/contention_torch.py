@@ -17,8 +17,8 @@ Measurement only: needs torch with NCCL and GPUs; not part of the library.
 from __future__ import annotations
 
 import argparse
-import json
 import datetime
+import json
 import math
 import os
 import statistics
