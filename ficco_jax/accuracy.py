@@ -13,7 +13,8 @@ reports the predicted and measured time of each, the best measured, and whether 
 the pick, the best and JAX sequential are timed `--confirm-rounds` more times, interleaved, and
 judged on their medians (CONFIRM_ROUNDS says why: one timing is about as noisy as the criterion).
 "Best" is the best of the schedules measured, not of the whole design space (every schedule of
-every shape would take an hour of GPU time); the fixed set and the model's top candidates are there to make it hard to miss.
+every shape would take an hour of GPU time); the fixed set and the model's top candidates are
+there to make it hard to miss.
 
 The held-out shapes are none of the shapes the shipped profiles were fitted to (the anchor shapes
 and the Llama-405B shapes at 8192 tokens): Llama-3 8B/70B/405B, GPT-3 175B and Mixtral-8x7B layers,
