@@ -4,6 +4,7 @@ Usage:
     python examples/tp_transformer.py                        # tiny preset, 8 virtual CPU devices, overlap on
     python examples/tp_transformer.py --compare --steps 5    # both modes, same init and data, side by side
     python examples/tp_transformer.py --preset llama70b-layer --layers 6 --compare   # 4 x H200
+    python examples/tp_transformer.py --compare --comm-free-bound   # + the step with no communication at all
 
 The model is written as a user would write it, with no ficco_jax call inside: decoder blocks
 (RMSNorm, causal attention with RoPE and grouped-query heads, SwiGLU MLP) run in one
@@ -73,6 +74,10 @@ class Config:
     overlap: bool = True
     schedule: str = "auto"  # handed to ficco_jax.overlap
     attention: str = "xla"  # jax.nn.dot_product_attention implementation: "xla" or "cudnn"
+    # A timing bound, not a model: the sequence all-gathers and reduce-scatters become local ops of the
+    # same shapes (tile / sum of slices), so the step does all its other work with no communication.
+    # No overlap can make the real step faster than this one. Its losses are not the model's.
+    comm_free: bool = False
     rope_theta: float = 10000.0
     seed: int = 0
 
@@ -176,30 +181,45 @@ def rope(x, theta):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+def gather_seq(cfg: Config, x):
+    """[b, s/tp, D] -> [b, s, D]: the sequence all-gather (with cfg.comm_free, a local tile instead)."""
+    if cfg.comm_free:
+        return jnp.tile(x, (1, cfg.tp, 1))
+    return jax.lax.all_gather(x, "tp", axis=1, tiled=True)
+
+
+def scatter_seq(cfg: Config, y):
+    """[b, s, D] -> [b, s/tp, D]: the sequence reduce-scatter (with cfg.comm_free, a local sum of slices)."""
+    if cfg.comm_free:
+        b, s, d = y.shape
+        return y.reshape(b, cfg.tp, s // cfg.tp, d).sum(axis=1, dtype=y.dtype)
+    return jax.lax.psum_scatter(y, "tp", scatter_dimension=1, tiled=True)
+
+
 def attention_block(cfg: Config, x, p):
     """x [b, s/tp, D] -> [b, s/tp, D]; heads are sharded over tp, the sequence is gathered."""
-    g = jax.lax.all_gather(rms_norm(x, p["attn_norm"]), "tp", axis=1, tiled=True)  # [b, s, D]
+    g = gather_seq(cfg, rms_norm(x, p["attn_norm"]))  # [b, s, D]
     qkv = jnp.einsum("bsd,dkgh->bskgh", g, p["wqkv"])  # local kv heads, each with its q group, k, v
     b, s, kv, groups, dh = qkv.shape
     q = rope(qkv[:, :, :, :-2].reshape(b, s, kv * (groups - 2), dh), cfg.rope_theta)
     k = rope(qkv[:, :, :, -2], cfg.rope_theta)
     v = qkv[:, :, :, -1]
     o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=cfg.attention)
-    return jax.lax.psum_scatter(jnp.einsum("bshk,hkd->bsd", o, p["wo"]), "tp", scatter_dimension=1, tiled=True)
+    return scatter_seq(cfg, jnp.einsum("bshk,hkd->bsd", o, p["wo"]))
 
 
-def mlp_block(x, p):
-    g = jax.lax.all_gather(rms_norm(x, p["mlp_norm"]), "tp", axis=1, tiled=True)
+def mlp_block(cfg: Config, x, p):
+    g = gather_seq(cfg, rms_norm(x, p["mlp_norm"]))
     gate_up = jnp.einsum("bsd,dcf->bscf", g, p["w_gate_up"])
     h = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
-    return jax.lax.psum_scatter(jnp.einsum("bsf,fd->bsd", h, p["w_down"]), "tp", scatter_dimension=1, tiled=True)
+    return scatter_seq(cfg, jnp.einsum("bsf,fd->bsd", h, p["w_down"]))
 
 
 def decoder_stack(cfg: Config, x, layers):
     """The shard_map body: every decoder layer, as a scan over the stacked parameters."""
     def layer(x, p):
         x = x + attention_block(cfg, x, p)
-        return x + mlp_block(x, p), None
+        return x + mlp_block(cfg, x, p), None
 
     return jax.lax.scan(jax.checkpoint(layer) if cfg.remat else layer, x, layers)[0]
 
@@ -282,8 +302,10 @@ class Trainer:
 
 def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
     cfg.validate(mesh.shape["tp"])
+    if cfg.comm_free and cfg.tp != mesh.shape["tp"]:
+        raise ValueError(f"tp_transformer: comm_free needs cfg.tp ({cfg.tp}) = the mesh's tp ({mesh.shape['tp']})")
     grad_fn = jax.value_and_grad(make_loss(cfg, mesh))
-    if cfg.overlap:
+    if cfg.overlap and not cfg.comm_free:  # nothing to overlap without the collectives
         grad_fn = ficco_jax.overlap(grad_fn, schedule=cfg.schedule)
 
     def train_step(params, opt_state, inputs, targets):
@@ -317,11 +339,11 @@ def train(cfg: Config, mesh: Mesh | None = None, log=print) -> dict:
     """Train `cfg.steps` steps; returns {"losses", "step_s", "tokens_per_step", "report", "memory"}."""
     mesh = mesh or make_mesh(cfg)
     trainer = build_trainer(cfg, mesh)
-    mode = "overlap" if cfg.overlap else "no-overlap"
+    mode = "comm-free bound" if cfg.comm_free else "overlap" if cfg.overlap else "no-overlap"
     params, opt_state = init_state(trainer)
     dp = mesh.shape["dp"]
     report = None
-    if cfg.overlap:
+    if cfg.overlap and not cfg.comm_free:
         report = ficco_jax.explain(trainer.grad_fn, params, *synthetic_batch(cfg, dp, 0))
         log(f"[{mode}] ficco_jax.explain of the loss-and-gradient function:\n{report}")
     tokens_per_step = cfg.batch * dp * cfg.seq
@@ -400,6 +422,9 @@ def parse_config(argv=None) -> tuple[Config, argparse.Namespace]:
     parser.add_argument("--remat", action=argparse.BooleanOptionalAction, default=None, help="jax.checkpoint per layer")
     parser.add_argument("--bound", action=argparse.BooleanOptionalAction, default=True,
                         help="print the matmul-only bound (measures one GEMM)")
+    parser.add_argument("--comm-free-bound", action="store_true",
+                        help="also time the step with its sequence collectives replaced by local ops of the same "
+                             "shapes: the fastest any overlap could make it (its losses are not the model's)")
     for name in ("layers", "hidden", "ffn", "heads", "kv_heads", "seq", "batch", "steps", "tp", "seed"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int)
     parser.add_argument("--lr", type=float)
@@ -428,10 +453,18 @@ def main(argv=None) -> None:
     print("timing: wall time per training step, block_until_ready after each (dispatch included)")
     modes = (False, True) if args.compare else (cfg.overlap,)
     results = {mode: train(dataclasses.replace(cfg, overlap=mode), mesh) for mode in modes}
+    if args.comm_free_bound:
+        results["comm-free"] = train(dataclasses.replace(cfg, overlap=False, comm_free=True, tp=tp), mesh)
     for mode, res in results.items():
         t = steady_step_s(res["step_s"])
-        print(f"{'overlap' if mode else 'no-overlap'}: {t * 1e3:.2f} ms/step, {res['tokens_per_step'] / t:,.0f} tokens/s "
+        name = {True: "overlap", False: "no-overlap", "comm-free": "comm-free bound"}[mode]
+        print(f"{name}: {t * 1e3:.2f} ms/step, {res['tokens_per_step'] / t:,.0f} tokens/s "
               f"(median step, first step excluded); {describe_memory(res['memory'])}")
+    if "comm-free" in results and False in results:
+        free, plain = steady_step_s(results["comm-free"]["step_s"]), steady_step_s(results[False]["step_s"])
+        print(f"communication-free step {free * 1e3:.2f} ms: hiding every sequence all-gather and reduce-scatter "
+              f"could make the step at most {plain / free:.3f}x faster than without overlap"
+              + ("; CPU times mean nothing" if jax.default_backend() == "cpu" else ""))
     if args.bound:
         flops = matmul_flops_per_device(cfg, tp)
         rate = gemm_rate(cfg, tp)

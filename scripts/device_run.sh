@@ -4,7 +4,8 @@
 #   STAGE=check   build + GPU tests + a short bench of one shape
 #   STAGE=bench   the anchor shapes, ficco_jax vs JAX options (+ torch anchors if .carry/anchors exists)
 #   STAGE=x8a|x8b the 8-GPU run (issue 10); x4a|x4b the 4-GPU runs of 2026-11-22 session 2
-#   STAGE=s3a, s3c: session 3's runs; s4load, s4b: the next session's (the 10,000-step load alone; NCCL contention, accuracy)
+#   STAGE=s3a, s3c: session 3's runs; s4load, s4b, s4c: the next session's (the 10,000-step load alone; NCCL
+#                 contention and accuracy; the example with its communication-free bound)
 # Writes logs and JSON under $OUT (default ./out/device). Never changes GPU settings.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -175,6 +176,11 @@ case "$STAGE" in
     grep -E '^\{|rank0' "$OUT/char/contention_torch.log" | cut -c1-600
     timeout "$(upto 420)" python3 -m ficco_jax accuracy --top 1 --budget-s "$(( $(left) - 40 ))" --plot --out "$OUT/acc" \
       ${ACC_ARGS:-} 2>"$OUT/acc/accuracy.err" | tail -50
+    ;;
+  s4c)  # issue 7: the llama70b-layer step without overlap, with overlap, and with no communication at all (the bound)
+    build
+    timeout 560 python3 examples/tp_transformer.py --preset llama70b-layer --compare --comm-free-bound --steps 4 \
+      > "$OUT/tp_transformer.log" 2>&1; echo "example rc=$?"; grep -v "^\[" "$OUT/tp_transformer.log" | grep -v "^ok " | tail -16
     ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac

@@ -74,3 +74,29 @@ def test_command_line_overrides():
     assert (cfg.layers, cfg.overlap, cfg.remat, args.compare) == (3, False, True, True)
     with pytest.raises(ValueError, match="kv_heads=3 must divide by tp=4"):
         dataclasses.replace(cfg, kv_heads=3, heads=6, hidden=48).validate(4)
+
+
+def test_comm_free_bound_has_the_shapes_and_no_collectives():
+    # The bound replaces each sequence all-gather / reduce-scatter by a local op of the same shapes;
+    # the step must keep every other piece of work and contain no collective in the blocks.
+    cfg = dataclasses.replace(tp_transformer.PRESETS["tiny"], steps=2, dtype="float32")
+    mesh = tp_transformer.make_mesh(cfg)
+    free = dataclasses.replace(cfg, comm_free=True, overlap=False)
+    x = jax.random.normal(jax.random.PRNGKey(0), (cfg.batch, cfg.seq // cfg.tp, cfg.hidden))
+    y = jax.random.normal(jax.random.PRNGKey(1), (cfg.batch, cfg.seq, cfg.hidden))
+    for c in (cfg, free):
+        body = jax.shard_map(lambda x, y, c=c: (tp_transformer.gather_seq(c, x), tp_transformer.scatter_seq(c, y)),
+                             mesh=mesh, in_specs=(tp_transformer.P(None, None, None),) * 2,
+                             out_specs=(tp_transformer.P(None, None, None),) * 2, check_vma=False)
+        g, r = body(x, y)
+        assert g.shape == (cfg.batch, cfg.seq, cfg.hidden) and r.shape == (cfg.batch, cfg.seq // cfg.tp, cfg.hidden)
+    np.testing.assert_allclose(tp_transformer.scatter_seq(free, y),
+                               y.reshape(cfg.batch, cfg.tp, cfg.seq // cfg.tp, cfg.hidden).sum(axis=1), rtol=1e-6)
+    params = jax.eval_shape(lambda k: tp_transformer.init_params(cfg, k), jax.random.PRNGKey(0))
+    inputs = jax.ShapeDtypeStruct((cfg.batch * mesh.shape["dp"], cfg.seq), np.int32)
+    jaxprs = {c.comm_free: str(jax.make_jaxpr(jax.value_and_grad(tp_transformer.make_loss(c, mesh)))(params, inputs, inputs))
+              for c in (cfg, free)}
+    assert "all_gather" in jaxprs[False] and "reduce_scatter" in jaxprs[False]
+    assert "all_gather" not in jaxprs[True] and "reduce_scatter" not in jaxprs[True]
+    run = tp_transformer.train(free, mesh, log=lambda *_: None)
+    assert len(run["step_s"]) == 2 and np.all(np.isfinite(run["losses"])) and run["report"] is None
