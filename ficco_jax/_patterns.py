@@ -121,6 +121,7 @@ class _Site:
     record: SiteRecord
     schedule: Any = "auto"
     return_gathered: bool = False
+    mesh: Any = None  # the enclosing shard_map's concrete mesh, where it has one (locates the peers)
 
     # the 2-D layout -------------------------------------------------------------------------
     def _layout(self):

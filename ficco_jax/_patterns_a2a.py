@@ -45,6 +45,7 @@ class _A2ASite:
     record: SiteRecord
     schedule: Any = "auto"
     return_received: bool = False
+    mesh: Any = None  # as _Site.mesh (a2a sites do not use it yet)
 
     def op_shapes(self):
         """(tokens shape, weight shape) as the op takes them: [n, E, C, d], [E, d, f]."""

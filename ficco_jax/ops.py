@@ -77,17 +77,18 @@ def matmul_rs(y, w, axis_name: str, *, schedule: ScheduleArg = "auto"):
 
 
 def resolve_schedule(op: str, schedule: ScheduleArg, shapes, dtype, axis_size: int, *,
-                     axis_name: str | None = None) -> Schedule:
+                     axis_name: str | None = None, mesh=None) -> Schedule:
     """Turn the user's `schedule` argument into a valid Schedule for this call (trace time).
 
-    `axis_name` locates the peers (topology.for_axis): "auto" avoids comm="dma" where they are
-    not all in this process, and an explicit comm="dma" there is an error. Without it, a
-    multi-process program counts the peers as remote for "auto"."""
+    `axis_name` locates the peers (topology.for_axis, in `mesh` if given, else in the
+    `jax.set_mesh` context): "auto" avoids comm="dma" where they are not all in this process, and an
+    explicit comm="dma" there is an error. Without them, a multi-process program counts the peers
+    as remote for "auto"."""
     from . import heuristics  # heuristics imports the cost model; keep ops importable without it
     from . import topology
 
     check_shapes(op, shapes, axis_size)
-    site = topology.for_axis(axis_name)
+    site = topology.for_axis(axis_name, mesh)
     if isinstance(schedule, str) and schedule in ("auto", "autotune"):
         chosen = heuristics.choose(op, shapes, dtype, axis_size, autotune=(schedule == "autotune"), topology=site)
         log.debug("%s %s %s: schedule %s", op, shapes, jnp.dtype(dtype).name, chosen)

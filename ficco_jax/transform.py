@@ -101,7 +101,7 @@ class _Options:
 
         # The axis locates the peers, so "auto" keeps copy engines for in-process groups of a
         # multi-process program (a2a sites do not take it yet).
-        where = {"axis_name": site.axis_name}
+        where = {"axis_name": site.axis_name, "mesh": site.mesh}
         if site.op in (A2A_MM, MM_A2A):
             resolve_schedule, where = resolve_a2a, {}
         if self.schedule == "autotune":
@@ -162,13 +162,16 @@ def _open(jaxpr) -> tuple[Any, Sequence[Any]]:
 
 
 def _analyse(jaxpr, axis_sizes: dict | None, where: str, options: _Options, records: list,
-             frozen: str | None) -> _Plan:
+             frozen: str | None, mesh=None) -> _Plan:
+    """`mesh`: the concrete mesh of the innermost enclosing shard_map, if it was given one (its body
+    sees only an abstract mesh), so that "auto" knows which peers share this process."""
     plan = _Plan()
     if axis_sizes is not None:
         sites, misses = find_sites(jaxpr, axis_sizes, where, options.ops)
         a2a_sites, a2a_misses = find_a2a_sites(jaxpr, axis_sizes, where, options.ops)
         sites, misses = sites + a2a_sites, misses + a2a_misses
         for site in sites:
+            site.mesh = mesh
             if frozen:
                 records.append(dataclasses.replace(site.record, reason=frozen))
                 continue
@@ -184,9 +187,11 @@ def _analyse(jaxpr, axis_sizes: dict | None, where: str, options: _Options, reco
         if not subs:
             continue
         name = eqn.primitive.name
-        inner_sizes = axis_sizes
+        inner_sizes, inner_mesh = axis_sizes, mesh
         if name == _SHARD_MAP:
             inner_sizes = {**(axis_sizes or {}), **dict(eqn.params["mesh"].shape)}
+            if isinstance(eqn.params["mesh"], jax.sharding.Mesh):
+                inner_mesh = eqn.params["mesh"]
         inner_frozen = frozen
         if name in _CUSTOM_RULES:
             inner_frozen = frozen or f"inside a {name} (a user-written derivative rule): left as written"
@@ -194,7 +199,7 @@ def _analyse(jaxpr, axis_sizes: dict | None, where: str, options: _Options, reco
         children = {}
         for key, sub in subs.items():
             many = isinstance(sub, (tuple, list))
-            plans = tuple(_analyse(_open(s)[0], inner_sizes, path, options, records, inner_frozen)
+            plans = tuple(_analyse(_open(s)[0], inner_sizes, path, options, records, inner_frozen, inner_mesh)
                           for s in (sub if many else (sub,)))
             if any(p.changed for p in plans):
                 children[key] = plans if many else plans[0]
