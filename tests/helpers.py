@@ -53,3 +53,30 @@ def global_shapes(op, mesh, m, k, n_cols):
     if op == "ag_matmul":
         return (dp * tp * m, k), (k, tp * n_cols)
     return (dp * tp * m, tp * n_cols), (tp * n_cols, k)
+
+
+def prefer_copy_engines(monkeypatch):
+    """'auto' decides as on a GPU (over the comms that can run), with a stand-in for the cost model
+    that takes copy engines wherever they are allowed (dma/direct/c1, else xla/ring/c1): on CPU the
+    real model picks comm='none' for test-sized shapes, and the path under test would never run.
+    Returns the list of (op, comms) the stand-in was asked about."""
+    from ficco_jax import heuristics
+    from ficco_jax.schedule import Schedule
+
+    asked = []
+
+    def select_schedule(op, shapes, dtype, axis_size, profile=None, comms=None):
+        comms = tuple(comms or heuristics.available_comms())
+        asked.append((op, comms))
+        return Schedule.parse("dma/direct/c1" if "dma" in comms else "xla/ring/c1")
+
+    monkeypatch.setattr(heuristics, "MODEL_ON_CPU", True)
+    monkeypatch.setattr(heuristics, "select_schedule", select_schedule)
+    return asked
+
+
+def lowered_text(mesh, body, specs, *args) -> str:
+    """The StableHLO text run_sharded would compile (to check which custom calls a program holds)."""
+    in_specs, out_specs = specs
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+    return f.lower(*[jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, in_specs)]).as_text()

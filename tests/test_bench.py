@@ -38,7 +38,8 @@ def test_a_wrong_variant_is_reported_not_timed(tmp_path, monkeypatch):
 
     def corrupt(op, schedule):  # a deliberately wrong "schedule": the check must catch it
         body = real(op, schedule)
-        return body if schedule == "ref" else (lambda a, w: body(a, w) * 1.01)
+        # 1e-3 relative: 10x the f32 check's threshold (1e-4), so loosening that check fails this test
+        return body if schedule == "ref" else (lambda a, w: body(a, w) * (1 + 1e-3))
 
     monkeypatch.setattr(bench, "op_body", corrupt)
     result = bench.run(["ag_matmul"], {"t": (64, 32, 64)}, "float32", "xla/ring/c1", str(tmp_path), windowed=False)

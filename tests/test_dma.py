@@ -94,8 +94,6 @@ def test_all_gather_origin_coded(mesh_name, sched):
     np.testing.assert_array_equal(out, ref)
     # Decode origins directly for mesh position 0: its gathered rows are the tp group of position 0.
     n = mesh.shape["tp"]
-    group0 = [int(np.argwhere(mesh.devices.reshape(-1, n)[0] == d)[0][0]) for d in mesh.devices.reshape(-1, n)[0]]
-    assert group0 == list(range(n))
     np.testing.assert_array_equal(out[: 8 * n] // 1000, np.repeat(np.arange(n), 8)[:, None] * np.ones((1, 3)))
 
 

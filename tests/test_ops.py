@@ -11,7 +11,8 @@ import pytest
 
 import ficco_jax
 from ficco_jax import Schedule
-from helpers import TOLERANCE, ag_specs, global_shapes, random, rel_err, rs_specs, run_sharded
+from helpers import (TOLERANCE, ag_specs, global_shapes, lowered_text, prefer_copy_engines, random, rel_err,
+                     rs_specs, run_sharded)
 
 OPS = {
     "ag_matmul": (ficco_jax.ag_matmul, ficco_jax.ag_matmul_ref, ag_specs),
@@ -97,10 +98,17 @@ def test_ag_matmul_returns_gathered_and_its_gradient(mesh2d, rng):
 
 
 @pytest.mark.parametrize("op", list(OPS))
-def test_auto_schedule_matches_reference(mesh1d, rng, op):
+def test_auto_schedule_matches_reference(monkeypatch, mesh1d, rng, op):
+    """'auto' deciding as on a GPU, with a model that takes copy engines (on CPU the real model
+    keeps these small shapes plain, which test_schedule_matches_reference covers as 'none')."""
+    asked = prefer_copy_engines(monkeypatch)
     fn, ref, specs = OPS[op]
     a_shape, w_shape = global_shapes(op, mesh1d, M_ROWS, K, N_COLS)
     a, w = random(rng, a_shape, "float32"), random(rng, w_shape, "float32")
+    text = lowered_text(mesh1d, lambda a, w: fn(a, w, "tp"), specs(mesh1d), a, w)
+    assert asked and asked[-1][0] == op
+    if ficco_jax.dma.available():  # the stand-in took copy engines: the executor's call is in the program
+        assert f"ficco_{op}" in text
     got = run_sharded(mesh1d, lambda a, w: fn(a, w, "tp"), specs(mesh1d), a, w)
     want = run_sharded(mesh1d, lambda a, w: ref(a, w, "tp"), specs(mesh1d), a, w)
     assert rel_err(got, want) < TOLERANCE["float32"]

@@ -56,9 +56,10 @@ def _devices_off_tp(mesh) -> int:
 
 
 @st.composite
-def op_cases(draw, op):
-    """(mesh name, schedule, dtype, global operand shapes) of one valid call of `op`."""
-    mesh_name = draw(st.sampled_from(sorted(MESHES)))
+def op_cases(draw, op, mesh_name):
+    """(mesh name, schedule, dtype, global operand shapes) of one valid call of `op` on that mesh.
+    The mesh is a pytest parameter, not drawn: drawn, hypothesis's shrinking towards the first
+    choice left tp8 with almost no ag_matmul case and no copy-engine schedule at all."""
     mesh = MESHES[mesh_name]
     n, batch = mesh.shape["tp"], _devices_off_tp(mesh)
     sched = draw(st.sampled_from(Schedule.enumerate(op, n, COMMS_HERE)))
@@ -89,16 +90,20 @@ def _check_op(op, case, seed):
     assert rel_err(got, want) < TOLERANCE[dtype], (mesh_name, str(sched), dtype, a_shape, w_shape)
 
 
-@PROPERTY
-@given(case=op_cases("ag_matmul"), seed=st.integers(0, 2**16))
-def test_ag_matmul_equals_reference(case, seed):
-    _check_op("ag_matmul", case, seed)
+# Every mesh gets its own examples (9 each: about the old 60 per op in all); dp8xtp1 (groups of one
+# device, the collectives do nothing) is one mesh among them, not a fifth of the draws.
+@pytest.mark.parametrize("mesh_name", sorted(MESHES))
+@settings(PROPERTY, max_examples=9)
+@given(data=st.data(), seed=st.integers(0, 2**16))
+def test_ag_matmul_equals_reference(mesh_name, data, seed):
+    _check_op("ag_matmul", data.draw(op_cases("ag_matmul", mesh_name)), seed)
 
 
-@PROPERTY
-@given(case=op_cases("matmul_rs"), seed=st.integers(0, 2**16))
-def test_matmul_rs_equals_reference(case, seed):
-    _check_op("matmul_rs", case, seed)
+@pytest.mark.parametrize("mesh_name", sorted(MESHES))
+@settings(PROPERTY, max_examples=9)
+@given(data=st.data(), seed=st.integers(0, 2**16))
+def test_matmul_rs_equals_reference(mesh_name, data, seed):
+    _check_op("matmul_rs", data.draw(op_cases("matmul_rs", mesh_name)), seed)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -107,7 +112,7 @@ def test_matmul_rs_equals_reference(case, seed):
 @settings(PROPERTY, max_examples=20)
 @given(op=st.sampled_from(sorted(OPS)), data=st.data(), seed=st.integers(0, 2**16))
 def test_gradients_equal_reference(op, data, seed):
-    mesh_name, sched, _, (a_shape, w_shape) = data.draw(op_cases(op))
+    mesh_name, sched, _, (a_shape, w_shape) = data.draw(op_cases(op, data.draw(st.sampled_from(sorted(MESHES)))))
     mesh = MESHES[mesh_name]
     fn, ref, specs = OPS[op]
     in_specs, out_spec = specs(mesh)
@@ -152,6 +157,8 @@ def test_collectives_equal_lax(data, seed):
     shape[0] *= mesh.devices.size  # global shape: dim 0 blocks of every device
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 100, size=shape)
+    if gather_dtype == "bool":
+        raw = raw % 2  # about half True: values from 0..99 would make nearly all of them True
     x_gather = (jnp.asarray(raw + 1j * raw[::-1], jnp.complex64) if gather_dtype == "complex64"
                 else jnp.asarray(raw.astype(np.float32)).astype(gather_dtype))
     # Small integers: every partial sum (at most 8 terms of |v| <= 8) is exact in bf16 and f16.
@@ -167,6 +174,7 @@ def test_collectives_equal_lax(data, seed):
     ag, ag_ref, rs, rs_ref = (np.asarray(o) for o in outs)
     assert ag.dtype == ag_ref.dtype
     np.testing.assert_array_equal(ag, ag_ref)
+    assert rs.dtype == rs_ref.dtype
     np.testing.assert_array_equal(rs.astype(np.float32), rs_ref.astype(np.float32))
 
 

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import ficco_jax  # noqa: E402
 from ficco_jax import _ext, config, heuristics, ops, topology  # noqa: E402
 from ficco_jax.schedule import COMMS, Schedule  # noqa: E402
-from helpers import ag_specs, rs_specs, run_sharded  # noqa: E402
+from helpers import ag_specs, lowered_text, prefer_copy_engines, rs_specs, run_sharded  # noqa: E402
 
 needs_ext = pytest.mark.skipif(not _ext.available(), reason="ficco_jax._ffi is not built")
 
@@ -206,16 +206,23 @@ def test_auto_avoids_dma_for_a_dtype_the_executor_lacks(gpu_like_auto, caplog, o
     assert "float64" in caplog.text and "comm='dma'" in caplog.text
 
 
-def test_auto_with_float64_runs_end_to_end(gpu_like_auto, mesh1d):
+def test_auto_with_float64_runs_end_to_end(monkeypatch, mesh1d, rng, caplog):
+    """A model that wants copy engines everywhere: for float64 the filter must keep dma out, and the
+    call must then run (on XLA's collectives) and be right."""
+    asked = prefer_copy_engines(monkeypatch)
     previous = jax.config.jax_enable_x64
     jax.config.update("jax_enable_x64", True)
     try:
-        x = jnp.ones((8 * 256, 512), jnp.float64)
-        w = jnp.ones((512, 8 * 256), jnp.float64)
-        out = run_sharded(mesh1d, lambda x, w: ficco_jax.ag_matmul(x, w, "tp"), ag_specs(mesh1d), x, w)
+        x = jnp.asarray(rng.standard_normal((8 * 16, 64)), jnp.float64)
+        w = jnp.asarray(rng.standard_normal((64, 8 * 8)), jnp.float64)
+        with caplog.at_level(logging.INFO, logger="ficco_jax"):
+            out = run_sharded(mesh1d, lambda x, w: ficco_jax.ag_matmul(x, w, "tp"), ag_specs(mesh1d), x, w)
     finally:
         jax.config.update("jax_enable_x64", previous)
-    assert out.dtype == jnp.float64 and float(out[0, 0]) == 512.0
+    assert asked and all("dma" not in comms for _, comms in asked), asked
+    assert "float64" in caplog.text and "xla/ring/c1" in caplog.text
+    assert out.dtype == jnp.float64
+    np.testing.assert_allclose(np.asarray(out), np.asarray(x) @ np.asarray(w), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs"])
@@ -234,10 +241,15 @@ def test_auto_is_valid_for_awkward_shapes_and_axis_sizes(gpu_like_auto, op):
 
 
 @needs_ext
-def test_auto_on_a_2d_mesh_with_odd_rows_runs(gpu_like_auto, mesh2d, rng):
-    """End to end through the executor on the (dp=2, tp=4) mesh, 3 rows per device."""
+def test_auto_on_a_2d_mesh_with_odd_rows_runs(monkeypatch, mesh2d, rng):
+    """End to end through the executor on the (dp=2, tp=4) mesh, 3 rows per device: 'auto' resolves
+    to a copy-engine schedule (stand-in model) and the program holds the executor's custom call."""
+    asked = prefer_copy_engines(monkeypatch)
     x = jnp.asarray(rng.standard_normal((8 * 3, 512)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((512, 4 * 512)), jnp.float32)
-    got = run_sharded(mesh2d, lambda x, w: ficco_jax.ag_matmul(x, w, "tp"), ag_specs(mesh2d), x, w)
+    body = lambda x, w: ficco_jax.ag_matmul(x, w, "tp")  # noqa: E731
+    assert "ficco_ag_matmul" in lowered_text(mesh2d, body, ag_specs(mesh2d), x, w)
+    assert asked and all("dma" in comms for _, comms in asked), asked
+    got = run_sharded(mesh2d, body, ag_specs(mesh2d), x, w)
     want = run_sharded(mesh2d, lambda x, w: ficco_jax.ag_matmul_ref(x, w, "tp"), ag_specs(mesh2d), x, w)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-3)
