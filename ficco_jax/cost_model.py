@@ -13,8 +13,7 @@ The model replays a schedule as a small event simulation on one device:
 - contention: a matmul running beside transfers is slowed by `contention_dma` (copy engines
   steal no SMs: a few %) or `contention_xla` (NCCL kernels take SMs);
 - the executor's chunk matmuls (cuBLASLt) run `executor_gemm_slowdown` times slower than XLA's
-  own autotuned GEMMs, which the `none` and `xla` schedules use, and `dma` with gemm="xla_dot"
-  (plus one more write of each block into the output);
+  own autotuned GEMMs, which the `none` and `xla` schedules use;
 - a fixed cost per copy-engine call on the GPU, `dma_call_us` (event waits, the join), and its
   host time, `dma_host_us` (three host rendezvous) plus `dma_host_copy_us` per enqueued copy
   ((n - 1) x chunks of them): the host work overlaps earlier
@@ -32,7 +31,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from .schedule import XLA_DOT, Schedule, check_shapes
+from .schedule import Schedule, check_shapes
 
 _PROFILE_DIR = os.path.join(os.path.dirname(__file__), "profiles")
 
@@ -131,8 +130,7 @@ def _simulate(op, s: Schedule, m, k, cols, row_bytes, n, dtype, profile) -> floa
     if s.comm == "xla" and s.order == "direct":
         streams = n - 1
     contention = 1.0 + (profile["contention_dma"] if s.comm == "dma" else profile["contention_xla"])
-    # chunk matmuls by the executor's cuBLASLt, else by XLA (comm xla, and dma with gemm="xla_dot")
-    ex = s.comm == "dma" and s.gemm != XLA_DOT
+    ex = s.comm == "dma"  # chunk matmuls by the executor's cuBLASLt, else by XLA
     chunk_bytes = q * row_bytes
     # Transfers: (peer step, chunk) items dealt round-robin over streams; a ring moves one step
     # after the other, so every item waits for the previous one on its single stream.
@@ -147,16 +145,13 @@ def _simulate(op, s: Schedule, m, k, cols, row_bytes, n, dtype, profile) -> floa
         start = stream_free[lane]
         stream_free[lane] = start + per_item
         arrival[(step, j)] = stream_free[lane]
-    # Matmuls: own shard first (no wait), then peers in order. XLA's dots (gemm="xla_dot") write
-    # each block once more into the output (a dynamic-update-slice: read and write of the block).
-    itemsize = 4 if dtype == "float32" else 2
-    placed = 2 * q * cols * itemsize / (profile["hbm_gbps"] * 1e9) if s.gemm == XLA_DOT else 0.0
+    # Matmuls: own shard first (no wait), then peers in order.
     t = gemm_time(m, k, cols, dtype, profile, ex) * contention
     group = c if s.gemm == "grouped" else 1
     for step in range(1, n):
         for j0 in range(0, c, group):
             ready = max(arrival[(step, j)] for j in range(j0, j0 + group))
-            t = max(t, ready) + gemm_time(q * group, k, cols, dtype, profile, ex) * contention + placed
+            t = max(t, ready) + gemm_time(q * group, k, cols, dtype, profile, ex) * contention
     return t
 
 

@@ -75,10 +75,6 @@ _TARGETS = {
     "matmul_rs": "ficco_matmul_rs",
     "all_gather": "ficco_all_gather",
     "reduce_scatter": "ficco_reduce_scatter",
-    # ag_matmul with gemm="xla_dot": the all-gather split around XLA's own dots (ag_matmul_xla_dots)
-    "ag_start": "ficco_ag_start",
-    "ag_wait": "ficco_ag_wait",
-    "ag_finish": "ficco_ag_finish",
 }
 _FAULT_MODES = {"skip": 1, "fail": 2}
 
@@ -217,10 +213,6 @@ def _abstract_reduce_scatter(x, *, axis_size, **_):
     return [_aval(x, (m, *x.shape[1:])), _aval(x, (axis_size - 1, m, *x.shape[1:]))]
 
 
-def _abstract_token(first, *_, **__):
-    return [_aval(first, (1,), jnp.dtype(jnp.int32))]
-
-
 def _concrete_mesh(ctx, op: str):
     axis_context = getattr(ctx.module_context, "axis_context", None)
     mesh = getattr(axis_context, "mesh", None)
@@ -298,11 +290,9 @@ def _local_groups(op: str, mesh, site, axis_name: str) -> np.ndarray:
                     dtype=np.int64)
 
 
-def _lowering(ctx, *operands, op, axis_name, axis_size, op_id, schedule, timeout_ms, fault, step=-1):
+def _lowering(ctx, *operands, op, axis_name, axis_size, op_id, schedule, timeout_ms, fault):
     group = _group_attrs(ctx, op, axis_name, axis_size)
-    # The split all-gather's calls carry no data dependency XLA could see between start and finish
-    # beyond their tokens: side-effecting, so XLA neither drops nor merges them.
-    rule = jax.ffi.ffi_lowering(_TARGETS[op], has_side_effect=op in ("ag_start", "ag_wait", "ag_finish"))
+    rule = jax.ffi.ffi_lowering(_TARGETS[op])
     return rule(
         ctx, *operands,
         op_id=np.int64(op_id),
@@ -312,11 +302,10 @@ def _lowering(ctx, *operands, op, axis_name, axis_size, op_id, schedule, timeout
         group_size=np.int64(axis_size),
         chunks=np.int64(schedule.chunks),
         order=np.int64({"ring": 0, "direct": 1}[schedule.order]),
-        gemm=np.int64({"per_chunk": 0, "grouped": 1, "xla_dot": 2}[schedule.gemm]),
+        gemm=np.int64({"per_chunk": 0, "grouped": 1}[schedule.gemm]),
         copy_streams=np.int64(schedule.copy_streams),
         timeout_ms=np.int64(timeout_ms),
         fault=np.int64(fault),
-        step=np.int64(step),
     )
 
 
@@ -333,19 +322,15 @@ _PRIMITIVES = {
     "matmul_rs": _make_primitive("matmul_rs", _abstract_matmul_rs),
     "all_gather": _make_primitive("all_gather", _abstract_all_gather),
     "reduce_scatter": _make_primitive("reduce_scatter", _abstract_reduce_scatter),
-    "ag_start": _make_primitive("ag_start", _abstract_all_gather),
-    "ag_wait": _make_primitive("ag_wait", _abstract_token),
-    "ag_finish": _make_primitive("ag_finish", _abstract_token),
 }
 
 
-def _bind(op: str, operands, axis_name: str, axis_size: int, schedule: Schedule, op_id: int | None = None,
-          **extra):
+def _bind(op: str, operands, axis_name: str, axis_size: int, schedule: Schedule):
     check_supported(op, operands[0].dtype)
     operands = _match_varying(*operands)
     return _PRIMITIVES[op].bind(
-        *operands, op=op, axis_name=axis_name, axis_size=axis_size, op_id=op_id or _next_op_id(), schedule=schedule,
-        timeout_ms=int(round(config.RENDEZVOUS_TIMEOUT_S * 1000)), fault=_fault_code(), **extra,
+        *operands, op=op, axis_name=axis_name, axis_size=axis_size, op_id=_next_op_id(), schedule=schedule,
+        timeout_ms=int(round(config.RENDEZVOUS_TIMEOUT_S * 1000)), fault=_fault_code(),
     )
 
 
@@ -360,44 +345,7 @@ def ag_matmul_dma(x, w, axis_name, schedule: Schedule):
     _check_axis_name("ag_matmul", axis_name)
     if x.dtype != w.dtype:
         raise TypeError(f"ag_matmul: comm='dma' needs x and w of one dtype, found {x.dtype} and {w.dtype}")
-    if schedule.gemm == "xla_dot":
-        return ag_matmul_xla_dots(x, w, axis_name, schedule)
     out, gathered = _bind("ag_matmul", (x, w), axis_name, _axis_size(axis_name), schedule)
-    return out, gathered
-
-
-def ag_matmul_xla_dots(x, w, axis_name, schedule: Schedule):
-    """ag_matmul with gemm="xla_dot": copy engines move the chunks, XLA's own dots multiply them.
-
-    One op id, three kinds of call (xla_ffi/handlers_split.cc): `ag_start` exchanges and starts
-    every pull into `gathered` and returns at once; before the dot of each peer chunk, `ag_wait`
-    makes XLA's stream wait for that chunk; `ag_finish` joins once every dot is issued. XLA sees
-    no data flow from the copies into `gathered`, so each dot reads `gathered` through an
-    optimization barrier with its wait's token (the dot cannot move above the wait), and the
-    results leave through one with the finish's token. The own shard's dot reads x directly.
-    Chunk (slot s, j) holds rows [q*j, q*(j+1)) of the shard of rank idx - 1 - s.
-    """
-    n = _axis_size(axis_name)
-    m, c = x.shape[0], schedule.chunks
-    q = m // c
-    op_id = _next_op_id()
-    common = dict(axis_name=axis_name, axis_size=n, schedule=schedule, op_id=op_id)
-    (gathered,) = _bind("ag_start", (x,), **common)
-    idx = jax.lax.axis_index(axis_name)
-    dtype = jnp.result_type(x.dtype, w.dtype)
-    zero = jnp.int32(0)
-    out = jnp.zeros((n * m, w.shape[1]), dtype)
-    out = jax.lax.dynamic_update_slice(out, (x @ w).astype(dtype), ((idx * m).astype(jnp.int32), zero))
-    for slot in range(n - 1):
-        src = (idx - 1 - slot) % n
-        for j in range(c):
-            (token,) = _bind("ag_wait", (gathered,), **common, step=slot * c + j)
-            ready, _ = jax.lax.optimization_barrier((gathered, token))
-            row = (src * m + j * q).astype(jnp.int32)
-            block = jax.lax.dynamic_slice_in_dim(ready, row, q, axis=0) @ w
-            out = jax.lax.dynamic_update_slice(out, block.astype(dtype), (row, zero))
-    (token,) = _bind("ag_finish", (x, out), **common)
-    out, gathered, _ = jax.lax.optimization_barrier((out, gathered, token))
     return out, gathered
 
 

@@ -22,7 +22,7 @@ import numpy as np
 from jax import lax
 
 from . import xla_lowering
-from .schedule import XLA_DOT, Schedule, check_shapes
+from .schedule import Schedule, check_shapes
 
 log = logging.getLogger("ficco_jax")
 
@@ -205,8 +205,6 @@ def _matmul_rs_impl(y, w, axis_name, sched):
 
 def _transposed_schedule(op, sched: Schedule, shapes, dtype, n) -> Schedule:
     """The backward op runs the forward's schedule where that point is valid for it, else auto."""
-    if sched.gemm == XLA_DOT and op != "ag_matmul":  # matmul_rs has no split form yet: the executor's matmuls
-        sched = sched.replace(gemm="per_chunk")
     try:
         return resolve_schedule(op, sched, shapes, dtype, n)
     except (ValueError, TypeError):

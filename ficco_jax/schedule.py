@@ -35,10 +35,6 @@ A2A_OPS = ("a2a_matmul", "matmul_a2a")
 COMMS = ("none", "xla", "dma")
 ORDERS = ("ring", "bidirectional", "direct")
 GEMMS = ("per_chunk", "grouped")
-#: The chunk matmuls as XLA's own dots between split copy-engine calls (ag_matmul, comm="dma"):
-#: XLA's autotuned GEMM instead of the executor's cuBLASLt. Not enumerated (so never picked by
-#: "auto") until GPU timings back it; ask for it by name: "dma/direct/c2/xladot".
-XLA_DOT = "xla_dot"
 
 # Which orders each (op, comm) pair implements.
 _ORDERS_FOR = {
@@ -64,7 +60,7 @@ class Schedule:
     copy_streams: int = 1
 
     def __post_init__(self):
-        for field, allowed in (("comm", COMMS), ("order", ORDERS), ("gemm", (*GEMMS, XLA_DOT))):
+        for field, allowed in (("comm", COMMS), ("order", ORDERS), ("gemm", GEMMS)):
             value = getattr(self, field)
             if value not in allowed:
                 raise ValueError(f"Schedule: {field}={value!r} is not one of {allowed}")
@@ -110,7 +106,7 @@ class Schedule:
             return "none"
         text = f"{self.comm}/{self.order}/c{self.chunks}"
         if self.gemm != "per_chunk":
-            text += "/xladot" if self.gemm == XLA_DOT else f"/{self.gemm}"
+            text += f"/{self.gemm}"
         if self.copy_streams != 1:
             text += f"/s{self.copy_streams}"
         return text
@@ -123,7 +119,7 @@ class Schedule:
             return cls(comm="none")
         if len(parts) < 3 or not parts[2].startswith("c"):
             raise ValueError(
-                f"cannot parse schedule {text!r}: expected 'none' or COMM/ORDER/cCHUNKS[/grouped|/xladot][/sSTREAMS], "
+                f"cannot parse schedule {text!r}: expected 'none' or COMM/ORDER/cCHUNKS[/grouped][/sSTREAMS], "
                 f"e.g. 'dma/direct/c4/s2'"
             )
         if not parts[2][1:].isdigit():
@@ -134,8 +130,6 @@ class Schedule:
         for extra in parts[3:]:
             if extra == "grouped":
                 fields["gemm"] = "grouped"
-            elif extra == "xladot":
-                fields["gemm"] = XLA_DOT
             elif extra.startswith("s") and extra[1:].isdigit():
                 fields["copy_streams"] = int(extra[1:])
             else:
@@ -158,9 +152,6 @@ class Schedule:
             return f"order='bidirectional' sends half of the chunks each way: chunks={self.chunks} must be even"
         if self.gemm == "grouped" and self.chunks == 1:
             return "gemm='grouped' needs chunks > 1 (with one chunk it is per_chunk)"
-        if self.gemm == XLA_DOT and (op != "ag_matmul" or self.comm != "dma"):
-            return (f"gemm={XLA_DOT!r} (XLA's dots between copy-engine calls) is implemented for ag_matmul with "
-                    f"comm='dma' only; use gemm='per_chunk' or 'grouped'")
         if self.comm == "xla" and self.copy_streams != 1:
             return f"copy_streams={self.copy_streams} applies to comm='dma' only; use 1"
         if self.comm == "dma":

@@ -28,7 +28,7 @@ import jax.extend.core as jex
 
 from ._patterns import AG, RS, SiteRecord, _Site, find_sites
 from ._patterns_a2a import A2A_MM, MM_A2A, find_a2a_sites
-from .schedule import XLA_DOT, Schedule
+from .schedule import Schedule
 
 __all__ = ["overlap", "explain", "Report", "SiteRecord"]
 
@@ -108,14 +108,11 @@ class _Options:
             return "autotune", "autotune"  # measured when the op is traced, not by explain()
         args = (site.shapes_2d(), site.dot.outvars[0].aval.dtype, site.axis_size)
         if isinstance(self.schedule, Schedule):
-            sched = self.schedule
-            if sched.gemm == XLA_DOT and site.op != AG:  # XLA's dots exist for ag_matmul only: the executor's elsewhere
-                sched = sched.replace(gemm="per_chunk")
             try:
-                return resolve_schedule(site.op, sched, *args, **where), str(sched)
+                return resolve_schedule(site.op, self.schedule, *args, **where), str(self.schedule)
             except ValueError as err:
                 logger.info("ficco_jax.overlap: %s at %s: using 'auto' instead (%s)",
-                            sched, site.record.where, err)
+                            self.schedule, site.record.where, err)
         chosen = resolve_schedule(site.op, "auto", *args, **where)
         return chosen, f"{chosen} (auto)"
 

@@ -182,13 +182,5 @@ case "$STAGE" in
     timeout 560 python3 examples/tp_transformer.py --preset llama70b-layer --compare --comm-free-bound --steps 4 \
       > "$OUT/tp_transformer.log" 2>&1; echo "example rc=$?"; grep -v "^\[" "$OUT/tp_transformer.log" | grep -v "^ok " | tail -16
     ;;
-  s4d)  # issue 3: ag_matmul with XLA's own dots between split copy-engine calls (gemm=xla_dot), first GPU run:
-        # GPU tests of it, then the anchor shapes beside the executor's matmuls and JAX seq (same run)
-    build
-    timeout 150 python3 -m pytest tests/gpu -x -q -k "xladot" 2>&1 | tail -4
-    timeout 380 python3 -m ficco_jax bench --no-windowed --op ag_matmul --shape anchors \
-      --schedules "dma/direct/c1,dma/direct/c2,dma/direct/c4/grouped,dma/direct/c1/xladot,dma/direct/c2/xladot,dma/direct/c4/xladot" \
-      --out "$OUT/bench_xladot" 2>"$OUT/bench_xladot.err" | tail -16
-    ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac

@@ -40,7 +40,7 @@ def child(case: str) -> None:
 
         attrs = dict(gpu_faults._library_attributes(mesh, x), op_id=np.int64(3 * 10**9),
                      groups=np.array([[100, 101]], np.int64), local_ordinals=np.array([[0, -1]], np.int64),
-                     ipc_job=np.int64(0x5EED), group_size=np.int64(2), timeout_ms=np.int64(1000), fault=np.int64(-1), step=np.int64(-1))
+                     ipc_job=np.int64(0x5EED), group_size=np.int64(2), timeout_ms=np.int64(1000), fault=np.int64(-1))
         call = jax.ffi.ffi_call("ficco_all_gather", jax.ShapeDtypeStruct((16, 256), jnp.float32))
         f = jax.jit(jax.shard_map(lambda a: call(a, **attrs), mesh=mesh, in_specs=P("tp"), out_specs=P("tp"),
                                   check_vma=False))

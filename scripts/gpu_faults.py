@@ -245,7 +245,7 @@ def child_partial(timeout_s, margin_s) -> None:
     full, launched = Mesh(np.array(devices), ("tp",)), Mesh(np.array(devices[:half]), ("tp",))
     op_id = 2 * 10**9
     attrs = dict(_library_attributes(full, jnp.zeros((n * 2, 3), jnp.float32)), op_id=np.int64(op_id),
-                 timeout_ms=np.int64(int(round(timeout_s * 1000))), fault=np.int64(-1), step=np.int64(-1))
+                 timeout_ms=np.int64(int(round(timeout_s * 1000))), fault=np.int64(-1))
 
     def gather(a):
         call = jax.ffi.ffi_call("ficco_all_gather", jax.ShapeDtypeStruct((n * a.shape[0], a.shape[1]), a.dtype))

@@ -33,7 +33,7 @@ def child(case: str) -> None:
         import gpu_faults
 
         attrs = dict(gpu_faults._library_attributes(full, jnp.zeros((n * 2, 3), jnp.float32)), op_id=np.int64(2 * 10**9),
-                     timeout_ms=np.int64(1000), fault=np.int64(-1), step=np.int64(-1))
+                     timeout_ms=np.int64(1000), fault=np.int64(-1))
         body = lambda a: jax.ffi.ffi_call("ficco_all_gather", jax.ShapeDtypeStruct((n * a.shape[0], a.shape[1]), a.dtype))(a, **attrs)
     m = mesh.shape["tp"]
     x = jax.device_put(jnp.arange(m * 2 * 3, dtype=jnp.float32).reshape(m * 2, 3), NamedSharding(mesh, P("tp")))

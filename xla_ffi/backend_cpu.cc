@@ -27,8 +27,6 @@ class CpuBackend final : public Backend {
     return ffi::Error::Success();
   }
   void ReleaseEvents() override {}
-  std::vector<Event> TakeAcquired() override { return {}; }
-  void AdoptAcquired(std::vector<Event>) override {}
 
  private:
   CallContext ctx_;

@@ -56,16 +56,6 @@ class CudaBackend final : public Backend {
     acquired_.clear();
   }
 
-  std::vector<Event> TakeAcquired() override {
-    std::vector<Event> events(acquired_.begin(), acquired_.end());
-    acquired_.clear();
-    return events;
-  }
-
-  void AdoptAcquired(std::vector<Event> events) override {
-    for (Event event : events) acquired_.push_back(static_cast<cudaEvent_t>(event));
-  }
-
  private:
   cudaStream_t StreamOf(int stream) const {
     return stream == kCompute ? compute_ : resources_->copy_streams[stream];

@@ -4,10 +4,6 @@
 #include "text.h"
 
 #include <algorithm>
-#include <map>
-#include <memory>
-#include <mutex>
-#include <tuple>
 
 namespace ficco {
 namespace {
@@ -219,18 +215,21 @@ ffi::Error AllGatherMatmuls(Backend& backend, const OpConfig& config, const AllG
   return ffi::Error::Success();
 }
 
+}  // namespace
 
-// Everything of an all-gather before its matmuls: the owner's `ready`, its own-shard matmul
-// (ag_matmul by the executor), the exchange, and every pull, with one `landed` event per chunk.
-ffi::Error ExchangeAndPull(Backend& backend, const OpConfig& config, const AllGatherArgs& a, CallSession& session,
-                           std::vector<std::vector<Event>>* landed) {
+ffi::Error RunAllGather(Backend& backend, const OpConfig& config, const AllGatherArgs& a) {
+  FICCO_RETURN_IF_ERROR(BeginCall(backend, config, a.m, "rows per device"));
+  const bool matmul = a.w != nullptr;
+  CallSession session(config, {matmul ? 1 : 3, static_cast<int>(a.dtype), a.m, a.row_bytes, a.inner,
+                               a.cols, config.chunks, static_cast<int>(config.order),
+                               static_cast<int>(config.gemm), config.copy_streams, config.n()});
   const int r = config.rank;
   const int64_t esize = static_cast<int64_t>(ByteWidth(a.dtype));
 
   // Owner: x is valid from `ready`; own work that needs no peer starts at once.
   Event ready;
   FICCO_RETURN_IF_ERROR(backend.Record(Backend::kCompute, &ready));
-  if (a.w != nullptr) {
+  if (matmul) {
     FICCO_RETURN_IF_ERROR(backend.Gemm({a.x, a.w, Offset(a.out, r * a.m * a.cols * esize), a.m, a.inner,
                                         a.cols, a.dtype}));
   }
@@ -240,7 +239,7 @@ ffi::Error ExchangeAndPull(Backend& backend, const OpConfig& config, const AllGa
 
   // Puller: peers by ring distance (r-1 first), each chunk into its rows of `gathered`.
   const int64_t q = a.m / config.chunks;
-  landed->assign(config.n() - 1, std::vector<Event>(config.chunks));
+  std::vector<std::vector<Event>> landed(config.n() - 1, std::vector<Event>(config.chunks));
   for (int slot = 0; slot < config.n() - 1; ++slot) {
     const int peer = config.SourceOfSlot(slot);
     const int stream = config.StreamOfSlot(slot);
@@ -249,110 +248,16 @@ ffi::Error ExchangeAndPull(Backend& backend, const OpConfig& config, const AllGa
       const int64_t row = peer * a.m + j * q;
       FICCO_RETURN_IF_ERROR(backend.Copy(stream, Offset(a.gathered, row * a.row_bytes),
                                          Offset(posts[peer].buffer, j * q * a.row_bytes), q * a.row_bytes));
-      FICCO_RETURN_IF_ERROR(backend.Record(stream, &(*landed)[slot][j]));
+      FICCO_RETURN_IF_ERROR(backend.Record(stream, &landed[slot][j]));
     }
   }
   // Our own rows of `gathered` go last on the last copy stream: the copy is only needed by the
   // join, so it must not delay the first peer chunk the matmuls wait for.
   const int last_stream = CopyStreamsUsed(config) - 1;
   FICCO_RETURN_IF_ERROR(backend.Wait(last_stream, ready));
-  return backend.Copy(last_stream, Offset(a.gathered, r * a.m * a.row_bytes), a.x, a.m * a.row_bytes);
-}
-
-std::vector<int64_t> AllGatherSignature(const OpConfig& config, const AllGatherArgs& a, int64_t kind) {
-  return {kind, static_cast<int>(a.dtype), a.m, a.row_bytes, a.inner, a.cols, config.chunks,
-          static_cast<int>(config.order), static_cast<int>(config.gemm), config.copy_streams, config.n()};
-}
-
-// The open calls of split all-gathers (StartAllGather .. FinishAllGather), per (device, launch,
-// op id). A device runs one call of a site at a time (its handlers run in program order), so one
-// slot per key is enough; a Start that finds a stale call (an earlier launch failed between Start
-// and Finish) replaces it, leaving that call's events out of the pool: a peer may still wait on them.
-struct OpenAllGather {
-  OpConfig config;                          // the Start's; the session refers to it
-  std::unique_ptr<CallSession> session;
-  std::vector<std::vector<Event>> landed;   // [slot][chunk]
-  std::vector<Event> acquired;              // every event of the call, released by Finish
-};
-
-using OpenKey = std::tuple<int, int64_t, int64_t>;  // device ordinal, run id, op id
-
-std::mutex& OpenMutex() {
-  static std::mutex mu;
-  return mu;
-}
-
-std::map<OpenKey, std::unique_ptr<OpenAllGather>>& OpenCalls() {
-  static auto* calls = new std::map<OpenKey, std::unique_ptr<OpenAllGather>>();
-  return *calls;
-}
-
-OpenKey KeyOf(const OpConfig& config) { return {config.ctx.device_ordinal, config.run_id, config.ctx.op_id}; }
-
-}  // namespace
-
-ffi::Error RunAllGather(Backend& backend, const OpConfig& config, const AllGatherArgs& a) {
-  FICCO_RETURN_IF_ERROR(BeginCall(backend, config, a.m, "rows per device"));
-  const bool matmul = a.w != nullptr;
-  CallSession session(config, AllGatherSignature(config, a, matmul ? 1 : 3));
-  std::vector<std::vector<Event>> landed;
-  FICCO_RETURN_IF_ERROR(ExchangeAndPull(backend, config, a, session, &landed));
+  FICCO_RETURN_IF_ERROR(backend.Copy(last_stream, Offset(a.gathered, r * a.m * a.row_bytes), a.x, a.m * a.row_bytes));
   if (matmul) FICCO_RETURN_IF_ERROR(AllGatherMatmuls(backend, config, a, landed));
   return JoinAndRelease(backend, config, session);
-}
-
-ffi::Error StartAllGather(Backend& backend, const OpConfig& config, const AllGatherArgs& a) {
-  if (a.w != nullptr || config.gemm != GemmMode::kXla) {
-    return MakeInvalid(config.ctx, "the split all-gather leaves the matmuls to XLA: gemm must be 'xla_dot' (a bug)");
-  }
-  if (config.cross_process()) {
-    return MakeInvalid(config.ctx, "gemm='xla_dot' runs groups inside one process only; this group spans "
-                                   "processes: use gemm='per_chunk' or 'grouped'");
-  }
-  FICCO_RETURN_IF_ERROR(BeginCall(backend, config, a.m, "rows per device"));
-  auto open = std::make_unique<OpenAllGather>();
-  open->config = config;
-  open->session = std::make_unique<CallSession>(open->config, AllGatherSignature(config, a, 4));
-  FICCO_RETURN_IF_ERROR(ExchangeAndPull(backend, open->config, a, *open->session, &open->landed));
-  open->acquired = backend.TakeAcquired();
-  std::lock_guard<std::mutex> lock(OpenMutex());
-  OpenCalls()[KeyOf(config)] = std::move(open);
-  return ffi::Error::Success();
-}
-
-ffi::Error WaitAllGatherChunk(Backend& backend, const OpConfig& config, int64_t step) {
-  Event landed = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(OpenMutex());
-    auto it = OpenCalls().find(KeyOf(config));
-    if (it == OpenCalls().end()) {
-      return MakeInvalid(config.ctx, "no open all-gather to wait on: its start did not run or failed on this device");
-    }
-    const OpenAllGather& open = *it->second;
-    const int64_t steps = static_cast<int64_t>(open.landed.size()) * open.config.chunks;
-    if (step < 0 || step >= steps) {
-      return MakeInvalid(config.ctx, "chunk step " + std::to_string(step) + " outside [0, " + std::to_string(steps) +
-                                         ") (a bug)");
-    }
-    landed = open.landed[step / open.config.chunks][step % open.config.chunks];
-  }
-  return backend.Wait(Backend::kCompute, landed);
-}
-
-ffi::Error FinishAllGather(Backend& backend, const OpConfig& config) {
-  std::unique_ptr<OpenAllGather> open;
-  {
-    std::lock_guard<std::mutex> lock(OpenMutex());
-    auto it = OpenCalls().find(KeyOf(config));
-    if (it == OpenCalls().end()) {
-      return MakeInvalid(config.ctx, "no open all-gather to finish: its start did not run or failed on this device");
-    }
-    open = std::move(it->second);
-    OpenCalls().erase(it);
-  }
-  FICCO_RETURN_IF_ERROR(backend.Prepare(CopyStreamsUsed(open->config), open->config.LocalOrdinals()));
-  backend.AdoptAcquired(std::move(open->acquired));
-  return JoinAndRelease(backend, open->config, *open->session);
 }
 
 // ---------------------------------------------------------------------------------------------

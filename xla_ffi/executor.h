@@ -28,8 +28,7 @@ namespace ficco {
 // The schedule and group of one call, decoded from the FFI attributes (module.cc).
 // ------------------------------------------------------------------------------------------
 enum class Order : int { kRing = 0, kDirect = 1 };
-// kXla: the op's matmuls are XLA's own dots between split calls (StartAllGather and friends below).
-enum class GemmMode : int { kPerChunk = 0, kGrouped = 1, kXla = 2 };
+enum class GemmMode : int { kPerChunk = 0, kGrouped = 1 };
 enum class Fault : int { kNone = 0, kSkip = 1, kFail = 2 };
 
 struct OpConfig {
@@ -88,11 +87,6 @@ class Backend {
   // Returns this call's events to the pool. Called only after the "release" rendezvous, see
   // Join() in executor.cc for why that makes re-recording them safe.
   virtual void ReleaseEvents() = 0;
-  // A call split over several handler invocations (StartAllGather .. FinishAllGather) keeps its
-  // events in between: the events this backend acquired, handed over (it no longer owns them),
-  // and handed back to the backend of the last invocation, whose ReleaseEvents returns them.
-  virtual std::vector<Event> TakeAcquired() = 0;
-  virtual void AdoptAcquired(std::vector<Event> events) = 0;
 };
 
 // ------------------------------------------------------------------------------------------
@@ -124,18 +118,6 @@ struct ReduceScatterArgs {    // matmul_rs and reduce_scatter
 
 ffi::Error RunAllGather(Backend& backend, const OpConfig& config, const AllGatherArgs& args);
 ffi::Error RunReduceScatter(Backend& backend, const OpConfig& config, const ReduceScatterArgs& args);
-
-// ag_matmul with XLA's own dots (gemm = kXla): one call of the op is three kinds of handler
-// invocation on each device, in this order on XLA's stream, with XLA's dots in between:
-//   StartAllGather(x -> gathered)   the exchange and every pull, as RunAllGather, then returns
-//                                   with the call open (kept per device, launch and op id);
-//   WaitAllGatherChunk(step)        XLA's stream waits for the chunk its next dot reads:
-//                                   step = slot * chunks + j (slot s: the peer at ring distance s+1);
-//   FinishAllGather()               the join and release of RunAllGather; closes the call.
-// `args.w` must be null: the matmuls are not the executor's. In-process groups only.
-ffi::Error StartAllGather(Backend& backend, const OpConfig& config, const AllGatherArgs& args);
-ffi::Error WaitAllGatherChunk(Backend& backend, const OpConfig& config, int64_t step);
-ffi::Error FinishAllGather(Backend& backend, const OpConfig& config);
 
 // ------------------------------------------------------------------------------------------
 // Building blocks shared by the executors of every op (executor.cc, executor_a2a.cc).

@@ -69,7 +69,7 @@ ffi::Error DecodeConfig(const OpAttrs& attrs, const char* target, int32_t device
                                 "not match the devices it runs on");
   }
   if (attrs.chunks < 1 || attrs.copy_streams < 1 || (attrs.order != 0 && attrs.order != 1) ||
-      attrs.gemm < 0 || attrs.gemm > 2 || attrs.timeout_ms < 0) {
+      (attrs.gemm != 0 && attrs.gemm != 1) || attrs.timeout_ms < 0) {
     return MakeInvalid(ctx, "bad schedule attributes: chunks=" + std::to_string(attrs.chunks) +
                                 " order=" + std::to_string(attrs.order) + " gemm=" + std::to_string(attrs.gemm) +
                                 " copy_streams=" + std::to_string(attrs.copy_streams));
@@ -147,24 +147,6 @@ ffi::Error AllGatherImpl(Backend& backend, const OpConfig& config, ffi::AnyBuffe
   args.m = x.dimensions()[0];
   args.row_bytes = args.m == 0 ? 0 : static_cast<int64_t>(x.size_bytes()) / args.m;
   return RunAllGather(backend, config, args);
-}
-
-ffi::Error AgStartImpl(Backend& backend, const OpConfig& config, ffi::AnyBuffer x, ffi::AnyBuffer gathered) {
-  const CallContext& ctx = config.ctx;
-  const int64_t n = config.n();
-  if (x.dimensions().size() != 2 || gathered.element_type() != x.element_type() ||
-      gathered.dimensions().size() != 2 || gathered.dimensions()[0] != n * x.dimensions()[0] ||
-      gathered.dimensions()[1] != x.dimensions()[1]) {
-    return MakeInvalid(ctx, "ag_start: x " + Shape(x) + " and gathered " + Shape(gathered) +
-                                " must be [m, K] and [n*m, K] of one dtype, n = " + std::to_string(n));
-  }
-  AllGatherArgs args;
-  args.x = x.untyped_data();
-  args.gathered = gathered.untyped_data();
-  args.m = x.dimensions()[0];
-  args.row_bytes = args.m == 0 ? 0 : static_cast<int64_t>(x.size_bytes()) / args.m;
-  args.inner = x.dimensions()[1];
-  return StartAllGather(backend, config, args);
 }
 
 ffi::Error ReduceScatterImpl(Backend& backend, const OpConfig& config, ffi::AnyBuffer x, ffi::AnyBuffer out,

@@ -16,9 +16,6 @@ inline constexpr char kAgMatmulTarget[] = "ficco_ag_matmul";
 inline constexpr char kMatmulRsTarget[] = "ficco_matmul_rs";
 inline constexpr char kAllGatherTarget[] = "ficco_all_gather";
 inline constexpr char kReduceScatterTarget[] = "ficco_reduce_scatter";
-inline constexpr char kAgStartTarget[] = "ficco_ag_start";
-inline constexpr char kAgWaitTarget[] = "ficco_ag_wait";
-inline constexpr char kAgFinishTarget[] = "ficco_ag_finish";
 
 // The attributes of every ficco target (dma.py writes them; see its _attributes()).
 struct OpAttrs {
@@ -31,11 +28,10 @@ struct OpAttrs {
   int64_t group_size;             // n
   int64_t chunks;
   int64_t order;                  // 0 ring, 1 direct
-  int64_t gemm;                   // 0 per_chunk, 1 grouped, 2 xla_dot (the split all-gather)
+  int64_t gemm;                   // 0 per_chunk, 1 grouped
   int64_t copy_streams;
   int64_t timeout_ms;
   int64_t fault;                  // -1 none, else mode * 1000 + rank (mode 1 skip, 2 fail)
-  int64_t step;                   // ficco_ag_wait: the chunk its dot reads (slot * chunks + j); else -1
 };
 
 // Buffer checks shared by the Impls: "[2, 3]"; `buffer` has exactly `dims` (the message names
@@ -52,8 +48,6 @@ ffi::Error AgMatmulImpl(Backend& backend, const OpConfig& config, ffi::AnyBuffer
 ffi::Error MatmulRsImpl(Backend& backend, const OpConfig& config, ffi::AnyBuffer y, ffi::AnyBuffer w,
                         ffi::AnyBuffer out, ffi::AnyBuffer send, ffi::AnyBuffer recv);
 ffi::Error AllGatherImpl(Backend& backend, const OpConfig& config, ffi::AnyBuffer x, ffi::AnyBuffer out);
-// The split all-gather of ag_matmul with gemm='xla_dot' (executor.h: StartAllGather).
-ffi::Error AgStartImpl(Backend& backend, const OpConfig& config, ffi::AnyBuffer x, ffi::AnyBuffer gathered);
 ffi::Error ReduceScatterImpl(Backend& backend, const OpConfig& config, ffi::AnyBuffer x, ffi::AnyBuffer out,
                              ffi::AnyBuffer recv);
 
@@ -68,6 +62,6 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::xla::ffi::StructMember<int64_t>("group_size"), ::xla::ffi::StructMember<int64_t>("chunks"),
     ::xla::ffi::StructMember<int64_t>("order"), ::xla::ffi::StructMember<int64_t>("gemm"),
     ::xla::ffi::StructMember<int64_t>("copy_streams"), ::xla::ffi::StructMember<int64_t>("timeout_ms"),
-    ::xla::ffi::StructMember<int64_t>("fault"), ::xla::ffi::StructMember<int64_t>("step"));
+    ::xla::ffi::StructMember<int64_t>("fault"));
 
 #endif  // FICCO_JAX_XLA_FFI_HANDLERS_H_

@@ -27,17 +27,10 @@
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FiccoAllToAllCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FiccoA2aMatmulCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FiccoMatmulA2aCpu);
-// The split all-gather (ag_matmul with gemm='xla_dot') lives in handlers_split.cc.
-XLA_FFI_DECLARE_HANDLER_SYMBOL(FiccoAgStartCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(FiccoAgWaitCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(FiccoAgFinishCpu);
 // The contention probe of `characterize` lives in probe.cc.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FiccoContentionProbeCpu);
 #ifdef FICCO_WITH_CUDA
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FiccoContentionProbeCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(FiccoAgStartCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(FiccoAgWaitCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(FiccoAgFinishCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FiccoAllToAllCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FiccoA2aMatmulCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FiccoMatmulA2aCuda);
@@ -379,9 +372,6 @@ NB_MODULE(_ffi, m) {
     targets[ficco::kA2aMatmulTarget] = Platforms(FiccoA2aMatmulCpu, FiccoA2aMatmulCuda);
     targets[ficco::kMatmulA2aTarget] = Platforms(FiccoMatmulA2aCpu, FiccoMatmulA2aCuda);
     targets["ficco_contention_probe"] = Platforms(FiccoContentionProbeCpu, FiccoContentionProbeCuda);
-    targets[ficco::kAgStartTarget] = Platforms(FiccoAgStartCpu, FiccoAgStartCuda);
-    targets[ficco::kAgWaitTarget] = Platforms(FiccoAgWaitCpu, FiccoAgWaitCuda);
-    targets[ficco::kAgFinishTarget] = Platforms(FiccoAgFinishCpu, FiccoAgFinishCuda);
 #else
     targets[ficco::kAgMatmulTarget] = Platforms(FiccoAgMatmulCpu, nullptr);
     targets[ficco::kMatmulRsTarget] = Platforms(FiccoMatmulRsCpu, nullptr);
@@ -391,9 +381,6 @@ NB_MODULE(_ffi, m) {
     targets[ficco::kA2aMatmulTarget] = Platforms(FiccoA2aMatmulCpu, nullptr);
     targets[ficco::kMatmulA2aTarget] = Platforms(FiccoMatmulA2aCpu, nullptr);
     targets["ficco_contention_probe"] = Platforms(FiccoContentionProbeCpu, nullptr);
-    targets[ficco::kAgStartTarget] = Platforms(FiccoAgStartCpu, nullptr);
-    targets[ficco::kAgWaitTarget] = Platforms(FiccoAgWaitCpu, nullptr);
-    targets[ficco::kAgFinishTarget] = Platforms(FiccoAgFinishCpu, nullptr);
 #endif
     return targets;
   });

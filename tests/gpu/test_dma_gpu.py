@@ -67,16 +67,10 @@ def _rs_ref(mesh):
     return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp")))
 
 
-#: ag_matmul with XLA's own dots between split copy-engine calls: not enumerated (auto never picks
-#: it yet), so named here.
-XLA_DOT_SCHEDULES = ("dma/direct/c1/xladot", "dma/direct/c2/xladot", "dma/direct/c4/xladot/s2", "dma/ring/c2/xladot")
-
-
 def _cases(op):
     n = len(GPUS)
-    extra = [s for s in map(Schedule.parse, XLA_DOT_SCHEDULES) if op == "ag_matmul" and s._problem(op, n) is None]
     for shape in SHAPES:
-        for sched in [*Schedule.enumerate(op, n, comms=("dma",)), *extra] if n >= 2 else []:
+        for sched in Schedule.enumerate(op, n, comms=("dma",)) if n >= 2 else []:
             if SHAPES[shape][0] % sched.chunks == 0:
                 yield pytest.param(shape, sched, id=f"{shape}-{sched}")
 
