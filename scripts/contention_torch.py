@@ -93,7 +93,6 @@ def main() -> None:
         elif kind == "all_gather":
             s, e = _events_ms(comm, all_gather, args.repeats)
         else:  # matmul beside all-gathers: fill the comm stream for longer than the matmuls take
-            cover = math.ceil(args.repeats * alone["matmul"] / alone["all_gather"]) + 2
             with torch.cuda.stream(comm):
                 for _ in range(cover):
                     all_gather()
@@ -106,7 +105,12 @@ def main() -> None:
         progress(f"timing {kind} alone")
         trial(kind)  # warm-up
         alone[kind] = statistics.median(trial(kind) for _ in range(args.trials))
-    progress(f"alone: {alone}; timing the matmul beside all-gathers")
+    # Every rank must issue the same number of all-gathers (a rank-local count from its own timings
+    # would leave NCCL waiting for a collective the others never start): the largest count wins.
+    count = torch.tensor([math.ceil(args.repeats * alone["matmul"] / alone["all_gather"]) + 2], device="cuda")
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    cover = int(count.item())
+    progress(f"alone: {alone}; timing the matmul beside {cover} all-gathers")
     trial("beside")
     beside = sorted(trial("beside") for _ in range(args.trials))
     result = {
