@@ -177,9 +177,11 @@ case "$STAGE" in
     timeout "$(upto 420)" python3 -m ficco_jax accuracy --top 1 --budget-s "$(( $(left) - 40 ))" --plot --out "$OUT/acc" \
       ${ACC_ARGS:-} 2>"$OUT/acc/accuracy.err" | tail -50
     ;;
-  s4c)  # issue 7: the llama70b-layer step without overlap, with overlap, and with no communication at all (the bound)
+  s4c)  # issue 7: the llama70b-layer step without overlap, with overlap, and with no communication at all (the bound);
+        # first, whether the tp=4 cuDNN-attention crash happens without ficco_jax imported at all
     build
-    timeout 560 python3 examples/tp_transformer.py --preset llama70b-layer --compare --comm-free-bound --steps 4 \
+    timeout 120 python3 scripts/cudnn_attention_repro.py > "$OUT/cudnn_repro.log" 2>&1; echo "cudnn repro rc=$?"; tail -5 "$OUT/cudnn_repro.log"
+    timeout 430 python3 examples/tp_transformer.py --preset llama70b-layer --compare --comm-free-bound --steps 4 \
       > "$OUT/tp_transformer.log" 2>&1; echo "example rc=$?"; grep -v "^\[" "$OUT/tp_transformer.log" | grep -v "^ok " | tail -16
     ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
