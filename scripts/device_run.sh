@@ -184,5 +184,9 @@ case "$STAGE" in
     timeout 430 python3 examples/tp_transformer.py --preset llama70b-layer --compare --comm-free-bound --steps 4 \
       > "$OUT/tp_transformer.log" 2>&1; echo "example rc=$?"; grep -v "^\[" "$OUT/tp_transformer.log" | grep -v "^ok " | tail -16
     ;;
+  s4e)  # one GPU (kind nvidia-h200): the executor's cuBLASLt GEMM vs XLA's dot after the two-pass algorithm choice
+    build
+    PROBE_GEMM_ONLY=1 timeout 120 python3 scripts/probe.py 2>&1 | tail -10
+    ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac

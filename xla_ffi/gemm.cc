@@ -1,9 +1,11 @@
 #include "gemm.h"
 
+#include <algorithm>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace ficco {
@@ -78,19 +80,26 @@ PlanKey KeyOf(const GemmProblem& p) {
 // 5-13% behind XLA's dot of the same shape on an H200.
 constexpr int kAlgoCandidates = 128;
 
-// Times `algo` on the problem's own buffers (the output is overwritten by the real run after).
+// The fastest few of the first pass are timed again with more repeats (one pass of 3 runs is
+// noisy enough to pick a slower algorithm), after a warm-up that brings the GPU to its clocks.
+constexpr int kFirstPassRepeats = 3;
+constexpr int kFinalists = 4;
+constexpr int kFinalRepeats = 10;
+constexpr int kWarmupRuns = 5;
+
+// Times `algo` on the problem's own buffers (the output is overwritten by the real run after):
+// milliseconds for `repeats` runs, -1 if it does not run.
 float TimeAlgo(const GemmProblem& p, cublasLtHandle_t handle, const GemmPlan& plan,
                const cublasLtMatmulAlgo_t& algo, void* workspace, size_t workspace_bytes,
-               cudaStream_t stream, cudaEvent_t start, cudaEvent_t stop) {
+               cudaStream_t stream, cudaEvent_t start, cudaEvent_t stop, int repeats) {
   const float alpha = 1.0f, beta = 0.0f;
   auto run = [&] {
     return cublasLtMatmul(handle, plan.op, &alpha, p.b, plan.a, p.a, plan.b, &beta, p.c, plan.c, p.c,
                           plan.c, &algo, workspace, workspace_bytes, stream);
   };
-  constexpr int kRepeats = 3;
   if (run() != CUBLAS_STATUS_SUCCESS) return -1.0f;
   cudaEventRecord(start, stream);
-  for (int i = 0; i < kRepeats; ++i) run();
+  for (int i = 0; i < repeats; ++i) run();
   cudaEventRecord(stop, stream);
   float ms = -1.0f;
   if (cudaEventSynchronize(stop) != cudaSuccess || cudaEventElapsedTime(&ms, start, stop) != cudaSuccess) {
@@ -104,9 +113,10 @@ float TimeAlgo(const GemmProblem& p, cublasLtHandle_t handle, const GemmPlan& pl
 // C^T[cols, rows] = B^T[cols, inner] @ A^T[inner, rows]: pass b as cuBLASLt's "A" and a as its
 // "B", no transposes, leading dimensions cols, inner and cols.
 //
-// The algorithm: the heuristic's best guesses are timed once on the device and the fastest is
-// kept (as XLA's GEMM autotuner does at compile time); the one synchronisation this costs
-// happens on the first call of each shape only.
+// The algorithm: the heuristic's best guesses are timed on the device and the fastest is kept
+// (as XLA's GEMM autotuner does at compile time): a warm-up, one short pass over every candidate,
+// then the finalists again with more repeats. The synchronisations this costs happen on the first
+// call of each shape only.
 cublasStatus_t MakePlan(const GemmProblem& p, cublasLtHandle_t handle, void* workspace,
                         size_t workspace_bytes, cudaStream_t stream, GemmPlan* plan) {
   const cudaDataType_t type = CudaType(p.dtype);
@@ -138,9 +148,19 @@ cublasStatus_t MakePlan(const GemmProblem& p, cublasLtHandle_t handle, void* wor
   plan->algo = candidates[0].algo;
   cudaEvent_t start = nullptr, stop = nullptr;
   if (found > 1 && cudaEventCreate(&start) == cudaSuccess && cudaEventCreate(&stop) == cudaSuccess) {
-    float best = -1.0f;
+    TimeAlgo(p, handle, *plan, candidates[0].algo, workspace, workspace_bytes, stream, start, stop, kWarmupRuns);
+    std::vector<std::pair<float, int>> first;  // (ms, candidate index) of those that ran
     for (int i = 0; i < found; ++i) {
-      const float ms = TimeAlgo(p, handle, *plan, candidates[i].algo, workspace, workspace_bytes, stream, start, stop);
+      const float ms = TimeAlgo(p, handle, *plan, candidates[i].algo, workspace, workspace_bytes, stream, start, stop,
+                                kFirstPassRepeats);
+      if (ms >= 0.0f) first.emplace_back(ms, i);
+    }
+    std::sort(first.begin(), first.end());
+    float best = -1.0f;
+    for (size_t f = 0; f < first.size() && f < static_cast<size_t>(kFinalists); ++f) {
+      const int i = first[f].second;
+      const float ms = TimeAlgo(p, handle, *plan, candidates[i].algo, workspace, workspace_bytes, stream, start, stop,
+                                kFinalRepeats);
       if (ms >= 0.0f && (best < 0.0f || ms < best)) {
         best = ms;
         plan->algo = candidates[i].algo;
