@@ -74,3 +74,24 @@ def test_bench_moe_ops_verified_side_by_side(tmp_path):
         assert mine["ideal"]["median_ms"] == max(mine["gemm_alone"]["median_ms"], mine["collective_alone"]["median_ms"])
         assert mine["jax_seq"]["extra"] == {"experts": 8, "top_k": 2}
     assert "| a2a_matmul |" in (tmp_path / "bench.md").read_text()
+
+
+def test_device_time_adds_estimates_only_while_they_disagree(monkeypatch):
+    from ficco_jax import timing
+
+    def run(walls):
+        it = iter(walls)
+        monkeypatch.setattr(timing, "_wall", lambda fn, args, launches: next(it))
+        return timing.device_time(lambda r: r, (), target_s=1e-3)
+
+    # t1 (sizing), then (big, small) pairs; repeats = 1e-3 / 1e-4 = 10, so estimate = (big - small) / 10
+    agree = [1e-4] + [1.1e-3, 1e-4] * 3  # three estimates of 1e-4 s: done after three
+    t = run(agree)
+    assert t["estimates"] == 3 and abs(t["median_s"] - 1e-4) < 1e-12 and t["spread_s"] == 0
+    noisy = [1e-4, 1.1e-3, 1e-4, 1.5e-3, 1e-4, 1.1e-3, 1e-4] + [1.1e-3, 1e-4] * 4  # one outlier (1.4e-4)
+    t = run(noisy)
+    assert t["estimates"] == 7  # 1.4e-4 among 1e-4s keeps the spread above 3 % to the cap
+    assert abs(t["median_s"] - 1e-4) < 1e-12  # the median ignores the outlier
+    settles = [1e-4, 1.1e-3, 1e-4, 1.103e-3, 1e-4, 1.1e-3, 1e-4, 1.101e-3, 1e-4]  # 1.0e-4, 1.003e-4, 1.0e-4, 1.001e-4
+    t = run(settles)
+    assert t["estimates"] == 3
