@@ -27,11 +27,16 @@ def rs_specs(mesh):
     return (P(b, "tp"), P("tp", None)), rows_spec(mesh)
 
 
-def run_sharded(mesh, body, specs, *args):
+def _jitted(mesh, body, specs, args):
+    """(jit of shard_map(body), args placed by their in_specs)."""
     in_specs, out_specs = specs
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
-    args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, in_specs)]
-    return f(*args)
+    return f, [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, in_specs)]
+
+
+def run_sharded(mesh, body, specs, *args):
+    f, placed = _jitted(mesh, body, specs, args)
+    return f(*placed)
 
 
 def random(rng, shape, dtype):
@@ -77,6 +82,5 @@ def prefer_copy_engines(monkeypatch):
 
 def lowered_text(mesh, body, specs, *args) -> str:
     """The StableHLO text run_sharded would compile (to check which custom calls a program holds)."""
-    in_specs, out_specs = specs
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
-    return f.lower(*[jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, in_specs)]).as_text()
+    f, placed = _jitted(mesh, body, specs, args)
+    return f.lower(*placed).as_text()
