@@ -11,8 +11,6 @@ namespace {
 const char* Offset(const void* base, int64_t bytes) { return static_cast<const char*>(base) + bytes; }
 char* Offset(void* base, int64_t bytes) { return static_cast<char*>(base) + bytes; }
 
-std::string Join(const std::vector<int64_t>& values) { return JoinNumbers(values); }
-
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -125,8 +123,8 @@ ffi::Error CallSession::Meet(Phase phase, const void* buffer, std::vector<Event>
     const Post& peer = (*posts)[rank];
     if (peer.signature != signature_) {
       return MakeInvalid(config_.ctx, "rank " + std::to_string(rank) + " (device " + std::to_string(config_.group[rank]) +
-                                          ") runs this op with [" + Join(peer.signature) + "] but rank " +
-                                          std::to_string(config_.rank) + " with [" + Join(signature_) +
+                                          ") runs this op with [" + JoinNumbers(peer.signature) + "] but rank " +
+                                          std::to_string(config_.rank) + " with [" + JoinNumbers(signature_) +
                                           "] (shapes, dtype, schedule)");
     }
   }

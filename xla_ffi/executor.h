@@ -85,7 +85,7 @@ class Backend {
   virtual ffi::Error Gemm(const GemmProblem& problem) = 0;       // on the compute stream
   virtual ffi::Error Reduce(const ReduceProblem& problem) = 0;   // on the compute stream
   // Returns this call's events to the pool. Called only after the "release" rendezvous, see
-  // Join() in executor.cc for why that makes re-recording them safe.
+  // JoinAndRelease() in executor.cc for why that makes re-recording them safe.
   virtual void ReleaseEvents() = 0;
 };
 
