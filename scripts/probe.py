@@ -1,7 +1,8 @@
 """Diagnostics for the copy-engine path, printed as one table (run on the GPU host).
 
-1. GEMM efficiency: XLA's dot vs the executor's cuBLASLt chunk matmuls (ag_matmul on a 1-device
-   mesh: no transfers, so only the matmuls and the call's fixed cost remain).
+1. GEMM efficiency: XLA's dot vs the executor's cuBLASLt chunk matmuls, as ag_matmul runs them on
+   a 1-device mesh (no peers; the own-rows copy into the gathered output still runs beside the
+   matmul) and alone (the contention probe without pulls). FICCO_GEMM_LOG=1 prints each plan.
 2. Transfers: ficco_jax.dma.all_gather alone vs NCCL's all-gather on all devices.
 Usage: python scripts/probe.py [M K N]
 """
@@ -13,7 +14,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import ficco_jax
-from ficco_jax import bench, timing
+from ficco_jax import bench, dma_probe, timing
 from ficco_jax.schedule import Schedule
 
 M, K, N = (int(v) for v in sys.argv[1:4]) if len(sys.argv) > 3 else (8192, 8192, 10240)
@@ -21,10 +22,11 @@ n = len(jax.local_devices())
 rows = []
 
 
-def record(what, fn, args):
+def record(what, fn, args, per_call=1):
+    """Time `fn` (device time per call); `per_call` matmuls per call are reported one by one."""
     try:
         t = timing.device_time(fn, args)
-        rows.append((what, t["median_s"] * 1e3, t["spread_s"] * 1e3))
+        rows.append((what, t["median_s"] * 1e3 / per_call, t["spread_s"] * 1e3 / per_call))
     except Exception as exc:  # a probe that fails is reported, the others still run
         rows.append((what, float("nan"), str(exc).splitlines()[0][:80]))
 
@@ -36,11 +38,19 @@ record(f"xla dot [{M},{K}]@[{K},{N // n}]", lambda r: bench.sharded(one, "ag_mat
 # With one device there are no peers: the executor runs the own shard as one cuBLASLt matmul.
 s1 = Schedule(comm="dma", order="direct")
 record("cublasLt via executor, 1 matmul", lambda r: bench.sharded(one, "ag_matmul", bench.op_body("ag_matmul", s1), r), (x1, w1))
+# The executor's matmul with nothing beside it: the contention probe's REP matmuls per call with
+# pull=False and a tiny x (ag_matmul above also copies x into its gathered output on a copy
+# engine while the matmul runs: M*K*2 bytes, 128 MiB at 8192 x 8192, competing for memory).
+REP = 8
+tiny = lambda a: a[:1, :8]
+pure = lambda a, w: dma_probe.matmuls_beside_pulls(a, w, tiny(a), "tp", repeats=REP, pull=False)
+record(f"cublasLt alone ({REP} per call, per matmul)", lambda r: bench.sharded(one, "ag_matmul", pure, r), (x1, w1), REP)
 for c in (2, 4, 8):
     xs, ws = bench.make_inputs("ag_matmul", M // c, K, N // n, "bfloat16", one)
     s = Schedule(comm="dma", order="direct")
     record(f"cublasLt via executor, 1 matmul of M/{c} rows (x{c} = chunked)",
            lambda r: bench.sharded(one, "ag_matmul", bench.op_body("ag_matmul", s), r), (xs, ws))
+    record(f"cublasLt alone, M/{c} rows", lambda r: bench.sharded(one, "ag_matmul", pure, r), (xs, ws), REP)
     record(f"xla dot of M/{c} rows", lambda r: bench.sharded(one, "ag_matmul", bench.op_body("ag_matmul", "ref"), r), (xs, ws))
 
 # 2. all-gather alone, shard [M/n, K]  (PROBE_GEMM_ONLY=1 skips it)

@@ -1,6 +1,8 @@
 #include "gemm.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -42,6 +44,17 @@ cudaDataType_t CudaType(Dtype dtype) {
     cublasStatus_t status_ = (call);                   \
     if (status_ != CUBLAS_STATUS_SUCCESS) return status_; \
   } while (0)
+
+// FICCO_GEMM_LOG=1: one stderr line per new plan (shape, candidates, the chosen algorithm's
+// configuration and its time per run on the problem's own buffers), to tell an algorithm gap from
+// contention or call overhead when the executor's matmuls are slower than XLA's.
+bool GemmLogEnabled() {
+  static const bool enabled = [] {
+    const char* flag = std::getenv("FICCO_GEMM_LOG");
+    return flag != nullptr && flag[0] == '1';
+  }();
+  return enabled;
+}
 
 }  // namespace
 
@@ -166,6 +179,26 @@ cublasStatus_t MakePlan(const GemmProblem& p, cublasLtHandle_t handle, void* wor
         plan->algo = candidates[i].algo;
       }
     }
+  }
+  if (GemmLogEnabled()) {
+    int id = -1, tile = -1, stages = -1, split_k = -1, swizzle = -1;
+    size_t written = 0;
+    cublasLtMatmulAlgoConfigGetAttribute(&plan->algo, CUBLASLT_ALGO_CONFIG_ID, &id, sizeof(id), &written);
+    cublasLtMatmulAlgoConfigGetAttribute(&plan->algo, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile, sizeof(tile), &written);
+    cublasLtMatmulAlgoConfigGetAttribute(&plan->algo, CUBLASLT_ALGO_CONFIG_STAGES_ID, &stages, sizeof(stages), &written);
+    cublasLtMatmulAlgoConfigGetAttribute(&plan->algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &split_k, sizeof(split_k),
+                                         &written);
+    cublasLtMatmulAlgoConfigGetAttribute(&plan->algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, &swizzle, sizeof(swizzle),
+                                         &written);
+    const float ms = start ? TimeAlgo(p, handle, *plan, plan->algo, workspace, workspace_bytes, stream, start, stop,
+                                      kFinalRepeats)
+                           : -1.0f;
+    std::fprintf(stderr,
+                 "ficco gemm plan [%lld,%lld]@[%lld,%lld] dtype %d: %d candidates, chose algo %d tile %d stages %d "
+                 "split_k %d swizzle %d, %.4f ms per run\n",
+                 static_cast<long long>(p.rows), static_cast<long long>(p.inner), static_cast<long long>(p.inner),
+                 static_cast<long long>(p.cols), static_cast<int>(p.dtype), found, id, tile, stages, split_k, swizzle,
+                 ms >= 0.0f ? ms / kFinalRepeats : -1.0f);
   }
   if (start) cudaEventDestroy(start);
   if (stop) cudaEventDestroy(stop);
