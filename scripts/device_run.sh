@@ -5,7 +5,8 @@
 #   STAGE=bench   the anchor shapes, ficco_jax vs JAX options (+ torch anchors if .carry/anchors exists)
 #   STAGE=x8a|x8b the 8-GPU run (issue 10); x4a|x4b the 4-GPU runs of 2026-11-22 session 2
 #   STAGE=s3a, s3c: session 3's runs; s4load, s4b, s4c: the next session's (the 10,000-step load alone; NCCL
-#                 contention and accuracy; the example with its communication-free bound)
+#                 contention and accuracy; the example with its communication-free bound); s4e: one GPU's GEMMs;
+#                 s4x2: what 2 GPUs can tell (session 4)
 # Writes logs and JSON under $OUT (default ./out/device). Never changes GPU settings.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -193,6 +194,25 @@ case "$STAGE" in
       FICCO_GEMM_LOG=1 PROBE_GEMM_ONLY=1 timeout 150 python3 scripts/probe.py $shape > "$OUT/probe_${shape// /_}.log" 2>&1
       grep -E "ficco gemm plan" "$OUT/probe_${shape// /_}.log" | cut -c1-200 | sort | uniq | head -12; tail -14 "$OUT/probe_${shape// /_}.log"
     done
+    ;;
+  s4x2)  # session 4 on 2 GPUs (nvidia-h200-x2: the 4- and 8-GPU kinds were not lent): the cuDNN crash without ficco_jax,
+          # matmul slowdown beside NCCL (PyTorch) and beside copy engines (ours), host time vs device time of a
+          # copy-engine call, then the example with cuDNN attention and its communication-free bound
+    DEADLINE=${DEADLINE:-575}
+    build
+    mkdir -p "$OUT/host"
+    timeout "$(upto 90)" python3 scripts/cudnn_attention_repro.py > "$OUT/cudnn_repro.log" 2>&1; CUDNN_RC=$?
+    echo "cudnn repro rc=$CUDNN_RC"; tail -4 "$OUT/cudnn_repro.log"
+    timeout "$(upto 150)" python3 -m torch.distributed.run --nproc-per-node="$(nvidia-smi -L | wc -l)" scripts/contention_torch.py \
+      --out "$OUT/char" > "$OUT/char/contention_torch.log" 2>&1; echo "contention_torch rc=$?"
+    grep -E '^\{' "$OUT/char/contention_torch.log" | cut -c1-700; grep rank0 "$OUT/char/contention_torch.log" | tail -3
+    timeout "$(upto 80)" python3 -m ficco_jax characterize --parts contention --out "$OUT/char" 2>"$OUT/char/char.err" | tail -12
+    timeout "$(upto 130)" python3 scripts/host_overhead.py --schedules ref,dma/direct/c1 --out "$OUT/host" 2>"$OUT/host/host.err" | tail -8
+    if [ "$CUDNN_RC" = 0 ] && [ "$(left)" -gt 100 ]; then
+      timeout "$(upto 240)" python3 examples/tp_transformer.py --preset llama70b-layer --tp 2 --layers 2 --attention cudnn \
+        --compare --comm-free-bound --steps 4 > "$OUT/tp_transformer.log" 2>&1; echo "example rc=$?"
+      grep -v "^\[" "$OUT/tp_transformer.log" | grep -v "^ok " | tail -16
+    fi
     ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac
