@@ -214,5 +214,19 @@ case "$STAGE" in
       grep -v "^\[" "$OUT/tp_transformer.log" | grep -v "^ok " | tail -16
     fi
     ;;
+  s4x2b)  # the example with cuDNN attention crashed at tp=2 as at tp=4, while the attention alone ran (s4x2): try it
+           # with XLA's command buffers off (jax-ml/jax#27599: cuDNN attention in CUDA graphs on several GPUs), with
+           # Python's fault handler for a stack; then the same with command buffers on (default), smaller
+    DEADLINE=${DEADLINE:-480}
+    build
+    echo "nsys: $(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)"
+    XLA_FLAGS="--xla_gpu_enable_command_buffer=" timeout "$(upto 260)" python3 -X faulthandler examples/tp_transformer.py \
+      --preset llama70b-layer --tp 2 --layers 2 --attention cudnn --compare --comm-free-bound --steps 4 \
+      > "$OUT/tp_cudnn_nocmdbuf.log" 2>&1; echo "example (command buffers off) rc=$?"
+    grep -v "^\[" "$OUT/tp_cudnn_nocmdbuf.log" | grep -v "^ok " | cut -c1-200 | tail -22
+    timeout "$(upto 120)" python3 -X faulthandler examples/tp_transformer.py --preset llama70b-layer --tp 2 --layers 1 \
+      --attention cudnn --no-overlap --steps 2 > "$OUT/tp_cudnn_default.log" 2>&1; echo "example (default flags, 1 layer) rc=$?"
+    grep -v "^\[" "$OUT/tp_cudnn_default.log" | cut -c1-200 | tail -14
+    ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac
