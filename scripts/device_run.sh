@@ -228,5 +228,9 @@ case "$STAGE" in
       --attention cudnn --no-overlap --steps 2 > "$OUT/tp_cudnn_default.log" 2>&1; echo "example (default flags, 1 layer) rc=$?"
     grep -v "^\[" "$OUT/tp_cudnn_default.log" | cut -c1-200 | tail -14
     ;;
+  s4x2c)  # the crash is in XLA's compile (fault handler, s4x2b): compile pieces of the example, each in a child process
+    build
+    timeout 400 python3 scripts/cudnn_compile_bisect.py --timeout-s 90 2>&1 | cut -c1-400
+    ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac

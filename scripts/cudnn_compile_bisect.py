@@ -1,0 +1,127 @@
+"""Which part of the example makes XLA's compiler crash with cuDNN attention on several GPUs?
+
+`examples/tp_transformer.py --attention cudnn` dies with SIGSEGV inside XLA's compile
+(`backend_compile_and_load`) at tp=2 and tp=4 on H200 (jax 0.11.2; with or without command
+buffers), while `scripts/cudnn_attention_repro.py` (the attention alone, forward and backward,
+under shard_map) compiles and runs. This script compiles (never runs) pieces of the example on
+every local GPU, each in a child process so that a crash only ends that piece:
+
+    python scripts/cudnn_compile_bisect.py [--variants a,b,...] [--tp N]
+
+Prints one line per piece: ok, or the signal/exit status and the child's last lines. Needs GPUs.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+VARIANTS = {
+    "attn_fwd": "attention block (all-gather, qkv, RoPE, cuDNN attention, wo, reduce-scatter), forward",
+    "attn_grad": "the attention block, forward and backward",
+    "attn_grad_noslice": "forward and backward, q/k/v materialised (copies behind a barrier) first",
+    "attn_grad_commfree": "forward and backward, the collectives replaced by local ops (comm_free)",
+    "attn_scan_grad": "forward and backward of the block inside lax.scan over 1 layer",
+    "step": "the example's whole training step (1 layer, no overlap)",
+    "step_no_lhs": "the whole step with XLA's latency-hiding scheduler off",
+}
+FLAGS = {"step_no_lhs": "--xla_gpu_enable_latency_hiding_scheduler=false"}
+
+
+def child(variant: str, tp: int, attention: str) -> None:
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+    import tp_transformer as ex
+
+    cfg = ex.PRESETS["llama70b-layer"]
+    cfg = ex.dataclasses.replace(cfg, tp=tp, layers=1, attention=attention, overlap=False,
+                                 comm_free=variant == "attn_grad_commfree")
+    mesh = ex.make_mesh(cfg)
+    if variant.startswith("step"):
+        ex.build_trainer(cfg, mesh)  # lowers and compiles the jitted step
+        return
+    params = jax.eval_shape(lambda k: ex.init_params(cfg, k), jax.random.PRNGKey(0))["layers"]
+    specs = ex.param_specs()["layers"]
+    one = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), t)  # noqa: E731
+    layer_specs = jax.tree.map(lambda s: P(*s[1:]), specs, is_leaf=lambda s: isinstance(s, P))
+
+    def block(x, p):
+        if variant == "attn_grad_noslice":
+            real = jax.nn.dot_product_attention
+
+            def contiguous(q, k, v, **kw):
+                q, k, v = jax.lax.optimization_barrier(tuple(jnp.copy(t) for t in (q, k, v)))
+                return real(q, k, v, **kw)
+
+            jax.nn.dot_product_attention, saved = contiguous, real
+            try:
+                return ex.attention_block(cfg, x, p)
+            finally:
+                jax.nn.dot_product_attention = saved
+        return ex.attention_block(cfg, x, p)
+
+    if variant == "attn_scan_grad":
+        body = lambda x, ps: jnp.sum(jax.lax.scan(lambda x, p: (x + block(x, p), None), x, ps)[0]  # noqa: E731
+                                     .astype(jnp.float32))
+        p_abs, p_specs = params, specs
+    else:
+        body = lambda x, p: jnp.sum(block(x, p).astype(jnp.float32))  # noqa: E731
+        p_abs, p_specs = one(params), layer_specs
+    fn = body if variant == "attn_fwd" else jax.grad(body, argnums=(0, 1))
+    out_specs = P() if variant == "attn_fwd" else (ex.ACT_SPEC, p_specs)
+    if variant == "attn_fwd":
+        fn = lambda x, p, body=body: jax.lax.psum(body(x, p), ("dp", "tp"))  # noqa: E731
+    mapped = jax.shard_map(fn, mesh=mesh, in_specs=(ex.ACT_SPEC, p_specs), out_specs=out_specs)
+    x_abs = jax.ShapeDtypeStruct((cfg.batch, cfg.seq, cfg.hidden), cfg.compute_dtype,
+                                 sharding=NamedSharding(mesh, ex.ACT_SPEC))
+    p_abs = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
+                         p_abs, p_specs, is_leaf=lambda s: isinstance(s, P))
+    jax.jit(mapped).lower(x_abs, p_abs).compile()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--tp", type=int, default=0, help="devices (default: all local GPUs)")
+    parser.add_argument("--timeout-s", type=int, default=120)
+    parser.add_argument("--attention", default="cudnn", help="xla: the same pieces without cuDNN (a check of this script)")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.child, args.tp, args.attention)
+        print("compiled", flush=True)
+        return 0
+    tp = args.tp
+    if not tp:
+        import jax
+        tp = len(jax.devices())
+    status = 0
+    for variant in args.variants.split(","):
+        if variant not in VARIANTS:
+            print(f"unknown variant {variant!r}; choose among {', '.join(VARIANTS)}")
+            return 2
+        env = dict(os.environ)
+        if variant in FLAGS:
+            env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + FLAGS[variant]).strip()
+        try:
+            run = subprocess.run([sys.executable, "-X", "faulthandler", __file__, "--child", variant, "--tp", str(tp),
+                                  "--attention", args.attention],
+                                 capture_output=True, text=True, timeout=args.timeout_s, env=env)
+            verdict = "ok" if run.returncode == 0 else (f"signal {-run.returncode}" if run.returncode < 0
+                                                        else f"exit {run.returncode}")
+            tail = "" if run.returncode == 0 else " | " + " / ".join(
+                line.strip() for line in (run.stdout + run.stderr).strip().splitlines()[-3:])[:300]
+        except subprocess.TimeoutExpired:
+            verdict, tail = f"timeout {args.timeout_s} s", ""
+        status |= verdict != "ok"
+        print(f"{variant:<20} {verdict:<10} {VARIANTS[variant]}{tail}", flush=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
