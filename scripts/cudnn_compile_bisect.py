@@ -24,6 +24,9 @@ VARIANTS = {
     "attn_grad_noslice": "forward and backward, q/k/v materialised (copies behind a barrier) first",
     "attn_grad_commfree": "forward and backward, the collectives replaced by local ops (comm_free)",
     "attn_scan_grad": "forward and backward of the block inside lax.scan over 1 layer",
+    "stack_grad": "the shard_map'd decoder stack (attention + MLP in a scan), forward and backward of a sum",
+    "loss_grad": "value_and_grad of the example's loss (embedding and head outside shard_map)",
+    "loss_grad_no_embed": "the loss with the embedding lookup replaced by a sharded input",
     "step": "the example's whole training step (1 layer, no overlap)",
     "step_no_lhs": "the whole step with XLA's latency-hiding scheduler off",
 }
@@ -44,6 +47,34 @@ def child(variant: str, tp: int, attention: str) -> None:
     mesh = ex.make_mesh(cfg)
     if variant.startswith("step"):
         ex.build_trainer(cfg, mesh)  # lowers and compiles the jitted step
+        return
+    if variant.startswith("loss") or variant == "stack_grad":
+        full = jax.eval_shape(lambda k: ex.init_params(cfg, k), jax.random.PRNGKey(0))
+        sh = jax.tree.map(lambda s: NamedSharding(mesh, s), ex.param_specs(), is_leaf=lambda s: isinstance(s, P))
+        p_abs = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), full, sh)
+        tokens = jax.ShapeDtypeStruct((cfg.batch, cfg.seq), jnp.int32, sharding=NamedSharding(mesh, P("dp", "tp")))
+        x_abs = jax.ShapeDtypeStruct((cfg.batch, cfg.seq, cfg.hidden), cfg.compute_dtype,
+                                     sharding=NamedSharding(mesh, ex.ACT_SPEC))
+        if variant == "loss_grad":
+            jax.jit(jax.value_and_grad(ex.make_loss(cfg, mesh))).lower(p_abs, tokens, tokens).compile()
+        elif variant == "loss_grad_no_embed":
+            loss = ex.make_loss(cfg, mesh)
+
+            def no_embed(params, x, targets):  # the loss after the embedding, fed x directly
+                params = dict(params, embed=None)
+                stack = jax.shard_map(lambda x, layers: ex.decoder_stack(cfg, x, layers), mesh=mesh,
+                                      in_specs=(ex.ACT_SPEC, ex.param_specs()["layers"]), out_specs=ex.ACT_SPEC)
+                h = ex.rms_norm(stack(x, params["layers"]), params["final_norm"])
+                logits = jnp.einsum("bsd,dv->bsv", h, params["head"], preferred_element_type=jnp.float32)
+                return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits, -1), targets[..., None], -1))
+
+            del loss
+            jax.jit(jax.value_and_grad(no_embed, argnums=(0, 1))).lower(p_abs, x_abs, tokens).compile()
+        else:
+            stack = jax.shard_map(lambda x, layers: jnp.sum(ex.decoder_stack(cfg, x, layers).astype(jnp.float32)),
+                                  mesh=mesh, in_specs=(ex.ACT_SPEC, ex.param_specs()["layers"]), out_specs=P(),
+                                  check_vma=False)
+            jax.jit(jax.grad(stack, argnums=(0, 1))).lower(x_abs, p_abs["layers"]).compile()
         return
     params = jax.eval_shape(lambda k: ex.init_params(cfg, k), jax.random.PRNGKey(0))["layers"]
     specs = ex.param_specs()["layers"]

@@ -230,7 +230,7 @@ case "$STAGE" in
     ;;
   s4x2c)  # the crash is in XLA's compile (fault handler, s4x2b): compile pieces of the example, each in a child process
     build
-    timeout 400 python3 scripts/cudnn_compile_bisect.py --timeout-s 90 2>&1 | cut -c1-400
+    timeout 400 python3 scripts/cudnn_compile_bisect.py --timeout-s 90 ${BISECT_ARGS:-} 2>&1 | cut -c1-400
     ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac
