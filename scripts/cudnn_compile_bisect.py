@@ -25,6 +25,11 @@ VARIANTS = {
     "attn_grad_commfree": "forward and backward, the collectives replaced by local ops (comm_free)",
     "attn_scan_grad": "forward and backward of the block inside lax.scan over 1 layer",
     "stack_grad": "the shard_map'd decoder stack (attention + MLP in a scan), forward and backward of a sum",
+    "stack_grad_unrolled": "the stack's layers in a Python loop instead of lax.scan",
+    "stack_grad_commfree": "the stack with its collectives replaced by local ops (comm_free)",
+    "stack_grad_remat": "the stack with jax.checkpoint around each layer",
+    "stack_grad_barrier": "the stack with an optimization barrier between the attention and the MLP",
+    "stack_grad_mlp_only": "the stack without attention (MLP blocks only), as a control",
     "loss_grad": "value_and_grad of the example's loss (embedding and head outside shard_map)",
     "loss_grad_no_embed": "the loss with the embedding lookup replaced by a sharded input",
     "step": "the example's whole training step (1 layer, no overlap)",
@@ -43,12 +48,27 @@ def child(variant: str, tp: int, attention: str) -> None:
 
     cfg = ex.PRESETS["llama70b-layer"]
     cfg = ex.dataclasses.replace(cfg, tp=tp, layers=1, attention=attention, overlap=False,
-                                 comm_free=variant == "attn_grad_commfree")
+                                 comm_free=variant.endswith("_commfree"), remat=variant.endswith("_remat"))
     mesh = ex.make_mesh(cfg)
     if variant.startswith("step"):
         ex.build_trainer(cfg, mesh)  # lowers and compiles the jitted step
         return
-    if variant.startswith("loss") or variant == "stack_grad":
+    def stack_of(x, layers):
+        if variant == "stack_grad_unrolled":
+            for i in range(cfg.layers):
+                p = jax.tree.map(lambda a, i=i: a[i], layers)
+                x = x + ex.attention_block(cfg, x, p)
+                x = x + ex.mlp_block(cfg, x, p)
+            return x
+        if variant in ("stack_grad_barrier", "stack_grad_mlp_only"):
+            def layer(x, p):
+                if variant == "stack_grad_barrier":
+                    x = jax.lax.optimization_barrier(x + ex.attention_block(cfg, x, p))
+                return x + ex.mlp_block(cfg, x, p), None
+            return jax.lax.scan(layer, x, layers)[0]
+        return ex.decoder_stack(cfg, x, layers)
+
+    if variant.startswith("loss") or variant.startswith("stack_grad"):
         full = jax.eval_shape(lambda k: ex.init_params(cfg, k), jax.random.PRNGKey(0))
         sh = jax.tree.map(lambda s: NamedSharding(mesh, s), ex.param_specs(), is_leaf=lambda s: isinstance(s, P))
         p_abs = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), full, sh)
@@ -71,7 +91,7 @@ def child(variant: str, tp: int, attention: str) -> None:
             del loss
             jax.jit(jax.value_and_grad(no_embed, argnums=(0, 1))).lower(p_abs, x_abs, tokens).compile()
         else:
-            stack = jax.shard_map(lambda x, layers: jnp.sum(ex.decoder_stack(cfg, x, layers).astype(jnp.float32)),
+            stack = jax.shard_map(lambda x, layers: jnp.sum(stack_of(x, layers).astype(jnp.float32)),
                                   mesh=mesh, in_specs=(ex.ACT_SPEC, ex.param_specs()["layers"]), out_specs=P(),
                                   check_vma=False)
             jax.jit(jax.grad(stack, argnums=(0, 1))).lower(x_abs, p_abs["layers"]).compile()
