@@ -74,6 +74,10 @@ class Config:
     overlap: bool = True
     schedule: str = "auto"  # handed to ficco_jax.overlap
     attention: str = "xla"  # jax.nn.dot_product_attention implementation: "xla" or "cudnn"
+    # Layers as a lax.scan over stacked parameters (True) or a Python loop (False). None: scan, except
+    # with cuDNN attention and no remat, whose gradient in a scan body crashes XLA's compiler on 2+ GPUs
+    # (SIGSEGV in compile, jax 0.11.2, H200; scripts/cudnn_compile_bisect.py: unrolled or remat compile).
+    scan: bool | None = None
     # A timing bound, not a model: the sequence all-gathers and reduce-scatters become local ops of the
     # same shapes (tile / sum of slices), so the step does all its other work with no communication.
     # No overlap can make the real step faster than this one. Its losses are not the model's.
@@ -89,6 +93,12 @@ class Config:
     def compute_dtype(self):
         name = self.dtype if self.dtype != "auto" else ("bfloat16" if jax.default_backend() == "gpu" else "float32")
         return jnp.dtype(name)
+
+    @property
+    def scans_layers(self) -> bool:
+        if self.scan is not None:
+            return self.scan
+        return not (self.attention == "cudnn" and not self.remat)
 
     def validate(self, tp: int) -> None:
         problems = []
@@ -217,12 +227,17 @@ def mlp_block(cfg: Config, x, p):
 
 
 def decoder_stack(cfg: Config, x, layers):
-    """The shard_map body: every decoder layer, as a scan over the stacked parameters."""
+    """The shard_map body: every decoder layer, as a scan over the stacked parameters (or a loop, cfg.scan)."""
     def layer(x, p):
         x = x + attention_block(cfg, x, p)
         return x + mlp_block(cfg, x, p), None
 
-    return jax.lax.scan(jax.checkpoint(layer) if cfg.remat else layer, x, layers)[0]
+    layer = jax.checkpoint(layer) if cfg.remat else layer
+    if cfg.scans_layers:
+        return jax.lax.scan(layer, x, layers)[0]
+    for i in range(jax.tree.leaves(layers)[0].shape[0]):
+        x = layer(x, jax.tree.map(lambda a, i=i: a[i], layers))[0]
+    return x
 
 
 ACT_SPEC = P("dp", "tp", None)  # [batch, seq, hidden]: batch over dp, sequence over tp
@@ -421,6 +436,8 @@ def parse_config(argv=None) -> tuple[Config, argparse.Namespace]:
     parser.add_argument("--remat", action=argparse.BooleanOptionalAction, default=None, help="jax.checkpoint per layer")
     parser.add_argument("--bound", action=argparse.BooleanOptionalAction, default=True,
                         help="print the matmul-only bound (measures one GEMM)")
+    parser.add_argument("--scan", action=argparse.BooleanOptionalAction, default=None,
+                        help="layers as lax.scan (default) or a Python loop (default with --attention cudnn)")
     parser.add_argument("--comm-free-bound", action="store_true",
                         help="also time the step with its sequence collectives replaced by local ops of the same "
                              "shapes: the fastest any overlap could make it (its losses are not the model's)")
@@ -430,9 +447,9 @@ def parse_config(argv=None) -> tuple[Config, argparse.Namespace]:
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"))
     parser.add_argument("--schedule", help="schedule for every site: auto (default), autotune, or e.g. dma/direct/c4/s2")
     parser.add_argument("--attention", choices=("xla", "cudnn"),
-                        help="jax.nn.dot_product_attention implementation (default xla). cudnn killed the process "
-                             "(SIGSEGV, before the first step) with the llama70b-layer preset at tp=4 on 4 x H200, "
-                             "jax 0.11.2, 2026-11-22 (it ran at --tp 1 on one H200): not a measured path")
+                        help="jax.nn.dot_product_attention implementation (default xla). cudnn: flash attention; "
+                             "its gradient inside a layer scan crashes XLA's compiler on 2+ GPUs (jax 0.11.2), so "
+                             "the layers are unrolled unless --remat or --scan")
     args = parser.parse_args(argv)
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(Config)
                  if getattr(args, f.name, None) is not None}
@@ -447,7 +464,7 @@ def main(argv=None) -> None:
                                                                                jax.random.PRNGKey(0))))
     print(f"tp_transformer ({args.preset}): {cfg.layers} layers, hidden {cfg.hidden}, ffn {cfg.ffn}, heads "
           f"{cfg.heads}/{cfg.kv_heads} kv, seq {cfg.seq}, batch {cfg.batch} x dp {dp}, {n_params / 1e6:,.1f}M params, "
-          f"{cfg.compute_dtype.name}, remat {cfg.remat}; mesh dp={dp} x tp={tp} on "
+          f"{cfg.compute_dtype.name}, remat {cfg.remat}, layers {'scanned' if cfg.scans_layers else 'unrolled'}; mesh dp={dp} x tp={tp} on "
           f"{jax.device_count()} x {jax.devices()[0].device_kind}")
     print("timing: wall time per training step, block_until_ready after each (dispatch included)")
     modes = (False, True) if args.compare else (cfg.overlap,)

@@ -232,5 +232,12 @@ case "$STAGE" in
     build
     timeout 400 python3 scripts/cudnn_compile_bisect.py --timeout-s 90 ${BISECT_ARGS:-} 2>&1 | cut -c1-400
     ;;
+  s4x2d)  # the example with cuDNN attention, layers unrolled (the compile crash needs the layer scan, s4x2c): without
+           # overlap, with overlap, and with no communication at all, at tp=2
+    build
+    timeout 450 python3 -X faulthandler examples/tp_transformer.py --preset llama70b-layer --tp 2 --attention cudnn \
+      --compare --comm-free-bound --steps 5 > "$OUT/tp_cudnn_tp2.log" 2>&1; echo "example rc=$?"
+    grep -v "^\[" "$OUT/tp_cudnn_tp2.log" | grep -v "^ok " | cut -c1-220 | tail -24
+    ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac

@@ -100,3 +100,23 @@ def test_comm_free_bound_has_the_shapes_and_no_collectives():
     assert "all_gather" not in jaxprs[True] and "reduce_scatter" not in jaxprs[True]
     run = tp_transformer.train(free, mesh, log=lambda *_: None)
     assert len(run["step_s"]) == 2 and np.all(np.isfinite(run["losses"])) and run["report"] is None
+
+
+def test_unrolled_layers_train_like_the_scan(tiny_runs):
+    # --no-scan (the default with cuDNN attention, whose gradient in a scan crashes XLA's compiler on
+    # GPUs) runs the same layers as a Python loop: same losses as the scanned run, overlap rewritten alike.
+    cfg = dataclasses.replace(tp_transformer.PRESETS["tiny"], steps=3, dtype="float32", schedule=OVERLAP_SCHEDULE,
+                              scan=False, overlap=True)
+    assert not cfg.scans_layers
+    run = tp_transformer.train(cfg, tp_transformer.make_mesh(cfg), log=lambda *_: None)
+    np.testing.assert_allclose(run["losses"], tiny_runs[True]["losses"], rtol=1e-5)
+    # the scan body holds one layer's 8 sites; unrolled, every layer has its own
+    assert len(tiny_runs[True]["report"].sites) == 8 and len(run["report"].sites) == 8 * cfg.layers
+
+
+def test_cudnn_attention_unrolls_layers_unless_told():
+    cfg, _ = tp_transformer.parse_config(["--attention", "cudnn"])
+    assert not cfg.scans_layers
+    assert tp_transformer.parse_config(["--attention", "cudnn", "--scan"])[0].scans_layers
+    assert tp_transformer.parse_config(["--attention", "cudnn", "--remat"])[0].scans_layers
+    assert tp_transformer.parse_config([])[0].scans_layers
