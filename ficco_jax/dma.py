@@ -290,7 +290,7 @@ def _local_groups(op: str, mesh, site, axis_name: str) -> np.ndarray:
                     dtype=np.int64)
 
 
-def _lowering(ctx, *operands, op, axis_name, axis_size, op_id, schedule, timeout_ms, fault):
+def _lowering(ctx, *operands, op, axis_name, axis_size, op_id, schedule, timeout_ms, fault, skip_own_rows=False):
     group = _group_attrs(ctx, op, axis_name, axis_size)
     rule = jax.ffi.ffi_lowering(_TARGETS[op])
     return rule(
@@ -306,6 +306,7 @@ def _lowering(ctx, *operands, op, axis_name, axis_size, op_id, schedule, timeout
         copy_streams=np.int64(schedule.copy_streams),
         timeout_ms=np.int64(timeout_ms),
         fault=np.int64(fault),
+        skip_own_rows=np.int64(int(skip_own_rows)),
     )
 
 
@@ -325,27 +326,30 @@ _PRIMITIVES = {
 }
 
 
-def _bind(op: str, operands, axis_name: str, axis_size: int, schedule: Schedule):
+def _bind(op: str, operands, axis_name: str, axis_size: int, schedule: Schedule, *, skip_own_rows: bool = False):
     check_supported(op, operands[0].dtype)
     operands = _match_varying(*operands)
     return _PRIMITIVES[op].bind(
         *operands, op=op, axis_name=axis_name, axis_size=axis_size, op_id=_next_op_id(), schedule=schedule,
-        timeout_ms=int(round(config.RENDEZVOUS_TIMEOUT_S * 1000)), fault=_fault_code(),
+        timeout_ms=int(round(config.RENDEZVOUS_TIMEOUT_S * 1000)), fault=_fault_code(), skip_own_rows=skip_own_rows,
     )
 
 
 # ------------------------------------------------------------------------------------------------
 # Raw overlapped matmuls (ops.py adds validation and the custom VJPs)
 # ------------------------------------------------------------------------------------------------
-def ag_matmul_dma(x, w, axis_name, schedule: Schedule):
+def ag_matmul_dma(x, w, axis_name, schedule: Schedule, *, gathered_needed: bool = True):
     """``(all_gather(x, axis_name, tiled=True) @ w, all_gather(x, axis_name, tiled=True))`` on copy engines.
 
     x [m, K], w [K, N] per device -> out [n*m, N], gathered [n*m, K]. No VJP (see ops.ag_matmul).
+    With `gathered_needed=False` this device's own rows of `gathered` are left unwritten (the
+    caller drops it): one local copy of x fewer beside the matmuls.
     """
     _check_axis_name("ag_matmul", axis_name)
     if x.dtype != w.dtype:
         raise TypeError(f"ag_matmul: comm='dma' needs x and w of one dtype, found {x.dtype} and {w.dtype}")
-    out, gathered = _bind("ag_matmul", (x, w), axis_name, _axis_size(axis_name), schedule)
+    out, gathered = _bind("ag_matmul", (x, w), axis_name, _axis_size(axis_name), schedule,
+                          skip_own_rows=not gathered_needed)
     return out, gathered
 
 

@@ -116,13 +116,13 @@ def resolve_schedule(op: str, schedule: ScheduleArg, shapes, dtype, axis_size: i
 # Private positional ops carrying the custom VJPs
 # ------------------------------------------------------------------------------------------------
 def _custom_vjp_pair(impl, backward, name: str, name_with_side: str):
-    """Two positional custom-VJP forms of an op whose `impl(x, w, axis_name, sched)` returns
-    (out, side): `name` returns out only, so the common use carries no cotangent for the side
+    """Two positional custom-VJP forms of an op whose `impl(x, w, axis_name, sched, side_needed=True)`
+    returns (out, side) (with side_needed=False, side may be left incomplete): `name` returns out only, so the common use carries no cotangent for the side
     output and its backward pass no collective for it; `name_with_side` returns both.
     `backward(axis_name, sched, (side, w), g_out, g_side)` gets g_side None for the first."""
 
-    def only_out(x, w, axis_name, sched):
-        return impl(x, w, axis_name, sched)[0]
+    def only_out(x, w, axis_name, sched):  # the primal alone: nobody reads the side output
+        return impl(x, w, axis_name, sched, side_needed=False)[0]
 
     def both(x, w, axis_name, sched):
         return impl(x, w, axis_name, sched)
@@ -182,11 +182,11 @@ def _matmul_rs_bwd(axis_name, sched, res, g):
 _matmul_rs.defvjp(_matmul_rs_fwd, _matmul_rs_bwd)
 
 
-def _ag_matmul_impl(x, w, axis_name, sched):
+def _ag_matmul_impl(x, w, axis_name, sched, side_needed=True):
     if sched.comm == "dma":
         from . import dma
 
-        return dma.ag_matmul_dma(x, w, axis_name, sched)
+        return dma.ag_matmul_dma(x, w, axis_name, sched, gathered_needed=side_needed)
     return xla_lowering.ag_matmul(x, w, axis_name, sched, _axis_size(axis_name, "ag_matmul"))
 
 

@@ -239,5 +239,13 @@ case "$STAGE" in
       --compare --comm-free-bound --steps 5 > "$OUT/tp_cudnn_tp2.log" 2>&1; echo "example rc=$?"
     grep -v "^\[" "$OUT/tp_cudnn_tp2.log" | grep -v "^ok " | cut -c1-220 | tail -24
     ;;
+  s4own)  # ag_matmul's plain forward no longer copies its own rows into the gathered output: the probe on one GPU
+           # (the executor's matmul alone / via ag_matmul / with the own rows copied) and ag_matmul on all GPUs
+    build
+    for shape in ${PROBE_SHAPES:-"8192 8192 10240" "8192 8192 28672"}; do
+      PROBE_GEMM_ONLY=1 timeout 200 python3 scripts/probe.py $shape > "$OUT/probe_${shape// /_}.log" 2>&1
+      grep -E "^probe|^cublas|^xla|^ag_matmul" "$OUT/probe_${shape// /_}.log" | cut -c1-110
+    done
+    ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac

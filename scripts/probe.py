@@ -45,6 +45,10 @@ REP = 8
 tiny = lambda a: a[:1, :8]
 pure = lambda a, w: dma_probe.matmuls_beside_pulls(a, w, tiny(a), "tp", repeats=REP, pull=False)
 record(f"cublasLt alone ({REP} per call, per matmul)", lambda r: bench.sharded(one, "ag_matmul", pure, r), (x1, w1), REP)
+# return_gathered=True: the own rows are copied into the gathered output (what every call did before
+# skip_own_rows; the forward of a gradient still does, the VJP reads them)
+keep = lambda a, w: ficco_jax.ag_matmul(a, w, "tp", schedule=s1, return_gathered=True)[0]
+record("cublasLt via executor, own rows copied too", lambda r: bench.sharded(one, "ag_matmul", keep, r), (x1, w1))
 for c in (2, 4, 8):
     xs, ws = bench.make_inputs("ag_matmul", M // c, K, N // n, "bfloat16", one)
     s = Schedule(comm="dma", order="direct")
@@ -64,6 +68,17 @@ if not gemm_only:
 for s in () if gemm_only else ("dma/direct/c1", "dma/direct/c2", "dma/direct/c1/s2", "dma/direct/c1/s3", "dma/ring/c1", "dma/direct/c4/s3"):
     sched = Schedule.parse(s)
     record(f"dma all_gather {s}", gather(lambda v, sched=sched: ficco_jax.dma.all_gather(v, "tp", schedule=sched)), (x,))
+
+# 3. ag_matmul on all devices: the own rows of the gathered output skipped (plain call) vs copied
+if n > 1:
+    xa, wa = bench.make_inputs("ag_matmul", M, K, N, "bfloat16", mesh)
+    for s in ("dma/direct/c1", "dma/direct/c4/grouped"):
+        sched = Schedule.parse(s)
+        skip = lambda a, w, sched=sched: ficco_jax.ag_matmul(a, w, "tp", schedule=sched)
+        copy = lambda a, w, sched=sched: ficco_jax.ag_matmul(a, w, "tp", schedule=sched, return_gathered=True)[0]
+        record(f"ag_matmul {s} on {n} devices, own rows skipped", lambda r, f=skip: bench.sharded(mesh, "ag_matmul", f, r), (xa, wa))
+        record(f"ag_matmul {s} on {n} devices, own rows copied", lambda r, f=copy: bench.sharded(mesh, "ag_matmul", f, r), (xa, wa))
+    record(f"ag_matmul JAX seq on {n} devices", lambda r: bench.sharded(mesh, "ag_matmul", bench.op_body("ag_matmul", "ref"), r), (xa, wa))
 
 shard_bytes = (M // n) * K * 2
 print(f"\nprobe M,K,N={M},{K},{N} on {n} x {jax.devices()[0].device_kind}; shard {shard_bytes / 2**20:.1f} MiB; {timing.METHOD}")

@@ -267,7 +267,7 @@ def _direct_all_gather(groups, x):
     flat = groups.reshape(-1).astype(np.int64)
     return call(x, op_id=np.int64(10**9), groups=flat, local_ordinals=flat, ipc_job=np.int64(0), group_size=np.int64(n),
                 chunks=np.int64(2), order=np.int64(1), gemm=np.int64(0), copy_streams=np.int64(2),
-                timeout_ms=np.int64(5000), fault=np.int64(-1))
+                timeout_ms=np.int64(5000), fault=np.int64(-1), skip_own_rows=np.int64(0))
 
 
 def test_direct_ffi_target():
@@ -294,3 +294,51 @@ def test_clear_errors():
         _run(mesh, lambda a: dma.all_gather(a, "tp", tiled=False), P("tp"), np.zeros((64, 2), np.float32))
     with pytest.raises(TypeError, match="one mesh axis name"):
         _run(MESHES["2d"], lambda a: dma.all_gather(a, ("dp", "tp")), P(("dp", "tp")), np.zeros((64, 2), np.float32))
+
+
+def test_ag_matmul_skips_its_own_rows_only_when_nobody_reads_gathered(rng):
+    # The plain forward drops `gathered`: its own rows are not copied in (skip_own_rows = 1). The
+    # forward of a gradient (gathered is the VJP's residual) and return_gathered=True read it: 0.
+    import re
+
+    import ficco_jax
+    from ficco_jax.schedule import Schedule
+
+    mesh = MESHES["1d"]
+    n, m, k, cols = mesh.shape["tp"], 8, 16, 4
+    sched = Schedule.parse("dma/direct/c2")
+    x = jnp.asarray(rng.standard_normal((n * m, k)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((k, cols * n)), jnp.float32)
+    specs = (P("tp", None), P(None, "tp"))
+
+    def plain(a, b):
+        return ficco_jax.ag_matmul(a, b, "tp", schedule=sched)
+
+    def with_gathered(a, b):
+        out, g = ficco_jax.ag_matmul(a, b, "tp", schedule=sched, return_gathered=True)
+        return out, g
+
+    def grad_x(a, b):
+        return jax.grad(lambda a: jnp.sum(plain(a, b) ** 2))(a)
+
+    def flags(fn, out_specs):
+        f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=out_specs))
+        text = f.lower(x, w).as_text()
+        return [int(v) for v in re.findall(r"skip_own_rows = (\d+)", text)], f(x, w)
+
+    def ref(a, b):
+        return jnp.dot(jax.lax.all_gather(a, "tp", tiled=True), b)
+
+    want = jax.jit(jax.shard_map(ref, mesh=mesh, in_specs=specs, out_specs=P(None, "tp")))(x, w)
+    skip, out = flags(plain, P(None, "tp"))
+    assert skip == [1], skip
+    assert _rel_err(out, want) < TOLERANCE[jnp.float32]
+    skip, (out, gathered) = flags(with_gathered, (P(None, "tp"), P("tp", None)))  # every device's gathered, stacked
+    assert skip == [0], skip
+    np.testing.assert_array_equal(gathered, np.concatenate([np.asarray(x)] * n))
+    assert _rel_err(out, want) < TOLERANCE[jnp.float32]
+    skip, dx = flags(grad_x, P("tp", None))
+    assert skip and all(s == 0 for s in skip), skip  # the forward keeps its rows (the residual); the rest is matmul_rs
+    dx_want = jax.jit(jax.shard_map(lambda a, b: jax.grad(lambda a: jnp.sum(ref(a, b) ** 2))(a), mesh=mesh,
+                                    in_specs=specs, out_specs=P("tp", None)))(x, w)
+    assert _rel_err(dx, dx_want) < 1e-4

@@ -32,6 +32,9 @@ struct OpAttrs {
   int64_t copy_streams;
   int64_t timeout_ms;
   int64_t fault;                  // -1 none, else mode * 1000 + rank (mode 1 skip, 2 fail)
+  // ag_matmul: 1 when the caller drops `gathered` (no return_gathered, no VJP residual): its own
+  // rows are then not copied in (M*K/n bytes beside the first matmul; the peers' rows still land there).
+  int64_t skip_own_rows;
 };
 
 // Buffer checks shared by the Impls: "[2, 3]"; `buffer` has exactly `dims` (the message names
@@ -62,6 +65,6 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::xla::ffi::StructMember<int64_t>("group_size"), ::xla::ffi::StructMember<int64_t>("chunks"),
     ::xla::ffi::StructMember<int64_t>("order"), ::xla::ffi::StructMember<int64_t>("gemm"),
     ::xla::ffi::StructMember<int64_t>("copy_streams"), ::xla::ffi::StructMember<int64_t>("timeout_ms"),
-    ::xla::ffi::StructMember<int64_t>("fault"));
+    ::xla::ffi::StructMember<int64_t>("fault"), ::xla::ffi::StructMember<int64_t>("skip_own_rows"));
 
 #endif  // FICCO_JAX_XLA_FFI_HANDLERS_H_

@@ -69,7 +69,7 @@ ffi::Error RunProbe(Backend& backend, const OpConfig& config, ffi::AnyBuffer a, 
 OpAttrs AsOpAttrs(const ProbeAttrs& p) {
   // One copy stream, direct, one chunk; no fault injection in a measurement.
   // In-process groups only (dma_probe.py refuses groups across processes): ordinals are local.
-  return OpAttrs{p.op_id, p.groups, p.groups, 0, p.group_size, 1, 1, 0, 1, p.timeout_ms, -1};
+  return OpAttrs{p.op_id, p.groups, p.groups, 0, p.group_size, 1, 1, 0, 1, p.timeout_ms, -1, 0};
 }
 
 ffi::Error ProbeCpu(int32_t ordinal, ffi::RunId run, ffi::AnyBuffer a, ffi::AnyBuffer w, ffi::AnyBuffer x,
