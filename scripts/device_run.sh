@@ -247,5 +247,17 @@ case "$STAGE" in
       grep -E "^probe|^cublas|^xla|^ag_matmul" "$OUT/probe_${shape// /_}.log" | cut -c1-110
     done
     ;;
+  s4mp)  # issue 9 on 2 GPUs, in one call: one process (bench) then one process per GPU (mp_gpu_launch), same shapes;
+          # matmul_rs / matmul_a2a now write their send partials straight into the staging buffer across processes
+    DEADLINE=${DEADLINE:-480}
+    build
+    timeout "$(upto 170)" python3 -m ficco_jax bench --no-windowed --op all --shape 8192,8192,10240 --shape 2048,8192,28672 \
+      --shape 8192,8192,28672 --schedules "${MP_SCHEDULES:-dma/direct/c1,dma/direct/c4/grouped,dma/direct/c8/grouped}" \
+      --out "$OUT/bench1p" 2>"$OUT/bench1p.err" | grep -E "^\| (ag|matmul)" | cut -c1-250
+    command -v python >/dev/null || ln -sf "$(command -v python3)" /usr/local/bin/python
+    B=$(upto 280); FICCO_MP_NPROC=$(nvidia-smi -L | wc -l) FICCO_MP_BUDGET_S=$((B - 25)) OUT="$OUT/mp" timeout "$B" \
+      bash scripts/mp_gpu_launch.sh > "$OUT/mp/launch.log" 2>&1
+    echo "mp_gpu rc=$?"; grep -E "FAIL|checks:|^\|" "$OUT/mp/launch.log" | cut -c1-220 | tail -24
+    ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac

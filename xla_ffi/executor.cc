@@ -64,6 +64,7 @@ ffi::Error CallSession::Exchange(Backend& backend, const Exposure& exposure, std
   const CallContext& ctx = config_.ctx;
   const int64_t num_events = static_cast<int64_t>(exposure.events.size());
   if (exposure.bytes == 0) return Meet(Phase::kExchange, nullptr, exposure.events, posts);
+  if (in_place_ != nullptr && exposure.buffer == in_place_) return Meet(Phase::kExchange, in_place_, exposure.events, posts);
   if (exposure.bytes < 0 || exposure.buffer == nullptr || exposure.pieces < 1 || num_events < 1 ||
       num_events % exposure.pieces != 0 || exposure.bytes % exposure.pieces != 0) {
     return MakeInvalid(ctx, "exposure of " + std::to_string(exposure.bytes) + " bytes in " +
@@ -94,8 +95,25 @@ ffi::Error CallSession::Exchange(Backend& backend, const Exposure& exposure, std
   return Meet(Phase::kExchange, staging, std::move(exposed), posts);
 }
 
+// Partials written straight into the staging buffer skip the staging copy (one HBM read and write
+// of (n-1)/n of matmul_rs's output per call). Ordering: the compute stream waits for the staging
+// stream's tail, so these writes come after every earlier staging copy and after the waits for
+// the peers' pulls of earlier calls (ProtectStaging) — the same guarantee a staging copy has. The
+// next call's staging copies wait for this call's peers' pulls, which follow these writes.
+ffi::Error CallSession::StageInPlace(Backend& backend, int64_t bytes, void** region) {
+  *region = nullptr;
+  if (!config_.cross_process() || bytes <= 0) return ffi::Error::Success();
+  FICCO_RETURN_IF_ERROR(backend.Prepare(kCopyStreamSlots, config_.LocalOrdinals()));
+  FICCO_RETURN_IF_ERROR(StagingBuffer(config_, static_cast<uint64_t>(bytes), region));
+  staging_exposed_ = true;
+  in_place_ = *region;
+  Event tail;
+  FICCO_RETURN_IF_ERROR(backend.Record(Backend::kStaging, &tail));
+  return backend.Wait(Backend::kCompute, tail);
+}
+
 ffi::Error CallSession::AwaitStagingCopies(Backend& backend) {
-  if (!staging_exposed_) return ffi::Error::Success();
+  if (!staging_exposed_ || staged_last_ == nullptr) return ffi::Error::Success();
   return backend.Wait(Backend::kCompute, staged_last_);
 }
 
@@ -338,9 +356,14 @@ ffi::Error RunReduceScatter(Backend& backend, const OpConfig& config, const Redu
   const int64_t chunk_bytes = q * a.row_elems * esize;
 
   // Owner: matmul_rs exposes its send partials (one event per chunk); reduce_scatter exposes y.
+  // Across processes the partials are written straight into the staging buffer peers read.
   std::vector<Event> exposed;
+  ReduceScatterArgs args = a;
   if (matmul) {
-    FICCO_RETURN_IF_ERROR(SendPartials(backend, config, a, &exposed));
+    void* in_place = nullptr;
+    FICCO_RETURN_IF_ERROR(session.StageInPlace(backend, (config.n() - 1) * block_bytes, &in_place));
+    if (in_place != nullptr) args.send = in_place;
+    FICCO_RETURN_IF_ERROR(SendPartials(backend, config, args, &exposed));
   } else {
     Event ready;
     FICCO_RETURN_IF_ERROR(backend.Record(Backend::kCompute, &ready));
@@ -348,7 +371,7 @@ ffi::Error RunReduceScatter(Backend& backend, const OpConfig& config, const Redu
   }
   std::vector<Post> posts;
   // Peers read send's n-1 blocks (one piece per (slot, chunk) event), or y's other blocks.
-  const Exposure exposure = matmul ? Exposure{a.send, (config.n() - 1) * block_bytes,
+  const Exposure exposure = matmul ? Exposure{args.send, (config.n() - 1) * block_bytes,
                                               static_cast<int64_t>(exposed.size()), exposed}
                                    : Exposure{a.y, config.n() * block_bytes, 1, exposed};
   FICCO_RETURN_IF_ERROR(session.Exchange(backend, exposure, &posts));

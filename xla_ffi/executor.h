@@ -151,6 +151,11 @@ class CallSession {
   // processes: first copies it into this device's staging buffer (the only memory peers in other
   // processes can open, ipc.h), piece by piece on the staging stream, and posts that instead.
   ffi::Error Exchange(Backend& backend, const Exposure& exposure, std::vector<Post>* posts);
+  // Across processes, for data the call itself produces (matmul_rs's send partials): `*region` is
+  // this device's staging buffer, `bytes` long, to be written in place on the compute stream, which
+  // first waits for the staging stream (earlier calls' staging copies and their peers' pulls);
+  // Exchange then posts it without copying. nullptr in-process (write XLA's buffer as before).
+  ffi::Error StageInPlace(Backend& backend, int64_t bytes, void** region);
   // Posts (buffer, events) and returns every rank's post once all have arrived. A peer whose
   // shapes or schedule differ from ours is an error, not a wrong answer.
   ffi::Error Meet(Phase phase, const void* buffer, std::vector<Event> events, std::vector<Post>* posts);
@@ -167,7 +172,8 @@ class CallSession {
   // The staging buffer holds this call's data and peers may pull from it, but the staging stream
   // does not yet wait for their pulls: if the call fails now, the region is retired (~CallSession).
   bool staging_exposed_ = false;
-  Event staged_last_ = nullptr;  // the last staging copy of this call
+  Event staged_last_ = nullptr;  // the last staging copy of this call (none when staged in place)
+  const void* in_place_ = nullptr;  // StageInPlace's region
 };
 
 // Copy streams a call uses: one for ring, else min(copy_streams, n - 1).

@@ -135,13 +135,18 @@ ffi::Error RunMatmulAllToAll(Backend& backend, const OpConfig& config, const Mat
   const int64_t esize = static_cast<int64_t>(ByteWidth(a.dtype));
   const BlockLayout layout{a.groups, a.rows, a.cols * esize};
 
-  // Owner: the results for every peer, one event per chunk, exposed through `send`.
+  // Owner: the results for every peer, one event per chunk, exposed through `send` (across
+  // processes: written straight into the staging buffer peers read, CallSession::StageInPlace).
   std::vector<Event> written;
-  FICCO_RETURN_IF_ERROR(CombineMatmuls(backend, config, a, &written));
+  MatmulAllToAllArgs args = a;
+  void* in_place = nullptr;
+  FICCO_RETURN_IF_ERROR(session.StageInPlace(backend, (config.n() - 1) * layout.Block(), &in_place));
+  if (in_place != nullptr) args.send = in_place;
+  FICCO_RETURN_IF_ERROR(CombineMatmuls(backend, config, args, &written));
   std::vector<Post> posts;
   // One piece per send slot: a slot's chunks are strided rows of every group, not contiguous.
   FICCO_RETURN_IF_ERROR(session.Exchange(
-      backend, {a.send, (config.n() - 1) * layout.Block(), config.n() - 1, written}, &posts));
+      backend, {args.send, (config.n() - 1) * layout.Block(), config.n() - 1, written}, &posts));
   FICCO_RETURN_IF_ERROR(CheckFault(config, Fault::kFail));
 
   // Puller: peer p = r-1-s computed its send slot s for us (p + 1 + s = r).
