@@ -259,5 +259,23 @@ case "$STAGE" in
       bash scripts/mp_gpu_launch.sh > "$OUT/mp/launch.log" 2>&1
     echo "mp_gpu rc=$?"; grep -E "FAIL|checks:|^\|" "$OUT/mp/launch.log" | cut -c1-220 | tail -24
     ;;
+  s4x4)  # if the 4-GPU kind is lent: NCCL contention (issue 4), the example with cuDNN attention and its bound (7), the
+          # own-rows skip on 4 GPUs (3), one process per GPU with partials staged in place (9); each short, most needed first
+    DEADLINE=${DEADLINE:-580}
+    build
+    mkdir -p "$OUT/mp"
+    timeout "$(upto 90)" python3 -m torch.distributed.run --nproc-per-node="$(nvidia-smi -L | wc -l)" scripts/contention_torch.py \
+      --out "$OUT/char" > "$OUT/char/contention_torch.log" 2>&1; echo "contention_torch rc=$?"
+    grep -E '^\{' "$OUT/char/contention_torch.log" | cut -c1-700
+    timeout "$(upto 70)" python3 -m ficco_jax characterize --parts contention --out "$OUT/char" 2>"$OUT/char/char.err" | tail -3
+    timeout "$(upto 170)" python3 -X faulthandler examples/tp_transformer.py --preset llama70b-layer --attention cudnn --compare \
+      --comm-free-bound --steps 4 > "$OUT/tp_cudnn_tp4.log" 2>&1; echo "example rc=$?"
+    grep -v "^\[" "$OUT/tp_cudnn_tp4.log" | grep -v "^ok " | cut -c1-220 | tail -16
+    PROBE_GEMM_ONLY=1 timeout "$(upto 80)" python3 scripts/probe.py 8192 8192 10240 > "$OUT/probe_tp4.log" 2>&1
+    grep -E "^ag_matmul" "$OUT/probe_tp4.log"
+    command -v python >/dev/null || ln -sf "$(command -v python3)" /usr/local/bin/python
+    B=$(upto 240); FICCO_MP_BUDGET_S=$((B - 25)) OUT="$OUT/mp" timeout "$B" bash scripts/mp_gpu_launch.sh > "$OUT/mp/launch.log" 2>&1
+    echo "mp_gpu rc=$?"; grep -E "FAIL|checks:|^\|" "$OUT/mp/launch.log" | cut -c1-220 | tail -20
+    ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac
