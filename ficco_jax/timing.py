@@ -51,11 +51,14 @@ def _wall(fn: Callable, args, launches: int) -> float:
 
 
 def device_time(make: Callable[[int], Callable], args, *, target_s: float = 0.02,
-                launches: int = 5, max_repeats: int = 200) -> dict:
+                launches: int = 5, max_repeats: int = 200, adaptive: bool = True) -> dict:
     """Seconds per op of `make(R)` (a jitted fn running the op R times), by loop differencing.
 
     Returns {"median_s", "spread_s", "repeats", "estimates"}: the median of the differences and
     their half-range; MIN_ESTIMATES of them, more (up to MAX_ESTIMATES) while they disagree.
+    `adaptive=False`: exactly MIN_ESTIMATES. Programs run by several processes need that (and one
+    repeat count): each process decides from its own timings, and a process that launches its
+    collectives more often than its peers waits for them forever.
     """
     small = make(1)
     t1 = _wall(small, args, launches)
@@ -64,7 +67,7 @@ def device_time(make: Callable[[int], Callable], args, *, target_s: float = 0.02
     repeats = int(min(max_repeats, max(4, target_s / max(t1, 1e-7))))
     big = make(1 + repeats)
     estimates = []
-    while len(estimates) < MIN_ESTIMATES or (len(estimates) < MAX_ESTIMATES and _disagree(estimates)):
+    while len(estimates) < MIN_ESTIMATES or (adaptive and len(estimates) < MAX_ESTIMATES and _disagree(estimates)):
         estimates.append((_wall(big, args, launches) - _wall(small, args, launches)) / repeats)
     return {"median_s": max(float(np.median(estimates)), 0.0), "spread_s": (max(estimates) - min(estimates)) / 2,
             "repeats": repeats, "estimates": len(estimates)}

@@ -251,7 +251,7 @@ case "$STAGE" in
           # matmul_rs / matmul_a2a now write their send partials straight into the staging buffer across processes
     DEADLINE=${DEADLINE:-480}
     build
-    timeout "$(upto 170)" python3 -m ficco_jax bench --no-windowed --op all --shape 8192,8192,10240 --shape 2048,8192,28672 \
+    [ -n "${MP_ONLY:-}" ] || timeout "$(upto 170)" python3 -m ficco_jax bench --no-windowed --op all --shape 8192,8192,10240 --shape 2048,8192,28672 \
       --shape 8192,8192,28672 --schedules "${MP_SCHEDULES:-dma/direct/c1,dma/direct/c4/grouped,dma/direct/c8/grouped}" \
       --out "$OUT/bench1p" 2>"$OUT/bench1p.err" | grep -E "^\| (ag|matmul)" | cut -c1-250
     command -v python >/dev/null || ln -sf "$(command -v python3)" /usr/local/bin/python

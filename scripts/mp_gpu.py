@@ -353,8 +353,10 @@ class Run:
         jax.block_until_ready(small(*args))
         t1 = time.perf_counter() - start
         repeats = self.store.agree(lambda: int(min(200, max(4, 0.02 / max(t1, 1e-7)))))
-        # target_s so large that device_time takes max_repeats, the agreed count, everywhere.
-        return timing.device_time(make, args, target_s=1e9, max_repeats=repeats)
+        # target_s so large that device_time takes max_repeats, the agreed count, everywhere; and a fixed
+        # number of estimates (the adaptive count differs between processes: session 4, 2 x H200, rank 0
+        # took a 4th estimate whose NCCL launches rank 1 never joined).
+        return timing.device_time(make, args, target_s=1e9, max_repeats=repeats, adaptive=False)
 
     def time_shape(self, name, dims):
         from ficco_jax import bench, cost_model, heuristics, ops, topology

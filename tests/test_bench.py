@@ -95,3 +95,14 @@ def test_device_time_adds_estimates_only_while_they_disagree(monkeypatch):
     settles = [1e-4, 1.1e-3, 1e-4, 1.103e-3, 1e-4, 1.1e-3, 1e-4, 1.101e-3, 1e-4]  # 1.0e-4, 1.003e-4, 1.0e-4, 1.001e-4
     t = run(settles)
     assert t["estimates"] == 3
+
+
+def test_device_time_fixed_estimates_for_several_processes(monkeypatch):
+    # adaptive=False: exactly MIN_ESTIMATES however much they disagree (processes that time the same
+    # collective program must launch it equally often, or the extra launch waits forever).
+    from ficco_jax import timing
+
+    walls = iter([1e-4, 1.1e-3, 1e-4, 1.5e-3, 1e-4, 1.1e-3, 1e-4] + [1.1e-3, 1e-4] * 4)
+    monkeypatch.setattr(timing, "_wall", lambda fn, args, launches: next(walls))
+    t = timing.device_time(lambda r: r, (), target_s=1e-3, adaptive=False)
+    assert t["estimates"] == timing.MIN_ESTIMATES == 3 and t["spread_s"] > 0
