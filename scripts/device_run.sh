@@ -13,6 +13,9 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 # The lent machines' jax/torch/scikit-build-core live in /opt/torch/.venv; on the one-GPU kind the
 # python3 first on PATH lacked scikit-build-core (2026-11-22).
 [ -x /opt/torch/.venv/bin/python3 ] && export PATH=/opt/torch/.venv/bin:$PATH
+# A tree made by `git archive` has no .git, and git then finds whatever checkout encloses it (a stale
+# commit on the device): stamp results with the commit written beside the tree (.commit), if any.
+[ -z "${FICCO_COMMIT:-}" ] && [ -f .commit ] && export FICCO_COMMIT=$(cat .commit)
 OUT=${OUT:-out/device}; mkdir -p "$OUT" "$OUT/calib" "$OUT/acc" "$OUT/char" "$OUT/faults" "$OUT/a2a" "$OUT/load" "$OUT/mp"
 STAGE=${1:-check}; shift || true
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpus.txt" 2>&1
