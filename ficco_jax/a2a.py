@@ -177,7 +177,7 @@ _matmul_a2a.defvjp(_matmul_a2a_fwd, _matmul_a2a_bwd)
 
 
 def _a2a_matmul_impl(x, w, axis_name, sched, side_needed=True):
-    del side_needed  # the received blocks are where the matmuls read from: always written
+    del side_needed  # received is always written (the own block's copy could be skipped like ag_matmul's; not done)
     if sched.comm == "dma":
         from . import dma_a2a
 
