@@ -177,11 +177,10 @@ _matmul_a2a.defvjp(_matmul_a2a_fwd, _matmul_a2a_bwd)
 
 
 def _a2a_matmul_impl(x, w, axis_name, sched, side_needed=True):
-    del side_needed  # received is always written (the own block's copy could be skipped like ag_matmul's; not done)
     if sched.comm == "dma":
         from . import dma_a2a
 
-        return dma_a2a.a2a_matmul_dma(x, w, axis_name, sched)
+        return dma_a2a.a2a_matmul_dma(x, w, axis_name, sched, received_needed=side_needed)
     return a2a_lowering.a2a_matmul(x, w, axis_name, sched, _axis_size(axis_name, "a2a_matmul"))
 
 

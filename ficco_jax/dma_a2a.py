@@ -56,13 +56,16 @@ dma._PRIMITIVES.update({
 # ------------------------------------------------------------------------------------------------
 # Raw fused ops
 # ------------------------------------------------------------------------------------------------
-def a2a_matmul_dma(x, w, axis_name, schedule: Schedule):
+def a2a_matmul_dma(x, w, axis_name, schedule: Schedule, *, received_needed: bool = True):
     """``(einsum("pecd,edf->pecf", all_to_all(x), w), all_to_all(x))`` on copy engines.
 
-    x [n, E, C, d], w [E, d, f] per device (all_to_all: split 0, concat 0, tiled).
+    x [n, E, C, d], w [E, d, f] per device (all_to_all: split 0, concat 0, tiled). With
+    `received_needed=False` this device's own block of `received` is left unwritten (the caller
+    drops it; the matmuls read that block from x).
     """
     _check("a2a_matmul", x, w, axis_name)
-    out, received = dma._bind("a2a_matmul", (x, w), axis_name, dma._axis_size(axis_name), schedule)
+    out, received = dma._bind("a2a_matmul", (x, w), axis_name, dma._axis_size(axis_name), schedule,
+                              skip_own_rows=not received_needed)
     return out, received
 
 

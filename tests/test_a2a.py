@@ -168,6 +168,39 @@ def test_dispatch_returns_received_and_its_gradient(mesh1d, rng):
         assert rel_err(g, r) < TOLERANCE["float32"]
 
 
+def test_dispatch_skips_its_own_block_only_when_nobody_reads_received(mesh1d, rng):
+    # On copy engines the plain forward drops `received` and lowers with skip_own_rows = 1; with
+    # return_received=True and in the forward of a gradient (received is the VJP's residual), 0.
+    # The results are right in all three.
+    import re
+
+    mesh = mesh1d
+    x, w = [random(rng, s, "float32") for s in _global_shapes("a2a_matmul", mesh)]
+    sched = Schedule.parse("dma/direct/c2")
+    spec = _tokens_spec(mesh)
+
+    def lowered(body, out_specs, *args):
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, P("tp")), out_specs=out_specs))
+        return [int(v) for v in re.findall(r"skip_own_rows = (\d+)", f.lower(*args).as_text())], f(*args)
+
+    plain = lambda x, w: ficco_jax.a2a_matmul(x, w, "tp", schedule=sched)  # noqa: E731
+    both = lambda x, w: ficco_jax.a2a_matmul(x, w, "tp", schedule=sched, return_received=True)  # noqa: E731
+    ref = lambda x, w: ficco_jax.a2a_matmul_ref(x, w, "tp")  # noqa: E731
+    want = _run(mesh, ref, x, w)
+    flags, out = lowered(plain, spec, x, w)
+    assert 1 in flags and set(flags) == {1}, flags
+    assert rel_err(out, want) < TOLERANCE["float32"]
+    flags, (out, received) = lowered(both, (spec, spec), x, w)
+    assert 0 in flags and set(flags) == {0}, flags
+    assert rel_err(out, want) < TOLERANCE["float32"]
+    np.testing.assert_array_equal(received, _run(mesh, lambda x, w: jax.lax.all_to_all(x, "tp", 0, 0, tiled=True), x, w))
+    grad = lambda x, w: jax.grad(lambda x: jnp.sum(plain(x, w) ** 2))(x)  # noqa: E731
+    flags, dx = lowered(grad, spec, x, w)
+    assert flags and set(flags) == {0}, flags  # the forward keeps its block (the residual); the rest never skip
+    dx_want = _run(mesh, lambda x, w: jax.grad(lambda x: jnp.sum(ref(x, w) ** 2))(x), x, w)
+    assert rel_err(dx, dx_want) < 1e-4
+
+
 # ------------------------------------------------------------------------------------------------
 # dma.all_to_all: exact, origin-coded
 # ------------------------------------------------------------------------------------------------

@@ -118,11 +118,14 @@ ffi::Error RunAllToAll(Backend& backend, const OpConfig& config, const AllToAllA
       FICCO_RETURN_IF_ERROR(backend.Record(stream, &landed[slot][j]));
     }
   }
-  // Our own block last on the last copy stream: only the join needs it.
-  const int last_stream = CopyStreamsUsed(config) - 1;
-  FICCO_RETURN_IF_ERROR(backend.Wait(last_stream, ready));
-  FICCO_RETURN_IF_ERROR(backend.Copy(last_stream, Offset(a.received, layout.At(r, 0, 0)),
-                                     Offset(a.x, layout.At(r, 0, 0)), layout.Block()));
+  // Our own block last on the last copy stream: only the join needs it, and nobody when a2a_matmul's
+  // caller drops `received` (skip_own_rows, as in ag_matmul: the matmuls read it from x).
+  if (!(matmul && config.skip_own_rows)) {
+    const int last_stream = CopyStreamsUsed(config) - 1;
+    FICCO_RETURN_IF_ERROR(backend.Wait(last_stream, ready));
+    FICCO_RETURN_IF_ERROR(backend.Copy(last_stream, Offset(a.received, layout.At(r, 0, 0)),
+                                       Offset(a.x, layout.At(r, 0, 0)), layout.Block()));
+  }
   if (matmul) FICCO_RETURN_IF_ERROR(DispatchMatmuls(backend, config, a, landed));
   return JoinAndRelease(backend, config, session);
 }

@@ -32,8 +32,9 @@ struct OpAttrs {
   int64_t copy_streams;
   int64_t timeout_ms;
   int64_t fault;                  // -1 none, else mode * 1000 + rank (mode 1 skip, 2 fail)
-  // ag_matmul: 1 when the caller drops `gathered` (no return_gathered, no VJP residual): its own
-  // rows are then not copied in (x, m*K elements, beside the first matmuls; the peers' rows still land there).
+  // ag_matmul / a2a_matmul: 1 when the caller drops `gathered` / `received` (no return of it, no VJP
+  // residual): this device's own rows / block are then not copied in (the matmuls read them from x);
+  // the peers' rows still land there.
   int64_t skip_own_rows;
 };
 
