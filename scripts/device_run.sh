@@ -53,11 +53,15 @@ case "$STAGE" in
         > "$OUT/anchors_torch.log" 2>&1; tail -6 "$OUT/anchors_torch.log"
     fi
     ;;
-  trace)  # trace OP SCHEDULE M K N: an nsys GPU timeline of one op (device 0)
+  trace)  # trace OP SCHEDULE M K N: a GPU timeline of one op (device 0), by nsys or else JAX's profiler
     build
     NSYS=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)
-    [ -n "$NSYS" ] || { echo "no nsys on this machine"; exit 0; }
     name="trace_${1}_${2//\//_}"
+    if [ -z "$NSYS" ]; then  # no nsys (the 2-GPU machine, 2026-11-22): JAX's profiler (CUPTI) instead
+      timeout 200 python3 scripts/trace_op.py "$@" --jax-profiler "$OUT/$name" > "$OUT/$name.log" 2>&1; echo "trace rc=$?"
+      python3 scripts/perfetto_timeline.py "$OUT/$name" --device 0 --first "${TRACE_FIRST:-200}" --count "${TRACE_COUNT:-40}"
+      exit 0
+    fi
     timeout 200 "$NSYS" profile -t cuda -o "$OUT/$name" --force-overwrite true python3 scripts/trace_op.py "$@" > "$OUT/$name.log" 2>&1
     "$NSYS" stats --report cuda_gpu_trace --format csv --output "$OUT/$name" "$OUT/$name.nsys-rep" > /dev/null 2>&1
     python3 scripts/timeline.py "$OUT/${name}_cuda_gpu_trace.csv" 0 "${TRACE_FIRST:-200}" "${TRACE_COUNT:-40}"

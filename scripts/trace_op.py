@@ -1,22 +1,37 @@
-"""Run one op under one schedule in a jitted loop, for a profiler (nsys) to record.
+"""Run one op under one schedule in a jitted loop, for a profiler to record.
 
-Usage: python scripts/trace_op.py OP SCHEDULE M K N [ITERS]   (SCHEDULE: a Schedule string or "ref")
+Usage: python scripts/trace_op.py OP SCHEDULE M K N [ITERS] [--jax-profiler DIR]
+(SCHEDULE: a Schedule string or "ref"). Under nsys, run it as is. With --jax-profiler, JAX's own
+profiler (CUPTI on GPUs: every kernel and copy of every stream, ours included) records the second
+run and writes DIR/plugins/profile/<time>/perfetto_trace.json.gz, which `scripts/perfetto_timeline.py`
+prints: the route where the machine has no nsys (the lent 2-GPU machine had none, 2026-11-22).
 """
-import sys
+import argparse
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from ficco_jax import bench, timing
+from ficco_jax import bench
 from ficco_jax.schedule import Schedule
 
-op, sched_text, M, K, N = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
-iters = int(sys.argv[6]) if len(sys.argv) > 6 else 20
-sched = "ref" if sched_text == "ref" else Schedule.parse(sched_text)
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+parser.add_argument("op", choices=("ag_matmul", "matmul_rs"))
+parser.add_argument("schedule")
+parser.add_argument("M", type=int)
+parser.add_argument("K", type=int)
+parser.add_argument("N", type=int)
+parser.add_argument("iters", type=int, nargs="?", default=20)
+parser.add_argument("--jax-profiler", metavar="DIR", default=None)
+args = parser.parse_args()
+sched = "ref" if args.schedule == "ref" else Schedule.parse(args.schedule)
 mesh = Mesh(np.array(jax.local_devices()), ("tp",))
-args = bench.make_inputs(op, M, K, N, "bfloat16", mesh)
-fn = bench.sharded(mesh, op, bench.op_body(op, sched), iters)
-jax.block_until_ready(fn(*args))
-jax.block_until_ready(fn(*args))
-print(f"traced {op} {sched_text} {M},{K},{N} x{iters}")
+inputs = bench.make_inputs(args.op, args.M, args.K, args.N, "bfloat16", mesh)
+fn = bench.sharded(mesh, args.op, bench.op_body(args.op, sched), args.iters)
+jax.block_until_ready(fn(*inputs))  # compile and warm up outside the recording
+if args.jax_profiler:
+    with jax.profiler.trace(args.jax_profiler, create_perfetto_trace=True):
+        jax.block_until_ready(fn(*inputs))
+else:
+    jax.block_until_ready(fn(*inputs))
+print(f"traced {args.op} {args.schedule} {args.M},{args.K},{args.N} x{args.iters}")

@@ -26,3 +26,23 @@ def test_probe_rejects_bad_repeats(mesh1d):
     body = lambda a: dma_probe.matmuls_beside_pulls(a, a[:4], a, "tp", repeats=0, pull=True)
     with pytest.raises(ValueError, match="repeats an int >= 1"):
         jax.jit(jax.shard_map(body, mesh=mesh1d, in_specs=P("tp"), out_specs=P("tp")))(a)
+
+
+def test_trace_op_with_jax_profiler_and_its_timeline(tmp_path):
+    # The no-nsys route for GPU timelines: trace_op records one run with JAX's profiler, and
+    # perfetto_timeline prints that device's (here: the host's) threads and events.
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    run = subprocess.run([sys.executable, "scripts/trace_op.py", "ag_matmul", "dma/direct/c2", "64", "32", "64", "2",
+                          "--jax-profiler", str(tmp_path)], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    shown = subprocess.run([sys.executable, "scripts/perfetto_timeline.py", str(tmp_path), "--count", "5"], cwd=root,
+                           capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    lines = shown.stdout.splitlines()
+    assert lines[0].endswith("events of '/host:CPU'") and int(lines[0].split()[0]) > 0, lines[:3]
+    assert any("PjitFunction" in line or "Execute" in line for line in lines), shown.stdout[-1500:]
