@@ -267,7 +267,8 @@ case "$STAGE" in
     echo "mp_gpu rc=$?"; grep -E "FAIL|checks:|^\|" "$OUT/mp/launch.log" | cut -c1-220 | tail -24
     ;;
   s4x4)  # if the 4-GPU kind is lent: NCCL contention (issue 4), the example with cuDNN attention and its bound (7), the
-          # own-rows skip on 4 GPUs (3), one process per GPU with partials staged in place (9); each short, most needed first
+          # own-rows skip on 4 GPUs and a timeline of the qkv op (3), one process per GPU with partials staged in place
+          # (9); each short, most needed first
     DEADLINE=${DEADLINE:-580}
     build
     mkdir -p "$OUT/mp"
@@ -280,6 +281,9 @@ case "$STAGE" in
     grep -v "^\[" "$OUT/tp_cudnn_tp4.log" | grep -v "^ok " | cut -c1-220 | tail -16
     PROBE_GEMM_ONLY=1 timeout "$(upto 80)" python3 scripts/probe.py 8192 8192 10240 > "$OUT/probe_tp4.log" 2>&1
     grep -E "^ag_matmul" "$OUT/probe_tp4.log"
+    # the tp=4 gap to the ideal (issue 3): a timeline of dma/direct/c1 at qkv M8k (no nsys needed)
+    timeout "$(upto 60)" python3 scripts/trace_op.py ag_matmul dma/direct/c1 8192 8192 10240 8 --jax-profiler "$OUT/trace_qkv" \
+      > "$OUT/trace_qkv.log" 2>&1 && python3 scripts/perfetto_timeline.py "$OUT/trace_qkv" --count 0 | head -12
     command -v python >/dev/null || ln -sf "$(command -v python3)" /usr/local/bin/python
     B=$(upto 240); FICCO_MP_BUDGET_S=$((B - 25)) OUT="$OUT/mp" timeout "$B" bash scripts/mp_gpu_launch.sh > "$OUT/mp/launch.log" 2>&1
     echo "mp_gpu rc=$?"; grep -E "FAIL|checks:|^\|" "$OUT/mp/launch.log" | cut -c1-220 | tail -20
