@@ -464,7 +464,8 @@ def main(argv=None) -> None:
                                                                                jax.random.PRNGKey(0))))
     print(f"tp_transformer ({args.preset}): {cfg.layers} layers, hidden {cfg.hidden}, ffn {cfg.ffn}, heads "
           f"{cfg.heads}/{cfg.kv_heads} kv, seq {cfg.seq}, batch {cfg.batch} x dp {dp}, {n_params / 1e6:,.1f}M params, "
-          f"{cfg.compute_dtype.name}, remat {cfg.remat}, layers {'scanned' if cfg.scans_layers else 'unrolled'}; mesh dp={dp} x tp={tp} on "
+          f"{cfg.compute_dtype.name}, remat {cfg.remat}, layers {'scanned' if cfg.scans_layers else 'unrolled'}; "
+          f"mesh dp={dp} x tp={tp} on "
           f"{jax.device_count()} x {jax.devices()[0].device_kind}")
     print("timing: wall time per training step, block_until_ready after each (dispatch included)")
     modes = (False, True) if args.compare else (cfg.overlap,)

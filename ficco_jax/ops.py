@@ -117,8 +117,10 @@ def resolve_schedule(op: str, schedule: ScheduleArg, shapes, dtype, axis_size: i
 # ------------------------------------------------------------------------------------------------
 def _custom_vjp_pair(impl, backward, name: str, name_with_side: str):
     """Two positional custom-VJP forms of an op whose `impl(x, w, axis_name, sched, side_needed=True)`
-    returns (out, side) (with side_needed=False, side may be left incomplete): `name` returns out only, so the common use carries no cotangent for the side
-    output and its backward pass no collective for it; `name_with_side` returns both.
+    returns (out, side); with side_needed=False the side output may be left incomplete. `name`
+    returns out only (its primal passes side_needed=False; its forward rule keeps the side as the
+    residual), so the common use carries no cotangent for the side output and its backward pass no
+    collective for it; `name_with_side` returns both.
     `backward(axis_name, sched, (side, w), g_out, g_side)` gets g_side None for the first."""
 
     def only_out(x, w, axis_name, sched):  # the primal alone: nobody reads the side output

@@ -1,8 +1,9 @@
 """Diagnostics for the copy-engine path, printed as one table (run on the GPU host).
 
 1. GEMM efficiency: XLA's dot vs the executor's cuBLASLt chunk matmuls, as ag_matmul runs them on
-   a 1-device mesh (no peers; the own-rows copy into the gathered output still runs beside the
-   matmul) and alone (the contention probe without pulls). FICCO_GEMM_LOG=1 prints each plan.
+   a 1-device mesh (no peers; with return_gathered=True its own rows are also copied into the
+   gathered output beside the matmul) and alone (the contention probe without pulls).
+   FICCO_GEMM_LOG=1 prints each plan. 3. (several devices) ag_matmul with its own rows skipped / copied.
 2. Transfers: ficco_jax.dma.all_gather alone vs NCCL's all-gather on all devices.
 Usage: python scripts/probe.py [M K N]
 """
@@ -39,8 +40,8 @@ record(f"xla dot [{M},{K}]@[{K},{N // n}]", lambda r: bench.sharded(one, "ag_mat
 s1 = Schedule(comm="dma", order="direct")
 record("cublasLt via executor, 1 matmul", lambda r: bench.sharded(one, "ag_matmul", bench.op_body("ag_matmul", s1), r), (x1, w1))
 # The executor's matmul with nothing beside it: the contention probe's REP matmuls per call with
-# pull=False and a tiny x (ag_matmul above also copies x into its gathered output on a copy
-# engine while the matmul runs: M*K*2 bytes, 128 MiB at 8192 x 8192, competing for memory).
+# pull=False and a tiny x (before e11042a the ag_matmul above also copied x into its gathered output
+# on a copy engine while the matmul ran: M*K*2 bytes, 128 MiB at 8192 x 8192, competing for memory).
 REP = 8
 tiny = lambda a: a[:1, :8]
 pure = lambda a, w: dma_probe.matmuls_beside_pulls(a, w, tiny(a), "tp", repeats=REP, pull=False)

@@ -35,8 +35,8 @@ CallSession::~CallSession() {
 
 // Across processes the owner's data goes through its staging buffer (ipc.h). Inputs XLA owns
 // (all-gather x, reduce-scatter y, all-to-all x) are copied there as below; data the call computes
-// itself (matmul_rs / matmul_a2a partials) is written there in place instead (StageInPlace, after
-// Exchange), with no staging copy. A copied call, owner r and one peer p, E events and P pieces
+// itself (matmul_rs / matmul_a2a partials) is written there in place instead, with no staging copy
+// (CallSession::StageInPlace, below). A copied call, owner r and one peer p, E events and P pieces
 // (P = 1 for all_gather: one `ready`):
 //
 //   r compute (XLA) : write data [ev_0] .. [ev_E-1] ....................... wait(staged_last)  (join)
@@ -59,9 +59,9 @@ CallSession::~CallSession() {
 // If the call fails between the first staging copy and ProtectStaging, no such wait is in place:
 // the region is retired (kept allocated, never written again; ~CallSession) and the next call
 // gets a new one.
-// Cost of a copied exposure: one more device-local copy of the exposed bytes per call (HBM read and write, about
-// bytes / 2 TB/s on H100/H200: ~8 us for 16 MiB), ahead of the peers' first pull of each piece,
-// on a stream of its own so that our own pulls do not queue behind it.
+// Cost of a copied exposure: one more device-local copy of the exposed bytes per call (HBM read
+// and write, about bytes / 2 TB/s on H100/H200: ~8 us for 16 MiB), ahead of the peers' first pull
+// of each piece, on a stream of its own so that our own pulls do not queue behind it.
 ffi::Error CallSession::Exchange(Backend& backend, const Exposure& exposure, std::vector<Post>* posts) {
   if (!config_.cross_process()) return Meet(Phase::kExchange, exposure.buffer, exposure.events, posts);
   const CallContext& ctx = config_.ctx;

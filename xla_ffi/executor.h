@@ -50,7 +50,7 @@ struct OpConfig {
   double spin_s = 0.0;  // rendezvous spin before sleeping (set by the CUDA bindings)
   Fault fault = Fault::kNone;
   int fault_rank = -1;
-  bool skip_own_rows = false;  // ag_matmul whose gathered output nobody reads (handlers.h)
+  bool skip_own_rows = false;  // ag_matmul / a2a_matmul whose gathered / received output nobody reads
 
   int n() const { return static_cast<int>(group.size()); }
   bool cross_process() const { return ipc_job != 0; }
