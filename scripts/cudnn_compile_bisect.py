@@ -9,6 +9,8 @@ every local GPU, each in a child process so that a crash only ends that piece:
     python scripts/cudnn_compile_bisect.py [--variants a,b,...] [--tp N]
 
 Prints one line per piece: ok, or the signal/exit status and the child's last lines. Needs GPUs.
+Found on 2 x H200 (BENCHMARKS.md, session 4): the gradient of a layer scan holding cuDNN attention
+and the MLP crashes; unrolled layers or remat compile. The pieces keep the example's layer scan.
 """
 from __future__ import annotations
 
@@ -47,7 +49,9 @@ def child(variant: str, tp: int, attention: str) -> None:
     import tp_transformer as ex
 
     cfg = ex.PRESETS["llama70b-layer"]
-    cfg = ex.dataclasses.replace(cfg, tp=tp, layers=1, attention=attention, overlap=False,
+    # scan=True: the example now unrolls its layers with cuDNN attention (the workaround this script
+    # found); the pieces keep the layer scan that crashes, except where a variant says otherwise.
+    cfg = ex.dataclasses.replace(cfg, tp=tp, layers=1, attention=attention, overlap=False, scan=True,
                                  comm_free=variant.endswith("_commfree"), remat=variant.endswith("_remat"))
     mesh = ex.make_mesh(cfg)
     if variant.startswith("step"):
