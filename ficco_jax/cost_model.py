@@ -13,7 +13,8 @@ The model replays a schedule as a small event simulation on one device:
 - contention: a matmul running beside transfers is slowed by `contention_dma` (copy engines
   steal no SMs: a few %) or `contention_xla` (NCCL kernels take SMs);
 - the executor's chunk matmuls (cuBLASLt) run `executor_gemm_slowdown` times slower than XLA's
-  own autotuned GEMMs, which the `none` and `xla` schedules use;
+  own autotuned GEMMs, which the `none` and `xla` schedules use (alone they are as fast, session 4:
+  what the fit puts here is the slowdown inside a copy-engine call, e.g. from copies beside them);
 - a fixed cost per copy-engine call on the GPU, `dma_call_us` (event waits, the join), and its
   host time, `dma_host_us` (three host rendezvous) plus `dma_host_copy_us` per enqueued copy
   ((n - 1) x chunks of them): the host work overlaps earlier
