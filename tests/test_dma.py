@@ -296,20 +296,23 @@ def test_clear_errors():
         _run(MESHES["2d"], lambda a: dma.all_gather(a, ("dp", "tp")), P(("dp", "tp")), np.zeros((64, 2), np.float32))
 
 
+def _skip_case(rng):
+    """(mesh, n, schedule, x, w, in_specs) of the own-rows skip tests: random f32 x [n*m, K], w [K, n*cols]."""
+    mesh = MESHES["1d"]
+    n, m, k, cols = mesh.shape["tp"], 8, 16, 4
+    x = jnp.asarray(rng.standard_normal((n * m, k)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((k, cols * n)), jnp.float32)
+    return mesh, n, Schedule.parse("dma/direct/c2"), x, w, (P("tp", None), P(None, "tp"))
+
+
 def test_ag_matmul_skips_its_own_rows_only_when_nobody_reads_gathered(rng):
     # The plain forward drops `gathered`: its own rows are not copied in (skip_own_rows = 1). The
     # forward of a gradient (gathered is the VJP's residual) and return_gathered=True read it: 0.
     import re
 
     import ficco_jax
-    from ficco_jax.schedule import Schedule
 
-    mesh = MESHES["1d"]
-    n, m, k, cols = mesh.shape["tp"], 8, 16, 4
-    sched = Schedule.parse("dma/direct/c2")
-    x = jnp.asarray(rng.standard_normal((n * m, k)), jnp.float32)
-    w = jnp.asarray(rng.standard_normal((k, cols * n)), jnp.float32)
-    specs = (P("tp", None), P(None, "tp"))
+    mesh, n, sched, x, w, specs = _skip_case(rng)
 
     def plain(a, b):
         return ficco_jax.ag_matmul(a, b, "tp", schedule=sched)
@@ -351,14 +354,8 @@ def test_ag_matmul_skip_path_under_remat_and_scan_gradients(rng, wrap):
     # (the forward rule's call), never the plain call's (own rows skipped). Wrong rows would show
     # up in dw = gathered.T @ g.
     import ficco_jax
-    from ficco_jax.schedule import Schedule
 
-    mesh = MESHES["1d"]
-    n, m, k, cols = mesh.shape["tp"], 8, 16, 4
-    sched = Schedule.parse("dma/direct/c2")
-    x = jnp.asarray(rng.standard_normal((n * m, k)), jnp.float32)
-    w = jnp.asarray(rng.standard_normal((k, cols * n)), jnp.float32)
-    specs = (P("tp", None), P(None, "tp"))
+    mesh, _, sched, x, w, specs = _skip_case(rng)
 
     def op(a, b, fused):
         if fused:
