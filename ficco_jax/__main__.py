@@ -101,8 +101,10 @@ def _cmd_characterize(args):
     from . import characterize
 
     parts = tuple(p for p in args.parts.split(",") if p)
-    if not parts or any(p not in characterize.PARTS for p in parts):
-        raise SystemExit(f"--parts {args.parts!r}: choose among {', '.join(characterize.PARTS)} (comma-separated)")
+    try:
+        characterize.check_parts(parts)
+    except ValueError as exc:
+        raise SystemExit(f"--parts {args.parts!r} (comma-separated): {exc}")
     characterize.run(args.out, plot=args.plot, parts=parts)
 
 

@@ -183,12 +183,16 @@ def _dma_contention(a, w, x, mesh, specs, progress, repeats: int = 4) -> dict:
 PARTS = ("decomposition", "transfers", "contention")
 
 
+def check_parts(parts) -> None:
+    """ValueError unless `parts` is a non-empty selection of PARTS."""
+    if not parts or any(p not in PARTS for p in parts):
+        raise ValueError(f"characterize: parts {list(parts)}: choose among {', '.join(PARTS)}")
+
+
 def run(out_dir: str, dtype: str = "bfloat16", plot: bool = False, parts=PARTS) -> dict:
     """Measure `parts` (all three by default) and write characterize.json; a part left out is an
     empty list/dict there (fit_profile then keeps the profile's values for it)."""
-    unknown = [p for p in parts if p not in PARTS]
-    if unknown or not parts:
-        raise ValueError(f"characterize: parts {list(parts)}: choose among {', '.join(PARTS)}")
+    check_parts(parts)
     on_cpu = jax.default_backend() == "cpu"
     grid = CPU_GRID if on_cpu else GPU_GRID
     dtype = "float32" if on_cpu else dtype
