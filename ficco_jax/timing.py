@@ -15,15 +15,16 @@ import jax
 import numpy as np
 from jax import lax
 
-METHOD = ("device time per op: R iterations inside one jit (fori_loop with a data dependency), "
-          "(t(R2)-t(R1))/(R2-R1), t = median wall time of 5 launches after warm-up; median of 3 such "
-          "estimates, up to 7 while they spread by more than 3 %")
-#: The same with adaptive=False (what several processes timing one program use).
-METHOD_FIXED = METHOD.split("; median of")[0] + "; median of 3 such estimates (a fixed count)"
-
 #: Estimates per measurement: at least MIN_ESTIMATES; more, up to MAX_ESTIMATES, while their
 #: half-range exceeds AGREE of their median (copy-engine ops on 4xH200: median spread 4.5 %, p90 18 %).
 MIN_ESTIMATES, MAX_ESTIMATES, AGREE = 3, 7, 0.03
+
+_LOOP = ("device time per op: R iterations inside one jit (fori_loop with a data dependency), "
+         "(t(R2)-t(R1))/(R2-R1), t = median wall time of 5 launches after warm-up")
+METHOD = (f"{_LOOP}; median of {MIN_ESTIMATES} such estimates, up to {MAX_ESTIMATES} while they spread by "
+          f"more than {AGREE * 100:.0f} %")
+#: The same with adaptive=False (what several processes timing one program use).
+METHOD_FIXED = f"{_LOOP}; median of {MIN_ESTIMATES} such estimates (a fixed count)"
 
 
 def chain(step: Callable, repeats: int) -> Callable:
