@@ -74,14 +74,8 @@ ffi::Error CallSession::Exchange(Backend& backend, const Exposure& exposure, std
                                 std::to_string(exposure.pieces) + " pieces with " + std::to_string(num_events) +
                                 " events: pieces must divide both (a bug)");
   }
-  if (CopyStreamsUsed(config_) > kMaxCopyStreams) {
-    return MakeInvalid(ctx, "copy_streams = " + std::to_string(config_.copy_streams) + " exceeds the maximum " +
-                                std::to_string(kMaxCopyStreams));
-  }
-  FICCO_RETURN_IF_ERROR(backend.Prepare(kCopyStreamSlots, config_.LocalOrdinals()));
   void* staging = nullptr;
-  FICCO_RETURN_IF_ERROR(StagingBuffer(config_, static_cast<uint64_t>(exposure.bytes), &staging));
-  staging_exposed_ = true;
+  FICCO_RETURN_IF_ERROR(AcquireStaging(backend, exposure.bytes, &staging));
   const int64_t piece_bytes = exposure.bytes / exposure.pieces;
   std::vector<Event> staged(exposure.pieces);
   for (int64_t k = 0; k < exposure.pieces; ++k) {
@@ -98,6 +92,20 @@ ffi::Error CallSession::Exchange(Backend& backend, const Exposure& exposure, std
   return Meet(Phase::kExchange, staging, std::move(exposed), posts);
 }
 
+// The staging stream (the slot after the copy streams, so their count must leave it free) and this
+// device's staging region of `bytes`, from now on exposed: retired if the call fails before
+// ProtectStaging (~CallSession).
+ffi::Error CallSession::AcquireStaging(Backend& backend, int64_t bytes, void** region) {
+  if (CopyStreamsUsed(config_) > kMaxCopyStreams) {
+    return MakeInvalid(config_.ctx, "copy_streams = " + std::to_string(config_.copy_streams) + " exceeds the maximum " +
+                                        std::to_string(kMaxCopyStreams));
+  }
+  FICCO_RETURN_IF_ERROR(backend.Prepare(kCopyStreamSlots, config_.LocalOrdinals()));
+  FICCO_RETURN_IF_ERROR(StagingBuffer(config_, static_cast<uint64_t>(bytes), region));
+  staging_exposed_ = true;
+  return ffi::Error::Success();
+}
+
 // Partials written straight into the staging buffer skip the staging copy (one HBM read and write
 // of (n-1)/n of matmul_rs's output per call). Ordering: the compute stream waits for the staging
 // stream's tail, so these writes come after every earlier staging copy and after the waits for
@@ -106,13 +114,7 @@ ffi::Error CallSession::Exchange(Backend& backend, const Exposure& exposure, std
 ffi::Error CallSession::StageInPlace(Backend& backend, int64_t bytes, void** region) {
   *region = nullptr;
   if (!config_.cross_process() || bytes <= 0) return ffi::Error::Success();
-  if (CopyStreamsUsed(config_) > kMaxCopyStreams) {  // the staging stream is the slot after the copy streams
-    return MakeInvalid(config_.ctx, "copy_streams = " + std::to_string(config_.copy_streams) + " exceeds the maximum " +
-                                        std::to_string(kMaxCopyStreams));
-  }
-  FICCO_RETURN_IF_ERROR(backend.Prepare(kCopyStreamSlots, config_.LocalOrdinals()));
-  FICCO_RETURN_IF_ERROR(StagingBuffer(config_, static_cast<uint64_t>(bytes), region));
-  staging_exposed_ = true;
+  FICCO_RETURN_IF_ERROR(AcquireStaging(backend, bytes, region));
   in_place_ = *region;
   Event tail;
   FICCO_RETURN_IF_ERROR(backend.Record(Backend::kStaging, &tail));

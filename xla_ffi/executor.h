@@ -166,6 +166,9 @@ class CallSession {
   ffi::Error ProtectStaging(Backend& backend, const std::vector<Post>& done_posts);
 
  private:
+  // Exchange's and StageInPlace's shared start: copy-stream limit, staging stream, staging region.
+  ffi::Error AcquireStaging(Backend& backend, int64_t bytes, void** region);
+
   const OpConfig& config_;
   std::vector<int64_t> signature_;
   int64_t occurrence_ = 0;
