@@ -288,5 +288,30 @@ case "$STAGE" in
     B=$(upto 240); FICCO_MP_BUDGET_S=$((B - 25)) OUT="$OUT/mp" timeout "$B" bash scripts/mp_gpu_launch.sh > "$OUT/mp/launch.log" 2>&1
     echo "mp_gpu rc=$?"; grep -E "FAIL|checks:|^\|" "$OUT/mp/launch.log" | cut -c1-220 | tail -20
     ;;
+  s5a)  # session 5 on 2 GPUs (x4/x8 not lent): one process per GPU with the AcquireStaging refactor (its first GPU
+         # run) and a timeline of the cross-process all-gather in each process (issue 9); timelines of the in-process
+         # qkv ops (first GPU run of the JAX-profiler route, issue 3); one process, same shapes, same lease (9)
+    DEADLINE=${DEADLINE:-570}
+    build
+    command -v python >/dev/null || ln -sf "$(command -v python3)" /usr/local/bin/python
+    B=$(upto 250); FICCO_MP_NPROC=$(nvidia-smi -L | wc -l) FICCO_MP_BUDGET_S=$((B - 25)) OUT="$OUT/mp" \
+      FICCO_MP_TIMED=llama70b_qkv_M8k,llama70b_mlp_up_M2k FICCO_MP_TRACE=ag_matmul:dma/direct/c1:8192,8192,10240 \
+      timeout "$B" bash scripts/mp_gpu_launch.sh > "$OUT/mp/launch.log" 2>&1
+    echo "mp_gpu rc=$?"; grep -E "FAIL|checks:|^\|" "$OUT/mp/launch.log" | cut -c1-220 | tail -12
+    for p in 0 1; do
+      [ -d "$OUT/mp/trace_p$p" ] && python3 scripts/perfetto_timeline.py "$OUT/mp/trace_p$p" --count 400 > "$OUT/mp/timeline_p$p.txt" 2>&1
+    done
+    head -8 "$OUT/mp/timeline_p0.txt" 2>/dev/null
+    for spec in "ag_matmul dma/direct/c1" "matmul_rs dma/direct/c1" "matmul_rs dma/direct/c4/grouped"; do
+      set -- $spec; name="trace_${1}_${2//\//_}"
+      [ "$(left)" -gt 60 ] || break
+      timeout "$(upto 60)" python3 scripts/trace_op.py $1 $2 8192 8192 10240 20 --jax-profiler "$OUT/$name" > "$OUT/$name.log" 2>&1
+      echo "$name rc=$?"
+      python3 scripts/perfetto_timeline.py "$OUT/$name" --count 400 > "$OUT/$name.txt" 2>&1; head -6 "$OUT/$name.txt"
+    done
+    [ "$(left)" -gt 120 ] && timeout "$(upto 170)" python3 -m ficco_jax bench --no-windowed --op all --shape 8192,8192,10240 \
+      --shape 2048,8192,28672 --schedules dma/direct/c1,dma/direct/c4/grouped,dma/direct/c8/grouped --out "$OUT/bench1p" \
+      2>"$OUT/bench1p.err" | grep -E "^\| (ag|matmul)" | cut -c1-250
+    ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac

@@ -16,6 +16,9 @@ comm="dma" call goes through the host mailbox and CUDA IPC (xla_ffi/ipc.h).
   3. timings    the anchor shapes (M, K, N): the model's best dma schedules (verified first,
                 the fastest measured kept) and JAX sequential (all_gather / psum_scatter + dot
                 by XLA), with ficco_jax.timing.device_time.
+  (--trace OP:SCHEDULE:M,K,N) a GPU timeline of one op in every process: JAX's profiler records 20
+                calls in a loop into $OUT/trace_p<i>/ (scripts/perfetto_timeline.py prints it), after
+                the first checks.
   4. report     rank 0 collects every process's results through the jax.distributed key-value
                 store, writes $OUT/<--json> and prints a table; exit status 1 if any check failed.
 
@@ -340,6 +343,22 @@ class Run:
                 self.record("a2a", name, op, dims, sched, rel, error, expect_refusal=not self.ipc,
                             seconds=time.monotonic() - start)
 
+    # -- a timeline ---------------------------------------------------------------------------
+    def trace(self, spec: str):
+        """JAX's profiler over 20 calls of one op in a jitted loop (every process records its own)."""
+        from ficco_jax import bench
+        from ficco_jax.schedule import Schedule
+
+        op, sched, dims = parse_trace(spec)
+        M, K, N = dims
+        args = bench.make_inputs(op, M, K, N, DTYPE, self.mesh, seed=5)
+        fn = bench.sharded(self.mesh, op, bench.op_body(op, "ref" if sched == "ref" else Schedule.parse(sched)), 20)
+        jax.block_until_ready(fn(*args))  # compile and warm up outside the recording
+        where = os.path.join(self.args.out, f"trace_p{jax.process_index()}")
+        with jax.profiler.trace(where, create_perfetto_trace=True):
+            jax.block_until_ready(fn(*args))
+        log(f"traced {spec} into {where}")
+
     # -- timings -----------------------------------------------------------------------------
     def device_time(self, make, args) -> dict:
         """timing.device_time with one repeat count for every process: it derives the count from
@@ -405,6 +424,18 @@ class Run:
             del args, want
 
 
+def parse_trace(spec: str) -> tuple[str, str, tuple[int, int, int]]:
+    """"ag_matmul:dma/direct/c1:8192,8192,10240" -> (op, schedule, (M, K, N)), or a clear error."""
+    try:
+        op, sched, dims = spec.split(":")
+        M, K, N = (int(d) for d in dims.split(","))
+    except ValueError:
+        raise SystemExit(f"--trace {spec!r}: expected OP:SCHEDULE:M,K,N, e.g. ag_matmul:dma/direct/c1:8192,8192,10240")
+    if op not in OPS:
+        raise SystemExit(f"--trace {spec!r}: OP must be one of {OPS}")
+    return op, sched, (M, K, N)
+
+
 # ------------------------------------------------------------------------------------------------
 # Report
 # ------------------------------------------------------------------------------------------------
@@ -440,7 +471,13 @@ def main() -> int:
     parser.add_argument("--json", default="mp_gpu.json")
     parser.add_argument("--budget-s", type=float, default=480.0, help="skip the remaining steps after this")
     parser.add_argument("--quick", action="store_true", help="small checks only (no anchor check, one timed shape)")
+    parser.add_argument("--trace", default=os.environ.get("FICCO_MP_TRACE") or None, metavar="OP:SCHEDULE:M,K,N",
+                        help="also record a GPU timeline of this op (JAX's profiler) after the first checks")
+    parser.add_argument("--timed", default=os.environ.get("FICCO_MP_TIMED") or None, metavar="NAME[,NAME]",
+                        help=f"time only these shapes of {list(GPU_TIMED)} (default: all, as the budget allows)")
     args = parser.parse_args()
+    if args.trace:
+        parse_trace(args.trace)
     if not args.port:
         parser.error("--port (or FICCO_MP_PORT) is required: the coordinator's port on localhost")
 
@@ -475,15 +512,25 @@ def main() -> int:
     if args.quick:
         checked = dict(list(checked.items())[:1])
         timed = dict(list(timed.items())[:1])
+    if args.timed and on_gpu:
+        unknown = sorted(set(args.timed.split(",")) - set(timed))
+        if unknown:
+            raise SystemExit(f"--timed: unknown shape names {unknown}; known: {list(timed)}")
+        timed = {k: v for k, v in timed.items() if k in args.timed.split(",")}
     first_checked = next(iter(checked))
     # Most informative first, in case the budget runs out: the small checks, one anchor timed,
     # the anchor checks, then the other anchors timed.
     plan = [("checks", n, d) for n, d in list(checked.items())[:1]] + \
+           ([("trace", args.trace, None)] if args.trace else []) + \
            [("timings", n, d) for n, d in list(timed.items())[:1]] + \
            [("checks", n, d) for n, d in list(checked.items())[1:]] + \
            [("timings", n, d) for n, d in list(timed.items())[1:]]
     for step, name, dims in plan:
         log(f"== {step} at {name} {dims}")
+        if step == "trace":
+            if run.go(f"trace {name}", 40):
+                run.step(f"trace {name}", run.trace, name)
+            continue
         if step == "checks":
             run.step(f"checks ops {name}", run.check_ops, name, dims)
             run.step(f"checks collectives {name}", run.check_collectives, name, dims)
