@@ -252,6 +252,16 @@ def listed_schedules(op, schedules_arg, n, comms) -> list[Schedule]:
     return [Schedule.parse(s) for s in schedules_arg.split(",")]
 
 
+def _extension_info() -> dict | None:
+    """The compiled extension's build_info (version, CUDA, the copy call it uses), None without it."""
+    try:
+        from . import _ext
+
+        return dict(_ext.build_info()) if _ext.available() else None
+    except ImportError:
+        return None
+
+
 def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=True, moe_shapes=None) -> dict:
     """Bench `ops_to_run` on all local devices: ag_matmul/matmul_rs on `shapes` {name: (M, K, N)},
     a2a_matmul/matmul_a2a on `moe_shapes` {name: (T, d, f, E, k)} (see bench_moe.py)."""
@@ -278,7 +288,7 @@ def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=
     rows = []
     result = {
         "device": jax.devices()[0].device_kind, "platform": jax.default_backend(), "n_devices": n,
-        "dtype": dtype, "jax": jax.__version__, "commit": git_commit(),
+        "dtype": dtype, "jax": jax.__version__, "commit": git_commit(), "extension": _extension_info(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "method": timing.METHOD + ("; ON CPU: times are host memcpy/loop times, NOT meaningful" if on_cpu else ""),
         "rows": [],

@@ -313,5 +313,30 @@ case "$STAGE" in
       --shape 2048,8192,28672 --schedules dma/direct/c1,dma/direct/c4/grouped,dma/direct/c8/grouped --out "$OUT/bench1p" \
       2>"$OUT/bench1p.err" | grep -E "^\| (ag|matmul)" | cut -c1-250
     ;;
+  s5b)  # the cross-process staging copy waited for the matmul's SMs (s5a timelines): copies now ask for a copy engine
+         # (cudaMemcpyBatchAsync, PreferOverlapWithCompute). A/B in one lease, 2 processes then 1 process, each with the
+         # old call (FICCO_COPY_API=memcpy) and the new one; a timeline of the cross-process all-gather with the new one
+    DEADLINE=${DEADLINE:-580}
+    build
+    command -v python >/dev/null || ln -sf "$(command -v python3)" /usr/local/bin/python
+    NP=$(nvidia-smi -L | wc -l)
+    for api in memcpy batch; do
+      mkdir -p "$OUT/mp_$api"
+      trace=""; [ "$api" = batch ] && trace=ag_matmul:dma/direct/c1:8192,8192,10240
+      B=$(upto 130); FICCO_COPY_API=$api FICCO_MP_NPROC=$NP FICCO_MP_BUDGET_S=$((B - 25)) OUT="$OUT/mp_$api" FICCO_MP_TRACE=$trace \
+        FICCO_MP_TIMED=llama70b_qkv_M8k,llama70b_mlp_up_M2k,llama70b_mlp_up_M8k timeout "$B" bash scripts/mp_gpu_launch.sh \
+        > "$OUT/mp_$api/launch.log" 2>&1
+      echo "mp_gpu ($api) rc=$?"; grep -E "FAIL|checks:|^\|" "$OUT/mp_$api/launch.log" | cut -c1-220 | tail -9
+    done
+    [ -d "$OUT/mp_batch/trace_p0" ] && python3 scripts/perfetto_timeline.py "$OUT/mp_batch/trace_p0" --count 400 > "$OUT/mp_batch/timeline_p0.txt" 2>&1
+    head -6 "$OUT/mp_batch/timeline_p0.txt" 2>/dev/null
+    for api in memcpy batch; do
+      [ "$(left)" -gt 100 ] || break
+      FICCO_COPY_API=$api timeout "$(upto 110)" python3 -m ficco_jax bench --no-windowed --op all --shape 8192,8192,10240 \
+        --shape 2048,8192,28672 --shape 8192,8192,28672 --schedules dma/direct/c1,dma/direct/c4/grouped \
+        --out "$OUT/bench1p_$api" 2>"$OUT/bench1p_$api.err" | grep -E "^\| (ag|matmul)" | cut -c1-250
+      echo "bench ($api) rc=$?"
+    done
+    ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac

@@ -560,7 +560,7 @@ def main() -> int:
             "ipc_stats": {r["process"]: r.get("ipc_stats") for r in everyone},
             "staging": {r["process"]: r.get("staging") for r in everyone},
             "notes": run.notes + [n for r in everyone[1:] for n in r.get("notes", [])],
-            "checks": flat, "method": ficco_jax.timing.METHOD_FIXED,
+            "checks": flat, "method": ficco_jax.timing.METHOD_FIXED, "extension": _ext.build_info(),
         }
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, args.json)
