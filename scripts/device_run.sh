@@ -338,5 +338,36 @@ case "$STAGE" in
       echo "bench ($api) rc=$?"
     done
     ;;
+  s5c)  # the staging copy now goes ahead of the own-shard matmul in host order (Stage), and the reduce-scatter sum
+         # reads 16-byte packs: GPU tests, 2 processes quick with a timeline (default and 32 hardware connections), the
+         # 1-process bench with the old (scalar) and the new sum, a timeline of matmul_rs
+    DEADLINE=${DEADLINE:-580}
+    build
+    timeout "$(upto 150)" python3 -m pytest tests/gpu -x -q 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
+    command -v python >/dev/null || ln -sf "$(command -v python3)" /usr/local/bin/python
+    NP=$(nvidia-smi -L | wc -l)
+    for conn in default 32; do
+      mkdir -p "$OUT/mp_$conn"
+      extra=(); [ "$conn" = 32 ] && extra=(env CUDA_DEVICE_MAX_CONNECTIONS=32)
+      B=$(upto 80); "${extra[@]}" env FICCO_MP_QUICK=1 FICCO_MP_NPROC=$NP FICCO_MP_BUDGET_S=$((B - 20)) OUT="$OUT/mp_$conn" \
+        FICCO_MP_TRACE=ag_matmul:dma/direct/c1:8192,8192,10240 FICCO_MP_TIMED=llama70b_qkv_M8k timeout "$B" \
+        bash scripts/mp_gpu_launch.sh > "$OUT/mp_$conn/launch.log" 2>&1
+      echo "mp_gpu (connections $conn) rc=$?"; grep -E "FAIL|checks:|^\| ag|^\| matmul" "$OUT/mp_$conn/launch.log" | cut -c1-220
+      grep -h "TIME" "$OUT/mp_$conn/mp_gpu_p0.log" | cut -c1-120
+      [ -d "$OUT/mp_$conn/trace_p0" ] && python3 scripts/perfetto_timeline.py "$OUT/mp_$conn/trace_p0" --count 400 \
+        > "$OUT/mp_$conn/timeline_p0.txt" 2>&1 && awk '/nvjet|#8[0-9]/' "$OUT/mp_$conn/timeline_p0.txt" | sed -n 8,14p
+    done
+    timeout "$(upto 60)" python3 scripts/trace_op.py matmul_rs dma/direct/c1 8192 8192 10240 20 --jax-profiler "$OUT/trace_rs" \
+      > "$OUT/trace_rs.log" 2>&1; python3 scripts/perfetto_timeline.py "$OUT/trace_rs" --count 400 > "$OUT/trace_rs.txt" 2>&1
+    grep -m3 ReduceSum "$OUT/trace_rs.txt" | cut -c1-120
+    for red in scalar vector; do
+      [ "$(left)" -gt 90 ] || break
+      extra=(); [ "$red" = scalar ] && extra=(env FICCO_REDUCE_SCALAR=1)
+      "${extra[@]}" timeout "$(upto 100)" python3 -m ficco_jax bench --no-windowed --op matmul_rs --shape 8192,8192,10240 \
+        --shape 2048,8192,28672 --shape 8192,8192,28672 --schedules dma/direct/c1,dma/direct/c4/grouped,dma/direct/c4 \
+        --out "$OUT/bench_rs_$red" 2>"$OUT/bench_rs_$red.err" | grep -E "^\| matmul" | cut -c1-250
+      echo "bench ($red sum) rc=$?"
+    done
+    ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac

@@ -470,7 +470,8 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
     parser.add_argument("--json", default="mp_gpu.json")
     parser.add_argument("--budget-s", type=float, default=480.0, help="skip the remaining steps after this")
-    parser.add_argument("--quick", action="store_true", help="small checks only (no anchor check, one timed shape)")
+    parser.add_argument("--quick", action="store_true", default=bool(os.environ.get("FICCO_MP_QUICK")),
+                        help="small checks only (no anchor check, one timed shape); also FICCO_MP_QUICK=1")
     parser.add_argument("--trace", default=os.environ.get("FICCO_MP_TRACE") or None, metavar="OP:SCHEDULE:M,K,N",
                         help="also record a GPU timeline of this op (JAX's profiler) after the first checks")
     parser.add_argument("--timed", default=os.environ.get("FICCO_MP_TIMED") or None, metavar="NAME[,NAME]",

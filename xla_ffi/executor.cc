@@ -64,10 +64,26 @@ CallSession::~CallSession() {
 // of each piece, on a stream of its own so that our own pulls do not queue behind it.
 ffi::Error CallSession::Exchange(Backend& backend, const Exposure& exposure, std::vector<Post>* posts) {
   if (!config_.cross_process()) return Meet(Phase::kExchange, exposure.buffer, exposure.events, posts);
-  const CallContext& ctx = config_.ctx;
-  const int64_t num_events = static_cast<int64_t>(exposure.events.size());
   if (exposure.bytes == 0) return Meet(Phase::kExchange, nullptr, exposure.events, posts);
   if (in_place_ != nullptr && exposure.buffer == in_place_) return Meet(Phase::kExchange, in_place_, exposure.events, posts);
+  if (staged_from_ != exposure.buffer) FICCO_RETURN_IF_ERROR(Stage(backend, exposure));
+  return Meet(Phase::kExchange, staged_region_, staged_events_, posts);
+}
+
+// The staging copies of Exchange, enqueued early: callers stage before enqueuing compute work that
+// does not need the peers (ag_matmul's own-shard matmul). Host order matters though the streams
+// differ: where CUDA maps the staging stream onto the same hardware queue as XLA's stream, a copy
+// enqueued after a matmul starts only once that matmul's last wave is dispatched (2 x H200, one
+// process per GPU, session 5: the staging copy of x began ~0.35 ms into a 0.43 ms matmul, every
+// call, and the peer's pull and matmul waited for it).
+ffi::Error CallSession::Stage(Backend& backend, const Exposure& exposure) {
+  if (!config_.cross_process() || exposure.bytes == 0) return ffi::Error::Success();
+  if (in_place_ != nullptr && exposure.buffer == in_place_) return ffi::Error::Success();
+  const CallContext& ctx = config_.ctx;
+  const int64_t num_events = static_cast<int64_t>(exposure.events.size());
+  if (staged_from_ != nullptr) {
+    return MakeInvalid(ctx, "a second exposure staged in one call (a bug)");
+  }
   if (exposure.bytes < 0 || exposure.buffer == nullptr || exposure.pieces < 1 || num_events < 1 ||
       num_events % exposure.pieces != 0 || exposure.bytes % exposure.pieces != 0) {
     return MakeInvalid(ctx, "exposure of " + std::to_string(exposure.bytes) + " bytes in " +
@@ -87,9 +103,11 @@ ffi::Error CallSession::Exchange(Backend& backend, const Exposure& exposure, std
     FICCO_RETURN_IF_ERROR(backend.Record(Backend::kStaging, &staged[k]));
   }
   staged_last_ = staged.back();
-  std::vector<Event> exposed(num_events);
-  for (int64_t i = 0; i < num_events; ++i) exposed[i] = staged[i * exposure.pieces / num_events];
-  return Meet(Phase::kExchange, staging, std::move(exposed), posts);
+  staged_events_.assign(num_events, nullptr);
+  for (int64_t i = 0; i < num_events; ++i) staged_events_[i] = staged[i * exposure.pieces / num_events];
+  staged_region_ = staging;
+  staged_from_ = exposure.buffer;
+  return ffi::Error::Success();
 }
 
 // The staging stream (the slot after the copy streams, so their count must leave it free) and this
@@ -254,12 +272,14 @@ ffi::Error RunAllGather(Backend& backend, const OpConfig& config, const AllGathe
   // Owner: x is valid from `ready`; own work that needs no peer starts at once.
   Event ready;
   FICCO_RETURN_IF_ERROR(backend.Record(Backend::kCompute, &ready));
+  const Exposure exposure{a.x, a.m * a.row_bytes, 1, {ready}};
+  FICCO_RETURN_IF_ERROR(session.Stage(backend, exposure));  // across processes: before the matmul (Stage)
   if (matmul) {
     FICCO_RETURN_IF_ERROR(backend.Gemm({a.x, a.w, Offset(a.out, r * a.m * a.cols * esize), a.m, a.inner,
                                         a.cols, a.dtype}));
   }
   std::vector<Post> posts;
-  FICCO_RETURN_IF_ERROR(session.Exchange(backend, {a.x, a.m * a.row_bytes, 1, {ready}}, &posts));
+  FICCO_RETURN_IF_ERROR(session.Exchange(backend, exposure, &posts));
   FICCO_RETURN_IF_ERROR(CheckFault(config, Fault::kFail));
 
   // Puller: peers by ring distance (r-1 first), each chunk into its rows of `gathered`.

@@ -151,6 +151,9 @@ class CallSession {
   // processes: first copies it into this device's staging buffer (the only memory peers in other
   // processes can open, ipc.h), piece by piece on the staging stream, and posts that instead.
   ffi::Error Exchange(Backend& backend, const Exposure& exposure, std::vector<Post>* posts);
+  // Exchange's staging copies alone, to enqueue them ahead of compute work (executor.cc says why);
+  // Exchange with the same exposure then only posts. A no-op in-process and for in-place data.
+  ffi::Error Stage(Backend& backend, const Exposure& exposure);
   // Across processes, for data the call itself produces (matmul_rs's send partials): `*region` is
   // this device's staging buffer, `bytes` long, to be written in place on the compute stream, which
   // first waits for the staging stream (earlier calls' staging copies and their peers' pulls);
@@ -176,6 +179,9 @@ class CallSession {
   // does not yet wait for their pulls: if the call fails now, the region is retired (~CallSession).
   bool staging_exposed_ = false;
   Event staged_last_ = nullptr;  // the last staging copy of this call (none when staged in place)
+  const void* staged_from_ = nullptr;  // the exposure Stage copied, its staging region and events
+  void* staged_region_ = nullptr;
+  std::vector<Event> staged_events_;
   const void* in_place_ = nullptr;  // StageInPlace's region
 };
 

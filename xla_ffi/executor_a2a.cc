@@ -92,6 +92,8 @@ ffi::Error RunAllToAll(Backend& backend, const OpConfig& config, const AllToAllA
   // Owner: x is valid from `ready`; our own tokens for our own experts need no peer.
   Event ready;
   FICCO_RETURN_IF_ERROR(backend.Record(Backend::kCompute, &ready));
+  const Exposure exposure{a.x, config.n() * layout.Block(), 1, {ready}};
+  FICCO_RETURN_IF_ERROR(session.Stage(backend, exposure));  // across processes: before the matmuls
   if (matmul) {
     const BlockLayout res{a.groups, a.rows, a.cols * esize};
     for (int64_t e = 0; e < a.groups; ++e) {
@@ -100,7 +102,7 @@ ffi::Error RunAllToAll(Backend& backend, const OpConfig& config, const AllToAllA
     }
   }
   std::vector<Post> posts;
-  FICCO_RETURN_IF_ERROR(session.Exchange(backend, {a.x, config.n() * layout.Block(), 1, {ready}}, &posts));
+  FICCO_RETURN_IF_ERROR(session.Exchange(backend, exposure, &posts));
   FICCO_RETURN_IF_ERROR(CheckFault(config, Fault::kFail));
 
   // Puller: peer p = r-1-s holds our block at x_p[r]; chunk j is rows [j*q, (j+1)*q) of every group.

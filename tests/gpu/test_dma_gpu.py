@@ -119,6 +119,24 @@ def test_collectives_gpu(axis):
     assert _rel_err(rs(x), rs_ref(x)) < BF16_TOL
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("rows,cols,schedule", [(3, 7, None), (16, 9, "dma/direct/c4"), (64, 256, None),
+                                                (64, 256, "dma/direct/c4"), (40, 24, "dma/direct/c2")])
+def test_reduce_scatter_sizes_gpu(dtype, rows, cols, schedule):
+    """The sum kernel's two paths: 16-byte packs where every operand is aligned, one element at a
+    time otherwise (odd sizes, chunk offsets that break the alignment), and the tail of a pack."""
+    mesh, n = _mesh(), len(GPUS)
+    rng = np.random.default_rng(zlib.crc32(f"{dtype}{rows}{cols}{schedule}".encode()))
+    x = jnp.asarray(rng.standard_normal((n * n * rows, cols)), dtype)
+    ours = jax.jit(jax.shard_map(lambda a: dma.reduce_scatter(a, "tp", schedule=schedule), mesh=mesh,
+                                 in_specs=P("tp"), out_specs=P("tp")))
+    ref = jax.jit(jax.shard_map(lambda a: jax.lax.psum_scatter(a.astype(jnp.float32), "tp", tiled=True), mesh=mesh,
+                                in_specs=P("tp"), out_specs=P("tp")))
+    _poison_gpus(16 << 20)
+    tol = 1e-6 if dtype == "float32" else BF16_TOL
+    assert _rel_err(ours(x), ref(x)) < tol
+
+
 def test_back_to_back_calls_gpu():
     """200 calls in a row: event-pool reuse, occurrence counting and joins under pressure."""
     mesh, n = _mesh(), len(GPUS)
