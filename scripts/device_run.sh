@@ -369,5 +369,35 @@ case "$STAGE" in
       echo "bench ($red sum) rc=$?"
     done
     ;;
+  s5d)  # the cross-process staging copy on XLA's stream (Stage; it ran on SMs beside the matmul, s5c): 2 processes with
+         # every check, a timeline and the timings; the old stream (FICCO_STAGE_STREAM=copy) quick, for A/B; one process on
+         # the same shapes; the reduce-scatter sum scalar vs 16-byte packs again
+    DEADLINE=${DEADLINE:-340}
+    build
+    command -v python >/dev/null || ln -sf "$(command -v python3)" /usr/local/bin/python
+    NP=$(nvidia-smi -L | wc -l)
+    for stage in compute copy; do
+      mkdir -p "$OUT/mp_$stage"
+      quick=""; [ "$stage" = copy ] && quick=1
+      B=$(upto 100); FICCO_STAGE_STREAM=$stage FICCO_MP_QUICK=$quick FICCO_MP_NPROC=$NP FICCO_MP_BUDGET_S=$((B - 20)) \
+        OUT="$OUT/mp_$stage" FICCO_MP_TRACE=ag_matmul:dma/direct/c1:8192,8192,10240 \
+        FICCO_MP_TIMED=llama70b_qkv_M8k,llama70b_mlp_up_M2k timeout "$B" bash scripts/mp_gpu_launch.sh > "$OUT/mp_$stage/launch.log" 2>&1
+      echo "mp_gpu (staging copy on the $stage stream) rc=$?"; grep -E "FAIL|checks:|^\| ag|^\| matmul" "$OUT/mp_$stage/launch.log" | cut -c1-220
+      grep -h "TIME" "$OUT/mp_$stage/mp_gpu_p0.log" | cut -c1-120
+      [ -d "$OUT/mp_$stage/trace_p0" ] && python3 scripts/perfetto_timeline.py "$OUT/mp_$stage/trace_p0" --count 400 \
+        > "$OUT/mp_$stage/timeline_p0.txt" 2>&1
+    done
+    timeout "$(upto 110)" python3 -m ficco_jax bench --no-windowed --op all --shape 8192,8192,10240 --shape 2048,8192,28672 \
+      --schedules dma/direct/c1,dma/direct/c4/grouped,dma/direct/c8/grouped --out "$OUT/bench1p" 2>"$OUT/bench1p.err" \
+      | grep -E "^\| (ag|matmul)" | cut -c1-250
+    for red in scalar vector; do
+      [ "$(left)" -gt 35 ] || break
+      extra=(); [ "$red" = scalar ] && extra=(env FICCO_REDUCE_SCALAR=1)
+      "${extra[@]}" timeout "$(upto 45)" python3 -m ficco_jax bench --no-windowed --op matmul_rs --shape 8192,8192,10240 \
+        --schedules dma/direct/c1,dma/direct/c4/grouped --out "$OUT/bench_rs_$red" 2>"$OUT/bench_rs_$red.err" \
+        | grep -E "^\| matmul" | cut -c1-250
+      echo "bench ($red sum) rc=$?"
+    done
+    ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac

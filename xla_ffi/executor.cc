@@ -4,6 +4,8 @@
 #include "text.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 namespace ficco {
 namespace {
@@ -70,12 +72,14 @@ ffi::Error CallSession::Exchange(Backend& backend, const Exposure& exposure, std
   return Meet(Phase::kExchange, staged_region_, staged_events_, posts);
 }
 
-// The staging copies of Exchange, enqueued early: callers stage before enqueuing compute work that
-// does not need the peers (ag_matmul's own-shard matmul). Host order matters though the streams
-// differ: where CUDA maps the staging stream onto the same hardware queue as XLA's stream, a copy
-// enqueued after a matmul starts only once that matmul's last wave is dispatched (2 x H200, one
-// process per GPU, session 5: the staging copy of x began ~0.35 ms into a 0.43 ms matmul, every
-// call, and the peer's pull and matmul waited for it).
+// The staging copies of Exchange, enqueued before compute work that does not need the peers
+// (ag_matmul's own-shard matmul), on XLA's stream by default. The copy is within one GPU, and the
+// driver runs such copies on SMs: on its own stream it waited for the matmul beside it to free
+// them (2 x H200, one process per GPU, session 5: the staging copy of x, 64 MiB, began ~0.35 ms
+// into a 0.43 ms matmul every call, whatever its place in host order, with
+// cudaMemcpyBatchAsync's copy-engine hint or 32 hardware queues), and each peer's pull and
+// matmul waited for it. On XLA's stream it runs first, at full speed, then the matmul.
+// FICCO_STAGE_STREAM=copy puts it back on the staging stream (read once; for A/B timings).
 ffi::Error CallSession::Stage(Backend& backend, const Exposure& exposure) {
   if (!config_.cross_process() || exposure.bytes == 0) return ffi::Error::Success();
   if (in_place_ != nullptr && exposure.buffer == in_place_) return ffi::Error::Success();
@@ -92,15 +96,27 @@ ffi::Error CallSession::Stage(Backend& backend, const Exposure& exposure) {
   }
   void* staging = nullptr;
   FICCO_RETURN_IF_ERROR(AcquireStaging(backend, exposure.bytes, &staging));
+  static const bool on_staging_stream = [] {
+    const char* choice = std::getenv("FICCO_STAGE_STREAM");
+    return choice != nullptr && std::strcmp(choice, "copy") == 0;
+  }();
+  const int stream = on_staging_stream ? Backend::kStaging : Backend::kCompute;
+  if (stream == Backend::kCompute) {
+    // As in StageInPlace: the region is written only after the staging stream's waits for the
+    // peers' pulls of earlier calls (ProtectStaging).
+    Event tail;
+    FICCO_RETURN_IF_ERROR(backend.Record(Backend::kStaging, &tail));
+    FICCO_RETURN_IF_ERROR(backend.Wait(Backend::kCompute, tail));
+  }
   const int64_t piece_bytes = exposure.bytes / exposure.pieces;
   std::vector<Event> staged(exposure.pieces);
   for (int64_t k = 0; k < exposure.pieces; ++k) {
     // Events are recorded in index order on one stream: the last one of piece k covers all of it.
     const Event written = exposure.events[(k + 1) * num_events / exposure.pieces - 1];
-    FICCO_RETURN_IF_ERROR(backend.Wait(Backend::kStaging, written));
-    FICCO_RETURN_IF_ERROR(backend.Copy(Backend::kStaging, Offset(staging, k * piece_bytes),
+    FICCO_RETURN_IF_ERROR(backend.Wait(stream, written));
+    FICCO_RETURN_IF_ERROR(backend.Copy(stream, Offset(staging, k * piece_bytes),
                                        Offset(exposure.buffer, k * piece_bytes), piece_bytes));
-    FICCO_RETURN_IF_ERROR(backend.Record(Backend::kStaging, &staged[k]));
+    FICCO_RETURN_IF_ERROR(backend.Record(stream, &staged[k]));
   }
   staged_last_ = staged.back();
   staged_events_.assign(num_events, nullptr);
