@@ -399,5 +399,19 @@ case "$STAGE" in
       echo "bench ($red sum) rc=$?"
     done
     ;;
+  s5e)  # the record of session 5 on 2 GPUs (issue 9): 2 processes, every check and three anchor shapes timed, then one
+         # process on the same shapes and schedules, same lease
+    DEADLINE=${DEADLINE:-330}
+    build
+    command -v python >/dev/null || ln -sf "$(command -v python3)" /usr/local/bin/python
+    B=$(upto 150); FICCO_MP_NPROC=$(nvidia-smi -L | wc -l) FICCO_MP_BUDGET_S=$((B - 20)) OUT="$OUT/mp" \
+      FICCO_MP_TIMED=llama70b_qkv_M8k,llama70b_mlp_up_M8k,llama70b_mlp_up_M2k timeout "$B" bash scripts/mp_gpu_launch.sh \
+      > "$OUT/mp/launch.log" 2>&1
+    echo "mp_gpu rc=$?"; grep -E "FAIL|SKIP|checks:|^\| ag|^\| matmul" "$OUT/mp/launch.log" | cut -c1-220
+    grep -h "TIME" "$OUT/mp/mp_gpu_p0.log" | cut -c1-120
+    timeout "$(upto 160)" python3 -m ficco_jax bench --no-windowed --op all --shape 8192,8192,10240 --shape 8192,8192,28672 \
+      --shape 2048,8192,28672 --schedules dma/direct/c1,dma/direct/c2/grouped,dma/direct/c4/grouped,dma/direct/c8/grouped \
+      --out "$OUT/bench1p" 2>"$OUT/bench1p.err" | grep -E "^\| (ag|matmul)" | cut -c1-250
+    ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac
