@@ -47,8 +47,7 @@ def markdown_table(result: dict) -> str:
         by_case[(r["op"], r["shape"], r["M"], r["K"], r["N"])][r["variant"]] = r
     lines = [
         f"Device: {result['n_devices']} x {result['device']} ({result['platform']}), dtype {result['dtype']}, "
-        f"jax {result['jax']}, commit {result['commit']}, {result['date']}"
-        + (f", copies by {result['extension']['copy_api']}" if (result.get("extension") or {}).get("copy_api") else ""),
+        f"jax {result['jax']}, commit {result['commit']}, {result['date']}",
         f"Method: {result['method']}", "",
         "| op | shape (M,K,N) | GEMM alone | collective alone | ideal | JAX seq | JAX ring | XLA windowed | "
         "ficco auto | ficco best | best / seq | ideal / best |",

@@ -15,17 +15,13 @@ namespace ficco {
 void CopyChunkHost(void* dst, const void* src, size_t bytes);
 
 #ifdef FICCO_WITH_CUDA
-// How CopyChunkAsync enqueues: cudaMemcpyBatchAsync with the hint to prefer a copy engine (the
-// default where the runtime has it, CUDA 12.8+), or plain cudaMemcpyAsync (FICCO_COPY_API=memcpy,
-// read once; older runtimes). The choice is the driver's either way: the hint can be ignored.
-enum class CopyApi { kMemcpy, kBatchPreferCopyEngine };
-CopyApi ActiveCopyApi();
-const char* CopyApiName(CopyApi api);
-
 // CUDA: an asynchronous device-to-device copy on `stream` (a copy stream of the destination
 // device). With unified addressing and peer access the copy engine reads the peer's memory
-// directly over NVLink; no SM is used. Copies within one GPU (the staging copies across
-// processes, own rows) are where the driver may use SM kernels instead: hence the hint above.
+// directly over NVLink; no SM is used. Copies within one GPU are another matter: they behaved as
+// SM work on 2 x H200 (session 5: beside a matmul they started only as its last wave drained; alone,
+// 64 MiB took 31 us, about 4 TB/s of HBM traffic), and cudaMemcpyBatchAsync's hint to prefer a copy engine
+// (cudaMemcpyFlagPreferOverlapWithCompute) changed nothing measurable, so it is not used; the
+// executor keeps such copies off the matmuls' way instead (CallSession::Stage).
 cudaError_t CopyChunkAsync(void* dst, const void* src, size_t bytes, cudaStream_t stream);
 #endif
 

@@ -41,29 +41,29 @@ CallSession::~CallSession() {
 // (CallSession::StageInPlace, below). A copied call, owner r and one peer p, E events and P pieces
 // (P = 1 for all_gather: one `ready`):
 //
-//   r compute (XLA) : write data [ev_0] .. [ev_E-1] ....................... wait(staged_last)  (join)
-//   r staging stream: (prev. call's peer waits) wait(ev_k) copy piece k [staged_k] .. | wait(p's pulls_done)
-//   p copy streams  :                           wait(staged_k) pull piece k ..  [pulls_done]
+//   r staging stream: .. wait(p's pulls_done of the previous call) [tail] ..........  | wait(p's pulls_done)
+//   r compute (XLA) : write data [ev_0] .. [ev_E-1] wait(tail) copy piece k [staged_k] .. matmuls ..  (join)
+//   p copy streams  :                                 wait(staged_k) pull piece k ..  [pulls_done]
 //
-//   wait(ev_k)          piece k is valid in XLA's buffer only from the event that guards it.
-//   wait(staged_k)      peers pull a piece once it is in the staging buffer (pieces pipeline the
-//                       matmul_rs partials: a peer pulls the first while later ones are computed).
-//   wait(staged_last)   XLA may overwrite or free the exposed buffer as soon as the call returns,
-//                       so its stream waits for the staging copies (AwaitStagingCopies).
-//   wait(pulls_done)    the next call's staging copies run on this same stream and overwrite the
-//                       region: they must not start before every peer finished pulling this call's
-//                       data. The staging stream waits for the peers' pulls_done events right after
-//                       the done phase (ProtectStaging), before the release phase, while those
-//                       events still hold this call's records (JoinAndRelease explains the reuse).
+//   wait(ev_k)          piece k is valid in XLA's buffer only from the event that guards it (on
+//                       XLA's stream, where the copies run, this holds by stream order).
+//   wait(staged_k)      peers pull a piece once it is in the staging buffer.
+//   wait(pulls_done)    the next call's staging copies overwrite the region: they must not start
+//                       before every peer finished pulling this call's data. The staging stream
+//                       waits for the peers' pulls_done events right after the done phase
+//                       (ProtectStaging), before the release phase, while those events still hold
+//                       this call's records (JoinAndRelease explains the reuse), and the next
+//                       staging copy, or in-place write, waits for the staging stream's tail.
 //                       Being stream-ordered, the wait protects every later call of this device,
 //                       whatever its group and whatever stream XLA runs it on; no double
 //                       buffering is needed, and the host never waits for the GPU.
 // If the call fails between the first staging copy and ProtectStaging, no such wait is in place:
 // the region is retired (kept allocated, never written again; ~CallSession) and the next call
 // gets a new one.
-// Cost of a copied exposure: one more device-local copy of the exposed bytes per call (HBM read
-// and write, about bytes / 2 TB/s on H100/H200: ~8 us for 16 MiB), ahead of the peers' first pull
-// of each piece, on a stream of its own so that our own pulls do not queue behind it.
+// Cost of a copied exposure: one more device-local copy of the exposed bytes per call, on XLA's
+// stream ahead of the call's own matmuls (CallSession::Stage says why): 31 us for 64 MiB on an
+// H200. With FICCO_STAGE_STREAM=copy the copies run on the staging stream instead (then the
+// compute stream's join waits for the last of them, AwaitStagingCopies).
 ffi::Error CallSession::Exchange(Backend& backend, const Exposure& exposure, std::vector<Post>* posts) {
   if (!config_.cross_process()) return Meet(Phase::kExchange, exposure.buffer, exposure.events, posts);
   if (exposure.bytes == 0) return Meet(Phase::kExchange, nullptr, exposure.events, posts);
@@ -73,9 +73,9 @@ ffi::Error CallSession::Exchange(Backend& backend, const Exposure& exposure, std
 }
 
 // The staging copies of Exchange, enqueued before compute work that does not need the peers
-// (ag_matmul's own-shard matmul), on XLA's stream by default. The copy is within one GPU, and the
-// driver runs such copies on SMs: on its own stream it waited for the matmul beside it to free
-// them (2 x H200, one process per GPU, session 5: the staging copy of x, 64 MiB, began ~0.35 ms
+// (ag_matmul's own-shard matmul), on XLA's stream by default. The copy is within one GPU, and such
+// copies behave as SM work (dma.h): on its own stream it waited for the matmul beside it to free
+// the SMs (2 x H200, one process per GPU, session 5: the staging copy of x, 64 MiB, began ~0.35 ms
 // into a 0.43 ms matmul every call, whatever its place in host order, with
 // cudaMemcpyBatchAsync's copy-engine hint or 32 hardware queues), and each peer's pull and
 // matmul waited for it. On XLA's stream it runs first, at full speed, then the matmul.

@@ -149,7 +149,7 @@ class CallSession {
 
   // The exchange phase. In-process: posts the exposed buffer itself (zero-copy). Across
   // processes: first copies it into this device's staging buffer (the only memory peers in other
-  // processes can open, ipc.h), piece by piece on the staging stream, and posts that instead.
+  // processes can open, ipc.h), piece by piece (Stage), and posts that instead.
   ffi::Error Exchange(Backend& backend, const Exposure& exposure, std::vector<Post>* posts);
   // Exchange's staging copies alone, to enqueue them ahead of compute work (executor.cc says why);
   // Exchange with the same exposure then only posts. A no-op in-process and for in-place data.

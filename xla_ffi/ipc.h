@@ -7,12 +7,13 @@
 // allocator (one 112 GB reservation) and with XLA_PYTHON_CLIENT_ALLOCATOR=platform alike. So
 // each device owns a staging buffer in memory that CAN be shared (cudaMalloc, legacy CUDA IPC;
 // docs/multiprocess.md says why not a VMM region passed as a file descriptor), and per call
-//   Owner:  copies what its peers will read (the all-gather shard, the reduce-scatter partials,
-//           the all-to-all blocks) from XLA's buffer into its staging buffer on the staging
-//           stream, records one interprocess event per piece, posts (staging id, offset, events);
+//   Owner:  copies what its peers will read (the all-gather shard, the all-to-all blocks) from
+//           XLA's buffer into its staging buffer on XLA's stream ahead of its matmuls, or writes it
+//           there in the first place (the matmul_rs / matmul_a2a partials), records one
+//           interprocess event per piece, posts (staging id, offset, events);
 //   Puller: waits on those events and pulls from the peer's staging buffer into its own XLA
 //           buffers (local writes: nothing of the puller is exported).
-// The executor does the copies (CallSession::Exchange, executor.cc); this file provides the
+// The executor does the copies (CallSession::Stage / Exchange, executor.cc); this file provides the
 // buffer, the exports and the meeting.
 //
 // Stages, as for the in-process path (exchange once, per call only record, copy, wait):

@@ -15,7 +15,6 @@
 #include <vector>
 
 #include "a2a.h"
-#include "dma.h"
 #include "guard.h"
 #include "ipc.h"
 #include "nanobind/nanobind.h"
@@ -287,9 +286,6 @@ NB_MODULE(_ffi, m) {
     info["cuda"] = nanobind::bool_(kCudaBuilt);
     info["ipc"] = nanobind::bool_(kCudaBuilt);  // copy engines across processes of one host (ipc.h)
     info["abi"] = nanobind::str(abi.c_str());
-#ifdef FICCO_WITH_CUDA
-    info["copy_api"] = nanobind::str(ficco::CopyApiName(ficco::ActiveCopyApi()));
-#endif
     return info;
   });
   m.def("_mailbox_exchange", &MailboxExchange);
