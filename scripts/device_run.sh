@@ -6,7 +6,8 @@
 #   STAGE=x8a|x8b the 8-GPU run (issue 10); x4a|x4b the 4-GPU runs of 2026-11-22 session 2
 #   STAGE=s3a, s3c: session 3's runs; s4load, s4b, s4c: the next session's (the 10,000-step load alone; NCCL
 #                 contention and accuracy; the example with its communication-free bound); s4e: one GPU's GEMMs;
-#                 s4x2: what 2 GPUs can tell (session 4)
+#                 s4x2: what 2 GPUs can tell (session 4); s5a-s5f: session 5 on 2 GPUs (timelines of the cross-process
+#                 all-gather, the staging-copy and reduce-sum fixes, their A/B runs, the record)
 # Writes logs and JSON under $OUT (default ./out/device). Never changes GPU settings.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -410,6 +411,20 @@ case "$STAGE" in
     echo "mp_gpu rc=$?"; grep -E "FAIL|SKIP|checks:|^\| ag|^\| matmul" "$OUT/mp/launch.log" | cut -c1-220
     grep -h "TIME" "$OUT/mp/mp_gpu_p0.log" | cut -c1-120
     timeout "$(upto 160)" python3 -m ficco_jax bench --no-windowed --op all --shape 8192,8192,10240 --shape 8192,8192,28672 \
+      --shape 2048,8192,28672 --schedules dma/direct/c1,dma/direct/c2/grouped,dma/direct/c4/grouped,dma/direct/c8/grouped \
+      --out "$OUT/bench1p" 2>"$OUT/bench1p.err" | grep -E "^\| (ag|matmul)" | cut -c1-250
+    ;;
+  s5f)  # session 5's last 2-GPU call, on the final code (copies back on cudaMemcpyAsync): GPU tests, then s5e's record
+    DEADLINE=${DEADLINE:-330}
+    build
+    timeout "$(upto 90)" python3 -m pytest tests/gpu -x -q 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
+    DEADLINE=$((DEADLINE - (SECONDS - T0))) T0=$SECONDS
+    command -v python >/dev/null || ln -sf "$(command -v python3)" /usr/local/bin/python
+    B=$(upto 130); FICCO_MP_NPROC=$(nvidia-smi -L | wc -l) FICCO_MP_BUDGET_S=$((B - 20)) OUT="$OUT/mp" \
+      FICCO_MP_TIMED=llama70b_qkv_M8k,llama70b_mlp_up_M8k,llama70b_mlp_up_M2k timeout "$B" bash scripts/mp_gpu_launch.sh \
+      > "$OUT/mp/launch.log" 2>&1
+    echo "mp_gpu rc=$?"; grep -E "FAIL|SKIP|checks:|^\| ag|^\| matmul" "$OUT/mp/launch.log" | cut -c1-220
+    timeout "$(upto 140)" python3 -m ficco_jax bench --no-windowed --op all --shape 8192,8192,10240 --shape 8192,8192,28672 \
       --shape 2048,8192,28672 --schedules dma/direct/c1,dma/direct/c2/grouped,dma/direct/c4/grouped,dma/direct/c8/grouped \
       --out "$OUT/bench1p" 2>"$OUT/bench1p.err" | grep -E "^\| (ag|matmul)" | cut -c1-250
     ;;
