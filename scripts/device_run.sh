@@ -428,5 +428,18 @@ case "$STAGE" in
       --shape 2048,8192,28672 --schedules dma/direct/c1,dma/direct/c2/grouped,dma/direct/c4/grouped,dma/direct/c8/grouped \
       --out "$OUT/bench1p" 2>"$OUT/bench1p.err" | grep -E "^\| (ag|matmul)" | cut -c1-250
     ;;
+  s5x4)  # if the 4-GPU kind is lent late in session 5 with ~4 device minutes left: the NCCL contention pair (issue 4), the
+          # reduce-scatter with the 16-byte sum at tp=4 (3), 4 processes quick with the staging copy on XLA's stream (9)
+    DEADLINE=${DEADLINE:-200}
+    build
+    timeout "$(upto 70)" python3 -m torch.distributed.run --nproc-per-node="$(nvidia-smi -L | wc -l)" scripts/contention_torch.py \
+      --out "$OUT/char" > "$OUT/char/contention_torch.log" 2>&1; echo "contention_torch rc=$?"
+    grep -E '^\{' "$OUT/char/contention_torch.log" | cut -c1-700
+    timeout "$(upto 50)" python3 -m ficco_jax bench --no-windowed --op matmul_rs --shape 8192,8192,10240 \
+      --schedules dma/direct/c1,dma/direct/c4/grouped --out "$OUT/bench_rs" 2>"$OUT/bench_rs.err" | grep -E "^\| matmul" | cut -c1-250
+    command -v python >/dev/null || ln -sf "$(command -v python3)" /usr/local/bin/python
+    B=$(upto 60); FICCO_MP_QUICK=1 FICCO_MP_BUDGET_S=$((B - 15)) OUT="$OUT/mp" timeout "$B" bash scripts/mp_gpu_launch.sh \
+      > "$OUT/mp/launch.log" 2>&1; echo "mp_gpu rc=$?"; grep -E "FAIL|checks:|^\| ag|^\| matmul" "$OUT/mp/launch.log" | cut -c1-220
+    ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac
