@@ -441,5 +441,12 @@ case "$STAGE" in
     B=$(upto 60); FICCO_MP_QUICK=1 FICCO_MP_BUDGET_S=$((B - 15)) OUT="$OUT/mp" timeout "$B" bash scripts/mp_gpu_launch.sh \
       > "$OUT/mp/launch.log" 2>&1; echo "mp_gpu rc=$?"; grep -E "FAIL|checks:|^\| ag|^\| matmul" "$OUT/mp/launch.log" | cut -c1-220
     ;;
+  s5acc)  # issue 5 on 2 GPUs with the last device minutes: the held-out check of `auto`, which at tp=2 now uses the
+           # h200x4 profile (nearest group size of the same GPU); as many held-out cases as the budget allows
+    DEADLINE=${DEADLINE:-190}
+    build
+    timeout "$(upto 175)" python3 -m ficco_jax accuracy --axis-size "$(nvidia-smi -L | wc -l)" --top 1 \
+      --budget-s "$(( $(left) - 45 ))" --out "$OUT/acc" 2>"$OUT/acc/accuracy.err" | tail -30
+    ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac
