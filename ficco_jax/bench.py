@@ -253,7 +253,7 @@ def listed_schedules(op, schedules_arg, n, comms) -> list[Schedule]:
 
 
 def _extension_info() -> dict | None:
-    """The compiled extension's build_info (version, CUDA, the copy call it uses), None without it."""
+    """The compiled extension's build_info (version, CUDA build, FFI ABI), None without it."""
     try:
         from . import _ext
 

@@ -433,6 +433,13 @@ def parse_trace(spec: str) -> tuple[str, str, tuple[int, int, int]]:
         raise SystemExit(f"--trace {spec!r}: expected OP:SCHEDULE:M,K,N, e.g. ag_matmul:dma/direct/c1:8192,8192,10240")
     if op not in OPS:
         raise SystemExit(f"--trace {spec!r}: OP must be one of {OPS}")
+    if sched != "ref":
+        from ficco_jax.schedule import Schedule
+
+        try:
+            Schedule.parse(sched)
+        except ValueError as exc:
+            raise SystemExit(f"--trace {spec!r}: SCHEDULE: {exc}")
     return op, sched, (M, K, N)
 
 

@@ -48,6 +48,7 @@ def test_launcher_on_cpu_with_a_timeline(tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["--trace", "ag_matmul:dma/direct/c1"], "expected OP:SCHEDULE:M,K,N"),
     (["--trace", "conv:dma/direct/c1:8,8,8"], "OP must be one of"),
+    (["--trace", "ag_matmul:dma/sideways/c1:8,8,8"], "SCHEDULE"),
 ])
 def test_bad_trace_spec_is_a_clear_error(args, message):
     done = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "mp_gpu.py"), "--port", "1", *args],
