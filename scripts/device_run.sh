@@ -7,7 +7,8 @@
 #   STAGE=s3a, s3c: session 3's runs; s4load, s4b, s4c: the next session's (the 10,000-step load alone; NCCL
 #                 contention and accuracy; the example with its communication-free bound); s4e: one GPU's GEMMs;
 #                 s4x2: what 2 GPUs can tell (session 4); s5a-s5f: session 5 on 2 GPUs (timelines of the cross-process
-#                 all-gather, the staging-copy and reduce-sum fixes, their A/B runs, the record)
+#                 all-gather, the staging-copy and reduce-sum fixes, their A/B runs, the record); s5x4, s5acc: what the
+#                 last device minutes of session 5 could do; s6x4a, s6x4b: the next 4-GPU lease's two calls
 # Writes logs and JSON under $OUT (default ./out/device). Never changes GPU settings.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -447,6 +448,35 @@ case "$STAGE" in
     build
     timeout "$(upto 175)" python3 -m ficco_jax accuracy --axis-size "$(nvidia-smi -L | wc -l)" --top 1 \
       --budget-s "$(( $(left) - 45 ))" --out "$OUT/acc" 2>"$OUT/acc/accuracy.err" | tail -30
+    ;;
+  s6x4a)  # for the next 4-GPU lease, first call: what session 5's fixes (16-byte reduce-scatter sum, staging copy on
+           # XLA's stream) do at tp=4: the anchor bench beside PyTorch's async-TP (issue 3), then NCCL contention (4)
+    DEADLINE=${DEADLINE:-580}
+    build
+    if [ -d .carry/anchors ]; then
+      timeout "$(upto 100)" python3 -m torch.distributed.run --nproc-per-node="$(nvidia-smi -L | wc -l)" .carry/anchors/anchors_torch.py \
+        > "$OUT/anchors_torch.log" 2>&1; echo "anchors_torch rc=$?"; tail -6 "$OUT/anchors_torch.log"
+    fi
+    timeout "$(upto 330)" python3 -m ficco_jax bench --no-windowed --plot \
+      --schedules dma/direct/c1,dma/direct/c2,dma/direct/c2/grouped,dma/direct/c4/grouped,dma/direct/c8/grouped \
+      --out "$OUT/bench" 2>"$OUT/bench.err" | grep -E "^\| (ag|matmul)" | cut -c1-250
+    timeout "$(upto 80)" python3 -m torch.distributed.run --nproc-per-node="$(nvidia-smi -L | wc -l)" scripts/contention_torch.py \
+      --out "$OUT/char" > "$OUT/char/contention_torch.log" 2>&1; echo "contention_torch rc=$?"
+    grep -E '^\{' "$OUT/char/contention_torch.log" | cut -c1-700
+    ;;
+  s6x4b)  # second call: 4 processes with a timeline (issue 9), the example with cuDNN attention and its communication-free
+           # bound (7), then the held-out check of auto with what is left (5)
+    DEADLINE=${DEADLINE:-580}
+    build
+    command -v python >/dev/null || ln -sf "$(command -v python3)" /usr/local/bin/python
+    B=$(upto 200); FICCO_MP_BUDGET_S=$((B - 20)) OUT="$OUT/mp" FICCO_MP_TRACE=ag_matmul:dma/direct/c1:8192,8192,10240 \
+      FICCO_MP_TIMED=llama70b_qkv_M8k,llama70b_mlp_up_M8k,llama70b_mlp_up_M2k timeout "$B" bash scripts/mp_gpu_launch.sh \
+      > "$OUT/mp/launch.log" 2>&1; echo "mp_gpu rc=$?"; grep -E "FAIL|SKIP|checks:|^\| ag|^\| matmul" "$OUT/mp/launch.log" | cut -c1-220
+    timeout "$(upto 180)" python3 -X faulthandler examples/tp_transformer.py --preset llama70b-layer --attention cudnn --compare \
+      --comm-free-bound --steps 4 > "$OUT/tp_cudnn_tp4.log" 2>&1; echo "example rc=$?"
+    grep -v "^\[" "$OUT/tp_cudnn_tp4.log" | grep -v "^ok " | cut -c1-220 | tail -16
+    [ "$(left)" -gt 90 ] && timeout "$(upto 400)" python3 -m ficco_jax accuracy --top 1 --budget-s "$(( $(left) - 50 ))" \
+      --out "$OUT/acc" 2>"$OUT/acc/accuracy.err" | tail -40
     ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac
