@@ -137,12 +137,31 @@ def _cmd_calibrate(args):
 def _cmd_accuracy(args):
     from . import accuracy, cost_model
 
+    if args.replay:  # offline: re-score recorded times, no device needed
+        import json
+
+        results = []
+        for path in args.replay:
+            try:
+                with open(path) as fh:
+                    results.append(json.load(fh))
+            except (OSError, ValueError) as exc:
+                raise SystemExit(f"accuracy --replay {path}: cannot read it as JSON ({exc})")
+        try:
+            profile = cost_model.load_profile(args.profile) if args.profile else None
+            print(accuracy.replay_markdown(accuracy.replay(results, profile)), end="")
+        except (ValueError, FileNotFoundError) as exc:
+            raise SystemExit(f"accuracy --replay: {exc}")
+        return
     shapes = None
     if args.shape:
         named = dict(accuracy.HELDOUT_SHAPES)
         shapes = {t: named[t] for t in args.shape if t in named}
         shapes.update(_shapes([t for t in args.shape if t not in named], {}))
-    profile = cost_model.load_profile(args.profile) if args.profile else None
+    try:
+        profile = cost_model.load_profile(args.profile) if args.profile else None
+    except FileNotFoundError as exc:
+        raise SystemExit(f"accuracy --profile: {exc}")
     rounds = accuracy.CONFIRM_ROUNDS if args.confirm_rounds is None else args.confirm_rounds
     if rounds < 0:
         raise SystemExit(f"accuracy: --confirm-rounds must be >= 0 (0 turns re-timing off), got {rounds}")
@@ -216,6 +235,9 @@ def main(argv=None):
     p.add_argument("--confirm-rounds", type=int, default=None,
                    help="re-timings of the pick, the best and JAX seq when a case first looks like a miss (default 2; 0: none)")
     p.add_argument("--plot", action="store_true", help="write accuracy.png (needs matplotlib)")
+    p.add_argument("--replay", action="append", metavar="JSON",
+                   help="no measuring: re-score the times of a bench.json or accuracy.json (repeatable) with "
+                        "--profile, or with the profile auto would use for that run")
     p.set_defaults(fn=_cmd_accuracy)
 
     p = sub.add_parser("_windowed")  # internal: the windowed-einsum child of `bench`

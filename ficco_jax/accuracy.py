@@ -255,6 +255,90 @@ def summarize(cases) -> dict:
             "rms_log_error_all_measured": float(np.sqrt(np.mean(np.square(errs)))) if errs else None}
 
 
+# ------------------------------------------------------------------------------------------------
+# Replay: re-score recorded times with any profile, no device needed
+# ------------------------------------------------------------------------------------------------
+def _schedule_of(variant: str) -> Schedule | None:
+    """A recorded row's schedule: bench rows say "jax_seq" / "ficco:<schedule>", accuracy rows the
+    schedule itself ("none" for JAX sequential); bounds and baselines ("gemm_alone", ...) are None."""
+    if variant in ("jax_seq", "none"):
+        return Schedule(comm="none")
+    text = variant[len("ficco:"):] if variant.startswith("ficco:") else variant
+    try:
+        return Schedule.parse(text)
+    except ValueError:
+        return None
+
+
+def replay(results: list[dict], profile=None) -> dict:
+    """How would `auto` have picked among the schedules these runs measured, with `profile`?
+
+    `results`: `bench` or `accuracy` JSON results (verified rows only are used). Per (run, op,
+    shape) with two schedules or more measured: the model's fastest among the *measured* ones
+    against the best measured, and against JAX sequential where it was measured; and the RMS log
+    error of every prediction. `profile`: a profile dict, or None for the rule `auto` uses (the
+    run's device kind and group size: `heuristics.profile_name_for`, else the default). The pick is
+    restricted to what was measured, so this scores the model's ranking, not its full choice: it
+    answers "which profile ranks these times better" without GPU time, on times that may be the
+    ones a profile was fitted to (say so when quoting it)."""
+    import collections
+
+    cases, errs, used = [], [], set()
+    for index, res in enumerate(results):
+        n = res.get("n_devices") or res.get("axis_size")
+        dtype = res.get("dtype", "bfloat16")
+        if not n or not ("rows" in res or "cases" in res):
+            raise ValueError(f"replay: result {index} is neither a bench nor an accuracy JSON (no rows/cases, "
+                             f"n_devices/axis_size)")
+        prof = profile
+        if prof is None:
+            name = heuristics.profile_name_for(res.get("device", ""), n)
+            prof = cost_model.load_profile(name) if name else cost_model.default_profile()
+        used.add(prof.get("name", "?"))
+        rows = res["rows"] if "rows" in res else [r for c in res["cases"] for r in c.get("rows", [])]
+        measured = collections.defaultdict(dict)
+        for r in rows:
+            sched = _schedule_of(r.get("variant", ""))
+            if sched is None or not r.get("verified") or not r.get("median_ms") or r.get("op") not in ("ag_matmul", "matmul_rs"):
+                continue
+            measured[(r["op"], r["M"], r["K"], r["N"])][sched] = r["median_ms"]
+        for (op, M, K, N), times in measured.items():
+            local = bench.local_shapes(op, M, K, N, n)
+            predicted = {}
+            for sched in times:
+                try:
+                    predicted[sched] = cost_model.predict(op, sched, local, dtype, n, prof) * 1e3
+                except ValueError:
+                    continue
+            errs += [np.log(predicted[sc] / times[sc]) for sc in predicted]
+            if len(predicted) < 2:
+                continue
+            pick = min(predicted, key=lambda sc: (predicted[sc], str(sc)))
+            best = min(times, key=times.get)
+            none = times.get(Schedule(comm="none"))
+            cases.append({"run": index, "op": op, "MKN": [M, K, N], "n": n, "profile": prof.get("name"),
+                          "pick": str(pick), "pick_ms": times[pick], "best": str(best), "best_ms": times[best],
+                          "pick_vs_best": times[pick] / times[best],
+                          "pick_vs_seq": None if none is None else times[pick] / none})
+    within = sum(c["pick_vs_best"] <= WITHIN_BEST for c in cases)
+    return {"cases": cases, "n_cases": len(cases), "within_best": within, "profiles": sorted(used),
+            "rms_log_error": float(np.sqrt(np.mean(np.square(errs)))) if errs else None,
+            "predictions": len(errs)}
+
+
+def replay_markdown(summary: dict) -> str:
+    lines = ["| run | op | shape (M,K,N) | n | model's pick among the measured | pick ms | best measured | pick/best |",
+             "|---|---|---|---|---|---|---|---|"]
+    for c in summary["cases"]:
+        lines.append(f"| {c['run']} | {c['op']} | {','.join(map(str, c['MKN']))} | {c['n']} | {c['pick']} | "
+                     f"{c['pick_ms']:.3f} | {c['best_ms']:.3f} ({c['best']}) | {c['pick_vs_best']:.3f} |")
+    if summary["n_cases"]:
+        lines += ["", f"Profiles {', '.join(summary['profiles'])}: pick within 5 % of the best measured in "
+                      f"{summary['within_best']}/{summary['n_cases']} cases; RMS log error of "
+                      f"{summary['predictions']} predictions {summary['rms_log_error']:.3f}"]
+    return "\n".join(lines) + "\n"
+
+
 def _save(result, out_dir):
     with open(os.path.join(out_dir, "accuracy.json"), "w") as fh:
         json.dump(result, fh, indent=1)

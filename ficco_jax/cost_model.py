@@ -65,7 +65,10 @@ def default_profile() -> dict:
 
 
 def load_profile(name_or_path: str) -> dict:
-    """A profile by file path or by name in ficco_jax/profiles (e.g. "h200x4")."""
+    """A profile by file path or by name in ficco_jax/profiles (e.g. "h200x4"); "default" is the
+    conservative one."""
+    if name_or_path == "default" and not os.path.exists(name_or_path):
+        return default_profile()
     path = name_or_path if os.path.exists(name_or_path) else os.path.join(_PROFILE_DIR, f"{name_or_path}.json")
     if not os.path.exists(path):
         shipped = sorted(f[:-5] for f in os.listdir(_PROFILE_DIR) if f.endswith(".json")) if os.path.isdir(_PROFILE_DIR) else []

@@ -64,9 +64,9 @@ def profile_name_for(device_kind: str, axis_size: int) -> str | None:
     decomposition loss, copy-engine bandwidth) still hold while the model scales the transfers
     with the group; None for a GPU no profile was calibrated on.
 
-    Evidence for the nearest-size rule (session 5, 2 x H200, 86 verified op times of
-    benchmarks/2026-11-22-session5): the h200x4 profile, fitted to 4-GPU times only, predicted them
-    with an RMS log error of 6.4 %, the conservative default with 23 %."""
+    Evidence for the nearest-size rule (session 5, 2 x H200, 76 verified op times of
+    benchmarks/2026-11-22-session5, `accuracy --replay`): the h200x4 profile, fitted to 4-GPU times
+    only, predicted them with an RMS log error of 6.6 %, h200x8 13 %, the conservative default 23 %."""
     same_gpu = {size: name for (needle, size), name in _KNOWN_PROFILES.items() if needle in device_kind}
     if not same_gpu or axis_size < 1:
         return None

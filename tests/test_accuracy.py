@@ -214,3 +214,53 @@ def test_accuracy_cli_rejects_negative_confirm_rounds():
     proc = subprocess.run([sys.executable, "-m", "ficco_jax", "accuracy", "--confirm-rounds", "-1"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "--confirm-rounds must be >= 0" in proc.stderr
+
+
+def _recorded(variant_times: dict, op="ag_matmul", M=8192, K=8192, N=10240, verified=True, bench_format=True):
+    """A minimal bench (or accuracy) result holding one case's verified times."""
+    rows = [{"op": op, "shape": "s", "M": M, "K": K, "N": N, "variant": v, "median_ms": t, "verified": verified}
+            for v, t in variant_times.items()]
+    if bench_format:
+        return {"device": "NVIDIA H200", "n_devices": 4, "dtype": "bfloat16", "rows": rows}
+    return {"device": "NVIDIA H200", "axis_size": 4, "dtype": "bfloat16", "cases": [{"rows": rows}]}
+
+
+@pytest.mark.parametrize("bench_format", [True, False])
+def test_replay_picks_the_models_fastest_among_the_measured(bench_format):
+    profile = cost_model.default_profile()
+    names = ["none", "dma/direct/c1", "dma/direct/c4/grouped"]
+    shapes = local_shapes("ag_matmul", 8192, 8192, 10240, 4)
+    predicted = {v: cost_model.predict("ag_matmul", Schedule.parse(v), shapes, "bfloat16", 4, profile) for v in names}
+    model_pick = min(predicted, key=predicted.get)
+    # Make the model's pick measure 10 % slower than another schedule: a miss by construction.
+    times = {v: 1.0 for v in names}
+    times[model_pick] = 1.10
+    labelled = {("jax_seq" if v == "none" else f"ficco:{v}") if bench_format else v: t for v, t in times.items()}
+    labelled["gemm_alone" if bench_format else "ideal"] = 0.5  # bounds are not schedules: ignored
+    out = accuracy.replay([_recorded(labelled, bench_format=bench_format)], profile)
+    assert out["n_cases"] == 1 and out["within_best"] == 0
+    case = out["cases"][0]
+    assert case["pick"] == model_pick and case["pick_vs_best"] == pytest.approx(1.10)
+    assert out["predictions"] == 3 and out["rms_log_error"] > 0
+    # With every schedule measured equal, the pick is within 5 %.
+    even = {("jax_seq" if v == "none" else f"ficco:{v}") if bench_format else v: 1.0 for v in names}
+    assert accuracy.replay([_recorded(even, bench_format=bench_format)], profile)["within_best"] == 1
+
+
+def test_replay_ignores_unverified_rows_and_names_a_foreign_json():
+    out = accuracy.replay([_recorded({"jax_seq": 1.0, "ficco:dma/direct/c1": 0.5}, verified=False)],
+                          cost_model.default_profile())
+    assert out["n_cases"] == 0 and out["predictions"] == 0
+    with pytest.raises(ValueError, match="neither a bench nor an accuracy JSON"):
+        accuracy.replay([{"something": 1}])
+
+
+def test_replay_cli_uses_autos_profile_rule_by_default(tmp_path):
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(_recorded({"jax_seq": 1.2, "ficco:dma/direct/c1": 1.0, "ficco:dma/direct/c2": 1.01})))
+    run = lambda *extra: subprocess.run([sys.executable, "-m", "ficco_jax", "accuracy", "--replay", str(path), *extra],  # noqa: E731
+                                        capture_output=True, text=True, timeout=120)
+    auto, default, bad = run(), run("--profile", "default"), run("--profile", "no_such_profile")
+    assert auto.returncode == 0 and "Profiles h200x4:" in auto.stdout, auto.stderr[-2000:]
+    assert default.returncode == 0 and "Profiles default:" in default.stdout
+    assert bad.returncode != 0 and "no machine profile 'no_such_profile'" in bad.stderr
