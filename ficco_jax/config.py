@@ -29,11 +29,10 @@ RENDEZVOUS_TIMEOUT_S: float = _env_float("FICCO_RENDEZVOUS_TIMEOUT_S", 5.0)
 #: its transfers). Never set it in production.
 FAULT_INJECTION: str = os.environ.get("FICCO_FAULT_INJECTION", "")
 
-#: Copy engines across the processes of one host (CUDA IPC, ipc.py) are opt-in: "1" enables them.
-#: On 4 x H200 with jax 0.11.2 (2026-11-22) the allocations under XLA's buffers could not be
-#: exported with legacy CUDA IPC (neither the default allocator nor
-#: XLA_PYTHON_CLIENT_ALLOCATOR=platform), so the path has not run on a GPU yet. Off: such groups
-#: use XLA's collectives (comm="xla") and an explicit comm="dma" there is a ValueError.
+#: Copy engines across the processes of one host (CUDA IPC through staging buffers, ipc.py,
+#: docs/multiprocess.md) are opt-in: "1" enables them. Correct on 2 and 4 x H200; on 2 GPUs within
+#: 5 % of one process, on 4 GPUs 9-10 % behind in the one case timed (2026-11-22, session 5).
+#: Off: such groups use XLA's collectives (comm="xla") and an explicit comm="dma" there is a ValueError.
 CROSS_PROCESS_DMA: bool = os.environ.get("FICCO_CROSS_PROCESS_DMA", "") not in ("", "0")
 
 #: Chunk counts (sub-shard decomposition factors) the design space enumerates.
@@ -55,7 +54,26 @@ HOST_ID: str = os.environ.get("FICCO_HOST_ID", "")
 #: another host; the schedule is the same (comm="xla"), only the log line is less precise.
 HOST_EXCHANGE_TIMEOUT_S: float = _env_float("FICCO_HOST_EXCHANGE_TIMEOUT_S", 30.0)
 
+#: The commit stamped on benchmark results (report.git_commit) where no .git travels with the tree
+#: (device runs: scripts/device_run.sh sets it from the `.commit` file beside the carried tree).
+#: Default (""): `git rev-parse` of the checkout.
+COMMIT: str = os.environ.get("FICCO_COMMIT", "")
+
 #: Where `schedule="autotune"` keeps its measured winners.
 AUTOTUNE_CACHE_DIR: str = os.environ.get(
     "FICCO_AUTOTUNE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "ficco_jax")
 )
+
+#: Environment variables the compiled extension (xla_ffi/) reads itself, once, when first needed:
+#: diagnostics and A/B switches for GPU measurements, not settings. Python never reads them; they
+#: are listed here so that every variable of ficco_jax is named in one place (a test checks the
+#: sources against this table). "Set" means set to anything but "" or "0" unless stated.
+NATIVE_ENVIRONMENT: dict[str, str] = {
+    "FICCO_GEMM_LOG": "\"1\": one stderr line per new cuBLASLt plan of the executor (shape, candidates, the "
+                      "chosen algorithm and its time), xla_ffi/gemm.cc",
+    "FICCO_SEGV_TRACE": "set: on SIGSEGV/SIGABRT print the native stack before dying (xla_ffi/module.cc)",
+    "FICCO_STAGE_STREAM": "\"copy\": across processes, run the staging copies on the staging stream instead of "
+                          "XLA's stream, as before session 5 (for A/B timings; slower: executor.cc, Stage)",
+    "FICCO_REDUCE_SCALAR": "set: the reduce-scatter sum reads one element at a time instead of 16-byte packs "
+                           "(for A/B timings; slower: xla_ffi/reduce.cu)",
+}

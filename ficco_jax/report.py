@@ -9,9 +9,11 @@ from collections import defaultdict
 
 
 def git_commit() -> str:
-    """The checkout's commit (+dirty); FICCO_COMMIT overrides it where no .git travels (device runs)."""
-    if os.environ.get("FICCO_COMMIT"):
-        return os.environ["FICCO_COMMIT"]
+    """The checkout's commit (+dirty); config.COMMIT overrides it where no .git travels (device runs)."""
+    from . import config
+
+    if config.COMMIT:
+        return config.COMMIT
     here = os.path.dirname(os.path.abspath(__file__))
     try:
         out = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5)

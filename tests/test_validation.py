@@ -253,3 +253,28 @@ def test_auto_on_a_2d_mesh_with_odd_rows_runs(monkeypatch, mesh2d, rng):
     got = run_sharded(mesh2d, body, ag_specs(mesh2d), x, w)
     want = run_sharded(mesh2d, lambda x, w: ficco_jax.ag_matmul_ref(x, w, "tp"), ag_specs(mesh2d), x, w)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-3)
+
+
+def test_every_environment_variable_is_named_in_config():
+    """Convention: every environment variable of ficco_jax is named and documented in config.py;
+    the extension's own (read in xla_ffi/) in config.NATIVE_ENVIRONMENT."""
+    import re
+
+    from ficco_jax import config
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    native = set()
+    for name in os.listdir(os.path.join(root, "xla_ffi")):
+        with open(os.path.join(root, "xla_ffi", name), errors="replace") as fh:
+            native |= set(re.findall(r'getenv\("(FICCO_[A-Z0-9_]+)"\)', fh.read()))
+    assert native, "no getenv found in xla_ffi/: the scan is broken"
+    assert native <= set(config.NATIVE_ENVIRONMENT), sorted(native - set(config.NATIVE_ENVIRONMENT))
+    python = set()
+    package = os.path.join(root, "ficco_jax")
+    for name in os.listdir(package):
+        if name.endswith(".py") and name != "config.py":
+            with open(os.path.join(package, name)) as fh:
+                python |= set(re.findall(r'environ(?:\.get)?\(?\[?"(FICCO_[A-Z0-9_]+)"', fh.read()))
+    with open(os.path.join(package, "config.py")) as fh:
+        in_config = set(re.findall(r'"(FICCO_[A-Z0-9_]+)"', fh.read()))
+    assert python <= in_config, f"read outside config.py and not named there: {sorted(python - in_config)}"
