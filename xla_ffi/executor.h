@@ -86,7 +86,7 @@ class Backend {
   virtual ffi::Error Gemm(const GemmProblem& problem) = 0;       // on the compute stream
   virtual ffi::Error Reduce(const ReduceProblem& problem) = 0;   // on the compute stream
   // Returns this call's events to the pool. Called only after the "release" rendezvous, see
-  // JoinAndRelease() in executor.cc for why that makes re-recording them safe.
+  // JoinAndRelease() in call_session.cc for why that makes re-recording them safe.
   virtual void ReleaseEvents() = 0;
 };
 
@@ -120,8 +120,12 @@ struct ReduceScatterArgs {    // matmul_rs and reduce_scatter
 ffi::Error RunAllGather(Backend& backend, const OpConfig& config, const AllGatherArgs& args);
 ffi::Error RunReduceScatter(Backend& backend, const OpConfig& config, const ReduceScatterArgs& args);
 
+// A byte offset into a device buffer.
+inline const char* Offset(const void* base, int64_t bytes) { return static_cast<const char*>(base) + bytes; }
+inline char* Offset(void* base, int64_t bytes) { return static_cast<char*>(base) + bytes; }
+
 // ------------------------------------------------------------------------------------------
-// Building blocks shared by the executors of every op (executor.cc, executor_a2a.cc).
+// Building blocks shared by the executors of every op (call_session.cc).
 // ------------------------------------------------------------------------------------------
 // What an owner exposes to its peers in the exchange phase: they read inside
 // [buffer, buffer + bytes) after waiting on `events`. The events are recorded in index order on
@@ -151,7 +155,7 @@ class CallSession {
   // processes: first copies it into this device's staging buffer (the only memory peers in other
   // processes can open, ipc.h), piece by piece (Stage), and posts that instead.
   ffi::Error Exchange(Backend& backend, const Exposure& exposure, std::vector<Post>* posts);
-  // Exchange's staging copies alone, to enqueue them ahead of compute work (executor.cc says why);
+  // Exchange's staging copies alone, to enqueue them ahead of compute work (call_session.cc says why);
   // Exchange with the same exposure then only posts. A no-op in-process and for in-place data.
   ffi::Error Stage(Backend& backend, const Exposure& exposure);
   // Across processes, for data the call itself produces (matmul_rs's send partials): `*region` is
@@ -164,7 +168,7 @@ class CallSession {
   ffi::Error Meet(Phase phase, const void* buffer, std::vector<Event> events, std::vector<Post>* posts);
   // Across processes, within JoinAndRelease (no-ops otherwise): XLA's stream waits for the
   // staging copies (they read XLA's buffers), and, once the peers' pulls_done events are known,
-  // the staging stream waits for them (see executor.cc for why).
+  // the staging stream waits for them (see call_session.cc for why).
   ffi::Error AwaitStagingCopies(Backend& backend);
   ffi::Error ProtectStaging(Backend& backend, const std::vector<Post>& done_posts);
 
@@ -192,7 +196,7 @@ ffi::Error CheckFault(const OpConfig& config, Fault when);
 // The first steps of every op: the injected early fault ("skip"), then `rows` (of the chunked
 // dimension, named by `what`) must divide by config.chunks, then the device's copy streams and peers.
 ffi::Error BeginCall(Backend& backend, const OpConfig& config, int64_t rows, const char* what);
-// The join and event release that end every call (see executor.cc).
+// The join and event release that end every call (see call_session.cc).
 ffi::Error JoinAndRelease(Backend& backend, const OpConfig& config, CallSession& session);
 
 }  // namespace ficco

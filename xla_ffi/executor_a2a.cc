@@ -5,8 +5,6 @@
 namespace ficco {
 namespace {
 
-const char* Offset(const void* base, int64_t bytes) { return static_cast<const char*>(base) + bytes; }
-char* Offset(void* base, int64_t bytes) { return static_cast<char*>(base) + bytes; }
 
 // Byte offsets inside a [n, groups, rows, row] buffer with `row_bytes` bytes per row.
 struct BlockLayout {

@@ -13,7 +13,7 @@
 //           interprocess event per piece, posts (staging id, offset, events);
 //   Puller: waits on those events and pulls from the peer's staging buffer into its own XLA
 //           buffers (local writes: nothing of the puller is exported).
-// The executor does the copies (CallSession::Stage / Exchange, executor.cc); this file provides the
+// The executor does the copies (CallSession::Stage / Exchange, call_session.cc); this file provides the
 // buffer, the exports and the meeting.
 //
 // Stages, as for the in-process path (exchange once, per call only record, copy, wait):
@@ -48,7 +48,7 @@ ffi::Error MeetAcrossProcesses(const OpConfig& config, Phase phase, const Post& 
 // until IpcClose (regions grow at least twofold: the retired ones add up to less than the current).
 ffi::Error StagingBuffer(const OpConfig& config, uint64_t bytes, void** staging);
 
-// A call failed between filling the staging buffer and protecting it (executor.cc): a peer may
+// A call failed between filling the staging buffer and protecting it (call_session.cc): a peer may
 // still read the current region, so the next call must not overwrite it. Retires it (kept until
 // IpcClose); the next call allocates a new one.
 void RetireStaging(int ordinal);

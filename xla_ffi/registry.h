@@ -91,7 +91,7 @@ class Rendezvous {
 
 // Copy streams of one device: 0 .. kMaxCopyStreams-1 carry a schedule's pulls; one more,
 // kStagingStream, carries the staging copies of groups across processes (ipc.h). It is always
-// the same stream, so that the wait which protects the staging buffer (CallSession, executor.cc)
+// the same stream, so that the wait which protects the staging buffer (CallSession, call_session.cc)
 // orders every later staging copy of this device.
 constexpr int kMaxCopyStreams = 8;
 constexpr int kStagingStream = kMaxCopyStreams;
