@@ -258,18 +258,6 @@ def summarize(cases) -> dict:
 # ------------------------------------------------------------------------------------------------
 # Replay: re-score recorded times with any profile, no device needed
 # ------------------------------------------------------------------------------------------------
-def _schedule_of(variant: str) -> Schedule | None:
-    """A recorded row's schedule: bench rows say "jax_seq" / "ficco:<schedule>", accuracy rows the
-    schedule itself ("none" for JAX sequential); bounds and baselines ("gemm_alone", ...) are None."""
-    if variant in ("jax_seq", "none"):
-        return Schedule(comm="none")
-    text = variant[len("ficco:"):] if variant.startswith("ficco:") else variant
-    try:
-        return Schedule.parse(text)
-    except ValueError:
-        return None
-
-
 def replay(results: list[dict], profile=None) -> dict:
     """How would `auto` have picked among the schedules these runs measured, with `profile`?
 
@@ -283,25 +271,17 @@ def replay(results: list[dict], profile=None) -> dict:
     ones a profile was fitted to (say so when quoting it)."""
     import collections
 
+    from .characterize import recorded_op_rows
+
     cases, errs, used = [], [], set()
     for index, res in enumerate(results):
-        n = res.get("n_devices") or res.get("axis_size")
-        dtype = res.get("dtype", "bfloat16")
-        if not n or not ("rows" in res or "cases" in res):
-            raise ValueError(f"replay: result {index} is neither a bench nor an accuracy JSON (no rows/cases, "
-                             f"n_devices/axis_size)")
-        prof = profile
-        if prof is None:
-            name = heuristics.profile_name_for(res.get("device", ""), n)
-            prof = cost_model.load_profile(name) if name else cost_model.default_profile()
-        used.add(prof.get("name", "?"))
-        rows = res["rows"] if "rows" in res else [r for c in res["cases"] for r in c.get("rows", [])]
         measured = collections.defaultdict(dict)
-        for r in rows:
-            sched = _schedule_of(r.get("variant", ""))
-            if sched is None or not r.get("verified") or not r.get("median_ms") or r.get("op") not in ("ag_matmul", "matmul_rs"):
-                continue
+        for r, sched, n, dtype in recorded_op_rows(res, where=f"replay: result {index}"):
             measured[(r["op"], r["M"], r["K"], r["N"])][sched] = r["median_ms"]
+        if not measured:
+            continue
+        prof = profile or heuristics.profile_for(n, device_kind=res.get("device", ""))
+        used.add(prof.get("name", "?"))
         for (op, M, K, N), times in measured.items():
             local = bench.local_shapes(op, M, K, N, n)
             predicted = {}

@@ -273,26 +273,41 @@ OP_FIT_GRID = {
 }
 
 
+def _schedule_of(variant: str) -> Schedule | None:
+    """A recorded row's schedule: bench rows say "jax_seq" / "ficco:<schedule>", accuracy rows the
+    schedule itself ("none" for JAX sequential); bounds and baselines ("gemm_alone", ...) are None."""
+    if variant in ("jax_seq", "none"):
+        return Schedule(comm="none")
+    text = variant[len("ficco:"):] if variant.startswith("ficco:") else variant
+    try:
+        return Schedule.parse(text)
+    except ValueError:
+        return None
+
+
+def recorded_op_rows(result: dict, where: str = "result"):
+    """(row, schedule, n, dtype) for every verified, timed ag_matmul / matmul_rs row of a `bench` or
+    `accuracy` JSON result: JAX sequential (schedule none) and every ficco schedule."""
+    n = result.get("n_devices") or result.get("axis_size")
+    if not n or not ("rows" in result or "cases" in result):
+        raise ValueError(f"{where} is neither a bench nor an accuracy JSON (no rows/cases, n_devices/axis_size)")
+    dtype = result.get("dtype", "bfloat16")
+    rows = result["rows"] if "rows" in result else [r for c in result["cases"] for r in c.get("rows", [])]
+    for r in rows:
+        if not r.get("verified") or not r.get("median_ms") or r.get("op") not in ("ag_matmul", "matmul_rs"):
+            continue
+        sched = _schedule_of(r.get("variant", ""))
+        if sched is not None:
+            yield r, sched, n, dtype
+
+
 def op_observations(bench_result: dict) -> list[tuple]:
-    """[(op, schedule, local shapes, dtype, n, measured s)] from a `bench` JSON: the verified
-    times of JAX sequential (schedule none) and of every ficco schedule."""
+    """[(op, schedule, local shapes, dtype, n, measured s)] from a `bench` (or `accuracy`) JSON: the
+    verified times of JAX sequential (schedule none) and of every ficco schedule."""
     from .bench import local_shapes
 
-    n, dtype, obs = bench_result["n_devices"], bench_result["dtype"], []
-    for r in bench_result["rows"]:
-        if not r.get("verified") or not r.get("median_ms"):
-            continue
-        v = r["variant"]
-        if v == "jax_seq":
-            sched = Schedule(comm="none")
-        elif v.startswith("ficco:"):
-            sched = Schedule.parse(v[len("ficco:"):])
-        else:
-            continue
-        if r["op"] not in ("ag_matmul", "matmul_rs"):
-            continue
-        obs.append((r["op"], sched, local_shapes(r["op"], r["M"], r["K"], r["N"], n), dtype, n, r["median_ms"] * 1e-3))
-    return obs
+    return [(r["op"], sched, local_shapes(r["op"], r["M"], r["K"], r["N"], n), dtype, n, r["median_ms"] * 1e-3)
+            for r, sched, n, dtype in recorded_op_rows(bench_result)]
 
 
 def fit_to_ops(profile: dict, observations, grid=None) -> tuple[dict, float]:

@@ -76,9 +76,10 @@ def profile_name_for(device_kind: str, axis_size: int) -> str | None:
     return same_gpu[nearest]
 
 
-def profile_for(axis_size: int) -> dict:
-    """The calibrated profile of this machine (by `profile_name_for`), else the conservative default."""
-    kind = jax.devices()[0].device_kind
+def profile_for(axis_size: int, device_kind: str | None = None) -> dict:
+    """The calibrated profile of this machine, or of `device_kind` (by `profile_name_for`), else the
+    conservative default."""
+    kind = jax.devices()[0].device_kind if device_kind is None else device_kind
     name = profile_name_for(kind, axis_size)
     if name is not None:
         with contextlib.suppress(FileNotFoundError):
