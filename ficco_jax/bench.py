@@ -252,6 +252,21 @@ def listed_schedules(op, schedules_arg, n, comms) -> list[Schedule]:
     return [Schedule.parse(s) for s in schedules_arg.split(",")]
 
 
+def record_timeline(mesh, op: str, schedule, M: int, K: int, N: int, iters: int, out_dir: str | None,
+                    dtype: str = "bfloat16", seed: int = 0) -> None:
+    """Run `op` under `schedule` ("ref" or a Schedule) `iters` times in one jitted loop, compiled and
+    warmed up first, then once more under JAX's profiler (a Perfetto trace under `out_dir`; None:
+    no profiler, e.g. when nsys records the process). scripts/perfetto_timeline.py prints it."""
+    inputs = make_inputs(op, M, K, N, dtype, mesh, seed=seed)
+    fn = sharded(mesh, op, op_body(op, schedule), iters)
+    jax.block_until_ready(fn(*inputs))  # compile and warm up outside the recording
+    if out_dir is None:
+        jax.block_until_ready(fn(*inputs))
+        return
+    with jax.profiler.trace(out_dir, create_perfetto_trace=True):
+        jax.block_until_ready(fn(*inputs))
+
+
 def _extension_info() -> dict | None:
     """The compiled extension's build_info (version, CUDA build, FFI ABI), None without it."""
     try:

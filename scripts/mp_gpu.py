@@ -349,14 +349,10 @@ class Run:
         from ficco_jax import bench
         from ficco_jax.schedule import Schedule
 
-        op, sched, dims = parse_trace(spec)
-        M, K, N = dims
-        args = bench.make_inputs(op, M, K, N, DTYPE, self.mesh, seed=5)
-        fn = bench.sharded(self.mesh, op, bench.op_body(op, "ref" if sched == "ref" else Schedule.parse(sched)), 20)
-        jax.block_until_ready(fn(*args))  # compile and warm up outside the recording
+        op, sched, (M, K, N) = parse_trace(spec)
         where = os.path.join(self.args.out, f"trace_p{jax.process_index()}")
-        with jax.profiler.trace(where, create_perfetto_trace=True):
-            jax.block_until_ready(fn(*args))
+        bench.record_timeline(self.mesh, op, "ref" if sched == "ref" else Schedule.parse(sched), M, K, N, 20, where,
+                              dtype=DTYPE, seed=5)
         log(f"traced {spec} into {where}")
 
     # -- timings -----------------------------------------------------------------------------

@@ -26,12 +26,5 @@ parser.add_argument("--jax-profiler", metavar="DIR", default=None)
 args = parser.parse_args()
 sched = "ref" if args.schedule == "ref" else Schedule.parse(args.schedule)
 mesh = Mesh(np.array(jax.local_devices()), ("tp",))
-inputs = bench.make_inputs(args.op, args.M, args.K, args.N, "bfloat16", mesh)
-fn = bench.sharded(mesh, args.op, bench.op_body(args.op, sched), args.iters)
-jax.block_until_ready(fn(*inputs))  # compile and warm up outside the recording
-if args.jax_profiler:
-    with jax.profiler.trace(args.jax_profiler, create_perfetto_trace=True):
-        jax.block_until_ready(fn(*inputs))
-else:
-    jax.block_until_ready(fn(*inputs))
+bench.record_timeline(mesh, args.op, sched, args.M, args.K, args.N, args.iters, args.jax_profiler)
 print(f"traced {args.op} {args.schedule} {args.M},{args.K},{args.N} x{args.iters}")
