@@ -6,8 +6,9 @@
 #   STAGE=x8a|x8b the 8-GPU run (issue 10); x4a|x4b the 4-GPU runs of 2026-11-22 session 2
 #   STAGE=s3a, s3c: session 3's runs; s4load, s4b, s4c: the next session's (the 10,000-step load alone; NCCL
 #                 contention and accuracy; the example with its communication-free bound); s4e: one GPU's GEMMs;
-#                 s4x2: what 2 GPUs can tell (session 4); s5a-s5f: session 5 on 2 GPUs (timelines of the cross-process
-#                 all-gather, the staging-copy and reduce-sum fixes, their A/B runs, the record); s5x4, s5acc: what the
+#                 s4x2: what 2 GPUs can tell (session 4); s5a, s5c-s5f: session 5 on 2 GPUs (timelines of the cross-process
+#                 all-gather, the staging-copy and reduce-sum fixes, their A/B runs, the record; s5b, the A/B of a copy call
+#                 removed since, is in git at 1725e0e); s5x4, s5acc: what the
 #                 last device minutes of session 5 could do; s6x4a, s6x4b: the next 4-GPU lease's two calls
 # Writes logs and JSON under $OUT (default ./out/device). Never changes GPU settings.
 set -uo pipefail
@@ -314,32 +315,6 @@ case "$STAGE" in
     [ "$(left)" -gt 120 ] && timeout "$(upto 170)" python3 -m ficco_jax bench --no-windowed --op all --shape 8192,8192,10240 \
       --shape 2048,8192,28672 --schedules dma/direct/c1,dma/direct/c4/grouped,dma/direct/c8/grouped --out "$OUT/bench1p" \
       2>"$OUT/bench1p.err" | grep -E "^\| (ag|matmul)" | cut -c1-250
-    ;;
-  s5b)  # the cross-process staging copy waited for the matmul's SMs (s5a timelines): copies now ask for a copy engine
-         # (cudaMemcpyBatchAsync, PreferOverlapWithCompute). A/B in one lease, 2 processes then 1 process, each with the
-         # old call (FICCO_COPY_API=memcpy) and the new one; a timeline of the cross-process all-gather with the new one.
-         # A record of commit 1725e0e: the batch call and FICCO_COPY_API were removed after it (no effect measured)
-    DEADLINE=${DEADLINE:-580}
-    build
-    command -v python >/dev/null || ln -sf "$(command -v python3)" /usr/local/bin/python
-    NP=$(nvidia-smi -L | wc -l)
-    for api in memcpy batch; do
-      mkdir -p "$OUT/mp_$api"
-      trace=""; [ "$api" = batch ] && trace=ag_matmul:dma/direct/c1:8192,8192,10240
-      B=$(upto 130); FICCO_COPY_API=$api FICCO_MP_NPROC=$NP FICCO_MP_BUDGET_S=$((B - 25)) OUT="$OUT/mp_$api" FICCO_MP_TRACE=$trace \
-        FICCO_MP_TIMED=llama70b_qkv_M8k,llama70b_mlp_up_M2k,llama70b_mlp_up_M8k timeout "$B" bash scripts/mp_gpu_launch.sh \
-        > "$OUT/mp_$api/launch.log" 2>&1
-      echo "mp_gpu ($api) rc=$?"; grep -E "FAIL|checks:|^\|" "$OUT/mp_$api/launch.log" | cut -c1-220 | tail -9
-    done
-    [ -d "$OUT/mp_batch/trace_p0" ] && python3 scripts/perfetto_timeline.py "$OUT/mp_batch/trace_p0" --count 400 > "$OUT/mp_batch/timeline_p0.txt" 2>&1
-    head -6 "$OUT/mp_batch/timeline_p0.txt" 2>/dev/null
-    for api in memcpy batch; do
-      [ "$(left)" -gt 100 ] || break
-      FICCO_COPY_API=$api timeout "$(upto 110)" python3 -m ficco_jax bench --no-windowed --op all --shape 8192,8192,10240 \
-        --shape 2048,8192,28672 --shape 8192,8192,28672 --schedules dma/direct/c1,dma/direct/c4/grouped \
-        --out "$OUT/bench1p_$api" 2>"$OUT/bench1p_$api.err" | grep -E "^\| (ag|matmul)" | cut -c1-250
-      echo "bench ($api) rc=$?"
-    done
     ;;
   s5c)  # the staging copy now goes ahead of the own-shard matmul in host order (Stage), and the reduce-scatter sum
          # reads 16-byte packs: GPU tests, 2 processes quick with a timeline (default and 32 hardware connections), the
