@@ -2,14 +2,14 @@
 # One device-machine session step: build the extension with CUDA, check, then measure.
 # Usage (on the GPU host, repo root): bash scripts/device_run.sh STAGE [ARGS...]
 #   STAGE=check   build + GPU tests + a short bench of one shape
-#   STAGE=bench   the anchor shapes, ficco_jax vs JAX options (+ torch anchors if .carry/anchors exists)
+#   STAGE=bench   the anchor shapes, ficco_jax vs JAX options (+ torch anchors if found: anchors_dir)
 #   STAGE=x8a|x8b the 8-GPU run (issue 10); x4a|x4b the 4-GPU runs of 2026-11-22 session 2
 #   STAGE=s3a, s3c: session 3's runs; s4load, s4b, s4c: the next session's (the 10,000-step load alone; NCCL
 #                 contention and accuracy; the example with its communication-free bound); s4e: one GPU's GEMMs;
 #                 s4x2: what 2 GPUs can tell (session 4); s5a, s5c-s5f: session 5 on 2 GPUs (timelines of the cross-process
 #                 all-gather, the staging-copy and reduce-sum fixes, their A/B runs, the record; s5b, the A/B of a copy call
 #                 removed since, is in git at 1725e0e); s5x4, s5acc: what the
-#                 last device minutes of session 5 could do; s6x4a, s6x4b: the next 4-GPU lease's two calls
+#                 last device minutes of session 5 could do; s6x4a, s6x4b, s6x4c: session 6's 4-GPU calls
 # Writes logs and JSON under $OUT (default ./out/device). Never changes GPU settings.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -29,6 +29,20 @@ nvidia-smi topo -m >> "$OUT/gpus.txt" 2>&1
 T0=$SECONDS
 left() { echo $((DEADLINE - (SECONDS - T0))); }
 upto() { local l=$(($(left) - 5)); [ "$1" -lt "$l" ] && echo "$1" || echo $((l > 1 ? l : 1)); }
+
+# The anchor scripts (../shared/anchors, carried): $ANCHORS, else .carry/anchors inside the tree (a
+# checkout), else ../anchors (a `git archive` tree in .carry/clean beside .carry/anchors). Session 6's
+# first call looked only inside the tree and skipped PyTorch's async-TP without a word.
+anchors_dir() {
+  local d; for d in ${ANCHORS:-} .carry/anchors ../anchors; do [ -f "$d/anchors_torch.py" ] && { echo "$d"; return; }; done
+}
+# PyTorch's async-TP anchors, timed in the same call as our bench.
+anchors_torch() {
+  local dir; dir=$(anchors_dir)
+  if [ -z "$dir" ]; then echo "anchors_torch: anchors_torch.py not found (set ANCHORS); skipped"; return; fi
+  timeout "$(upto "$1")" python3 -m torch.distributed.run --nproc-per-node="$(nvidia-smi -L | wc -l)" "$dir/anchors_torch.py" \
+    > "$OUT/anchors_torch.log" 2>&1; echo "anchors_torch rc=$?"; grep -v "^W1\|^\*\*\*" "$OUT/anchors_torch.log" | tail -14
+}
 
 build() {
   local t0=$SECONDS
@@ -51,8 +65,8 @@ case "$STAGE" in
   bench)
     build
     timeout 420 python3 -m ficco_jax bench --schedules "${1:-auto}" --out "$OUT/bench" --plot 2>"$OUT/bench.err" | tail -14
-    if [ -d .carry/anchors ]; then
-      timeout 100 python3 -m torch.distributed.run --nproc-per-node="$(nvidia-smi -L | wc -l)" .carry/anchors/anchors_torch.py \
+    if [ -n "$(anchors_dir)" ]; then
+      timeout 100 python3 -m torch.distributed.run --nproc-per-node="$(nvidia-smi -L | wc -l)" "$(anchors_dir)/anchors_torch.py" \
         > "$OUT/anchors_torch.log" 2>&1; tail -6 "$OUT/anchors_torch.log"
     fi
     ;;
@@ -97,10 +111,10 @@ case "$STAGE" in
     N=$(nvidia-smi -L | wc -l)
     timeout 230 python3 -m ficco_jax calibrate --out "$OUT/calib/h200x${N}.json" 2>"$OUT/calib/calibrate.err" | tail -40
     [ -f "$OUT/calib/h200x${N}.json" ] && cp "$OUT/calib/h200x${N}.json" "ficco_jax/profiles/h200x${N}.json"
-    if [ -d .carry/anchors ]; then
+    if [ -n "$(anchors_dir)" ]; then
       ANCHOR_JSON=anchors_torch_405b.json ANCHOR_SHAPES='{"llama405b_qkv_M8k": [8192, 16384, 18432], "llama405b_mlp_up_M8k": [8192, 16384, 53248]}' \
-        timeout 90 python3 -m torch.distributed.run --nproc-per-node="$N" .carry/anchors/anchors_torch_shapes.py > "$OUT/anchors_torch_405b.log" 2>&1
-      timeout 110 python3 -m torch.distributed.run --nproc-per-node="$N" .carry/anchors/anchors_torch.py > "$OUT/anchors_torch.log" 2>&1
+        timeout 90 python3 -m torch.distributed.run --nproc-per-node="$N" "$(anchors_dir)/anchors_torch_shapes.py" > "$OUT/anchors_torch_405b.log" 2>&1
+      timeout 110 python3 -m torch.distributed.run --nproc-per-node="$N" "$(anchors_dir)/anchors_torch.py" > "$OUT/anchors_torch.log" 2>&1
       grep '^{' "$OUT/anchors_torch_405b.log" "$OUT/anchors_torch.log" | cut -c1-220
     fi
     echo "bench with $(left) s left"
@@ -429,10 +443,7 @@ case "$STAGE" in
            # XLA's stream) do at tp=4: the anchor bench beside PyTorch's async-TP (issue 3), then NCCL contention (4)
     DEADLINE=${DEADLINE:-580}
     build
-    if [ -d .carry/anchors ]; then
-      timeout "$(upto 100)" python3 -m torch.distributed.run --nproc-per-node="$(nvidia-smi -L | wc -l)" .carry/anchors/anchors_torch.py \
-        > "$OUT/anchors_torch.log" 2>&1; echo "anchors_torch rc=$?"; tail -6 "$OUT/anchors_torch.log"
-    fi
+    anchors_torch 100
     timeout "$(upto 330)" python3 -m ficco_jax bench --no-windowed --plot \
       --schedules dma/direct/c1,dma/direct/c2,dma/direct/c2/grouped,dma/direct/c4/grouped,dma/direct/c8/grouped \
       --out "$OUT/bench" 2>"$OUT/bench.err" | grep -E "^\| (ag|matmul)" | cut -c1-250
@@ -453,6 +464,25 @@ case "$STAGE" in
     grep -v "^\[" "$OUT/tp_cudnn_tp4.log" | grep -v "^ok " | cut -c1-220 | tail -16
     [ "$(left)" -gt 90 ] && timeout "$(upto 400)" python3 -m ficco_jax accuracy --top 1 --budget-s "$(( $(left) - 50 ))" \
       --out "$OUT/acc" 2>"$OUT/acc/accuracy.err" | tail -40
+    ;;
+  s6x4c)  # third call of session 6: async-TP beside our bench in one call (issue 3: s6x4a skipped it, see
+           # anchors_torch), the held-out shapes s6x4b's budget cut (5), then 4 processes timing the same
+           # schedules as the bench with a timeline of the worst 4-process case, matmul_rs mlp_up M2k (9)
+    DEADLINE=${DEADLINE:-585}
+    build
+    anchors_torch 100
+    timeout "$(upto 170)" python3 -m ficco_jax bench --no-windowed --shape llama70b_mlp_up_M8k --shape llama70b_qkv_M8k \
+      --shape llama70b_mlp_up_M2k --shape gpt3_175b_mlp_M4k \
+      --schedules dma/direct/c1,dma/direct/c2/grouped,dma/direct/c4/grouped,dma/direct/c8/grouped \
+      --out "$OUT/bench" 2>"$OUT/bench.err" | grep -E "^\| (ag|matmul)" | cut -c1-250
+    timeout "$(upto 170)" python3 -m ficco_jax accuracy --top 1 --budget-s 140 --shape gpt3_qkv_M16k --shape gpt3_mlp_M1k \
+      --shape gpt3_mlp_M8k --shape mixtral_o_M4k --shape mixtral_expert_M2k --shape mixtral_expert_M32k \
+      --out "$OUT/acc" 2>"$OUT/acc/accuracy.err" | tail -18
+    command -v python >/dev/null || ln -sf "$(command -v python3)" /usr/local/bin/python
+    B=$(upto 130); FICCO_MP_BUDGET_S=$((B - 15)) OUT="$OUT/mp" FICCO_MP_QUICK=1 FICCO_MP_TIMED=llama70b_mlp_up_M2k \
+      FICCO_MP_SCHEDULES=dma/direct/c1,dma/direct/c2/grouped,dma/direct/c8/grouped \
+      FICCO_MP_TRACE=matmul_rs:dma/direct/c8/grouped:2048,8192,28672 timeout "$B" bash scripts/mp_gpu_launch.sh \
+      > "$OUT/mp/launch.log" 2>&1; echo "mp_gpu rc=$?"; grep -E "FAIL|checks:|^\| ag|^\| matmul" "$OUT/mp/launch.log" | cut -c1-220
     ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac

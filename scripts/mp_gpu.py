@@ -13,8 +13,8 @@ comm="dma" call goes through the host mailbox and CUDA IPC (xla_ffi/ipc.h).
                 dma.all_gather / dma.reduce_scatter, against the reference on random bf16
                 inputs, at a small shape and one anchor shape; dma.all_to_all, a2a_matmul and
                 matmul_a2a at a small shape (their staging pieces differ): PASS / FAIL per schedule.
-  3. timings    the anchor shapes (M, K, N): the model's best dma schedules (verified first,
-                the fastest measured kept) and JAX sequential (all_gather / psum_scatter + dot
+  3. timings    the anchor shapes (M, K, N): the model's best dma schedules, or those of
+                --schedules (verified first, the fastest measured kept), and JAX sequential (all_gather / psum_scatter + dot
                 by XLA), with ficco_jax.timing.device_time.
   (--trace OP:SCHEDULE:M,K,N) a GPU timeline of one op in every process: JAX's profiler records 20
                 calls in a loop into $OUT/trace_p<i>/ (scripts/perfetto_timeline.py prints it), after
@@ -392,6 +392,8 @@ class Run:
             ranked = cost_model.rank(op, shapes, DTYPE, self.n, Schedule.enumerate(op, self.n, (comm,)),
                                      heuristics.profile_for(self.n))
             candidates = [s for _, s in ranked[:TIMED_CANDIDATES]]
+            if self.args.schedules and comm == "dma":  # the same schedules a one-process bench timed
+                candidates = parse_schedules(self.args.schedules)
             row = {"op": op, "shape": name, "MKN": dims, "auto": auto, "comm_timed": comm,
                    "why_not_dma": why, "candidates": {}}
             for label, sched in [("jax_seq", "ref")] + [(str(s), s) for s in candidates]:
@@ -439,6 +441,24 @@ def parse_trace(spec: str) -> tuple[str, str, tuple[int, int, int]]:
     return op, sched, (M, K, N)
 
 
+def parse_schedules(spec: str) -> list:
+    """"dma/direct/c1,dma/direct/c2/grouped" -> [Schedule, ...], or a clear error."""
+    from ficco_jax.schedule import Schedule
+
+    out = []
+    for text in (t for t in spec.split(",") if t.strip()):
+        try:
+            sched = Schedule.parse(text)
+        except ValueError as exc:
+            raise SystemExit(f"--schedules {spec!r}: {exc}")
+        if sched.comm != "dma":
+            raise SystemExit(f"--schedules {spec!r}: {text!r} is not a dma schedule (JAX sequential is always timed)")
+        out.append(sched)
+    if not out:
+        raise SystemExit(f"--schedules {spec!r}: no schedule given; e.g. dma/direct/c1,dma/direct/c2/grouped")
+    return out
+
+
 # ------------------------------------------------------------------------------------------------
 # Report
 # ------------------------------------------------------------------------------------------------
@@ -479,9 +499,14 @@ def main() -> int:
                         help="also record a GPU timeline of this op (JAX's profiler) after the first checks")
     parser.add_argument("--timed", default=os.environ.get("FICCO_MP_TIMED") or None, metavar="NAME[,NAME]",
                         help=f"time only these shapes of {list(GPU_TIMED)} (default: all, as the budget allows)")
+    parser.add_argument("--schedules", default=os.environ.get("FICCO_MP_SCHEDULES") or None, metavar="S[,S]",
+                        help=f"time these dma schedules (default: the model's best {TIMED_CANDIDATES}); "
+                             "also FICCO_MP_SCHEDULES")
     args = parser.parse_args()
     if args.trace:
         parse_trace(args.trace)
+    if args.schedules:
+        parse_schedules(args.schedules)
     if not args.port:
         parser.error("--port (or FICCO_MP_PORT) is required: the coordinator's port on localhost")
 

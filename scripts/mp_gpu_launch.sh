@@ -13,6 +13,8 @@
 #                       visible, jax local_device_ids=[i]); with "isolated", if CUDA IPC could not
 #                       open a peer's memory, the launcher retries once with "all" (quick checks)
 #   FICCO_MP_PORT       coordinator port (default: a free one)
+#   FICCO_MP_TRACE, FICCO_MP_TIMED, FICCO_MP_SCHEDULES, FICCO_MP_QUICK: scripts/mp_gpu.py's --trace,
+#                       --timed, --schedules, --quick (its --help says what they do)
 #   OUT                 where results go (default ./out/mp_gpu): mp_gpu.json (rank 0), one log per process
 # Exit status: 0 if every process exited 0.
 set -u

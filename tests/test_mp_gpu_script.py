@@ -49,8 +49,11 @@ def test_launcher_on_cpu_with_a_timeline(tmp_path):
     (["--trace", "ag_matmul:dma/direct/c1"], "expected OP:SCHEDULE:M,K,N"),
     (["--trace", "conv:dma/direct/c1:8,8,8"], "OP must be one of"),
     (["--trace", "ag_matmul:dma/sideways/c1:8,8,8"], "SCHEDULE"),
+    (["--schedules", "dma/direct/c1,dma/direct/cX"], "chunks 'cX' must be c<positive int>"),
+    (["--schedules", "xla/ring/c2"], "is not a dma schedule"),
+    (["--schedules", ","], "no schedule given"),
 ])
-def test_bad_trace_spec_is_a_clear_error(args, message):
+def test_bad_option_is_a_clear_error(args, message):
     done = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "mp_gpu.py"), "--port", "1", *args],
                           env=_env(JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and message in done.stderr, done.stderr[-2000:]
