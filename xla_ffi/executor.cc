@@ -189,8 +189,9 @@ ffi::Error RunReduceScatter(Backend& backend, const OpConfig& config, const Redu
     const Post& peer = posts[config.SourceOfSlot(slot)];
     const int stream = config.StreamOfSlot(slot);
     const void* source = matmul ? Offset(peer.buffer, slot * block_bytes) : Offset(peer.buffer, r * block_bytes);
+    Event waited = nullptr;
     for (int64_t j = 0; j < config.chunks; ++j) {
-      FICCO_RETURN_IF_ERROR(backend.Wait(stream, peer.events[slot * config.chunks + j]));
+      FICCO_RETURN_IF_ERROR(WaitOnce(backend, stream, peer.events[slot * config.chunks + j], &waited));
       FICCO_RETURN_IF_ERROR(backend.Copy(stream, Offset(a.recv, slot * block_bytes + j * chunk_bytes),
                                          Offset(source, j * chunk_bytes), chunk_bytes));
       FICCO_RETURN_IF_ERROR(backend.Record(stream, &landed[slot][j]));

@@ -158,8 +158,9 @@ ffi::Error RunMatmulAllToAll(Backend& backend, const OpConfig& config, const Mat
     const int peer = config.SourceOfSlot(slot);
     const Post& post = posts[peer];
     const int stream = config.StreamOfSlot(slot);
+    Event waited = nullptr;
     for (int64_t j = 0; j < config.chunks; ++j) {
-      FICCO_RETURN_IF_ERROR(backend.Wait(stream, post.events[slot * config.chunks + j]));
+      FICCO_RETURN_IF_ERROR(WaitOnce(backend, stream, post.events[slot * config.chunks + j], &waited));
       for (int64_t e = 0; e < a.groups; ++e) {
         FICCO_RETURN_IF_ERROR(backend.Copy(stream, Offset(a.out, layout.At(peer, e, j * q)),
                                            Offset(post.buffer, layout.At(slot, e, j * q)), q * layout.row_bytes));
