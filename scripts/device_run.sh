@@ -9,7 +9,7 @@
 #                 s4x2: what 2 GPUs can tell (session 4); s5a, s5c-s5f: session 5 on 2 GPUs (timelines of the cross-process
 #                 all-gather, the staging-copy and reduce-sum fixes, their A/B runs, the record; s5b, the A/B of a copy call
 #                 removed since, is in git at 1725e0e); s5x4, s5acc: what the
-#                 last device minutes of session 5 could do; s6x4a, s6x4b, s6x4c: session 6's 4-GPU calls
+#                 last device minutes of session 5 could do; s6x4a-s6x4d: session 6's 4-GPU calls
 # Writes logs and JSON under $OUT (default ./out/device). Never changes GPU settings.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -483,6 +483,19 @@ case "$STAGE" in
       FICCO_MP_SCHEDULES=dma/direct/c1,dma/direct/c2/grouped,dma/direct/c8/grouped \
       FICCO_MP_TRACE=matmul_rs:dma/direct/c8/grouped:2048,8192,28672 timeout "$B" bash scripts/mp_gpu_launch.sh \
       > "$OUT/mp/launch.log" 2>&1; echo "mp_gpu rc=$?"; grep -E "FAIL|checks:|^\| ag|^\| matmul" "$OUT/mp/launch.log" | cut -c1-220
+    ;;
+  s6x4d)  # last call of session 6 (issue 9): after the wait-once fix, 4 processes and then one process time the same
+           # schedules at the same shapes in one call (like for like), with a 4-process timeline of matmul_rs M2k
+    DEADLINE=${DEADLINE:-540}
+    build
+    command -v python >/dev/null || ln -sf "$(command -v python3)" /usr/local/bin/python
+    S=dma/direct/c1,dma/direct/c2/grouped,dma/direct/c8/grouped
+    B=$(upto 230); FICCO_MP_BUDGET_S=$((B - 20)) OUT="$OUT/mp" FICCO_MP_SCHEDULES=$S \
+      FICCO_MP_TIMED=llama70b_mlp_up_M2k,llama70b_qkv_M8k,llama70b_mlp_up_M8k \
+      FICCO_MP_TRACE=matmul_rs:dma/direct/c8/grouped:2048,8192,28672 timeout "$B" bash scripts/mp_gpu_launch.sh \
+      > "$OUT/mp/launch.log" 2>&1; echo "mp_gpu rc=$?"; grep -E "FAIL|checks:|^\| ag|^\| matmul" "$OUT/mp/launch.log" | cut -c1-220
+    timeout "$(upto 200)" python3 -m ficco_jax bench --no-windowed --shape llama70b_mlp_up_M2k --shape llama70b_qkv_M8k \
+      --shape llama70b_mlp_up_M8k --schedules "$S" --out "$OUT/bench" 2>"$OUT/bench.err" | grep -E "^\| (ag|matmul)" | cut -c1-250
     ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac
