@@ -9,7 +9,7 @@
 #                 s4x2: what 2 GPUs can tell (session 4); s5a, s5c-s5f: session 5 on 2 GPUs (timelines of the cross-process
 #                 all-gather, the staging-copy and reduce-sum fixes, their A/B runs, the record; s5b, the A/B of a copy call
 #                 removed since, is in git at 1725e0e); s5x4, s5acc: what the
-#                 last device minutes of session 5 could do; s6x4a-s6x4d: session 6's 4-GPU calls
+#                 last device minutes of session 5 could do; s6x4a-s6x4e: session 6's 4-GPU calls
 # Writes logs and JSON under $OUT (default ./out/device). Never changes GPU settings.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -496,6 +496,13 @@ case "$STAGE" in
       > "$OUT/mp/launch.log" 2>&1; echo "mp_gpu rc=$?"; grep -E "FAIL|checks:|^\| ag|^\| matmul" "$OUT/mp/launch.log" | cut -c1-220
     timeout "$(upto 200)" python3 -m ficco_jax bench --no-windowed --shape llama70b_mlp_up_M2k --shape llama70b_qkv_M8k \
       --shape llama70b_mlp_up_M8k --schedules "$S" --out "$OUT/bench" 2>"$OUT/bench.err" | grep -E "^\| (ag|matmul)" | cut -c1-250
+    ;;
+  s6x4e)  # the last device minutes of session 6: the one held-out case s6x4c's budget cut (issue 5), then the GPU tests
+    DEADLINE=${DEADLINE:-250}
+    build
+    timeout "$(upto 120)" python3 -m ficco_jax accuracy --top 1 --shape mixtral_expert_M32k --out "$OUT/acc" \
+      2>"$OUT/acc/accuracy.err" | tail -8
+    timeout "$(upto 110)" python3 -m pytest tests/gpu -x -q 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
     ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac
