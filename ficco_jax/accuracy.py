@@ -66,6 +66,7 @@ FIXED = ("dma/direct/c1", "dma/direct/c4/grouped")
 
 WITHIN_BEST = 1.05   # the pick within 5 % of the best measured
 WITHIN_SEQ = 1.03    # and never more than 3 % slower than JAX sequential
+TARGET_SHARE = 0.90  # issue 5: the pick within WITHIN_BEST of the best in at least this share of cases
 #: Re-timings of the pick, the best and JAX sequential when the first timings put the pick outside
 #: a criterion. One copy-engine timing has a median spread of 4.5 % (p90 18 %) on 4xH200 (session 2),
 #: as large as the 5 % criterion, and the minimum over several noisy timings is biased low: a verdict
@@ -344,7 +345,7 @@ def markdown(result) -> str:
                      f"{c['chosen_vs_best']:.3f}{flag} | {c['chosen_vs_seq']:.3f} | {c['seq_ms']:.3f}{mark('none')} |")
     if s.get("cases"):
         lines += ["", f"Within 5 % of the best measured: {s['within_best']}/{s['cases']} "
-                      f"({100 * s['share_within_best']:.0f} %); no more than 3 % slower than JAX seq: "
+                      f"({100 * s['share_within_best']:.1f} %, target {100 * TARGET_SHARE:.0f} %); no more than 3 % slower than JAX seq: "
                       f"{s['within_seq']}/{s['cases']} (worst {s['worst_vs_seq']:.3f}x); "
                       f"RMS log error of the model over every measured time: {s['rms_log_error_all_measured']:.3f}"]
     if any("timings_ms" in r.get("extra", {}) for c in result["cases"] for r in c.get("rows", [])):
