@@ -497,11 +497,15 @@ case "$STAGE" in
     timeout "$(upto 200)" python3 -m ficco_jax bench --no-windowed --shape llama70b_mlp_up_M2k --shape llama70b_qkv_M8k \
       --shape llama70b_mlp_up_M8k --schedules "$S" --out "$OUT/bench" 2>"$OUT/bench.err" | grep -E "^\| (ag|matmul)" | cut -c1-250
     ;;
-  s6x4e)  # the last device minutes of session 6: the one held-out case s6x4c's budget cut (issue 5), then the GPU tests
+  s6x4e)  # the last device minutes of session 6: the one held-out case s6x4c's budget cut (issue 5); a one-process
+           # timeline of matmul_rs qkv M8k at tp=4, to see whether the pulls (MemcpyP2P) bound it (issue 3); the GPU tests
     DEADLINE=${DEADLINE:-250}
     build
     timeout "$(upto 120)" python3 -m ficco_jax accuracy --top 1 --shape mixtral_expert_M32k --out "$OUT/acc" \
       2>"$OUT/acc/accuracy.err" | tail -8
+    timeout "$(upto 60)" python3 scripts/trace_op.py matmul_rs dma/direct/c2/grouped 8192 8192 10240 20 \
+      --jax-profiler "$OUT/trace_rs_qkv" > "$OUT/trace_rs_qkv.log" 2>&1; echo "trace rc=$?"
+    python3 scripts/perfetto_timeline.py "$OUT/trace_rs_qkv" --count 40 2>&1 | head -30
     timeout "$(upto 110)" python3 -m pytest tests/gpu -x -q 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
     ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
