@@ -162,12 +162,21 @@ def _cmd_accuracy(args):
         profile = cost_model.load_profile(args.profile) if args.profile else None
     except FileNotFoundError as exc:
         raise SystemExit(f"accuracy --profile: {exc}")
+    resume = None
+    if args.resume:
+        import json
+
+        try:
+            with open(args.resume) as fh:
+                resume = json.load(fh)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"accuracy --resume {args.resume}: cannot read it as JSON ({exc})")
     rounds = accuracy.CONFIRM_ROUNDS if args.confirm_rounds is None else args.confirm_rounds
     if rounds < 0:
         raise SystemExit(f"accuracy: --confirm-rounds must be >= 0 (0 turns re-timing off), got {rounds}")
     try:
         accuracy.run(args.out, axis_size=args.axis_size, shapes=shapes, top=args.top, profile=profile,
-                     budget_s=args.budget_s, plot=args.plot, confirm_rounds=rounds)
+                     budget_s=args.budget_s, plot=args.plot, confirm_rounds=rounds, resume=resume)
     except ValueError as exc:  # a device count or shape the run cannot take: say so, no traceback
         raise SystemExit(str(exc))
 
@@ -235,6 +244,8 @@ def main(argv=None):
     p.add_argument("--confirm-rounds", type=int, default=None,
                    help="re-timings of the pick, the best and JAX seq when a case first looks like a miss (default 2; 0: none)")
     p.add_argument("--plot", action="store_true", help="write accuracy.png (needs matplotlib)")
+    p.add_argument("--resume", metavar="JSON", help="keep the cases of this earlier accuracy.json (same machine, "
+                   "group size and profile) and measure only the ones it lacks")
     p.add_argument("--replay", action="append", metavar="JSON",
                    help="no measuring: re-score the times of a bench.json or accuracy.json (repeatable) with "
                         "--profile, or with the profile auto would use for that run")

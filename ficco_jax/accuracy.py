@@ -95,7 +95,11 @@ def candidates(op, shapes, dtype, n, comms, profile, top):
 
 def run(out_dir: str, axis_size: int | None = None, shapes: dict | None = None, top: int = 3,
         dtype: str = "bfloat16", profile=None, budget_s: float | None = None, plot: bool = False,
-        confirm_rounds: int = CONFIRM_ROUNDS) -> dict:
+        confirm_rounds: int = CONFIRM_ROUNDS, resume: dict | None = None) -> dict:
+    """`resume`: the accuracy.json of an earlier run that a time budget cut; its cases are kept and
+    only the (op, shape) cases it lacks are measured, so several short device calls add up to one
+    held-out check. It must be of the same device kind, group size, dtype and profile (else
+    ValueError), and each case keeps the commit it was measured at."""
     from .report import git_commit, progress_printer
 
     devices = jax.local_devices()
@@ -115,6 +119,11 @@ def run(out_dir: str, axis_size: int | None = None, shapes: dict | None = None, 
             local = bench.local_shapes(op, M, K, N, n)
             chosen, cands = candidates(op, local, dtype, n, comms, profile, top)
             plans.append((op, name, M, K, N, chosen, cands))
+    earlier = []
+    if resume is not None:
+        earlier = resumed_cases(resume, jax.devices()[0].device_kind, n, dtype, profile.get("name"))
+        done = {(c["op"], c["shape"]) for c in earlier}
+        plans = [p for p in plans if (p[0], p[1]) not in done]
     progress = progress_printer(sum(len(p[6]) for p in plans))
     result = {
         "device": jax.devices()[0].device_kind, "platform": jax.default_backend(), "axis_size": n,
@@ -122,8 +131,10 @@ def run(out_dir: str, axis_size: int | None = None, shapes: dict | None = None, 
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "method": timing.METHOD + ("; ON CPU: NOT meaningful" if on_cpu else ""),
         "criteria": {"within_best": WITHIN_BEST, "within_seq": WITHIN_SEQ}, "confirm_rounds": confirm_rounds,
-        "cases": [],
+        "cases": earlier,
     }
+    if resume is not None:
+        result["resumed"] = {"commit": resume.get("commit"), "date": resume.get("date"), "cases": len(earlier)}
     os.makedirs(out_dir, exist_ok=True)
     t0 = time.perf_counter()
     for op, name, M, K, N, chosen, cands in plans:
@@ -142,11 +153,13 @@ def run(out_dir: str, axis_size: int | None = None, shapes: dict | None = None, 
             row.extra["predicted_ms"] = pred * 1e3
             rows.append(row)
         case = judge(op, name, (M, K, N), chosen, rows)
+        case["commit"] = result["commit"]
         for _ in range(2):  # twice at most: a re-timed best can hand "best" to another single timing
             if case["verdict"] != "miss" or confirm_rounds < 1 or not confirm(rows, case, makers, args, confirm_rounds):
                 break
             progress(f"{op} {name}: re-timed the pick, the best and JAX seq")
             case = judge(op, name, (M, K, N), chosen, rows)
+            case["commit"] = result["commit"]
         result["cases"].append(case)
         del args, want
         _save(result, out_dir)
@@ -159,6 +172,27 @@ def run(out_dir: str, axis_size: int | None = None, shapes: dict | None = None, 
     if plot:
         plot_accuracy(result, out_dir)
     return result
+
+
+def resumed_cases(earlier: dict, device: str, n: int, dtype: str, profile_name) -> list[dict]:
+    """The cases of an earlier accuracy.json to keep in a resumed run, each marked with the commit it
+    was measured at; ValueError when that run is not comparable (another device kind, group size,
+    dtype or profile), or is not an accuracy result."""
+    if not isinstance(earlier, dict) or not isinstance(earlier.get("cases"), list):
+        raise ValueError("accuracy --resume: not an accuracy.json (no 'cases' list)")
+    theirs = {"device": earlier.get("device"), "axis size": earlier.get("axis_size"),
+              "dtype": earlier.get("dtype"), "profile": earlier.get("profile")}
+    ours = {"device": device, "axis size": n, "dtype": dtype, "profile": profile_name}
+    differ = [f"{k} {theirs[k]!r} (this run: {ours[k]!r})" for k in ours if theirs[k] != ours[k]]
+    if differ:
+        raise ValueError("accuracy --resume: the earlier run is not comparable: " + "; ".join(differ) +
+                         ". Resume only a run of the same machine, --axis-size and --profile.")
+    kept = []
+    for c in earlier["cases"]:
+        if "chosen_vs_best" not in c:  # an incomplete case is measured again
+            continue
+        kept.append(dict(c, commit=c.get("commit", earlier.get("commit"))))
+    return kept
 
 
 def plot_accuracy(result: dict, out_dir: str) -> None:
@@ -353,4 +387,8 @@ def markdown(result) -> str:
                      f"1 + {result.get('confirm_rounds', CONFIRM_ROUNDS)} interleaved timings")
     if result.get("skipped"):
         lines.append(f"Not measured (time budget): {', '.join(result['skipped'])}")
+    if result.get("resumed"):
+        r = result["resumed"]
+        lines.append(f"Resumed: the first {r['cases']} cases were measured by an earlier run (commit {r['commit']}, "
+                     f"{r['date']}); each case's commit is in accuracy.json.")
     return "\n".join(lines) + "\n"

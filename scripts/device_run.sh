@@ -502,7 +502,7 @@ case "$STAGE" in
     DEADLINE=${DEADLINE:-250}
     build
     timeout "$(upto 120)" python3 -m ficco_jax accuracy --top 1 --shape mixtral_expert_M32k --out "$OUT/acc" \
-      2>"$OUT/acc/accuracy.err" | tail -8
+      --resume benchmarks/2026-11-22-session6/s6bc_accuracy_merged.json 2>"$OUT/acc/accuracy.err" | tail -6
     timeout "$(upto 60)" python3 scripts/trace_op.py matmul_rs dma/direct/c2/grouped 8192 8192 10240 20 \
       --jax-profiler "$OUT/trace_rs_qkv" > "$OUT/trace_rs_qkv.log" 2>&1; echo "trace rc=$?"
     python3 scripts/perfetto_timeline.py "$OUT/trace_rs_qkv" --count 40 2>&1 | head -30

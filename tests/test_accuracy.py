@@ -264,3 +264,42 @@ def test_replay_cli_uses_autos_profile_rule_by_default(tmp_path):
     assert auto.returncode == 0 and "Profiles h200x4:" in auto.stdout, auto.stderr[-2000:]
     assert default.returncode == 0 and "Profiles default:" in default.stdout
     assert bad.returncode != 0 and "no machine profile 'no_such_profile'" in bad.stderr
+
+
+def test_accuracy_resume_measures_only_the_missing_cases(tmp_path):
+    """A budget-cut held-out check goes on in a later call: the earlier cases are kept (with their
+    commit), only the missing ones are measured, and the summary covers all of them."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    first, second = tmp_path / "first", tmp_path / "second"
+    base = [sys.executable, "-m", "ficco_jax", "accuracy", "--axis-size", "4", "--top", "1", "--confirm-rounds", "0"]
+    proc = subprocess.run(base + ["--shape", "64,32,64", "--out", str(first)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    earlier = json.loads((first / "accuracy.json").read_text())
+    proc = subprocess.run(base + ["--shape", "64,32,64", "--shape", "32,16,32", "--resume", str(first / "accuracy.json"),
+                                  "--out", str(second)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    merged = json.loads((second / "accuracy.json").read_text())
+    assert [(c["op"], c["shape"]) for c in merged["cases"][:2]] == [(c["op"], c["shape"]) for c in earlier["cases"]]
+    assert [c["rows"] for c in merged["cases"][:2]] == [c["rows"] for c in earlier["cases"]]  # kept, not re-measured
+    new = merged["cases"][2:]
+    assert len(new) == 2 and {c["shape"] for c in new} != {earlier["cases"][0]["shape"]}
+    assert merged["summary"]["cases"] == 4 and merged["resumed"]["cases"] == 2
+    assert all(c["commit"] == merged["commit"] for c in merged["cases"])
+    assert "Resumed: the first 2 cases" in (second / "accuracy.md").read_text()
+    progress = proc.stderr + proc.stdout
+    assert earlier["cases"][0]["shape"] not in progress.split("Held-out")[0], "an earlier case was measured again"
+
+
+def test_accuracy_resume_refuses_a_run_it_cannot_continue():
+    earlier = {"device": "NVIDIA H200", "axis_size": 4, "dtype": "bfloat16", "profile": "h200x4", "commit": "abc",
+               "cases": [{"op": "ag_matmul", "shape": "s", "chosen_vs_best": 1.0},
+                         {"op": "matmul_rs", "shape": "s", "verdict": "incomplete: x"}]}
+    kept = accuracy.resumed_cases(earlier, "NVIDIA H200", 4, "bfloat16", "h200x4")
+    assert kept == [{"op": "ag_matmul", "shape": "s", "chosen_vs_best": 1.0, "commit": "abc"}]  # incomplete: again
+    with pytest.raises(ValueError, match=r"axis size 4 \(this run: 8\).*same machine, --axis-size and --profile"):
+        accuracy.resumed_cases(earlier, "NVIDIA H200", 8, "bfloat16", "h200x4")
+    with pytest.raises(ValueError, match="profile 'h200x4' \\(this run: 'default'\\)"):
+        accuracy.resumed_cases(earlier, "NVIDIA H200", 4, "bfloat16", "default")
+    with pytest.raises(ValueError, match="not an accuracy.json"):
+        accuracy.resumed_cases({"rows": []}, "NVIDIA H200", 4, "bfloat16", "h200x4")
