@@ -106,3 +106,21 @@ def test_device_time_fixed_estimates_for_several_processes(monkeypatch):
     monkeypatch.setattr(timing, "_wall", lambda fn, args, launches: next(walls))
     t = timing.device_time(lambda r: r, (), target_s=1e-3, adaptive=False)
     assert t["estimates"] == timing.MIN_ESTIMATES == 3 and t["spread_s"] > 0
+
+
+def test_table_shows_the_best_with_its_spread_and_over_the_ideal():
+    from ficco_jax import report
+
+    def row(variant, ms, spread=None, selected=False):
+        return {"op": "ag_matmul", "shape": "s", "M": 8, "K": 8, "N": 8, "variant": variant, "median_ms": ms,
+                "spread_ms": spread, "verified": True, "selected": selected, "note": ""}
+
+    result = {"n_devices": 4, "device": "d", "platform": "gpu", "dtype": "bfloat16", "jax": "0", "commit": "c",
+              "date": "t", "method": "m",
+              "rows": [row("jax_seq", 0.8, 0.01), row("gemm_alone", 0.475), row("collective_alone", 0.36),
+                       row("ideal", 0.475), row("ficco:dma/direct/c1", 0.532, 0.13, selected=True),
+                       row("ficco:dma/direct/c2/grouped", 0.539, 0.09)]}
+    line = next(x for x in report.markdown_table(result).splitlines() if x.startswith("| ag_matmul"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[9] == "0.532 (dma/direct/c1) ± 0.130"
+    assert cells[10] == "1.50x" and cells[11] == "1.120x"  # 0.8 / 0.532 and 0.532 / 0.475
