@@ -9,7 +9,7 @@
 #                 s4x2: what 2 GPUs can tell (session 4); s5a, s5c-s5f: session 5 on 2 GPUs (timelines of the cross-process
 #                 all-gather, the staging-copy and reduce-sum fixes, their A/B runs, the record; s5b, the A/B of a copy call
 #                 removed since, is in git at 1725e0e); s5x4, s5acc: what the
-#                 last device minutes of session 5 could do; s6x4a-s6x4e: session 6's 4-GPU calls
+#                 last device minutes of session 5 could do; s6x4a-s6x4e: session 6's 4-GPU calls; s6x2: its fallback on 2 GPUs
 # Writes logs and JSON under $OUT (default ./out/device). Never changes GPU settings.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -506,7 +506,16 @@ case "$STAGE" in
     timeout "$(upto 60)" python3 scripts/trace_op.py matmul_rs dma/direct/c2/grouped 8192 8192 10240 20 \
       --jax-profiler "$OUT/trace_rs_qkv" > "$OUT/trace_rs_qkv.log" 2>&1; echo "trace rc=$?"
     python3 scripts/perfetto_timeline.py "$OUT/trace_rs_qkv" --count 40 2>&1 | head -30
+    mkdir -p "$OUT/ingress"; timeout "$(upto 40)" python3 scripts/ingress_probe.py --out "$OUT/ingress" > "$OUT/ingress/log" 2>&1
+    echo "ingress rc=$?"; tail -6 "$OUT/ingress/log"
     timeout "$(upto 110)" python3 -m pytest tests/gpu -x -q 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
+    ;;
+  s6x2)  # if only 2 GPUs are lent: the ingress probe (pull vs push vs both, issue 3), then the GPU tests of the final code
+    DEADLINE=${DEADLINE:-200}
+    mkdir -p "$OUT/ingress"; timeout "$(upto 40)" python3 scripts/ingress_probe.py --out "$OUT/ingress" > "$OUT/ingress/log" 2>&1
+    echo "ingress rc=$?"; tail -6 "$OUT/ingress/log"
+    build
+    timeout "$(upto 150)" python3 -m pytest tests/gpu -x -q 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
     ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac
