@@ -134,19 +134,22 @@ def _cmd_calibrate(args):
     print(f"profile written to {args.out}: " + json.dumps({k: profile[k] for k in ("peak_tflops", "rows_half", "dma_latency_us", "dma_ingress_gbps", "xla_latency_us", "xla_ingress_gbps", "contention_xla")}))
 
 
+def _read_json(path: str, flag: str):
+    """The JSON file an option names, or a clear error naming the option and the file."""
+    import json
+
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"{flag} {path}: cannot read it as JSON ({exc})")
+
+
 def _cmd_accuracy(args):
     from . import accuracy, cost_model
 
     if args.replay:  # offline: re-score recorded times, no device needed
-        import json
-
-        results = []
-        for path in args.replay:
-            try:
-                with open(path) as fh:
-                    results.append(json.load(fh))
-            except (OSError, ValueError) as exc:
-                raise SystemExit(f"accuracy --replay {path}: cannot read it as JSON ({exc})")
+        results = [_read_json(path, "accuracy --replay") for path in args.replay]
         try:
             profile = cost_model.load_profile(args.profile) if args.profile else None
             print(accuracy.replay_markdown(accuracy.replay(results, profile)), end="")
@@ -162,15 +165,7 @@ def _cmd_accuracy(args):
         profile = cost_model.load_profile(args.profile) if args.profile else None
     except FileNotFoundError as exc:
         raise SystemExit(f"accuracy --profile: {exc}")
-    resume = None
-    if args.resume:
-        import json
-
-        try:
-            with open(args.resume) as fh:
-                resume = json.load(fh)
-        except (OSError, ValueError) as exc:
-            raise SystemExit(f"accuracy --resume {args.resume}: cannot read it as JSON ({exc})")
+    resume = _read_json(args.resume, "accuracy --resume") if args.resume else None
     rounds = accuracy.CONFIRM_ROUNDS if args.confirm_rounds is None else args.confirm_rounds
     if rounds < 0:
         raise SystemExit(f"accuracy: --confirm-rounds must be >= 0 (0 turns re-timing off), got {rounds}")

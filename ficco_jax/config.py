@@ -31,7 +31,8 @@ FAULT_INJECTION: str = os.environ.get("FICCO_FAULT_INJECTION", "")
 
 #: Copy engines across the processes of one host (CUDA IPC through staging buffers, ipc.py,
 #: docs/multiprocess.md) are opt-in: "1" enables them. Correct on 2 and 4 x H200; on 2 GPUs within
-#: 5 % of one process, on 4 GPUs 9-10 % behind in the one case timed (2026-11-22, session 5).
+#: 5 % of one process (session 5); on 4 GPUs the best schedule of six timed cases -2 % to +7.5 %
+#: against one process (session 6, 2026-11-22).
 #: Off: such groups use XLA's collectives (comm="xla") and an explicit comm="dma" there is a ValueError.
 CROSS_PROCESS_DMA: bool = os.environ.get("FICCO_CROSS_PROCESS_DMA", "") not in ("", "0")
 

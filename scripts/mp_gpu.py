@@ -393,7 +393,7 @@ class Run:
                                      heuristics.profile_for(self.n))
             candidates = [s for _, s in ranked[:TIMED_CANDIDATES]]
             if self.args.schedules and comm == "dma":  # the same schedules a one-process bench timed
-                candidates = parse_schedules(self.args.schedules)
+                candidates = self.args.schedules
             row = {"op": op, "shape": name, "MKN": dims, "auto": auto, "comm_timed": comm,
                    "why_not_dma": why, "candidates": {}}
             for label, sched in [("jax_seq", "ref")] + [(str(s), s) for s in candidates]:
@@ -505,8 +505,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.trace:
         parse_trace(args.trace)
-    if args.schedules:
-        parse_schedules(args.schedules)
+    if args.schedules:  # parsed once, here: a bad list fails before any process starts
+        args.schedules = parse_schedules(args.schedules)
     if not args.port:
         parser.error("--port (or FICCO_MP_PORT) is required: the coordinator's port on localhost")
 

@@ -5,7 +5,6 @@
 namespace ficco {
 namespace {
 
-
 // Byte offsets inside a [n, groups, rows, row] buffer with `row_bytes` bytes per row.
 struct BlockLayout {
   int64_t groups, rows, row_bytes;

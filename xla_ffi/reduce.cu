@@ -19,16 +19,24 @@ template <> __device__ __forceinline__ float FromFloat<float>(float v) { return 
 template <> __device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 template <> __device__ __forceinline__ __half FromFloat<__half>(float v) { return __float2half_rn(v); }
 
-// One element per thread and step: any alignment and stride.
+// Elements [first, count) with stride `step`, one at a time: the scalar kernel's whole range and the
+// vector kernel's tail.
 template <typename T>
-__global__ void ReduceSumKernel(T* out, const T* own, const T* recv, int64_t slot_stride,
-                                int64_t num_slots, int64_t count) {
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += step) {
+__device__ __forceinline__ void SumElements(T* out, const T* own, const T* recv, int64_t slot_stride,
+                                            int64_t num_slots, int64_t first, int64_t count, int64_t step) {
+  for (int64_t i = first; i < count; i += step) {
     float sum = ToFloat(own[i]);
     for (int64_t s = 0; s < num_slots; ++s) sum += ToFloat(recv[s * slot_stride + i]);
     out[i] = FromFloat<T>(sum);
   }
+}
+
+// One element per thread and step: any alignment and stride.
+template <typename T>
+__global__ void ReduceSumKernel(T* out, const T* own, const T* recv, int64_t slot_stride,
+                                int64_t num_slots, int64_t count) {
+  SumElements(out, own, recv, slot_stride, num_slots, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x,
+              count, static_cast<int64_t>(gridDim.x) * blockDim.x);
 }
 
 // 16 bytes per thread and step (8 bf16/f16 or 4 f32), for 16-byte aligned operands whose slot
@@ -65,11 +73,7 @@ __global__ void ReduceSumVectorKernel(T* out, const T* own, const T* recv, int64
     for (int k = 0; k < V; ++k) o.v[k] = FromFloat<T>(sum[k]);
     out_p[i] = o;
   }
-  for (int64_t i = packs * V + first; i < count; i += step) {
-    float sum = ToFloat(own[i]);
-    for (int64_t s = 0; s < num_slots; ++s) sum += ToFloat(recv[s * slot_stride + i]);
-    out[i] = FromFloat<T>(sum);
-  }
+  SumElements(out, own, recv, slot_stride, num_slots, packs * V + first, count, step);
 }
 
 bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
