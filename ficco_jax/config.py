@@ -42,6 +42,11 @@ CHUNK_CHOICES: tuple[int, ...] = (1, 2, 4, 8)
 #: Copy-stream counts the design space enumerates for `comm="dma"` direct schedules.
 COPY_STREAM_CHOICES: tuple[int, ...] = (1, 2, 4)
 
+#: Transfer directions the design space enumerates for `comm="dma"` (Schedule.transfer): "pull"
+#: only, until push is measured against pull on the ops themselves; "push" is always accepted
+#: where it is named (e.g. "dma/direct/c2/push").
+TRANSFER_CHOICES: tuple[str, ...] = ("pull",)
+
 #: dtypes the DMA executor handles; others take the XLA path (`comm="xla"`).
 DMA_DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
 

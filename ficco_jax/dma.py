@@ -36,6 +36,7 @@ Attributes of every FFI target (one struct, ``OpAttrs`` in xla_ffi/handlers.h):
   op_id, groups (flat i64 array), local_ordinals (same length), ipc_job, group_size, chunks,
   order (0 ring, 1 direct),
   gemm (0 per_chunk, 1 grouped), copy_streams, timeout_ms (config.RENDEZVOUS_TIMEOUT_S),
+  skip_own_rows, transfer (0 pull, 1 push: senders write into their peers, in-process groups only),
   fault: -1 none, else mode*1000 + rank with mode 1 = "skip:<rank>" (that rank errors without
   joining any rendezvous) and 2 = "fail:<rank>" (it joins the exchange, then errors before its
   transfers); from config.FAULT_INJECTION, read at trace time. Debug only.
@@ -292,6 +293,12 @@ def _local_groups(op: str, mesh, site, axis_name: str) -> np.ndarray:
 
 def _lowering(ctx, *operands, op, axis_name, axis_size, op_id, schedule, timeout_ms, fault, skip_own_rows=False):
     group = _group_attrs(ctx, op, axis_name, axis_size)
+    if schedule.transfer == "push" and group["ipc_job"] != 0:
+        raise ValueError(
+            f"{op}: schedule {schedule} pushes into the peers' buffers, but the group of mesh axis {axis_name!r} "
+            f"spans processes, whose XLA buffers cannot be opened from here; use transfer='pull' "
+            f"(e.g. {str(schedule.replace(transfer='pull'))!r})"
+        )
     rule = jax.ffi.ffi_lowering(_TARGETS[op])
     return rule(
         ctx, *operands,
@@ -307,6 +314,7 @@ def _lowering(ctx, *operands, op, axis_name, axis_size, op_id, schedule, timeout
         timeout_ms=np.int64(timeout_ms),
         fault=np.int64(fault),
         skip_own_rows=np.int64(int(skip_own_rows)),
+        transfer=np.int64({"pull": 0, "push": 1}[schedule.transfer]),
     )
 
 

@@ -1,15 +1,20 @@
 """Device time of `ficco_jax.dma.all_to_all` against `jax.lax.all_to_all` (NCCL on GPU), alone and
-beside an independent matmul (issue 8).
+beside an independent matmul (issue 8); with `--collective all_gather|reduce_scatter`, the same for
+`dma.all_gather` / `dma.reduce_scatter` against `lax.all_gather` / `lax.psum_scatter` (alone only).
 
     NCCL_NVLS_ENABLE=0 python scripts/a2a_vs_nccl.py                     # GPU: 1, 4, 16, 64 MiB
+    NCCL_NVLS_ENABLE=0 python scripts/a2a_vs_nccl.py --collective all_gather \
+        --schedules default,dma/direct/c1/push                           # pulls vs pushes vs NCCL
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python scripts/a2a_vs_nccl.py   # CPU smoke
 
 Every local device, one 1-D mesh axis "tp", inside jax.shard_map. Per device x [n * rows, COLS]
-bf16 (split and concat axis 0): n per-peer blocks of `--sizes` MiB each. Variants: NCCL
+bf16 (split and concat axis 0): n per-peer blocks of `--sizes` MiB each (all_gather: x is one
+block, reduce_scatter: x is n blocks, one per destination). Variants: NCCL
 (`lax.all_to_all(tiled=True)`), dma.all_to_all with its default schedule, and its ring and
 direct orders (`--schedules`). Each dma result is compared bit for bit with lax.all_to_all before
 it is timed (and lax.all_to_all with an all_gather + slice); a variant that differs is reported
-and not timed.
+and not timed. all_gather: bit for bit with lax.all_gather; reduce_scatter: relative error under
+1e-2 against lax.psum_scatter in float32 (the bf16 sums round differently).
 
 "With a matmul beside it" (`--overlap-sizes`): one jitted body runs an independent bf16 matmul
 (per device [M, K] @ [K, N], `--matmul`) and the all_to_all on separate data; each result's
@@ -19,10 +24,11 @@ matmul alone (on every device at once, as in the pair) and the all_to_all alone,
 shows the pair against max(matmul, a2a) (perfect overlap) and matmul + a2a (none).
 
 Times: `ficco_jax.timing.METHOD` (in-jit loop differencing). GB/s = (n-1) x block bytes / time:
-the bytes each GPU sends (and receives) per all_to_all, what nccl-tests reports as alltoall bus
-bandwidth. On CPU the times are host memcpy/loop times and NOT meaningful. A progress line per
+the bytes each GPU sends (and receives) per collective, what nccl-tests reports as bus
+bandwidth for all_to_all, all_gather and reduce_scatter alike. On CPU the times are host memcpy/loop times and NOT meaningful. A progress line per
 measurement goes to stderr; measurements left when `--budget-s` is spent are skipped and listed.
-Writes $OUT/a2a_vs_nccl.json (OUT defaults to out/a2a_vs_nccl); the Markdown table comes last.
+Writes $OUT/a2a_vs_nccl.json, or $OUT/<collective>_vs_nccl.json (OUT defaults to out/a2a_vs_nccl);
+the Markdown table comes last.
 """
 from __future__ import annotations
 
@@ -50,6 +56,9 @@ DTYPE = jnp.bfloat16
 GPU_SIZES, CPU_SIZES = "1,4,16,64", "0.0625,0.25"
 GPU_MATMUL, CPU_MATMUL = "8192,8192,7168", "128,128,128"
 NCCL = "nccl"
+COLLECTIVES = ("all_to_all", "all_gather", "reduce_scatter")
+#: dma.reduce_scatter sums in float32 and rounds once; NCCL's bf16 ring sums round per step.
+RS_TOLERANCE = 1e-2
 #: The pair's matmul against the matmul alone: the same bf16 dot, but XLA may fuse or split it
 #: differently in the two programs, so not bit for bit.
 MATMUL_TOLERANCE = 1e-2
@@ -79,10 +88,18 @@ class Budget:
 # ------------------------------------------------------------------------------------------------
 # Bodies (per device, inside shard_map over "tp")
 # ------------------------------------------------------------------------------------------------
-def a2a_body(variant):
+def a2a_body(variant, collective="all_to_all"):
+    schedule = None if variant == "default" else variant
+    if collective == "all_gather":
+        if variant == NCCL:
+            return lambda x: lax.all_gather(x, "tp", tiled=True)
+        return lambda x: dma.all_gather(x, "tp", schedule=schedule)
+    if collective == "reduce_scatter":
+        if variant == NCCL:
+            return lambda x: lax.psum_scatter(x, "tp", tiled=True)
+        return lambda x: dma.reduce_scatter(x, "tp", schedule=schedule)
     if variant == NCCL:
         return lambda x: lax.all_to_all(x, "tp", 0, 0, tiled=True)
-    schedule = None if variant == "default" else variant
     return lambda x: dma.all_to_all(x, "tp", 0, 0, schedule=schedule)
 
 
@@ -150,26 +167,37 @@ def gathered_reference(x_local):
     return lax.dynamic_slice_in_dim(everyone, r * rows, rows, axis=1).reshape(x_local.shape)
 
 
-def measure_a2a(mesh, size_mib, variants, budget) -> list[dict]:
+def measure_a2a(mesh, size_mib, variants, budget, collective="all_to_all") -> list[dict]:
     n = mesh.shape["tp"]
-    x = random_sharded(mesh, (n * n * block_rows(size_mib), COLS), seed=int(size_mib * 1024))
-    want = sharded(mesh, a2a_body(NCCL), 1)(x)  # every dma variant is compared with this
+    blocks = 1 if collective == "all_gather" else n  # per device: all_gather sends its one block to all
+    x = random_sharded(mesh, (n * blocks * block_rows(size_mib), COLS), seed=int(size_mib * 1024))
+    want = sharded(mesh, a2a_body(NCCL, collective), 1)(x)  # every dma variant is compared with this
+    if collective == "reduce_scatter":
+        want = sharded(mesh, lambda v: lax.psum_scatter(v.astype(jnp.float32), "tp", tiled=True), 1)(x)
     out = []
     for variant in [NCCL] + variants:
-        row = {"block_mib": size_mib, "variant": variant, "schedule": resolved(variant, n)}
+        row = {"block_mib": size_mib, "variant": variant, "schedule": resolved(variant, n, collective)}
         out.append(row)
-        if not budget.start(f"a2a {size_mib:g} MiB {row['schedule']}"):
+        if not budget.start(f"{collective} {size_mib:g} MiB {row['schedule']}"):
             row["note"] = "skipped: budget spent"
             continue
         try:
-            if variant == NCCL:
-                row["bit_exact"] = bool(bit_equal(want, sharded(mesh, gathered_reference, 1)(x)))
+            got = sharded(mesh, a2a_body(variant, collective), 1)(x)
+            if collective == "reduce_scatter":  # NCCL too: its bf16 sums against the f32 reference
+                row["rel_err"] = float(rel_err(got, want))
+                row["bit_exact"] = False
+                ok, reference = row["rel_err"] < RS_TOLERANCE, "lax.psum_scatter in float32"
+            elif variant == NCCL:
+                ok = row["bit_exact"] = bool(bit_equal(want, sharded(mesh, gathered_reference, 1)(x))) \
+                    if collective == "all_to_all" else True
+                reference = "all_gather + slice"
             else:
-                row["bit_exact"] = bool(bit_equal(sharded(mesh, a2a_body(variant), 1)(x), want))
-            if not row["bit_exact"]:
-                row["note"] = "WRONG RESULT: differs from " + ("all_gather + slice" if variant == NCCL else "lax.all_to_all")
+                ok = row["bit_exact"] = bool(bit_equal(got, want))
+                reference = f"lax.{collective}"
+            if not ok:
+                row["note"] = "WRONG RESULT: differs from " + reference
                 continue
-            row.update(time_ms(lambda r: sharded(mesh, a2a_body(variant), 1, r), (x,)))
+            row.update(time_ms(lambda r: sharded(mesh, a2a_body(variant, collective), 1, r), (x,)))
             row["gbps"] = (n - 1) * size_mib * 2**20 / (row["median_ms"] * 1e-3) / 1e9
         except Exception as exc:  # noqa: BLE001 - the run goes on and the table says what broke
             row["note"] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
@@ -253,12 +281,12 @@ def block_rows(size_mib: float) -> int:
     return int(rows)
 
 
-def resolved(variant, n) -> str:
-    """The schedule a variant runs, as a string ("nccl" for lax.all_to_all)."""
+def resolved(variant, n, collective="all_to_all") -> str:
+    """The schedule a variant runs, as a string ("nccl" for the lax collective)."""
     if variant == NCCL:
         return NCCL
     if variant == "default":  # one chunk: valid for any block
-        return f"{dma._collective_schedule('all_to_all', None, n, 1)} (default)"
+        return f"{dma._collective_schedule(collective, None, n, 1)} (default)"
     return str(Schedule.parse(variant))
 
 
@@ -281,6 +309,7 @@ def _ms(row):
 
 
 def a2a_table(rows) -> str:
+    """The table of the collective alone (the all_to_all's, or --collective's)."""
     lines = [f"| block MiB | NCCL ms | dma schedule | dma ms | dma/NCCL | NCCL GB/s | dma GB/s |",
              "|---|---|---|---|---|---|---|"]
     for size in sorted({r["block_mib"] for r in rows}):
@@ -321,6 +350,10 @@ def run(args) -> dict:
     for size in sizes + overlap_sizes:
         block_rows(size)  # fail before measuring anything
     variants = dma_variants(args.schedules, n)
+    if args.collective != "all_to_all":
+        if args.overlap_sizes:
+            raise SystemExit(f"--overlap-sizes is for all_to_all only; drop it with --collective {args.collective}")
+        overlap_sizes = []
     extra = [s for s in overlap_sizes if s not in sizes]  # their all_to_all alone is measured too
     budget = Budget(args.budget_s, (len(sizes) * (1 + len(variants)) + 2 * len(extra)
                                     + (1 + 2 * len(overlap_sizes) if overlap_sizes else 0)))
@@ -332,7 +365,7 @@ def run(args) -> dict:
         return rows
 
     for size in sizes:
-        a2a_rows += logged(measure_a2a(mesh, size, variants, budget))
+        a2a_rows += logged(measure_a2a(mesh, size, variants, budget, args.collective))
     for size in extra:
         a2a_rows += logged(measure_a2a(mesh, size, ["default"], budget))
     matmul_row = logged(measure_matmul(mesh, matmul, budget)) if overlap_sizes else None
@@ -340,11 +373,12 @@ def run(args) -> dict:
         overlap_rows += logged(measure_pairs(mesh, size, matmul_row, [r for r in a2a_rows if r["block_mib"] == size], budget))
     return {
         "device": jax.devices()[0].device_kind, "platform": jax.default_backend(), "n_devices": n,
+        "collective": args.collective,
         "dtype": "bfloat16", "cols": COLS, "jax": jax.__version__, "commit": git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "times_meaningful": not on_cpu,
         "method": timing.METHOD + ("; ON CPU: times are host memcpy/loop times, NOT meaningful" if on_cpu else ""),
-        "gbps_definition": "(n-1) * block bytes / time: bytes each device sends per all_to_all (nccl-tests busbw)",
+        "gbps_definition": "(n-1) * block bytes / time: bytes each device sends per collective (nccl-tests busbw)",
         "budget_s": args.budget_s, "skipped": budget.skipped, "a2a": a2a_rows, "overlap": overlap_rows,
     }
 
@@ -356,12 +390,15 @@ def main(argv=None) -> int:
                         help="block MiB for the pair with a matmul (default: the 2 largest of --sizes; '' for none)")
     parser.add_argument("--matmul", default=None, help=f"M,K,N per device (default GPU {GPU_MATMUL}, CPU {CPU_MATMUL})")
     parser.add_argument("--schedules", default="", help="dma variants: 'default' or schedule strings, comma-separated")
+    parser.add_argument("--collective", choices=COLLECTIVES, default="all_to_all",
+                        help="the collective timed alone (the pair with a matmul is all_to_all's)")
     parser.add_argument("--budget-s", type=float, default=420.0, help="skip the measurements left after this long")
     parser.add_argument("--out", default=os.environ.get("OUT", "out/a2a_vs_nccl"))
     args = parser.parse_args(argv)
     result = run(args)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "a2a_vs_nccl.json"), "w") as fh:
+    name = "a2a_vs_nccl.json" if args.collective == "all_to_all" else f"{args.collective}_vs_nccl.json"
+    with open(os.path.join(args.out, name), "w") as fh:
         json.dump(result, fh, indent=1)
     head = (f"{result['n_devices']} x {result['device']} ({result['platform']}), bf16, jax {result['jax']}, "
             f"commit {result['commit']}" + ("" if result["times_meaningful"] else " — CPU: times NOT meaningful ('NCCL' is lax.all_to_all here)"))
@@ -374,7 +411,7 @@ def main(argv=None) -> int:
               "share of the shorter op hidden under the longer, 0% serial, 100% perfect overlap):\n")
         print(overlap_table(result["overlap"]) + "\n\nall_to_all alone:\n")
     else:
-        print(head + "\n\nall_to_all alone:\n")
+        print(head + f"\n\n{args.collective} alone:\n")
     print(a2a_table(result["a2a"]))
     return 0
 

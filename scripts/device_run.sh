@@ -9,7 +9,8 @@
 #                 s4x2: what 2 GPUs can tell (session 4); s5a, s5c-s5f: session 5 on 2 GPUs (timelines of the cross-process
 #                 all-gather, the staging-copy and reduce-sum fixes, their A/B runs, the record; s5b, the A/B of a copy call
 #                 removed since, is in git at 1725e0e); s5x4, s5acc: what the
-#                 last device minutes of session 5 could do; s6x4a-s6x4e: session 6's 4-GPU calls; s6x2: its fallback on 2 GPUs
+#                 last device minutes of session 5 could do; s6x4a-s6x4e: session 6's 4-GPU calls; s6x2: its fallback on 2 GPUs;
+#                 s7x2a, s7x2b: session 7 on 2 GPUs (pulls vs pushes)
 # Writes logs and JSON under $OUT (default ./out/device). Never changes GPU settings.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -516,6 +517,27 @@ case "$STAGE" in
     echo "ingress rc=$?"; tail -6 "$OUT/ingress/log"
     build
     timeout "$(upto 150)" python3 -m pytest tests/gpu -x -q 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
+    ;;
+  s7x2a)  # session 7, 2 x H200 (kinds over 2 GPUs withheld): transfer=push (issues 3, 8) — the GPU tests, pulled and
+          # pushed, then each collective alone: NCCL vs copy engines pulling vs pushing
+    DEADLINE=${DEADLINE:-500}
+    build
+    timeout "$(upto 200)" python3 -m pytest tests/gpu -x -q 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
+    for c in all_gather reduce_scatter all_to_all; do
+      timeout "$(upto 80)" python3 scripts/a2a_vs_nccl.py --collective $c --sizes 1,4,16,64 --overlap-sizes '' \
+        --schedules default,dma/direct/c1/push --budget-s 70 --out "$OUT/a2a" 2>"$OUT/a2a/$c.err" | tail -13
+    done
+    ;;
+  s7x2b)  # session 7, 2 x H200: the anchor shapes' ag_matmul / matmul_rs and the MoE pair, pulled vs pushed (issues 3, 8)
+    DEADLINE=${DEADLINE:-520}
+    build
+    pp=""; for s in dma/direct/c1 dma/direct/c2 dma/direct/c4 dma/direct/c2/grouped; do pp="$pp,$s,$s/push"; done
+    timeout "$(upto 300)" python3 -m ficco_jax bench --op all --shape llama70b_mlp_up_M8k --shape llama70b_qkv_M8k \
+      --shape llama70b_mlp_up_M2k --shape gpt3_175b_mlp_M4k --no-windowed --schedules "none$pp" --out "$OUT/bench" \
+      2>"$OUT/bench.err" | tail -30
+    timeout "$(upto 150)" python3 -m ficco_jax bench --op moe --no-windowed \
+      --schedules none,dma/direct/c1,dma/direct/c1/push,dma/direct/c2,dma/direct/c2/push --out "$OUT/moe" \
+      2>"$OUT/moe.err" | tail -12
     ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac

@@ -60,6 +60,9 @@ def _cases(tps=(8, 4)):
         for sched in Schedule.enumerate("a2a_matmul", tp):
             if C % sched.chunks == 0:  # invalid points filtered here, not skipped in the test
                 yield pytest.param(tp, sched, id=f"tp{tp}-{sched}")
+                if sched.comm == "dma" and sched.transfer == "pull":  # every dma point pushed as well
+                    push = sched.replace(transfer="push")
+                    yield pytest.param(tp, push, id=f"tp{tp}-{push}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -112,7 +115,7 @@ def _gradient_cases():
     seen = set()
     for case in _cases(tps=(4,)):
         _, sched = case.values
-        kind = (sched.comm, sched.order, sched.gemm, sched.copy_streams > 1)
+        kind = (sched.comm, sched.order, sched.gemm, sched.copy_streams > 1, sched.transfer)
         if sched.comm == "dma" and (kind in seen or sched.chunks == 1):
             continue
         seen.add(kind)
@@ -215,7 +218,7 @@ def _origin_coded(mesh, shape_per_device, dtype):
 
 @pytest.mark.parametrize("split_axis,concat_axis,sched", [
     (0, 0, None), (1, 0, None), (0, 2, None), (2, 1, "dma/ring/c1"), (1, 1, "dma/direct/c2/s2"),
-    (0, 0, "dma/direct/c4/s4"),
+    (0, 0, "dma/direct/c4/s4"), (1, 1, "dma/direct/c2/s2/push"), (0, 0, "dma/ring/c4/push"),
 ])
 @pytest.mark.parametrize("mesh_name", ["mesh1d", "mesh2d"])
 @pytest.mark.parametrize("dtype", ["float32", "int32"])
@@ -223,7 +226,7 @@ def test_dma_all_to_all_is_exact(request, mesh_name, split_axis, concat_axis, sc
     mesh = request.getfixturevalue(mesh_name)
     tp = mesh.shape["tp"]
     if sched is not None and Schedule.parse(sched).copy_streams > tp - 1:
-        sched = "dma/direct/c2"  # this mesh's tp axis has fewer peers than streams
+        sched = "dma/direct/c2" + ("/push" if sched.endswith("push") else "")  # fewer peers than streams
     shape = (tp * 4, 8, tp) if split_axis != 2 else (4, 8, tp * 2)
     x = _origin_coded(mesh, shape, dtype)
     spec = _tokens_spec(mesh)

@@ -76,17 +76,22 @@ def _cases(op, dtypes):
                 if dtype == jnp.bfloat16 and mesh_name == "1d" and sched.chunks not in (1, 8):
                     continue
                 yield pytest.param(mesh_name, dtype, sched, id=f"{mesh_name}-{jnp.dtype(dtype).name}-{sched}")
+                # Every point pushed as well (f32; bf16 changes the rounding, not the indexing).
+                if dtype == jnp.float32 and sched.transfer == "pull":
+                    push = sched.replace(transfer="push")
+                    yield pytest.param(mesh_name, dtype, push, id=f"{mesh_name}-{jnp.dtype(dtype).name}-{push}")
 
 
 # ------------------------------------------------------------------------------------------------
 # Origin-coded, exact
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("mesh_name", ["1d", "2d"])
-@pytest.mark.parametrize("sched", ["dma/direct/c1", "dma/ring/c2", "dma/direct/c4/s2", "dma/direct/c8/s4"])
+@pytest.mark.parametrize("sched", ["dma/direct/c1", "dma/ring/c2", "dma/direct/c4/s2", "dma/direct/c8/s4",
+                                   "dma/direct/c1/push", "dma/direct/c4/s2/push", "dma/direct/c8/s4/push"])
 def test_all_gather_origin_coded(mesh_name, sched):
     mesh = MESHES[mesh_name]
-    if mesh.shape["tp"] < 8 and sched.endswith("s4"):
-        sched = sched[:-1] + "2"
+    if mesh.shape["tp"] < 8 and "/s4" in sched:
+        sched = sched.replace("/s4", "/s2")
     x = _origin_coded(mesh, 8, 3)
     _poison_heap(x.shape, (len(x) * 8, 3))
     out = _run(mesh, lambda a: dma.all_gather(a, "tp", schedule=sched), P(_all_axes(mesh)), x)
@@ -98,7 +103,8 @@ def test_all_gather_origin_coded(mesh_name, sched):
 
 
 @pytest.mark.parametrize("mesh_name", ["1d", "2d"])
-@pytest.mark.parametrize("sched", ["dma/direct/c1", "dma/direct/c2/grouped/s2", "dma/direct/c4/s2"])
+@pytest.mark.parametrize("sched", ["dma/direct/c1", "dma/direct/c2/grouped/s2", "dma/direct/c4/s2",
+                                   "dma/direct/c1/push", "dma/direct/c2/grouped/s2/push", "dma/direct/c4/push"])
 def test_matmuls_origin_coded(mesh_name, sched):
     """With w = identity both ops are exact in f32: out = gathered rows, and sums of coded blocks."""
     mesh = MESHES[mesh_name]
@@ -169,16 +175,17 @@ def test_matmul_rs_every_schedule(mesh_name, dtype, sched, rng):
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("mesh_name", ["1d", "2d"])
 @pytest.mark.parametrize("axis", [0, 1, -1])
-def test_collectives_any_axis(mesh_name, axis, rng):
+@pytest.mark.parametrize("sched", [None, "dma/direct/c1/s2/push"])
+def test_collectives_any_axis(mesh_name, axis, sched, rng):
     mesh = MESHES[mesh_name]
     n = mesh.shape["tp"]
     x = jnp.asarray(rng.standard_normal((mesh.devices.size * 4, 2 * n, n)), jnp.float32)
     spec = P(_all_axes(mesh))
-    ag = _run(mesh, lambda a: dma.all_gather(a, "tp", axis=axis), spec, x)
+    ag = _run(mesh, lambda a: dma.all_gather(a, "tp", axis=axis, schedule=sched), spec, x)
     ag_ref = _run(mesh, lambda a: jax.lax.all_gather(a, "tp", axis=axis, tiled=True), spec, x)
     np.testing.assert_array_equal(ag, ag_ref)
     dim = axis if axis != 0 else 1  # scatter a dimension divisible by n
-    rs = _run(mesh, lambda a: dma.reduce_scatter(a, "tp", scatter_dimension=dim), spec, x)
+    rs = _run(mesh, lambda a: dma.reduce_scatter(a, "tp", scatter_dimension=dim, schedule=sched), spec, x)
     rs_ref = _run(mesh, lambda a: jax.lax.psum_scatter(a, "tp", scatter_dimension=dim % 3, tiled=True), spec, x)
     assert _rel_err(rs, rs_ref) < 1e-6
 
@@ -191,7 +198,8 @@ def test_all_gather_int_dtype():
 
 
 @pytest.mark.parametrize("mesh_name", ["1d", "2d"])
-def test_collective_gradients(mesh_name, rng):
+@pytest.mark.parametrize("sched", [None, "dma/direct/c4/s2/push"])
+def test_collective_gradients(mesh_name, sched, rng):
     mesh = MESHES[mesh_name]
     x = jnp.asarray(rng.standard_normal((mesh.devices.size * 8, 6)), jnp.float32)
     spec = P(_all_axes(mesh))
@@ -204,7 +212,8 @@ def test_collective_gradients(mesh_name, rng):
         return jnp.sum(f(a) ** 2)
 
     ours = jax.jit(jax.grad(functools.partial(
-        loss, lambda b: dma.all_gather(b, "tp"), lambda b: dma.reduce_scatter(b, "tp"))))(x)
+        loss, lambda b: dma.all_gather(b, "tp", schedule=sched),
+        lambda b: dma.reduce_scatter(b, "tp", schedule=sched))))(x)
     ref = jax.jit(jax.grad(functools.partial(
         loss, lambda b: jax.lax.all_gather(b, "tp", tiled=True),
         lambda b: jax.lax.psum_scatter(b, "tp", tiled=True))))(x)
@@ -214,7 +223,8 @@ def test_collective_gradients(mesh_name, rng):
 # ------------------------------------------------------------------------------------------------
 # Occurrences, chaining and joins
 # ------------------------------------------------------------------------------------------------
-def test_ops_inside_scan(rng):
+@pytest.mark.parametrize("transfer", ["pull", "push"])
+def test_ops_inside_scan(rng, transfer):
     """The same two call sites run 3 times in one launch: each execution meets its peers once."""
     mesh = MESHES["2d"]
     n, m, k, hidden = 4, 8, 16, 8
@@ -222,7 +232,7 @@ def test_ops_inside_scan(rng):
     w1 = jnp.asarray(rng.standard_normal((3, k, hidden * n)) / 4, jnp.float32)
     w2 = jnp.asarray(rng.standard_normal((3, hidden * n, k)) / 4, jnp.float32)
     spec, specs_w = P(("dp", "tp")), (P(None, None, "tp"), P(None, "tp", None))
-    s_ag, s_rs = Schedule.parse("dma/ring/c2"), Schedule.parse("dma/direct/c2/s2")
+    s_ag, s_rs = (Schedule.parse(s).replace(transfer=transfer) for s in ("dma/ring/c2", "dma/direct/c2/s2"))
 
     def layers(ag, rs, a, b1, b2):
         def step(h, ws):
@@ -239,7 +249,8 @@ def test_ops_inside_scan(rng):
     assert _rel_err(ours, ref) < 1e-5
 
 
-def test_chained_ops_and_buffer_reuse(rng):
+@pytest.mark.parametrize("suffix", ["", "/push"])
+def test_chained_ops_and_buffer_reuse(rng, suffix):
     """Each op reads the previous op's output, whose buffer XLA may reuse right after the call."""
     mesh = MESHES["1d"]
     x = jnp.asarray(rng.standard_normal((8 * 8, 4)), jnp.float32)
@@ -251,8 +262,9 @@ def test_chained_ops_and_buffer_reuse(rng):
             a = a.at[0].set(a[0] + 1.0)
         return a
 
-    ours = _run(mesh, functools.partial(chain, lambda a: dma.all_gather(a, "tp", schedule="dma/direct/c2/s2"),
-                                        lambda a: dma.reduce_scatter(a, "tp", schedule="dma/ring/c4")), P("tp"), x)
+    ours = _run(mesh, functools.partial(chain, lambda a: dma.all_gather(a, "tp", schedule="dma/direct/c2/s2" + suffix),
+                                        lambda a: dma.reduce_scatter(a, "tp", schedule="dma/ring/c4" + suffix)),
+                P("tp"), x)
     ref = _run(mesh, functools.partial(chain, lambda a: jax.lax.all_gather(a, "tp", tiled=True),
                                        lambda a: jax.lax.psum_scatter(a, "tp", tiled=True)), P("tp"), x)
     assert _rel_err(ours, ref) < 1e-5
@@ -267,7 +279,8 @@ def _direct_all_gather(groups, x):
     flat = groups.reshape(-1).astype(np.int64)
     return call(x, op_id=np.int64(10**9), groups=flat, local_ordinals=flat, ipc_job=np.int64(0), group_size=np.int64(n),
                 chunks=np.int64(2), order=np.int64(1), gemm=np.int64(0), copy_streams=np.int64(2),
-                timeout_ms=np.int64(5000), fault=np.int64(-1), skip_own_rows=np.int64(0))
+                timeout_ms=np.int64(5000), fault=np.int64(-1), skip_own_rows=np.int64(0),
+                transfer=np.int64(0))
 
 
 def test_direct_ffi_target():

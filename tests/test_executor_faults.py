@@ -91,10 +91,13 @@ def _mesh2d():
     return Mesh(devices.reshape(2, 4), ("dp", "tp"))
 
 
-def _program(mesh, op):
+def _program(mesh, op, transfer="pull"):
     """A freshly traced (so the fault switch is read now) and compiled program running `op`,
-    with its inputs and the expected output."""
+    with its inputs and the expected output; transfer="push" runs the push form of each schedule."""
     import ficco_jax
+
+    def sched(text):
+        return text + ("/push" if transfer == "push" else "")
 
     spec = P(tuple(mesh.axis_names))
     n, devices = mesh.shape["tp"], mesh.devices.size
@@ -102,18 +105,18 @@ def _program(mesh, op):
     x = jnp.asarray(rng.standard_normal((devices * 16, 4)), jnp.float32)  # 16 rows per device
     if op == "ag_matmul":
         w = jnp.asarray(rng.standard_normal((4, n * 2)), jnp.float32)
-        body = lambda a, b: ficco_jax.ag_matmul(a, b, "tp", schedule="dma/ring/c2")
+        body = lambda a, b: ficco_jax.ag_matmul(a, b, "tp", schedule=sched("dma/ring/c2"))
         in_specs, out_spec = (spec, P(None, "tp")), P(mesh.axis_names[:-1] or None, "tp")
         ref = lambda a, b: jax.lax.all_gather(a, "tp", tiled=True) @ b
     elif op == "matmul_rs":
         w = jnp.asarray(rng.standard_normal((4 * n, 3)), jnp.float32)
-        body = lambda a, b: ficco_jax.matmul_rs(a, b, "tp", schedule="dma/direct/c2/s2")
+        body = lambda a, b: ficco_jax.matmul_rs(a, b, "tp", schedule=sched("dma/direct/c2/s2"))
         in_specs, out_spec = (spec, P("tp", None)), spec
         ref = lambda a, b: jax.lax.psum_scatter(a @ b, "tp", tiled=True)
     else:
         w = None
-        body = (lambda a: dma.reduce_scatter(a, "tp", schedule="dma/direct/c1/s2")) if op == "reduce_scatter" \
-            else (lambda a: dma.all_gather(a, "tp", schedule="dma/direct/c2/s2"))
+        body = (lambda a: dma.reduce_scatter(a, "tp", schedule=sched("dma/direct/c1/s2"))) if op == "reduce_scatter" \
+            else (lambda a: dma.all_gather(a, "tp", schedule=sched("dma/direct/c2/s2")))
         ref = (lambda a: jax.lax.psum_scatter(a, "tp", tiled=True)) if op == "reduce_scatter" \
             else (lambda a: jax.lax.all_gather(a, "tp", tiled=True))
         in_specs, out_spec = (spec,), spec
@@ -127,16 +130,21 @@ def _program(mesh, op):
 @pytest.mark.parametrize("mesh_kind", ["1d", "2d"])
 @pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs", "all_gather", "reduce_scatter"])
 @pytest.mark.parametrize("mode", ["skip", "fail"])
-def test_every_op_fails_in_time_naming_the_rank_then_runs_again(op, mode, mesh_kind, short_timeout, monkeypatch):
+@pytest.mark.parametrize("transfer", ["pull", "push"])
+def test_every_op_fails_in_time_naming_the_rank_then_runs_again(op, mode, transfer, mesh_kind, short_timeout,
+                                                                monkeypatch):
     mesh = _mesh() if mesh_kind == "1d" else _mesh2d()
     missing = 1 if mesh_kind == "2d" else 6  # on the 2-D mesh: rank 1 of both tp groups
-    healthy, args, expected = _program(mesh, op)
+    healthy, args, expected = _program(mesh, op, transfer)
     monkeypatch.setattr(config, "FAULT_INJECTION", f"{mode}:{missing}")
-    faulty, _, _ = _program(mesh, op)
+    faulty, _, _ = _program(mesh, op, transfer)
     monkeypatch.setattr(config, "FAULT_INJECTION", "")
 
     start = time.monotonic()
-    with pytest.raises(Exception, match=rf"missing ranks \[{missing}\]|injected fault '{mode}' on rank {missing}"):
+    # Pulls: the peers time out waiting for the missing rank. Pushes: a rank that fails after the
+    # exchange still meets its peers once (they may have written into it), so they name it at once.
+    named = rf"missing ranks \[{missing}\]|injected fault '{mode}' on rank {missing}|rank {missing} \(device \d+\) failed"
+    with pytest.raises(Exception, match=named):
         jax.block_until_ready(faulty(*args))
     elapsed = time.monotonic() - start
     print(f"fault {mode}:{missing} {op} {mesh_kind}: error after {elapsed:.3f} s (timeout {TIMEOUT_S} s)")
@@ -145,7 +153,7 @@ def test_every_op_fails_in_time_naming_the_rank_then_runs_again(op, mode, mesh_k
     # The process stays usable: the program compiled before the fault, a fresh trace, and the
     # faulty program's peers on the next launch (a new RunId) are unaffected by the stale call.
     np.testing.assert_allclose(np.asarray(healthy(*args)), expected, rtol=1e-5, atol=1e-6)
-    fresh, _, _ = _program(mesh, op)
+    fresh, _, _ = _program(mesh, op, transfer)
     np.testing.assert_allclose(np.asarray(fresh(*args)), expected, rtol=1e-5, atol=1e-6)
 
 
@@ -160,7 +168,8 @@ def test_a_waiting_rank_names_the_op_group_and_missing_ranks():
         return call(a, op_id=np.int64(2 * 10**9), groups=groups, local_ordinals=groups, ipc_job=np.int64(0),
                     group_size=np.int64(8), chunks=np.int64(1),
                     order=np.int64(1), gemm=np.int64(0), copy_streams=np.int64(1),
-                    timeout_ms=np.int64(int(TIMEOUT_S * 1000)), fault=np.int64(-1), skip_own_rows=np.int64(0))
+                    timeout_ms=np.int64(int(TIMEOUT_S * 1000)), fault=np.int64(-1), skip_own_rows=np.int64(0),
+                    transfer=np.int64(0))
 
     f = jax.jit(jax.shard_map(gather, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False))
     x = jnp.zeros((4 * 2, 3), jnp.float32)

@@ -27,6 +27,7 @@ def test_enumeration_is_valid_unique_and_complete(op, n):
     (dict(comm="nccl"), "comm='nccl' is not one of"),
     (dict(chunks=0), "chunks=0 must be a positive int"),
     (dict(order="spiral"), "order='spiral'"),
+    (dict(comm="dma", transfer="fling"), "transfer='fling' is not one of"),
 ])
 def test_bad_fields_rejected_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -39,6 +40,8 @@ def test_bad_fields_rejected_at_construction(kwargs, match):
     (Schedule(comm="xla", copy_streams=2), "applies to comm='dma' only"),
     (Schedule(comm="dma", order="ring", copy_streams=2), "copy_streams must be 1"),
     (Schedule(comm="none", chunks=2), "takes no other fields"),
+    (Schedule(comm="xla", transfer="push"), "transfer='push' applies to comm='dma' only"),
+    (Schedule(comm="none", transfer="push"), "takes no other fields"),
 ])
 def test_invalid_points_explain_themselves(sched, match):
     with pytest.raises(ValueError, match=match):
@@ -53,3 +56,19 @@ def test_matmul_rs_dma_ring_is_not_in_the_space():
 def test_parse_rejects_garbage():
     with pytest.raises(ValueError, match="cannot parse schedule"):
         Schedule.parse("fast please")
+
+
+def test_push_round_trips_and_is_enumerated_when_chosen(monkeypatch):
+    from ficco_jax import config
+
+    text = "dma/direct/c4/grouped/s2/push"
+    assert str(Schedule.parse(text)) == text
+    assert Schedule.parse(text).transfer == "push"
+    assert str(Schedule(comm="dma", order="direct")) == "dma/direct/c1"  # pull is the unwritten default
+    assert {p.transfer for p in Schedule.enumerate("matmul_rs", 4)} == {"pull"}
+    monkeypatch.setattr(config, "TRANSFER_CHOICES", ("pull", "push"))
+    points = Schedule.enumerate("matmul_rs", 4)
+    dma = [p for p in points if p.comm == "dma"]
+    assert {p.transfer for p in dma} == {"pull", "push"}
+    assert len([p for p in dma if p.transfer == "push"]) == len(dma) // 2
+    assert all(p.transfer == "pull" for p in points if p.comm != "dma")

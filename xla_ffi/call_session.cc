@@ -25,6 +25,7 @@ std::vector<int> OpConfig::LocalOrdinals() const {
 
 CallSession::CallSession(const OpConfig& config, std::vector<int64_t> signature)
     : config_(config), signature_(std::move(signature)) {
+  signature_.push_back(config.push ? 1 : 0);  // a group mixing pull and push is an error, not a hang
   occurrence_ = Registry::Get().Device(config.ctx.device_ordinal).NextOccurrence(config.run_id, config.ctx.op_id);
 }
 
@@ -189,6 +190,73 @@ ffi::Error CallSession::Meet(Phase phase, const void* buffer, std::vector<Event>
   return ffi::Error::Success();
 }
 
+namespace {
+// kPushed posts carry no buffer; a rank whose pushes did not all happen posts this marker instead.
+const char kPushFailed = 0;
+
+// XLA's stream waits for the last work of each copy stream this call used.
+ffi::Error JoinCopyStreams(Backend& backend, const OpConfig& config) {
+  for (int stream = 0; stream < CopyStreamsUsed(config); ++stream) {
+    Event last;
+    FICCO_RETURN_IF_ERROR(backend.Record(stream, &last));
+    FICCO_RETURN_IF_ERROR(backend.Wait(Backend::kCompute, last));
+  }
+  return ffi::Error::Success();
+}
+}  // namespace
+
+ffi::Error AwaitLanded(Backend& backend, const OpConfig& config, const std::vector<std::vector<Event>>& landed,
+                       ffi::Error error) {
+  Event waited = nullptr;
+  for (const std::vector<Event>& slot : landed) {
+    for (Event event : slot) {
+      if (event != nullptr) (void)WaitOnce(backend, Backend::kCompute, event, &waited);  // best effort: we fail anyway
+    }
+  }
+  (void)JoinCopyStreams(backend, config);
+  return error;
+}
+
+ffi::Error CallSession::Push(Backend& backend, void* destination, Event entry, const PushFn& push, bool consumed,
+                             std::vector<std::vector<Event>>* landed) {
+  std::vector<Post> posts;
+  FICCO_RETURN_IF_ERROR(Meet(Phase::kExchange, destination, {entry}, &posts));  // all or none: no push yet
+  const int slots = config_.n() - 1;
+  std::vector<std::vector<Event>> pushed(slots, std::vector<Event>(config_.chunks, nullptr));
+  ffi::Error mine = CheckFault(config_, Fault::kFail);
+  if (mine.success()) mine = push(posts, &pushed);
+  std::vector<Event> flat;
+  for (const std::vector<Event>& slot : pushed) flat.insert(flat.end(), slot.begin(), slot.end());
+  ffi::Error met = Meet(Phase::kPushed, mine.failure() ? &kPushFailed : nullptr, std::move(flat), &posts);
+  if (met.failure()) {
+    // A peer never came (stuck or gone: every failure path meets here); what it pushed is unknown.
+    (void)JoinCopyStreams(backend, config_);
+    return mine.failure() ? std::move(mine) : std::move(met);
+  }
+  landed->assign(slots, {});
+  int failed_peer = -1;
+  for (int slot = 0; slot < slots; ++slot) {
+    const int source = config_.SourceOfSlot(slot);
+    const std::vector<Event>& theirs = posts[source].events;
+    (*landed)[slot].assign(theirs.begin() + slot * config_.chunks, theirs.begin() + (slot + 1) * config_.chunks);
+    if (posts[source].buffer == &kPushFailed) failed_peer = source;
+  }
+  if (mine.success() && failed_peer < 0) {
+    if (consumed) return ffi::Error::Success();
+    Event waited = nullptr;
+    for (const std::vector<Event>& slot : *landed) {
+      for (Event event : slot) FICCO_RETURN_IF_ERROR(WaitOnce(backend, Backend::kCompute, event, &waited));
+    }
+    return ffi::Error::Success();
+  }
+  if (mine.success()) {
+    mine = MakeError(config_.ctx, "rank " + std::to_string(failed_peer) + " (device " +
+                                      std::to_string(config_.group[failed_peer]) +
+                                      ") failed before all of its pushes were enqueued; its error says why");
+  }
+  return AwaitLanded(backend, config_, *landed, std::move(mine));
+}
+
 int CopyStreamsUsed(const OpConfig& config) {
   if (config.order == Order::kRing) return 1;
   return std::max(1, std::min(config.copy_streams, config.n() - 1));
@@ -236,6 +304,10 @@ ffi::Error JoinAndRelease(Backend& backend, const OpConfig& config, CallSession&
 
 ffi::Error BeginCall(Backend& backend, const OpConfig& config, int64_t rows, const char* what) {
   FICCO_RETURN_IF_ERROR(CheckFault(config, Fault::kSkip));
+  if (config.push && config.cross_process()) {
+    return MakeInvalid(config.ctx, "transfer=push writes into the peers' XLA buffers, which other processes "
+                                   "cannot open; a group across processes needs transfer=pull");
+  }
   if (config.chunks < 1 || rows % config.chunks != 0) {
     return MakeInvalid(config.ctx, std::string(what) + " = " + std::to_string(rows) +
                                        " must divide by chunks = " + std::to_string(config.chunks));

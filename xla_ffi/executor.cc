@@ -55,21 +55,42 @@ ffi::Error RunAllGather(Backend& backend, const OpConfig& config, const AllGathe
                                         a.cols, a.dtype}));
   }
   std::vector<Post> posts;
-  FICCO_RETURN_IF_ERROR(session.Exchange(backend, exposure, &posts));
-  FICCO_RETURN_IF_ERROR(CheckFault(config, Fault::kFail));
-
-  // Puller: peers by ring distance (r-1 first), each chunk into its rows of `gathered`.
   const int64_t q = a.m / config.chunks;
   std::vector<std::vector<Event>> landed(config.n() - 1, std::vector<Event>(config.chunks));
-  for (int slot = 0; slot < config.n() - 1; ++slot) {
-    const int peer = config.SourceOfSlot(slot);
-    const int stream = config.StreamOfSlot(slot);
-    FICCO_RETURN_IF_ERROR(backend.Wait(stream, posts[peer].events[0]));
-    for (int64_t j = 0; j < config.chunks; ++j) {
-      const int64_t row = peer * a.m + j * q;
-      FICCO_RETURN_IF_ERROR(backend.Copy(stream, Offset(a.gathered, row * a.row_bytes),
-                                         Offset(posts[peer].buffer, j * q * a.row_bytes), q * a.row_bytes));
-      FICCO_RETURN_IF_ERROR(backend.Record(stream, &landed[slot][j]));
+  if (config.push) {
+    // Sender: x to every peer (r+1 first), each chunk into our rows of its `gathered`, once the
+    // peer entered this call (its `ready` doubles as entry) and x is valid (our `ready`).
+    auto push = [&](const std::vector<Post>& targets, std::vector<std::vector<Event>>* pushed) {
+      std::vector<bool> waited_ready(CopyStreamsUsed(config), false);
+      for (int slot = 0; slot < config.n() - 1; ++slot) {
+        const Post& target = targets[config.TargetOfSlot(slot)];
+        const int stream = config.StreamOfSlot(slot);
+        if (!waited_ready[stream]) FICCO_RETURN_IF_ERROR(backend.Wait(stream, ready));
+        waited_ready[stream] = true;
+        FICCO_RETURN_IF_ERROR(backend.Wait(stream, target.events[0]));
+        for (int64_t j = 0; j < config.chunks; ++j) {
+          FICCO_RETURN_IF_ERROR(backend.Copy(stream, Destination(target, (r * a.m + j * q) * a.row_bytes),
+                                             Offset(a.x, j * q * a.row_bytes), q * a.row_bytes));
+          FICCO_RETURN_IF_ERROR(backend.Record(stream, &(*pushed)[slot][j]));
+        }
+      }
+      return ffi::Error::Success();
+    };
+    FICCO_RETURN_IF_ERROR(session.Push(backend, a.gathered, ready, push, /*consumed=*/matmul, &landed));
+  } else {
+    FICCO_RETURN_IF_ERROR(session.Exchange(backend, exposure, &posts));
+    FICCO_RETURN_IF_ERROR(CheckFault(config, Fault::kFail));
+    // Puller: peers by ring distance (r-1 first), each chunk into its rows of `gathered`.
+    for (int slot = 0; slot < config.n() - 1; ++slot) {
+      const int peer = config.SourceOfSlot(slot);
+      const int stream = config.StreamOfSlot(slot);
+      FICCO_RETURN_IF_ERROR(backend.Wait(stream, posts[peer].events[0]));
+      for (int64_t j = 0; j < config.chunks; ++j) {
+        const int64_t row = peer * a.m + j * q;
+        FICCO_RETURN_IF_ERROR(backend.Copy(stream, Offset(a.gathered, row * a.row_bytes),
+                                           Offset(posts[peer].buffer, j * q * a.row_bytes), q * a.row_bytes));
+        FICCO_RETURN_IF_ERROR(backend.Record(stream, &landed[slot][j]));
+      }
     }
   }
   // Our own rows of `gathered` go last on the last copy stream: the copy is only needed by the
@@ -81,7 +102,10 @@ ffi::Error RunAllGather(Backend& backend, const OpConfig& config, const AllGathe
     FICCO_RETURN_IF_ERROR(backend.Wait(last_stream, ready));
     FICCO_RETURN_IF_ERROR(backend.Copy(last_stream, Offset(a.gathered, r * a.m * a.row_bytes), a.x, a.m * a.row_bytes));
   }
-  if (matmul) FICCO_RETURN_IF_ERROR(AllGatherMatmuls(backend, config, a, landed));
+  if (matmul) {
+    ffi::Error multiplied = AllGatherMatmuls(backend, config, a, landed);
+    if (multiplied.failure()) return AwaitLanded(backend, config, landed, std::move(multiplied));
+  }
   return JoinAndRelease(backend, config, session);
 }
 
@@ -162,8 +186,11 @@ ffi::Error RunReduceScatter(Backend& backend, const OpConfig& config, const Redu
 
   // Owner: matmul_rs exposes its send partials (one event per chunk); reduce_scatter exposes y.
   // Across processes the partials are written straight into the staging buffer peers read.
+  // With transfer=push, `entry` opens our `recv` to the peers' writes, before our own matmuls.
   std::vector<Event> exposed;
   ReduceScatterArgs args = a;
+  Event entry = nullptr;
+  if (config.push) FICCO_RETURN_IF_ERROR(backend.Record(Backend::kCompute, &entry));
   if (matmul) {
     void* in_place = nullptr;
     FICCO_RETURN_IF_ERROR(session.StageInPlace(backend, (config.n() - 1) * block_bytes, &in_place));
@@ -175,30 +202,53 @@ ffi::Error RunReduceScatter(Backend& backend, const OpConfig& config, const Redu
     exposed.assign((config.n() - 1) * config.chunks, ready);
   }
   std::vector<Post> posts;
-  // Peers read send's n-1 blocks (one piece per (slot, chunk) event), or y's other blocks.
-  const Exposure exposure = matmul ? Exposure{args.send, (config.n() - 1) * block_bytes,
-                                              static_cast<int64_t>(exposed.size()), exposed}
-                                   : Exposure{a.y, config.n() * block_bytes, 1, exposed};
-  FICCO_RETURN_IF_ERROR(session.Exchange(backend, exposure, &posts));
-  FICCO_RETURN_IF_ERROR(CheckFault(config, Fault::kFail));
-
-  // Puller: from peer p = r-1-s, its block for us. In matmul_rs that is p's send slot s (p's
-  // slot s targets p+1+s = r); in reduce_scatter it is rows [r*m, (r+1)*m) of p's y.
   std::vector<std::vector<Event>> landed(config.n() - 1, std::vector<Event>(config.chunks));
-  for (int slot = 0; slot < config.n() - 1; ++slot) {
-    const Post& peer = posts[config.SourceOfSlot(slot)];
-    const int stream = config.StreamOfSlot(slot);
-    const void* source = matmul ? Offset(peer.buffer, slot * block_bytes) : Offset(peer.buffer, r * block_bytes);
-    Event waited = nullptr;
-    for (int64_t j = 0; j < config.chunks; ++j) {
-      FICCO_RETURN_IF_ERROR(WaitOnce(backend, stream, peer.events[slot * config.chunks + j], &waited));
-      FICCO_RETURN_IF_ERROR(backend.Copy(stream, Offset(a.recv, slot * block_bytes + j * chunk_bytes),
-                                         Offset(source, j * chunk_bytes), chunk_bytes));
-      FICCO_RETURN_IF_ERROR(backend.Record(stream, &landed[slot][j]));
+  if (config.push) {
+    // Sender: to the peer t = r+1+s its block — our send slot s (matmul_rs) or rows [t*m, (t+1)*m)
+    // of y (reduce_scatter) — into slot s of t's recv (t's receive slot s is fed by t-1-s = r).
+    auto push = [&](const std::vector<Post>& targets, std::vector<std::vector<Event>>* pushed) {
+      for (int slot = 0; slot < config.n() - 1; ++slot) {
+        const int target = config.TargetOfSlot(slot);
+        const int stream = config.StreamOfSlot(slot);
+        const void* source = matmul ? Offset(args.send, slot * block_bytes) : Offset(a.y, target * block_bytes);
+        FICCO_RETURN_IF_ERROR(backend.Wait(stream, targets[target].events[0]));
+        Event waited = nullptr;
+        for (int64_t j = 0; j < config.chunks; ++j) {
+          FICCO_RETURN_IF_ERROR(WaitOnce(backend, stream, exposed[slot * config.chunks + j], &waited));
+          FICCO_RETURN_IF_ERROR(backend.Copy(stream, Destination(targets[target], slot * block_bytes + j * chunk_bytes),
+                                             Offset(source, j * chunk_bytes), chunk_bytes));
+          FICCO_RETURN_IF_ERROR(backend.Record(stream, &(*pushed)[slot][j]));
+        }
+      }
+      return ffi::Error::Success();
+    };
+    FICCO_RETURN_IF_ERROR(session.Push(backend, a.recv, entry, push, /*consumed=*/true, &landed));
+  } else {
+    // Peers read send's n-1 blocks (one piece per (slot, chunk) event), or y's other blocks.
+    const Exposure exposure = matmul ? Exposure{args.send, (config.n() - 1) * block_bytes,
+                                                static_cast<int64_t>(exposed.size()), exposed}
+                                     : Exposure{a.y, config.n() * block_bytes, 1, exposed};
+    FICCO_RETURN_IF_ERROR(session.Exchange(backend, exposure, &posts));
+    FICCO_RETURN_IF_ERROR(CheckFault(config, Fault::kFail));
+
+    // Puller: from peer p = r-1-s, its block for us. In matmul_rs that is p's send slot s (p's
+    // slot s targets p+1+s = r); in reduce_scatter it is rows [r*m, (r+1)*m) of p's y.
+    for (int slot = 0; slot < config.n() - 1; ++slot) {
+      const Post& peer = posts[config.SourceOfSlot(slot)];
+      const int stream = config.StreamOfSlot(slot);
+      const void* source = matmul ? Offset(peer.buffer, slot * block_bytes) : Offset(peer.buffer, r * block_bytes);
+      Event waited = nullptr;
+      for (int64_t j = 0; j < config.chunks; ++j) {
+        FICCO_RETURN_IF_ERROR(WaitOnce(backend, stream, peer.events[slot * config.chunks + j], &waited));
+        FICCO_RETURN_IF_ERROR(backend.Copy(stream, Offset(a.recv, slot * block_bytes + j * chunk_bytes),
+                                           Offset(source, j * chunk_bytes), chunk_bytes));
+        FICCO_RETURN_IF_ERROR(backend.Record(stream, &landed[slot][j]));
+      }
     }
   }
   const void* own = matmul ? static_cast<const void*>(a.out) : Offset(a.y, r * block_bytes);
-  FICCO_RETURN_IF_ERROR(ReduceChunks(backend, config, a, own, landed));
+  ffi::Error reduced = ReduceChunks(backend, config, a, own, landed);
+  if (reduced.failure()) return AwaitLanded(backend, config, landed, std::move(reduced));
   return JoinAndRelease(backend, config, session);
 }
 

@@ -10,10 +10,21 @@
 //           must not return until every peer's pulls from it are done (the join).
 //   Puller: after the exchange, copy streams wait on the owner's event, pull each chunk into
 //           local memory and record one event per chunk for the compute stream.
+// With transfer=push (config.push; groups inside one process) the roles turn round:
+//   Receiver: records `entry` (its destination buffer is XLA's to write from here) and posts
+//             the destination in the exchange (CallSession::Push).
+//   Sender:   its copy streams wait on the target's entry and on its own data's events, write
+//             each chunk into the target's buffer and record one event per chunk; a second
+//             meeting (kPushed) hands those events to the receivers.
+// The join is unchanged: each device's copy streams (now writing peers) and its peers' (writing
+// it) are waited for before the handler returns. Why push: on 2 x H200 with both GPUs receiving
+// at once, copy-engine ingress was 339 (push) vs 311 (pull) GB/s at 40 MiB blocks and 262 vs 162
+// at 8 MiB (scripts/ingress_probe.py, session 6).
 #ifndef FICCO_JAX_XLA_FFI_EXECUTOR_H_
 #define FICCO_JAX_XLA_FFI_EXECUTOR_H_
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -51,6 +62,7 @@ struct OpConfig {
   Fault fault = Fault::kNone;
   int fault_rank = -1;
   bool skip_own_rows = false;  // ag_matmul / a2a_matmul whose gathered / received output nobody reads
+  bool push = false;  // transfer=push: senders write into their peers' buffers (see the top of this file)
 
   int n() const { return static_cast<int>(group.size()); }
   bool cross_process() const { return ipc_job != 0; }
@@ -123,6 +135,11 @@ ffi::Error RunReduceScatter(Backend& backend, const OpConfig& config, const Redu
 // A byte offset into a device buffer.
 inline const char* Offset(const void* base, int64_t bytes) { return static_cast<const char*>(base) + bytes; }
 inline char* Offset(void* base, int64_t bytes) { return static_cast<char*>(base) + bytes; }
+// A byte offset into a peer's destination buffer, posted writable by CallSession::Push (posts
+// carry every buffer as const void*).
+inline char* Destination(const Post& post, int64_t bytes) {
+  return static_cast<char*>(const_cast<void*>(post.buffer)) + bytes;
+}
 
 // ------------------------------------------------------------------------------------------
 // Building blocks shared by the executors of every op (call_session.cc).
@@ -166,6 +183,22 @@ class CallSession {
   // Posts (buffer, events) and returns every rank's post once all have arrived. A peer whose
   // shapes or schedule differ from ours is an error, not a wrong answer.
   ffi::Error Meet(Phase phase, const void* buffer, std::vector<Event> events, std::vector<Post>* posts);
+  // transfer=push, from the exchange to the landed events. Posts this device's `destination` (where
+  // its peers write) and `entry` (their copies into it wait for it), then calls `push` with every
+  // rank's post to enqueue this device's pushes, recording pushed[s][j] once chunk j is written
+  // into the peer of send slot s (TargetOfSlot). A second meeting (kPushed) hands those events
+  // round; `landed[s][j]` is the event of chunk j that the peer of receive slot s (SourceOfSlot)
+  // pushed here — that peer's send slot s, as p + 1 + s = r.
+  // Failure safety: peers write into this device's buffers, which XLA frees once the handler
+  // returns an error. So every rank that passed the exchange meets at kPushed on every path (a
+  // rank whose own pushes failed, or the injected "fail" fault, says so in its post), and on any
+  // failure, ours or a peer's, XLA's stream waits for every push into this device and for this
+  // device's copy streams before the error returns. With `consumed` false (nothing on this device
+  // reads the landed data: all_gather, all_to_all, matmul_a2a) XLA's stream waits for them on
+  // success too; consumers wait per chunk (and AwaitLanded on a later error).
+  using PushFn = std::function<ffi::Error(const std::vector<Post>&, std::vector<std::vector<Event>>*)>;
+  ffi::Error Push(Backend& backend, void* destination, Event entry, const PushFn& push, bool consumed,
+                  std::vector<std::vector<Event>>* landed);
   // Across processes, within JoinAndRelease (no-ops otherwise): XLA's stream waits for the
   // staging copies (they read XLA's buffers), and, once the peers' pulls_done events are known,
   // the staging stream waits for them (see call_session.cc for why).
@@ -198,6 +231,11 @@ ffi::Error CheckFault(const OpConfig& config, Fault when);
 ffi::Error BeginCall(Backend& backend, const OpConfig& config, int64_t rows, const char* what);
 // The join and event release that end every call (see call_session.cc).
 ffi::Error JoinAndRelease(Backend& backend, const OpConfig& config, CallSession& session);
+// On an error after transfers were enqueued: XLA's stream waits for every landed chunk (pulled by
+// this device's copy streams or pushed by its peers) and for this device's copy streams, so the
+// buffers XLA frees with the error are no longer written or read. Returns `error`.
+ffi::Error AwaitLanded(Backend& backend, const OpConfig& config, const std::vector<std::vector<Event>>& landed,
+                       ffi::Error error);
 // `stream` waits for `event` unless `*waited` (the event it waited for last, in this loop) is the
 // same: a block computed by one matmul (gemm=grouped) posts one event for all of its chunks. Within
 // a call no event is re-recorded, so the second wait would change nothing — but across processes

@@ -99,22 +99,46 @@ ffi::Error RunAllToAll(Backend& backend, const OpConfig& config, const AllToAllA
     }
   }
   std::vector<Post> posts;
-  FICCO_RETURN_IF_ERROR(session.Exchange(backend, exposure, &posts));
-  FICCO_RETURN_IF_ERROR(CheckFault(config, Fault::kFail));
-
-  // Puller: peer p = r-1-s holds our block at x_p[r]; chunk j is rows [j*q, (j+1)*q) of every group.
   const int64_t q = a.rows / config.chunks;
   std::vector<std::vector<Event>> landed(config.n() - 1, std::vector<Event>(config.chunks));
-  for (int slot = 0; slot < config.n() - 1; ++slot) {
-    const int peer = config.SourceOfSlot(slot);
-    const int stream = config.StreamOfSlot(slot);
-    FICCO_RETURN_IF_ERROR(backend.Wait(stream, posts[peer].events[0]));
-    for (int64_t j = 0; j < config.chunks; ++j) {
-      for (int64_t e = 0; e < a.groups; ++e) {
-        FICCO_RETURN_IF_ERROR(backend.Copy(stream, Offset(a.received, layout.At(peer, e, j * q)),
-                                           Offset(posts[peer].buffer, layout.At(r, e, j * q)), q * a.row_bytes));
+  if (config.push) {
+    // Sender: our block t of x to the peer t = r+1+s, chunk by chunk, into block r of its
+    // `received`, once it entered the call (its `ready`) and x is valid (ours).
+    auto push = [&](const std::vector<Post>& targets, std::vector<std::vector<Event>>* pushed) {
+      std::vector<bool> waited_ready(CopyStreamsUsed(config), false);
+      for (int slot = 0; slot < config.n() - 1; ++slot) {
+        const int target = config.TargetOfSlot(slot);
+        const int stream = config.StreamOfSlot(slot);
+        if (!waited_ready[stream]) FICCO_RETURN_IF_ERROR(backend.Wait(stream, ready));
+        waited_ready[stream] = true;
+        FICCO_RETURN_IF_ERROR(backend.Wait(stream, targets[target].events[0]));
+        for (int64_t j = 0; j < config.chunks; ++j) {
+          for (int64_t e = 0; e < a.groups; ++e) {
+            FICCO_RETURN_IF_ERROR(backend.Copy(stream, Destination(targets[target], layout.At(r, e, j * q)),
+                                               Offset(a.x, layout.At(target, e, j * q)), q * a.row_bytes));
+          }
+          FICCO_RETURN_IF_ERROR(backend.Record(stream, &(*pushed)[slot][j]));
+        }
       }
-      FICCO_RETURN_IF_ERROR(backend.Record(stream, &landed[slot][j]));
+      return ffi::Error::Success();
+    };
+    FICCO_RETURN_IF_ERROR(session.Push(backend, a.received, ready, push, /*consumed=*/matmul, &landed));
+  } else {
+    FICCO_RETURN_IF_ERROR(session.Exchange(backend, exposure, &posts));
+    FICCO_RETURN_IF_ERROR(CheckFault(config, Fault::kFail));
+
+    // Puller: peer p = r-1-s holds our block at x_p[r]; chunk j is rows [j*q, (j+1)*q) of every group.
+    for (int slot = 0; slot < config.n() - 1; ++slot) {
+      const int peer = config.SourceOfSlot(slot);
+      const int stream = config.StreamOfSlot(slot);
+      FICCO_RETURN_IF_ERROR(backend.Wait(stream, posts[peer].events[0]));
+      for (int64_t j = 0; j < config.chunks; ++j) {
+        for (int64_t e = 0; e < a.groups; ++e) {
+          FICCO_RETURN_IF_ERROR(backend.Copy(stream, Offset(a.received, layout.At(peer, e, j * q)),
+                                             Offset(posts[peer].buffer, layout.At(r, e, j * q)), q * a.row_bytes));
+        }
+        FICCO_RETURN_IF_ERROR(backend.Record(stream, &landed[slot][j]));
+      }
     }
   }
   // Our own block last on the last copy stream: only the join needs it, and nobody when a2a_matmul's
@@ -125,7 +149,10 @@ ffi::Error RunAllToAll(Backend& backend, const OpConfig& config, const AllToAllA
     FICCO_RETURN_IF_ERROR(backend.Copy(last_stream, Offset(a.received, layout.At(r, 0, 0)),
                                        Offset(a.x, layout.At(r, 0, 0)), layout.Block()));
   }
-  if (matmul) FICCO_RETURN_IF_ERROR(DispatchMatmuls(backend, config, a, landed));
+  if (matmul) {
+    ffi::Error multiplied = DispatchMatmuls(backend, config, a, landed);
+    if (multiplied.failure()) return AwaitLanded(backend, config, landed, std::move(multiplied));
+  }
   return JoinAndRelease(backend, config, session);
 }
 
@@ -139,20 +166,47 @@ ffi::Error RunMatmulAllToAll(Backend& backend, const OpConfig& config, const Mat
 
   // Owner: the results for every peer, one event per chunk, exposed through `send` (across
   // processes: written straight into the staging buffer peers read, CallSession::StageInPlace).
+  // With transfer=push, `entry` opens our `out` to the peers' writes (their blocks of it).
   std::vector<Event> written;
   MatmulAllToAllArgs args = a;
+  Event entry = nullptr;
+  if (config.push) FICCO_RETURN_IF_ERROR(backend.Record(Backend::kCompute, &entry));
   void* in_place = nullptr;
   FICCO_RETURN_IF_ERROR(session.StageInPlace(backend, (config.n() - 1) * layout.Block(), &in_place));
   if (in_place != nullptr) args.send = in_place;
   FICCO_RETURN_IF_ERROR(CombineMatmuls(backend, config, args, &written));
   std::vector<Post> posts;
+  const int64_t q = a.rows / config.chunks;
+  if (config.push) {
+    // Sender: send slot s to the peer t = r+1+s, into block r of its `out`, chunk by chunk once
+    // each is computed. Nothing here reads what lands: XLA's stream waits for it (Push).
+    auto push = [&](const std::vector<Post>& targets, std::vector<std::vector<Event>>* pushed) {
+      for (int slot = 0; slot < config.n() - 1; ++slot) {
+        const int target = config.TargetOfSlot(slot);
+        const int stream = config.StreamOfSlot(slot);
+        FICCO_RETURN_IF_ERROR(backend.Wait(stream, targets[target].events[0]));
+        Event waited = nullptr;
+        for (int64_t j = 0; j < config.chunks; ++j) {
+          FICCO_RETURN_IF_ERROR(WaitOnce(backend, stream, written[slot * config.chunks + j], &waited));
+          for (int64_t e = 0; e < a.groups; ++e) {
+            FICCO_RETURN_IF_ERROR(backend.Copy(stream, Destination(targets[target], layout.At(config.rank, e, j * q)),
+                                               Offset(args.send, layout.At(slot, e, j * q)), q * layout.row_bytes));
+          }
+          FICCO_RETURN_IF_ERROR(backend.Record(stream, &(*pushed)[slot][j]));
+        }
+      }
+      return ffi::Error::Success();
+    };
+    std::vector<std::vector<Event>> landed;
+    FICCO_RETURN_IF_ERROR(session.Push(backend, a.out, entry, push, /*consumed=*/false, &landed));
+    return JoinAndRelease(backend, config, session);
+  }
   // One piece per send slot: a slot's chunks are strided rows of every group, not contiguous.
   FICCO_RETURN_IF_ERROR(session.Exchange(
       backend, {args.send, (config.n() - 1) * layout.Block(), config.n() - 1, written}, &posts));
   FICCO_RETURN_IF_ERROR(CheckFault(config, Fault::kFail));
 
   // Puller: peer p = r-1-s computed its send slot s for us (p + 1 + s = r).
-  const int64_t q = a.rows / config.chunks;
   for (int slot = 0; slot < config.n() - 1; ++slot) {
     const int peer = config.SourceOfSlot(slot);
     const Post& post = posts[peer];

@@ -69,10 +69,11 @@ ffi::Error DecodeConfig(const OpAttrs& attrs, const char* target, int32_t device
                                 "not match the devices it runs on");
   }
   if (attrs.chunks < 1 || attrs.copy_streams < 1 || (attrs.order != 0 && attrs.order != 1) ||
-      (attrs.gemm != 0 && attrs.gemm != 1) || attrs.timeout_ms < 0) {
+      (attrs.gemm != 0 && attrs.gemm != 1) || (attrs.transfer != 0 && attrs.transfer != 1) || attrs.timeout_ms < 0) {
     return MakeInvalid(ctx, "bad schedule attributes: chunks=" + std::to_string(attrs.chunks) +
                                 " order=" + std::to_string(attrs.order) + " gemm=" + std::to_string(attrs.gemm) +
-                                " copy_streams=" + std::to_string(attrs.copy_streams));
+                                " copy_streams=" + std::to_string(attrs.copy_streams) +
+                                " transfer=" + std::to_string(attrs.transfer));
   }
   config->chunks = attrs.chunks;
   config->order = static_cast<Order>(attrs.order);
@@ -82,6 +83,7 @@ ffi::Error DecodeConfig(const OpAttrs& attrs, const char* target, int32_t device
   config->fault = attrs.fault < 0 ? Fault::kNone : static_cast<Fault>(attrs.fault / 1000);
   config->fault_rank = attrs.fault < 0 ? -1 : static_cast<int>(attrs.fault % 1000);
   config->skip_own_rows = attrs.skip_own_rows != 0;
+  config->push = attrs.transfer == 1;
   return ffi::Error::Success();
 }
 

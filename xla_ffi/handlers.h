@@ -36,6 +36,7 @@ struct OpAttrs {
   // residual): this device's own rows / block are then not copied in (the matmuls read them from x);
   // the peers' rows still land there.
   int64_t skip_own_rows;
+  int64_t transfer;               // 0 pull (the receiver's copy streams read), 1 push (the sender's write)
 };
 
 // Buffer checks shared by the Impls: "[2, 3]"; `buffer` has exactly `dims` (the message names
@@ -66,6 +67,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::xla::ffi::StructMember<int64_t>("group_size"), ::xla::ffi::StructMember<int64_t>("chunks"),
     ::xla::ffi::StructMember<int64_t>("order"), ::xla::ffi::StructMember<int64_t>("gemm"),
     ::xla::ffi::StructMember<int64_t>("copy_streams"), ::xla::ffi::StructMember<int64_t>("timeout_ms"),
-    ::xla::ffi::StructMember<int64_t>("fault"), ::xla::ffi::StructMember<int64_t>("skip_own_rows"));
+    ::xla::ffi::StructMember<int64_t>("fault"), ::xla::ffi::StructMember<int64_t>("skip_own_rows"),
+    ::xla::ffi::StructMember<int64_t>("transfer"));
 
 #endif  // FICCO_JAX_XLA_FFI_HANDLERS_H_

@@ -12,6 +12,7 @@ const char* PhaseName(Phase phase) {
     case Phase::kExchange: return "exchange";
     case Phase::kDone: return "done";
     case Phase::kRelease: return "release";
+    case Phase::kPushed: return "pushed";
   }
   return "?";
 }

@@ -38,7 +38,8 @@ struct Post {
   std::vector<Event> events;       // the events peers wait on before reading `buffer`
 };
 
-enum class Phase : int { kExchange = 0, kDone = 1, kRelease = 2 };
+// kPushed: transfer=push only (executor.h, CallSession::Push).
+enum class Phase : int { kExchange = 0, kDone = 1, kRelease = 2, kPushed = 3 };
 const char* PhaseName(Phase phase);
 
 struct RendezvousKey {

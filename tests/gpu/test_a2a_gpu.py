@@ -40,7 +40,8 @@ def _sharded(mesh, fn):
 
 
 def _schedules(n):
-    return [s for s in Schedule.enumerate("a2a_matmul", n, comms=("dma",)) if s.chunks in (1, 4)]
+    pulled = [s for s in Schedule.enumerate("a2a_matmul", n, comms=("dma",)) if s.chunks in (1, 4)]
+    return pulled + [s.replace(transfer="push") for s in pulled]
 
 
 def test_all_to_all_is_exact():
@@ -48,7 +49,8 @@ def test_all_to_all_is_exact():
     n = len(GPUS)
     x = jnp.arange(n * n * 4 * 6 * 5, dtype=jnp.float32).reshape(n * n * 4, 6, 5)
     spec = P("ep")
-    for split, concat, sched in ((0, 0, None), (0, 1, "dma/ring/c2"), (1, 0, "dma/direct/c1")):
+    for split, concat, sched in ((0, 0, None), (0, 1, "dma/ring/c2"), (1, 0, "dma/direct/c1"), (0, 0, "dma/direct/c2/push"),
+                                 (1, 0, "dma/direct/c1/push")):
         if split == 1:
             x = x.reshape(n * n, 4 * 6, 5)  # split axis 1 (24 rows) must divide by n
         got = jax.jit(jax.shard_map(lambda v: dma.all_to_all(v, "ep", split, concat, schedule=sched),

@@ -70,9 +70,10 @@ def _rs_ref(mesh):
 def _cases(op):
     n = len(GPUS)
     for shape in SHAPES:
-        for sched in Schedule.enumerate(op, n, comms=("dma",)) if n >= 2 else []:
-            if SHAPES[shape][0] % sched.chunks == 0:
-                yield pytest.param(shape, sched, id=f"{shape}-{sched}")
+        for pulled in Schedule.enumerate(op, n, comms=("dma",)) if n >= 2 else []:
+            for sched in (pulled, pulled.replace(transfer="push")):  # every point pulled and pushed
+                if SHAPES[shape][0] % sched.chunks == 0:
+                    yield pytest.param(shape, sched, id=f"{shape}-{sched}")
 
 
 @pytest.mark.parametrize("shape,sched", list(_cases("ag_matmul")))
@@ -103,15 +104,17 @@ def test_matmul_rs_gpu(shape, sched):
 
 
 @pytest.mark.parametrize("axis", [0, 1])
-def test_collectives_gpu(axis):
+@pytest.mark.parametrize("sched", [None, "dma/direct/c2/push"])
+def test_collectives_gpu(axis, sched):
     mesh, n = _mesh(), len(GPUS)
     rng = np.random.default_rng(axis)
     x = jnp.asarray(rng.standard_normal((n * 256, 4 * n, 64)), jnp.bfloat16)
-    ag = jax.jit(jax.shard_map(lambda a: dma.all_gather(a, "tp", axis=axis), mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))
+    ag = jax.jit(jax.shard_map(lambda a: dma.all_gather(a, "tp", axis=axis, schedule=sched), mesh=mesh,
+                               in_specs=P("tp"), out_specs=P("tp")))
     ag_ref = jax.jit(jax.shard_map(lambda a: jax.lax.all_gather(a, "tp", axis=axis, tiled=True), mesh=mesh,
                                    in_specs=P("tp"), out_specs=P("tp")))
     np.testing.assert_array_equal(np.asarray(ag(x)), np.asarray(ag_ref(x)))
-    rs = jax.jit(jax.shard_map(lambda a: dma.reduce_scatter(a, "tp", scatter_dimension=1), mesh=mesh,
+    rs = jax.jit(jax.shard_map(lambda a: dma.reduce_scatter(a, "tp", scatter_dimension=1, schedule=sched), mesh=mesh,
                                in_specs=P("tp"), out_specs=P("tp")))
     rs_ref = jax.jit(jax.shard_map(
         lambda a: jax.lax.psum_scatter(a.astype(jnp.float32), "tp", scatter_dimension=1, tiled=True),
@@ -137,7 +140,8 @@ def test_reduce_scatter_sizes_gpu(dtype, rows, cols, schedule):
     assert _rel_err(ours(x), ref(x)) < tol
 
 
-def test_back_to_back_calls_gpu():
+@pytest.mark.parametrize("transfer", ["pull", "push"])
+def test_back_to_back_calls_gpu(transfer):
     """200 calls in a row: event-pool reuse, occurrence counting and joins under pressure."""
     mesh, n = _mesh(), len(GPUS)
     m, k, cols = SHAPES["small"]
@@ -146,6 +150,7 @@ def test_back_to_back_calls_gpu():
     w1 = jnp.asarray(rng.standard_normal((k, n * cols)) / np.sqrt(k), jnp.bfloat16)
     w2 = jnp.asarray(rng.standard_normal((n * cols, k)) / np.sqrt(n * cols), jnp.bfloat16)
     s_ag, s_rs = Schedule.parse("dma/direct/c4/s2" if n > 2 else "dma/direct/c4"), Schedule.parse("dma/direct/c2")
+    s_ag, s_rs = s_ag.replace(transfer=transfer), s_rs.replace(transfer=transfer)
 
     def layer(ag, rs, a, b1, b2):
         out, _ = ag(a, b1)
