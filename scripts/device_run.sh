@@ -528,9 +528,11 @@ case "$STAGE" in
         --schedules default,dma/direct/c1/push --budget-s 70 --out "$OUT/a2a" 2>"$OUT/a2a/$c.err" | tail -13
     done
     ;;
-  s7x2b)  # session 7, 2 x H200: the anchor shapes' ag_matmul / matmul_rs and the MoE pair, pulled vs pushed (issues 3, 8)
-    DEADLINE=${DEADLINE:-520}
+  s7x2b)  # session 7, 2 x H200: the GPU tests (s7x2a's stopped at a test's own bug), then the anchor shapes' ag_matmul /
+          # matmul_rs and the MoE pair, pulled vs pushed (issues 3, 8)
+    DEADLINE=${DEADLINE:-540}
     build
+    timeout "$(upto 150)" python3 -m pytest tests/gpu -q 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
     pp=""; for s in dma/direct/c1 dma/direct/c2 dma/direct/c4 dma/direct/c2/grouped; do pp="$pp,$s,$s/push"; done
     timeout "$(upto 300)" python3 -m ficco_jax bench --op all --shape llama70b_mlp_up_M8k --shape llama70b_qkv_M8k \
       --shape llama70b_mlp_up_M2k --shape gpt3_175b_mlp_M4k --no-windowed --schedules "none$pp" --out "$OUT/bench" \
