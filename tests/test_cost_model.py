@@ -114,7 +114,8 @@ def test_autotune_of_a_group_larger_than_this_process_uses_the_model(tmp_path, m
 
 @pytest.mark.parametrize("kind,n,expected", [
     ("NVIDIA H200", 4, "h200x4"), ("NVIDIA H200", 8, "h200x8"),
-    ("NVIDIA H200", 2, "h200x4"),    # no 2-GPU profile: the nearest group size of the same GPU
+    ("NVIDIA H200", 2, "h200x2"),
+    ("NVIDIA H200", 3, "h200x4"),    # no 3-GPU profile: the nearest group size of the same GPU (4/3 < 3/2)
     ("NVIDIA H200", 16, "h200x8"),
     ("NVIDIA H200", 6, "h200x8"),    # 8/6 is nearer than 6/4
     ("NVIDIA H100 80GB HBM3", 4, None), ("cpu", 8, None), ("NVIDIA H200", 0, None),
@@ -124,6 +125,6 @@ def test_profile_name_for_falls_back_to_the_same_gpu_then_to_none(kind, n, expec
 
 
 def test_shipped_profiles_load_and_name_their_group_size():
-    for name, size in (("h200x4", 4), ("h200x8", 8)):
+    for name, size in (("h200x2", 2), ("h200x4", 4), ("h200x8", 8)):
         profile = cost_model.load_profile(name)
         assert profile["name"] == name and profile.get("axis_size", size) == size
