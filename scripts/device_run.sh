@@ -10,7 +10,8 @@
 #                 all-gather, the staging-copy and reduce-sum fixes, their A/B runs, the record; s5b, the A/B of a copy call
 #                 removed since, is in git at 1725e0e); s5x4, s5acc: what the
 #                 last device minutes of session 5 could do; s6x4a-s6x4e: session 6's 4-GPU calls; s6x2: its fallback on 2 GPUs;
-#                 s7x2a, s7x2b: session 7 on 2 GPUs (pulls vs pushes); s7x2c: an h200x2 profile and its held-out check
+#                 s7x2a, s7x2b: session 7 on 2 GPUs (pulls vs pushes); s7x2c: an h200x2 profile and its held-out check;
+#                 s7x2d: the held-out check with the shipped h200x2
 # Writes logs and JSON under $OUT (default ./out/device). Never changes GPU settings.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -550,6 +551,12 @@ case "$STAGE" in
     [ -f "$OUT/calib/h200x2.json" ] || { echo "no profile"; tail -20 "$OUT/calib/calibrate.err"; exit 1; }
     timeout "$(upto 280)" python3 -m ficco_jax accuracy --top 1 --profile "$OUT/calib/h200x2.json" \
       --budget-s $(( $(left) - 60 )) --out "$OUT/acc" 2>"$OUT/acc/accuracy.err" | tail -12
+    ;;
+  s7x2d)  # session 7, 2 x H200: the held-out check with the shipped h200x2 profile (auto's own on this machine), live
+    DEADLINE=${DEADLINE:-560}
+    build
+    timeout "$(upto 600)" python3 -m ficco_jax accuracy --top 1 --budget-s $(( $(left) - 100 )) --out "$OUT/acc" \
+      2>"$OUT/acc/accuracy.err" | tail -8
     ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac
