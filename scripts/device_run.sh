@@ -11,7 +11,7 @@
 #                 removed since, is in git at 1725e0e); s5x4, s5acc: what the
 #                 last device minutes of session 5 could do; s6x4a-s6x4e: session 6's 4-GPU calls; s6x2: its fallback on 2 GPUs;
 #                 s7x2a, s7x2b: session 7 on 2 GPUs (pulls vs pushes); s7x2c: an h200x2 profile and its held-out check;
-#                 s7x2d: the held-out check with the shipped h200x2
+#                 s7x2d, s7x2e: the held-out check with the shipped h200x2
 # Writes logs and JSON under $OUT (default ./out/device). Never changes GPU settings.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -557,6 +557,12 @@ case "$STAGE" in
     build
     timeout "$(upto 600)" python3 -m ficco_jax accuracy --top 1 --budget-s $(( $(left) - 100 )) --out "$OUT/acc" \
       2>"$OUT/acc/accuracy.err" | tail -8
+    ;;
+  s7x2e)  # session 7's last device minutes: the 8 held-out cases s7x2d's budget cut, resumed
+    DEADLINE=${DEADLINE:-195}
+    build
+    timeout "$(upto 200)" python3 -m ficco_jax accuracy --top 1 --budget-s $(( $(left) - 70 )) --out "$OUT/acc" \
+      --resume benchmarks/2026-11-22-session7/s7x2d_accuracy.json 2>"$OUT/acc/accuracy.err" | tail -6
     ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac
