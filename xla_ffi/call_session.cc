@@ -217,6 +217,39 @@ ffi::Error AwaitLanded(Backend& backend, const OpConfig& config, const std::vect
   return error;
 }
 
+ffi::Error PullChunks(Backend& backend, const OpConfig& config, const std::vector<Post>& owners,
+                      const ChunkReady& source_ready, const ChunkCopy& copy_chunk,
+                      std::vector<std::vector<Event>>* landed) {
+  std::vector<Event> waited(CopyStreamsUsed(config), nullptr);
+  for (int slot = 0; slot < config.n() - 1; ++slot) {
+    const int owner = config.SourceOfSlot(slot);
+    const int stream = config.StreamOfSlot(slot);
+    for (int64_t j = 0; j < config.chunks; ++j) {
+      FICCO_RETURN_IF_ERROR(WaitOnce(backend, stream, source_ready(slot, j), &waited[stream]));
+      FICCO_RETURN_IF_ERROR(copy_chunk(stream, owner, owners[owner], slot, j));
+      FICCO_RETURN_IF_ERROR(backend.Record(stream, &(*landed)[slot][j]));
+    }
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error PushChunks(Backend& backend, const OpConfig& config, const std::vector<Post>& targets,
+                      const ChunkReady& source_ready, const ChunkCopy& copy_chunk,
+                      std::vector<std::vector<Event>>* pushed) {
+  std::vector<Event> waited(CopyStreamsUsed(config), nullptr);
+  for (int slot = 0; slot < config.n() - 1; ++slot) {
+    const int target = config.TargetOfSlot(slot);
+    const int stream = config.StreamOfSlot(slot);
+    FICCO_RETURN_IF_ERROR(backend.Wait(stream, targets[target].events[0]));
+    for (int64_t j = 0; j < config.chunks; ++j) {
+      FICCO_RETURN_IF_ERROR(WaitOnce(backend, stream, source_ready(slot, j), &waited[stream]));
+      FICCO_RETURN_IF_ERROR(copy_chunk(stream, target, targets[target], slot, j));
+      FICCO_RETURN_IF_ERROR(backend.Record(stream, &(*pushed)[slot][j]));
+    }
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error CallSession::Push(Backend& backend, void* destination, Event entry, const PushFn& push, bool consumed,
                              std::vector<std::vector<Event>>* landed) {
   std::vector<Post> posts;

@@ -61,37 +61,23 @@ ffi::Error RunAllGather(Backend& backend, const OpConfig& config, const AllGathe
     // Sender: x to every peer (r+1 first), each chunk into our rows of its `gathered`, once the
     // peer entered this call (its `ready` doubles as entry) and x is valid (our `ready`).
     auto push = [&](const std::vector<Post>& targets, std::vector<std::vector<Event>>* pushed) {
-      std::vector<bool> waited_ready(CopyStreamsUsed(config), false);
-      for (int slot = 0; slot < config.n() - 1; ++slot) {
-        const Post& target = targets[config.TargetOfSlot(slot)];
-        const int stream = config.StreamOfSlot(slot);
-        if (!waited_ready[stream]) FICCO_RETURN_IF_ERROR(backend.Wait(stream, ready));
-        waited_ready[stream] = true;
-        FICCO_RETURN_IF_ERROR(backend.Wait(stream, target.events[0]));
-        for (int64_t j = 0; j < config.chunks; ++j) {
-          FICCO_RETURN_IF_ERROR(backend.Copy(stream, Destination(target, (r * a.m + j * q) * a.row_bytes),
-                                             Offset(a.x, j * q * a.row_bytes), q * a.row_bytes));
-          FICCO_RETURN_IF_ERROR(backend.Record(stream, &(*pushed)[slot][j]));
-        }
-      }
-      return ffi::Error::Success();
+      return PushChunks(backend, config, targets, [&](int, int64_t) { return ready; },
+                        [&](int stream, int, const Post& target, int, int64_t j) {
+                          return backend.Copy(stream, Destination(target, (r * a.m + j * q) * a.row_bytes),
+                                              Offset(a.x, j * q * a.row_bytes), q * a.row_bytes);
+                        }, pushed);
     };
     FICCO_RETURN_IF_ERROR(session.Push(backend, a.gathered, ready, push, /*consumed=*/matmul, &landed));
   } else {
     FICCO_RETURN_IF_ERROR(session.Exchange(backend, exposure, &posts));
     FICCO_RETURN_IF_ERROR(CheckFault(config, Fault::kFail));
     // Puller: peers by ring distance (r-1 first), each chunk into its rows of `gathered`.
-    for (int slot = 0; slot < config.n() - 1; ++slot) {
-      const int peer = config.SourceOfSlot(slot);
-      const int stream = config.StreamOfSlot(slot);
-      FICCO_RETURN_IF_ERROR(backend.Wait(stream, posts[peer].events[0]));
-      for (int64_t j = 0; j < config.chunks; ++j) {
-        const int64_t row = peer * a.m + j * q;
-        FICCO_RETURN_IF_ERROR(backend.Copy(stream, Offset(a.gathered, row * a.row_bytes),
-                                           Offset(posts[peer].buffer, j * q * a.row_bytes), q * a.row_bytes));
-        FICCO_RETURN_IF_ERROR(backend.Record(stream, &landed[slot][j]));
-      }
-    }
+    FICCO_RETURN_IF_ERROR(PullChunks(
+        backend, config, posts, [&](int slot, int64_t) { return posts[config.SourceOfSlot(slot)].events[0]; },
+        [&](int stream, int peer, const Post& post, int, int64_t j) {
+          return backend.Copy(stream, Offset(a.gathered, (peer * a.m + j * q) * a.row_bytes),
+                              Offset(post.buffer, j * q * a.row_bytes), q * a.row_bytes);
+        }, &landed));
   }
   // Our own rows of `gathered` go last on the last copy stream: the copy is only needed by the
   // join, so it must not delay the first peer chunk the matmuls wait for. When nobody reads
@@ -207,20 +193,13 @@ ffi::Error RunReduceScatter(Backend& backend, const OpConfig& config, const Redu
     // Sender: to the peer t = r+1+s its block — our send slot s (matmul_rs) or rows [t*m, (t+1)*m)
     // of y (reduce_scatter) — into slot s of t's recv (t's receive slot s is fed by t-1-s = r).
     auto push = [&](const std::vector<Post>& targets, std::vector<std::vector<Event>>* pushed) {
-      for (int slot = 0; slot < config.n() - 1; ++slot) {
-        const int target = config.TargetOfSlot(slot);
-        const int stream = config.StreamOfSlot(slot);
-        const void* source = matmul ? Offset(args.send, slot * block_bytes) : Offset(a.y, target * block_bytes);
-        FICCO_RETURN_IF_ERROR(backend.Wait(stream, targets[target].events[0]));
-        Event waited = nullptr;
-        for (int64_t j = 0; j < config.chunks; ++j) {
-          FICCO_RETURN_IF_ERROR(WaitOnce(backend, stream, exposed[slot * config.chunks + j], &waited));
-          FICCO_RETURN_IF_ERROR(backend.Copy(stream, Destination(targets[target], slot * block_bytes + j * chunk_bytes),
-                                             Offset(source, j * chunk_bytes), chunk_bytes));
-          FICCO_RETURN_IF_ERROR(backend.Record(stream, &(*pushed)[slot][j]));
-        }
-      }
-      return ffi::Error::Success();
+      return PushChunks(backend, config, targets, [&](int slot, int64_t j) { return exposed[slot * config.chunks + j]; },
+                        [&](int stream, int target, const Post& post, int slot, int64_t j) {
+                          const void* source = matmul ? Offset(args.send, slot * block_bytes)
+                                                      : Offset(a.y, target * block_bytes);
+                          return backend.Copy(stream, Destination(post, slot * block_bytes + j * chunk_bytes),
+                                              Offset(source, j * chunk_bytes), chunk_bytes);
+                        }, pushed);
     };
     FICCO_RETURN_IF_ERROR(session.Push(backend, a.recv, entry, push, /*consumed=*/true, &landed));
   } else {
@@ -233,18 +212,14 @@ ffi::Error RunReduceScatter(Backend& backend, const OpConfig& config, const Redu
 
     // Puller: from peer p = r-1-s, its block for us. In matmul_rs that is p's send slot s (p's
     // slot s targets p+1+s = r); in reduce_scatter it is rows [r*m, (r+1)*m) of p's y.
-    for (int slot = 0; slot < config.n() - 1; ++slot) {
-      const Post& peer = posts[config.SourceOfSlot(slot)];
-      const int stream = config.StreamOfSlot(slot);
-      const void* source = matmul ? Offset(peer.buffer, slot * block_bytes) : Offset(peer.buffer, r * block_bytes);
-      Event waited = nullptr;
-      for (int64_t j = 0; j < config.chunks; ++j) {
-        FICCO_RETURN_IF_ERROR(WaitOnce(backend, stream, peer.events[slot * config.chunks + j], &waited));
-        FICCO_RETURN_IF_ERROR(backend.Copy(stream, Offset(a.recv, slot * block_bytes + j * chunk_bytes),
-                                           Offset(source, j * chunk_bytes), chunk_bytes));
-        FICCO_RETURN_IF_ERROR(backend.Record(stream, &landed[slot][j]));
-      }
-    }
+    FICCO_RETURN_IF_ERROR(PullChunks(
+        backend, config, posts,
+        [&](int slot, int64_t j) { return posts[config.SourceOfSlot(slot)].events[slot * config.chunks + j]; },
+        [&](int stream, int, const Post& peer, int slot, int64_t j) {
+          const void* source = Offset(peer.buffer, (matmul ? slot : r) * block_bytes);
+          return backend.Copy(stream, Offset(a.recv, slot * block_bytes + j * chunk_bytes),
+                              Offset(source, j * chunk_bytes), chunk_bytes);
+        }, &landed));
   }
   const void* own = matmul ? static_cast<const void*>(a.out) : Offset(a.y, r * block_bytes);
   ffi::Error reduced = ReduceChunks(backend, config, a, own, landed);

@@ -231,6 +231,23 @@ ffi::Error CheckFault(const OpConfig& config, Fault when);
 ffi::Error BeginCall(Backend& backend, const OpConfig& config, int64_t rows, const char* what);
 // The join and event release that end every call (see call_session.cc).
 ffi::Error JoinAndRelease(Backend& backend, const OpConfig& config, CallSession& session);
+// The senders' loop of every transfer=push op (the `push` of CallSession::Push): send slot s goes to
+// TargetOfSlot(s) on StreamOfSlot(s) after that target's entry event; chunk j after
+// `source_ready(s, j)` (each distinct event waited once per stream; the CPU backend's null events
+// are waited every time), its copies enqueued by `copy_chunk(stream, target, post, s, j)`, then
+// pushed[s][j] recorded.
+using ChunkReady = std::function<Event(int slot, int64_t chunk)>;
+using ChunkCopy = std::function<ffi::Error(int stream, int target, const Post& post, int slot, int64_t chunk)>;
+ffi::Error PushChunks(Backend& backend, const OpConfig& config, const std::vector<Post>& targets,
+                      const ChunkReady& source_ready, const ChunkCopy& copy_chunk,
+                      std::vector<std::vector<Event>>* pushed);
+// The receivers' loop of every transfer=pull op, its mirror: receive slot s comes from
+// SourceOfSlot(s) on StreamOfSlot(s); chunk j after `source_ready(s, j)` (an event of that owner,
+// each distinct one waited once per stream), its copies enqueued by
+// `copy_chunk(stream, owner, post, s, j)`, then landed[s][j] recorded.
+ffi::Error PullChunks(Backend& backend, const OpConfig& config, const std::vector<Post>& owners,
+                      const ChunkReady& source_ready, const ChunkCopy& copy_chunk,
+                      std::vector<std::vector<Event>>* landed);
 // On an error after transfers were enqueued: XLA's stream waits for every landed chunk (pulled by
 // this device's copy streams or pushed by its peers) and for this device's copy streams, so the
 // buffers XLA frees with the error are no longer written or read. Returns `error`.

@@ -105,22 +105,14 @@ ffi::Error RunAllToAll(Backend& backend, const OpConfig& config, const AllToAllA
     // Sender: our block t of x to the peer t = r+1+s, chunk by chunk, into block r of its
     // `received`, once it entered the call (its `ready`) and x is valid (ours).
     auto push = [&](const std::vector<Post>& targets, std::vector<std::vector<Event>>* pushed) {
-      std::vector<bool> waited_ready(CopyStreamsUsed(config), false);
-      for (int slot = 0; slot < config.n() - 1; ++slot) {
-        const int target = config.TargetOfSlot(slot);
-        const int stream = config.StreamOfSlot(slot);
-        if (!waited_ready[stream]) FICCO_RETURN_IF_ERROR(backend.Wait(stream, ready));
-        waited_ready[stream] = true;
-        FICCO_RETURN_IF_ERROR(backend.Wait(stream, targets[target].events[0]));
-        for (int64_t j = 0; j < config.chunks; ++j) {
-          for (int64_t e = 0; e < a.groups; ++e) {
-            FICCO_RETURN_IF_ERROR(backend.Copy(stream, Destination(targets[target], layout.At(r, e, j * q)),
-                                               Offset(a.x, layout.At(target, e, j * q)), q * a.row_bytes));
-          }
-          FICCO_RETURN_IF_ERROR(backend.Record(stream, &(*pushed)[slot][j]));
-        }
-      }
-      return ffi::Error::Success();
+      return PushChunks(backend, config, targets, [&](int, int64_t) { return ready; },
+                        [&](int stream, int target, const Post& post, int, int64_t j) {
+                          for (int64_t e = 0; e < a.groups; ++e) {
+                            FICCO_RETURN_IF_ERROR(backend.Copy(stream, Destination(post, layout.At(r, e, j * q)),
+                                                               Offset(a.x, layout.At(target, e, j * q)), q * a.row_bytes));
+                          }
+                          return ffi::Error::Success();
+                        }, pushed);
     };
     FICCO_RETURN_IF_ERROR(session.Push(backend, a.received, ready, push, /*consumed=*/matmul, &landed));
   } else {
@@ -128,18 +120,15 @@ ffi::Error RunAllToAll(Backend& backend, const OpConfig& config, const AllToAllA
     FICCO_RETURN_IF_ERROR(CheckFault(config, Fault::kFail));
 
     // Puller: peer p = r-1-s holds our block at x_p[r]; chunk j is rows [j*q, (j+1)*q) of every group.
-    for (int slot = 0; slot < config.n() - 1; ++slot) {
-      const int peer = config.SourceOfSlot(slot);
-      const int stream = config.StreamOfSlot(slot);
-      FICCO_RETURN_IF_ERROR(backend.Wait(stream, posts[peer].events[0]));
-      for (int64_t j = 0; j < config.chunks; ++j) {
-        for (int64_t e = 0; e < a.groups; ++e) {
-          FICCO_RETURN_IF_ERROR(backend.Copy(stream, Offset(a.received, layout.At(peer, e, j * q)),
-                                             Offset(posts[peer].buffer, layout.At(r, e, j * q)), q * a.row_bytes));
-        }
-        FICCO_RETURN_IF_ERROR(backend.Record(stream, &landed[slot][j]));
-      }
-    }
+    FICCO_RETURN_IF_ERROR(PullChunks(
+        backend, config, posts, [&](int slot, int64_t) { return posts[config.SourceOfSlot(slot)].events[0]; },
+        [&](int stream, int peer, const Post& post, int, int64_t j) {
+          for (int64_t e = 0; e < a.groups; ++e) {
+            FICCO_RETURN_IF_ERROR(backend.Copy(stream, Offset(a.received, layout.At(peer, e, j * q)),
+                                               Offset(post.buffer, layout.At(r, e, j * q)), q * a.row_bytes));
+          }
+          return ffi::Error::Success();
+        }, &landed));
   }
   // Our own block last on the last copy stream: only the join needs it, and nobody when a2a_matmul's
   // caller drops `received` (skip_own_rows, as in ag_matmul: the matmuls read it from x).
@@ -181,21 +170,15 @@ ffi::Error RunMatmulAllToAll(Backend& backend, const OpConfig& config, const Mat
     // Sender: send slot s to the peer t = r+1+s, into block r of its `out`, chunk by chunk once
     // each is computed. Nothing here reads what lands: XLA's stream waits for it (Push).
     auto push = [&](const std::vector<Post>& targets, std::vector<std::vector<Event>>* pushed) {
-      for (int slot = 0; slot < config.n() - 1; ++slot) {
-        const int target = config.TargetOfSlot(slot);
-        const int stream = config.StreamOfSlot(slot);
-        FICCO_RETURN_IF_ERROR(backend.Wait(stream, targets[target].events[0]));
-        Event waited = nullptr;
-        for (int64_t j = 0; j < config.chunks; ++j) {
-          FICCO_RETURN_IF_ERROR(WaitOnce(backend, stream, written[slot * config.chunks + j], &waited));
-          for (int64_t e = 0; e < a.groups; ++e) {
-            FICCO_RETURN_IF_ERROR(backend.Copy(stream, Destination(targets[target], layout.At(config.rank, e, j * q)),
-                                               Offset(args.send, layout.At(slot, e, j * q)), q * layout.row_bytes));
-          }
-          FICCO_RETURN_IF_ERROR(backend.Record(stream, &(*pushed)[slot][j]));
-        }
-      }
-      return ffi::Error::Success();
+      return PushChunks(backend, config, targets, [&](int slot, int64_t j) { return written[slot * config.chunks + j]; },
+                        [&](int stream, int, const Post& post, int slot, int64_t j) {
+                          for (int64_t e = 0; e < a.groups; ++e) {
+                            FICCO_RETURN_IF_ERROR(backend.Copy(stream, Destination(post, layout.At(config.rank, e, j * q)),
+                                                               Offset(args.send, layout.At(slot, e, j * q)),
+                                                               q * layout.row_bytes));
+                          }
+                          return ffi::Error::Success();
+                        }, pushed);
     };
     std::vector<std::vector<Event>> landed;
     FICCO_RETURN_IF_ERROR(session.Push(backend, a.out, entry, push, /*consumed=*/false, &landed));
@@ -206,20 +189,19 @@ ffi::Error RunMatmulAllToAll(Backend& backend, const OpConfig& config, const Mat
       backend, {args.send, (config.n() - 1) * layout.Block(), config.n() - 1, written}, &posts));
   FICCO_RETURN_IF_ERROR(CheckFault(config, Fault::kFail));
 
-  // Puller: peer p = r-1-s computed its send slot s for us (p + 1 + s = r).
-  for (int slot = 0; slot < config.n() - 1; ++slot) {
-    const int peer = config.SourceOfSlot(slot);
-    const Post& post = posts[peer];
-    const int stream = config.StreamOfSlot(slot);
-    Event waited = nullptr;
-    for (int64_t j = 0; j < config.chunks; ++j) {
-      FICCO_RETURN_IF_ERROR(WaitOnce(backend, stream, post.events[slot * config.chunks + j], &waited));
-      for (int64_t e = 0; e < a.groups; ++e) {
-        FICCO_RETURN_IF_ERROR(backend.Copy(stream, Offset(a.out, layout.At(peer, e, j * q)),
-                                           Offset(post.buffer, layout.At(slot, e, j * q)), q * layout.row_bytes));
-      }
-    }
-  }
+  // Puller: peer p = r-1-s computed its send slot s for us (p + 1 + s = r). Nothing here reads
+  // what lands but the join (its events go unused).
+  std::vector<std::vector<Event>> landed(config.n() - 1, std::vector<Event>(config.chunks));
+  FICCO_RETURN_IF_ERROR(PullChunks(
+      backend, config, posts,
+      [&](int slot, int64_t j) { return posts[config.SourceOfSlot(slot)].events[slot * config.chunks + j]; },
+      [&](int stream, int peer, const Post& post, int slot, int64_t j) {
+        for (int64_t e = 0; e < a.groups; ++e) {
+          FICCO_RETURN_IF_ERROR(backend.Copy(stream, Offset(a.out, layout.At(peer, e, j * q)),
+                                             Offset(post.buffer, layout.At(slot, e, j * q)), q * layout.row_bytes));
+        }
+        return ffi::Error::Success();
+      }, &landed));
   return JoinAndRelease(backend, config, session);
 }
 
