@@ -18,8 +18,9 @@ A schedule says how the communication of `ag_matmul` (all-gather then matmul) or
   schedule are spread over.
 - ``transfer`` (``dma`` only): ``"pull"`` (each receiver's copy streams read from the peers) or
   ``"push"`` (each sender's copy streams write into the peers; groups inside one process only).
-  When every GPU receives at once, copy-engine writes brought more bytes per second into a GPU
-  than reads (2 x H200: 262 vs 162 GB/s at 8 MiB blocks, 339 vs 311 at 40 MiB; session 6).
+  A probe with PyTorch streams had writes ahead of reads when every GPU receives at once (2 x H200:
+  262 vs 162 GB/s at 8 MiB blocks; session 6), but through the executor pushes timed level with
+  pulls on 2 x H200 (session 7): `push` is opt-in, not enumerated (config.TRANSFER_CHOICES).
 
 Chunks always cut rows (the gathered / scattered dimension), so every chunk matmul keeps the
 full K and N of the shard matmul. For the expert-parallel ops `a2a_matmul` / `matmul_a2a`

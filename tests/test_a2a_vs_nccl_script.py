@@ -64,8 +64,8 @@ def test_the_script_times_all_gather_and_reduce_scatter_pulled_and_pushed(tmp_pa
     assert [r["schedule"] for r in rows] == ["nccl", "dma/direct/c1 (default)", "dma/direct/c2/push"]
     for row in rows:
         assert "note" not in row and row["median_ms"] >= 0, row
-        if collective == "all_gather":
-            assert row["bit_exact"], row
+        if collective == "all_gather":  # NCCL's is the reference itself
+            assert row["bit_exact"] if row["variant"] != "nccl" else "bit_exact" not in row and row["checked"], row
         else:  # every variant, NCCL's too, against psum_scatter in float32
             assert 0 <= row["rel_err"] < 1e-2, row
     assert f"{collective} alone:" in done.stdout
