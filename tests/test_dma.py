@@ -309,6 +309,20 @@ def test_clear_errors():
         _run(MESHES["2d"], lambda a: dma.all_gather(a, ("dp", "tp")), P(("dp", "tp")), np.zeros((64, 2), np.float32))
 
 
+def test_push_across_processes_is_refused_at_lowering(monkeypatch):
+    """A group across processes (ipc_job != 0) can only pull: the lowering says so and names the
+    pulled schedule. (Real spanning groups need GPUs; here the group attributes are forged.)"""
+    real = dma._group_attrs
+
+    def spanning(*args, **kwargs):
+        return dict(real(*args, **kwargs), ipc_job=7)
+
+    monkeypatch.setattr(dma, "_group_attrs", spanning)
+    with pytest.raises(ValueError, match=r"pushes into the peers' buffers.*spans processes.*'dma/direct/c2'"):
+        _run(MESHES["1d"], lambda a: dma.all_gather(a, "tp", schedule="dma/direct/c2/push"), P("tp"),
+             np.ones((64, 2), np.float32))
+
+
 def _skip_case(rng):
     """(mesh, n, schedule, x, w, in_specs) of the own-rows skip tests: random f32 x [n*m, K], w [K, n*cols]."""
     mesh = MESHES["1d"]
