@@ -324,12 +324,18 @@ ffi::Error JoinAndRelease(Backend& backend, const OpConfig& config, CallSession&
   }
   FICCO_RETURN_IF_ERROR(session.AwaitStagingCopies(backend));  // across processes: see CallSession::Exchange
   std::vector<Post> posts;
-  FICCO_RETURN_IF_ERROR(session.Meet(Phase::kDone, nullptr, pulls_done, &posts));
-  for (int rank = 0; rank < config.n(); ++rank) {
-    if (rank == config.rank) continue;
-    for (Event event : posts[rank].events) FICCO_RETURN_IF_ERROR(backend.Wait(Backend::kCompute, event));
+  // transfer=push: no peer's copy touches this device's buffers but its pushes into them, and XLA's
+  // stream already waits for every one of those (the consumers per chunk, CallSession::Push for the
+  // rest), so there is nothing for the done meeting to add: it is skipped. The release meeting stays:
+  // peers enqueue their waits on our pushed events after kPushed, before they reach it.
+  if (!config.push) {
+    FICCO_RETURN_IF_ERROR(session.Meet(Phase::kDone, nullptr, pulls_done, &posts));
+    for (int rank = 0; rank < config.n(); ++rank) {
+      if (rank == config.rank) continue;
+      for (Event event : posts[rank].events) FICCO_RETURN_IF_ERROR(backend.Wait(Backend::kCompute, event));
+    }
+    FICCO_RETURN_IF_ERROR(session.ProtectStaging(backend, posts));
   }
-  FICCO_RETURN_IF_ERROR(session.ProtectStaging(backend, posts));
   FICCO_RETURN_IF_ERROR(session.Meet(Phase::kRelease, nullptr, {}, &posts));
   backend.ReleaseEvents();
   return ffi::Error::Success();

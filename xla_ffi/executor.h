@@ -16,8 +16,9 @@
 //   Sender:   its copy streams wait on the target's entry and on its own data's events, write
 //             each chunk into the target's buffer and record one event per chunk; a second
 //             meeting (kPushed) hands those events to the receivers.
-// The join is unchanged: each device's copy streams (now writing peers) and its peers' (writing
-// it) are waited for before the handler returns. Why push: on 2 x H200 with both GPUs receiving
+// The join: XLA's stream waits for this device's copy streams (now writing peers) and, through
+// the kPushed events, for every peer's push into it, before the handler returns; so a push call
+// meets three times (exchange, pushed, release) like a pull call (exchange, done, release). Why push: on 2 x H200 with both GPUs receiving
 // at once, copy-engine ingress was 339 (push) vs 311 (pull) GB/s at 40 MiB blocks and 262 vs 162
 // at 8 MiB (scripts/ingress_probe.py, PyTorch streams, session 6). Through this executor, at the
 // same group size, pushes then timed level with pulls (36 op/schedule pairs, median 1.3 % slower;
