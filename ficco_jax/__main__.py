@@ -45,6 +45,10 @@ def _cmd_bench(args):
         raise SystemExit(f"--dtype {args.dtype!r}: use one of {sorted(bench.DTYPES)}")
     default = bench.CPU_SHAPES if jax.default_backend() == "cpu" else bench.ANCHOR_SHAPES
     ops = {"all": ["ag_matmul", "matmul_rs"], "moe": ["a2a_matmul", "matmul_a2a"]}.get(args.op, [args.op])
+    try:
+        bench.listed_schedules(ops[0], args.schedules, 1, ("none", "xla", "dma"))  # parse before any compile
+    except ValueError as exc:
+        raise SystemExit(str(exc))
     bench.run(ops, _shapes(args.shape, default), dtype, args.schedules, args.out, plot=args.plot,
               windowed=not args.no_windowed, moe_shapes=_moe_shapes(args.moe_shape))
 

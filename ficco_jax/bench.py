@@ -249,7 +249,11 @@ def listed_schedules(op, schedules_arg, n, comms) -> list[Schedule]:
         return Schedule.enumerate(op, n, (schedules_arg,))
     if schedules_arg == "auto":
         return []
-    return [Schedule.parse(s) for s in schedules_arg.split(",")]
+    try:
+        return [Schedule.parse(s) for s in schedules_arg.split(",")]
+    except ValueError as exc:
+        raise ValueError(f"--schedules {schedules_arg!r}: {exc}. 'auto', 'all', 'dma' and 'xla' stand alone; "
+                         f"a list names schedules (ficco auto's pick is timed in every run)") from None
 
 
 def record_timeline(mesh, op: str, schedule, M: int, K: int, N: int, iters: int, out_dir: str | None,

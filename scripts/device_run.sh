@@ -11,7 +11,7 @@
 #                 removed since, is in git at 1725e0e); s5x4, s5acc: what the
 #                 last device minutes of session 5 could do; s6x4a-s6x4e: session 6's 4-GPU calls; s6x2: its fallback on 2 GPUs;
 #                 s7x2a, s7x2b: session 7 on 2 GPUs (pulls vs pushes); s7x2c: an h200x2 profile and its held-out check;
-#                 s7x2d, s7x2e: the held-out check with the shipped h200x2
+#                 s7x2d, s7x2e: the held-out check with the shipped h200x2; x4next: the next 4-GPU call
 # Writes logs and JSON under $OUT (default ./out/device). Never changes GPU settings.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -563,6 +563,22 @@ case "$STAGE" in
     build
     timeout "$(upto 200)" python3 -m ficco_jax accuracy --top 1 --budget-s $(( $(left) - 70 )) --out "$OUT/acc" \
       --resume benchmarks/2026-11-22-session7/s7x2d_accuracy.json 2>"$OUT/acc/accuracy.err" | tail -6
+    ;;
+  x4next)  # the first call of the next session lent nvidia-h200-x4 (issues 3, 5, 8): PyTorch async-TP, then the four
+           # large anchors pulled and pushed in the same call, the collectives pulled vs pushed vs NCCL, the 40th held-out case
+    DEADLINE=${DEADLINE:-570}
+    build
+    anchors_torch 100
+    pp=""; for s in dma/direct/c1 dma/direct/c2/grouped dma/direct/c8/grouped; do pp="$pp,$s,$s/push"; done
+    timeout "$(upto 250)" python3 -m ficco_jax bench --op all --shape llama70b_mlp_up_M8k --shape llama70b_qkv_M8k \
+      --shape llama70b_mlp_up_M2k --shape gpt3_175b_mlp_M4k --no-windowed --schedules "none$pp" --out "$OUT/bench" \
+      2>"$OUT/bench.err" | tail -14
+    for c in all_gather reduce_scatter all_to_all; do
+      timeout "$(upto 45)" python3 scripts/a2a_vs_nccl.py --collective $c --sizes 4,16 --overlap-sizes '' \
+        --schedules default,dma/direct/c1/push --budget-s 35 --out "$OUT/a2a" 2>"$OUT/a2a/$c.err" | tail -6
+    done
+    timeout "$(upto 80)" python3 -m ficco_jax accuracy --top 1 --shape mixtral_expert_M32k --out "$OUT/acc" \
+      --resume benchmarks/2026-11-22-session6/s6bc_accuracy_merged.json 2>"$OUT/acc/accuracy.err" | tail -4
     ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac

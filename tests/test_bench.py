@@ -62,6 +62,14 @@ def test_cli_rejects_bad_shape():
     assert out.returncode != 0 and "expected M,K,N" in out.stderr
 
 
+@pytest.mark.parametrize("schedules,match", [("auto,dma/direct/c1", "'auto', 'all', 'dma' and 'xla' stand alone"),
+                                              ("dma/direct/c2/pushy", "unknown part 'pushy'")])
+def test_cli_rejects_a_bad_schedule_list_before_compiling(schedules, match):
+    out = subprocess.run([sys.executable, "-m", "ficco_jax", "bench", "--schedules", schedules], capture_output=True,
+                         text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=120)
+    assert out.returncode != 0 and match in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+
+
 def test_bench_moe_ops_verified_side_by_side(tmp_path):
     result = bench.run(["a2a_matmul", "matmul_a2a"], {}, "float32", "xla/direct/c2,dma/direct/c1", str(tmp_path),
                        windowed=False, moe_shapes={"t": (32, 16, 24, 8, 2)})
