@@ -203,16 +203,50 @@ ffi::Error JoinCopyStreams(Backend& backend, const OpConfig& config) {
   }
   return ffi::Error::Success();
 }
+
+// XLA's stream waits for every recorded event of `landed` (a chunk never recorded, of a peer that
+// failed, is null and skipped; the CPU backend's are null and need no wait). Every wait is tried,
+// even after one fails (the point is that none of the writes into this device is left unwaited);
+// the first error is returned.
+ffi::Error WaitForLanded(Backend& backend, const std::vector<std::vector<Event>>& landed) {
+  ffi::Error first = ffi::Error::Success();
+  Event waited = nullptr;
+  for (const std::vector<Event>& slot : landed) {
+    for (Event event : slot) {
+      if (event == nullptr) continue;
+      ffi::Error status = WaitOnce(backend, Backend::kCompute, event, &waited);
+      if (status.failure() && first.success()) first = std::move(status);
+    }
+  }
+  return first;
+}
+
+// The copy loop of both directions. Slot s pairs this device with SourceOfSlot(s) (pull: that owner's
+// data comes here) or TargetOfSlot(s) (push: ours goes there, after the target's entry event, which
+// opens its buffer to our writes); the slot's copies run on StreamOfSlot(s); chunk j waits for
+// `source_ready(s, j)` (each distinct event once per stream), is enqueued by `copy_chunk`, and its
+// event recorded into recorded[s][j].
+ffi::Error CopyChunks(Backend& backend, const OpConfig& config, bool push, const std::vector<Post>& peers,
+                      const ChunkReady& source_ready, const ChunkCopy& copy_chunk,
+                      std::vector<std::vector<Event>>* recorded) {
+  std::vector<Event> waited(CopyStreamsUsed(config), nullptr);
+  for (int slot = 0; slot < config.n() - 1; ++slot) {
+    const int peer = push ? config.TargetOfSlot(slot) : config.SourceOfSlot(slot);
+    const int stream = config.StreamOfSlot(slot);
+    if (push) FICCO_RETURN_IF_ERROR(backend.Wait(stream, peers[peer].events[0]));
+    for (int64_t j = 0; j < config.chunks; ++j) {
+      FICCO_RETURN_IF_ERROR(WaitOnce(backend, stream, source_ready(slot, j), &waited[stream]));
+      FICCO_RETURN_IF_ERROR(copy_chunk(stream, peer, peers[peer], slot, j));
+      FICCO_RETURN_IF_ERROR(backend.Record(stream, &(*recorded)[slot][j]));
+    }
+  }
+  return ffi::Error::Success();
+}
 }  // namespace
 
 ffi::Error AwaitLanded(Backend& backend, const OpConfig& config, const std::vector<std::vector<Event>>& landed,
                        ffi::Error error) {
-  Event waited = nullptr;
-  for (const std::vector<Event>& slot : landed) {
-    for (Event event : slot) {
-      if (event != nullptr) (void)WaitOnce(backend, Backend::kCompute, event, &waited);  // best effort: we fail anyway
-    }
-  }
+  (void)WaitForLanded(backend, landed);  // best effort: the call fails anyway
   (void)JoinCopyStreams(backend, config);
   return error;
 }
@@ -220,34 +254,13 @@ ffi::Error AwaitLanded(Backend& backend, const OpConfig& config, const std::vect
 ffi::Error PullChunks(Backend& backend, const OpConfig& config, const std::vector<Post>& owners,
                       const ChunkReady& source_ready, const ChunkCopy& copy_chunk,
                       std::vector<std::vector<Event>>* landed) {
-  std::vector<Event> waited(CopyStreamsUsed(config), nullptr);
-  for (int slot = 0; slot < config.n() - 1; ++slot) {
-    const int owner = config.SourceOfSlot(slot);
-    const int stream = config.StreamOfSlot(slot);
-    for (int64_t j = 0; j < config.chunks; ++j) {
-      FICCO_RETURN_IF_ERROR(WaitOnce(backend, stream, source_ready(slot, j), &waited[stream]));
-      FICCO_RETURN_IF_ERROR(copy_chunk(stream, owner, owners[owner], slot, j));
-      FICCO_RETURN_IF_ERROR(backend.Record(stream, &(*landed)[slot][j]));
-    }
-  }
-  return ffi::Error::Success();
+  return CopyChunks(backend, config, /*push=*/false, owners, source_ready, copy_chunk, landed);
 }
 
 ffi::Error PushChunks(Backend& backend, const OpConfig& config, const std::vector<Post>& targets,
                       const ChunkReady& source_ready, const ChunkCopy& copy_chunk,
                       std::vector<std::vector<Event>>* pushed) {
-  std::vector<Event> waited(CopyStreamsUsed(config), nullptr);
-  for (int slot = 0; slot < config.n() - 1; ++slot) {
-    const int target = config.TargetOfSlot(slot);
-    const int stream = config.StreamOfSlot(slot);
-    FICCO_RETURN_IF_ERROR(backend.Wait(stream, targets[target].events[0]));
-    for (int64_t j = 0; j < config.chunks; ++j) {
-      FICCO_RETURN_IF_ERROR(WaitOnce(backend, stream, source_ready(slot, j), &waited[stream]));
-      FICCO_RETURN_IF_ERROR(copy_chunk(stream, target, targets[target], slot, j));
-      FICCO_RETURN_IF_ERROR(backend.Record(stream, &(*pushed)[slot][j]));
-    }
-  }
-  return ffi::Error::Success();
+  return CopyChunks(backend, config, /*push=*/true, targets, source_ready, copy_chunk, pushed);
 }
 
 ffi::Error CallSession::Push(Backend& backend, void* destination, Event entry, const PushFn& push, bool consumed,
@@ -274,14 +287,7 @@ ffi::Error CallSession::Push(Backend& backend, void* destination, Event entry, c
     (*landed)[slot].assign(theirs.begin() + slot * config_.chunks, theirs.begin() + (slot + 1) * config_.chunks);
     if (posts[source].buffer == &kPushFailed) failed_peer = source;
   }
-  if (mine.success() && failed_peer < 0) {
-    if (consumed) return ffi::Error::Success();
-    Event waited = nullptr;
-    for (const std::vector<Event>& slot : *landed) {
-      for (Event event : slot) FICCO_RETURN_IF_ERROR(WaitOnce(backend, Backend::kCompute, event, &waited));
-    }
-    return ffi::Error::Success();
-  }
+  if (mine.success() && failed_peer < 0) return consumed ? ffi::Error::Success() : WaitForLanded(backend, *landed);
   if (mine.success()) {
     mine = MakeError(config_.ctx, "rank " + std::to_string(failed_peer) + " (device " +
                                       std::to_string(config_.group[failed_peer]) +
