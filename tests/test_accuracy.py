@@ -11,6 +11,10 @@ from ficco_jax import accuracy, characterize, cost_model
 from ficco_jax.bench import local_shapes
 from ficco_jax.schedule import Schedule
 
+# Copies of GPU results (H200 machines, 2026-11-22) that these tests recompute; tests/data/README.md
+# names the raw run each comes from under benchmarks/results/ (machine, commit, method).
+DATA = os.path.join(os.path.dirname(__file__), "data")
+
 
 def test_accuracy_cpu_run_writes_verified_cases(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
@@ -93,14 +97,14 @@ def test_serialized_nccl_probes_give_no_contention_figure():
         pytest.approx(0.2)
 
 
-@pytest.mark.parametrize("name,bench", [("h200x2", "2026-11-22-session7/s7x2b_bench.json"),
-                                        ("h200x4", "2026-11-22-h200x4/bench.json"),
-                                        ("h200x8", "2026-11-22-h200x8/bench.json")])
+@pytest.mark.parametrize("name,bench", [("h200x2", "bench_h200x2.json"),
+                                        ("h200x4", "bench_h200x4.json"),
+                                        ("h200x8", "bench_h200x8.json")])
 def test_shipped_profiles_predict_their_fitted_bench_within_their_error(name, bench):
     """Recomputes each shipped profile's error on the measured op times it was fitted to: a cost-model
     change that broke the fit fails here (the stored figure alone would not)."""
     prof = cost_model.load_profile(name)
-    with open(os.path.join(os.path.dirname(__file__), "..", "benchmarks", bench)) as fh:
+    with open(os.path.join(DATA, bench)) as fh:
         obs = characterize.op_observations(json.load(fh))
     assert len(obs) == prof["fitted_to_ops"]["observations"]
     pred = np.log([cost_model.predict(op, s, sh, dt, n, prof) for op, s, sh, dt, n, _ in obs])
@@ -109,11 +113,10 @@ def test_shipped_profiles_predict_their_fitted_bench_within_their_error(name, be
 
 
 def test_h200x2_picks_well_on_the_2_gpu_cases_it_was_not_fitted_to():
-    """The 22 held-out cases timed on 2 x H200 (session 7), re-scored: the shipped h200x2 profile's
+    """The 22 held-out cases timed on 2 x H200 (2026-11-22, commit d374ebe), re-scored: the shipped h200x2 profile's
     pick among each case's measured schedules was within 5 % of the best in 21, the 4-GPU stand-in's
     in 16. A change to the model or the profile that loses this shows here."""
-    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "2026-11-22-session7", "s7x2c_accuracy.json")
-    with open(path) as fh:
+    with open(os.path.join(DATA, "accuracy_h200x2.json")) as fh:
         recorded = json.load(fh)
     own = accuracy.replay([recorded], cost_model.load_profile("h200x2"))
     stand_in = accuracy.replay([recorded], cost_model.load_profile("h200x4"))
@@ -137,8 +140,7 @@ def test_characterize_parts_measures_only_what_is_asked(tmp_path):
 
 def test_accuracy_plot_from_the_gpu_run(tmp_path):
     pytest.importorskip("matplotlib")
-    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "2026-11-22-h200x4-session2", "accuracy.json")
-    with open(path) as fh:
+    with open(os.path.join(DATA, "accuracy_h200x4.json")) as fh:
         result = json.load(fh)
     accuracy.plot_accuracy(result, str(tmp_path))
     assert (tmp_path / "accuracy.png").stat().st_size > 10_000
@@ -159,10 +161,10 @@ def test_every_chunk_matmul_survives_the_timing_chain(c):
 
 def test_calibrate_from_files_fits_the_op_times(tmp_path):
     """calibrate --characterization --bench: the path that made the shipped h200x8 profile."""
-    root = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "2026-11-22-h200x8")
     out = tmp_path / "p.json"
     proc = subprocess.run([sys.executable, "-m", "ficco_jax", "calibrate", "--characterization",
-                           os.path.join(root, "characterize.json"), "--bench", os.path.join(root, "bench.json"),
+                           os.path.join(DATA, "characterize_h200x8.json"),
+                           "--bench", os.path.join(DATA, "bench_h200x8.json"),
                            "--name", "test8", "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     prof = json.loads(out.read_text())
