@@ -1,6 +1,6 @@
-"""scripts/a2a_vs_nccl.py on 4 virtual CPU devices with tiny blocks, in a subprocess: the script
+"""benchmarks/peers/collectives_vs_nccl.py on 4 virtual CPU devices with tiny blocks, in a subprocess: the script
 the GPU run uses cannot rot. Every variant must verify bit-exact and be timed, the JSON must hold
-what the lead reads, and the all_to_all table must come last. (CPU times mean nothing.)"""
+what the summary reads, and the all_to_all table must come last. (CPU times mean nothing.)"""
 import json
 import os
 import pathlib
@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from ficco_jax import _ext
+from ficco_jax.runtime import extension as _ext
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "a2a_vs_nccl.py"
+SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "peers" / "collectives_vs_nccl.py"
 
 
 @pytest.mark.skipif(not _ext.available(), reason="ficco_jax._ffi is not built")

@@ -1,5 +1,5 @@
-"""scripts/gpu_faults.py on 4 virtual CPU devices, a subset of ops, in a subprocess: the script
-the GPU run uses cannot rot. It must finish, pass, and write the JSON the lead reads."""
+"""benchmarks/suites/faults.py on 4 virtual CPU devices, a subset of ops, in a subprocess: the script
+the GPU run uses cannot rot. It must finish, pass, and write its JSON."""
 import json
 import os
 import pathlib
@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from ficco_jax import _ext
+from ficco_jax.runtime import extension as _ext
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gpu_faults.py"
+SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "suites" / "faults.py"
 TIMEOUT_S = 1.0
 
 

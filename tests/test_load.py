@@ -3,7 +3,7 @@
 distinct call sites), run for a bounded number of steps on 8 CPU devices with the dma executor;
 host memory must stay flat after warm-up and the results equal the references.
 
-The full 10,000-step run is `python scripts/load_test.py --steps 10000 --comm dma` (GPU).
+The full 10,000-step run is `python benchmarks/run.py load` (GPU; 10,000 steps: `-- --steps 10000`).
 
 Tolerance: after warm-up the run makes STEPS_AFTER_WARMUP x 2 programs x 160 = 38,400 op calls;
 RSS_TOLERANCE_MIB = 16 flags any leak of more than ~440 bytes per op call (16 MiB / 38,400), while
@@ -22,14 +22,14 @@ import sys  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from ficco_jax import _ext  # noqa: E402
+from ficco_jax.runtime import extension as _ext  # noqa: E402
 
 WARMUP, STEPS_AFTER_WARMUP = 80, 120
 RSS_TOLERANCE_MIB = 16.0
 
 
 def _load_test_module():
-    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "load_test.py"
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "suites" / "load.py"
     spec = importlib.util.spec_from_file_location("ficco_load_test", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules

@@ -1,22 +1,22 @@
-"""scripts/mp_gpu_launch.sh --cpu: the Python side of the one-process-per-GPU check, on CPU.
+"""benchmarks/suites/multiprocess_launch.sh --cpu: the Python side of the one-process-per-GPU check, on CPU.
 
 Two processes, one CPU device each: copy engines cannot reach the other process there, so every
 dma check must be refused with a clear error (its PASS) and the timings use XLA's collectives.
 Also the options the GPU runs use: a JAX-profiler timeline of one op in every process (--trace,
-read back by scripts/perfetto_timeline.py) and the choice of timed shapes.
+read back by benchmarks/suites/perfetto_timeline.py) and the choice of timed shapes.
 """
 import json
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 
-from ficco_jax import _ext
+from ficco_jax.runtime import extension as _ext
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LAUNCH = os.path.join(REPO, "scripts", "mp_gpu_launch.sh")
+SUITES = os.path.join(REPO, "benchmarks", "suites")
+LAUNCH = os.path.join(SUITES, "multiprocess_launch.sh")
 
 
 def _env(**extra):
@@ -26,9 +26,8 @@ def _env(**extra):
 
 
 @pytest.mark.skipif(not _ext.available(), reason="ficco_jax._ffi is not built")
-@pytest.mark.skipif(shutil.which("python") is None, reason="the launcher runs `python`")
 def test_launcher_on_cpu_with_a_timeline(tmp_path):
-    env = _env(OUT=str(tmp_path), FICCO_MP_TRACE="ag_matmul:xla/ring/c2:64,32,64", FICCO_MP_BUDGET_S="200")
+    env = _env(OUT=str(tmp_path), FICCO_PYTHON=sys.executable, FICCO_MP_TRACE="ag_matmul:xla/ring/c2:64,32,64", FICCO_MP_BUDGET_S="200")
     done = subprocess.run(["bash", LAUNCH, "--cpu"], env=env, capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((tmp_path / "mp_gpu.json").read_text())
@@ -40,7 +39,7 @@ def test_launcher_on_cpu_with_a_timeline(tmp_path):
     for p in (0, 1):  # every process recorded its own timeline
         traces = list((tmp_path / f"trace_p{p}").rglob("perfetto_trace.json.gz"))
         assert traces, f"no timeline from process {p}"
-    shown = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "perfetto_timeline.py"),
+    shown = subprocess.run([sys.executable, os.path.join(SUITES, "perfetto_timeline.py"),
                             str(tmp_path / "trace_p0"), "--count", "5"], capture_output=True, text=True, timeout=60)
     assert shown.returncode == 0 and "events of" in shown.stdout, shown.stderr[-2000:]
 
@@ -54,6 +53,6 @@ def test_launcher_on_cpu_with_a_timeline(tmp_path):
     (["--schedules", ","], "no schedule given"),
 ])
 def test_bad_option_is_a_clear_error(args, message):
-    done = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "mp_gpu.py"), "--port", "1", *args],
+    done = subprocess.run([sys.executable, os.path.join(SUITES, "multiprocess.py"), "--port", "1", *args],
                           env=_env(JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and message in done.stderr, done.stderr[-2000:]

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ficco_jax import dma_probe
+from ficco_jax.lowering.dma import probe as dma_probe
 from helpers import random, rel_err
 
 
@@ -37,10 +37,10 @@ def test_trace_op_with_jax_profiler_and_its_timeline(tmp_path):
 
     root = os.path.join(os.path.dirname(__file__), "..")
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
-    run = subprocess.run([sys.executable, "scripts/trace_op.py", "ag_matmul", "dma/direct/c2", "64", "32", "64", "2",
+    run = subprocess.run([sys.executable, "benchmarks/suites/trace_op.py", "ag_matmul", "dma/direct/c2", "64", "32", "64", "2",
                           "--jax-profiler", str(tmp_path)], cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
-    shown = subprocess.run([sys.executable, "scripts/perfetto_timeline.py", str(tmp_path), "--count", "5"], cwd=root,
+    shown = subprocess.run([sys.executable, "benchmarks/suites/perfetto_timeline.py", str(tmp_path), "--count", "5"], cwd=root,
                            capture_output=True, text=True, timeout=120)
     assert shown.returncode == 0, shown.stderr[-2000:]
     lines = shown.stdout.splitlines()

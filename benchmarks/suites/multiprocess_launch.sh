@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Launches scripts/mp_gpu.py as N processes on this host (one device each, jax.distributed on
+# Launches benchmarks/suites/multiprocess.py as N processes on this host (one device each, jax.distributed on
 # localhost), waits for them under a time limit, and reports every process's exit status.
 #
-#   bash scripts/mp_gpu_launch.sh            # GPUs: 4 processes, CUDA_VISIBLE_DEVICES=i each
-#   bash scripts/mp_gpu_launch.sh --cpu      # smoke test of the Python side: 2 CPU processes, tiny shapes
+#   bash benchmarks/suites/multiprocess_launch.sh         # GPUs: 4 processes, CUDA_VISIBLE_DEVICES=i each
+#   bash benchmarks/suites/multiprocess_launch.sh --cpu   # smoke test of the Python side: 2 CPU processes, tiny shapes
 #
 # Environment (all optional):
 #   FICCO_MP_NPROC      processes (default 4 on GPUs, 2 with --cpu)
@@ -13,12 +13,14 @@
 #                       visible, jax local_device_ids=[i]); with "isolated", if CUDA IPC could not
 #                       open a peer's memory, the launcher retries once with "all" (quick checks)
 #   FICCO_MP_PORT       coordinator port (default: a free one)
-#   FICCO_MP_TRACE, FICCO_MP_TIMED, FICCO_MP_SCHEDULES, FICCO_MP_QUICK: scripts/mp_gpu.py's --trace,
+#   FICCO_PYTHON        the interpreter of every process (default: python3 on PATH); the benchmark
+#                       entry point and the tests pass their own (sys.executable)
+#   FICCO_MP_TRACE, FICCO_MP_TIMED, FICCO_MP_SCHEDULES, FICCO_MP_QUICK: multiprocess.py's --trace,
 #                       --timed, --schedules, --quick (its --help says what they do)
-#   OUT                 where results go (default ./out/mp_gpu): mp_gpu.json (rank 0), one log per process
+#   OUT                 where results go (default ./out/multiprocess): mp_gpu.json (rank 0), one log per process
 # Exit status: 0 if every process exited 0.
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 REPO=$(pwd)
 
 CPU=0
@@ -26,7 +28,8 @@ CPU=0
 if [ "$CPU" = 1 ]; then NPROC=${FICCO_MP_NPROC:-2}; else NPROC=${FICCO_MP_NPROC:-4}; fi
 BUDGET=${FICCO_MP_BUDGET_S:-540}
 VISIBLE=${FICCO_MP_VISIBLE:-isolated}
-OUT=${OUT:-$REPO/out/mp_gpu}
+OUT=${OUT:-$REPO/out/multiprocess}
+PYTHON=${FICCO_PYTHON:-python3}
 mkdir -p "$OUT"
 START=$(date +%s)
 
@@ -40,7 +43,7 @@ export FICCO_RENDEZVOUS_TIMEOUT_S=${FICCO_RENDEZVOUS_TIMEOUT_S:-30}
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 
-free_port() { python -c 'import socket; s = socket.socket(); s.bind(("localhost", 0)); print(s.getsockname()[1])'; }
+free_port() { "$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("localhost", 0)); print(s.getsockname()[1])'; }
 
 # run_job MODE JSON_NAME BUDGET_S [extra args]: one job of NPROC processes; prints the exit codes.
 run_job() {
@@ -50,7 +53,7 @@ run_job() {
   # teardown); this limit only catches a hang.
   local limit=$((budget + 20))
   budget=$((budget > 60 ? budget - 15 : budget))
-  echo "== mp_gpu: $NPROC processes, mode $mode, port $port, budget ${budget}s (kill after ${limit}s), out $OUT" >&2
+  echo "== multiprocess: $NPROC processes, mode $mode, port $port, budget ${budget}s (kill after ${limit}s), out $OUT" >&2
   local pids=() i
   for ((i = 0; i < NPROC; i++)); do
     local log="$OUT/${json%.json}_p$i.log"
@@ -66,10 +69,10 @@ run_job() {
         extra=(--local-device "$i")
       fi
       if [ "$i" = 0 ]; then  # rank 0 to the console too: the table and its log lines
-        exec timeout --kill-after=20 "$limit" python scripts/mp_gpu.py --out "$OUT" --json "$json" \
+        exec timeout --kill-after=20 "$limit" "$PYTHON" benchmarks/suites/multiprocess.py --out "$OUT" --json "$json" \
           --budget-s "$budget" "${extra[@]}" "$@" 2>&1 | tee "$log"
       else
-        exec timeout --kill-after=20 "$limit" python scripts/mp_gpu.py --out "$OUT" --json "$json" \
+        exec timeout --kill-after=20 "$limit" "$PYTHON" benchmarks/suites/multiprocess.py --out "$OUT" --json "$json" \
           --budget-s "$budget" "${extra[@]}" "$@" >"$log" 2>&1
       fi
     ) &
@@ -81,7 +84,7 @@ run_job() {
     codes+=($?)
   done
   # rank 0 ran through a pipe: take its status from its log's end if tee hid it
-  echo "== mp_gpu mode $mode: exit codes per process: ${codes[*]} (124/137: killed by the time limit)" >&2
+  echo "== multiprocess mode $mode: exit codes per process: ${codes[*]} (124/137: killed by the time limit)" >&2
   for ((i = 0; i < NPROC; i++)); do
     if [ "${codes[$i]}" != 0 ] && [ "$i" != 0 ]; then
       echo "-- process $i (exit ${codes[$i]}), last lines of $OUT/${json%.json}_p$i.log:" >&2
@@ -107,5 +110,5 @@ if [ "$CPU" = 0 ] && [ "$STATUS" != 0 ] && [ "$VISIBLE" = isolated ] && [ "$LEFT
   RETRY=$?
   echo "== retry with every GPU visible: $([ $RETRY = 0 ] && echo passed || echo failed)" >&2
 fi
-echo "== mp_gpu done in $(( $(date +%s) - START ))s, status $STATUS; results in $OUT" >&2
+echo "== multiprocess done in $(( $(date +%s) - START ))s, status $STATUS; results in $OUT" >&2
 exit $STATUS

@@ -1,6 +1,6 @@
 """Print a compact GPU timeline of one device from `nsys stats --report cuda_gpu_trace --format csv`.
 
-Usage: python scripts/timeline.py TRACE.csv [DEVICE] [FIRST_EVENT] [COUNT]
+Usage: python benchmarks/suites/nsys_timeline.py TRACE.csv [DEVICE] [FIRST_EVENT] [COUNT]
 Shows start (us, relative), duration (us), stream and a short name for kernels and memcpys.
 """
 import csv

@@ -1,9 +1,9 @@
 """Print a compact timeline of one device from a JAX profiler trace (perfetto_trace.json.gz).
 
-Usage: python scripts/perfetto_timeline.py TRACE [--device N] [--first K] [--count C]
+Usage: python benchmarks/suites/perfetto_timeline.py TRACE [--device N] [--first K] [--count C]
 
 TRACE: the perfetto_trace.json.gz that `jax.profiler.trace(..., create_perfetto_trace=True)` wrote
-(scripts/trace_op.py --jax-profiler), or a directory holding one. Shows, for the process whose name
+(benchmarks/suites/trace_op.py --jax-profiler), or a directory holding one. Shows, for the process whose name
 names device N (GPU:N; the host when there is no GPU), each thread's (stream's) busy time and event
 count, then C events from the K-th on in start order: start (us, relative), duration (us), the gap
 since that thread's previous event, the thread and a short name.

@@ -1,8 +1,8 @@
 """Load test: a model with 160 op sites (80 layers x ag_matmul + matmul_rs) run for many steps with
 asynchronous dispatch running ahead, two different jitted programs interleaved, memory sampled.
 
-    python scripts/load_test.py --steps 10000 --comm dma          # the full run (GPU: the lead's)
-    python scripts/load_test.py --steps 300 --d-model 64          # a CPU smoke run (8 virtual devices)
+    python benchmarks/suites/load.py --steps 10000 --comm dma          # the full run (GPU)
+    python benchmarks/suites/load.py --steps 300 --d-model 64          # a CPU smoke run (8 virtual devices)
 
 The two programs (each step runs both, neither waits for the other):
   * "scan":     lax.scan over 80 stacked layers; 2 call sites executed 80 times per step, so the
@@ -41,7 +41,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 import ficco_jax  # noqa: E402
 from ficco_jax import Schedule  # noqa: E402
 

@@ -1,11 +1,11 @@
 """Device time of `ficco_jax.dma.all_to_all` against `jax.lax.all_to_all` (NCCL on GPU), alone and
-beside an independent matmul (issue 8); with `--collective all_gather|reduce_scatter`, the same for
+beside an independent matmul; with `--collective all_gather|reduce_scatter`, the same for
 `dma.all_gather` / `dma.reduce_scatter` against `lax.all_gather` / `lax.psum_scatter` (alone only).
 
-    NCCL_NVLS_ENABLE=0 python scripts/a2a_vs_nccl.py                     # GPU: 1, 4, 16, 64 MiB
-    NCCL_NVLS_ENABLE=0 python scripts/a2a_vs_nccl.py --collective all_gather \
+    NCCL_NVLS_ENABLE=0 python benchmarks/peers/collectives_vs_nccl.py                     # GPU: 1, 4, 16, 64 MiB
+    NCCL_NVLS_ENABLE=0 python benchmarks/peers/collectives_vs_nccl.py --collective all_gather \
         --schedules default,dma/direct/c1/push                           # pulls vs pushes vs NCCL
-    XLA_FLAGS=--xla_force_host_platform_device_count=4 python scripts/a2a_vs_nccl.py   # CPU smoke
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python benchmarks/peers/collectives_vs_nccl.py   # CPU smoke
 
 Every local device, one 1-D mesh axis "tp", inside jax.shard_map. Per device x [n * rows, COLS]
 bf16 (split and concat axis 0): n per-peer blocks of `--sizes` MiB each (all_gather: x is one
@@ -23,7 +23,7 @@ iterations do not overlap each other. Measured for NCCL and dma (default schedul
 matmul alone (on every device at once, as in the pair) and the all_to_all alone, so the table
 shows the pair against max(matmul, a2a) (perfect overlap) and matmul + a2a (none).
 
-Times: `ficco_jax.timing.METHOD` (in-jit loop differencing). GB/s = (n-1) x block bytes / time:
+Times: `ficco_jax.tuning.timing.METHOD` (in-jit loop differencing). GB/s = (n-1) x block bytes / time:
 the bytes each GPU sends (and receives) per collective, what nccl-tests reports as bus
 bandwidth for all_to_all, all_gather and reduce_scatter alike. On CPU the times are host memcpy/loop times and NOT meaningful. A progress line per
 measurement goes to stderr; measurements left when `--budget-s` is spent are skipped and listed.
@@ -45,10 +45,11 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from ficco_jax import dma, timing  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from ficco_jax import dma  # noqa: E402
 from ficco_jax.schedule import Schedule  # noqa: E402
-from ficco_jax.report import git_commit  # noqa: E402
+from ficco_jax.tools.report import git_commit  # noqa: E402
+from ficco_jax.tuning import timing  # noqa: E402
 
 #: Elements per row of a block (4 KiB of bf16): blocks of `size` MiB hold size * 256 rows.
 COLS = 2048

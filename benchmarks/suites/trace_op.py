@@ -1,10 +1,10 @@
 """Run one op under one schedule in a jitted loop, for a profiler to record.
 
-Usage: python scripts/trace_op.py OP SCHEDULE M K N [ITERS] [--jax-profiler DIR]
+Usage: python benchmarks/suites/trace_op.py OP SCHEDULE M K N [ITERS] [--jax-profiler DIR]
 (SCHEDULE: a Schedule string or "ref"). Under nsys, run it as is. With --jax-profiler, JAX's own
 profiler (CUPTI on GPUs: every kernel and copy of every stream, ours included) records the second
-run and writes DIR/plugins/profile/<time>/perfetto_trace.json.gz, which `scripts/perfetto_timeline.py`
-prints: the route where the machine has no nsys (the lent 2-GPU machine had none, 2026-11-22).
+run and writes DIR/plugins/profile/<time>/perfetto_trace.json.gz, which `benchmarks/suites/perfetto_timeline.py`
+prints: the route where the machine has no nsys.
 """
 import argparse
 
@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from ficco_jax import bench
+from ficco_jax.tools.bench import record_timeline
 from ficco_jax.schedule import Schedule
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -26,5 +26,5 @@ parser.add_argument("--jax-profiler", metavar="DIR", default=None)
 args = parser.parse_args()
 sched = "ref" if args.schedule == "ref" else Schedule.parse(args.schedule)
 mesh = Mesh(np.array(jax.local_devices()), ("tp",))
-bench.record_timeline(mesh, args.op, sched, args.M, args.K, args.N, args.iters, args.jax_profiler)
+record_timeline(mesh, args.op, sched, args.M, args.K, args.N, args.iters, args.jax_profiler)
 print(f"traced {args.op} {args.schedule} {args.M},{args.K},{args.N} x{args.iters}")

@@ -1,7 +1,7 @@
-"""Fault injection on the executor's rendezvous (issue 11), one child process per op, on GPU or CPU.
+"""Fault injection on the executor's rendezvous, one child process per op, on GPU or CPU.
 
-    python scripts/gpu_faults.py                       # every op, all local devices (the GPU run)
-    XLA_FLAGS=--xla_force_host_platform_device_count=4 python scripts/gpu_faults.py   # CPU smoke
+    python benchmarks/suites/faults.py                       # every op, all local devices (the GPU run)
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python benchmarks/suites/faults.py   # CPU smoke
 
 For each op on copy engines (ag_matmul dma/direct/c2, matmul_rs dma/direct/c2, dma.all_gather,
 dma.reduce_scatter, dma.all_to_all, a2a_matmul dma/direct/c2, matmul_a2a dma/direct/c2: the
@@ -54,7 +54,7 @@ RESULT_TAG = "RESULT "
 HEALTHY_LAUNCHES = 20
 #: Rows per device / per peer block of the test inputs: small, the faults are about the rendezvous.
 ROWS = 32
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # ------------------------------------------------------------------------------------------------

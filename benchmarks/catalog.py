@@ -1,0 +1,198 @@
+"""The suites of `benchmarks/run.py`: what each one runs, on which machine, and for how long.
+
+A suite is a list of steps (commands run from the repository root, one after another, each with
+its output in a log under the suite's out dir). `benchmarks/README.md` says the same in prose;
+`python benchmarks/run.py --list` prints this table.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import shutil
+from typing import Callable
+
+SUITES_DIR = "benchmarks/suites"
+PEERS_DIR = "benchmarks/peers"
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What a suite's steps are built from."""
+    python: str          # the interpreter every step runs (the lent machines' /opt/torch/.venv if present)
+    out: str             # this suite's out dir
+    gpus: int            # GPUs found (0: a CPU-only run on 8 virtual CPU devices)
+    limit_s: int         # this suite's time limit (steps that take a budget get a bit less)
+    options: tuple = ()  # what followed `--` on the command line (suites that take options)
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    label: str
+    argv: list | None          # None: nothing to run, `note` says why
+    env: dict = dataclasses.field(default_factory=dict)
+    note: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Suite:
+    name: str
+    what: str
+    machine: str     # in words, for --list and the README
+    min_gpus: int    # 0: also runs on a CPU-only machine
+    limit_s: int     # default time limit
+    steps: Callable[[Context], list]
+    result: str = ""  # a regular expression: the last matching log line is the summary's result
+    takes_options: bool = False
+
+
+def _py(ctx: Context, *args) -> list:
+    return [ctx.python, *[str(a) for a in args]]
+
+
+def _build(ctx):
+    flag = "ON" if ctx.gpus else "AUTO"
+    info = ("import json, os; from ficco_jax.runtime import extension; info = extension.build_info(); "
+            "print(json.dumps(info)); json.dump(info, open(os.path.join(os.environ['OUT'], 'build_info.json'), 'w'))")
+    return [Step("install", _py(ctx, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", "-e", "."),
+                 env={"FICCO_CUDA": flag}),
+            Step("build_info", _py(ctx, "-c", info))]
+
+
+CPU_SIDE_TESTS = ["tests/test_benchmarks_entry.py", "tests/test_gpu_faults_script.py",
+                  "tests/test_a2a_vs_nccl_script.py", "tests/test_mp_gpu_script.py", "tests/test_probe.py"]
+
+
+def _tests(ctx):
+    cpu_env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    return [Step("gpu_tests", _py(ctx, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu", *ctx.options)),
+            Step("script_tests", _py(ctx, "-m", "pytest", "-q", "-p", "no:cacheprovider", *CPU_SIDE_TESTS),
+                 env=cpu_env)]
+
+
+def _demo(ctx):
+    return [Step("demo", _py(ctx, "-m", "ficco_jax", "demo", "--out", ctx.out, *ctx.options))]
+
+
+def _bench(ctx):
+    extra = list(ctx.options) or ([] if ctx.gpus else ["--no-windowed"])
+    return [Step("bench", _py(ctx, "-m", "ficco_jax", "bench", "--out", ctx.out, *extra))]
+
+
+def _peers(ctx):
+    budget = max(30, ctx.limit_s // 6)
+    steps = []
+    if ctx.gpus >= 2:
+        steps.append(Step("torch_tp", _py(ctx, "-m", "torch.distributed.run", f"--nproc-per-node={ctx.gpus}",
+                                          f"{PEERS_DIR}/torch_tp.py", "--out", ctx.out, *ctx.options)))
+    else:
+        steps.append(Step("torch_tp", None, note="PyTorch async-TP needs 2 or more GPUs: skipped"))
+    steps.append(Step("jax_tp", _py(ctx, f"{PEERS_DIR}/jax_tp.py", "--out", ctx.out, *ctx.options)))
+    if ctx.gpus >= 2:
+        steps.append(Step("jax_tp_windowed", _py(ctx, f"{PEERS_DIR}/jax_tp.py", "--windowed", "--out", ctx.out,
+                                                 *ctx.options)))
+    for collective in ("all_to_all", "all_gather", "reduce_scatter"):
+        steps.append(Step(f"{collective}_vs_nccl", _py(ctx, f"{PEERS_DIR}/collectives_vs_nccl.py", "--collective",
+                                                       collective, "--budget-s", budget, "--out", ctx.out)))
+    return steps
+
+
+def _accuracy(ctx):
+    extra = list(ctx.options) or ["--top", "1"]
+    return [Step("accuracy", _py(ctx, "-m", "ficco_jax", "accuracy", "--budget-s", max(30, ctx.limit_s - 60),
+                                 "--out", ctx.out, *extra))]
+
+
+def _e2e(ctx):
+    example = ["--preset", "llama70b-layer"] if ctx.gpus else ["--preset", "tiny"]
+    mlp = [] if ctx.gpus else ["512", "256", "512"]
+    return [Step("tp_transformer", _py(ctx, "examples/tp_transformer.py", *example, "--compare")),
+            Step("mlp_overlap", _py(ctx, f"{SUITES_DIR}/mlp_overlap.py", *mlp))]
+
+
+def _faults(ctx):
+    return [Step("faults", _py(ctx, f"{SUITES_DIR}/faults.py", "--budget-s", max(20, ctx.limit_s - 30),
+                               "--out", ctx.out, *ctx.options))]
+
+
+def _soak(ctx):
+    return [Step("soak", _py(ctx, f"{SUITES_DIR}/soak.py", "--budget-s", max(30, ctx.limit_s // 2),
+                             "--out", ctx.out, *ctx.options))]
+
+
+def _load(ctx):
+    if ctx.gpus:
+        base = ["--steps", "600", "--comm", "dma", "--interval", "100", "--warmup", "100"]
+    else:  # CPU: collectives dispatched ahead stall XLA's CPU client, so block every step
+        base = ["--steps", "200", "--comm", "dma", "--layers", "8", "--d-model", "64", "--d-ff", "128",
+                "--interval", "40", "--warmup", "80", "--sync-every", "1"]
+    return [Step("load", _py(ctx, f"{SUITES_DIR}/load.py", *base, "--json", os.path.join(ctx.out, "load.json"),
+                             *ctx.options))]
+
+
+def _multiprocess(ctx):
+    env = {"FICCO_MP_BUDGET_S": str(max(60, ctx.limit_s - 20))}
+    if ctx.gpus:
+        env["FICCO_MP_NPROC"] = str(ctx.gpus)
+    return [Step("launch", ["bash", f"{SUITES_DIR}/multiprocess_launch.sh", *([] if ctx.gpus else ["--cpu"])],
+                 env=env)]
+
+
+def _characterize(ctx):
+    return [Step("characterize", _py(ctx, "-m", "ficco_jax", "characterize", "--out", ctx.out, *ctx.options))]
+
+
+def nsys_path() -> str | None:
+    found = shutil.which("nsys")
+    if found:
+        return found
+    for root in ("/usr/local/cuda/bin", *sorted(glob.glob("/opt/nvidia/nsight-systems/*/bin"))):
+        if os.path.isfile(os.path.join(root, "nsys")):
+            return os.path.join(root, "nsys")
+    return None
+
+
+def _trace(ctx):
+    what = list(ctx.options) or (["ag_matmul", "dma/direct/c1", "8192", "8192", "10240", "20"] if ctx.gpus
+                                 else ["ag_matmul", "dma/direct/c2", "64", "32", "64", "2"])
+    name = "trace_" + "_".join(what[:2]).replace("/", "_")
+    where = os.path.join(ctx.out, name)
+    nsys = nsys_path() if ctx.gpus else None
+    if nsys is None:  # JAX's profiler (CUPTI on GPUs): the route where the machine has no nsys
+        return [Step("record", _py(ctx, f"{SUITES_DIR}/trace_op.py", *what, "--jax-profiler", where)),
+                Step("timeline", _py(ctx, f"{SUITES_DIR}/perfetto_timeline.py", where, "--count", "40"))]
+    return [Step("record", [nsys, "profile", "-t", "cuda", "-o", where, "--force-overwrite", "true",
+                            ctx.python, f"{SUITES_DIR}/trace_op.py", *what]),
+            Step("export", [nsys, "stats", "--report", "cuda_gpu_trace", "--format", "csv", "--output", where,
+                            f"{where}.nsys-rep"]),
+            Step("timeline", _py(ctx, f"{SUITES_DIR}/nsys_timeline.py", f"{where}_cuda_gpu_trace.csv", "0", "0", "40"))]
+
+
+SUITES = {s.name: s for s in [
+    Suite("build", "editable install with the CUDA backend (FICCO_CUDA=ON on GPUs) and the extension's build info",
+          "any (CUDA toolkit on GPUs)", 0, 600, _build, r"\{.*\}"),
+    Suite("tests", "pytest tests/gpu (skips without GPUs) and the CPU tests of the benchmark scripts",
+          "any; tests/gpu need 1+ GPU", 0, 420, _tests, r"(passed|failed|error|skipped)", takes_options=True),
+    Suite("demo", "every schedule checked on all local devices, then a timing table (python -m ficco_jax demo)",
+          "any", 0, 240, _demo, takes_options=True),
+    Suite("bench", "ficco_jax vs JAX sequential, ring, windowed einsum and the bound (python -m ficco_jax bench)",
+          "any; 2+ GPUs for real numbers", 0, 480, _bench, takes_options=True),
+    Suite("peers", "PyTorch async-TP and sequential, JAX seq / ring / XLA (windowed einsum), collectives vs NCCL",
+          "2+ GPUs (CPU: the JAX peers at a tiny shape)", 0, 540, _peers, r"SKIPPED|\| \S", takes_options=True),
+    Suite("accuracy", "held-out check of schedule='auto': its pick vs the best measured vs JAX sequential",
+          "2+ GPUs", 2, 600, _accuracy, takes_options=True),
+    Suite("e2e", "a Llama-70B layer with and without overlap (examples/tp_transformer.py --compare) and an MLP "
+          "forward+backward", "2+ GPUs (CPU: tiny sizes)", 0, 420, _e2e, r"speedup"),
+    Suite("faults", "fault injection on the rendezvous: errors name the rank, arrive in time, next call works",
+          "any", 0, 180, _faults, r"Overall: \w+", takes_options=True),
+    Suite("soak", "every dma schedule on the anchor shapes, then 2000 back-to-back calls: same result, flat memory",
+          "2+ GPUs", 2, 420, _soak, r"^soak (PASS|FAIL)", takes_options=True),
+    Suite("load", "160 op sites, two programs interleaved for many steps: host and device memory stay flat",
+          "any; GPUs for run-ahead", 0, 360, _load, r"(PASS|FAIL)", takes_options=True),
+    Suite("multiprocess", "one process per GPU (CUDA IPC): every dma schedule checked, then timed",
+          "2+ GPUs (CPU: 2 processes, refusals checked)", 0, 560, _multiprocess, r"^checks: "),
+    Suite("characterize", "decomposition loss, copy-engine vs NCCL contention, transfer cost on this machine",
+          "2+ GPUs", 2, 420, _characterize, takes_options=True),
+    Suite("trace", "a GPU timeline of one op (nsys, else JAX's profiler): OP SCHEDULE M K N [ITERS] after --",
+          "any; 1+ GPU for a GPU timeline", 0, 240, _trace, r"events", takes_options=True),
+]}

@@ -1,0 +1,180 @@
+"""PyTorch peers of ag_matmul and matmul_rs: sequential NCCL + cuBLAS, and async-TP.
+
+    python3 -m torch.distributed.run --nproc-per-node=N benchmarks/peers/torch_tp.py [--shape S] [--out DIR]
+
+One process per GPU. Per shape (M, K, N), bf16, every rank:
+  ag_seq        all_gather_into_tensor(x[M/n, K]) then full[M, K] @ w[K, N/n]
+  ag_async_tp   torch.ops.symm_mem.fused_all_gather_matmul (symmetric memory; copy engines move
+                the shards while the matmul runs, one shard at a time)
+  rs_seq        y[M, N/n] @ w[N/n, K] then reduce_scatter_tensor
+  rs_async_tp   torch.ops.symm_mem.fused_matmul_reduce_scatter
+  gemm_only     the full [M, K] @ [K, N/n] alone (the bound of AG+GEMM when the gather hides)
+  ag_only / rs_only   the NCCL collective alone
+Each async-TP result is compared with its sequential twin (relative Frobenius error) before it
+is timed. Times: CUDA events around `--iters` back-to-back calls after `--warmup` calls, median of
+`--rounds` such rounds, the slowest rank's (all_reduce MAX). Rank 0 writes DIR/torch_tp.json and
+torch_tp.md and prints the table last. Without torch, CUDA, or as many GPUs as processes, it
+says why and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import shapes  # noqa: E402
+
+NAME = "torch_tp"
+METHOD = ("CUDA events around ITERS back-to-back calls after WARMUP calls; median of ROUNDS rounds; "
+          "the slowest rank's time (all_reduce MAX)")
+COLUMNS = ["gemm_only", "ag_only", "ag_seq", "ag_async_tp", "rs_only", "rs_seq", "rs_async_tp"]
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", action="append", help="M,K,N, an anchor name, or a set: anchors, tiny")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", default=os.environ.get("OUT", "out/peers"))
+    return parser.parse_args()
+
+
+def why_not(torch) -> str | None:
+    """None where this process can run, else the reason it cannot."""
+    if "WORLD_SIZE" not in os.environ:
+        return "not launched by torch.distributed.run (python3 -m torch.distributed.run --nproc-per-node=N ...)"
+    if not torch.cuda.is_available():
+        return "no CUDA device visible to torch"
+    world = int(os.environ["WORLD_SIZE"])
+    if torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", world)):
+        return f"{torch.cuda.device_count()} GPUs for {world} processes"
+    if world < 2:
+        return "one process: a tensor-parallel layer needs 2 or more GPUs"
+    return None
+
+
+class Peer:
+    """One rank's view: the process group, its symmetric-memory group, and a timer."""
+
+    def __init__(self, torch, dist):
+        self.torch, self.dist = torch, dist
+        self.rank, self.world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", self.rank)))
+        dist.init_process_group("nccl")
+        self.group = dist.group.WORLD.group_name
+        self.symm_error = None
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            symm_mem.enable_symm_mem_for_group(self.group)
+        except Exception as exc:  # noqa: BLE001 - async-TP is reported as unavailable, the rest runs
+            self.symm_error = f"{type(exc).__name__}: {str(exc)[:200]}"
+
+    def time_ms(self, fn, args) -> float:
+        torch = self.torch
+        for _ in range(args.warmup):
+            fn()
+        torch.cuda.synchronize()
+        self.dist.barrier()
+        rounds = []
+        for _ in range(args.rounds):
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(args.iters):
+                fn()
+            stop.record()
+            stop.synchronize()
+            rounds.append(start.elapsed_time(stop) / args.iters)
+        t = torch.tensor([statistics.median(rounds)], device="cuda")
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
+        return float(t.item())
+
+    def rel_err(self, got, want) -> float:
+        got, want = got.float(), want.float()
+        return float((got - want).norm() / want.norm().clamp_min(1e-30))
+
+
+def variants(peer, M, K, N):
+    """{name: zero-argument callable} for one shape, on fresh random bf16 inputs of this rank."""
+    torch, dist, n = peer.torch, peer.dist, peer.world
+    gen = torch.Generator(device="cuda").manual_seed(1000 + peer.rank)
+    rand = lambda *shape, scale=1.0: torch.randn(*shape, device="cuda", dtype=torch.bfloat16,  # noqa: E731
+                                                 generator=gen) * scale
+    x, w = rand(M // n, K), rand(K, N // n, scale=K ** -0.5)
+    y, w2 = rand(M, N // n), rand(N // n, K, scale=(N // n) ** -0.5)
+    full = torch.empty(M, K, device="cuda", dtype=torch.bfloat16)
+    part = torch.empty(M // n, K, device="cuda", dtype=torch.bfloat16)
+    ops = torch.ops.symm_mem
+
+    def ag_seq():
+        dist.all_gather_into_tensor(full, x)
+        return full @ w
+
+    def rs_seq():
+        dist.reduce_scatter_tensor(part, y @ w2)
+        return part
+
+    return {
+        "gemm_only": lambda: full @ w,
+        "ag_only": lambda: dist.all_gather_into_tensor(full, x),
+        "ag_seq": ag_seq,
+        "ag_async_tp": lambda: ops.fused_all_gather_matmul(x, [w], gather_dim=0, group_name=peer.group)[1][0],
+        "rs_only": lambda: dist.reduce_scatter_tensor(part, y),
+        "rs_seq": rs_seq,
+        "rs_async_tp": lambda: ops.fused_matmul_reduce_scatter(y, w2, "sum", scatter_dim=0, group_name=peer.group),
+    }
+
+
+def measure_shape(peer, name, dims, args) -> dict:
+    row = {"shape": name, "M": dims[0], "K": dims[1], "N": dims[2], "n": peer.world}
+    fns = variants(peer, *dims)
+    for fused, seq in (("ag_async_tp", "ag_seq"), ("rs_async_tp", "rs_seq")):
+        if peer.symm_error:
+            row[fused] = None
+            row[f"{fused}_error"] = peer.symm_error
+            continue
+        try:
+            want = fns[seq]().clone()
+            row[f"{fused}_rel_err"] = peer.rel_err(fns[fused](), want)
+        except Exception as exc:  # noqa: BLE001 - recorded; the sequential variants still run
+            row[fused], row[f"{fused}_error"] = None, f"{type(exc).__name__}: {str(exc)[:200]}"
+    for key in COLUMNS:
+        if f"{key}_error" not in row:
+            row[key] = peer.time_ms(fns[key], args)
+    if peer.rank == 0:
+        print(f"[{NAME}] {name}: " + ", ".join(f"{k} {row[k]:.3f}" for k in COLUMNS if row.get(k) is not None),
+              file=sys.stderr, flush=True)
+    return row
+
+
+def main() -> int:
+    args = parse_args()
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:
+        return shapes.skipped(args.out, NAME, "torch is not installed")
+    reason = why_not(torch)
+    if reason:
+        return shapes.skipped(args.out, NAME, reason) if int(os.environ.get("RANK", "0")) == 0 else 0
+    peer = Peer(torch, dist)
+    wanted = shapes.parse(args.shape)
+    rows = [measure_shape(peer, name, dims, args) for name, dims in wanted.items()
+            if shapes.divisible(dims, peer.world)]
+    if peer.rank == 0:
+        result = {"peer": "pytorch", "torch": torch.__version__, "n": peer.world, "dtype": "bfloat16",
+                  "device": torch.cuda.get_device_name(), "method": METHOD.replace("ITERS", str(args.iters))
+                  .replace("WARMUP", str(args.warmup)).replace("ROUNDS", str(args.rounds)),
+                  "commit": os.environ.get("FICCO_COMMIT"), "async_tp_error": peer.symm_error, "rows": rows}
+        table = shapes.markdown(rows, COLUMNS, f"PyTorch on {peer.world} x {result['device']}, ms ({NAME})")
+        shapes.write(args.out, NAME, result, table)
+        print(table, flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,88 @@
+"""benchmarks/run.py, the one benchmark entry point, on CPU: it lists its suites, refuses an unknown
+one clearly, skips GPU suites without GPUs, stops a suite at its time limit, and runs a cheap suite
+end to end with the summary table last."""
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from ficco_jax.runtime import extension
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+RUN = REPO / "benchmarks" / "run.py"
+SUITES = ["build", "tests", "demo", "bench", "peers", "accuracy", "e2e", "faults", "soak", "load",
+          "multiprocess", "characterize", "trace"]
+
+
+def _run(*args, timeout=120):
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    return subprocess.run([sys.executable, str(RUN), *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _entry_module():
+    sys.path.insert(0, str(RUN.parent))
+    import run  # noqa: PLC0415 - benchmarks/ is not a package
+
+    return run
+
+
+def test_lists_every_suite():
+    done = _run("--list")
+    assert done.returncode == 0, done.stderr
+    for name in SUITES:
+        assert f"| {name} |" in done.stdout, name
+
+
+def test_unknown_suite_is_a_clear_error():
+    done = _run("demo", "benchmark-everything")
+    assert done.returncode == 2
+    assert "unknown suite benchmark-everything" in done.stderr and "known: build, tests" in done.stderr
+
+
+def test_no_suite_is_a_clear_error():
+    done = _run()
+    assert done.returncode == 2 and "name at least one suite" in done.stderr
+
+
+def test_gpu_suites_are_skipped_on_a_cpu_machine(tmp_path):
+    done = _run("accuracy", "soak", "characterize", "--cpu", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("skipped: needs 2+ GPUs") == 3
+    table = done.stdout.strip().splitlines()[-5:]
+    assert table[0] == "| suite | rc | seconds | result |"
+    assert [row.split("|")[1].strip() for row in table[2:]] == ["accuracy", "soak", "characterize"]
+
+
+def test_a_suite_past_its_limit_is_cut(tmp_path, monkeypatch, capsys):
+    run = _entry_module()
+    sleepy = run.catalog.Suite("sleepy", "sleeps", "any", 0, 600, lambda ctx: [
+        run.catalog.Step("nap", [sys.executable, "-c", "print('napping', flush=True); import time; time.sleep(60)"]),
+        run.catalog.Step("never", [sys.executable, "-c", "print('not reached')"])])
+    monkeypatch.setitem(run.catalog.SUITES, "sleepy", sleepy)
+    assert run.main(["sleepy", "--cpu", "--limit", "8", "--out", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "CUT: sleepy/nap reached the suite's time limit of 8 s" in out
+    assert "not reached" not in out and "napping" in (tmp_path / "sleepy" / "nap.log").read_text()
+    assert out.strip().splitlines()[-1].startswith("| sleepy | CUT |")
+
+
+def test_options_go_to_suites_that_take_them(tmp_path, monkeypatch):
+    run = _entry_module()
+    args = run.parse_args(["trace", "e2e", "--out", str(tmp_path), "--", "matmul_rs", "ref", "8", "8", "8"])
+    assert args.options == ("matmul_rs", "ref", "8", "8", "8")
+    ctx = run.catalog.Context(python=sys.executable, out=str(tmp_path), gpus=0, limit_s=60, options=args.options)
+    record = run.catalog.SUITES["trace"].steps(ctx)[0]
+    assert record.argv[2:7] == ["matmul_rs", "ref", "8", "8", "8"]
+    assert not run.catalog.SUITES["e2e"].takes_options
+
+
+@pytest.mark.skipif(not extension.available(), reason="ficco_jax._ffi is not built")
+def test_the_trace_suite_runs_on_cpu(tmp_path):
+    done = _run("trace", "--cpu", "--out", str(tmp_path), timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert (tmp_path / "trace" / "record.log").exists() and (tmp_path / "trace" / "timeline.log").exists()
+    last = done.stdout.strip().splitlines()[-1]
+    assert last.startswith("| trace | 0 |") and "events" in last, done.stdout[-2000:]
