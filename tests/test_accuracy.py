@@ -113,9 +113,9 @@ def test_shipped_profiles_predict_their_fitted_bench_within_their_error(name, be
 
 
 def test_h200x2_picks_well_on_the_2_gpu_cases_it_was_not_fitted_to():
-    """The 22 held-out cases timed on 2 x H200 (2026-11-22, commit d374ebe), re-scored: the shipped h200x2 profile's
-    pick among each case's measured schedules was within 5 % of the best in 21, the 4-GPU stand-in's
-    in 16. A change to the model or the profile that loses this shows here."""
+    """The 22 held-out cases timed on 2 x H200 (2026-11-22, commit d374ebe), re-scored: the shipped
+    h200x2 profile's pick among each case's measured schedules was within 5 % of the best in 21, the
+    4-GPU stand-in's in 16. A change to the model or the profile that loses this shows here."""
     with open(os.path.join(DATA, "accuracy_h200x2.json")) as fh:
         recorded = json.load(fh)
     own = accuracy.replay([recorded], cost_model.load_profile("h200x2"))
