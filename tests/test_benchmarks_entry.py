@@ -1,6 +1,8 @@
 """benchmarks/run.py, the one benchmark entry point, on CPU: it lists its suites, refuses an unknown
 one clearly, skips GPU suites without GPUs, stops a suite at its time limit, and runs a cheap suite
-end to end with the summary table last."""
+end to end with the summary table last. The peer scripts: the PyTorch one says why it skips
+where it cannot run, the JAX one runs every variant on CPU devices (its times mean nothing there)."""
+import json
 import os
 import pathlib
 import subprocess
@@ -86,3 +88,28 @@ def test_the_trace_suite_runs_on_cpu(tmp_path):
     assert (tmp_path / "trace" / "record.log").exists() and (tmp_path / "trace" / "timeline.log").exists()
     last = done.stdout.strip().splitlines()[-1]
     assert last.startswith("| trace | 0 |") and "events" in last, done.stdout[-2000:]
+
+
+def test_the_torch_peer_says_why_it_skips(tmp_path):
+    # Here either torch is missing or the script was not launched by torch.distributed.run.
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "peers" / "torch_tp.py"), "--out", str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "torch_tp: SKIPPED: " in done.stdout
+    assert "torch" in json.loads((tmp_path / "torch_tp.json").read_text())["skipped"]
+
+
+def test_the_jax_peers_on_cpu(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "peers" / "jax_tp.py"), "--out", str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "jax_tp.json").read_text())
+    assert result["n"] == 4 and result["method"] and [r["shape"] for r in result["rows"]] == ["tiny_M64_K32_N64"]
+    row = result["rows"][0]
+    for key in ("ag_seq", "ag_ring", "ag_xla", "rs_seq", "rs_ring", "rs_xla", "gemm_only", "ag_only"):
+        assert row[key] >= 0, key
+    for key in ("ag_ring", "ag_xla", "rs_ring", "rs_xla"):
+        assert row[f"{key}_rel_err"] < 2e-2, key
+    assert done.stdout.strip().splitlines()[-1].startswith("| tiny_M64_K32_N64 |")
