@@ -171,7 +171,7 @@ def _capture_log() -> list[str]:
     return records
 
 
-def _gpu_like_auto(select) -> None:
+def _gpu_like_auto(chooser) -> None:
     """A stand-in model: comm="dma" (direct, 2 chunks) where allowed, else comm="xla" (ring, 2 chunks)."""
     from ficco_jax.schedule import Schedule
 
