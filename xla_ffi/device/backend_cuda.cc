@@ -1,0 +1,80 @@
+// The CUDA backend: XLA's stream is the compute stream; transfers run on the device's copy
+// streams (runtime/registry.cc) and are ordered against it with pooled events.
+#include "device/backends.h"
+#include "device/dma.h"
+#include "runtime/registry.h"
+
+namespace ficco {
+namespace {
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend(const CallContext& ctx, cudaStream_t compute, bool interprocess)
+      : ctx_(ctx), compute_(compute), interprocess_(interprocess),
+        device_(Registry::Get().Device(ctx.device_ordinal)) {}
+
+  ffi::Error Prepare(int copy_streams, const std::vector<int>& group) override {
+    return device_.PrepareCuda(ctx_, copy_streams, group, &resources_);
+  }
+
+  ffi::Error Record(int stream, Event* event) override {
+    const CallContext& ctx = ctx_;
+    cudaEvent_t cuda_event;
+    FICCO_RETURN_IF_ERROR(device_.AcquireEvent(ctx, &cuda_event, interprocess_));
+    acquired_.push_back(cuda_event);
+    FICCO_CHECK_CUDA(cudaEventRecord(cuda_event, StreamOf(stream)));
+    *event = cuda_event;
+    return ffi::Error::Success();
+  }
+
+  ffi::Error Wait(int stream, Event event) override {
+    const CallContext& ctx = ctx_;
+    FICCO_CHECK_CUDA(cudaStreamWaitEvent(StreamOf(stream), static_cast<cudaEvent_t>(event), 0));
+    return ffi::Error::Success();
+  }
+
+  ffi::Error Copy(int stream, void* dst, const void* src, size_t bytes) override {
+    const CallContext& ctx = ctx_;
+    FICCO_CHECK_CUDA(CopyChunkAsync(dst, src, bytes, StreamOf(stream)));
+    return ffi::Error::Success();
+  }
+
+  ffi::Error Gemm(const GemmProblem& problem) override {
+    const CallContext& ctx = ctx_;
+    FICCO_CHECK_CUDA(resources_->gemm_plans->Run(problem, resources_->lt, resources_->workspace,
+                                                   resources_->workspace_bytes, compute_));
+    return ffi::Error::Success();
+  }
+
+  ffi::Error Reduce(const ReduceProblem& problem) override {
+    const CallContext& ctx = ctx_;
+    FICCO_CHECK_CUDA(LaunchReduceSum(problem, compute_));
+    return ffi::Error::Success();
+  }
+
+  void ReleaseEvents() override {
+    device_.ReleaseEvents(acquired_, interprocess_);
+    acquired_.clear();
+  }
+
+ private:
+  cudaStream_t StreamOf(int stream) const {
+    return stream == kCompute ? compute_ : resources_->copy_streams[stream];
+  }
+
+  CallContext ctx_;
+  cudaStream_t compute_;
+  const bool interprocess_;  // a group across processes: events from the interprocess pool
+  DeviceState& device_;
+  CudaResources* resources_ = nullptr;
+  std::vector<cudaEvent_t> acquired_;  // returned to the pool only by ReleaseEvents()
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> MakeCudaBackend(const CallContext& ctx, cudaStream_t compute_stream,
+                                         bool interprocess_events) {
+  return std::make_unique<CudaBackend>(ctx, compute_stream, interprocess_events);
+}
+
+}  // namespace ficco

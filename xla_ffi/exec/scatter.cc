@@ -1,0 +1,169 @@
+// The produce -> scatter pipeline (executor.h): reduce_scatter, matmul_rs, matmul_a2a.
+#include <algorithm>
+
+#include "exec/executor.h"
+
+namespace ficco {
+namespace {
+
+// One call of the scatter pipeline on rank r. The blocks that move have `layout_`; in matmul_rs
+// and matmul_a2a send slot s holds our block for rank r+1+s (which pulls it as its slot s, since
+// p + 1 + s = r for the puller r and owner p = r-1-s); in reduce_scatter y's block t is for rank t.
+class Scatter {
+ public:
+  Scatter(Backend& backend, const OpConfig& config, const ScatterArgs& a)
+      : backend_(backend), config_(config), a_(a), matmul_(a.w != nullptr), reduce_(a.recv != nullptr),
+        layout_{a.groups, a.rows, a.cols * static_cast<int64_t>(ByteWidth(a.dtype))},
+        mm_{{a.groups, a.rows, a.inner * static_cast<int64_t>(ByteWidth(a.dtype))}, layout_, a.w, a.inner, a.cols,
+            a.dtype} {}
+
+  ffi::Error Run(CallSession& session);
+
+ private:
+  // Where the peer of slot `slot` (rank `peer`) sends its block for us: a reduce's receive slot,
+  // else our output's block of that rank.
+  void* Landing() const { return reduce_ ? a_.recv : a_.out; }
+  int64_t LandingBlock(int slot, int peer) const { return reduce_ ? slot : peer; }
+  ffi::Error Produce(void* send, std::vector<Event>* written);
+  ffi::Error Pull(CallSession& session, const void* send, const std::vector<Event>& exposed,
+                  std::vector<std::vector<Event>>* landed);
+  ffi::Error Push(CallSession& session, const void* send, Event entry, const std::vector<Event>& exposed,
+                  std::vector<std::vector<Event>>* landed);
+  ffi::Error ReduceChunks(const std::vector<std::vector<Event>>& landed);
+
+  Backend& backend_;
+  const OpConfig& config_;
+  const ScatterArgs& a_;
+  const bool matmul_;
+  const bool reduce_;
+  const BlockLayout layout_;
+  const BlockMatmul mm_;
+};
+
+ffi::Error Scatter::Run(CallSession& session) {
+  // Owner: the matmuls expose their send slots (one event per chunk); reduce_scatter exposes y.
+  // Across processes the send slots are written straight into the staging buffer peers read.
+  // With transfer=push, `entry` opens our landing buffer to the peers' writes, before our matmuls.
+  std::vector<Event> exposed;
+  void* send = a_.send;
+  Event entry = nullptr;
+  if (config_.push) FICCO_RETURN_IF_ERROR(backend_.Record(Backend::kCompute, &entry));
+  if (matmul_) {
+    void* in_place = nullptr;
+    FICCO_RETURN_IF_ERROR(session.StageInPlace(backend_, (config_.n() - 1) * layout_.Block(), &in_place));
+    if (in_place != nullptr) send = in_place;
+    FICCO_RETURN_IF_ERROR(Produce(send, &exposed));
+  } else {
+    Event ready;
+    FICCO_RETURN_IF_ERROR(backend_.Record(Backend::kCompute, &ready));
+    exposed.assign((config_.n() - 1) * config_.chunks, ready);
+  }
+  std::vector<std::vector<Event>> landed(config_.n() - 1, std::vector<Event>(config_.chunks));
+  FICCO_RETURN_IF_ERROR(config_.push ? Push(session, send, entry, exposed, &landed)
+                                     : Pull(session, send, exposed, &landed));
+  if (reduce_) {
+    ffi::Error reduced = ReduceChunks(landed);
+    if (reduced.failure()) return AwaitLanded(backend_, config_, landed, std::move(reduced));
+  }
+  return JoinAndRelease(backend_, config_, session);
+}
+
+// Compute stream, before the exchange: the block for each peer (in the order that peer pulls
+// them) into its send slot, one event per chunk, then our own block straight into `out`.
+// gemm=grouped: one matmul per peer block, one event for all of its chunks (they still move
+// separately).
+ffi::Error Scatter::Produce(void* send, std::vector<Event>* written) {
+  const int64_t q = a_.rows / config_.chunks;
+  written->assign((config_.n() - 1) * config_.chunks, nullptr);
+  for (int slot = 0; slot < config_.n() - 1; ++slot) {
+    const int target = config_.TargetOfSlot(slot);
+    if (config_.gemm == GemmMode::kGrouped) {
+      FICCO_RETURN_IF_ERROR(mm_.Run(backend_, a_.y, target, send, slot, 0, a_.rows));
+      Event done;
+      FICCO_RETURN_IF_ERROR(backend_.Record(Backend::kCompute, &done));
+      std::fill_n(written->begin() + slot * config_.chunks, config_.chunks, done);
+      continue;
+    }
+    for (int64_t j = 0; j < config_.chunks; ++j) {
+      FICCO_RETURN_IF_ERROR(mm_.Run(backend_, a_.y, target, send, slot, j * q, q));
+      FICCO_RETURN_IF_ERROR(backend_.Record(Backend::kCompute, &(*written)[slot * config_.chunks + j]));
+    }
+  }
+  // A reduce's `out` is one block; the expert ops' `out` has one per rank.
+  return mm_.Run(backend_, a_.y, config_.rank, a_.out, reduce_ ? 0 : config_.rank, 0, a_.rows);
+}
+
+// Puller: from peer p = r-1-s its block for us, p's send slot s (or block r of p's y), chunk by
+// chunk once each is written.
+ffi::Error Scatter::Pull(CallSession& session, const void* send, const std::vector<Event>& exposed,
+                         std::vector<std::vector<Event>>* landed) {
+  // Peers read send's n-1 blocks, or y's other blocks. Staging pieces: a reduce's blocks have one
+  // group, so each (slot, chunk) event guards a contiguous piece; an expert block's chunks are
+  // strided rows of every group, so its pieces are whole slots.
+  const int n = config_.n();
+  const int64_t pieces = reduce_ ? static_cast<int64_t>(exposed.size()) : n - 1;
+  const Exposure exposure = matmul_ ? Exposure{send, (n - 1) * layout_.Block(), pieces, exposed}
+                                    : Exposure{a_.y, n * layout_.Block(), 1, exposed};
+  std::vector<Post> posts;
+  FICCO_RETURN_IF_ERROR(session.Exchange(backend_, exposure, &posts));
+  FICCO_RETURN_IF_ERROR(CheckFault(config_, Fault::kFail));
+  return PullChunks(
+      backend_, config_, posts,
+      [&](int slot, int64_t j) { return posts[config_.SourceOfSlot(slot)].events[slot * config_.chunks + j]; },
+      [&](int stream, int peer, const Post& post, int slot, int64_t j) {
+        return CopyBlockChunk(backend_, config_, layout_, stream, post.buffer, matmul_ ? slot : config_.rank,
+                              Landing(), LandingBlock(slot, peer), j);
+      },
+      landed);
+}
+
+// Sender: to the peer t = r+1+s its block — our send slot s, or block t of y — into t's landing
+// buffer (t's receive slot s is fed by t-1-s = r), chunk by chunk once each is written.
+ffi::Error Scatter::Push(CallSession& session, const void* send, Event entry, const std::vector<Event>& exposed,
+                         std::vector<std::vector<Event>>* landed) {
+  auto push = [&](const std::vector<Post>& targets, std::vector<std::vector<Event>>* pushed) {
+    return PushChunks(backend_, config_, targets,
+                      [&](int slot, int64_t j) { return exposed[slot * config_.chunks + j]; },
+                      [&](int stream, int target, const Post& post, int slot, int64_t j) {
+                        return CopyBlockChunk(backend_, config_, layout_, stream, matmul_ ? send : a_.y,
+                                              matmul_ ? slot : target, Destination(post, 0),
+                                              LandingBlock(slot, config_.rank), j);
+                      },
+                      pushed);
+  };
+  // Only a reduce reads what lands here; otherwise XLA's stream waits for it (CallSession::Push).
+  return session.Push(backend_, Landing(), entry, push, /*consumed=*/reduce_, landed);
+}
+
+// Compute stream after the transfers: out[chunk] = own[chunk] + sum over slots of recv[slot][chunk].
+// matmul_rs with gemm=grouped reduces the whole block once after every chunk has landed.
+ffi::Error Scatter::ReduceChunks(const std::vector<std::vector<Event>>& landed) {
+  const int64_t esize = static_cast<int64_t>(ByteWidth(a_.dtype));
+  const void* own = matmul_ ? static_cast<const void*>(a_.out) : Offset(a_.y, config_.rank * layout_.Block());
+  const int64_t block_elems = a_.rows * a_.cols;
+  const bool grouped = config_.gemm == GemmMode::kGrouped && matmul_;
+  const int64_t pieces = grouped ? 1 : config_.chunks;
+  const int64_t piece_elems = block_elems / pieces;
+  const int64_t chunks_per_piece = config_.chunks / pieces;
+  for (int64_t piece = 0; piece < pieces; ++piece) {
+    for (int slot = 0; slot < config_.n() - 1; ++slot) {
+      for (int64_t j = piece * chunks_per_piece; j < (piece + 1) * chunks_per_piece; ++j) {
+        FICCO_RETURN_IF_ERROR(backend_.Wait(Backend::kCompute, landed[slot][j]));
+      }
+    }
+    const int64_t offset = piece * piece_elems * esize;
+    FICCO_RETURN_IF_ERROR(backend_.Reduce({Offset(a_.out, offset), Offset(own, offset), Offset(a_.recv, offset),
+                                           block_elems, config_.n() - 1, piece_elems, a_.dtype}));
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+ffi::Error RunScatter(Backend& backend, const OpConfig& config, const ScatterArgs& a) {
+  FICCO_RETURN_IF_ERROR(BeginCall(backend, config, a.rows, a.rows_name));
+  CallSession session(config, ScheduleSignature(config, a.kind, a.dtype, {a.groups, a.rows, a.inner, a.cols}));
+  return Scatter(backend, config, a).Run(session);
+}
+
+}  // namespace ficco

@@ -1,0 +1,56 @@
+#include "ffi/attrs.h"
+
+#include <string>
+
+namespace ficco {
+
+ffi::Error DecodeConfig(const OpAttrs& attrs, const char* target, int32_t device_ordinal, int64_t run_id,
+                        OpConfig* config) {
+  config->ctx = CallContext{target, attrs.op_id, device_ordinal};
+  const CallContext& ctx = config->ctx;
+  config->run_id = run_id;
+  const int64_t n = attrs.group_size;
+  const int64_t total = static_cast<int64_t>(attrs.groups.size());
+  if (n < 1 || total % n != 0) {
+    return MakeInvalid(ctx, "groups has " + std::to_string(total) + " ordinals, not a multiple of group_size " +
+                                std::to_string(n));
+  }
+  if (static_cast<int64_t>(attrs.local_ordinals.size()) != total) {
+    return MakeInvalid(ctx, "local_ordinals has " + std::to_string(attrs.local_ordinals.size()) +
+                                " entries, groups " + std::to_string(total) + "; they must match");
+  }
+  config->ipc_job = attrs.ipc_job;
+  for (int64_t i = 0; i < total; ++i) {
+    if (attrs.local_ordinals[i] != device_ordinal) continue;
+    config->group_index = i / n;
+    config->rank = static_cast<int>(i % n);
+    config->group.assign(attrs.groups.begin() + config->group_index * n,
+                         attrs.groups.begin() + (config->group_index + 1) * n);
+    config->group_local.assign(attrs.local_ordinals.begin() + config->group_index * n,
+                               attrs.local_ordinals.begin() + (config->group_index + 1) * n);
+  }
+  if (config->group.empty()) {
+    return MakeInvalid(ctx, "device ordinal " + std::to_string(device_ordinal) +
+                                " is not in any group of this op; the mesh the op was lowered for does "
+                                "not match the devices it runs on");
+  }
+  if (attrs.chunks < 1 || attrs.copy_streams < 1 || (attrs.order != 0 && attrs.order != 1) ||
+      (attrs.gemm != 0 && attrs.gemm != 1) || (attrs.transfer != 0 && attrs.transfer != 1) || attrs.timeout_ms < 0) {
+    return MakeInvalid(ctx, "bad schedule attributes: chunks=" + std::to_string(attrs.chunks) +
+                                " order=" + std::to_string(attrs.order) + " gemm=" + std::to_string(attrs.gemm) +
+                                " copy_streams=" + std::to_string(attrs.copy_streams) +
+                                " transfer=" + std::to_string(attrs.transfer));
+  }
+  config->chunks = attrs.chunks;
+  config->order = static_cast<Order>(attrs.order);
+  config->gemm = static_cast<GemmMode>(attrs.gemm);
+  config->copy_streams = static_cast<int>(attrs.copy_streams);
+  config->timeout_s = static_cast<double>(attrs.timeout_ms) / 1000.0;
+  config->fault = attrs.fault < 0 ? Fault::kNone : static_cast<Fault>(attrs.fault / 1000);
+  config->fault_rank = attrs.fault < 0 ? -1 : static_cast<int>(attrs.fault % 1000);
+  config->skip_own_rows = attrs.skip_own_rows != 0;
+  config->push = attrs.transfer == 1;
+  return ffi::Error::Success();
+}
+
+}  // namespace ficco

@@ -1,0 +1,76 @@
+// The attributes of the ficco targets, decoded once per call into an OpConfig.
+#ifndef FICCO_JAX_XLA_FFI_FFI_ATTRS_H_
+#define FICCO_JAX_XLA_FFI_FFI_ATTRS_H_
+
+#include <cstdint>
+
+#include "base/errors.h"
+#include "runtime/op_config.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ficco {
+
+// The attributes of every ficco target (dma.py writes them; see its _attributes()).
+struct OpAttrs {
+  int64_t op_id;                  // unique per call site, set at trace time
+  // Device groups of the mesh axis, flat, members in rank order: device ordinals of this process,
+  // or global device ids when ipc_job != 0 (groups across processes of this host).
+  ffi::Span<const int64_t> groups;
+  ffi::Span<const int64_t> local_ordinals;  // per member of `groups`: its ordinal here, -1 if remote
+  int64_t ipc_job;                // 0: every group is in this process; else the host mailbox's job id
+  int64_t group_size;             // n
+  int64_t chunks;
+  int64_t order;                  // 0 ring, 1 direct
+  int64_t gemm;                   // 0 per_chunk, 1 grouped
+  int64_t copy_streams;
+  int64_t timeout_ms;
+  int64_t fault;                  // -1 none, else mode * 1000 + rank (mode 1 skip, 2 fail)
+  // ag_matmul / a2a_matmul: 1 when the caller drops `gathered` / `received` (no return of it, no VJP
+  // residual): this device's own rows / block are then not copied in (the matmuls read them from x);
+  // the peers' rows still land there.
+  int64_t skip_own_rows;
+  int64_t transfer;               // 0 pull (the receiver's copy streams read), 1 push (the sender's write)
+};
+
+// The contention probe's attributes (ficco_jax/dma_probe.py writes them).
+struct ProbeAttrs {
+  int64_t op_id;
+  ffi::Span<const int64_t> groups;
+  int64_t group_size;
+  int64_t timeout_ms;
+  int64_t repeats;  // matmuls on the compute stream
+  int64_t pull;     // 1: pull every peer's x meanwhile; 0: matmuls alone
+};
+
+// The schedule part of a target's attributes, as every target's config decodes it.
+inline const OpAttrs& ScheduleAttrs(const OpAttrs& attrs) { return attrs; }
+// The probe: one copy stream, direct, one chunk; no fault injection in a measurement. In-process
+// groups only (dma_probe.py refuses groups across processes): ordinals are local.
+inline OpAttrs ScheduleAttrs(const ProbeAttrs& p) {
+  return OpAttrs{p.op_id, p.groups, p.groups, 0, p.group_size, 1, 1, 0, 1, p.timeout_ms, -1, 0, 0};
+}
+
+ffi::Error DecodeConfig(const OpAttrs& attrs, const char* target, int32_t device_ordinal, int64_t run_id,
+                        OpConfig* config);
+
+}  // namespace ficco
+
+// How XLA decodes OpAttrs from the attribute dictionary (every target binds .Attrs<OpAttrs>()).
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    ficco::OpAttrs, ::xla::ffi::StructMember<int64_t>("op_id"),
+    ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("groups"),
+    ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("local_ordinals"),
+    ::xla::ffi::StructMember<int64_t>("ipc_job"),
+    ::xla::ffi::StructMember<int64_t>("group_size"), ::xla::ffi::StructMember<int64_t>("chunks"),
+    ::xla::ffi::StructMember<int64_t>("order"), ::xla::ffi::StructMember<int64_t>("gemm"),
+    ::xla::ffi::StructMember<int64_t>("copy_streams"), ::xla::ffi::StructMember<int64_t>("timeout_ms"),
+    ::xla::ffi::StructMember<int64_t>("fault"), ::xla::ffi::StructMember<int64_t>("skip_own_rows"),
+    ::xla::ffi::StructMember<int64_t>("transfer"));
+
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    ficco::ProbeAttrs, ::xla::ffi::StructMember<int64_t>("op_id"),
+    ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("groups"),
+    ::xla::ffi::StructMember<int64_t>("group_size"), ::xla::ffi::StructMember<int64_t>("timeout_ms"),
+    ::xla::ffi::StructMember<int64_t>("repeats"), ::xla::ffi::StructMember<int64_t>("pull"));
+
+#endif  // FICCO_JAX_XLA_FFI_FFI_ATTRS_H_

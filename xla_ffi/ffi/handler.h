@@ -1,0 +1,131 @@
+// One handler definition serves every target on CPU and CUDA: a Target names the target, its Impl,
+// its attribute struct and its operands (Arg: an input buffer, Ret: a result buffer, in binding
+// order), and yields both platforms' XLA FFI entry points. Each entry decodes the attributes into
+// an OpConfig (once), makes the platform's Backend and runs the Impl behind Guard (base/guard.h):
+// no exception or CUDA error escapes.
+//
+// The entries are not marked command-buffer compatible: the host rendezvous must run on every
+// execution, which a captured CUDA graph would skip.
+#ifndef FICCO_JAX_XLA_FFI_FFI_HANDLER_H_
+#define FICCO_JAX_XLA_FFI_FFI_HANDLER_H_
+
+#include <memory>
+#include <type_traits>
+#include <utility>
+
+#include "base/guard.h"
+#include "device/backends.h"
+#include "ffi/attrs.h"
+#include "xla/ffi/api/c_api.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ficco {
+
+// An input buffer of the target.
+struct Arg {
+  using Type = ffi::AnyBuffer;
+  static ffi::AnyBuffer Get(Type buffer) { return buffer; }
+  template <typename Binding>
+  static auto Bind(Binding&& binding) { return std::move(binding).template Arg<ffi::AnyBuffer>(); }
+};
+
+// A result buffer of the target.
+struct Ret {
+  using Type = ffi::Result<ffi::AnyBuffer>;
+  static ffi::AnyBuffer Get(Type buffer) { return *buffer; }
+  template <typename Binding>
+  static auto Bind(Binding&& binding) { return std::move(binding).template Ret<ffi::AnyBuffer>(); }
+};
+
+// The attribute struct, bound last.
+template <typename Attrs>
+struct AttrsOf {
+  template <typename Binding>
+  static auto Bind(Binding&& binding) { return std::move(binding).template Attrs<Attrs>(); }
+};
+
+// Binds Steps... in order. XLA's bindings cannot be moved or copied: every step takes the previous
+// one as a temporary and returns the next as one.
+template <typename First, typename... Rest>
+struct BindSteps {
+  template <typename Binding>
+  static auto To(Binding&& binding) {
+    if constexpr (sizeof...(Rest) == 0) {
+      return First::Bind(std::move(binding));
+    } else {
+      return BindSteps<Rest...>::To(First::Bind(std::move(binding)));
+    }
+  }
+};
+
+// The CPU platform: synchronous backend; handlers sleep at once in a rendezvous.
+struct CpuPlatform {
+  static constexpr double kSpinSeconds = 0.0;
+  std::unique_ptr<Backend> MakeBackend(const OpConfig& config) const { return MakeCpuBackend(config.ctx); }
+};
+
+#ifdef FICCO_WITH_CUDA
+// The CUDA platform: XLA's stream is the compute stream. GPU peers reach a rendezvous within
+// microseconds of each other: handlers spin this long before sleeping (see Arrival::spin_s).
+struct CudaPlatform {
+  static constexpr double kSpinSeconds = 100e-6;
+  cudaStream_t stream;
+  std::unique_ptr<Backend> MakeBackend(const OpConfig& config) const {
+    // A group across processes records interprocess events: peers in other processes wait on them.
+    return MakeCudaBackend(config.ctx, stream, /*interprocess_events=*/config.cross_process());
+  }
+};
+#endif
+
+template <const char* kName, auto kImpl, typename Attrs, typename... Operands>
+struct Target {
+  static constexpr const char* name = kName;
+
+  static ffi::Error OnCpu(int32_t ordinal, ffi::RunId run, typename Operands::Type... operands, Attrs attrs) {
+    return Run(CpuPlatform{}, ordinal, run, attrs, Operands::Get(operands)...);
+  }
+  static XLA_FFI_Error* CpuEntry(XLA_FFI_CallFrame* frame) {
+    static auto* handler =
+        BindSteps<Operands..., AttrsOf<Attrs>>::To(ffi::Ffi::Bind().Ctx<ffi::DeviceOrdinal>().Ctx<ffi::RunId>())
+            .To(OnCpu)
+            .release();
+    return handler->Call(frame);
+  }
+
+#ifdef FICCO_WITH_CUDA
+  static ffi::Error OnCuda(cudaStream_t stream, int32_t ordinal, ffi::RunId run, typename Operands::Type... operands,
+                           Attrs attrs) {
+    return Run(CudaPlatform{stream}, ordinal, run, attrs, Operands::Get(operands)...);
+  }
+  static XLA_FFI_Error* CudaEntry(XLA_FFI_CallFrame* frame) {
+    static auto* handler = BindSteps<Operands..., AttrsOf<Attrs>>::To(ffi::Ffi::Bind()
+                                                                          .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                                                          .Ctx<ffi::DeviceOrdinal>()
+                                                                          .Ctx<ffi::RunId>())
+                               .To(OnCuda)
+                               .release();
+    return handler->Call(frame);
+  }
+#endif
+
+ private:
+  template <typename Platform, typename... Buffers>
+  static ffi::Error Run(const Platform& platform, int32_t ordinal, ffi::RunId run, const Attrs& attrs,
+                        Buffers... buffers) {
+    return Guard(kName, [&]() -> ffi::Error {
+      OpConfig config;
+      FICCO_RETURN_IF_ERROR(DecodeConfig(ScheduleAttrs(attrs), kName, ordinal, run.run_id, &config));
+      config.spin_s = Platform::kSpinSeconds;
+      std::unique_ptr<Backend> backend = platform.MakeBackend(config);
+      if constexpr (std::is_same_v<Attrs, OpAttrs>) {
+        return kImpl(*backend, config, buffers...);
+      } else {
+        return kImpl(*backend, config, attrs, buffers...);
+      }
+    });
+  }
+};
+
+}  // namespace ficco
+
+#endif  // FICCO_JAX_XLA_FFI_FFI_HANDLER_H_

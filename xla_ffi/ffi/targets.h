@@ -1,0 +1,23 @@
+// Every ficco FFI target with its CPU and CUDA entry points, for module.cc to hand to Python.
+#ifndef FICCO_JAX_XLA_FFI_FFI_TARGETS_H_
+#define FICCO_JAX_XLA_FFI_FFI_TARGETS_H_
+
+#include <vector>
+
+#include "xla/ffi/api/c_api.h"
+
+namespace ficco {
+
+using FfiEntry = XLA_FFI_Error* (*)(XLA_FFI_CallFrame*);
+
+struct TargetEntries {
+  const char* name;
+  FfiEntry cpu;
+  FfiEntry cuda;  // nullptr without the CUDA build
+};
+
+const std::vector<TargetEntries>& Targets();
+
+}  // namespace ficco
+
+#endif  // FICCO_JAX_XLA_FFI_FFI_TARGETS_H_

@@ -1,0 +1,360 @@
+// The building blocks every op's executor shares (declared in call_session.h): the call's rendezvous
+// and, across processes, its staging (CallSession), the copy loops, the join, and the first steps
+// of a call. The pipelines themselves: exec/gather.cc and exec/scatter.cc.
+#include "runtime/call_session.h"
+
+#include "runtime/ipc.h"
+#include "base/text.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+namespace ficco {
+
+std::vector<int> OpConfig::LocalOrdinals() const {
+  std::vector<int> local;
+  for (int ordinal : group_local) {
+    if (ordinal >= 0) local.push_back(ordinal);
+  }
+  return local;
+}
+
+CallSession::CallSession(const OpConfig& config, std::vector<int64_t> signature)
+    : config_(config), signature_(std::move(signature)) {
+  signature_.push_back(config.push ? 1 : 0);  // a group mixing pull and push is an error, not a hang
+  occurrence_ = Registry::Get().Device(config.ctx.device_ordinal).NextOccurrence(config.run_id, config.ctx.op_id);
+}
+
+CallSession::~CallSession() {
+  if (staging_exposed_) RetireStaging(config_.ctx.device_ordinal);
+}
+
+// Across processes the owner's data goes through its staging buffer (ipc.h). Inputs XLA owns
+// (all-gather x, reduce-scatter y, all-to-all x) are copied there as below; data the call computes
+// itself (matmul_rs / matmul_a2a partials) is written there in place instead, with no staging copy
+// (CallSession::StageInPlace, below). A copied call, owner r and one peer p, E events and P pieces
+// (P = 1 for all_gather: one `ready`):
+//
+//   r staging stream: .. wait(p's pulls_done of the previous call) [tail] ..........  | wait(p's pulls_done)
+//   r compute (XLA) : write data [ev_0] .. [ev_E-1] wait(tail) copy piece k [staged_k] .. matmuls ..  (join)
+//   p copy streams  :                                 wait(staged_k) pull piece k ..  [pulls_done]
+//
+//   wait(ev_k)          piece k is valid in XLA's buffer only from the event that guards it (on
+//                       XLA's stream, where the copies run, this holds by stream order).
+//   wait(staged_k)      peers pull a piece once it is in the staging buffer.
+//   wait(pulls_done)    the next call's staging copies overwrite the region: they must not start
+//                       before every peer finished pulling this call's data. The staging stream
+//                       waits for the peers' pulls_done events right after the done phase
+//                       (ProtectStaging), before the release phase, while those events still hold
+//                       this call's records (JoinAndRelease explains the reuse), and the next
+//                       staging copy, or in-place write, waits for the staging stream's tail.
+//                       Being stream-ordered, the wait protects every later call of this device,
+//                       whatever its group and whatever stream XLA runs it on; no double
+//                       buffering is needed, and the host never waits for the GPU.
+// If the call fails between the first staging copy and ProtectStaging, no such wait is in place:
+// the region is retired (kept allocated, never written again; ~CallSession) and the next call
+// gets a new one.
+// Cost of a copied exposure: one more device-local copy of the exposed bytes per call, on XLA's
+// stream ahead of the call's own matmuls (CallSession::Stage says why): 31 us for 64 MiB on an
+// H200. With FICCO_STAGE_STREAM=copy the copies run on the staging stream instead (then the
+// compute stream's join waits for the last of them, AwaitStagingCopies).
+ffi::Error CallSession::Exchange(Backend& backend, const Exposure& exposure, std::vector<Post>* posts) {
+  if (!config_.cross_process()) return Meet(Phase::kExchange, exposure.buffer, exposure.events, posts);
+  if (exposure.bytes == 0) return Meet(Phase::kExchange, nullptr, exposure.events, posts);
+  if (in_place_ != nullptr && exposure.buffer == in_place_) return Meet(Phase::kExchange, in_place_, exposure.events, posts);
+  if (staged_from_ != exposure.buffer) FICCO_RETURN_IF_ERROR(Stage(backend, exposure));
+  return Meet(Phase::kExchange, staged_region_, staged_events_, posts);
+}
+
+// The staging copies of Exchange, enqueued before compute work that does not need the peers
+// (ag_matmul's own-shard matmul), on XLA's stream by default. The copy is within one GPU, and such
+// copies behave as SM work (device/dma.h): on its own stream it waited for the matmul beside it to free
+// the SMs (2 x H200, one process per GPU: the staging copy of x, 64 MiB, began ~0.35 ms
+// into a 0.43 ms matmul every call, whatever its place in host order, with
+// cudaMemcpyBatchAsync's copy-engine hint or 32 hardware queues), and each peer's pull and
+// matmul waited for it. On XLA's stream it runs first, at full speed, then the matmul.
+// FICCO_STAGE_STREAM=copy puts it back on the staging stream (read once; for A/B timings).
+ffi::Error CallSession::Stage(Backend& backend, const Exposure& exposure) {
+  if (!config_.cross_process() || exposure.bytes == 0) return ffi::Error::Success();
+  if (in_place_ != nullptr && exposure.buffer == in_place_) return ffi::Error::Success();
+  const CallContext& ctx = config_.ctx;
+  const int64_t num_events = static_cast<int64_t>(exposure.events.size());
+  if (staged_from_ != nullptr) {
+    return MakeInvalid(ctx, "a second exposure staged in one call (a bug)");
+  }
+  if (exposure.bytes < 0 || exposure.buffer == nullptr || exposure.pieces < 1 || num_events < 1 ||
+      num_events % exposure.pieces != 0 || exposure.bytes % exposure.pieces != 0) {
+    return MakeInvalid(ctx, "exposure of " + std::to_string(exposure.bytes) + " bytes in " +
+                                std::to_string(exposure.pieces) + " pieces with " + std::to_string(num_events) +
+                                " events: pieces must divide both (a bug)");
+  }
+  void* staging = nullptr;
+  FICCO_RETURN_IF_ERROR(AcquireStaging(backend, exposure.bytes, &staging));
+  static const bool on_staging_stream = [] {
+    const char* choice = std::getenv("FICCO_STAGE_STREAM");
+    return choice != nullptr && std::strcmp(choice, "copy") == 0;
+  }();
+  const int stream = on_staging_stream ? Backend::kStaging : Backend::kCompute;
+  if (stream == Backend::kCompute) {
+    // As in StageInPlace: the region is written only after the staging stream's waits for the
+    // peers' pulls of earlier calls (ProtectStaging).
+    Event tail;
+    FICCO_RETURN_IF_ERROR(backend.Record(Backend::kStaging, &tail));
+    FICCO_RETURN_IF_ERROR(backend.Wait(Backend::kCompute, tail));
+  }
+  const int64_t piece_bytes = exposure.bytes / exposure.pieces;
+  std::vector<Event> staged(exposure.pieces);
+  for (int64_t k = 0; k < exposure.pieces; ++k) {
+    // Events are recorded in index order on one stream: the last one of piece k covers all of it.
+    const Event written = exposure.events[(k + 1) * num_events / exposure.pieces - 1];
+    FICCO_RETURN_IF_ERROR(backend.Wait(stream, written));
+    FICCO_RETURN_IF_ERROR(backend.Copy(stream, Offset(staging, k * piece_bytes),
+                                       Offset(exposure.buffer, k * piece_bytes), piece_bytes));
+    FICCO_RETURN_IF_ERROR(backend.Record(stream, &staged[k]));
+  }
+  staged_last_ = staged.back();
+  staged_events_.assign(num_events, nullptr);
+  for (int64_t i = 0; i < num_events; ++i) staged_events_[i] = staged[i * exposure.pieces / num_events];
+  staged_region_ = staging;
+  staged_from_ = exposure.buffer;
+  return ffi::Error::Success();
+}
+
+// The staging stream (the slot after the copy streams, so their count must leave it free) and this
+// device's staging region of `bytes`, from now on exposed: retired if the call fails before
+// ProtectStaging (~CallSession).
+ffi::Error CallSession::AcquireStaging(Backend& backend, int64_t bytes, void** region) {
+  if (CopyStreamsUsed(config_) > kMaxCopyStreams) {
+    return MakeInvalid(config_.ctx, "copy_streams = " + std::to_string(config_.copy_streams) + " exceeds the maximum " +
+                                        std::to_string(kMaxCopyStreams));
+  }
+  FICCO_RETURN_IF_ERROR(backend.Prepare(kCopyStreamSlots, config_.LocalOrdinals()));
+  FICCO_RETURN_IF_ERROR(StagingBuffer(config_, static_cast<uint64_t>(bytes), region));
+  staging_exposed_ = true;
+  return ffi::Error::Success();
+}
+
+// Partials written straight into the staging buffer skip the staging copy (one HBM read and write
+// of (n-1)/n of matmul_rs's output per call). Ordering: the compute stream waits for the staging
+// stream's tail, so these writes come after every earlier staging copy and after the waits for
+// the peers' pulls of earlier calls (ProtectStaging) — the same guarantee a staging copy has. The
+// next call's staging copies wait for this call's peers' pulls, which follow these writes.
+ffi::Error CallSession::StageInPlace(Backend& backend, int64_t bytes, void** region) {
+  *region = nullptr;
+  if (!config_.cross_process() || bytes <= 0) return ffi::Error::Success();
+  FICCO_RETURN_IF_ERROR(AcquireStaging(backend, bytes, region));
+  in_place_ = *region;
+  Event tail;
+  FICCO_RETURN_IF_ERROR(backend.Record(Backend::kStaging, &tail));
+  return backend.Wait(Backend::kCompute, tail);
+}
+
+ffi::Error CallSession::AwaitStagingCopies(Backend& backend) {
+  if (!staging_exposed_ || staged_last_ == nullptr) return ffi::Error::Success();
+  return backend.Wait(Backend::kCompute, staged_last_);
+}
+
+ffi::Error CallSession::ProtectStaging(Backend& backend, const std::vector<Post>& done_posts) {
+  if (!staging_exposed_) return ffi::Error::Success();
+  for (int rank = 0; rank < config_.n(); ++rank) {
+    if (rank == config_.rank) continue;
+    for (Event pulls_done : done_posts[rank].events) FICCO_RETURN_IF_ERROR(backend.Wait(Backend::kStaging, pulls_done));
+  }
+  staging_exposed_ = false;
+  return ffi::Error::Success();
+}
+
+ffi::Error CallSession::Meet(Phase phase, const void* buffer, std::vector<Event> events, std::vector<Post>* posts) {
+  Post post{config_.ctx.device_ordinal, signature_, buffer, std::move(events)};
+  if (config_.cross_process()) {
+    // Peers in other processes of this host: the host mailbox, buffers and events as IPC handles.
+    FICCO_RETURN_IF_ERROR(MeetAcrossProcesses(config_, phase, post, posts));
+  } else {
+    RendezvousKey key{config_.run_id, config_.ctx.op_id, occurrence_, phase, config_.group_index};
+    Arrival who{&config_.ctx, &config_.group, config_.rank, config_.timeout_s, config_.spin_s};
+    FICCO_RETURN_IF_ERROR(Registry::Get().rendezvous().Arrive(key, who, std::move(post), posts));
+  }
+  for (int rank = 0; rank < config_.n(); ++rank) {
+    const Post& peer = (*posts)[rank];
+    if (peer.signature != signature_) {
+      return MakeInvalid(config_.ctx, "rank " + std::to_string(rank) + " (device " + std::to_string(config_.group[rank]) +
+                                          ") runs this op with [" + JoinNumbers(peer.signature) + "] but rank " +
+                                          std::to_string(config_.rank) + " with [" + JoinNumbers(signature_) +
+                                          "] (shapes, dtype, schedule)");
+    }
+  }
+  return ffi::Error::Success();
+}
+
+namespace {
+// kPushed posts carry no buffer; a rank whose pushes did not all happen posts this marker instead.
+const char kPushFailed = 0;
+
+// XLA's stream waits for the last work of each copy stream this call used.
+ffi::Error JoinCopyStreams(Backend& backend, const OpConfig& config) {
+  for (int stream = 0; stream < CopyStreamsUsed(config); ++stream) {
+    Event last;
+    FICCO_RETURN_IF_ERROR(backend.Record(stream, &last));
+    FICCO_RETURN_IF_ERROR(backend.Wait(Backend::kCompute, last));
+  }
+  return ffi::Error::Success();
+}
+
+// XLA's stream waits for every recorded event of `landed` (a chunk never recorded, of a peer that
+// failed, is null and skipped; the CPU backend's are null and need no wait). Every wait is tried,
+// even after one fails (the point is that none of the writes into this device is left unwaited);
+// the first error is returned.
+ffi::Error WaitForLanded(Backend& backend, const std::vector<std::vector<Event>>& landed) {
+  ffi::Error first = ffi::Error::Success();
+  Event waited = nullptr;
+  for (const std::vector<Event>& slot : landed) {
+    for (Event event : slot) {
+      if (event == nullptr) continue;
+      ffi::Error status = WaitOnce(backend, Backend::kCompute, event, &waited);
+      if (status.failure() && first.success()) first = std::move(status);
+    }
+  }
+  return first;
+}
+
+// The copy loop of both directions. Slot s pairs this device with SourceOfSlot(s) (pull: that owner's
+// data comes here) or TargetOfSlot(s) (push: ours goes there, after the target's entry event, which
+// opens its buffer to our writes); the slot's copies run on StreamOfSlot(s); chunk j waits for
+// `source_ready(s, j)` (each distinct event once per stream), is enqueued by `copy_chunk`, and its
+// event recorded into recorded[s][j].
+ffi::Error CopyChunks(Backend& backend, const OpConfig& config, bool push, const std::vector<Post>& peers,
+                      const ChunkReady& source_ready, const ChunkCopy& copy_chunk,
+                      std::vector<std::vector<Event>>* recorded) {
+  std::vector<Event> waited(CopyStreamsUsed(config), nullptr);
+  for (int slot = 0; slot < config.n() - 1; ++slot) {
+    const int peer = push ? config.TargetOfSlot(slot) : config.SourceOfSlot(slot);
+    const int stream = config.StreamOfSlot(slot);
+    if (push) FICCO_RETURN_IF_ERROR(backend.Wait(stream, peers[peer].events[0]));
+    for (int64_t j = 0; j < config.chunks; ++j) {
+      FICCO_RETURN_IF_ERROR(WaitOnce(backend, stream, source_ready(slot, j), &waited[stream]));
+      FICCO_RETURN_IF_ERROR(copy_chunk(stream, peer, peers[peer], slot, j));
+      FICCO_RETURN_IF_ERROR(backend.Record(stream, &(*recorded)[slot][j]));
+    }
+  }
+  return ffi::Error::Success();
+}
+}  // namespace
+
+ffi::Error AwaitLanded(Backend& backend, const OpConfig& config, const std::vector<std::vector<Event>>& landed,
+                       ffi::Error error) {
+  (void)WaitForLanded(backend, landed);  // best effort: the call fails anyway
+  (void)JoinCopyStreams(backend, config);
+  return error;
+}
+
+ffi::Error PullChunks(Backend& backend, const OpConfig& config, const std::vector<Post>& owners,
+                      const ChunkReady& source_ready, const ChunkCopy& copy_chunk,
+                      std::vector<std::vector<Event>>* landed) {
+  return CopyChunks(backend, config, /*push=*/false, owners, source_ready, copy_chunk, landed);
+}
+
+ffi::Error PushChunks(Backend& backend, const OpConfig& config, const std::vector<Post>& targets,
+                      const ChunkReady& source_ready, const ChunkCopy& copy_chunk,
+                      std::vector<std::vector<Event>>* pushed) {
+  return CopyChunks(backend, config, /*push=*/true, targets, source_ready, copy_chunk, pushed);
+}
+
+ffi::Error CallSession::Push(Backend& backend, void* destination, Event entry, const PushFn& push, bool consumed,
+                             std::vector<std::vector<Event>>* landed) {
+  std::vector<Post> posts;
+  FICCO_RETURN_IF_ERROR(Meet(Phase::kExchange, destination, {entry}, &posts));  // all or none: no push yet
+  const int slots = config_.n() - 1;
+  std::vector<std::vector<Event>> pushed(slots, std::vector<Event>(config_.chunks, nullptr));
+  ffi::Error mine = CheckFault(config_, Fault::kFail);
+  if (mine.success()) mine = push(posts, &pushed);
+  std::vector<Event> flat;
+  for (const std::vector<Event>& slot : pushed) flat.insert(flat.end(), slot.begin(), slot.end());
+  ffi::Error met = Meet(Phase::kPushed, mine.failure() ? &kPushFailed : nullptr, std::move(flat), &posts);
+  if (met.failure()) {
+    // A peer never came (stuck or gone: every failure path meets here); what it pushed is unknown.
+    (void)JoinCopyStreams(backend, config_);
+    return mine.failure() ? std::move(mine) : std::move(met);
+  }
+  landed->assign(slots, {});
+  int failed_peer = -1;
+  for (int slot = 0; slot < slots; ++slot) {
+    const int source = config_.SourceOfSlot(slot);
+    const std::vector<Event>& theirs = posts[source].events;
+    (*landed)[slot].assign(theirs.begin() + slot * config_.chunks, theirs.begin() + (slot + 1) * config_.chunks);
+    if (posts[source].buffer == &kPushFailed) failed_peer = source;
+  }
+  if (mine.success() && failed_peer < 0) return consumed ? ffi::Error::Success() : WaitForLanded(backend, *landed);
+  if (mine.success()) {
+    mine = MakeError(config_.ctx, "rank " + std::to_string(failed_peer) + " (device " +
+                                      std::to_string(config_.group[failed_peer]) +
+                                      ") failed before all of its pushes were enqueued; its error says why");
+  }
+  return AwaitLanded(backend, config_, *landed, std::move(mine));
+}
+
+int CopyStreamsUsed(const OpConfig& config) {
+  if (config.order == Order::kRing) return 1;
+  return std::max(1, std::min(config.copy_streams, config.n() - 1));
+}
+
+ffi::Error CheckFault(const OpConfig& config, Fault when) {
+  if (config.fault != when || config.rank != config.fault_rank) return ffi::Error::Success();
+  return MakeError(config.ctx, std::string("injected fault '") + (when == Fault::kSkip ? "skip" : "fail") +
+                                   "' on rank " + std::to_string(config.rank) +
+                                   " (config.FAULT_INJECTION is set)");
+}
+
+// The join: nothing this call wrote or exposed may be touched by XLA until every copy that
+// writes this device's buffers (its own copy streams) and every copy that reads them (peers'
+// copy streams, reading x or send) has finished.
+//
+//   copy streams : ... pulls ... [pulls_done]
+//   compute      : ... matmuls ... wait(own pulls_done) wait(peers' pulls_done) -> return
+//
+// Event reuse: events come from a per-device pool and are re-recorded by later calls. A
+// cudaStreamWaitEvent uses the record that is current when the wait is *enqueued*, so an event
+// may be re-recorded only after every peer has enqueued its waits on it. Peers enqueue their
+// waits on our ready/chunk events before arriving at "done", and on our pulls_done events right
+// after "done"; the "release" phase therefore comes after all of them, and only then do we
+// return our events to the pool. (On errors the events are not returned: a peer may still
+// wait on them.)
+ffi::Error JoinAndRelease(Backend& backend, const OpConfig& config, CallSession& session) {
+  std::vector<Event> pulls_done(CopyStreamsUsed(config));
+  for (int stream = 0; stream < static_cast<int>(pulls_done.size()); ++stream) {
+    FICCO_RETURN_IF_ERROR(backend.Record(stream, &pulls_done[stream]));
+    FICCO_RETURN_IF_ERROR(backend.Wait(Backend::kCompute, pulls_done[stream]));
+  }
+  FICCO_RETURN_IF_ERROR(session.AwaitStagingCopies(backend));  // across processes: see CallSession::Exchange
+  std::vector<Post> posts;
+  // transfer=push: no peer's copy touches this device's buffers but its pushes into them, and XLA's
+  // stream already waits for every one of those (the consumers per chunk, CallSession::Push for the
+  // rest), so there is nothing for the done meeting to add: it is skipped. The release meeting stays:
+  // peers enqueue their waits on our pushed events after kPushed, before they reach it.
+  if (!config.push) {
+    FICCO_RETURN_IF_ERROR(session.Meet(Phase::kDone, nullptr, pulls_done, &posts));
+    for (int rank = 0; rank < config.n(); ++rank) {
+      if (rank == config.rank) continue;
+      for (Event event : posts[rank].events) FICCO_RETURN_IF_ERROR(backend.Wait(Backend::kCompute, event));
+    }
+    FICCO_RETURN_IF_ERROR(session.ProtectStaging(backend, posts));
+  }
+  FICCO_RETURN_IF_ERROR(session.Meet(Phase::kRelease, nullptr, {}, &posts));
+  backend.ReleaseEvents();
+  return ffi::Error::Success();
+}
+
+ffi::Error BeginCall(Backend& backend, const OpConfig& config, int64_t rows, const char* what) {
+  FICCO_RETURN_IF_ERROR(CheckFault(config, Fault::kSkip));
+  if (config.push && config.cross_process()) {
+    return MakeInvalid(config.ctx, "transfer=push writes into the peers' XLA buffers, which other processes "
+                                   "cannot open; a group across processes needs transfer=pull");
+  }
+  if (config.chunks < 1 || rows % config.chunks != 0) {
+    return MakeInvalid(config.ctx, std::string(what) + " = " + std::to_string(rows) +
+                                       " must divide by chunks = " + std::to_string(config.chunks));
+  }
+  return backend.Prepare(CopyStreamsUsed(config), config.LocalOrdinals());
+}
+
+}  // namespace ficco

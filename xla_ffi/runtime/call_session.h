@@ -1,0 +1,148 @@
+// The building blocks of one call that every executor (exec/) shares: its rendezvous and, across
+// processes, its staging (CallSession), the chunk copy loops of both directions, fault
+// injection, and the join that ends it.
+#ifndef FICCO_JAX_XLA_FFI_RUNTIME_CALL_SESSION_H_
+#define FICCO_JAX_XLA_FFI_RUNTIME_CALL_SESSION_H_
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "base/errors.h"
+#include "device/backend.h"
+#include "runtime/op_config.h"
+#include "runtime/registry.h"
+
+namespace ficco {
+
+// A byte offset into a peer's destination buffer, posted writable by CallSession::Push (posts
+// carry every buffer as const void*).
+inline char* Destination(const Post& post, int64_t bytes) {
+  return static_cast<char*>(const_cast<void*>(post.buffer)) + bytes;
+}
+
+// What an owner exposes to its peers in the exchange phase: they read inside
+// [buffer, buffer + bytes) after waiting on `events`. The events are recorded in index order on
+// one stream, each after the data it guards was written; split into `pieces` equal parts, the
+// data of event i lies in part i * pieces / E (E = events.size(); pieces divides E). Examples:
+// all_gather exposes x, 1 piece, {ready}; matmul_rs its send partials, one piece per (slot, chunk)
+// event; matmul_a2a its send slots, one piece per slot (a slot's chunks are strided rows).
+struct Exposure {
+  const void* buffer = nullptr;
+  int64_t bytes = 0;
+  int64_t pieces = 1;
+  std::vector<Event> events;
+};
+
+// The rendezvous of one call: the key is (run id, op id, occurrence, phase, group), where the
+// occurrence separates repeated executions of one call site inside one launch (lax.scan,
+// fori_loop, rematerialised copies), because every device runs them in the same order.
+class CallSession {
+ public:
+  // `signature`: shapes, dtype and schedule; every rank of the group must post the same one.
+  CallSession(const OpConfig& config, std::vector<int64_t> signature);
+  ~CallSession();
+  CallSession(const CallSession&) = delete;
+  CallSession& operator=(const CallSession&) = delete;
+
+  // The exchange phase. In-process: posts the exposed buffer itself (zero-copy). Across
+  // processes: first copies it into this device's staging buffer (the only memory peers in other
+  // processes can open, ipc.h), piece by piece (Stage), and posts that instead.
+  ffi::Error Exchange(Backend& backend, const Exposure& exposure, std::vector<Post>* posts);
+  // Exchange's staging copies alone, to enqueue them ahead of compute work (call_session.cc says why);
+  // Exchange with the same exposure then only posts. A no-op in-process and for in-place data.
+  ffi::Error Stage(Backend& backend, const Exposure& exposure);
+  // Across processes, for data the call itself produces (matmul_rs's send partials): `*region` is
+  // this device's staging buffer, `bytes` long, to be written in place on the compute stream, which
+  // first waits for the staging stream (earlier calls' staging copies and their peers' pulls);
+  // Exchange then posts it without copying. nullptr in-process (write XLA's buffer as before).
+  ffi::Error StageInPlace(Backend& backend, int64_t bytes, void** region);
+  // Posts (buffer, events) and returns every rank's post once all have arrived. A peer whose
+  // shapes or schedule differ from ours is an error, not a wrong answer.
+  ffi::Error Meet(Phase phase, const void* buffer, std::vector<Event> events, std::vector<Post>* posts);
+  // transfer=push, from the exchange to the landed events. Posts this device's `destination` (where
+  // its peers write) and `entry` (their copies into it wait for it), then calls `push` with every
+  // rank's post to enqueue this device's pushes, recording pushed[s][j] once chunk j is written
+  // into the peer of send slot s (TargetOfSlot). A second meeting (kPushed) hands those events
+  // round; `landed[s][j]` is the event of chunk j that the peer of receive slot s (SourceOfSlot)
+  // pushed here — that peer's send slot s, as p + 1 + s = r.
+  // Failure safety: peers write into this device's buffers, which XLA frees once the handler
+  // returns an error. So every rank that passed the exchange meets at kPushed on every path (a
+  // rank whose own pushes failed, or the injected "fail" fault, says so in its post), and on any
+  // failure, ours or a peer's, XLA's stream waits for every push into this device and for this
+  // device's copy streams before the error returns. With `consumed` false (nothing on this device
+  // reads the landed data: all_gather, all_to_all, matmul_a2a) XLA's stream waits for them on
+  // success too; consumers wait per chunk (and AwaitLanded on a later error).
+  using PushFn = std::function<ffi::Error(const std::vector<Post>&, std::vector<std::vector<Event>>*)>;
+  ffi::Error Push(Backend& backend, void* destination, Event entry, const PushFn& push, bool consumed,
+                  std::vector<std::vector<Event>>* landed);
+  // Across processes, within JoinAndRelease (no-ops otherwise): XLA's stream waits for the
+  // staging copies (they read XLA's buffers), and, once the peers' pulls_done events are known,
+  // the staging stream waits for them (see call_session.cc for why).
+  ffi::Error AwaitStagingCopies(Backend& backend);
+  ffi::Error ProtectStaging(Backend& backend, const std::vector<Post>& done_posts);
+
+ private:
+  // Exchange's and StageInPlace's shared start: copy-stream limit, staging stream, staging region.
+  ffi::Error AcquireStaging(Backend& backend, int64_t bytes, void** region);
+
+  const OpConfig& config_;
+  std::vector<int64_t> signature_;
+  int64_t occurrence_ = 0;
+  // The staging buffer holds this call's data and peers may pull from it, but the staging stream
+  // does not yet wait for their pulls: if the call fails now, the region is retired (~CallSession).
+  bool staging_exposed_ = false;
+  Event staged_last_ = nullptr;  // the last staging copy of this call (none when staged in place)
+  const void* staged_from_ = nullptr;  // the exposure Stage copied, its staging region and events
+  void* staged_region_ = nullptr;
+  std::vector<Event> staged_events_;
+  const void* in_place_ = nullptr;  // StageInPlace's region
+};
+
+// Copy streams a call uses: one for ring, else min(copy_streams, n - 1).
+int CopyStreamsUsed(const OpConfig& config);
+// The injected fault of config.FAULT_INJECTION, if it is for this rank and moment.
+ffi::Error CheckFault(const OpConfig& config, Fault when);
+// The first steps of every op: the injected early fault ("skip"), then `rows` (of the chunked
+// dimension, named by `what`) must divide by config.chunks, then the device's copy streams and peers.
+ffi::Error BeginCall(Backend& backend, const OpConfig& config, int64_t rows, const char* what);
+// The join and event release that end every call (see call_session.cc).
+ffi::Error JoinAndRelease(Backend& backend, const OpConfig& config, CallSession& session);
+// The senders' loop of every transfer=push op (the `push` of CallSession::Push): send slot s goes to
+// TargetOfSlot(s) on StreamOfSlot(s) after that target's entry event; chunk j after
+// `source_ready(s, j)` (each distinct event waited once per stream; the CPU backend's null events
+// are waited every time), its copies enqueued by `copy_chunk(stream, target, post, s, j)`, then
+// pushed[s][j] recorded.
+using ChunkReady = std::function<Event(int slot, int64_t chunk)>;
+using ChunkCopy = std::function<ffi::Error(int stream, int target, const Post& post, int slot, int64_t chunk)>;
+ffi::Error PushChunks(Backend& backend, const OpConfig& config, const std::vector<Post>& targets,
+                      const ChunkReady& source_ready, const ChunkCopy& copy_chunk,
+                      std::vector<std::vector<Event>>* pushed);
+// The receivers' loop of every transfer=pull op, its mirror: receive slot s comes from
+// SourceOfSlot(s) on StreamOfSlot(s); chunk j after `source_ready(s, j)` (an event of that owner,
+// each distinct one waited once per stream), its copies enqueued by
+// `copy_chunk(stream, owner, post, s, j)`, then landed[s][j] recorded.
+ffi::Error PullChunks(Backend& backend, const OpConfig& config, const std::vector<Post>& owners,
+                      const ChunkReady& source_ready, const ChunkCopy& copy_chunk,
+                      std::vector<std::vector<Event>>* landed);
+// On an error after transfers were enqueued: XLA's stream waits for every landed chunk (pulled by
+// this device's copy streams or pushed by its peers) and for this device's copy streams, so the
+// buffers XLA frees with the error are no longer written or read. Returns `error`.
+ffi::Error AwaitLanded(Backend& backend, const OpConfig& config, const std::vector<std::vector<Event>>& landed,
+                       ffi::Error error);
+// `stream` waits for `event` unless `*waited` (the event it waited for last, in this loop) is the
+// same: a block computed by one matmul (gemm=grouped) posts one event for all of its chunks. Within
+// a call no event is re-recorded, so the second wait would change nothing — but across processes
+// each wait on a peer's IPC event is not free: 4 x H200, one process per GPU, matmul_rs
+// [2048,8192]@[8192,28672] dma/direct/c8/grouped left XLA's stream idle ~250 us per call after its
+// matmuls, waiting for pulls that waited 24 times on 3 distinct IPC events (0.613 ms vs 0.388 in
+// one process); waiting once per distinct event: 0.437 ms, the idle time ~64 us.
+inline ffi::Error WaitOnce(Backend& backend, int stream, Event event, Event* waited) {
+  if (event != nullptr && event == *waited) return ffi::Error::Success();  // (the CPU backend's events are null)
+  *waited = event;
+  return backend.Wait(stream, event);
+}
+
+}  // namespace ficco
+
+#endif  // FICCO_JAX_XLA_FFI_RUNTIME_CALL_SESSION_H_

@@ -1,0 +1,55 @@
+// The schedule and group of one call, decoded once from the op's FFI attributes (ffi/attrs.cc),
+// and the ring arithmetic every executor shares.
+#ifndef FICCO_JAX_XLA_FFI_RUNTIME_OP_CONFIG_H_
+#define FICCO_JAX_XLA_FFI_RUNTIME_OP_CONFIG_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "base/errors.h"
+
+namespace ficco {
+
+enum class Order : int { kRing = 0, kDirect = 1 };
+enum class GemmMode : int { kPerChunk = 0, kGrouped = 1 };
+enum class Fault : int { kNone = 0, kSkip = 1, kFail = 2 };
+
+struct OpConfig {
+  CallContext ctx;
+  int64_t run_id = 0;
+  // This device's group in rank order: device ordinals of this process, or, for a group across
+  // processes (ipc_job != 0), global device ids; `group_local` has each member's ordinal in this
+  // process, -1 for a device of another process.
+  std::vector<int> group;
+  std::vector<int> group_local;
+  int64_t ipc_job = 0;  // != 0: the group spans processes of this host; the host mailbox's job id
+  int64_t group_index = 0;
+  int rank = 0;
+  int64_t chunks = 1;
+  Order order = Order::kRing;
+  GemmMode gemm = GemmMode::kPerChunk;
+  int copy_streams = 1;
+  double timeout_s = 5.0;
+  double spin_s = 0.0;  // rendezvous spin before sleeping (set by the CUDA bindings)
+  Fault fault = Fault::kNone;
+  int fault_rank = -1;
+  bool skip_own_rows = false;  // ag_matmul / a2a_matmul whose gathered / received output nobody reads
+  bool push = false;  // transfer=push: senders write into their peers' buffers (see the top of this file)
+
+  int n() const { return static_cast<int>(group.size()); }
+  bool cross_process() const { return ipc_job != 0; }
+  // The members whose ordinals this process knows (its own devices): where to enable peer access.
+  std::vector<int> LocalOrdinals() const;
+  // Peer read in slot s (s = 0 .. n-2): ring distance s + 1 behind this rank, so rank r pulls
+  // from r-1 first, then r-2, ... Every rank's slot 0 peer is its ring neighbour, and the
+  // matmul_rs partial a peer computes first (its slot 0, for rank peer+1) is the one pulled first.
+  int SourceOfSlot(int slot) const { return (rank - 1 - slot + 2 * n()) % n(); }
+  // Peer whose rows a rank computes into send slot s (matmul_rs): distance s + 1 ahead.
+  int TargetOfSlot(int slot) const { return (rank + 1 + slot) % n(); }
+  // The copy stream carrying slot s: ring moves one transfer at a time on one stream.
+  int StreamOfSlot(int slot) const { return order == Order::kRing ? 0 : slot % copy_streams; }
+};
+
+}  // namespace ficco
+
+#endif  // FICCO_JAX_XLA_FFI_RUNTIME_OP_CONFIG_H_

@@ -1,0 +1,224 @@
+#include "runtime/registry.h"
+
+#include <chrono>
+#include <thread>
+
+#include "base/text.h"
+
+namespace ficco {
+
+const char* PhaseName(Phase phase) {
+  switch (phase) {
+    case Phase::kExchange: return "exchange";
+    case Phase::kDone: return "done";
+    case Phase::kRelease: return "release";
+    case Phase::kPushed: return "pushed";
+  }
+  return "?";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rendezvous
+// ---------------------------------------------------------------------------------------------
+
+ffi::Error Rendezvous::TimeoutError(const RendezvousKey& key, const Arrival& who, const Slot& slot,
+                                    bool late) {
+  std::vector<int> missing;
+  for (size_t rank = 0; rank < slot.present.size(); ++rank) {
+    if (!slot.present[rank]) missing.push_back(static_cast<int>(rank));
+  }
+  const std::string msg =
+      "ficco_jax: rendezvous timed out after " + ShortNumber(who.timeout_s) + " s in op " +
+      std::to_string(key.op_id) + " (" + who.ctx->target + ") phase " + PhaseName(key.phase) + ", group [" +
+      JoinNumbers(*who.group_ordinals) + "], rank " + std::to_string(who.rank) + ": missing ranks [" +
+      JoinNumbers(missing) + "]" + (late ? " (this rank arrived after the group gave up)" : "") +
+      "; a peer failed or never launched this op; set FICCO_RENDEZVOUS_TIMEOUT_S to wait longer";
+  return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, msg);
+}
+
+ffi::Error Rendezvous::Arrive(const RendezvousKey& key, const Arrival& who, Post post,
+                              std::vector<Post>* posts) {
+  const int n = static_cast<int>(who.group_ordinals->size());
+  std::unique_lock<std::mutex> lock(mu_);
+  std::unique_ptr<Slot>& entry = slots_[key];
+  if (!entry) {
+    entry = std::make_unique<Slot>();
+    entry->posts.resize(n);
+    entry->present.assign(n, false);
+  }
+  Slot& slot = *entry;
+  if (slot.abandoned) return TimeoutError(key, who, slot, /*late=*/true);
+  if (slot.present[who.rank]) {
+    return MakeError(*who.ctx, "rendezvous: rank " + std::to_string(who.rank) +
+                                   " arrived twice in phase " + PhaseName(key.phase));
+  }
+  slot.posts[who.rank] = std::move(post);
+  slot.present[who.rank] = true;
+  if (++slot.arrived == n) slot.cv.notify_all();
+  if (slot.arrived < n && who.spin_s > 0.0) {
+    // The slot cannot be erased while we have not departed, so it stays valid unlocked.
+    lock.unlock();
+    const auto spin_until = std::chrono::steady_clock::now() +
+                            std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                std::chrono::duration<double>(who.spin_s));
+    while (slot.arrived.load(std::memory_order_acquire) < n && std::chrono::steady_clock::now() < spin_until) {
+      std::this_thread::yield();
+    }
+    lock.lock();
+  }
+
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                            std::chrono::duration<double>(who.timeout_s));
+  bool complete = slot.cv.wait_until(lock, deadline, [&] { return slot.arrived == n || slot.abandoned; });
+  if (!complete || slot.abandoned) {
+    // Abandoned slots stay in the map (they are tiny and keyed by a unique run id) so that a
+    // rank arriving late fails at once instead of waiting for peers that already left.
+    slot.abandoned = true;
+    slot.cv.notify_all();
+    return TimeoutError(key, who, slot, /*late=*/false);
+  }
+  *posts = slot.posts;
+  if (++slot.departed == n) slots_.erase(key);  // the last one out removes the slot
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------------------
+// DeviceState
+// ---------------------------------------------------------------------------------------------
+
+int64_t DeviceState::NextOccurrence(int64_t run_id, int64_t op_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!has_run_id_ || run_id != run_id_) {
+    occurrences_.clear();
+    run_id_ = run_id;
+    has_run_id_ = true;
+  }
+  return occurrences_[op_id]++;
+}
+
+#ifdef FICCO_WITH_CUDA
+namespace {
+// cuBLASLt workspace per device; Hopper kernels want at least 32 MiB for the best algorithms.
+constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;
+}  // namespace
+
+ffi::Error DeviceState::PrepareCuda(const CallContext& ctx, int copy_streams,
+                                    const std::vector<int>& peers, CudaResources** out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  FICCO_CHECK_CUDA(cudaSetDevice(ordinal_));
+  if (copy_streams > kCopyStreamSlots) {  // kMaxCopyStreams pull streams + the staging stream
+    return MakeInvalid(ctx, "copy_streams = " + std::to_string(copy_streams) + " exceeds the maximum " +
+                                std::to_string(kMaxCopyStreams));
+  }
+  while (cuda_.num_copy_streams < copy_streams) {
+    FICCO_CHECK_CUDA(cudaStreamCreateWithFlags(&cuda_.copy_streams[cuda_.num_copy_streams],
+                                               cudaStreamNonBlocking));
+    ++cuda_.num_copy_streams;
+  }
+  if (cuda_.lt == nullptr) {
+    FICCO_CHECK_CUDA(cublasLtCreate(&cuda_.lt));
+    cuda_.gemm_plans = std::make_unique<GemmPlans>();
+    FICCO_CHECK_CUDA(cudaMalloc(&cuda_.workspace, kCublasWorkspaceBytes));
+    cuda_.workspace_bytes = kCublasWorkspaceBytes;
+  }
+  for (int peer : peers) {
+    if (peer == ordinal_ || cuda_.peers_enabled.count(peer)) continue;
+    int can_access = 0;
+    FICCO_CHECK_CUDA(cudaDeviceCanAccessPeer(&can_access, ordinal_, peer));
+    if (can_access) {
+      cudaError_t status = cudaDeviceEnablePeerAccess(peer, 0);
+      if (status == cudaErrorPeerAccessAlreadyEnabled) {
+        (void)cudaGetLastError();  // clear the sticky-free "already enabled" error
+      } else {
+        FICCO_CHECK_CUDA(status);
+      }
+    }
+    // Without peer access cudaMemcpyAsync still works (staged by the driver), only slower.
+    cuda_.peers_enabled.insert(peer);
+  }
+  *out = &cuda_;
+  return ffi::Error::Success();
+}
+
+ffi::Error DeviceState::AcquireEvent(const CallContext& ctx, cudaEvent_t* event, bool interprocess) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<cudaEvent_t>& pool = interprocess ? cuda_.free_ipc_events : cuda_.free_events;
+    if (!pool.empty()) {
+      *event = pool.back();
+      pool.pop_back();
+      return ffi::Error::Success();
+    }
+  }
+  FICCO_CHECK_CUDA(cudaSetDevice(ordinal_));
+  FICCO_CHECK_CUDA(cudaEventCreateWithFlags(
+      event, interprocess ? (cudaEventDisableTiming | cudaEventInterprocess) : cudaEventDisableTiming));
+  return ffi::Error::Success();
+}
+
+void DeviceState::ReleaseEvents(const std::vector<cudaEvent_t>& events, bool interprocess) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<cudaEvent_t>& pool = interprocess ? cuda_.free_ipc_events : cuda_.free_events;
+  pool.insert(pool.end(), events.begin(), events.end());
+}
+
+CudaResources* DeviceState::cuda_resources() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return cuda_.lt == nullptr ? nullptr : &cuda_;
+}
+#endif  // FICCO_WITH_CUDA
+
+// ---------------------------------------------------------------------------------------------
+// Registry
+// ---------------------------------------------------------------------------------------------
+
+Registry& Registry::Get() {
+  static Registry* registry = new Registry();  // never destroyed: handlers may run at exit
+  return *registry;
+}
+
+DeviceState& Registry::Device(int ordinal) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_ptr<DeviceState>& state = devices_[ordinal];
+  if (!state) state = std::make_unique<DeviceState>(ordinal);
+  return *state;
+}
+
+std::vector<int> Registry::Ordinals() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<int> ordinals;
+  for (const auto& entry : devices_) ordinals.push_back(entry.first);
+  return ordinals;
+}
+
+ffi::Error Registry::Mailbox(const CallContext& ctx, int64_t job, HostMailbox** out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (mailbox_closed_) {
+    return MakeError(ctx, "the host mailbox of this process was closed (ficco_jax.ipc.close()); copy-engine "
+                          "ops across processes cannot run after it");
+  }
+  if (!mailbox_) {
+    FICCO_RETURN_IF_ERROR(HostMailbox::Open(ctx, job, &mailbox_));
+  } else if (mailbox_->job() != job) {
+    return MakeInvalid(ctx, "cross-process op of job " + std::to_string(job) + " but this process already "
+                            "meets its peers in the mailbox of job " + std::to_string(mailbox_->job()) +
+                            " (one jax.distributed job per process)");
+  }
+  *out = mailbox_.get();
+  return ffi::Error::Success();
+}
+
+void Registry::UnlinkMailbox() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (mailbox_) mailbox_->Unlink();
+}
+
+void Registry::CloseMailbox() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (mailbox_) mailbox_->Unlink();
+  mailbox_.reset();
+  mailbox_closed_ = true;
+}
+
+}  // namespace ficco

@@ -1,0 +1,186 @@
+// The one process-wide object of ficco_jax: per-device state and the host rendezvous.
+//
+// Per-device state (copy streams, the event pool, the cuBLASLt handle and workspace, which peers
+// have peer access, and the occurrence counter) is created on first use, kept for the life of
+// the process and indexed by device ordinal. The rendezvous lets the devices of one group meet
+// on the host inside one call to exchange pointers and events. Nothing else in ficco_jax is
+// global.
+#ifndef FICCO_JAX_XLA_FFI_RUNTIME_REGISTRY_H_
+#define FICCO_JAX_XLA_FFI_RUNTIME_REGISTRY_H_
+
+#include <array>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "base/errors.h"
+#include "device/backend.h"
+#include "device/gemm.h"
+#include "runtime/ipc_mailbox.h"
+
+namespace ficco {
+
+// What one rank posts in a rendezvous phase.
+struct Post {
+  int ordinal = -1;
+  std::vector<int64_t> signature;  // shapes, dtype and schedule; must agree across the group
+  const void* buffer = nullptr;    // the buffer peers read from (x, or the send workspace)
+  std::vector<Event> events;       // the events peers wait on before reading `buffer`
+};
+
+// kPushed: transfer=push only (runtime/call_session.h, CallSession::Push).
+enum class Phase : int { kExchange = 0, kDone = 1, kRelease = 2, kPushed = 3 };
+const char* PhaseName(Phase phase);
+
+struct RendezvousKey {
+  int64_t run_id;
+  int64_t op_id;
+  int64_t occurrence;  // how many times this device already ran (run_id, op_id)
+  Phase phase;
+  int64_t group_index;
+
+  bool operator<(const RendezvousKey& o) const {
+    return std::tie(run_id, op_id, occurrence, phase, group_index) <
+           std::tie(o.run_id, o.op_id, o.occurrence, o.phase, o.group_index);
+  }
+};
+
+// Who is arriving, for the error messages.
+struct Arrival {
+  const CallContext* ctx;
+  const std::vector<int>* group_ordinals;  // the group's ordinals in rank order
+  int rank;
+  double timeout_s;
+  // Seconds to spin (yielding) before sleeping on the condition variable. A GPU handler's
+  // peers arrive within microseconds; a futex sleep and wake-up costs tens of microseconds per
+  // phase, which is what a small op pays three times per call. CPU handlers use 0.
+  double spin_s = 0.0;
+};
+
+class Rendezvous {
+ public:
+  // Blocks until every rank of the group has arrived at `key`, then returns all posts (indexed
+  // by rank) in `posts`. Fails with an error naming the missing ranks after `timeout_s`, or at
+  // once if the slot was already abandoned by a rank that timed out.
+  ffi::Error Arrive(const RendezvousKey& key, const Arrival& who, Post post, std::vector<Post>* posts);
+
+ private:
+  struct Slot {
+    std::vector<Post> posts;
+    std::vector<bool> present;
+    std::atomic<int> arrived{0};  // written under mu_, read without it while spinning
+    int departed = 0;
+    bool abandoned = false;
+    std::condition_variable cv;
+  };
+  static ffi::Error TimeoutError(const RendezvousKey& key, const Arrival& who, const Slot& slot,
+                                 bool late);
+
+  std::mutex mu_;
+  std::map<RendezvousKey, std::unique_ptr<Slot>> slots_;
+};
+
+#ifdef FICCO_WITH_CUDA
+// CUDA resources of one device, created once (registry.cc) and reused by every call.
+struct CudaResources {
+  // A fixed array so that a stream handle never moves while another call reads it.
+  std::array<cudaStream_t, kCopyStreamSlots> copy_streams = {};
+  int num_copy_streams = 0;  // grows to the largest count asked for (kStagingStream + 1 with staging)
+  std::vector<cudaEvent_t> free_events;    // the event pool (see Backend::ReleaseEvents)
+  cublasLtHandle_t lt = nullptr;
+  std::unique_ptr<GemmPlans> gemm_plans;  // cuBLASLt plans by problem shape
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+  std::set<int> peers_enabled;
+
+  // Groups across processes of this host (ipc_cuda.cc), guarded by ipc_mu. Interprocess events
+  // have their own pool: every event of a cross-process call may be waited on by another process.
+  std::mutex ipc_mu;
+  std::vector<cudaEvent_t> free_ipc_events;
+  std::map<cudaEvent_t, int32_t> exported_events;            // our interprocess event -> its id
+  // The staging buffer: the only memory this device exports (XLA's own allocations cannot be:
+  // docs/multiprocess.md). `staging` is the current region; regions it outgrew, or that a failed
+  // call may still expose to a peer, are `retired` and freed only by IpcClose.
+  struct StagingRegion {
+    char* base = nullptr;
+    uint64_t bytes = 0;
+    int32_t export_id = -1;  // its id in the mailbox's export table (the generation peers open)
+  };
+  StagingRegion staging;
+  std::vector<StagingRegion> retired_staging;
+  int64_t staging_generations = 0;  // regions allocated so far
+  struct Opened {
+    char* base = nullptr;
+    uint64_t bytes = 0;
+  };
+  std::map<std::pair<int, int32_t>, Opened> opened_allocations;    // (peer device, its id) -> mapping
+  std::map<std::pair<int, int32_t>, cudaEvent_t> opened_events;    // (peer device, its id) -> event
+  int64_t ipc_exchanges = 0;
+};
+#endif
+
+class DeviceState {
+ public:
+  explicit DeviceState(int ordinal) : ordinal_(ordinal) {}
+
+  // How many times this device already ran `op_id` in launch `run_id`; counts this run.
+  // The counts reset when the device sees a new run_id.
+  int64_t NextOccurrence(int64_t run_id, int64_t op_id);
+
+#ifdef FICCO_WITH_CUDA
+  // Creates on first use: at least `copy_streams` copy streams, the cuBLASLt handle and
+  // workspace, and peer access to each of `peers`. Thread-safe; `ctx` names the caller in errors.
+  ffi::Error PrepareCuda(const CallContext& ctx, int copy_streams, const std::vector<int>& peers,
+                         CudaResources** out);
+  // `interprocess`: an event other processes can wait on (cudaEventInterprocess), from its own pool.
+  ffi::Error AcquireEvent(const CallContext& ctx, cudaEvent_t* event, bool interprocess = false);
+  void ReleaseEvents(const std::vector<cudaEvent_t>& events, bool interprocess = false);
+  // The resources PrepareCuda made (nullptr before the first PrepareCuda).
+  CudaResources* cuda_resources();
+#endif
+
+ private:
+  const int ordinal_;
+  std::mutex mu_;
+  int64_t run_id_ = 0;
+  bool has_run_id_ = false;
+  std::map<int64_t, int64_t> occurrences_;
+#ifdef FICCO_WITH_CUDA
+  CudaResources cuda_;
+#endif
+};
+
+class Registry {
+ public:
+  static Registry& Get();
+  DeviceState& Device(int ordinal);
+  std::vector<int> Ordinals();  // the devices that ran an op so far
+  Rendezvous& rendezvous() { return rendezvous_; }
+
+  // The host mailbox of job `job` (groups across processes, ipc_mailbox.h), opened on first use.
+  // One job per process; after CloseMailbox() every cross-process call fails.
+  ffi::Error Mailbox(const CallContext& ctx, int64_t job, HostMailbox** out);
+  // Removes the mailbox's name from /dev/shm (at exit: the mapping stays valid until then).
+  void UnlinkMailbox();
+  // Unmaps it; later cross-process calls fail instead of meeting in a fresh, empty segment.
+  void CloseMailbox();
+
+ private:
+  std::mutex mu_;
+  std::map<int, std::unique_ptr<DeviceState>> devices_;
+  Rendezvous rendezvous_;
+  std::unique_ptr<HostMailbox> mailbox_;
+  bool mailbox_closed_ = false;
+};
+
+}  // namespace ficco
+
+#endif  // FICCO_JAX_XLA_FFI_RUNTIME_REGISTRY_H_
