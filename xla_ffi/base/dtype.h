@@ -1,7 +1,7 @@
 // Element types of the matmul and reduce launchers, and host conversions for the CPU backend.
 // No FFI types here: launchers stay usable without XLA.
-#ifndef FICCO_JAX_XLA_FFI_DTYPE_H_
-#define FICCO_JAX_XLA_FFI_DTYPE_H_
+#ifndef FICCO_JAX_XLA_FFI_BASE_DTYPE_H_
+#define FICCO_JAX_XLA_FFI_BASE_DTYPE_H_
 
 #include <cmath>
 #include <cstdint>
@@ -81,4 +81,4 @@ inline void StoreFromFloat(void* base, int64_t index, Dtype dtype, float value) 
 
 }  // namespace ficco
 
-#endif  // FICCO_JAX_XLA_FFI_DTYPE_H_
+#endif  // FICCO_JAX_XLA_FFI_BASE_DTYPE_H_

@@ -4,8 +4,8 @@
 // status codes, and FICCO_CHECK_CUDA turns a failing one (CUDA runtime or cuBLAS) into an ffi::Error that names
 // the call, the op and the device ordinal. The macro expects a `const CallContext& ctx` in
 // scope (the op being run and the device running it).
-#ifndef FICCO_JAX_XLA_FFI_ERRORS_H_
-#define FICCO_JAX_XLA_FFI_ERRORS_H_
+#ifndef FICCO_JAX_XLA_FFI_BASE_ERRORS_H_
+#define FICCO_JAX_XLA_FFI_BASE_ERRORS_H_
 
 #include <cstdint>
 #include <string>
@@ -74,4 +74,4 @@ inline std::string StatusText(cublasStatus_t status) {
   } while (0)
 #endif  // FICCO_WITH_CUDA
 
-#endif  // FICCO_JAX_XLA_FFI_ERRORS_H_
+#endif  // FICCO_JAX_XLA_FFI_BASE_ERRORS_H_

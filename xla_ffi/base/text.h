@@ -2,8 +2,8 @@
 // std::ostringstream (`stream << int64_t`) crashed the process with SIGSEGV inside
 // std::ostream::_M_insert<long> (native stack from FICCO_SEGV_TRACE=1, 4 x H200, jax 0.11.2):
 // every path that formats numbers uses std::to_string / snprintf (the C library) instead.
-#ifndef FICCO_JAX_XLA_FFI_TEXT_H_
-#define FICCO_JAX_XLA_FFI_TEXT_H_
+#ifndef FICCO_JAX_XLA_FFI_BASE_TEXT_H_
+#define FICCO_JAX_XLA_FFI_BASE_TEXT_H_
 
 #include <cstdint>
 #include <cstdio>
@@ -39,4 +39,4 @@ inline std::string Hex(uint64_t value) {
 
 }  // namespace ficco
 
-#endif  // FICCO_JAX_XLA_FFI_TEXT_H_
+#endif  // FICCO_JAX_XLA_FFI_BASE_TEXT_H_

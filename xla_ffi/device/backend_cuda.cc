@@ -1,20 +1,19 @@
 // The CUDA backend: XLA's stream is the compute stream; transfers run on the device's copy
-// streams (runtime/registry.cc) and are ordered against it with pooled events.
+// streams (device/cuda_device.h) and are ordered against it with pooled events.
 #include "device/backends.h"
 #include "device/dma.h"
-#include "runtime/registry.h"
+#include "device/cuda_device.h"
 
 namespace ficco {
 namespace {
 
 class CudaBackend final : public Backend {
  public:
-  CudaBackend(const CallContext& ctx, cudaStream_t compute, bool interprocess)
-      : ctx_(ctx), compute_(compute), interprocess_(interprocess),
-        device_(Registry::Get().Device(ctx.device_ordinal)) {}
+  CudaBackend(const CallContext& ctx, CudaDevice& device, cudaStream_t compute, bool interprocess)
+      : ctx_(ctx), compute_(compute), interprocess_(interprocess), device_(device) {}
 
   ffi::Error Prepare(int copy_streams, const std::vector<int>& group) override {
-    return device_.PrepareCuda(ctx_, copy_streams, group, &resources_);
+    return device_.Prepare(ctx_, copy_streams, group, &resources_);
   }
 
   ffi::Error Record(int stream, Event* event) override {
@@ -65,16 +64,16 @@ class CudaBackend final : public Backend {
   CallContext ctx_;
   cudaStream_t compute_;
   const bool interprocess_;  // a group across processes: events from the interprocess pool
-  DeviceState& device_;
+  CudaDevice& device_;
   CudaResources* resources_ = nullptr;
   std::vector<cudaEvent_t> acquired_;  // returned to the pool only by ReleaseEvents()
 };
 
 }  // namespace
 
-std::unique_ptr<Backend> MakeCudaBackend(const CallContext& ctx, cudaStream_t compute_stream,
+std::unique_ptr<Backend> MakeCudaBackend(const CallContext& ctx, CudaDevice& device, cudaStream_t compute_stream,
                                          bool interprocess_events) {
-  return std::make_unique<CudaBackend>(ctx, compute_stream, interprocess_events);
+  return std::make_unique<CudaBackend>(ctx, device, compute_stream, interprocess_events);
 }
 
 }  // namespace ficco

@@ -1,7 +1,7 @@
 // Chunk transfers: one contiguous byte range from a peer's buffer into a local one.
 // Pure launchers: no FFI types, no ordering logic (the executor owns ordering).
-#ifndef FICCO_JAX_XLA_FFI_DMA_H_
-#define FICCO_JAX_XLA_FFI_DMA_H_
+#ifndef FICCO_JAX_XLA_FFI_DEVICE_DMA_H_
+#define FICCO_JAX_XLA_FFI_DEVICE_DMA_H_
 
 #include <cstddef>
 
@@ -27,4 +27,4 @@ cudaError_t CopyChunkAsync(void* dst, const void* src, size_t bytes, cudaStream_
 
 }  // namespace ficco
 
-#endif  // FICCO_JAX_XLA_FFI_DMA_H_
+#endif  // FICCO_JAX_XLA_FFI_DEVICE_DMA_H_

@@ -1,7 +1,7 @@
 // Chunk matmuls: c[rows, cols] = a[rows, inner] @ b[inner, cols], row-major, contiguous,
 // f32 accumulation, one rounding to the output dtype. Pure launchers: no FFI types.
-#ifndef FICCO_JAX_XLA_FFI_GEMM_H_
-#define FICCO_JAX_XLA_FFI_GEMM_H_
+#ifndef FICCO_JAX_XLA_FFI_DEVICE_GEMM_H_
+#define FICCO_JAX_XLA_FFI_DEVICE_GEMM_H_
 
 #include <cstdint>
 
@@ -50,4 +50,4 @@ class GemmPlans {
 
 }  // namespace ficco
 
-#endif  // FICCO_JAX_XLA_FFI_GEMM_H_
+#endif  // FICCO_JAX_XLA_FFI_DEVICE_GEMM_H_

@@ -2,8 +2,8 @@
 //   out[i] = own[i] + sum_s recv[s * slot_stride + i]   for i < count,
 // accumulated in f32 and rounded once to the output dtype. `out` may alias `own`.
 // Pure launchers: no FFI types.
-#ifndef FICCO_JAX_XLA_FFI_REDUCE_H_
-#define FICCO_JAX_XLA_FFI_REDUCE_H_
+#ifndef FICCO_JAX_XLA_FFI_DEVICE_REDUCE_H_
+#define FICCO_JAX_XLA_FFI_DEVICE_REDUCE_H_
 
 #include <cstdint>
 
@@ -33,4 +33,4 @@ cudaError_t LaunchReduceSum(const ReduceProblem& problem, cudaStream_t stream);
 
 }  // namespace ficco
 
-#endif  // FICCO_JAX_XLA_FFI_REDUCE_H_
+#endif  // FICCO_JAX_XLA_FFI_DEVICE_REDUCE_H_

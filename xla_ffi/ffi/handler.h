@@ -16,6 +16,7 @@
 #include "base/guard.h"
 #include "device/backends.h"
 #include "ffi/attrs.h"
+#include "runtime/registry.h"
 #include "xla/ffi/api/c_api.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -72,7 +73,8 @@ struct CudaPlatform {
   cudaStream_t stream;
   std::unique_ptr<Backend> MakeBackend(const OpConfig& config) const {
     // A group across processes records interprocess events: peers in other processes wait on them.
-    return MakeCudaBackend(config.ctx, stream, /*interprocess_events=*/config.cross_process());
+    return MakeCudaBackend(config.ctx, Registry::Get().Device(config.ctx.device_ordinal).cuda(), stream,
+                           /*interprocess_events=*/config.cross_process());
   }
 };
 #endif

@@ -25,8 +25,8 @@
 //   per call phase: posts carry (generation, offset) and event ids through the mailbox; the host
 //     spins on the mailbox (with the rendezvous timeout), the GPU streams wait on the opened
 //     events exactly as on in-process events.
-#ifndef FICCO_JAX_XLA_FFI_IPC_H_
-#define FICCO_JAX_XLA_FFI_IPC_H_
+#ifndef FICCO_JAX_XLA_FFI_RUNTIME_IPC_H_
+#define FICCO_JAX_XLA_FFI_RUNTIME_IPC_H_
 
 #include <cstdint>
 #include <string>
@@ -100,4 +100,4 @@ inline void RetireStaging(int) {}
 
 }  // namespace ficco
 
-#endif  // FICCO_JAX_XLA_FFI_IPC_H_
+#endif  // FICCO_JAX_XLA_FFI_RUNTIME_IPC_H_

@@ -245,7 +245,7 @@ ffi::Error MeetAcrossProcesses(const OpConfig& config, Phase phase, const Post& 
   const CallContext& ctx = config.ctx;
   HostMailbox* mailbox = nullptr;
   FICCO_RETURN_IF_ERROR(Registry::Get().Mailbox(ctx, config.ipc_job, &mailbox));
-  CudaResources* res = Registry::Get().Device(ctx.device_ordinal).cuda_resources();
+  CudaResources* res = Registry::Get().Device(ctx.device_ordinal).cuda().resources();
   if (res == nullptr) return MakeError(ctx, "cross-process rendezvous before the device was prepared (a bug)");
   FICCO_CHECK_CUDA(cudaSetDevice(ctx.device_ordinal));
   IpcCall call{config, mailbox, res};
@@ -300,7 +300,7 @@ ffi::Error StagingBuffer(const OpConfig& config, uint64_t bytes, void** staging)
   const CallContext& ctx = config.ctx;
   HostMailbox* mailbox = nullptr;  // fails after IpcClose: no new region once the old ones are freed
   FICCO_RETURN_IF_ERROR(Registry::Get().Mailbox(ctx, config.ipc_job, &mailbox));
-  CudaResources* res = Registry::Get().Device(ctx.device_ordinal).cuda_resources();
+  CudaResources* res = Registry::Get().Device(ctx.device_ordinal).cuda().resources();
   if (res == nullptr) return MakeError(ctx, "staging buffer asked for before the device was prepared (a bug)");
   std::lock_guard<std::mutex> lock(res->ipc_mu);
   if (res->staging.base == nullptr || res->staging.bytes < bytes) {
@@ -312,7 +312,7 @@ ffi::Error StagingBuffer(const OpConfig& config, uint64_t bytes, void** staging)
 
 void RetireStaging(int ordinal) {
   try {  // called from a destructor: nothing may escape
-    CudaResources* res = Registry::Get().Device(ordinal).cuda_resources();
+    CudaResources* res = Registry::Get().Device(ordinal).cuda().resources();
     if (res == nullptr) return;
     std::lock_guard<std::mutex> lock(res->ipc_mu);
     if (res->staging.base == nullptr) return;
@@ -325,7 +325,7 @@ void RetireStaging(int ordinal) {
 std::vector<IpcDeviceStats> IpcStats() {
   std::vector<IpcDeviceStats> stats;
   for (int ordinal : Registry::Get().Ordinals()) {
-    CudaResources* res = Registry::Get().Device(ordinal).cuda_resources();
+    CudaResources* res = Registry::Get().Device(ordinal).cuda().resources();
     if (res == nullptr) continue;
     std::lock_guard<std::mutex> lock(res->ipc_mu);
     IpcDeviceStats s;
@@ -351,7 +351,7 @@ std::string DescribePointer(uint64_t pointer, IpcPointerInfo* info) { return Que
 std::string DescribeStaging(int ordinal, uint64_t bytes, IpcStagingInfo* info) {
   const CallContext ctx{"ipc_describe_staging", -1, ordinal};
   CudaResources* res = nullptr;
-  ffi::Error prepared = Registry::Get().Device(ordinal).PrepareCuda(ctx, 1, {}, &res);
+  ffi::Error prepared = Registry::Get().Device(ordinal).cuda().Prepare(ctx, 1, {}, &res);
   if (prepared.failure()) return prepared.message();
   std::lock_guard<std::mutex> lock(res->ipc_mu);
   if (res->staging.base == nullptr || res->staging.bytes < bytes) {
@@ -376,7 +376,7 @@ std::string DescribeStaging(int ordinal, uint64_t bytes, IpcStagingInfo* info) {
 int64_t IpcClose() {
   int64_t closed = 0;
   for (int ordinal : Registry::Get().Ordinals()) {
-    CudaResources* res = Registry::Get().Device(ordinal).cuda_resources();
+    CudaResources* res = Registry::Get().Device(ordinal).cuda().resources();
     if (res == nullptr) continue;
     std::lock_guard<std::mutex> lock(res->ipc_mu);
     if (cudaSetDevice(ordinal) != cudaSuccess) continue;

@@ -18,8 +18,8 @@
 //   error naming the op, the group and the missing ranks; a peer that sees an abandoned box fails
 //   at once, and so does every later call of the group (its sequence numbers no longer agree):
 //   restart the processes. No path waits without a deadline.
-#ifndef FICCO_JAX_XLA_FFI_IPC_MAILBOX_H_
-#define FICCO_JAX_XLA_FFI_IPC_MAILBOX_H_
+#ifndef FICCO_JAX_XLA_FFI_RUNTIME_IPC_MAILBOX_H_
+#define FICCO_JAX_XLA_FFI_RUNTIME_IPC_MAILBOX_H_
 
 #include <atomic>
 #include <cstdint>
@@ -117,4 +117,4 @@ std::string MailboxName(int64_t job);
 
 }  // namespace ficco
 
-#endif  // FICCO_JAX_XLA_FFI_IPC_MAILBOX_H_
+#endif  // FICCO_JAX_XLA_FFI_RUNTIME_IPC_MAILBOX_H_

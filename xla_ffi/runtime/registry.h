@@ -1,8 +1,8 @@
 // The one process-wide object of ficco_jax: per-device state and the host rendezvous.
 //
-// Per-device state (copy streams, the event pool, the cuBLASLt handle and workspace, which peers
-// have peer access, and the occurrence counter) is created on first use, kept for the life of
-// the process and indexed by device ordinal. The rendezvous lets the devices of one group meet
+// Per-device state (the occurrence counter and, in the CUDA build, the device's CudaDevice:
+// copy streams, event pools, cuBLASLt, peer access, staging buffers) is created on first use, kept
+// for the life of the process and indexed by device ordinal. The rendezvous lets the devices of one group meet
 // on the host inside one call to exchange pointers and events. Nothing else in ficco_jax is
 // global.
 #ifndef FICCO_JAX_XLA_FFI_RUNTIME_REGISTRY_H_
@@ -23,7 +23,7 @@
 
 #include "base/errors.h"
 #include "device/backend.h"
-#include "device/gemm.h"
+#include "device/cuda_device.h"
 #include "runtime/ipc_mailbox.h"
 
 namespace ficco {
@@ -88,73 +88,31 @@ class Rendezvous {
   std::map<RendezvousKey, std::unique_ptr<Slot>> slots_;
 };
 
-#ifdef FICCO_WITH_CUDA
-// CUDA resources of one device, created once (registry.cc) and reused by every call.
-struct CudaResources {
-  // A fixed array so that a stream handle never moves while another call reads it.
-  std::array<cudaStream_t, kCopyStreamSlots> copy_streams = {};
-  int num_copy_streams = 0;  // grows to the largest count asked for (kStagingStream + 1 with staging)
-  std::vector<cudaEvent_t> free_events;    // the event pool (see Backend::ReleaseEvents)
-  cublasLtHandle_t lt = nullptr;
-  std::unique_ptr<GemmPlans> gemm_plans;  // cuBLASLt plans by problem shape
-  void* workspace = nullptr;
-  size_t workspace_bytes = 0;
-  std::set<int> peers_enabled;
-
-  // Groups across processes of this host (ipc_cuda.cc), guarded by ipc_mu. Interprocess events
-  // have their own pool: every event of a cross-process call may be waited on by another process.
-  std::mutex ipc_mu;
-  std::vector<cudaEvent_t> free_ipc_events;
-  std::map<cudaEvent_t, int32_t> exported_events;            // our interprocess event -> its id
-  // The staging buffer: the only memory this device exports (XLA's own allocations cannot be:
-  // docs/multiprocess.md). `staging` is the current region; regions it outgrew, or that a failed
-  // call may still expose to a peer, are `retired` and freed only by IpcClose.
-  struct StagingRegion {
-    char* base = nullptr;
-    uint64_t bytes = 0;
-    int32_t export_id = -1;  // its id in the mailbox's export table (the generation peers open)
-  };
-  StagingRegion staging;
-  std::vector<StagingRegion> retired_staging;
-  int64_t staging_generations = 0;  // regions allocated so far
-  struct Opened {
-    char* base = nullptr;
-    uint64_t bytes = 0;
-  };
-  std::map<std::pair<int, int32_t>, Opened> opened_allocations;    // (peer device, its id) -> mapping
-  std::map<std::pair<int, int32_t>, cudaEvent_t> opened_events;    // (peer device, its id) -> event
-  int64_t ipc_exchanges = 0;
-};
-#endif
 
 class DeviceState {
  public:
-  explicit DeviceState(int ordinal) : ordinal_(ordinal) {}
+#ifdef FICCO_WITH_CUDA
+  explicit DeviceState(int ordinal) : cuda_(ordinal) {}
+#else
+  explicit DeviceState(int) {}
+#endif
 
   // How many times this device already ran `op_id` in launch `run_id`; counts this run.
   // The counts reset when the device sees a new run_id.
   int64_t NextOccurrence(int64_t run_id, int64_t op_id);
 
 #ifdef FICCO_WITH_CUDA
-  // Creates on first use: at least `copy_streams` copy streams, the cuBLASLt handle and
-  // workspace, and peer access to each of `peers`. Thread-safe; `ctx` names the caller in errors.
-  ffi::Error PrepareCuda(const CallContext& ctx, int copy_streams, const std::vector<int>& peers,
-                         CudaResources** out);
-  // `interprocess`: an event other processes can wait on (cudaEventInterprocess), from its own pool.
-  ffi::Error AcquireEvent(const CallContext& ctx, cudaEvent_t* event, bool interprocess = false);
-  void ReleaseEvents(const std::vector<cudaEvent_t>& events, bool interprocess = false);
-  // The resources PrepareCuda made (nullptr before the first PrepareCuda).
-  CudaResources* cuda_resources();
+  // This device's streams, events, cuBLASLt state and staging buffers (device/cuda_device.h).
+  CudaDevice& cuda() { return cuda_; }
 #endif
 
  private:
-  const int ordinal_;
   std::mutex mu_;
   int64_t run_id_ = 0;
   bool has_run_id_ = false;
   std::map<int64_t, int64_t> occurrences_;
 #ifdef FICCO_WITH_CUDA
-  CudaResources cuda_;
+  CudaDevice cuda_;
 #endif
 };
 

@@ -1,0 +1,78 @@
+// The CUDA state of one device, created on first use and kept for the life of the process.
+#include "device/cuda_device.h"
+
+#include <string>
+
+namespace ficco {
+
+namespace {
+// cuBLASLt workspace per device; Hopper kernels want at least 32 MiB for the best algorithms.
+constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;
+}  // namespace
+
+ffi::Error CudaDevice::Prepare(const CallContext& ctx, int copy_streams,
+                                    const std::vector<int>& peers, CudaResources** out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  FICCO_CHECK_CUDA(cudaSetDevice(ordinal_));
+  if (copy_streams > kCopyStreamSlots) {  // kMaxCopyStreams pull streams + the staging stream
+    return MakeInvalid(ctx, "copy_streams = " + std::to_string(copy_streams) + " exceeds the maximum " +
+                                std::to_string(kMaxCopyStreams));
+  }
+  while (cuda_.num_copy_streams < copy_streams) {
+    FICCO_CHECK_CUDA(cudaStreamCreateWithFlags(&cuda_.copy_streams[cuda_.num_copy_streams],
+                                               cudaStreamNonBlocking));
+    ++cuda_.num_copy_streams;
+  }
+  if (cuda_.lt == nullptr) {
+    FICCO_CHECK_CUDA(cublasLtCreate(&cuda_.lt));
+    cuda_.gemm_plans = std::make_unique<GemmPlans>();
+    FICCO_CHECK_CUDA(cudaMalloc(&cuda_.workspace, kCublasWorkspaceBytes));
+    cuda_.workspace_bytes = kCublasWorkspaceBytes;
+  }
+  for (int peer : peers) {
+    if (peer == ordinal_ || cuda_.peers_enabled.count(peer)) continue;
+    int can_access = 0;
+    FICCO_CHECK_CUDA(cudaDeviceCanAccessPeer(&can_access, ordinal_, peer));
+    if (can_access) {
+      cudaError_t status = cudaDeviceEnablePeerAccess(peer, 0);
+      if (status == cudaErrorPeerAccessAlreadyEnabled) {
+        (void)cudaGetLastError();  // clear the sticky-free "already enabled" error
+      } else {
+        FICCO_CHECK_CUDA(status);
+      }
+    }
+    // Without peer access cudaMemcpyAsync still works (staged by the driver), only slower.
+    cuda_.peers_enabled.insert(peer);
+  }
+  *out = &cuda_;
+  return ffi::Error::Success();
+}
+
+ffi::Error CudaDevice::AcquireEvent(const CallContext& ctx, cudaEvent_t* event, bool interprocess) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<cudaEvent_t>& pool = interprocess ? cuda_.free_ipc_events : cuda_.free_events;
+    if (!pool.empty()) {
+      *event = pool.back();
+      pool.pop_back();
+      return ffi::Error::Success();
+    }
+  }
+  FICCO_CHECK_CUDA(cudaSetDevice(ordinal_));
+  FICCO_CHECK_CUDA(cudaEventCreateWithFlags(
+      event, interprocess ? (cudaEventDisableTiming | cudaEventInterprocess) : cudaEventDisableTiming));
+  return ffi::Error::Success();
+}
+
+void CudaDevice::ReleaseEvents(const std::vector<cudaEvent_t>& events, bool interprocess) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<cudaEvent_t>& pool = interprocess ? cuda_.free_ipc_events : cuda_.free_events;
+  pool.insert(pool.end(), events.begin(), events.end());
+}
+
+CudaResources* CudaDevice::resources() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return cuda_.lt == nullptr ? nullptr : &cuda_;
+}
+
+}  // namespace ficco

@@ -1,0 +1,84 @@
+// The CUDA state of one device: copy streams, the event pools, the cuBLASLt handle, workspace and
+// plans, peer access, and the staging buffers of groups across processes. The registry
+// (runtime/registry.h) keeps one per device ordinal; the CUDA backend and runtime/ipc_cuda.cc use it.
+#ifndef FICCO_JAX_XLA_FFI_DEVICE_CUDA_DEVICE_H_
+#define FICCO_JAX_XLA_FFI_DEVICE_CUDA_DEVICE_H_
+
+#ifdef FICCO_WITH_CUDA
+#include <array>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <utility>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+#include "base/errors.h"
+#include "device/backend.h"
+#include "device/gemm.h"
+
+namespace ficco {
+
+// CUDA resources of one device, created once (CudaDevice::Prepare) and reused by every call.
+struct CudaResources {
+  // A fixed array so that a stream handle never moves while another call reads it.
+  std::array<cudaStream_t, kCopyStreamSlots> copy_streams = {};
+  int num_copy_streams = 0;  // grows to the largest count asked for (kStagingStream + 1 with staging)
+  std::vector<cudaEvent_t> free_events;    // the event pool (see Backend::ReleaseEvents)
+  cublasLtHandle_t lt = nullptr;
+  std::unique_ptr<GemmPlans> gemm_plans;  // cuBLASLt plans by problem shape
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+  std::set<int> peers_enabled;
+
+  // Groups across processes of this host (runtime/ipc_cuda.cc), guarded by ipc_mu. Interprocess events
+  // have their own pool: every event of a cross-process call may be waited on by another process.
+  std::mutex ipc_mu;
+  std::vector<cudaEvent_t> free_ipc_events;
+  std::map<cudaEvent_t, int32_t> exported_events;            // our interprocess event -> its id
+  // The staging buffer: the only memory this device exports (XLA's own allocations cannot be:
+  // docs/multiprocess.md). `staging` is the current region; regions it outgrew, or that a failed
+  // call may still expose to a peer, are `retired` and freed only by IpcClose.
+  struct StagingRegion {
+    char* base = nullptr;
+    uint64_t bytes = 0;
+    int32_t export_id = -1;  // its id in the mailbox's export table (the generation peers open)
+  };
+  StagingRegion staging;
+  std::vector<StagingRegion> retired_staging;
+  int64_t staging_generations = 0;  // regions allocated so far
+  struct Opened {
+    char* base = nullptr;
+    uint64_t bytes = 0;
+  };
+  std::map<std::pair<int, int32_t>, Opened> opened_allocations;    // (peer device, its id) -> mapping
+  std::map<std::pair<int, int32_t>, cudaEvent_t> opened_events;    // (peer device, its id) -> event
+  int64_t ipc_exchanges = 0;
+};
+
+class CudaDevice {
+ public:
+  explicit CudaDevice(int ordinal) : ordinal_(ordinal) {}
+
+  // Creates on first use: at least `copy_streams` copy streams, the cuBLASLt handle and
+  // workspace, and peer access to each of `peers`. Thread-safe; `ctx` names the caller in errors.
+  ffi::Error Prepare(const CallContext& ctx, int copy_streams, const std::vector<int>& peers, CudaResources** out);
+  // `interprocess`: an event other processes can wait on (cudaEventInterprocess), from its own pool.
+  ffi::Error AcquireEvent(const CallContext& ctx, cudaEvent_t* event, bool interprocess = false);
+  void ReleaseEvents(const std::vector<cudaEvent_t>& events, bool interprocess = false);
+  // The resources Prepare made (nullptr before the first Prepare).
+  CudaResources* resources();
+
+ private:
+  const int ordinal_;
+  std::mutex mu_;
+  CudaResources cuda_;
+};
+
+}  // namespace ficco
+
+#endif  // FICCO_WITH_CUDA
+#endif  // FICCO_JAX_XLA_FFI_DEVICE_CUDA_DEVICE_H_
