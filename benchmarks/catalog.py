@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import json
 import os
 import shutil
 from typing import Callable
@@ -42,7 +43,9 @@ class Suite:
     min_gpus: int    # 0: also runs on a CPU-only machine
     limit_s: int     # default time limit
     steps: Callable[[Context], list]
-    result: str = ""  # a regular expression: the last matching log line is the summary's result
+    #: The summary's result: a regular expression (the last matching log line), or a function of the
+    #: suite's out dir returning the line.
+    result: str | Callable[[str], str] = ""
     takes_options: bool = False
 
 
@@ -95,6 +98,22 @@ def _peers(ctx):
         steps.append(Step(f"{collective}_vs_nccl", _py(ctx, f"{PEERS_DIR}/collectives_vs_nccl.py", "--collective",
                                                        collective, "--budget-s", budget, "--out", ctx.out)))
     return steps
+
+
+def _peers_result(out: str) -> str:
+    """Which peers ran (rows measured) and which were skipped."""
+    parts = []
+    for name in ("torch_tp", "jax_tp", "jax_tp_windowed", "a2a_vs_nccl", "all_gather_vs_nccl",
+                 "reduce_scatter_vs_nccl"):
+        path = os.path.join(out, f"{name}.json")
+        if not os.path.isfile(path):
+            continue
+        with open(path) as fh:
+            data = json.load(fh)
+        rows = data.get("rows", data.get("a2a"))
+        skipped = isinstance(data.get("skipped"), str)  # a peer that could not run says why
+        parts.append(f"{name} skipped" if skipped else f"{name} {len(rows or [])} rows")
+    return "; ".join(parts) or "no peer wrote a result"
 
 
 def _accuracy(ctx):
@@ -178,7 +197,7 @@ SUITES = {s.name: s for s in [
     Suite("bench", "ficco_jax vs JAX sequential, ring, windowed einsum and the bound (python -m ficco_jax bench)",
           "any; 2+ GPUs for real numbers", 0, 480, _bench, takes_options=True),
     Suite("peers", "PyTorch async-TP and sequential, JAX seq / ring / XLA (windowed einsum), collectives vs NCCL",
-          "2+ GPUs (CPU: the JAX peers at a tiny shape)", 0, 540, _peers, r"SKIPPED|\| \S", takes_options=True),
+          "2+ GPUs (CPU: the JAX peers at a tiny shape)", 0, 540, _peers, _peers_result, takes_options=True),
     Suite("accuracy", "held-out check of schedule='auto': its pick vs the best measured vs JAX sequential",
           "2+ GPUs", 2, 600, _accuracy, takes_options=True),
     Suite("e2e", "a Llama-70B layer with and without overlap (examples/tp_transformer.py --compare) and an MLP "

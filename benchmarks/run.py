@@ -125,8 +125,13 @@ def tail(path: str, lines: int = 12) -> str:
         return "".join(fh.readlines()[-lines:])
 
 
-def result_line(suite, logs: list[str]) -> str:
-    """The last log line matching the suite's pattern, else the last non-empty line."""
+def result_line(suite, out: str, logs: list[str]) -> str:
+    """The suite's own result line, else the last log line matching its pattern, else the last line."""
+    if callable(suite.result):
+        try:
+            return suite.result(out)[:110]
+        except (OSError, ValueError) as exc:
+            return f"no result: {type(exc).__name__}: {exc}"[:110]
     text = [line.strip() for path in logs for line in open(path, errors="replace") if line.strip()]
     if suite.result:
         hits = [line for line in text if re.search(suite.result, line)]
@@ -169,7 +174,7 @@ def run_suite(suite, args, env: dict, gpus: int, limit_s: float) -> tuple[str, f
             break
         if rc != 0 and status == 0:
             status = rc
-    return status, time.monotonic() - start, result_line(suite, logs) if logs else "nothing ran"
+    return status, time.monotonic() - start, result_line(suite, out, logs) if logs else "nothing ran"
 
 
 def summary(rows: list[tuple]) -> str:
