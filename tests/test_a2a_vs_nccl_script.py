@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from ficco_jax import _ext
+from ficco_jax.runtime import extension as _ext
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "a2a_vs_nccl.py"
 

@@ -22,7 +22,7 @@ import sys  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from ficco_jax import _ext  # noqa: E402
+from ficco_jax.runtime import extension as _ext  # noqa: E402
 
 WARMUP, STEPS_AFTER_WARMUP = 80, 120
 RSS_TOLERANCE_MIB = 16.0

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from ficco_jax import _ext
+from ficco_jax.runtime import extension as _ext
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH = os.path.join(REPO, "scripts", "mp_gpu_launch.sh")

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ficco_jax import dma_probe
+from ficco_jax.lowering.dma import probe as dma_probe
 from helpers import random, rel_err
 
 

@@ -31,7 +31,7 @@ from typing import Iterator, Mapping, Sequence
 import jax
 import numpy as np
 
-from . import config
+from .. import config
 
 log = logging.getLogger("ficco_jax")
 
@@ -121,7 +121,7 @@ class SiteTopology:
         more = f" (and {len(spanning) - 1} more group(s))" if len(spanning) > 1 else ""
         if first.kind == SAME_HOST_MULTI_PROCESS:
             reach = ("processes of one host: copy engines reach them only through CUDA IPC "
-                     "(GPUs with the CUDA build, opt-in with FICCO_CROSS_PROCESS_DMA=1: not yet run on a GPU)")
+                     "(GPUs with the CUDA build, opt-in with FICCO_CROSS_PROCESS_DMA=1, docs/multiprocess.md)")
         else:
             reach = "several hosts"
         return f"group {first}{more} spans {reach}"

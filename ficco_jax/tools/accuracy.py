@@ -1,10 +1,10 @@
-"""How often does `schedule="auto"` pick well? The held-out check of the cost model (issue 5).
+"""How often does `schedule="auto"` pick well? The held-out check of the cost model.
 
 `python -m ficco_jax accuracy [--axis-size N] [--top K] [--out DIR]` measures, for every held-out
 shape and both ops, on the first N local devices:
 
 - JAX sequential (the plain collective, then the matmul: `comm="none"`),
-- the schedule `auto` picks with this machine's profile (`heuristics.select_schedule`),
+- the schedule `auto` picks with this machine's profile (`select.select_schedule`),
 - the model's next `top` candidates and a fixed set of schedules that often win on GPUs,
 
 each verified against the reference before it is timed (`bench.verify_then_time`). Per case it
@@ -33,8 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from . import bench, cost_model, heuristics, timing
-from .schedule import Schedule
+from ..schedule import Schedule
+from ..tuning import cost_model, select, timing
+from ..tuning.fitting import recorded_op_rows
+from . import bench
+from .report import git_commit, progress_printer
 
 #: (M tokens, K, N) of a tensor-parallel layer; K = hidden, N = the sharded width.
 HELDOUT_SHAPES = {
@@ -66,9 +69,9 @@ FIXED = ("dma/direct/c1", "dma/direct/c4/grouped")
 
 WITHIN_BEST = 1.05   # the pick within 5 % of the best measured
 WITHIN_SEQ = 1.03    # and never more than 3 % slower than JAX sequential
-TARGET_SHARE = 0.90  # issue 5: the pick within WITHIN_BEST of the best in at least this share of cases
+TARGET_SHARE = 0.90  # target: the pick within WITHIN_BEST of the best in at least this share of cases
 #: Re-timings of the pick, the best and JAX sequential when the first timings put the pick outside
-#: a criterion. One copy-engine timing has a median spread of 4.5 % (p90 18 %) on 4xH200 (session 2),
+#: a criterion. One copy-engine timing has a median spread of 4.5 % (p90 18 %) on 4xH200 (2026-11-22),
 #: as large as the 5 % criterion, and the minimum over several noisy timings is biased low: a verdict
 #: from single timings mostly measures noise. Those three are timed again, interleaved, and judged on
 #: the median of all their timings.
@@ -79,7 +82,7 @@ def candidates(op, shapes, dtype, n, comms, profile, top):
     """[(schedule, predicted s)]: none, auto's pick, the next `top` by the model, the fixed set."""
     ranked = cost_model.rank(op, shapes, dtype, n, Schedule.enumerate(op, n, comms), profile)
     predicted = {s: t for t, s in ranked}
-    chosen = heuristics.select_schedule(op, shapes, dtype, n, profile=profile, comms=comms)
+    chosen = select.select_schedule(op, shapes, dtype, n, profile=profile, comms=comms)
     picked = [Schedule(comm="none"), chosen] + [s for _, s in ranked[:top + 1]]
     for text in FIXED:
         s = Schedule.parse(text)
@@ -100,7 +103,6 @@ def run(out_dir: str, axis_size: int | None = None, shapes: dict | None = None, 
     only the (op, shape) cases it lacks are measured, so several short device calls add up to one
     held-out check. It must be of the same device kind, group size, dtype and profile (else
     ValueError), and each case keeps the commit it was measured at."""
-    from .report import git_commit, progress_printer
 
     devices = jax.local_devices()
     n = axis_size or len(devices)
@@ -111,8 +113,8 @@ def run(out_dir: str, axis_size: int | None = None, shapes: dict | None = None, 
     if on_cpu:
         dtype = "float32"
     shapes = shapes or (CPU_SHAPES if on_cpu else HELDOUT_SHAPES)
-    comms = heuristics.available_comms()  # the model's pick over these is what "auto" resolves to on a GPU
-    profile = profile or heuristics.profile_for(n)
+    comms = select.available_comms()  # the model's pick over these is what "auto" resolves to on a GPU
+    profile = profile or select.profile_for(n)
     plans = []
     for name, (M, K, N) in shapes.items():  # shape-major: a time budget cuts shapes, not one op
         for op in ("ag_matmul", "matmul_rs"):
@@ -299,13 +301,12 @@ def replay(results: list[dict], profile=None) -> dict:
     shape) with two schedules or more measured: the model's fastest among the *measured* ones
     against the best measured, and against JAX sequential where it was measured; and the RMS log
     error of every prediction. `profile`: a profile dict, or None for the rule `auto` uses (the
-    run's device kind and group size: `heuristics.profile_name_for`, else the default). The pick is
+    run's device kind and group size: `select.profile_name_for`, else the default). The pick is
     restricted to what was measured, so this scores the model's ranking, not its full choice: it
     answers "which profile ranks these times better" without GPU time, on times that may be the
     ones a profile was fitted to (say so when quoting it)."""
     import collections
 
-    from .characterize import recorded_op_rows
 
     cases, errs, used = [], [], set()
     for index, res in enumerate(results):
@@ -314,7 +315,7 @@ def replay(results: list[dict], profile=None) -> dict:
             measured[(r["op"], r["M"], r["K"], r["N"])][sched] = r["median_ms"]
         if not measured:
             continue
-        prof = profile or heuristics.profile_for(n, device_kind=res.get("device", ""))
+        prof = profile or select.profile_for(n, device_kind=res.get("device", ""))
         used.add(prof.get("name", "?"))
         for (op, M, K, N), times in measured.items():
             local = bench.local_shapes(op, M, K, N, n)

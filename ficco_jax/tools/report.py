@@ -7,10 +7,11 @@ import sys
 import time
 from collections import defaultdict
 
+from .. import config
+
 
 def git_commit() -> str:
     """The checkout's commit (+dirty); config.COMMIT overrides it where no .git travels (device runs)."""
-    from . import config
 
     if config.COMMIT:
         return config.COMMIT
@@ -76,7 +77,7 @@ def markdown_table(result: dict) -> str:
         failures += [f"{op} {shape} {k}: {r['note']}" for k, r in v.items() if r.get("note", "").startswith(("WRONG", "error"))]
     lines.append("")
     lines.append("ficco best: the fastest ficco variant, ± the half-range of its timing estimates; "
-                 "best / ideal: its time over max(GEMM alone, collective alone) (issue 3's target: at most 1.05x).")
+                 "best / ideal: its time over max(GEMM alone, collective alone) (the target: at most 1.05x).")
     verified = [r for r in result["rows"] if r.get("verified") is not None]
     lines.append(f"Verified against the reference before timing: {sum(bool(r['verified']) for r in verified)}/{len(verified)} variants.")
     lines += [f"- {f}" for f in failures]

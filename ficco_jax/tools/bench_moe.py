@@ -17,10 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from . import a2a, timing
-from .bench import Row, verify_then_time
+from ..ops import measure
+from ..ops import resolve_schedule
+from ..ops.measure import op_body, sharded
+from ..tuning import timing
+from .harness import Row, listed_schedules, verify_then_time
 
-#: Mixtral-8x7B-like layer on 4 GPUs (issue 8): hidden 4096, ffn 14336, 8 experts, top-2, 8192 tokens per GPU.
+#: Mixtral-8x7B-like layer on 4 GPUs: hidden 4096, ffn 14336, 8 experts, top-2, 8192 tokens per GPU.
 GPU_SHAPES = {"mixtral_8x7b_T8k": (8192, 4096, 14336, 8, 2)}
 CPU_SHAPES = {"tiny_moe_T64": (64, 32, 48, 8, 2)}
 
@@ -35,32 +38,9 @@ def local_shapes(op, T, d, f, E, k, n):
     return (n, e_local, c, f), (e_local, f, d)
 
 
-def _specs():
-    return (P("tp"), P("tp")), P("tp")
-
-
 def make_inputs(op, T, d, f, E, k, dtype, mesh, seed=0):
-    n = mesh.shape["tp"]
-    a_shape, w_shape = local_shapes(op, T, d, f, E, k, n)
-    ka, kw = jax.random.split(jax.random.PRNGKey(seed))
-    a = jax.random.normal(ka, (n * a_shape[0], *a_shape[1:]), jnp.float32).astype(dtype)
-    w = (jax.random.normal(kw, (n * w_shape[0], *w_shape[1:]), jnp.float32) / np.sqrt(w_shape[1])).astype(dtype)
-    return [jax.device_put(v, NamedSharding(mesh, s)) for v, s in zip((a, w), _specs()[0])]
-
-
-def op_body(op, schedule):
-    if schedule == "ref":
-        ref = a2a.a2a_matmul_ref if op == "a2a_matmul" else a2a.matmul_a2a_ref
-        return lambda a, w: ref(a, w, "tp")
-    fn = a2a.a2a_matmul if op == "a2a_matmul" else a2a.matmul_a2a
-    return lambda a, w: fn(a, w, "tp", schedule=schedule)
-
-
-def sharded(mesh, body, repeats=None):
-    in_specs, out_spec = _specs()
-    if repeats is not None:
-        body, out_spec = timing.chain(body, repeats), in_specs[0]
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_spec))
+    """Random global operands (never zeros) of a MoE layer's dispatch or combine, sharded over "tp"."""
+    return measure.make_inputs(op, local_shapes(op, T, d, f, E, k, mesh.shape["tp"]), dtype, mesh, seed=seed)
 
 
 def bench_shape(op, name, dims, dtype, mesh, schedules, progress) -> list[Row]:
@@ -68,8 +48,8 @@ def bench_shape(op, name, dims, dtype, mesh, schedules, progress) -> list[Row]:
     n = mesh.shape["tp"]
     shapes = local_shapes(op, *dims, n)
     args = make_inputs(op, *dims, dtype, mesh)
-    want = sharded(mesh, op_body(op, "ref"))(*[a.astype(jnp.float32) for a in args])
-    selected = a2a.resolve_schedule(op, "auto", shapes, dtype, n)
+    want = sharded(mesh, op, op_body(op, "ref"))(*[a.astype(jnp.float32) for a in args])
+    selected = resolve_schedule(op, "auto", shapes, dtype, n)
     variants = [("jax_seq", "ref")] + [(f"ficco:{s}", s) for s in schedules]
     if selected not in schedules:
         variants.append((f"ficco:{selected}", selected))
@@ -77,7 +57,7 @@ def bench_shape(op, name, dims, dtype, mesh, schedules, progress) -> list[Row]:
     for label, sched in variants:
         progress(f"{op} {name} {label}")
         row = Row(op, name, T, d, f, label, selected=(sched == selected), extra={"experts": E, "top_k": k})
-        rows.append(verify_then_time(row, lambda r, sched=sched: sharded(mesh, op_body(op, sched), r),
+        rows.append(verify_then_time(row, lambda r, sched=sched: sharded(mesh, op, op_body(op, sched), r),
                                      args, want, dtype))
     return rows + _bounds(op, name, dims, shapes, dtype, mesh, progress)
 
@@ -109,8 +89,6 @@ def _bounds(op, name, dims, shapes, dtype, mesh, progress) -> list[Row]:
 
 def plan(op, shapes, schedules_arg, n, comms):
     """[(op, name, dims, schedules)] for `bench.run`, without the schedules that do not fit a shape."""
-    from .bench import listed_schedules
-
     out = []
     for name, dims in shapes.items():
         fits = []

@@ -13,7 +13,7 @@ The model replays a schedule as a small event simulation on one device:
 - contention: a matmul running beside transfers is slowed by `contention_dma` (copy engines
   steal no SMs: a few %) or `contention_xla` (NCCL kernels take SMs);
 - the executor's chunk matmuls (cuBLASLt) run `executor_gemm_slowdown` times slower than XLA's
-  own autotuned GEMMs, which the `none` and `xla` schedules use (alone they are as fast, session 4:
+  own autotuned GEMMs, which the `none` and `xla` schedules use (alone they are as fast, 2026-11-22 on H200:
   what the fit puts here is the slowdown inside a copy-engine call, e.g. from copies beside them);
 - a fixed cost per copy-engine call on the GPU, `dma_call_us` (event waits, the join), and its
   host time, `dma_host_us` (three host rendezvous) plus `dma_host_copy_us` per enqueued copy
@@ -32,7 +32,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from .schedule import Schedule, check_shapes
+from ..schedule import Schedule, check_shapes
 
 _PROFILE_DIR = os.path.join(os.path.dirname(__file__), "profiles")
 

@@ -26,9 +26,10 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.extend.core as jex
 
-from ._patterns import AG, RS, SiteRecord, _Site, find_sites
-from ._patterns_a2a import A2A_MM, MM_A2A, find_a2a_sites
-from .schedule import Schedule
+from .. import ops
+from ..schedule import Schedule
+from .match_ep import A2A_MM, MM_A2A, find_a2a_sites
+from .match_tp import AG, RS, SiteRecord, _Site, find_sites
 
 __all__ = ["overlap", "explain", "Report", "SiteRecord"]
 
@@ -96,35 +97,28 @@ class _Options:
 
     def resolve(self, site: _Site) -> tuple[Any, str]:
         """The schedule handed to the op at `site`, and how to show it."""
-        from .a2a import resolve_schedule as resolve_a2a
-        from .ops import resolve_schedule  # what the op itself does with its `schedule` argument
-
         # The axis locates the peers, so "auto" keeps copy engines for in-process groups of a
-        # multi-process program (a2a sites do not take it yet).
+        # multi-process program.
         where = {"axis_name": site.axis_name, "mesh": site.mesh}
-        if site.op in (A2A_MM, MM_A2A):
-            resolve_schedule, where = resolve_a2a, {}
         if self.schedule == "autotune":
             return "autotune", "autotune"  # measured when the op is traced, not by explain()
         args = (site.shapes_2d(), site.dot.outvars[0].aval.dtype, site.axis_size)
         if isinstance(self.schedule, Schedule):
             try:
-                return resolve_schedule(site.op, self.schedule, *args, **where), str(self.schedule)
+                return ops.resolve_schedule(site.op, self.schedule, *args, **where), str(self.schedule)
             except ValueError as err:
                 logger.info("ficco_jax.overlap: %s at %s: using 'auto' instead (%s)",
                             self.schedule, site.record.where, err)
-        chosen = resolve_schedule(site.op, "auto", *args, **where)
+        chosen = ops.resolve_schedule(site.op, "auto", *args, **where)
         return chosen, f"{chosen} (auto)"
 
 
 def _call_op(site: _Site, operand, weight):
     """Run the fused op of `site` on its canonical 2-D operands."""
-    from . import a2a, ops
-
     kwargs = {"return_gathered": True} if site.op == AG and site.return_gathered else {}
     if site.op == A2A_MM and site.return_received:
         kwargs = {"return_received": True}
-    fn = {AG: ops.ag_matmul, RS: ops.matmul_rs, A2A_MM: a2a.a2a_matmul, MM_A2A: a2a.matmul_a2a}[site.op]
+    fn = {AG: ops.ag_matmul, RS: ops.matmul_rs, A2A_MM: ops.a2a_matmul, MM_A2A: ops.matmul_a2a}[site.op]
     try:
         return fn(operand, weight, site.axis_name, schedule=site.schedule, **kwargs)
     except ValueError as err:

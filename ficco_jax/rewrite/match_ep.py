@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ._patterns import (SiteRecord, _MatchContext, _collective_problem, _default_precision, _fmt, _is_var,
+from .match_tp import (SiteRecord, _MatchContext, _collective_problem, _default_precision, _fmt, _is_var,
                         _single_axis)
 
 A2A_MM, MM_A2A = "a2a_matmul", "matmul_a2a"

@@ -25,7 +25,8 @@ import threading
 
 import jax
 
-from . import _ext, config
+from .. import config
+from . import extension as _ext
 
 log = logging.getLogger("ficco_jax")
 
@@ -36,7 +37,7 @@ _job: int | None = None
 
 def supported(platform: str | None = None) -> bool:
     """True if copy engines may reach other processes of this host: the CUDA build on GPUs, and
-    the opt-in `config.CROSS_PROCESS_DMA` (FICCO_CROSS_PROCESS_DMA=1; not yet run on a GPU)."""
+    the opt-in `config.CROSS_PROCESS_DMA` (FICCO_CROSS_PROCESS_DMA=1; docs/multiprocess.md)."""
     platform = platform or jax.default_backend()
     if not config.CROSS_PROCESS_DMA or platform != "gpu" or not _ext.cuda_built():
         return False
@@ -68,7 +69,7 @@ def job_id() -> int:
             pass
         agreed = client.blocking_key_value_get(_KV_KEY, int(config.HOST_EXCHANGE_TIMEOUT_S * 1000))
         _job = int(agreed)
-        from . import _ffi
+        from .. import _ffi
 
         atexit.register(_ffi.ipc_unlink)
         log.info("ficco_jax: copy engines across processes of this host; host mailbox /dev/shm%s",
@@ -82,7 +83,7 @@ def close() -> int:
     every process has finished (e.g. after a barrier); later cross-process ops fail. Returns the
     number of mappings closed. Without it, process exit releases everything and an atexit hook
     removes the mailbox's name."""
-    from . import _ffi
+    from .. import _ffi
 
     return int(_ffi.ipc_close())
 
@@ -91,7 +92,7 @@ def stats() -> list[dict]:
     """Per local device: staging buffers (``exported_allocations``: generations exported) and
     events exported / opened, mailbox exchanges so far, and the staging buffer's size
     (``staging_bytes``), generations and retired bytes (kept until `close`)."""
-    from . import _ffi
+    from .. import _ffi
 
     return [dict(d) for d in _ffi.ipc_stats()]
 
@@ -102,7 +103,7 @@ def staging_info(device=None, nbytes: int = 0) -> dict:
     export it), ``generation``, ``retired_bytes`` and ``export_error`` ("" if
     ``cudaIpcGetMemHandle`` accepts it). Allocates it if needed, so call it between ops (the first
     step of scripts/mp_gpu.py does). Raises RuntimeError with the CUDA error otherwise."""
-    from . import _ffi
+    from .. import _ffi
 
     device = device if device is not None else jax.local_devices()[0]
     return dict(_ffi.ipc_describe_staging(int(device.local_hardware_id), int(nbytes)))
@@ -112,6 +113,6 @@ def describe_pointer(array) -> dict:
     """How the allocation under a single-device jax.Array looks to CUDA IPC: base, size, offset,
     driver buffer id, and whether legacy CUDA IPC can export it. Diagnostics only: the IPC path
     never exports XLA's buffers (on the first GPU run none was exportable), it stages them."""
-    from . import _ffi
+    from .. import _ffi
 
     return dict(_ffi.ipc_describe_pointer(int(array.unsafe_buffer_pointer())))

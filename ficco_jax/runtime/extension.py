@@ -25,7 +25,7 @@ def _load() -> dict:
     """Import `_ffi`, check its version and register its targets (once)."""
     global _registered, _build_info
     try:
-        from . import _ffi
+        from .. import _ffi
     except ImportError as exc:
         raise ImportError(f"ficco_jax: the compiled extension ficco_jax._ffi is missing ({exc}); {_REBUILD_HINT}") from exc
     info = dict(_ffi.build_info())

@@ -13,17 +13,22 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from . import heuristics, ops, timing
-from .schedule import A2A_OPS, Schedule
+from ..ops import measure
+from ..ops.measure import op_body, sharded
+from ..schedule import A2A_OPS, Schedule, local_shapes
+from ..tuning import select, timing
+from . import bench_moe
+from .harness import DTYPES, TOLERANCE, Row, extension_info, listed_schedules, verify_then_time  # noqa: F401
+from .report import git_commit, markdown_table, plot_speedups, progress_printer
 
-#: (M tokens, K, N) of a tensor-parallel layer, as in the anchors (../shared/ANCHORS.md).
+#: (M tokens, K, N) of a tensor-parallel layer over 4 GPUs, the anchor shapes of BENCHMARKS.md.
 ANCHOR_SHAPES = {
     "llama70b_mlp_up_M8k": (8192, 8192, 28672),
     "llama70b_qkv_M8k": (8192, 8192, 10240),
@@ -31,7 +36,7 @@ ANCHOR_SHAPES = {
     "gpt3_175b_mlp_M4k": (4096, 12288, 49152),
     "small_M1k_K4k_N4k": (1024, 4096, 4096),
 }
-#: Llama-3-405B layers (hidden 16384, ffn 53248, q+k+v 18432) at 8192 tokens, for tp=8 (issue 10).
+#: Llama-3-405B layers (hidden 16384, ffn 53248, q+k+v 18432) at 8192 tokens, for tp=8.
 LLAMA405B_SHAPES = {
     "llama405b_qkv_M8k": (8192, 16384, 18432),
     "llama405b_mlp_up_M8k": (8192, 16384, 53248),
@@ -39,104 +44,12 @@ LLAMA405B_SHAPES = {
 #: Names `--shape` accepts for a set of shapes.
 SHAPE_SETS = {"anchors": ANCHOR_SHAPES, "llama405b": LLAMA405B_SHAPES}
 CPU_SHAPES = {"tiny_M256_K128_N256": (256, 128, 256)}
-TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}
-DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "f16": "float16", "float16": "float16",
-          "f32": "float32", "float32": "float32"}
 
-
-@dataclass
-class Row:
-    op: str
-    shape: str
-    M: int
-    K: int
-    N: int
-    variant: str
-    median_ms: float | None = None
-    spread_ms: float | None = None
-    verified: bool | None = None
-    rel_err: float | None = None
-    selected: bool = False
-    note: str = ""
-    extra: dict = field(default_factory=dict)
-
-
-# ------------------------------------------------------------------------------------------------
-# Building blocks
-# ------------------------------------------------------------------------------------------------
-def local_shapes(op: str, M: int, K: int, N: int, n: int):
-    """Per-device (input, weight) shapes of a layer (M tokens, K, N) over n devices."""
-    if M % n or N % n:
-        raise ValueError(f"bench: M={M} and N={N} must divide by the {n} devices")
-    return ((M // n, K), (K, N // n)) if op == "ag_matmul" else ((M, N // n), (N // n, K))
-
-
-def _specs(op):
-    if op == "ag_matmul":
-        return (P("tp", None), P(None, "tp")), P(None, "tp")
-    return (P(None, "tp"), P("tp", None)), P("tp", None)
 
 
 def make_inputs(op, M, K, N, dtype, mesh, seed=0):
-    """Random global operands (never zeros), sharded as the op expects."""
-    n = mesh.shape["tp"]
-    (a_shape, w_shape) = local_shapes(op, M, K, N, n)
-    a_global = (a_shape[0] * n, a_shape[1]) if op == "ag_matmul" else (a_shape[0], a_shape[1] * n)
-    w_global = (w_shape[0], w_shape[1] * n) if op == "ag_matmul" else (w_shape[0] * n, w_shape[1])
-    ka, kw = jax.random.split(jax.random.PRNGKey(seed))
-    scale = 1.0 / np.sqrt(a_shape[1])
-    in_specs, _ = _specs(op)
-    a = jax.random.normal(ka, a_global, jnp.float32).astype(dtype)
-    w = (jax.random.normal(kw, w_global, jnp.float32) * scale).astype(dtype)
-    return [jax.device_put(v, NamedSharding(mesh, s)) for v, s in zip((a, w), in_specs)]
-
-
-def sharded(mesh, op, body, repeats=None):
-    in_specs, out_specs = _specs(op)
-    if repeats is not None:
-        body, out_specs = timing.chain(body, repeats), in_specs[0]
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
-
-
-def op_body(op, schedule):
-    if schedule == "ref":
-        return (lambda a, w: ops.ag_matmul_ref(a, w, "tp")) if op == "ag_matmul" else (lambda a, w: ops.matmul_rs_ref(a, w, "tp"))
-    fn = ops.ag_matmul if op == "ag_matmul" else ops.matmul_rs
-    return lambda a, w: fn(a, w, "tp", schedule=schedule)
-
-
-def _rel_err(got, want):
-    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
-    want = np.asarray(jnp.asarray(want, jnp.float32), np.float64)
-    if not np.all(np.isfinite(got)):
-        return float("inf")
-    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
-
-
-def verify_then_time(row: Row, make, args, want, dtype) -> Row:
-    """Fill `row`: check `make(None)(*args)` against `want`, and only if it agrees time `make(R)`
-    (R repetitions in one jit, timing.device_time). A failing variant is reported, not fatal."""
-    try:
-        row.rel_err = _rel_err(make(None)(*args), want)
-        row.verified = row.rel_err < TOLERANCE[dtype]
-        if row.verified:
-            t = timing.device_time(make, args)
-            row.median_ms, row.spread_ms = t["median_s"] * 1e3, t["spread_s"] * 1e3
-        else:
-            row.note = f"WRONG RESULT: rel err {row.rel_err:.3g}; not timed"
-    except Exception as exc:  # noqa: BLE001 - the run goes on and the table says what broke
-        row.note = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-    return row
-
-
-def time_op(op, schedule, shapes, dtype, axis_size) -> float:
-    """Milliseconds per call of `op` under `schedule` on the first `axis_size` local devices (autotune)."""
-    mesh = Mesh(np.array(jax.local_devices()[:axis_size]), ("tp",))
-    (a0, a1), (w0, w1) = shapes
-    M, K, N = (a0 * axis_size, a1, w1 * axis_size) if op == "ag_matmul" else (a0, w1, a1 * axis_size)
-    args = make_inputs(op, M, K, N, dtype, mesh)
-    body = op_body(op, schedule)
-    return timing.device_time(lambda r: sharded(mesh, op, body, r), args)["median_s"] * 1e3
+    """Random global operands (never zeros) of a layer (M, K, N), sharded as `op` expects."""
+    return measure.make_inputs(op, local_shapes(op, M, K, N, mesh.shape["tp"]), dtype, mesh, seed=seed)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -148,7 +61,7 @@ def bench_shape(op, name, M, K, N, dtype, mesh, schedules, progress) -> list[Row
     args = make_inputs(op, M, K, N, dtype, mesh)
     want = sharded(mesh, op, op_body(op, "ref"))(*[a.astype(jnp.float32) for a in args])
     # What "auto" would pick on a GPU of this machine's profile (on CPU "auto" means no overlap).
-    selected = heuristics.select_schedule(op, shapes, dtype, n)
+    selected = select.select_schedule(op, shapes, dtype, n)
     rows = []
     variants = [("jax_seq", "ref")] + [(f"ficco:{s}", s) for s in schedules]
     if Schedule(comm="xla", order="ring") not in schedules:
@@ -241,26 +154,11 @@ def _fits(schedule, op, M, K, N, n) -> bool:
         return False
 
 
-def listed_schedules(op, schedules_arg, n, comms) -> list[Schedule]:
-    """The schedules `--schedules` names for `op`: auto (none listed) | all | xla | dma | a list."""
-    if schedules_arg == "all":
-        return Schedule.enumerate(op, n, comms)
-    if schedules_arg in ("xla", "dma"):
-        return Schedule.enumerate(op, n, (schedules_arg,))
-    if schedules_arg == "auto":
-        return []
-    try:
-        return [Schedule.parse(s) for s in schedules_arg.split(",")]
-    except ValueError as exc:
-        raise ValueError(f"--schedules {schedules_arg!r}: {exc}. 'auto', 'all', 'dma' and 'xla' stand alone; "
-                         f"a list names schedules (ficco auto's pick is timed in every run)") from None
-
-
 def record_timeline(mesh, op: str, schedule, M: int, K: int, N: int, iters: int, out_dir: str | None,
                     dtype: str = "bfloat16", seed: int = 0) -> None:
     """Run `op` under `schedule` ("ref" or a Schedule) `iters` times in one jitted loop, compiled and
     warmed up first, then once more under JAX's profiler (a Perfetto trace under `out_dir`; None:
-    no profiler, e.g. when nsys records the process). scripts/perfetto_timeline.py prints it."""
+    no profiler, e.g. when nsys records the process). The trace suite of benchmarks/ prints it."""
     inputs = make_inputs(op, M, K, N, dtype, mesh, seed=seed)
     fn = sharded(mesh, op, op_body(op, schedule), iters)
     jax.block_until_ready(fn(*inputs))  # compile and warm up outside the recording
@@ -271,26 +169,13 @@ def record_timeline(mesh, op: str, schedule, M: int, K: int, N: int, iters: int,
         jax.block_until_ready(fn(*inputs))
 
 
-def _extension_info() -> dict | None:
-    """The compiled extension's build_info (version, CUDA build, FFI ABI), None without it."""
-    try:
-        from . import _ext
-
-        return dict(_ext.build_info()) if _ext.available() else None
-    except ImportError:
-        return None
-
-
 def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=True, moe_shapes=None) -> dict:
     """Bench `ops_to_run` on all local devices: ag_matmul/matmul_rs on `shapes` {name: (M, K, N)},
     a2a_matmul/matmul_a2a on `moe_shapes` {name: (T, d, f, E, k)} (see bench_moe.py)."""
-    from . import bench_moe
-    from .report import git_commit, markdown_table, plot_speedups, progress_printer
-
     n = len(jax.local_devices())
     mesh = Mesh(np.array(jax.local_devices()), ("tp",))
     on_cpu = jax.default_backend() == "cpu"
-    comms = heuristics.available_comms()
+    comms = select.available_comms()
     if moe_shapes is None:
         moe_shapes = bench_moe.CPU_SHAPES if on_cpu else bench_moe.GPU_SHAPES
     tp_plan, moe_plan = [], []
@@ -307,7 +192,7 @@ def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=
     rows = []
     result = {
         "device": jax.devices()[0].device_kind, "platform": jax.default_backend(), "n_devices": n,
-        "dtype": dtype, "jax": jax.__version__, "commit": git_commit(), "extension": _extension_info(),
+        "dtype": dtype, "jax": jax.__version__, "commit": git_commit(), "extension": extension_info(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "method": timing.METHOD + ("; ON CPU: times are host memcpy/loop times, NOT meaningful" if on_cpu else ""),
         "rows": [],
