@@ -50,7 +50,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import ficco_jax  # noqa: E402
-from ficco_jax import timing  # noqa: E402
+from ficco_jax.tuning import timing  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------------

@@ -31,8 +31,8 @@ FAULT_INJECTION: str = os.environ.get("FICCO_FAULT_INJECTION", "")
 
 #: Copy engines across the processes of one host (CUDA IPC through staging buffers, ipc.py,
 #: docs/multiprocess.md) are opt-in: "1" enables them. Correct on 2 and 4 x H200; on 2 GPUs within
-#: 5 % of one process (session 5); on 4 GPUs the best schedule of six timed cases -2 % to +7.5 %
-#: against one process (session 6, 2026-11-22).
+#: 5 % of one process; on 4 GPUs the best schedule of six timed cases -2 % to +7.5 % against one
+#: process (2026-11-22, 2 and 4 x H200, BENCHMARKS.md).
 #: Off: such groups use XLA's collectives (comm="xla") and an explicit comm="dma" there is a ValueError.
 CROSS_PROCESS_DMA: bool = os.environ.get("FICCO_CROSS_PROCESS_DMA", "") not in ("", "0")
 
@@ -44,7 +44,7 @@ COPY_STREAM_CHOICES: tuple[int, ...] = (1, 2, 4)
 
 #: Transfer directions the design space enumerates for `comm="dma"` (Schedule.transfer): "pull"
 #: only — on 2 x H200 pushes timed level with pulls (36 op/schedule pairs, median 1.3 % slower,
-#: session 7; tp = 4 not measured); "push" is always accepted where it is named ("dma/direct/c2/push").
+#: 2026-11-22; tp = 4 not measured); "push" is always accepted where it is named ("dma/direct/c2/push").
 TRANSFER_CHOICES: tuple[str, ...] = ("pull",)
 
 #: dtypes the DMA executor handles; others take the XLA path (`comm="xla"`).
@@ -79,7 +79,7 @@ NATIVE_ENVIRONMENT: dict[str, str] = {
                       "chosen algorithm and its time), xla_ffi/gemm.cc",
     "FICCO_SEGV_TRACE": "set: on SIGSEGV/SIGABRT print the native stack before dying (xla_ffi/module.cc)",
     "FICCO_STAGE_STREAM": "\"copy\": across processes, run the staging copies on the staging stream instead of "
-                          "XLA's stream, as before session 5 (for A/B timings; slower: executor.cc, Stage)",
+                          "XLA's stream (for A/B timings; slower: xla_ffi executor, Stage)",
     "FICCO_REDUCE_SCALAR": "set: the reduce-scatter sum reads one element at a time instead of 16-byte packs "
                            "(for A/B timings; slower: xla_ffi/reduce.cu)",
 }

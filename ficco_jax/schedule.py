@@ -19,8 +19,8 @@ A schedule says how the communication of `ag_matmul` (all-gather then matmul) or
 - ``transfer`` (``dma`` only): ``"pull"`` (each receiver's copy streams read from the peers) or
   ``"push"`` (each sender's copy streams write into the peers; groups inside one process only).
   A probe with PyTorch streams had writes ahead of reads when every GPU receives at once (2 x H200:
-  262 vs 162 GB/s at 8 MiB blocks; session 6), but through the executor pushes timed level with
-  pulls on 2 x H200 (session 7): `push` is opt-in, not enumerated (config.TRANSFER_CHOICES).
+  262 vs 162 GB/s at 8 MiB blocks), but through the executor pushes timed level with pulls on
+  2 x H200 (2026-11-22, BENCHMARKS.md): `push` is opt-in, not enumerated (config.TRANSFER_CHOICES).
 
 Chunks always cut rows (the gathered / scattered dimension), so every chunk matmul keeps the
 full K and N of the shard matmul. For the expert-parallel ops `a2a_matmul` / `matmul_a2a`
@@ -271,3 +271,11 @@ def _check_a2a_shapes(op: str, shapes, axis_size: int) -> int:
 def valid_chunks(op: str, shapes: Sequence[Sequence[int]], axis_size: int) -> list[int]:
     rows = check_shapes(op, shapes, axis_size)
     return [c for c in config.CHUNK_CHOICES if rows % c == 0]
+
+
+def local_shapes(op: str, M: int, K: int, N: int, n: int):
+    """Per-device (input, weight) shapes of a tensor-parallel layer (M tokens, K, N) over n devices:
+    ag_matmul x [M/n, K] @ w [K, N/n]; matmul_rs y [M, N/n] @ w [N/n, K]."""
+    if M % n or N % n:
+        raise ValueError(f"bench: M={M} and N={N} must divide by the {n} devices")
+    return ((M // n, K), (K, N // n)) if op == "ag_matmul" else ((M, N // n), (N // n, K))

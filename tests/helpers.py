@@ -65,18 +65,18 @@ def prefer_copy_engines(monkeypatch):
     that takes copy engines wherever they are allowed (dma/direct/c1, else xla/ring/c1): on CPU the
     real model picks comm='none' for test-sized shapes, and the path under test would never run.
     Returns the list of (op, comms) the stand-in was asked about."""
-    from ficco_jax import heuristics
+    from ficco_jax.tuning import policy, select
     from ficco_jax.schedule import Schedule
 
     asked = []
 
     def select_schedule(op, shapes, dtype, axis_size, profile=None, comms=None):
-        comms = tuple(comms or heuristics.available_comms())
+        comms = tuple(comms or select.available_comms())
         asked.append((op, comms))
         return Schedule.parse("dma/direct/c1" if "dma" in comms else "xla/ring/c1")
 
-    monkeypatch.setattr(heuristics, "MODEL_ON_CPU", True)
-    monkeypatch.setattr(heuristics, "select_schedule", select_schedule)
+    monkeypatch.setattr(policy, "MODEL_ON_CPU", True)
+    monkeypatch.setattr(policy, "select_schedule", select_schedule)
     return asked
 
 

@@ -6,7 +6,7 @@ Each process owns 4 virtual CPU devices; the global mesh has 8. Every check runs
 processes (SPMD: both trace and run the same programs) and records "ok" or its error in
 OUT_JSON; the exit status is 1 if any check failed.
 
-"auto" is made to behave as on a GPU with the CUDA build (on CPU `select.choose` short-cuts
+"auto" is made to behave as on a GPU with the CUDA build (on CPU `policy.choose` short-cuts
 to comm="none", and the cost model prefers no overlap at these tiny shapes): a stand-in model
 picks comm="dma" when the site allows it, else comm="xla". What is tested is the topology
 decision around the model, not the model.
@@ -38,10 +38,10 @@ def main(process_id: int, num_processes: int, port: int, out_path: str) -> int:
     jax.config.update("jax_default_matmul_precision", "highest")
     import ficco_jax
     from ficco_jax.runtime import topology
-    from ficco_jax.tuning import select
+    from ficco_jax.tuning import policy
 
     records = _capture_log()
-    _gpu_like_auto(select)
+    _gpu_like_auto(policy)
     devices = np.array(jax.devices())  # sorted by process: process p holds devices[4p:4p+4]
     mesh8 = Mesh(devices, ("tp",))
     mesh2x4 = Mesh(devices.reshape(2, 4), ("dp", "tp"))
@@ -171,7 +171,7 @@ def _capture_log() -> list[str]:
     return records
 
 
-def _gpu_like_auto(chooser) -> None:
+def _gpu_like_auto(policy) -> None:
     """A stand-in model: comm="dma" (direct, 2 chunks) where allowed, else comm="xla" (ring, 2 chunks)."""
     from ficco_jax.schedule import Schedule
 
@@ -179,8 +179,8 @@ def _gpu_like_auto(chooser) -> None:
         comms = tuple(comms or ("none", "xla", "dma"))
         return Schedule.parse("dma/direct/c2/s1" if "dma" in comms else "xla/ring/c2")
 
-    chooser.select_schedule = select_schedule
-    chooser.MODEL_ON_CPU = True  # "auto" decides as on a GPU: over the comms that can run
+    policy.select_schedule = select_schedule
+    policy.MODEL_ON_CPU = True  # "auto" decides as on a GPU: over the comms that can run
 
 
 def _global(mesh, spec, value):

@@ -7,9 +7,9 @@ import sys
 import numpy as np
 import pytest
 
-from ficco_jax import accuracy, characterize, cost_model
-from ficco_jax.bench import local_shapes
-from ficco_jax.schedule import Schedule
+from ficco_jax.schedule import Schedule, local_shapes
+from ficco_jax.tools import accuracy, characterize
+from ficco_jax.tuning import cost_model, fitting
 
 # Copies of GPU results (H200 machines, 2026-11-22) that these tests recompute; tests/data/README.md
 # names the raw run each comes from under benchmarks/results/ (machine, commit, method).
@@ -40,7 +40,7 @@ def test_accuracy_cpu_run_writes_verified_cases(tmp_path):
 
 
 def test_heldout_shapes_are_not_the_calibration_shapes():
-    from ficco_jax.bench import SHAPE_SETS
+    from ficco_jax.tools.bench import SHAPE_SETS
 
     calibration = {v for group in SHAPE_SETS.values() for v in group.values()}
     assert len(accuracy.HELDOUT_SHAPES) >= 20
@@ -53,7 +53,7 @@ def test_heldout_shapes_are_not_the_calibration_shapes():
 
 
 def test_judge_flags_a_pick_slower_than_sequential():
-    from ficco_jax.bench import Row
+    from ficco_jax.tools.bench import Row
 
     rows = [Row("ag_matmul", "s", 8, 8, 8, "none", median_ms=1.0, verified=True, extra={"predicted_ms": 1.0}),
             Row("ag_matmul", "s", 8, 8, 8, "dma/direct/c1", median_ms=1.1, verified=True, extra={"predicted_ms": 0.8})]
@@ -75,24 +75,24 @@ def test_fit_to_ops_recovers_the_profile_that_made_the_times():
                 obs.append((op, s, shapes, "bfloat16", 8, cost_model.predict(op, s, shapes, "bfloat16", 8, truth)))
     start = {**truth, "executor_gemm_slowdown": 1.0, "dma_call_us": 5.0, "dma_host_us": 60.0,
              "dma_host_copy_us": 0.0, "contention_dma": 0.15}
-    fitted, err = characterize.fit_to_ops(start, obs)
+    fitted, err = fitting.fit_to_ops(start, obs)
     assert err < 1e-9
     assert fitted["executor_gemm_slowdown"] == 1.08 and fitted["dma_host_copy_us"] == 10.0
     with pytest.raises(ValueError, match="no verified op times"):
-        characterize.fit_to_ops(start, [])
+        fitting.fit_to_ops(start, [])
 
 
 def test_serialized_nccl_probes_give_no_contention_figure():
     # 4 x H200, 2026-11-22: XLA ran the matmul and the all-gather one after the other.
     c = {"matmul_ms": 0.690, "nccl_alone_ms": 0.685, "matmul_plus_nccl_ms": 1.371}
-    slowdown, why = characterize.nccl_contention(c)
+    slowdown, why = fitting.nccl_contention(c)
     assert slowdown is None and "one after the other" in why
     c.update(nccl_p2p_alone_ms=0.70, matmul_plus_nccl_p2p_ms=1.38)
-    assert characterize.nccl_contention(c)[0] is None
+    assert fitting.nccl_contention(c)[0] is None
     c["matmul_plus_nccl_p2p_ms"] = 0.828  # the ppermutes ran beside the matmul: +20 %
-    slowdown, why = characterize.nccl_contention(c)
+    slowdown, why = fitting.nccl_contention(c)
     assert slowdown == pytest.approx(0.2) and "ppermutes" in why
-    assert characterize.fit_profile({"device": "x", "n_devices": 4, "date": "d", "commit": "c", "dtype": "bfloat16",
+    assert fitting.fit_profile({"device": "x", "n_devices": 4, "date": "d", "commit": "c", "dtype": "bfloat16",
                                      "decomposition": [], "transfers": [], "contention": c})["contention_xla"] == \
         pytest.approx(0.2)
 
@@ -105,7 +105,7 @@ def test_shipped_profiles_predict_their_fitted_bench_within_their_error(name, be
     change that broke the fit fails here (the stored figure alone would not)."""
     prof = cost_model.load_profile(name)
     with open(os.path.join(DATA, bench)) as fh:
-        obs = characterize.op_observations(json.load(fh))
+        obs = fitting.op_observations(json.load(fh))
     assert len(obs) == prof["fitted_to_ops"]["observations"]
     pred = np.log([cost_model.predict(op, s, sh, dt, n, prof) for op, s, sh, dt, n, _ in obs])
     err = float(np.sqrt(np.mean((pred - np.log([o[5] for o in obs])) ** 2)))
@@ -152,7 +152,7 @@ def test_every_chunk_matmul_survives_the_timing_chain(c):
     import jax
     import jax.numpy as jnp
 
-    from ficco_jax import timing
+    from ficco_jax.tuning import timing
 
     a, w = jnp.ones((64, 32)), jnp.ones((32, 16))
     hlo = jax.jit(timing.chain(characterize.chunk_matmuls(c), 3)).lower(a, w).compile().as_text()
@@ -175,7 +175,7 @@ def test_calibrate_from_files_fits_the_op_times(tmp_path):
 
 
 def _rows(times):
-    from ficco_jax.bench import Row
+    from ficco_jax.tools.bench import Row
 
     return [Row("ag_matmul", "s", 8, 8, 8, v, median_ms=t, verified=True, extra={"predicted_ms": 1.0})
             for v, t in times.items()]

@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from ficco_jax import bench, timing
+from ficco_jax.tools import bench
+from ficco_jax.tuning import timing
 
 ROW_KEYS = {"op", "shape", "M", "K", "N", "variant", "median_ms", "spread_ms", "verified", "rel_err", "selected", "note"}
 
@@ -85,7 +86,7 @@ def test_bench_moe_ops_verified_side_by_side(tmp_path):
 
 
 def test_device_time_adds_estimates_only_while_they_disagree(monkeypatch):
-    from ficco_jax import timing
+    from ficco_jax.tuning import timing
 
     def run(walls):
         it = iter(walls)
@@ -108,7 +109,7 @@ def test_device_time_adds_estimates_only_while_they_disagree(monkeypatch):
 def test_device_time_fixed_estimates_for_several_processes(monkeypatch):
     # adaptive=False: exactly MIN_ESTIMATES however much they disagree (processes that time the same
     # collective program must launch it equally often, or the extra launch waits forever).
-    from ficco_jax import timing
+    from ficco_jax.tuning import timing
 
     walls = iter([1e-4, 1.1e-3, 1e-4, 1.5e-3, 1e-4, 1.1e-3, 1e-4] + [1.1e-3, 1e-4] * 4)
     monkeypatch.setattr(timing, "_wall", lambda fn, args, launches: next(walls))
@@ -117,7 +118,7 @@ def test_device_time_fixed_estimates_for_several_processes(monkeypatch):
 
 
 def test_table_shows_the_best_with_its_spread_and_over_the_ideal():
-    from ficco_jax import report
+    from ficco_jax.tools import report
 
     def row(variant, ms, spread=None, selected=False):
         return {"op": "ag_matmul", "shape": "s", "M": 8, "K": 8, "N": 8, "variant": variant, "median_ms": ms,

@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from ficco_jax import characterize, cost_model
+from ficco_jax.tools import characterize
+from ficco_jax.tuning import cost_model, fitting
 from ficco_jax.schedule import Schedule
 
 
@@ -21,7 +22,7 @@ def test_characterize_writes_schema_and_calibrate_fits_a_usable_profile(tmp_path
     assert {"matmul_ms", "matmul_plus_nccl_ms", "nccl_alone_ms", "executor_matmul_ms",
             "executor_matmul_beside_dma_ms"} <= set(on_disk["contention"])
 
-    profile = characterize.fit_profile(on_disk)
+    profile = fitting.fit_profile(on_disk)
     assert profile["axis_size"] == 8 and profile["calibrated"] == on_disk["date"]
     assert profile["peak_tflops"]["float32"] != cost_model.DEFAULT_PROFILE["peak_tflops"]["float32"]
     assert profile["xla_ingress_gbps"] > 0 and profile["rows_half"] >= 0
@@ -29,7 +30,7 @@ def test_characterize_writes_schema_and_calibrate_fits_a_usable_profile(tmp_path
     for beside, want in ((1.2, 0.2), (0.9, 0.0)):
         fixed = {**on_disk, "contention": {**on_disk["contention"], "executor_matmul_ms": 1.0,
                                            "executor_matmul_beside_dma_ms": beside}}
-        assert characterize.fit_profile(fixed)["contention_dma"] == pytest.approx(want)
+        assert fitting.fit_profile(fixed)["contention_dma"] == pytest.approx(want)
     # The fitted profile drives the cost model end to end.
     t = cost_model.predict("ag_matmul", Schedule(comm="xla", chunks=2), ((64, 32), (32, 16)), "float32", 8, profile)
     assert t > 0

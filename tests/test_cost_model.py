@@ -4,7 +4,7 @@ import json
 import jax
 import pytest
 
-from ficco_jax import cost_model, heuristics
+from ficco_jax.tuning import autotune, cost_model, select
 from ficco_jax.schedule import Schedule
 
 PROFILE = cost_model.default_profile()  # synthetic: fixed numbers, independent of this machine
@@ -20,14 +20,14 @@ def predict(op, sched, M=8192, K=8192, N=28672, n=4, profile=PROFILE):
 
 @pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs"])
 def test_tiny_operations_choose_no_overlap(op):
-    chosen = heuristics.select_schedule(op, shapes(op, 512, 1024, 1024), "bfloat16", 4, profile=PROFILE,
+    chosen = select.select_schedule(op, shapes(op, 512, 1024, 1024), "bfloat16", 4, profile=PROFILE,
                                         comms=("none", "xla", "dma"))
     assert chosen == Schedule(comm="none")
 
 
 @pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs"])
 def test_large_operations_choose_copy_engine_overlap(op):
-    chosen = heuristics.select_schedule(op, shapes(op, 8192, 8192, 28672), "bfloat16", 4, profile=PROFILE,
+    chosen = select.select_schedule(op, shapes(op, 8192, 8192, 28672), "bfloat16", 4, profile=PROFILE,
                                         comms=("none", "xla", "dma"))
     assert chosen.comm == "dma"
     assert predict(op, chosen) < predict(op, Schedule(comm="none"))
@@ -64,12 +64,12 @@ def test_load_profile_names_the_shipped_ones():
 
 
 def test_autotune_cache_round_trips_and_survives_corruption(tmp_path):
-    cache = heuristics.AutotuneCache(str(tmp_path))
-    key = heuristics.cache_key("ag_matmul", ((128, 64), (64, 32)), "bfloat16", 4, "NVIDIA H200")
+    cache = autotune.AutotuneCache(str(tmp_path))
+    key = autotune.cache_key("ag_matmul", ((128, 64), (64, 32)), "bfloat16", 4, "NVIDIA H200")
     assert cache.get(key) is None
     sched = Schedule(comm="dma", order="direct", chunks=4, copy_streams=2)
     cache.put(key, sched, {"dma/direct/c4/s2": 0.5, "none": 0.7})
-    assert heuristics.AutotuneCache(str(tmp_path)).get(key) == sched
+    assert autotune.AutotuneCache(str(tmp_path)).get(key) == sched
     assert json.loads((tmp_path / "autotune.json").read_text())[key]["times_ms"]["none"] == 0.7
     (tmp_path / "autotune.json").write_text("{ not json")
     assert cache.get(key) is None  # a corrupt file is a miss, with a warning, not a crash
@@ -78,38 +78,33 @@ def test_autotune_cache_round_trips_and_survives_corruption(tmp_path):
 
 
 def test_autotune_measures_once_then_uses_the_cache(tmp_path, monkeypatch):
-    from ficco_jax import bench
-
     calls = []
 
     def fake_time(op, s, shapes, dtype, n):
         calls.append(s)
         return 1.0 if s.comm == "none" else 2.0 + s.chunks  # make "none" the measured winner
 
-    monkeypatch.setattr(bench, "time_op", fake_time)
-    cache = heuristics.AutotuneCache(str(tmp_path))
+    cache = autotune.AutotuneCache(str(tmp_path))
     args = ("matmul_rs", ((256, 64), (64, 32)), "float32", 4)
-    first = heuristics.autotune_schedule(*args, cache=cache)
+    first = autotune.autotune_schedule(*args, cache=cache, measure=fake_time)
     measured = len(calls)
     assert first == Schedule(comm="none") and measured >= 2
-    assert heuristics.autotune_schedule(*args, cache=cache) == first
+    assert autotune.autotune_schedule(*args, cache=cache, measure=fake_time) == first
     assert len(calls) == measured  # the second call measured nothing
 
 
 def test_autotune_of_a_group_larger_than_this_process_uses_the_model(tmp_path, monkeypatch, caplog):
     # A tp group that spans processes cannot be timed from one process: no measurement, no cache
     # entry, the model's pick, and a warning that says why.
-    from ficco_jax import bench
-
-    monkeypatch.setattr(bench, "time_op", lambda *a: pytest.fail("autotune tried to time a group it does not hold"))
-    monkeypatch.setattr(heuristics.jax, "local_devices", lambda: jax.devices()[:2])
-    cache = heuristics.AutotuneCache(str(tmp_path))
+    monkeypatch.setattr(autotune.jax, "local_devices", lambda: jax.devices()[:2])
+    cache = autotune.AutotuneCache(str(tmp_path))
     args = ("ag_matmul", ((512, 1024), (1024, 256)), "bfloat16", 4)
     with caplog.at_level("WARNING", logger="ficco_jax"):
-        got = heuristics.autotune_schedule(*args, cache=cache, comms=("none", "xla", "dma"))
-    assert got == heuristics.select_schedule(*args, comms=("none", "xla", "dma"))
+        got = autotune.autotune_schedule(*args, cache=cache, comms=("none", "xla", "dma"),
+                                         measure=lambda *a: pytest.fail("autotune tried to time a group it does not hold"))
+    assert got == select.select_schedule(*args, comms=("none", "xla", "dma"))
     assert "spans processes" in caplog.text
-    assert cache.get(heuristics.cache_key(*args, jax.devices()[0].device_kind)) is None
+    assert cache.get(autotune.cache_key(*args, jax.devices()[0].device_kind)) is None
 
 
 @pytest.mark.parametrize("kind,n,expected", [
@@ -121,7 +116,7 @@ def test_autotune_of_a_group_larger_than_this_process_uses_the_model(tmp_path, m
     ("NVIDIA H100 80GB HBM3", 4, None), ("cpu", 8, None), ("NVIDIA H200", 0, None),
 ])
 def test_profile_name_for_falls_back_to_the_same_gpu_then_to_none(kind, n, expected):
-    assert heuristics.profile_name_for(kind, n) == expected
+    assert select.profile_name_for(kind, n) == expected
 
 
 def test_shipped_profiles_load_and_name_their_group_size():

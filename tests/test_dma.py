@@ -15,7 +15,9 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
-from ficco_jax import _ext, dma  # noqa: E402
+from ficco_jax import dma  # noqa: E402
+from ficco_jax.lowering.dma import groups  # noqa: E402
+from ficco_jax.runtime import extension as _ext  # noqa: E402
 from ficco_jax.schedule import Schedule  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not _ext.available(), reason="ficco_jax._ffi is not built")
@@ -312,12 +314,12 @@ def test_clear_errors():
 def test_push_across_processes_is_refused_at_lowering(monkeypatch):
     """A group across processes (ipc_job != 0) can only pull: the lowering says so and names the
     pulled schedule. (Real spanning groups need GPUs; here the group attributes are forged.)"""
-    real = dma._group_attrs
+    real = groups.group_attrs
 
     def spanning(*args, **kwargs):
         return dict(real(*args, **kwargs), ipc_job=7)
 
-    monkeypatch.setattr(dma, "_group_attrs", spanning)
+    monkeypatch.setattr(groups, "group_attrs", spanning)
     with pytest.raises(ValueError, match=r"pushes into the peers' buffers.*spans processes.*'dma/direct/c2'"):
         _run(MESHES["1d"], lambda a: dma.all_gather(a, "tp", schedule="dma/direct/c2/push"), P("tp"),
              np.ones((64, 2), np.float32))

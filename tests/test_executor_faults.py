@@ -12,7 +12,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
-from ficco_jax import _ext, config, dma  # noqa: E402
+from ficco_jax import config, dma  # noqa: E402
+from ficco_jax.runtime import extension as _ext  # noqa: E402
 from ficco_jax.schedule import Schedule  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not _ext.available(), reason="ficco_jax._ffi is not built")

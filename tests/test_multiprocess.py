@@ -14,7 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from ficco_jax import _ext, heuristics, topology
+from ficco_jax.runtime import extension as _ext, topology
+from ficco_jax.tuning import policy, select
 from ficco_jax.schedule import Schedule
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mp_worker.py")
@@ -79,7 +80,7 @@ def test_a_site_is_as_remote_as_its_most_remote_group(rows, kind):
         site = topology.describe_groups(rows, "tp")
     assert site.kind == kind
     assert [m.device_id for m in site.groups[0].members] == [d.id for d in rows[0]]
-    allowed = heuristics.available_comms("cpu", topology=site)
+    allowed = select.available_comms("cpu", topology=site)
     assert ("dma" in allowed) == (kind == topology.IN_PROCESS and _ext.available())
 
 
@@ -87,7 +88,7 @@ def test_a_site_is_as_remote_as_its_most_remote_group(rows, kind):
     (topology.IN_PROCESS, True), (topology.SAME_HOST_MULTI_PROCESS, True), (topology.MULTI_HOST, False),
 ])
 def test_on_gpus_copy_engines_reach_the_processes_of_one_host_only(kind, gpu_dma, monkeypatch):
-    from ficco_jax import ipc
+    from ficco_jax.runtime import ipc
 
     monkeypatch.setattr(ipc, "supported", lambda platform=None: platform == "gpu")  # a CUDA build
     monkeypatch.setattr(_ext, "cuda_built", lambda: True)
@@ -97,9 +98,9 @@ def test_on_gpus_copy_engines_reach_the_processes_of_one_host_only(kind, gpu_dma
     with topology.hosts_overridden(HOSTS):
         site = topology.describe_groups(rows, "tp")
     assert site.kind == kind
-    assert ("dma" in heuristics.available_comms("gpu", topology=site)) == gpu_dma
-    assert heuristics.dma_reaches(site, "gpu") == gpu_dma
-    assert heuristics.dma_reaches(site, "cpu") == (kind == topology.IN_PROCESS)  # no IPC between CPU processes
+    assert ("dma" in select.available_comms("gpu", topology=site)) == gpu_dma
+    assert select.dma_reaches(site, "gpu") == gpu_dma
+    assert select.dma_reaches(site, "cpu") == (kind == topology.IN_PROCESS)  # no IPC between CPU processes
 
 
 def test_why_names_the_group_the_processes_and_the_hosts():
@@ -114,17 +115,17 @@ def test_why_names_the_group_the_processes_and_the_hosts():
 
 
 def test_auto_falls_back_with_a_log_line_and_keeps_what_reaches(caplog, monkeypatch):
-    monkeypatch.setattr(heuristics, "MODEL_ON_CPU", True)  # the GPU decision, on CPU devices
+    monkeypatch.setattr(policy, "MODEL_ON_CPU", True)  # the GPU decision, on CPU devices
     with topology.hosts_overridden(HOSTS):
         remote = topology.describe_groups([[_dev(0, 0, 0), _dev(4, 1, None)]], "tp")
-    comms, why = heuristics.allowed_comms("float32", remote)
+    comms, why = policy.allowed_comms("float32", remote)
     assert "dma" not in comms and "only through CUDA IPC (GPUs with the CUDA build, opt-in" in why
     shapes = ((64, 32), (32, 16))
     with caplog.at_level("INFO", logger="ficco_jax"):
-        chosen = heuristics.choose("ag_matmul", shapes, "float32", 2, topology=remote)
+        chosen = policy.choose("ag_matmul", shapes, "float32", 2, topology=remote)
     assert chosen.comm in ("xla", "none"), chosen
     assert "only through CUDA IPC" in caplog.text and f"so {chosen} " in caplog.text
-    comms_here, why_here = heuristics.allowed_comms("float32", topology.for_axis("tp"))
+    comms_here, why_here = policy.allowed_comms("float32", topology.for_axis("tp"))
     assert "dma" in comms_here and why_here == ""
 
 
@@ -136,7 +137,8 @@ def test_one_process_needs_no_mesh():
 def test_cross_process_copy_engines_are_opt_in(monkeypatch):
     """Until the CUDA IPC path has run on a GPU, a CUDA build on GPUs still keeps same-host
     groups on XLA's collectives unless FICCO_CROSS_PROCESS_DMA=1 (config.CROSS_PROCESS_DMA)."""
-    from ficco_jax import config, ipc
+    from ficco_jax import config
+    from ficco_jax.runtime import ipc
 
     monkeypatch.setattr(_ext, "cuda_built", lambda: True)
     monkeypatch.setattr(_ext, "build_info", lambda: {"cuda": True, "ipc": True})

@@ -19,7 +19,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E
 from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
 import ficco_jax  # noqa: E402
-from ficco_jax import _ext, config, heuristics  # noqa: E402
+from ficco_jax import config  # noqa: E402
+from ficco_jax.runtime import extension as _ext  # noqa: E402
+from ficco_jax.tuning import select  # noqa: E402
 from ficco_jax.schedule import COMMS, Schedule  # noqa: E402
 from helpers import TOLERANCE, ag_specs, rel_err, rs_specs, run_sharded  # noqa: E402
 
@@ -190,7 +192,7 @@ def test_collectives_equal_lax(data, seed):
 def test_auto_selection_is_always_valid(op, n, rows, k, cols, dtype):
     a = (rows, k) if op == "ag_matmul" else (rows * n, k)
     shapes = (a, (k, cols))
-    chosen = heuristics.select_schedule(op, shapes, dtype, n, comms=COMMS)
+    chosen = select.select_schedule(op, shapes, dtype, n, comms=COMMS)
     chosen.validate(op, shapes, n)
 
 

@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ficco_jax.schedule import Schedule
-from ficco_jax.transform import explain, overlap
+from ficco_jax.rewrite import explain, overlap
 
 XLA = Schedule(comm="xla", chunks=1, order="ring")
 RTOL = 1e-5  # f32, relative to the norm of the reference

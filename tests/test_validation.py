@@ -20,7 +20,9 @@ import pytest  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import ficco_jax  # noqa: E402
-from ficco_jax import _ext, config, heuristics, ops, topology  # noqa: E402
+from ficco_jax import config, ops  # noqa: E402
+from ficco_jax.runtime import extension as _ext, topology  # noqa: E402
+from ficco_jax.tuning import policy, select  # noqa: E402
 from ficco_jax.schedule import COMMS, Schedule  # noqa: E402
 from helpers import ag_specs, lowered_text, prefer_copy_engines, rs_specs, run_sharded  # noqa: E402
 
@@ -190,15 +192,15 @@ def test_overlap_rejects_bad_arguments(kwargs, exc, pattern):
 @pytest.fixture
 def gpu_like_auto(monkeypatch):
     """'auto' as on a GPU with the CUDA build: the cost model over every comm kind (on CPU,
-    `heuristics.choose` short-cuts to comm='none')."""
-    monkeypatch.setattr(heuristics, "MODEL_ON_CPU", True)
+    `policy.choose` short-cuts to comm='none')."""
+    monkeypatch.setattr(policy, "MODEL_ON_CPU", True)
 
 
 @pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs"])
 def test_auto_avoids_dma_for_a_dtype_the_executor_lacks(gpu_like_auto, caplog, op):
     """float64 is not a copy-engine dtype; the model alone would pick dma for this large shape."""
     n, shapes = 4, ((2048, 8192), (8192, 2560)) if op == "ag_matmul" else ((8192, 2560), (2560, 8192))
-    assert heuristics.select_schedule(op, shapes, "float64", n, comms=COMMS).comm == "dma"
+    assert select.select_schedule(op, shapes, "float64", n, comms=COMMS).comm == "dma"
     with caplog.at_level(logging.INFO, logger="ficco_jax"):
         chosen = ops.resolve_schedule(op, "auto", shapes, np.float64, n)
     assert chosen.comm != "dma", chosen

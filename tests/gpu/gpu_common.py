@@ -2,7 +2,7 @@
 import jax
 import pytest
 
-from ficco_jax import _ext
+from ficco_jax.runtime import extension as _ext
 
 
 def _gpus():

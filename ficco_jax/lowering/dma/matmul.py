@@ -1,0 +1,67 @@
+"""The overlapped matmuls on copy engines, raw: no validation of shapes and no VJP (ficco_jax.ops
+adds both). Each is one FFI call per device (registry.bind).
+
+  ``ag_matmul_dma(x, w, axis_name, schedule) -> (out, gathered)``
+  ``matmul_rs_dma(y, w, axis_name, schedule) -> out``
+  ``a2a_matmul_dma(x, w, axis_name, schedule) -> (out, received)``
+  ``matmul_a2a_dma(y, w, axis_name, schedule) -> out``
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from ... import config
+from ...schedule import Schedule
+from . import registry
+
+
+def _check(op: str, a, w, axis_name, operands: str) -> None:
+    registry.check_axis_name(op, axis_name)
+    if a.dtype != w.dtype:
+        raise TypeError(f"{op}: comm='dma' needs {operands} of one dtype, found {a.dtype} and {w.dtype}")
+    if jnp.dtype(a.dtype).name not in config.DMA_DTYPES:
+        raise TypeError(f"{op}: comm='dma' handles dtypes {config.DMA_DTYPES}, found {jnp.dtype(a.dtype).name}; "
+                        f"cast the operands or use comm='xla'")
+
+
+def ag_matmul_dma(x, w, axis_name, schedule: Schedule, *, gathered_needed: bool = True):
+    """``(all_gather(x, axis_name, tiled=True) @ w, all_gather(x, axis_name, tiled=True))`` on copy engines.
+
+    x [m, K], w [K, N] per device -> out [n*m, N], gathered [n*m, K]. With `gathered_needed=False`
+    this device's own rows of `gathered` are left unwritten (the caller drops it): one local copy
+    of x fewer beside the matmuls.
+    """
+    _check("ag_matmul", x, w, axis_name, "x and w")
+    out, gathered = registry.bind("ag_matmul", (x, w), axis_name, registry.axis_size_of(axis_name), schedule,
+                                  skip_own_rows=not gathered_needed)
+    return out, gathered
+
+
+def matmul_rs_dma(y, w, axis_name, schedule: Schedule):
+    """``psum_scatter(y @ w, axis_name, scatter_dimension=0, tiled=True)`` on copy engines.
+
+    y [M, N], w [N, K] per device -> [M/n, K].
+    """
+    _check("matmul_rs", y, w, axis_name, "y and w")
+    out, _send, _recv = registry.bind("matmul_rs", (y, w), axis_name, registry.axis_size_of(axis_name), schedule)
+    return out
+
+
+def a2a_matmul_dma(x, w, axis_name, schedule: Schedule, *, received_needed: bool = True):
+    """``(einsum("pecd,edf->pecf", all_to_all(x), w), all_to_all(x))`` on copy engines.
+
+    x [n, E, C, d], w [E, d, f] per device (all_to_all: split 0, concat 0, tiled). With
+    `received_needed=False` this device's own block of `received` is left unwritten (the caller
+    drops it; the matmuls read that block from x).
+    """
+    _check("a2a_matmul", x, w, axis_name, "both operands")
+    out, received = registry.bind("a2a_matmul", (x, w), axis_name, registry.axis_size_of(axis_name), schedule,
+                                  skip_own_rows=not received_needed)
+    return out, received
+
+
+def matmul_a2a_dma(y, w, axis_name, schedule: Schedule):
+    """``all_to_all(einsum("pecf,efd->pecd", y, w))`` on copy engines. y [n, E, C, f], w [E, f, d]."""
+    _check("matmul_a2a", y, w, axis_name, "both operands")
+    out, _send = registry.bind("matmul_a2a", (y, w), axis_name, registry.axis_size_of(axis_name), schedule)
+    return out

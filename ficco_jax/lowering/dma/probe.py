@@ -1,0 +1,54 @@
+"""The contention probe of `characterize` (xla_ffi/probe.cc): `repeats` matmuls a @ w on XLA's
+stream, with or without the copy engines pulling every peer's x meanwhile.
+
+    matmuls_beside_pulls(a, w, x, axis_name, repeats=R, pull=True)  -> a @ w
+    (pull=False: the same R matmuls and the same call overhead, no transfers)
+
+The time of pull=True over pull=False is the matmul's slowdown under copy-engine traffic
+(copies shorter than the matmuls assumed). Inside `jax.shard_map` under `jax.jit`, like every
+copy-engine op; the group along `axis_name` is found when the call is lowered (groups.py).
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+from ... import config
+from . import registry
+from .groups import in_process_groups
+
+_TARGET = "ficco_contention_probe"
+
+
+def _abstract(a, w, x, *, axis_size, **_):
+    return [registry.aval(a, (a.shape[0], w.shape[1])), registry.aval(x, (axis_size * x.shape[0], *x.shape[1:]))]
+
+
+def _lowering(ctx, a, w, x, *, axis_name, axis_size, op_id, repeats, pull, timeout_ms):
+    groups = in_process_groups(ctx, "contention_probe", axis_name, axis_size)
+    return jax.ffi.ffi_lowering(_TARGET)(
+        ctx, a, w, x, op_id=np.int64(op_id), groups=groups.reshape(-1), group_size=np.int64(axis_size),
+        timeout_ms=np.int64(timeout_ms), repeats=np.int64(repeats), pull=np.int64(int(pull)))
+
+
+_PRIMITIVE = Primitive(_TARGET)
+_PRIMITIVE.multiple_results = True
+_PRIMITIVE.def_abstract_eval(_abstract)
+mlir.register_lowering(_PRIMITIVE, _lowering)
+
+
+def matmuls_beside_pulls(a, w, x, axis_name: str, *, repeats: int, pull: bool):
+    """`a @ w` (computed `repeats` times), while the copy engines all-gather x along `axis_name` if `pull`."""
+    registry.check_axis_name("contention_probe", axis_name)
+    if a.dtype != w.dtype or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"contention_probe: a and w need one dtype and repeats an int >= 1; found "
+                         f"{a.dtype}, {w.dtype}, repeats={repeats!r}")
+    registry.check_supported("ag_matmul", a.dtype)
+    a, w, x = registry.match_varying(a, w, x)
+    out, _gathered = _PRIMITIVE.bind(
+        a, w, x, axis_name=axis_name, axis_size=registry.axis_size_of(axis_name, "contention_probe"),
+        op_id=registry.next_op_id(), repeats=repeats, pull=bool(pull),
+        timeout_ms=int(round(config.RENDEZVOUS_TIMEOUT_S * 1000)))
+    return out

@@ -1,0 +1,225 @@
+"""One registry of the copy-engine FFI targets: for every op its target name, abstract evaluation
+and primitive; one lowering rule writes the executor's attributes; `bind` is the only way in.
+
+Each op is one XLA custom call per device; the extension (xla_ffi/) moves the peers' chunks with
+copy engines while the chunk matmuls run on the SMs. On CPU the same executor runs with memcpy and
+reference loops (what the tests exercise).
+
+Attributes of every FFI target (one struct per op in xla_ffi/ffi/):
+  op_id, groups (flat i64 array), local_ordinals (same length), ipc_job, group_size, chunks,
+  order (0 ring, 1 direct),
+  gemm (0 per_chunk, 1 grouped), copy_streams, timeout_ms (config.RENDEZVOUS_TIMEOUT_S),
+  skip_own_rows, transfer (0 pull, 1 push: senders write into their peers, in-process groups only),
+  fault: -1 none, else mode*1000 + rank with mode 1 = "skip:<rank>" (that rank errors without
+  joining any rendezvous) and 2 = "fail:<rank>" (it joins the exchange, then errors before its
+  transfers); from config.FAULT_INJECTION, read at trace time. Debug only.
+
+  * op_id: a process-wide counter drawn when the op is traced (bound), unique per call site, so
+    two ops of one program never share a rendezvous.
+  * occurrence: counted by the executor per device and launch (RunId): the same call site run
+    many times in one launch (lax.scan, fori_loop) meets its peers once per execution.
+  * groups: see groups.py.
+
+Transfer order: rank r pulls from r-1 first, then r-2, ... (ring distance 1, 2, ...). ``direct``
+spreads the peers over ``copy_streams`` copy streams (peer slot s on stream s % copy_streams);
+``ring`` pulls one peer at a time on one stream. Both pull from the owner directly: on an
+NVSwitch node every owner is one hop away, so "ring" is an issue order, not relaying.
+matmul_rs with ``gemm="grouped"``: one matmul per peer block (its chunks still move
+separately) and one reduction per block once all its chunks landed.
+``transfer="push"`` turns the roles round: each sender's copy streams write its chunks into the
+peers (rank r to r+1 first), after the receiver's entry event, and a second meeting hands the
+chunk events to the receivers. Groups inside one process only (a ValueError across processes).
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+from ... import config
+from ...runtime import extension
+from ...schedule import Schedule
+from . import groups
+
+_FAULT_MODES = {"skip": 1, "fail": 2}
+
+# ------------------------------------------------------------------------------------------------
+# op ids
+# ------------------------------------------------------------------------------------------------
+_op_ids = itertools.count(1)
+_op_id_lock = threading.Lock()
+
+
+def next_op_id() -> int:
+    with _op_id_lock:
+        return next(_op_ids)
+
+
+# ------------------------------------------------------------------------------------------------
+# Checks and attributes
+# ------------------------------------------------------------------------------------------------
+def check_supported(op: str, dtype) -> None:
+    """Raise TypeError for a dtype the executor lacks, ImportError if the extension is unusable."""
+    name = jnp.dtype(dtype).name
+    if op not in ("all_gather", "all_to_all") and name not in config.DMA_DTYPES:  # those two move bytes
+        raise TypeError(
+            f"{op}: comm='dma' handles dtypes {config.DMA_DTYPES}, found {name}; "
+            f"cast the operands or use comm='xla'"
+        )
+    extension.ensure_loaded()
+
+
+def check_axis_name(op: str, axis_name) -> None:
+    if not isinstance(axis_name, str):
+        raise TypeError(
+            f"{op}: comm='dma' needs axis_name to be one mesh axis name (a str), found {axis_name!r}; "
+            f"a tuple of axes is not supported (merge them into one mesh axis, or use comm='xla')"
+        )
+
+
+def axis_size_of(axis_name: str, op: str = "dma") -> int:
+    try:
+        return int(jax.lax.psum(1, axis_name))
+    except NameError as exc:
+        raise ValueError(
+            f"{op}: axis {axis_name!r} is not bound here; call it inside jax.shard_map over a mesh "
+            f"with that axis ({exc})"
+        ) from exc
+
+
+def check_not_empty(op: str, x) -> None:
+    if 0 in x.shape:
+        raise ValueError(
+            f"{op}: x has an empty dimension: found shape {tuple(x.shape)}, every dimension must be >= 1; "
+            f"skip the call, or use jax.lax for empty arrays"
+        )
+
+
+def fault_code() -> int:
+    spec = config.FAULT_INJECTION.strip()
+    if not spec:
+        return -1
+    mode, _, rank = spec.partition(":")
+    if mode not in _FAULT_MODES or not rank.isdigit():
+        raise ValueError(
+            f"config.FAULT_INJECTION={config.FAULT_INJECTION!r}: expected '', 'skip:<rank>' or 'fail:<rank>'"
+        )
+    return _FAULT_MODES[mode] * 1000 + int(rank)
+
+
+def match_varying(*values):
+    """Make every operand vary over the union of the operands' manual axes (check_vma)."""
+    def varying(v):
+        aval = jax.typeof(v)
+        mat = getattr(aval, "mat", None)
+        return frozenset(getattr(mat, "varying", ()) or getattr(aval, "vma", ()) or ())
+
+    union = frozenset().union(*(varying(v) for v in values))
+    out = []
+    for v in values:
+        missing = tuple(sorted(union - varying(v), key=str))
+        out.append(jax.lax.pcast(v, missing, to="varying") if missing else v)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Primitives: abstract eval at trace time, groups at lowering time
+# ------------------------------------------------------------------------------------------------
+def aval(like, shape, dtype=None):
+    return like.update(shape=tuple(shape), dtype=dtype or like.dtype, sharding=like.sharding.update(
+        spec=jax.sharding.PartitionSpec(*([None] * len(shape)))) if hasattr(like.sharding, "update") else like.sharding)
+
+
+def _abstract_ag_matmul(x, w, *, axis_size, **_):
+    n, (m, k), cols = axis_size, x.shape, w.shape[1]
+    return [aval(x, (n * m, cols)), aval(x, (n * m, k))]
+
+
+def _abstract_matmul_rs(y, w, *, axis_size, **_):
+    n, m, cols = axis_size, y.shape[0] // axis_size, w.shape[1]
+    return [aval(y, (m, cols)), aval(y, (n - 1, m, cols)), aval(y, (n - 1, m, cols))]
+
+
+def _abstract_all_gather(x, *, axis_size, **_):
+    return [aval(x, (axis_size * x.shape[0], *x.shape[1:]))]
+
+
+def _abstract_reduce_scatter(x, *, axis_size, **_):
+    m = x.shape[0] // axis_size
+    return [aval(x, (m, *x.shape[1:])), aval(x, (axis_size - 1, m, *x.shape[1:]))]
+
+
+def _abstract_all_to_all(x, **_):
+    return [aval(x, x.shape)]
+
+
+def _abstract_a2a_matmul(x, w, **_):
+    n, e, c, _d = x.shape
+    return [aval(x, (n, e, c, w.shape[2])), aval(x, x.shape)]
+
+
+def _abstract_matmul_a2a(y, w, *, axis_size, **_):
+    n, e, c, _f = y.shape
+    return [aval(y, (n, e, c, w.shape[2])), aval(y, (max(axis_size - 1, 1), e, c, w.shape[2]))]
+
+
+def _lowering(ctx, *operands, op, axis_name, axis_size, op_id, schedule, timeout_ms, fault, skip_own_rows=False):
+    group = groups.group_attrs(ctx, op, axis_name, axis_size)
+    if schedule.transfer == "push" and group["ipc_job"] != 0:
+        raise ValueError(
+            f"{op}: schedule {schedule} pushes into the peers' buffers, but the group of mesh axis {axis_name!r} "
+            f"spans processes, whose XLA buffers cannot be opened from here; use transfer='pull' "
+            f"(e.g. {str(schedule.replace(transfer='pull'))!r})"
+        )
+    rule = jax.ffi.ffi_lowering(_TARGETS[op][0])
+    return rule(
+        ctx, *operands,
+        op_id=np.int64(op_id),
+        groups=group["groups"].reshape(-1),
+        local_ordinals=group["local_ordinals"].reshape(-1),
+        ipc_job=np.int64(group["ipc_job"]),
+        group_size=np.int64(axis_size),
+        chunks=np.int64(schedule.chunks),
+        order=np.int64({"ring": 0, "direct": 1}[schedule.order]),
+        gemm=np.int64({"per_chunk": 0, "grouped": 1}[schedule.gemm]),
+        copy_streams=np.int64(schedule.copy_streams),
+        timeout_ms=np.int64(timeout_ms),
+        fault=np.int64(fault),
+        skip_own_rows=np.int64(int(skip_own_rows)),
+        transfer=np.int64({"pull": 0, "push": 1}[schedule.transfer]),
+    )
+
+
+def _make_primitive(target: str, abstract_eval) -> Primitive:
+    prim = Primitive(target)
+    prim.multiple_results = True
+    prim.def_abstract_eval(abstract_eval)
+    mlir.register_lowering(prim, _lowering)
+    return prim
+
+
+#: op -> (FFI target, abstract evaluation): every copy-engine target, in one table.
+_TARGETS = {
+    "ag_matmul": ("ficco_ag_matmul", _abstract_ag_matmul),
+    "matmul_rs": ("ficco_matmul_rs", _abstract_matmul_rs),
+    "all_gather": ("ficco_all_gather", _abstract_all_gather),
+    "reduce_scatter": ("ficco_reduce_scatter", _abstract_reduce_scatter),
+    "all_to_all": ("ficco_all_to_all", _abstract_all_to_all),
+    "a2a_matmul": ("ficco_a2a_matmul", _abstract_a2a_matmul),
+    "matmul_a2a": ("ficco_matmul_a2a", _abstract_matmul_a2a),
+}
+_PRIMITIVES = {op: _make_primitive(target, abstract) for op, (target, abstract) in _TARGETS.items()}
+
+
+def bind(op: str, operands, axis_name: str, axis_size: int, schedule: Schedule, *, skip_own_rows: bool = False):
+    check_supported(op, operands[0].dtype)
+    operands = match_varying(*operands)
+    return _PRIMITIVES[op].bind(
+        *operands, op=op, axis_name=axis_name, axis_size=axis_size, op_id=next_op_id(), schedule=schedule,
+        timeout_ms=int(round(config.RENDEZVOUS_TIMEOUT_S * 1000)), fault=fault_code(), skip_own_rows=skip_own_rows,
+    )

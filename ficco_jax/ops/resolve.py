@@ -1,0 +1,63 @@
+"""One schedule resolution for every op: the user's `schedule` argument ("auto", "autotune", a
+`Schedule` or its string form) becomes a valid Schedule for this call, at trace time."""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import jax.numpy as jnp
+
+from ..lowering import dma
+from ..runtime import topology
+from ..schedule import Schedule, check_shapes
+from ..tuning import policy, select
+from .core import ScheduleArg
+
+log = logging.getLogger("ficco_jax")
+
+
+def resolve_schedule(op: str, schedule: ScheduleArg, shapes, dtype, axis_size: int, *,
+                     axis_name: str | None = None, mesh=None, measure: Callable | None = None) -> Schedule:
+    """Turn the user's `schedule` argument into a valid Schedule for this call (trace time).
+
+    `axis_name` locates the peers (topology.for_axis, in `mesh` if given, else in the
+    `jax.set_mesh` context): "auto" avoids comm="dma" where they are not all in this process, and an
+    explicit comm="dma" there is an error. Without them, a multi-process program counts the peers
+    as remote for "auto". `measure` times a candidate for "autotune" (ops.measure.time_op)."""
+    check_shapes(op, shapes, axis_size)
+    site = topology.for_axis(axis_name, mesh)
+    if isinstance(schedule, str) and schedule in ("auto", "autotune"):
+        chosen = policy.choose(op, shapes, dtype, axis_size, autotune=(schedule == "autotune"), topology=site,
+                               measure=measure)
+        log.debug("%s %s %s: schedule %s", op, shapes, jnp.dtype(dtype).name, chosen)
+        return chosen
+    if isinstance(schedule, str):
+        schedule = Schedule.parse(schedule)
+    if not isinstance(schedule, Schedule):
+        raise TypeError(
+            f"{op}: schedule must be 'auto', 'autotune', a ficco_jax.Schedule or its string form; "
+            f"found {type(schedule).__name__}"
+        )
+    schedule.validate(op, shapes, axis_size)
+    if schedule.comm == "dma":
+        dma.check_supported(op, dtype)
+        # Unknown sites pass here; dma's lowering checks the real mesh. Groups across processes
+        # of one host run through CUDA IPC where the build and platform have it.
+        if site.spanning_groups() and not select.dma_reaches(site):
+            raise ValueError(topology.dma_refusal(op, site))
+    return schedule
+
+
+def transposed_schedule(op: str, sched: Schedule, shapes, dtype, n: int) -> Schedule:
+    """The schedule of a backward op: the forward's where that point is valid for it (both ops of a
+    pair share one design space), else auto. matmul_rs on copy engines is direct-only: there a
+    ring schedule keeps its copy engines and changes its order."""
+    candidates = [sched]
+    if sched.comm == "dma" and op == "matmul_rs":
+        candidates.append(sched.replace(order="direct"))
+    for candidate in candidates:
+        try:
+            return resolve_schedule(op, candidate, shapes, dtype, n)
+        except (ValueError, TypeError):
+            pass
+    return resolve_schedule(op, "auto", shapes, dtype, n)

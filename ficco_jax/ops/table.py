@@ -1,0 +1,157 @@
+"""The op table: one record per pair of ops that are each other's transpose, and the positional
+forms (x, w, axis_name, schedule) built from it, which carry the custom VJPs.
+
+A pair is a *gather* op (collective -> matmul; its side output is what the collective delivered)
+and a *scatter* op (matmul -> collective):
+
+    tensor parallel:  ag_matmul(x, w)  == all_gather(x) @ w                     (side: gathered x)
+                      matmul_rs(y, w)  == psum_scatter(y @ w)
+    expert parallel:  a2a_matmul(x, w) == einsum("pecd,edf->pecf", all_to_all(x), w)  (side: received x)
+                      matmul_a2a(y, w) == all_to_all(einsum("pecf,efd->pecd", y, w))
+
+with all_gather / psum_scatter / all_to_all tiled along dimension 0 (all_to_all split 0, concat 0).
+Each is the other's transpose, so both backward passes are overlapped: the input gradient of the
+gather op is the scatter op of the output gradient with w transposed, and its weight gradient a
+local product with the side output; the input gradient of the scatter op is the gather op of the
+output gradient, whose side output also feeds the weight gradient.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ..lowering import dma, xla
+from .core import ScheduleArg, axis_size, check_operands, custom_vjp_pair, custom_vjp_plain, like_primal, varying_axes
+from .resolve import resolve_schedule, transposed_schedule
+
+
+@dataclasses.dataclass(frozen=True)
+class OpPair:
+    gather: str
+    scatter: str
+    gather_ref: Callable          # (x, w, axis_name) -> out: the meaning of the gather op
+    scatter_ref: Callable         # (y, w, axis_name) -> out
+    gather_dma: Callable          # (x, w, axis_name, sched, side_needed) -> (out, side)
+    scatter_dma: Callable         # (y, w, axis_name, sched) -> out
+    gather_xla: Callable          # (x, w, axis_name, sched, n) -> (out, side)   comm none / xla
+    scatter_xla: Callable         # (y, w, axis_name, sched, n) -> out
+    transpose_w: Callable         # w -> the weight of the transposed op
+    side_collective: Callable     # (g_side, axis_name) -> its cotangent on the gather op's input
+    gather_dw: Callable           # (side, g_out) -> the gather op's weight gradient
+    scatter_dw: Callable          # (y, g_side) -> the scatter op's weight gradient
+
+
+def _all_to_all(v, axis_name):
+    return lax.all_to_all(v, axis_name, 0, 0, tiled=True)
+
+
+TENSOR_PARALLEL = OpPair(
+    gather="ag_matmul", scatter="matmul_rs",
+    gather_ref=lambda x, w, axis_name: lax.all_gather(x, axis_name, axis=0, tiled=True) @ w,
+    scatter_ref=lambda y, w, axis_name: lax.psum_scatter(y @ w, axis_name, scatter_dimension=0, tiled=True),
+    gather_dma=lambda x, w, a, s, side_needed: dma.ag_matmul_dma(x, w, a, s, gathered_needed=side_needed),
+    scatter_dma=dma.matmul_rs_dma, gather_xla=xla.ag_matmul, scatter_xla=xla.matmul_rs,
+    transpose_w=lambda w: w.T,
+    side_collective=lambda g, axis_name: lax.psum_scatter(g, axis_name, scatter_dimension=0, tiled=True),
+    gather_dw=lambda gathered, g_out: gathered.T @ g_out,
+    scatter_dw=lambda y, g_gathered: y.T @ g_gathered,
+)
+
+EXPERT_PARALLEL = OpPair(
+    gather="a2a_matmul", scatter="matmul_a2a",
+    gather_ref=lambda x, w, axis_name: jnp.einsum("pecd,edf->pecf", _all_to_all(x, axis_name), w),
+    scatter_ref=lambda y, w, axis_name: _all_to_all(jnp.einsum("pecf,efd->pecd", y, w), axis_name),
+    gather_dma=lambda x, w, a, s, side_needed: dma.a2a_matmul_dma(x, w, a, s, received_needed=side_needed),
+    scatter_dma=dma.matmul_a2a_dma, gather_xla=xla.a2a_matmul, scatter_xla=xla.matmul_a2a,
+    transpose_w=lambda w: jnp.swapaxes(w, 1, 2),
+    side_collective=_all_to_all,
+    gather_dw=lambda received, g_out: jnp.einsum("pecd,pecf->edf", received, g_out),
+    scatter_dw=lambda y, g_received: jnp.einsum("pecf,pecd->efd", y, g_received),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledForms:
+    """The positional forms of one pair: the gather op returning out, or (out, side) when the side
+    output has other users; the scatter op."""
+    gather: Callable
+    gather_with_side: Callable
+    scatter: Callable
+
+
+def _scheduled_forms(pair: OpPair) -> ScheduledForms:
+    def gather_impl(x, w, axis_name, sched, side_needed=True):
+        if sched.comm == "dma":
+            return pair.gather_dma(x, w, axis_name, sched, side_needed)
+        return pair.gather_xla(x, w, axis_name, sched, axis_size(axis_name, pair.gather))
+
+    def scatter_impl(y, w, axis_name, sched):
+        if sched.comm == "dma":
+            return pair.scatter_dma(y, w, axis_name, sched)
+        return pair.scatter_xla(y, w, axis_name, sched, axis_size(axis_name, pair.scatter))
+
+    def gather_backward(axis_name, sched, res, g_out, g_side):
+        side, w = res
+        w_t = pair.transpose_w(w)
+        n = axis_size(axis_name, pair.gather)
+        bwd = transposed_schedule(pair.scatter, sched, (g_out.shape, w_t.shape), g_out.dtype, n)
+        # d x = collective(g_out @ w^T (+ g_side)): the collective rides on the matmuls.
+        dx = forms.scatter(g_out, w_t, axis_name, bwd)
+        if g_side is not None:
+            dx = dx + pair.side_collective(g_side, axis_name)
+        # x varied along the op's axis and along every axis its side output varies on.
+        return (like_primal(dx, side.dtype, varying_axes(side) | {axis_name}),
+                like_primal(pair.gather_dw(side, g_out), w.dtype, varying_axes(w)))
+
+    def scatter_backward(axis_name, sched, res, g):
+        y, w = res
+        w_t = pair.transpose_w(w)
+        n = axis_size(axis_name, pair.scatter)
+        bwd = transposed_schedule(pair.gather, sched, (g.shape, w_t.shape), g.dtype, n)
+        # d y = gather op of g with w^T; its side output (g delivered) is reused for d w.
+        dy, g_side = forms.gather_with_side(g, w_t, axis_name, bwd)
+        return (like_primal(dy, y.dtype, varying_axes(y)),
+                like_primal(pair.scatter_dw(y, g_side), w.dtype, varying_axes(w)))
+
+    gather, gather_with_side = custom_vjp_pair(gather_impl, gather_backward, pair.gather,
+                                               f"{pair.gather}_with_side")
+    forms = ScheduledForms(gather, gather_with_side, custom_vjp_plain(scatter_impl, scatter_backward, pair.scatter))
+    return forms
+
+
+#: op name -> (its pair, its positional forms).
+PAIRS = {pair.gather: pair for pair in (TENSOR_PARALLEL, EXPERT_PARALLEL)}
+PAIRS.update({pair.scatter: pair for pair in (TENSOR_PARALLEL, EXPERT_PARALLEL)})
+FORMS = {pair.gather: _scheduled_forms(pair) for pair in (TENSOR_PARALLEL, EXPERT_PARALLEL)}
+FORMS.update({pair.scatter: FORMS[pair.gather] for pair in (TENSOR_PARALLEL, EXPERT_PARALLEL)})
+
+
+def run_scheduled(op: str, a, w, axis_name: str, sched, *, with_side: bool = False):
+    """`op` (a name of the table) with a resolved schedule: out, or (out, side) for a gather op
+    with `with_side`."""
+    pair, forms = PAIRS[op], FORMS[op]
+    if op == pair.scatter:
+        return forms.scatter(a, w, axis_name, sched)
+    return (forms.gather_with_side if with_side else forms.gather)(a, w, axis_name, sched)
+
+
+def reference(op: str):
+    """The plain-JAX meaning of `op`: a function (a, w, axis_name) -> out."""
+    pair = PAIRS[op]
+    return pair.gather_ref if op == pair.gather else pair.scatter_ref
+
+
+def call(op: str, a, w, axis_name: str, schedule: ScheduleArg, *, with_side=False, side_flag: str = "",
+         measure: Callable | None = None):
+    """`op` as the public functions run it: check the operands, resolve `schedule` for this call
+    (`measure` times candidates for "autotune"), run the positional form."""
+    n = axis_size(axis_name, op)
+    check_operands(op, a, w)
+    if not isinstance(with_side, (bool, np.bool_)):
+        raise TypeError(f"{op}: {side_flag} must be a bool, found {with_side!r}")
+    sched = resolve_schedule(op, schedule, (a.shape, w.shape), a.dtype, n, axis_name=axis_name, measure=measure)
+    return run_scheduled(op, a, w, axis_name, sched, with_side=bool(with_side))

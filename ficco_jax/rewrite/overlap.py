@@ -1,0 +1,381 @@
+"""`overlap(fn)`: rewrite the collective+matmul sites inside every `shard_map` of `fn` into ficco ops.
+
+``overlap(fn)(*args)`` computes exactly ``fn(*args)``. It traces `fn` to a jaxpr once per argument
+signature, finds ``all_gather → matmul`` and ``matmul → psum_scatter`` sites inside each
+`shard_map` body (also inside scan / cond / while / jit / checkpoint bodies nested there; see
+`_patterns.py` for the matching rules), and evaluates the jaxpr again with each site replaced by
+``ag_matmul`` / ``matmul_rs`` and everything else bound as it was written. The expert-parallel
+forms ``all_to_all → expert matmul`` and ``expert matmul → all_to_all`` (4-D per-peer blocks,
+`_patterns_a2a.py`) become ``a2a_matmul`` / ``matmul_a2a`` the same way.
+
+Composition: the result is an ordinary traceable function, so ``jit(overlap(f))``,
+``grad(overlap(f))`` (the ops' custom VJPs overlap the backward pass) and ``overlap(grad(f))``
+(the backward collectives are in the traced jaxpr and are rewritten too) all work. Functions
+with no site are called unchanged.
+
+``explain(fn, *args)`` returns the sites and near-misses as a `Report`; the same records are
+logged at DEBUG level on the ``"ficco_jax"`` logger when a signature is first traced.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.extend.core as jex
+
+from .. import ops
+from ..schedule import Schedule
+from .match_ep import A2A_MM, MM_A2A, find_a2a_sites
+from .match_tp import AG, RS, SiteRecord, _Site, find_sites
+
+__all__ = ["overlap", "explain", "Report", "SiteRecord"]
+
+logger = logging.getLogger("ficco_jax")
+
+_ALL_OPS = (AG, RS, A2A_MM, MM_A2A)
+
+_SHARD_MAP = "shard_map"
+# Sub-jaxprs of these are user-written custom derivatives: rewriting their primal body alone
+# would make it disagree with the rule the user wrote, so their sites are only reported.
+_CUSTOM_RULES = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin")
+
+
+class Report(list):
+    """The `SiteRecord`s of one traced function: rewritten sites, then near-misses."""
+
+    @property
+    def sites(self) -> list[SiteRecord]:
+        return [r for r in self if r.rewritten]
+
+    @property
+    def near_misses(self) -> list[SiteRecord]:
+        return [r for r in self if not r.rewritten]
+
+    def __str__(self) -> str:
+        if not self:
+            return "ficco_jax.overlap: no all_gather/psum_scatter found inside a shard_map"
+        header = ("", "op", "where", "axis", "shapes", "as 2-D", "schedule / why not")
+        rows = [("ok" if r.rewritten else "--", r.op, r.where, r.axis_name, r.shapes, r.matmul_2d,
+                 r.schedule if r.rewritten else r.reason) for r in self]
+        widths = [max(len(str(row[c])) for row in (header, *rows)) for c in range(len(header) - 1)]
+        lines = ["  ".join(str(v).ljust(w) for v, w in zip(row, widths)) + "  " + str(row[-1])
+                 for row in (header, *rows)]
+        summary = f"{len(self.sites)} site(s) rewritten, {len(self.near_misses)} near-miss(es)"
+        return "\n".join([summary, *lines])
+
+
+# --------------------------------------------------------------------------------------------
+# Options: which ops, which schedule
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    schedule: Any  # "auto" | "autotune" | Schedule
+    ops: tuple[str, ...]
+
+    @classmethod
+    def make(cls, schedule, autotune: bool, ops: Sequence[str]) -> "_Options":
+        if isinstance(ops, str) or not isinstance(ops, (tuple, list, set, frozenset)):
+            raise TypeError(
+                f"overlap: ops must be a sequence of op names from {_ALL_OPS}, found "
+                f"{'the str ' if isinstance(ops, str) else ''}{ops!r}; write ops=({ops!r},)"
+            )
+        if not isinstance(autotune, bool):
+            raise TypeError(f"overlap: autotune must be a bool, found {autotune!r}")
+        unknown = [op for op in ops if op not in _ALL_OPS]
+        if unknown:
+            raise ValueError(f"overlap: unknown ops {unknown}; valid ops: {_ALL_OPS}")
+        if autotune:
+            schedule = "autotune"
+        elif isinstance(schedule, str) and schedule not in ("auto", "autotune"):
+            schedule = Schedule.parse(schedule)
+        elif not isinstance(schedule, (str, Schedule)):
+            raise TypeError(f"overlap: schedule must be 'auto', 'autotune', a Schedule or its string; found {schedule!r}")
+        return cls(schedule, tuple(ops))
+
+    def resolve(self, site: _Site) -> tuple[Any, str]:
+        """The schedule handed to the op at `site`, and how to show it."""
+        # The axis locates the peers, so "auto" keeps copy engines for in-process groups of a
+        # multi-process program.
+        where = {"axis_name": site.axis_name, "mesh": site.mesh}
+        if self.schedule == "autotune":
+            return "autotune", "autotune"  # measured when the op is traced, not by explain()
+        args = (site.shapes_2d(), site.dot.outvars[0].aval.dtype, site.axis_size)
+        if isinstance(self.schedule, Schedule):
+            try:
+                return ops.resolve_schedule(site.op, self.schedule, *args, **where), str(self.schedule)
+            except ValueError as err:
+                logger.info("ficco_jax.overlap: %s at %s: using 'auto' instead (%s)",
+                            self.schedule, site.record.where, err)
+        chosen = ops.resolve_schedule(site.op, "auto", *args, **where)
+        return chosen, f"{chosen} (auto)"
+
+
+def _call_op(site: _Site, operand, weight):
+    """Run the fused op of `site` on its canonical 2-D operands."""
+    kwargs = {"return_gathered": True} if site.op == AG and site.return_gathered else {}
+    if site.op == A2A_MM and site.return_received:
+        kwargs = {"return_received": True}
+    fn = {AG: ops.ag_matmul, RS: ops.matmul_rs, A2A_MM: ops.a2a_matmul, MM_A2A: ops.matmul_a2a}[site.op]
+    try:
+        return fn(operand, weight, site.axis_name, schedule=site.schedule, **kwargs)
+    except ValueError as err:
+        if site.schedule == "auto":
+            raise
+        logger.warning("ficco_jax.overlap: %s rejected %s at %s (%s); using 'auto'", site.op, site.schedule, site.record.where, err)
+        return fn(operand, weight, site.axis_name, schedule="auto", **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# Analysis: a plan per jaxpr, mirroring its nesting
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Plan:
+    sites_at: dict = dataclasses.field(default_factory=dict)  # eqn index -> [_Site] run there
+    skip: set = dataclasses.field(default_factory=set)  # eqn indices the sites replace
+    children: dict = dataclasses.field(default_factory=dict)  # eqn index -> {param: plan | tuple}
+    changed: bool = False
+
+
+def _is_jaxpr(value) -> bool:
+    return isinstance(value, (jex.Jaxpr, jex.ClosedJaxpr))
+
+
+def _sub_jaxprs(params) -> dict:
+    subs = {}
+    for key, value in params.items():
+        if _is_jaxpr(value) or (isinstance(value, (tuple, list)) and value and all(_is_jaxpr(v) for v in value)):
+            subs[key] = value
+    return subs
+
+
+def _open(jaxpr) -> tuple[Any, Sequence[Any]]:
+    return (jaxpr.jaxpr, jaxpr.consts) if isinstance(jaxpr, jex.ClosedJaxpr) else (jaxpr, ())
+
+
+def _analyse(jaxpr, axis_sizes: dict | None, where: str, options: _Options, records: list,
+             frozen: str | None, mesh=None) -> _Plan:
+    """`mesh`: the concrete mesh of the innermost enclosing shard_map, if it was given one (its body
+    sees only an abstract mesh), so that "auto" knows which peers share this process."""
+    plan = _Plan()
+    if axis_sizes is not None:
+        sites, misses = find_sites(jaxpr, axis_sizes, where, options.ops)
+        a2a_sites, a2a_misses = find_a2a_sites(jaxpr, axis_sizes, where, options.ops)
+        sites, misses = sites + a2a_sites, misses + a2a_misses
+        for site in sites:
+            site.mesh = mesh
+            if frozen:
+                records.append(dataclasses.replace(site.record, reason=frozen))
+                continue
+            site.schedule, shown = options.resolve(site)
+            site.record = dataclasses.replace(site.record, schedule=shown)
+            records.append(site.record)
+            plan.sites_at.setdefault(site.exec_index, []).append(site)
+            plan.skip.update(site.skip)
+            plan.changed = True
+        records.extend(misses)
+    for i, eqn in enumerate(jaxpr.eqns):
+        subs = _sub_jaxprs(eqn.params)
+        if not subs:
+            continue
+        name = eqn.primitive.name
+        inner_sizes, inner_mesh = axis_sizes, mesh
+        if name == _SHARD_MAP:
+            inner_sizes = {**(axis_sizes or {}), **dict(eqn.params["mesh"].shape)}
+            if isinstance(eqn.params["mesh"], jax.sharding.Mesh):
+                inner_mesh = eqn.params["mesh"]
+        inner_frozen = frozen
+        if name in _CUSTOM_RULES:
+            inner_frozen = frozen or f"inside a {name} (a user-written derivative rule): left as written"
+        path = f"{where}{name}@{i}/"
+        children = {}
+        for key, sub in subs.items():
+            many = isinstance(sub, (tuple, list))
+            plans = tuple(_analyse(_open(s)[0], inner_sizes, path, options, records, inner_frozen, inner_mesh)
+                          for s in (sub if many else (sub,)))
+            if any(p.changed for p in plans):
+                children[key] = plans if many else plans[0]
+        if children:
+            plan.children[i] = children
+            plan.changed = True
+    return plan
+
+
+# --------------------------------------------------------------------------------------------
+# Evaluation: the jaxpr interpreter that applies a plan
+# --------------------------------------------------------------------------------------------
+def _run(plan: _Plan, jaxpr, consts, args) -> list:
+    env: dict = {}
+
+    def read(atom):
+        return atom.val if isinstance(atom, jex.Literal) else env[atom]
+
+    def write(var, value):
+        env[var] = value
+
+    for var, value in (*zip(jaxpr.constvars, consts), *zip(jaxpr.invars, args)):
+        write(var, value)
+    for i, eqn in enumerate(jaxpr.eqns):
+        for site in plan.sites_at.get(i, ()):
+            site.run(read, write, _call_op)
+        if i in plan.skip:
+            continue
+        invals = [read(v) for v in eqn.invars]
+        children = plan.children.get(i)
+        if children is None:
+            outs = _bind(eqn, invals, eqn.params)
+        elif eqn.primitive.name == _SHARD_MAP:
+            outs = _bind_shard_map(eqn, children["jaxpr"], invals)
+        else:
+            params = dict(eqn.params)
+            for key, child in children.items():
+                params[key] = _rewrite_param(eqn.params[key], child)
+            outs = _bind(eqn, invals, params)
+        for var, value in zip(eqn.outvars, outs if eqn.primitive.multiple_results else (outs,)):
+            write(var, value)
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _bind(eqn, invals, params):
+    # What jax.core.eval_jaxpr does per equation: get_bind_params turns sub-jaxpr params back
+    # into the callables `bind` expects (it returned (subfuns, params) in older jax).
+    bind_params = eqn.primitive.get_bind_params(params)
+    if isinstance(bind_params, tuple):
+        subfuns, bind_params = bind_params
+        invals = [*subfuns, *invals]
+    with eqn.ctx.manager:
+        return eqn.primitive.bind(*invals, **bind_params)
+
+
+def _bind_shard_map(eqn, child: _Plan, invals) -> list:
+    """Re-issue a shard_map through the public API with the rewritten body."""
+    params = eqn.params
+    body, consts = _open(params["jaxpr"])
+    manual = params.get("newly_manual_axes", params.get("manual_axes", params.get("axis_names")))
+    check = params.get("check_vma", params.get("check_rep", True))
+    fn = jax.shard_map(lambda *args: tuple(_run(child, body, consts, args)), mesh=params["mesh"],
+                       in_specs=tuple(params["in_specs"]), out_specs=tuple(params["out_specs"]),
+                       axis_names=frozenset(manual or ()), check_vma=check)
+    return list(fn(*invals))
+
+
+def _rewrite_param(sub, child):
+    if isinstance(sub, (tuple, list)):
+        return type(sub)(_rewrite_param(s, c) if c.changed else s for s, c in zip(sub, child))
+    body, consts = _open(sub)
+    if isinstance(sub, jex.Jaxpr) and body.constvars:
+        raise NotImplementedError("ficco_jax.overlap: a sub-jaxpr with constvars cannot be rewritten")
+    in_avals = [v.aval for v in body.invars]
+    closed = _trace_like(lambda *args: _run(child, body, consts, args), in_avals)
+    if isinstance(sub, jex.ClosedJaxpr):
+        return closed
+    if closed.consts:
+        raise NotImplementedError("ficco_jax.overlap: the rewritten body of an open-jaxpr parameter captured constants")
+    return closed.jaxpr
+
+
+def _trace_like(fn: Callable, in_avals) -> jex.ClosedJaxpr:
+    # The one place that relies on tracing detail: jax.make_jaxpr accepts abstract values
+    # (ShapedArray, varying-manual-axes types included) as arguments, and traces in the current
+    # context, so a body nested in a shard_map keeps its mesh axes and vma types.
+    return jax.make_jaxpr(fn)(*in_avals)
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Traced:
+    rewritten: jex.ClosedJaxpr | None  # None: nothing to rewrite, call the function itself
+    out_tree: Any
+    report: Report
+    call: Callable | None = None  # flat args -> flat outputs of `rewritten`
+
+    def __post_init__(self):
+        if self.rewritten is None:
+            return
+        closed = self.rewritten
+
+        def overlapped(*flat):
+            return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *flat)
+
+        # Always staged: the ops' custom VJPs need a traced shard_map, and eager evaluation
+        # would re-issue each shard_map per call.
+        self.call = jax.jit(overlapped)
+
+
+class Overlapped:
+    """`fn` with its collective+matmul sites overlapped; made by `overlap`."""
+
+    def __init__(self, fn: Callable, options: _Options):
+        functools.update_wrapper(self, fn)
+        self._fn = fn
+        self._options = options
+        self._traced: dict = {}
+
+    def __call__(self, *args, **kwargs):
+        traced = self._trace(args, kwargs)
+        if traced.rewritten is None:
+            return self._fn(*args, **kwargs)
+        outs = traced.call(*jax.tree.leaves((args, kwargs)))
+        return jax.tree.unflatten(traced.out_tree, outs)
+
+    def explain(self, *args, **kwargs) -> Report:
+        return self._trace(args, kwargs).report
+
+    def _trace(self, args, kwargs) -> _Traced:
+        leaves, in_tree = jax.tree.flatten((args, kwargs))
+        key = (in_tree, tuple(jax.typeof(x) for x in leaves))
+        if key not in self._traced:
+            self._traced[key] = self._rewrite(leaves, in_tree)
+        return self._traced[key]
+
+    def _rewrite(self, leaves, in_tree) -> _Traced:
+        out_trees = []
+
+        def flat_fn(*flat):
+            args, kwargs = jax.tree.unflatten(in_tree, flat)
+            out_leaves, out_tree = jax.tree.flatten(self._fn(*args, **kwargs))
+            out_trees.append(out_tree)
+            return out_leaves
+
+        closed = jax.make_jaxpr(flat_fn)(*leaves)
+        records: list = []
+        plan = _analyse(closed.jaxpr, None, "", self._options, records, None)
+        report = Report(records)
+        for record in report:
+            logger.debug("ficco_jax.overlap %s: %s %s at %s, axis %s, %s", getattr(self, "__name__", "fn"),
+                         "rewrote" if record.rewritten else "left", record.op, record.where, record.axis_name,
+                         f"{record.matmul_2d} schedule {record.schedule}" if record.rewritten else record.reason)
+        rewritten = None
+        if plan.changed:
+            rewritten = jax.make_jaxpr(lambda *flat: _run(plan, closed.jaxpr, closed.consts, flat))(*leaves)
+        return _Traced(rewritten, out_trees[0], report)
+
+
+def overlap(fn: Callable | None = None, *, schedule="auto", autotune: bool = False,
+            ops: Sequence[str] = _ALL_OPS):
+    """Return `fn` with every all_gather→matmul, matmul→psum_scatter, all_to_all→expert matmul
+    and expert matmul→all_to_all (4-D, see _patterns_a2a.py) in its shard_maps overlapped.
+
+    ``overlap(f)(*args)`` equals ``f(*args)``. `schedule` applies to every site where it is valid
+    ("auto" elsewhere, with a log line); ``autotune=True`` measures candidates per site; `ops`
+    chooses which patterns are rewritten. Usable as ``@overlap`` or ``@overlap(schedule=...)``.
+    """
+    options = _Options.make(schedule, autotune, ops)
+    if fn is None:
+        return lambda f: overlap(f, schedule=schedule, autotune=autotune, ops=ops)
+    if not callable(fn):
+        raise TypeError(f"overlap: fn must be callable, found {type(fn).__name__} {fn!r}")
+    return Overlapped(fn, options)
+
+
+def explain(fn: Callable, *args, **kwargs) -> Report:
+    """The sites `overlap(fn)` rewrites for these arguments, and the near-misses with reasons.
+
+    `fn` may be an `overlap`-wrapped function (its options are used) or a plain one (defaults).
+    """
+    wrapped = fn if isinstance(fn, Overlapped) else overlap(fn)
+    return wrapped.explain(*args, **kwargs)

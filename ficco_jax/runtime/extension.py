@@ -1,0 +1,76 @@
+"""Loads the compiled extension `ficco_jax._ffi` and registers its XLA FFI targets with jax.
+
+The extension holds the DMA executor (xla_ffi/): one FFI target per op, each built for the
+"cpu" platform and, when CUDA was found at build time, for "CUDA". Importing this module
+registers every target once; `available()` says whether that worked.
+"""
+from __future__ import annotations
+
+import jax
+
+#: The extension version this Python package expects (CMakeLists.txt's project VERSION).
+EXPECTED_VERSION = "0.1.0"
+
+_REBUILD_HINT = (
+    "rebuild it from the repository root with `pip install --no-build-isolation -e .` "
+    "(or `pip install .`); set FICCO_CUDA=ON to insist on the CUDA backend"
+)
+
+_registered = False
+_build_info: dict | None = None
+_import_error: ImportError | None = None
+
+
+def _load() -> dict:
+    """Import `_ffi`, check its version and register its targets (once)."""
+    global _registered, _build_info
+    try:
+        from .. import _ffi
+    except ImportError as exc:
+        raise ImportError(f"ficco_jax: the compiled extension ficco_jax._ffi is missing ({exc}); {_REBUILD_HINT}") from exc
+    info = dict(_ffi.build_info())
+    if info.get("version") != EXPECTED_VERSION:
+        raise ImportError(
+            f"ficco_jax: the compiled extension is stale: version {info.get('version')!r}, "
+            f"expected {EXPECTED_VERSION!r}; {_REBUILD_HINT}"
+        )
+    if not _registered:
+        for name, platforms in _ffi.registrations().items():
+            for platform, capsule in platforms.items():
+                jax.ffi.register_ffi_target(name, capsule, platform=platform)
+        _registered = True
+    _build_info = info
+    return info
+
+
+def ensure_loaded() -> dict:
+    """The extension's build info; raises ImportError (with the rebuild command) if unusable."""
+    if _build_info is not None:
+        return _build_info
+    if _import_error is not None:
+        raise _import_error
+    return _load()
+
+
+def available() -> bool:
+    """True if the extension is built, current, and its targets are registered."""
+    try:
+        ensure_loaded()
+    except ImportError:
+        return False
+    return True
+
+
+def cuda_built() -> bool:
+    """True if the extension was built with its CUDA backend."""
+    return available() and bool(_build_info and _build_info.get("cuda"))
+
+
+def build_info() -> dict:
+    return dict(ensure_loaded())
+
+
+try:
+    _load()
+except ImportError as _exc:  # remembered; raised again by ensure_loaded() when an op needs it
+    _import_error = _exc

@@ -1,0 +1,223 @@
+"""`python -m ficco_jax bench`: ficco_jax schedules side by side with JAX's own options.
+
+For each op and shape, on all local devices (one 1-D mesh axis "tp"), in one run: every selected
+ficco_jax schedule, JAX sequential (the plain collective then the matmul), JAX's shard-level
+ring (`ppermute`), XLA's windowed einsum (GPU only, in a child process with its flags), the GEMM
+alone, the collective alone and the ideal bound max(GEMM, collective). Every variant's result is
+checked against the reference before it is timed. Times: see `timing.METHOD`.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from ..ops import measure
+from ..ops.measure import op_body, sharded
+from ..schedule import A2A_OPS, Schedule, local_shapes
+from ..tuning import select, timing
+from . import bench_moe
+from .harness import DTYPES, TOLERANCE, Row, extension_info, listed_schedules, verify_then_time  # noqa: F401
+from .report import git_commit, markdown_table, plot_speedups, progress_printer
+
+#: (M tokens, K, N) of a tensor-parallel layer over 4 GPUs, the anchor shapes of BENCHMARKS.md.
+ANCHOR_SHAPES = {
+    "llama70b_mlp_up_M8k": (8192, 8192, 28672),
+    "llama70b_qkv_M8k": (8192, 8192, 10240),
+    "llama70b_mlp_up_M2k": (2048, 8192, 28672),
+    "gpt3_175b_mlp_M4k": (4096, 12288, 49152),
+    "small_M1k_K4k_N4k": (1024, 4096, 4096),
+}
+#: Llama-3-405B layers (hidden 16384, ffn 53248, q+k+v 18432) at 8192 tokens, for tp=8.
+LLAMA405B_SHAPES = {
+    "llama405b_qkv_M8k": (8192, 16384, 18432),
+    "llama405b_mlp_up_M8k": (8192, 16384, 53248),
+}
+#: Names `--shape` accepts for a set of shapes.
+SHAPE_SETS = {"anchors": ANCHOR_SHAPES, "llama405b": LLAMA405B_SHAPES}
+CPU_SHAPES = {"tiny_M256_K128_N256": (256, 128, 256)}
+
+
+
+def make_inputs(op, M, K, N, dtype, mesh, seed=0):
+    """Random global operands (never zeros) of a layer (M, K, N), sharded as `op` expects."""
+    return measure.make_inputs(op, local_shapes(op, M, K, N, mesh.shape["tp"]), dtype, mesh, seed=seed)
+
+
+# ------------------------------------------------------------------------------------------------
+# One (op, shape): every variant
+# ------------------------------------------------------------------------------------------------
+def bench_shape(op, name, M, K, N, dtype, mesh, schedules, progress) -> list[Row]:
+    n = mesh.shape["tp"]
+    shapes = local_shapes(op, M, K, N, n)
+    args = make_inputs(op, M, K, N, dtype, mesh)
+    want = sharded(mesh, op, op_body(op, "ref"))(*[a.astype(jnp.float32) for a in args])
+    # What "auto" would pick on a GPU of this machine's profile (on CPU "auto" means no overlap).
+    selected = select.select_schedule(op, shapes, dtype, n)
+    rows = []
+    variants = [("jax_seq", "ref")] + [(f"ficco:{s}", s) for s in schedules]
+    if Schedule(comm="xla", order="ring") not in schedules:
+        variants.append(("jax_ring", Schedule(comm="xla", order="ring")))
+    if selected not in schedules:
+        variants.append((f"ficco:{selected}", selected))
+    for label, sched in variants:
+        progress(f"{op} {name} {label}")
+        row = Row(op, name, M, K, N, label, selected=(sched == selected))
+        rows.append(verify_then_time(row, lambda r, sched=sched: sharded(mesh, op, op_body(op, sched), r),
+                                     args, want, dtype))
+    rows += _bounds(op, name, M, K, N, dtype, mesh, progress)
+    return rows
+
+
+def _bounds(op, name, M, K, N, dtype, mesh, progress) -> list[Row]:
+    """GEMM alone (full size, one device), the collective alone, and the ideal max of the two."""
+    n = mesh.shape["tp"]
+    (a_shape, w_shape) = local_shapes(op, M, K, N, n)
+    dev = mesh.devices.flat[0]
+    key = jax.random.PRNGKey(1)
+    full_a = (M, K) if op == "ag_matmul" else (M, N // n)
+    a = jax.device_put(jax.random.normal(key, full_a, jnp.float32).astype(dtype), dev)
+    w = jax.device_put(jax.random.normal(key, w_shape, jnp.float32).astype(dtype), dev)
+    progress(f"{op} {name} gemm_alone")
+    gemm = timing.device_time(lambda r: jax.jit(timing.chain(lambda a, w: a @ w, r)), (a, w))
+    if op == "ag_matmul":
+        coll_body = lambda x: jax.lax.all_gather(x, "tp", axis=0, tiled=True)
+        coll_in = jax.device_put(jnp.ones((M, K), dtype) * 0.5, NamedSharding(mesh, P("tp", None)))
+    else:
+        coll_body = lambda y: jax.lax.psum_scatter(y, "tp", scatter_dimension=0, tiled=True)
+        coll_in = jax.device_put(jnp.ones((M * n, K), dtype) * 0.5, NamedSharding(mesh, P("tp", None)))
+    progress(f"{op} {name} collective_alone")
+    make = lambda r: jax.jit(jax.shard_map(timing.chain(coll_body, r), mesh=mesh, in_specs=(P("tp", None),),
+                                           out_specs=P("tp", None)))
+    coll = timing.device_time(make, (coll_in,))
+    rows = [Row(op, name, M, K, N, "gemm_alone", gemm["median_s"] * 1e3, gemm["spread_s"] * 1e3),
+            Row(op, name, M, K, N, "collective_alone", coll["median_s"] * 1e3, coll["spread_s"] * 1e3)]
+    rows.append(Row(op, name, M, K, N, "ideal", max(r.median_ms for r in rows), note="max(gemm_alone, collective_alone)"))
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------
+# XLA windowed einsum: its flags must be set before the backend starts, so it runs in a child
+# ------------------------------------------------------------------------------------------------
+WINDOWED_FLAGS = "--xla_gpu_threshold_for_windowed_einsum_mib=0 --xla_gpu_multi_streamed_windowed_einsum=true"
+
+
+def windowed_einsum_child(op, M, K, N, dtype) -> dict:
+    """Runs in the child: GSPMD-sharded matmul whose collective XLA turns into a windowed einsum."""
+    mesh = Mesh(np.array(jax.local_devices()), ("tp",))
+    args = make_inputs(op, M, K, N, dtype, mesh)
+    out_spec = P(None, "tp") if op == "ag_matmul" else P("tp", None)
+    sharding = NamedSharding(mesh, out_spec)
+
+    def make(r):
+        def loop(a, w):
+            def one(_, a):
+                out = jax.lax.with_sharding_constraint(a @ w, sharding)
+                return jax.lax.dynamic_update_slice(a, out[:1, :1].astype(a.dtype), (0, 0))
+            return jax.lax.fori_loop(0, r, one, a)
+        return jax.jit(loop, out_shardings=args[0].sharding)
+
+    t = timing.device_time(make, args)
+    return {"median_ms": t["median_s"] * 1e3, "spread_ms": t["spread_s"] * 1e3}
+
+
+def windowed_einsum(op, name, M, K, N, dtype) -> Row:
+    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + WINDOWED_FLAGS).strip())
+    cmd = [sys.executable, "-m", "ficco_jax", "_windowed", op, str(M), str(K), str(N), dtype]
+    row = Row(op, name, M, K, N, "xla_windowed_einsum", note=f"child process, XLA_FLAGS+={WINDOWED_FLAGS}")
+    try:
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        row.median_ms, row.spread_ms = result["median_ms"], result["spread_ms"]
+    except Exception as exc:
+        row.note = f"error: {type(exc).__name__}: {str(exc)[:200]}"
+    return row
+
+
+# ------------------------------------------------------------------------------------------------
+# The command
+# ------------------------------------------------------------------------------------------------
+def _fits(schedule, op, M, K, N, n) -> bool:
+    """Whether a listed schedule applies to this op and shape (a list may name ag-only points)."""
+    try:
+        schedule.validate(op, local_shapes(op, M, K, N, n), n)
+        return True
+    except ValueError:
+        return False
+
+
+def record_timeline(mesh, op: str, schedule, M: int, K: int, N: int, iters: int, out_dir: str | None,
+                    dtype: str = "bfloat16", seed: int = 0) -> None:
+    """Run `op` under `schedule` ("ref" or a Schedule) `iters` times in one jitted loop, compiled and
+    warmed up first, then once more under JAX's profiler (a Perfetto trace under `out_dir`; None:
+    no profiler, e.g. when nsys records the process). The trace suite of benchmarks/ prints it."""
+    inputs = make_inputs(op, M, K, N, dtype, mesh, seed=seed)
+    fn = sharded(mesh, op, op_body(op, schedule), iters)
+    jax.block_until_ready(fn(*inputs))  # compile and warm up outside the recording
+    if out_dir is None:
+        jax.block_until_ready(fn(*inputs))
+        return
+    with jax.profiler.trace(out_dir, create_perfetto_trace=True):
+        jax.block_until_ready(fn(*inputs))
+
+
+def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=True, moe_shapes=None) -> dict:
+    """Bench `ops_to_run` on all local devices: ag_matmul/matmul_rs on `shapes` {name: (M, K, N)},
+    a2a_matmul/matmul_a2a on `moe_shapes` {name: (T, d, f, E, k)} (see bench_moe.py)."""
+    n = len(jax.local_devices())
+    mesh = Mesh(np.array(jax.local_devices()), ("tp",))
+    on_cpu = jax.default_backend() == "cpu"
+    comms = select.available_comms()
+    if moe_shapes is None:
+        moe_shapes = bench_moe.CPU_SHAPES if on_cpu else bench_moe.GPU_SHAPES
+    tp_plan, moe_plan = [], []
+    for op in ops_to_run:
+        if op in A2A_OPS:
+            moe_plan += bench_moe.plan(op, moe_shapes, schedules_arg, n, comms)
+            continue
+        for name, (M, K, N) in shapes.items():
+            scheds = listed_schedules(op, schedules_arg, n, comms)
+            tp_plan.append((op, name, M, K, N, [s for s in scheds if s.comm != "none" and _fits(s, op, M, K, N, n)]))
+    total = (sum(len(p[5]) + 5 + (not on_cpu and windowed) for p in tp_plan)
+             + sum(len(p[3]) + 4 for p in moe_plan))
+    progress = progress_printer(total)
+    rows = []
+    result = {
+        "device": jax.devices()[0].device_kind, "platform": jax.default_backend(), "n_devices": n,
+        "dtype": dtype, "jax": jax.__version__, "commit": git_commit(), "extension": extension_info(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "method": timing.METHOD + ("; ON CPU: times are host memcpy/loop times, NOT meaningful" if on_cpu else ""),
+        "rows": [],
+    }
+    os.makedirs(out_dir, exist_ok=True)
+
+    def save(rows):  # after every shape, so a run stopped early keeps what it measured
+        result["rows"] = [asdict(r) for r in rows]
+        with open(os.path.join(out_dir, "bench.json"), "w") as fh:
+            json.dump(result, fh, indent=1)
+
+    for op, name, M, K, N, scheds in tp_plan:
+        rows += bench_shape(op, name, M, K, N, dtype, mesh, scheds, progress)
+        if windowed and not on_cpu:
+            progress(f"{op} {name} xla_windowed_einsum")
+            rows.append(windowed_einsum(op, name, M, K, N, dtype))
+        save(rows)
+    for op, name, dims, scheds in moe_plan:
+        rows += bench_moe.bench_shape(op, name, dims, dtype, mesh, scheds, progress)
+        save(rows)
+    save(rows)
+    table = markdown_table(result)
+    with open(os.path.join(out_dir, "bench.md"), "w") as fh:
+        fh.write(table)
+    if plot:
+        plot_speedups(result, out_dir)
+    print(table)
+    return result

@@ -1,0 +1,243 @@
+"""`python -m ficco_jax {demo,bench,characterize,calibrate,explain}`."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import jax
+
+from ..schedule import Schedule, local_shapes
+from ..tuning import cost_model, fitting, select
+from . import accuracy, bench, characterize
+
+# Without GPUs, run on 8 virtual CPU devices. The flag only affects JAX's CPU platform, so it is
+# harmless on a GPU host; it must be set before JAX's backend starts (the first device query).
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+
+def _shapes(args_shapes, default):
+    """--shape values: M,K,N, a named shape (e.g. llama70b_qkv_M8k) or a set (anchors, llama405b)."""
+    if not args_shapes:
+        return default
+    named = {k: v for group in bench.SHAPE_SETS.values() for k, v in group.items()}
+    shapes = {}
+    for text in args_shapes:
+        if text in bench.SHAPE_SETS:
+            shapes.update(bench.SHAPE_SETS[text])
+            continue
+        if text in named:
+            shapes[text] = named[text]
+            continue
+        try:
+            M, K, N = (int(v) for v in text.split(","))
+        except ValueError:
+            raise SystemExit(f"--shape {text!r}: expected M,K,N (three integers, e.g. 8192,8192,28672), a shape "
+                             f"name ({', '.join(sorted(named))}) or a set ({', '.join(sorted(bench.SHAPE_SETS))})")
+        shapes[f"M{M}_K{K}_N{N}"] = (M, K, N)
+    return shapes
+
+
+def _cmd_bench(args):
+    dtype = bench.DTYPES.get(args.dtype)
+    if dtype is None:
+        raise SystemExit(f"--dtype {args.dtype!r}: use one of {sorted(bench.DTYPES)}")
+    default = bench.CPU_SHAPES if jax.default_backend() == "cpu" else bench.ANCHOR_SHAPES
+    ops = {"all": ["ag_matmul", "matmul_rs"], "moe": ["a2a_matmul", "matmul_a2a"]}.get(args.op, [args.op])
+    try:
+        bench.listed_schedules(ops[0], args.schedules, 1, ("none", "xla", "dma"))  # parse before any compile
+    except ValueError as exc:
+        raise SystemExit(str(exc))
+    bench.run(ops, _shapes(args.shape, default), dtype, args.schedules, args.out, plot=args.plot,
+              windowed=not args.no_windowed, moe_shapes=_moe_shapes(args.moe_shape))
+
+
+def _moe_shapes(texts):
+    if not texts:
+        return None  # bench_moe's defaults: a Mixtral-8x7B-like layer on GPUs, a tiny one on CPU
+    shapes = {}
+    for text in texts:
+        try:
+            T, d, f, E, k = (int(v) for v in text.split(","))
+        except ValueError:
+            raise SystemExit(f"--moe-shape {text!r}: expected T,d,f,E,k (tokens per device, model dim, "
+                             f"expert hidden dim, experts, experts per token), e.g. 8192,4096,14336,8,2")
+        shapes[f"T{T}_d{d}_f{f}_E{E}_k{k}"] = (T, d, f, E, k)
+    return shapes
+
+
+def _cmd_demo(args):
+    on_cpu = jax.default_backend() == "cpu"
+    print(f"ficco_jax demo on {len(jax.local_devices())} x {jax.devices()[0].device_kind} ({jax.default_backend()})")
+    if on_cpu:
+        print("No GPU: running on 8 virtual CPU devices. Every schedule is checked against the reference;\n"
+              "times on CPU are NOT meaningful (host memcpys, no copy engines, no overlap).")
+    shapes = bench.CPU_SHAPES if on_cpu else {"llama70b_qkv_M8k": bench.ANCHOR_SHAPES["llama70b_qkv_M8k"]}
+    bench.run(["ag_matmul", "matmul_rs"], shapes, "float32" if on_cpu else "bfloat16", "all", args.out,
+              windowed=False)
+
+
+def _cmd_explain(args):
+    (M, K, N), = _shapes([args.shape], None).values()
+    n = args.axis_size
+    shapes = local_shapes(args.op, M, K, N, n)
+    dtype = bench.DTYPES[args.dtype]
+    profile = cost_model.load_profile(args.profile) if args.profile else select.profile_for(n)
+    comms = ("none", "xla", "dma")
+    ranked = cost_model.rank(args.op, shapes, dtype, n, Schedule.enumerate(args.op, n, comms), profile)
+    print(f"{args.op} M,K,N={M},{K},{N} on {n} devices, {dtype}, profile {profile.get('name')}: per-device {shapes}")
+    print(f"{'predicted ms':>12}  schedule")
+    for t, s in ranked[: args.top]:
+        print(f"{t * 1e3:12.3f}  {s}")
+    print(f"choice: {ranked[0][1]}")
+
+
+def _cmd_characterize(args):
+    parts = tuple(p for p in args.parts.split(",") if p)
+    try:
+        characterize.check_parts(parts)
+    except ValueError as exc:
+        raise SystemExit(f"--parts {args.parts!r} (comma-separated): {exc}")
+    characterize.run(args.out, plot=args.plot, parts=parts)
+
+
+def _cmd_calibrate(args):
+    if args.characterization:
+        with open(args.characterization) as fh:
+            char = json.load(fh)
+    else:
+        char = characterize.run(os.path.dirname(os.path.abspath(args.out)) or ".", plot=False)
+    profile = fitting.fit_profile(char)
+    if args.name:
+        profile["name"] = args.name
+    if args.bench:  # one fit over the op times of every bench file given
+        obs = []
+        for path in args.bench:
+            with open(path) as fh:
+                obs += fitting.op_observations(json.load(fh))
+        profile, err = fitting.fit_to_ops(profile, obs)
+        profile["fitted_to_ops"]["source"] = ", ".join(os.path.basename(p) for p in args.bench)
+        print(f"fitted to {len(obs)} op times: RMS log error {err:.3f}; {profile['fitted_to_ops']['parameters']}")
+    with open(args.out, "w") as fh:
+        json.dump(profile, fh, indent=1, sort_keys=True)
+    print(f"profile written to {args.out}: " + json.dumps({k: profile[k] for k in ("peak_tflops", "rows_half", "dma_latency_us", "dma_ingress_gbps", "xla_latency_us", "xla_ingress_gbps", "contention_xla")}))
+
+
+def _read_json(path: str, flag: str):
+    """The JSON file an option names, or a clear error naming the option and the file."""
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"{flag} {path}: cannot read it as JSON ({exc})")
+
+
+def _cmd_accuracy(args):
+    if args.replay:  # offline: re-score recorded times, no device needed
+        results = [_read_json(path, "accuracy --replay") for path in args.replay]
+        try:
+            profile = cost_model.load_profile(args.profile) if args.profile else None
+            print(accuracy.replay_markdown(accuracy.replay(results, profile)), end="")
+        except (ValueError, FileNotFoundError) as exc:
+            raise SystemExit(f"accuracy --replay: {exc}")
+        return
+    shapes = None
+    if args.shape:
+        named = dict(accuracy.HELDOUT_SHAPES)
+        shapes = {t: named[t] for t in args.shape if t in named}
+        shapes.update(_shapes([t for t in args.shape if t not in named], {}))
+    try:
+        profile = cost_model.load_profile(args.profile) if args.profile else None
+    except FileNotFoundError as exc:
+        raise SystemExit(f"accuracy --profile: {exc}")
+    resume = _read_json(args.resume, "accuracy --resume") if args.resume else None
+    rounds = accuracy.CONFIRM_ROUNDS if args.confirm_rounds is None else args.confirm_rounds
+    if rounds < 0:
+        raise SystemExit(f"accuracy: --confirm-rounds must be >= 0 (0 turns re-timing off), got {rounds}")
+    try:
+        accuracy.run(args.out, axis_size=args.axis_size, shapes=shapes, top=args.top, profile=profile,
+                     budget_s=args.budget_s, plot=args.plot, confirm_rounds=rounds, resume=resume)
+    except ValueError as exc:  # a device count or shape the run cannot take: say so, no traceback
+        raise SystemExit(str(exc))
+
+
+def _cmd_windowed(args):
+    print(json.dumps(bench.windowed_einsum_child(args.op, args.M, args.K, args.N, args.dtype)))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m ficco_jax", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("demo", help="check every schedule on all local devices and print a timing table")
+    p.add_argument("--out", default="out/demo")
+    p.set_defaults(fn=_cmd_demo)
+
+    p = sub.add_parser("bench", help="ficco_jax vs JAX sequential, ring, windowed einsum and the ideal bound")
+    p.add_argument("--op", choices=["ag_matmul", "matmul_rs", "all", "a2a_matmul", "matmul_a2a", "moe"], default="all",
+                   help="all = ag_matmul + matmul_rs; moe = a2a_matmul + matmul_a2a")
+    p.add_argument("--shape", action="append", help="M,K,N, a shape name or a set: anchors, llama405b (repeatable); default: the anchor shapes (GPU) or a tiny one (CPU)")
+    p.add_argument("--moe-shape", action="append",
+                   help="T,d,f,E,k for the moe ops (repeatable); default: Mixtral-8x7B-like on GPU, tiny on CPU")
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--schedules", default="auto", help="auto | all | dma | xla | comma-separated list like dma/direct/c4/s2,xla/ring/c1")
+    p.add_argument("--out", default="out/bench")
+    p.add_argument("--plot", action="store_true", help="write speedup PNGs (needs matplotlib)")
+    p.add_argument("--no-windowed", action="store_true", help="skip XLA's windowed einsum child process")
+    p.set_defaults(fn=_cmd_bench)
+
+    p = sub.add_parser("explain", help="the cost model's prediction for every candidate schedule")
+    p.add_argument("--op", choices=["ag_matmul", "matmul_rs"], required=True)
+    p.add_argument("--shape", required=True, help="M,K,N")
+    p.add_argument("--axis-size", type=int, default=4)
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--profile", default=None, help="profile name or JSON path (default: this machine's)")
+    p.add_argument("--top", type=int, default=15)
+    p.set_defaults(fn=_cmd_explain)
+
+    p = sub.add_parser("characterize", help="decomposition loss, contention and transfer cost on this machine")
+    p.add_argument("--out", default="out/characterize")
+    p.add_argument("--plot", action="store_true")
+    p.add_argument("--parts", default="decomposition,transfers,contention",
+                   help="comma-separated subset of decomposition, transfers, contention")
+    p.set_defaults(fn=_cmd_characterize)
+
+    p = sub.add_parser("calibrate", help="characterize, then fit and write a machine profile for the cost model")
+    p.add_argument("--out", default="out/calibrate/profile.json")
+    p.add_argument("--characterization", help="fit an existing characterize.json instead of measuring")
+    p.add_argument("--bench", action="append",
+                   help="a bench.json whose verified op times refine the op-level costs (repeatable)")
+    p.add_argument("--name", help="the profile's name (e.g. h200x8)")
+    p.set_defaults(fn=_cmd_calibrate)
+
+    p = sub.add_parser("accuracy", help="held-out check of schedule='auto': pick vs best measured vs JAX sequential")
+    p.add_argument("--axis-size", type=int, help="devices in the tp group (default: all local devices)")
+    p.add_argument("--top", type=int, default=3, help="the model's next candidates measured besides its pick")
+    p.add_argument("--shape", action="append", help="M,K,N or a shape name (default: the 20 held-out shapes)")
+    p.add_argument("--profile", default=None, help="profile name or JSON path (default: this machine's)")
+    p.add_argument("--budget-s", type=float, help="stop starting new cases after this many seconds")
+    p.add_argument("--out", default="out/accuracy")
+    p.add_argument("--confirm-rounds", type=int, default=None,
+                   help="re-timings of the pick, the best and JAX seq when a case first looks like a miss (default 2; 0: none)")
+    p.add_argument("--plot", action="store_true", help="write accuracy.png (needs matplotlib)")
+    p.add_argument("--resume", metavar="JSON", help="keep the cases of this earlier accuracy.json (same machine, "
+                   "group size and profile) and measure only the ones it lacks")
+    p.add_argument("--replay", action="append", metavar="JSON",
+                   help="no measuring: re-score the times of a bench.json or accuracy.json (repeatable) with "
+                        "--profile, or with the profile auto would use for that run")
+    p.set_defaults(fn=_cmd_accuracy)
+
+    p = sub.add_parser("_windowed")  # internal: the windowed-einsum child of `bench`
+    p.add_argument("op"); p.add_argument("M", type=int); p.add_argument("K", type=int)
+    p.add_argument("N", type=int); p.add_argument("dtype")
+    p.set_defaults(fn=_cmd_windowed)
+
+    args = parser.parse_args(argv)
+    args.fn(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

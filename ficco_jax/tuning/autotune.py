@@ -1,0 +1,114 @@
+"""`schedule="autotune"`: time the cost model's best candidates once on this process's devices and
+cache the winner on disk, by op, shapes, dtype, axis size and device kind. The timing itself is
+passed in (`measure`): the ops layer knows how to build and run an op; this layer only ranks,
+measures through that callable and remembers."""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import tempfile
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+
+from .. import config
+from ..schedule import Schedule
+from . import cost_model
+from .select import available_comms, profile_for, select_schedule
+
+log = logging.getLogger("ficco_jax")
+
+#: How many of the model's best candidates autotune measures.
+AUTOTUNE_TOP_K = 6
+
+
+def cache_key(op, shapes, dtype, axis_size, device_kind) -> str:
+    dims = "x".join(",".join(str(int(d)) for d in s) for s in shapes)
+    return f"{op}|{dims}|{np.dtype(dtype).name}|n{axis_size}|{device_kind}"
+
+
+class AutotuneCache:
+    """A JSON file of measured winners; safe under concurrent processes (lock + atomic replace)."""
+
+    def __init__(self, directory: str | None = None):
+        self.directory = directory or config.AUTOTUNE_CACHE_DIR
+        self.path = os.path.join(self.directory, "autotune.json")
+
+    def load(self) -> dict:
+        try:
+            with open(self.path) as fh:
+                data = json.load(fh)
+            if not isinstance(data, dict):
+                raise ValueError("top level is not an object")
+            return data
+        except FileNotFoundError:
+            return {}
+        except (ValueError, OSError) as exc:
+            log.warning("ficco_jax: autotune cache %s is unreadable (%s); starting a fresh one", self.path, exc)
+            return {}
+
+    def get(self, key: str) -> Schedule | None:
+        entry = self.load().get(key)
+        try:
+            return Schedule.parse(entry["schedule"]) if entry else None
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    def put(self, key: str, schedule: Schedule, times: dict) -> None:
+        os.makedirs(self.directory, exist_ok=True)
+        with self._locked():
+            data = self.load()
+            data[key] = {"schedule": str(schedule), "times_ms": times}
+            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".autotune.", suffix=".json")
+            with os.fdopen(fd, "w") as fh:
+                json.dump(data, fh, indent=1, sort_keys=True)
+            os.replace(tmp, self.path)
+
+    @contextlib.contextmanager
+    def _locked(self):
+        with open(self.path + ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def autotune_schedule(op, shapes, dtype, axis_size, *, measure: Callable | None,
+                      cache: AutotuneCache | None = None, comms: Sequence[str] | None = None) -> Schedule:
+    """Measure the model's top candidates (among `comms`) once on local devices; cache and return the fastest.
+
+    `measure(op, schedule, shapes, dtype, axis_size)` returns milliseconds per call (for the ops,
+    `ficco_jax.ops.measure.time_op`)."""
+    cache = cache or AutotuneCache()
+    key = cache_key(op, shapes, dtype, axis_size, jax.devices()[0].device_kind)
+    if comms is not None and "dma" not in comms:
+        key += "|no-dma"  # a winner measured with copy engines must not serve a call that cannot use them
+    hit = cache.get(key)
+    if hit is not None:
+        return hit
+    local = len(jax.local_devices())
+    if axis_size > local:
+        # Measuring runs the op on this process's devices; a group spanning processes cannot be
+        # timed from one of them. The model's pick it is, said once per call site at trace time.
+        chosen = select_schedule(op, shapes, dtype, axis_size, comms=comms)
+        log.warning("ficco_jax autotune %s: the group of %d devices spans processes (%d local), so it cannot be "
+                    "measured here; using the cost model's pick %s (not cached)", key, axis_size, local, chosen)
+        return chosen
+    if measure is None:
+        raise ValueError(f"autotune {key}: no `measure` callable to time the candidates with")
+    comms = tuple(comms or available_comms())
+    ranked = cost_model.rank(op, shapes, dtype, axis_size, Schedule.enumerate(op, axis_size, comms),
+                             profile_for(axis_size))
+    candidates = [s for _, s in ranked[:AUTOTUNE_TOP_K]]
+    if Schedule(comm="none") not in candidates:
+        candidates.append(Schedule(comm="none"))
+    times = {str(s): measure(op, s, shapes, dtype, axis_size) for s in candidates}
+    best = min(candidates, key=lambda s: times[str(s)])
+    log.info("ficco_jax autotune %s: chose %s (%.3f ms) of %s", key, best, times[str(best)], times)
+    cache.put(key, best, times)
+    return best

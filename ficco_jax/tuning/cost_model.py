@@ -1,0 +1,199 @@
+"""Predicted time of a schedule from a machine profile.
+
+The model replays a schedule as a small event simulation on one device:
+
+- transfers: each copy stream moves its chunks one after the other; a transfer of b bytes takes
+  `latency + b / bandwidth`, where concurrent streams share the device's ingress
+  (`dma_ingress_gbps` for one copy stream, `dma_multistream_gbps` in total for several) —
+  copy engines (comm="dma") or NCCL steps (comm="xla");
+- chunk matmuls: issued on one stream in schedule order, each after its chunk has landed; a
+  matmul of r rows costs `launch + 2*r*K*N / (peak * r / (r + rows_half))`. `rows_half` is the
+  decomposition loss: the row count at which a matmul runs at half its peak rate (thin matmuls
+  under-fill the GPU); `calibrate` fits it from measured chunk-matmul times;
+- contention: a matmul running beside transfers is slowed by `contention_dma` (copy engines
+  steal no SMs: a few %) or `contention_xla` (NCCL kernels take SMs);
+- the executor's chunk matmuls (cuBLASLt) run `executor_gemm_slowdown` times slower than XLA's
+  own autotuned GEMMs, which the `none` and `xla` schedules use (alone they are as fast, 2026-11-22 on H200:
+  what the fit puts here is the slowdown inside a copy-engine call, e.g. from copies beside them);
+- a fixed cost per copy-engine call on the GPU, `dma_call_us` (event waits, the join), and its
+  host time, `dma_host_us` (three host rendezvous) plus `dma_host_copy_us` per enqueued copy
+  ((n - 1) x chunks of them): the host work overlaps earlier
+  GPU work, so it only bounds the time from below — what makes copy-engine overlap lose on
+  small operations.
+
+A profile is a dict (see `profiles/*.json`); `default_profile()` is conservative for unknown
+machines, `load_profile(name_or_path)` reads a calibrated one.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from ..schedule import Schedule, check_shapes
+
+_PROFILE_DIR = os.path.join(os.path.dirname(__file__), "profiles")
+
+#: Conservative defaults (an H100/H200-class GPU on NVSwitch), used when no profile matches.
+DEFAULT_PROFILE = {
+    "name": "default",
+    "device_kind": "unknown",
+    "peak_tflops": {"bfloat16": 650.0, "float16": 650.0, "float32": 50.0},
+    "rows_half": 256.0,
+    "gemm_launch_us": 6.0,
+    "executor_gemm_slowdown": 1.0,
+    "hbm_gbps": 3000.0,
+    "dma_latency_us": 12.0,
+    "dma_call_us": 10.0,
+    "dma_host_us": 100.0,
+    "dma_host_copy_us": 0.0,
+    "dma_ingress_gbps": 250.0,
+    "dma_stream_gbps": 150.0,
+    "dma_multistream_gbps": 150.0,
+    "xla_latency_us": 20.0,
+    "xla_ingress_gbps": 250.0,
+    "collective_latency_us": 25.0,
+    "contention_dma": 0.03,
+    "contention_xla": 0.12,
+}
+
+
+def default_profile() -> dict:
+    return dict(DEFAULT_PROFILE)
+
+
+def load_profile(name_or_path: str) -> dict:
+    """A profile by file path or by name in ficco_jax/profiles (e.g. "h200x4"); "default" is the
+    conservative one."""
+    if name_or_path == "default" and not os.path.exists(name_or_path):
+        return default_profile()
+    path = name_or_path if os.path.exists(name_or_path) else os.path.join(_PROFILE_DIR, f"{name_or_path}.json")
+    if not os.path.exists(path):
+        shipped = sorted(f[:-5] for f in os.listdir(_PROFILE_DIR) if f.endswith(".json")) if os.path.isdir(_PROFILE_DIR) else []
+        raise FileNotFoundError(f"no machine profile {name_or_path!r}; shipped profiles: {shipped}; "
+                                f"make one with `python -m ficco_jax calibrate --out FILE`")
+    with open(path) as fh:
+        profile = json.load(fh)
+    return {**DEFAULT_PROFILE, **profile}
+
+
+def gemm_time(rows: int, k: int, n_cols: int, dtype: str, profile: Mapping, executor: bool = False) -> float:
+    """Seconds for a [rows, k] @ [k, n_cols] matmul, decomposition loss included (by XLA, or by
+    the copy-engine executor's cuBLASLt when `executor`)."""
+    peak = profile["peak_tflops"].get(dtype, profile["peak_tflops"]["float32"]) * 1e12
+    flops = 2.0 * rows * k * n_cols
+    compute = flops * (rows + profile["rows_half"]) / (rows * peak)
+    itemsize = np.dtype(dtype).itemsize if dtype != "bfloat16" else 2
+    memory = itemsize * (rows * k + k * n_cols + rows * n_cols) / (profile["hbm_gbps"] * 1e9)
+    slowdown = profile["executor_gemm_slowdown"] if executor else 1.0
+    return profile["gemm_launch_us"] * 1e-6 + max(compute * slowdown, memory)
+
+
+def _transfer_time(nbytes: float, streams: int, comm: str, profile: Mapping) -> float:
+    if comm == "dma":
+        # Several copy streams per device share its ingress, and on NVSwitch they got less of it
+        # in total than one stream did (dma_multistream_gbps is that total).
+        total = profile["dma_ingress_gbps"] if streams == 1 else profile["dma_multistream_gbps"]
+        bw = min(profile["dma_stream_gbps"], total / streams) * 1e9
+        return profile["dma_latency_us"] * 1e-6 + nbytes / bw
+    return profile["xla_latency_us"] * 1e-6 + nbytes / (profile["xla_ingress_gbps"] * 1e9 / streams)
+
+
+def predict(op: str, schedule: Schedule, shapes: Sequence[Sequence[int]], dtype, axis_size: int,
+            profile: Mapping | None = None) -> float:
+    """Predicted seconds of `op` under `schedule` for per-device `shapes` on `axis_size` devices."""
+    profile = profile or DEFAULT_PROFILE
+    dtype = np.dtype(dtype).name
+    schedule.validate(op, shapes, axis_size)
+    (a0, a1), (_, w1) = shapes
+    n = axis_size
+    itemsize = 2 if dtype in ("bfloat16", "float16") else np.dtype(dtype).itemsize
+    if op == "ag_matmul":
+        m, k, cols, moved_cols = a0, a1, w1, a1  # moves x rows [., K]; matmul [., K] @ [K, N]
+    else:
+        m, k, cols, moved_cols = a0 // n, a1, w1, w1  # moves output rows [., K_out]
+    if n == 1:
+        return gemm_time(m, k, cols, dtype, profile)
+    if schedule.comm == "none":
+        coll = profile["collective_latency_us"] * 1e-6 + (n - 1) * m * moved_cols * itemsize / (profile["xla_ingress_gbps"] * 1e9)
+        return coll + gemm_time(n * m, k, cols, dtype, profile)
+    device_time = _simulate(op, schedule, m, k, cols, moved_cols * itemsize, n, dtype, profile)
+    if schedule.comm != "dma":
+        return device_time
+    copies = (n - 1) * schedule.chunks  # each enqueued with its event on the host
+    host = profile["dma_host_us"] + profile.get("dma_host_copy_us", 0.0) * copies
+    return max(device_time + profile["dma_call_us"] * 1e-6, host * 1e-6)
+
+
+def _simulate(op, s: Schedule, m, k, cols, row_bytes, n, dtype, profile) -> float:
+    c = s.chunks
+    q = m // c
+    streams = s.copy_streams if s.comm == "dma" and s.order == "direct" else (2 if s.order == "bidirectional" else 1)
+    if s.comm == "xla" and s.order == "direct":
+        streams = n - 1
+    contention = 1.0 + (profile["contention_dma"] if s.comm == "dma" else profile["contention_xla"])
+    ex = s.comm == "dma"  # chunk matmuls by the executor's cuBLASLt, else by XLA
+    chunk_bytes = q * row_bytes
+    # Transfers: (peer step, chunk) items dealt round-robin over streams; a ring moves one step
+    # after the other, so every item waits for the previous one on its single stream.
+    items = [(step, j) for step in range(1, n) for j in range(c)]
+    stream_free = [0.0] * streams
+    arrival = {}
+    per_item = _transfer_time(chunk_bytes, streams, s.comm, profile)
+    if op == "matmul_rs":
+        return _simulate_rs(s, m, q, k, cols, n, dtype, profile, contention, streams, per_item, ex)
+    for i, (step, j) in enumerate(items):
+        lane = ((step - 1) % streams) if s.comm == "dma" else (i % streams)
+        start = stream_free[lane]
+        stream_free[lane] = start + per_item
+        arrival[(step, j)] = stream_free[lane]
+    # Matmuls: own shard first (no wait), then peers in order.
+    t = gemm_time(m, k, cols, dtype, profile, ex) * contention
+    group = c if s.gemm == "grouped" else 1
+    for step in range(1, n):
+        for j0 in range(0, c, group):
+            ready = max(arrival[(step, j)] for j in range(j0, j0 + group))
+            t = max(t, ready) + gemm_time(q * group, k, cols, dtype, profile, ex) * contention
+    return t
+
+
+def _simulate_rs(s, m, q, k, cols, n, dtype, profile, contention, streams, per_item, ex) -> float:
+    c = s.chunks
+    group = c if s.gemm == "grouped" else 1
+    t = 0.0
+    produced = {}
+    for step in range(1, n):  # partials for peers first, in distance order
+        for j0 in range(0, c, group):
+            t += gemm_time(q * group, k, cols, dtype, profile, ex) * contention
+            for j in range(j0, j0 + group):
+                produced[(step, j)] = t
+    own_done = t + gemm_time(m, k, cols, dtype, profile, ex) * contention
+    stream_free = [0.0] * streams
+    last_arrival = 0.0
+    for i, key in enumerate(sorted(produced, key=produced.get)):
+        lane = i % streams
+        start = max(stream_free[lane], produced[key])
+        stream_free[lane] = start + per_item
+        last_arrival = max(last_arrival, stream_free[lane])
+    # Summing the received partials is memory-bound (n blocks of q rows per chunk); all but the
+    # last chunk's sum hide behind later transfers.
+    itemsize = 4 if dtype == "float32" else 2
+    last_reduce = n * q * cols * itemsize / (profile["hbm_gbps"] * 1e9) + profile["gemm_launch_us"] * 1e-6
+    return max(own_done, last_arrival) + last_reduce
+
+
+def rank(op: str, shapes, dtype, axis_size: int, candidates: Sequence[Schedule], profile=None):
+    """[(predicted seconds, schedule)] for the candidates, fastest first."""
+    scored = []
+    for sched in candidates:
+        try:
+            scored.append((predict(op, sched, shapes, dtype, axis_size, profile), sched))
+        except ValueError:
+            continue
+    scored.sort(key=lambda pair: (pair[0], str(pair[1])))
+    if not scored:
+        raise ValueError(f"{op}: no candidate schedule is valid for shapes {shapes} on {axis_size} devices")
+    return scored
+

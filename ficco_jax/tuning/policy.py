@@ -1,0 +1,57 @@
+"""What `schedule="auto"` and `"autotune"` resolve to at trace time: the candidates that can run
+this call (copy engines only where they reach every peer and handle the dtype), then the cost
+model's pick or the measured one."""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import jax
+import numpy as np
+
+from .. import config
+from ..schedule import A2A_OPS, Schedule
+from .autotune import autotune_schedule
+from .select import available_comms, dma_reaches, select_schedule
+
+log = logging.getLogger("ficco_jax")
+
+
+#: On CPU "auto" means no overlap (host collectives are memcpys). Tests set this to run the GPU
+#: decision (cost model over every comm kind that can run) on CPU devices.
+MODEL_ON_CPU = False
+
+
+def choose(op: str, shapes, dtype, axis_size: int, *, autotune: bool = False, topology=None,
+           measure: Callable | None = None) -> Schedule:
+    """What `schedule="auto"` / `"autotune"` resolve to at trace time.
+
+    The candidates are only schedules that can run this call: `comm="dma"` is left out where the
+    peers are not all in this process (`topology`) or the executor lacks the dtype, with a log
+    line saying why, so the pick never needs correcting afterwards.
+    """
+    if jax.default_backend() == "cpu" and not MODEL_ON_CPU:
+        # Host "collectives" are memcpys that block the host thread: nothing to overlap.
+        return Schedule(comm="none")
+    comms, why_not_dma = allowed_comms(dtype, topology)
+    if autotune and op in A2A_OPS:
+        log.info("%s: schedule='autotune' is not implemented for the expert-parallel ops; using 'auto'", op)
+        autotune = False
+    chosen = (autotune_schedule(op, shapes, dtype, axis_size, comms=comms, measure=measure) if autotune
+              else select_schedule(op, shapes, dtype, axis_size, comms=comms))
+    if why_not_dma:
+        log.info("ficco_jax %s %s over axis %r: %s, so %s (XLA's collectives)", op, shapes,
+                 getattr(topology, "axis_name", None), why_not_dma, chosen)
+    return chosen
+
+
+def allowed_comms(dtype, topology=None) -> tuple[tuple[str, ...], str]:
+    """(comm kinds that can run a call of `dtype` whose peers are `topology`, why dma is not among
+    them or "" when it is, or when the extension is simply not built)."""
+    comms = available_comms(topology=topology)
+    if not dma_reaches(topology):
+        return comms, f"{topology.why_not_in_process()}; comm='dma' cannot reach every peer from here"
+    name = np.dtype(dtype).name
+    if "dma" in comms and name not in config.DMA_DTYPES:
+        return tuple(c for c in comms if c != "dma"), f"comm='dma' handles dtypes {config.DMA_DTYPES}, not {name}"
+    return comms, ""
