@@ -51,12 +51,14 @@ from ficco_jax.schedule import Schedule  # noqa: E402
 from ficco_jax.tools.report import git_commit  # noqa: E402
 from ficco_jax.tuning import timing  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from collectives_tables import NCCL, a2a_table, overlap_table  # noqa: E402
+
 #: Elements per row of a block (4 KiB of bf16): blocks of `size` MiB hold size * 256 rows.
 COLS = 2048
 DTYPE = jnp.bfloat16
 GPU_SIZES, CPU_SIZES = "1,4,16,64", "0.0625,0.25"
 GPU_MATMUL, CPU_MATMUL = "8192,8192,7168", "128,128,128"
-NCCL = "nccl"
 COLLECTIVES = ("all_to_all", "all_gather", "reduce_scatter")
 #: dma.reduce_scatter sums in float32 and rounds once; NCCL's bf16 ring sums round per step.
 RS_TOLERANCE = 1e-2
@@ -304,42 +306,6 @@ def dma_variants(arg: str, n: int) -> list[str]:
             seen.add(key)
             out.append(v)
     return out
-
-
-def _ms(row):
-    return f"{row['median_ms']:.3f}" if row and "median_ms" in row else "—"
-
-
-def a2a_table(rows) -> str:
-    """The table of the collective alone (the all_to_all's, or --collective's)."""
-    lines = [f"| block MiB | NCCL ms | dma schedule | dma ms | dma/NCCL | NCCL GB/s | dma GB/s |",
-             "|---|---|---|---|---|---|---|"]
-    for size in sorted({r["block_mib"] for r in rows}):
-        nccl = next(r for r in rows if r["block_mib"] == size and r["variant"] == NCCL)
-        for r in (r for r in rows if r["block_mib"] == size and r["variant"] != NCCL):
-            ratio = f"{r['median_ms'] / nccl['median_ms']:.2f}" if "median_ms" in r and "median_ms" in nccl else "—"
-            gb = lambda x: f"{x['gbps']:.1f}" if "gbps" in x else "—"
-            note = f" ({r['note']})" if r.get("note") else ""
-            lines.append(f"| {size:g} | {_ms(nccl)} | {r['schedule']}{note} | {_ms(r)} | {ratio} | {gb(nccl)} | {gb(r)} |")
-    return "\n".join(lines)
-
-
-def overlap_table(rows) -> str:
-    lines = ["| block MiB | matmul | matmul alone ms | comm | a2a alone ms | pair ms | max bound | sum bound | hidden |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for size in sorted({r["block_mib"] for r in rows}):
-        get = lambda v: next((r for r in rows if r["block_mib"] == size and r["variant"] == v), None)
-        mm = get("matmul_alone")
-        for label in ("nccl", "dma"):
-            pair, alone, lo, hi = get(f"pair_{label}"), get(f"a2a_alone_{label}"), get(f"bound_max_{label}"), get(f"bound_sum_{label}")
-            hidden = "—"
-            if pair and "median_ms" in pair and lo and hi and hi["median_ms"] > lo["median_ms"]:
-                # Fraction of the shorter op hidden under the longer one: 0 serial, 1 perfect overlap.
-                hidden = f"{(hi['median_ms'] - pair['median_ms']) / (hi['median_ms'] - lo['median_ms']):.0%}"
-            note = f" ({pair['note']})" if pair and pair.get("note") else ""
-            lines.append(f"| {size:g} | {'x'.join(map(str, mm['matmul']))} | {_ms(mm)} | {label}{note} | {_ms(alone)} | "
-                         f"{_ms(pair)} | {_ms(lo)} | {_ms(hi)} | {hidden} |")
-    return "\n".join(lines)
 
 
 def run(args) -> dict:
