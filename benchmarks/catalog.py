@@ -184,7 +184,8 @@ def _trace(ctx):
                             ctx.python, f"{SUITES_DIR}/trace_op.py", *what]),
             Step("export", [nsys, "stats", "--report", "cuda_gpu_trace", "--format", "csv", "--output", where,
                             f"{where}.nsys-rep"]),
-            Step("timeline", _py(ctx, f"{SUITES_DIR}/nsys_timeline.py", f"{where}_cuda_gpu_trace.csv", "0", "0", "40"))]
+            Step("timeline", _py(ctx, f"{SUITES_DIR}/nsys_timeline.py", f"{where}_cuda_gpu_trace.csv", "0", "0", "40")),
+            Step("cleanup", ["rm", "-f", f"{where}.nsys-rep", f"{where}.sqlite"])]  # large; the CSV holds the events
 
 
 SUITES = {s.name: s for s in [

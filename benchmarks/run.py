@@ -22,11 +22,14 @@ it exists, FICCO_COMMIT from a `.commit` file beside the tree where one exists (
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -54,6 +57,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--limit", type=float, default=None, help="seconds per suite, instead of each one's default")
     parser.add_argument("--cpu", action="store_true", help="run as on a machine without GPUs")
     parser.add_argument("--list", action="store_true", help="list the suites and exit")
+    parser.add_argument("--pack", action="store_true",
+                        help="at the end, pack every suite's files into OUT/results.tar.gz (a lent GPU machine "
+                             "returns only a few files of $OUT)")
     args = parser.parse_args(argv)
     args.options = tuple(options)
     if not args.list and not args.suites:
@@ -184,6 +190,25 @@ def summary(rows: list[tuple]) -> str:
     return "\n".join(lines)
 
 
+def write_summary(out: str, rows: list[tuple], gpus: int, env: dict, pack: bool) -> str:
+    """OUT/summary.md and summary.json; with `pack`, every suite folder moved into OUT/results.tar.gz."""
+    table = summary(rows)
+    with open(os.path.join(out, "summary.md"), "w") as fh:
+        fh.write(table + "\n")
+    with open(os.path.join(out, "summary.json"), "w") as fh:
+        json.dump({"gpus": gpus, "commit": env.get("FICCO_COMMIT"), "date": time.strftime("%Y-%m-%d %H:%M UTC",
+                   time.gmtime()), "suites": [dict(zip(("suite", "rc", "seconds", "result"), r)) for r in rows]},
+                  fh, indent=1)
+    if pack:
+        folders = [name for name, *_ in rows if os.path.isdir(os.path.join(out, name))]
+        with tarfile.open(os.path.join(out, "results.tar.gz"), "w:gz") as tar:
+            for name in folders:
+                tar.add(os.path.join(out, name), arcname=name)
+        for name in folders:
+            shutil.rmtree(os.path.join(out, name))
+    return table
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.list:
@@ -210,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((name, "CUT", 0.0, "not started: --budget spent"))
             continue
         rows.append((name, *run_suite(suite, args, env, gpus, limit)))
-    print("\n" + summary(rows), flush=True)
+    print("\n" + write_summary(args.out, rows, gpus, env, args.pack), flush=True)
     return 0 if all(status in (0, "skipped") for _, status, _, _ in rows) else 1
 
 

@@ -7,6 +7,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import tarfile
 
 import pytest
 
@@ -113,3 +114,17 @@ def test_the_jax_peers_on_cpu(tmp_path):
     for key in ("ag_ring", "ag_xla", "rs_ring", "rs_xla"):
         assert row[f"{key}_rel_err"] < 2e-2, key
     assert done.stdout.strip().splitlines()[-1].startswith("| tiny_M64_K32_N64 |")
+
+
+def test_pack_leaves_the_summary_and_one_archive(tmp_path, monkeypatch):
+    run = _entry_module()
+    echo = run.catalog.Suite("echo", "prints", "any", 0, 60, lambda ctx: [
+        run.catalog.Step("hello", [sys.executable, "-c", "print('hello from a suite')"])])
+    monkeypatch.setitem(run.catalog.SUITES, "echo", echo)
+    assert run.main(["echo", "soak", "--cpu", "--out", str(tmp_path), "--pack"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.tar.gz", "summary.json", "summary.md"]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [(s["suite"], s["rc"], s["result"]) for s in summary["suites"]] == [
+        ("echo", 0, "hello from a suite"), ("soak", "skipped", "needs 2+ GPUs, found 0")]
+    with tarfile.open(tmp_path / "results.tar.gz") as tar:
+        assert "echo/hello.log" in tar.getnames()
