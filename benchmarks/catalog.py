@@ -20,7 +20,7 @@ PEERS_DIR = "benchmarks/peers"
 @dataclasses.dataclass(frozen=True)
 class Context:
     """What a suite's steps are built from."""
-    python: str          # the interpreter every step runs (the lent machines' /opt/torch/.venv if present)
+    python: str          # the interpreter every step runs (/opt/torch/.venv's where present)
     out: str             # this suite's out dir
     gpus: int            # GPUs found (0: a CPU-only run on 8 virtual CPU devices)
     limit_s: int         # this suite's time limit (steps that take a budget get a bit less)

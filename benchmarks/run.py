@@ -14,8 +14,8 @@ are skipped, saying so, on a machine without them (no `nvidia-smi -L`, or --cpu)
 others run on 8 virtual CPU devices. Options after `--` go to every selected suite that takes
 them (e.g. `bench -- --shape 8192,8192,10240 --schedules dma`).
 
-For every child: NCCL_NVLS_ENABLE=0 and the other multicast switches off (the lent machines'
-NVSwitch multicast stays unused), PYTHONUNBUFFERED=1, /opt/torch/.venv/bin first on PATH where
+For every child: NCCL_NVLS_ENABLE=0 and the other multicast switches off (NVSwitch
+multicast stays unused), PYTHONUNBUFFERED=1, /opt/torch/.venv/bin first on PATH where
 it exists, FICCO_COMMIT from a `.commit` file beside the tree where one exists (a tree made by
 `git archive` has no .git to ask). Exit status: 0 if every suite that ran exited 0.
 """
@@ -58,8 +58,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--cpu", action="store_true", help="run as on a machine without GPUs")
     parser.add_argument("--list", action="store_true", help="list the suites and exit")
     parser.add_argument("--pack", action="store_true",
-                        help="at the end, pack every suite's files into OUT/results.tar.gz (a lent GPU machine "
-                             "returns only a few files of $OUT)")
+                        help="at the end, pack every suite's files into OUT/results.tar.gz (for a remote GPU "
+                             "machine that hands back only a few files)")
     args = parser.parse_args(argv)
     args.options = tuple(options)
     if not args.list and not args.suites:

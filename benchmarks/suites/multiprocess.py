@@ -7,8 +7,8 @@ comm="dma" call goes through the host mailbox and CUDA IPC (xla_ffi/ipc.h).
   1. setup      jax.distributed on localhost; the site's topology; on GPUs the staging buffer
                 every device exports to its peers (ipc.staging_info: size, legacy-IPC capable,
                 cudaIpcGetMemHandle accepted: PASS / FAIL), and, for the record, how XLA's own
-                allocation under an input looks to CUDA IPC (never exported: not capable on the
-                first GPU run, which is why the data goes through the staging buffer).
+                allocation under an input looks to CUDA IPC (never exported, and not IPC-capable on
+                H200s with jax 0.11.2: why the data goes through the staging buffer).
   2. checks     every dma schedule of ag_matmul and matmul_rs (direct and ring), and of
                 dma.all_gather / dma.reduce_scatter, against the reference on random bf16
                 inputs, at a small shape and one anchor shape; dma.all_to_all, a2a_matmul and
