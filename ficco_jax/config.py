@@ -76,10 +76,10 @@ AUTOTUNE_CACHE_DIR: str = os.environ.get(
 #: sources against this table). "Set" means set to anything but "" or "0" unless stated.
 NATIVE_ENVIRONMENT: dict[str, str] = {
     "FICCO_GEMM_LOG": "\"1\": one stderr line per new cuBLASLt plan of the executor (shape, candidates, the "
-                      "chosen algorithm and its time), xla_ffi/gemm.cc",
+                      "chosen algorithm and its time), xla_ffi/device/gemm.cc",
     "FICCO_SEGV_TRACE": "set: on SIGSEGV/SIGABRT print the native stack before dying (xla_ffi/module.cc)",
     "FICCO_STAGE_STREAM": "\"copy\": across processes, run the staging copies on the staging stream instead of "
                           "XLA's stream (for A/B timings; slower: xla_ffi executor, Stage)",
     "FICCO_REDUCE_SCALAR": "set: the reduce-scatter sum reads one element at a time instead of 16-byte packs "
-                           "(for A/B timings; slower: xla_ffi/reduce.cu)",
+                           "(for A/B timings; slower: xla_ffi/device/reduce.cu)",
 }

@@ -204,6 +204,16 @@ def _candidates(op: str, comms: Sequence[str]) -> Iterator[Schedule]:
                                            copy_streams=copy_streams, transfer=transfer)
 
 
+def as_schedule(op: str, value, accepted: str) -> Schedule:
+    """`value`, a Schedule or its string form, as a Schedule; a TypeError naming what `op` accepts
+    (`accepted`) for anything else."""
+    if isinstance(value, str):
+        value = Schedule.parse(value)
+    if not isinstance(value, Schedule):
+        raise TypeError(f"{op}: schedule must be {accepted}; found {type(value).__name__}")
+    return value
+
+
 def check_shapes(op: str, shapes: Sequence[Sequence[int]], axis_size: int) -> int:
     """Check ranks and contraction sizes; return the row count that chunks must divide."""
     _check_op(op)
@@ -224,11 +234,7 @@ def check_shapes(op: str, shapes: Sequence[Sequence[int]], axis_size: int) -> in
                 f"{op}: {name} has an empty dimension: found shape {shape}, every dimension must be >= 1; "
                 f"skip the call when there is nothing to compute"
             )
-    if a[1] != w[0]:
-        raise ValueError(
-            f"{op}: contraction sizes differ: {names[0]}.shape[1]={a[1]} but w.shape[0]={w[0]} "
-            f"({names[0]} {a}, w {w})"
-        )
+    _check_contraction(op, names[0], a, w, 1, 0)
     if op == "ag_matmul":
         return a[0]
     if a[0] % axis_size:
@@ -236,6 +242,14 @@ def check_shapes(op: str, shapes: Sequence[Sequence[int]], axis_size: int) -> in
             f"matmul_rs: y.shape[0]={a[0]} rows must divide by the axis size {axis_size} to be scattered"
         )
     return a[0] // axis_size
+
+
+def _check_contraction(op: str, name: str, a, w, a_dim: int, w_dim: int, where: str = "") -> None:
+    if a[a_dim] != w[w_dim]:
+        raise ValueError(
+            f"{op}: contraction sizes differ: {name}.shape[{a_dim}]={a[a_dim]}{where} but w.shape[{w_dim}]={w[w_dim]} "
+            f"({name} {a}, w {w})"
+        )
 
 
 def _check_a2a_shapes(op: str, shapes, axis_size: int) -> int:
@@ -260,11 +274,7 @@ def _check_a2a_shapes(op: str, shapes, axis_size: int) -> int:
             f"{op}: local expert counts differ: {names[0]}.shape[1]={a[1]} (dimension 1, E_local) but "
             f"w.shape[0]={w[0]} ({names[0]} {a}, w {w})"
         )
-    if a[3] != w[1]:
-        raise ValueError(
-            f"{op}: contraction sizes differ: {names[0]}.shape[3]={a[3]} (dimension 3) but w.shape[1]={w[1]} "
-            f"({names[0]} {a}, w {w})"
-        )
+    _check_contraction(op, names[0], a, w, 3, 1, " (dimension 3)")
     return a[2]
 
 

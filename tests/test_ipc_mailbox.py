@@ -1,4 +1,4 @@
-"""The host mailbox (xla_ffi/ipc_mailbox.h) between real processes, on CPU.
+"""The host mailbox (xla_ffi/runtime/ipc_mailbox.h) between real processes, on CPU.
 
 Groups across processes of one host meet there once per call phase; on GPUs the posts carry
 CUDA IPC ids (not testable here), but the protocol itself is integers in /dev/shm: these tests

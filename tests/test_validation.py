@@ -7,6 +7,7 @@ unsplittable-rows message; test_dma.py the dma dtype, tiled=False and tuple-axis
 file covers the rest: matmul_rs, the standalone collectives, `overlap`, and "auto".)
 """
 import os
+import pathlib
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
@@ -264,19 +265,18 @@ def test_every_environment_variable_is_named_in_config():
 
     from ficco_jax import config
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = pathlib.Path(__file__).resolve().parents[1]
     native = set()
-    for name in os.listdir(os.path.join(root, "xla_ffi")):
-        with open(os.path.join(root, "xla_ffi", name), errors="replace") as fh:
-            native |= set(re.findall(r'getenv\("(FICCO_[A-Z0-9_]+)"\)', fh.read()))
+    for path in (root / "xla_ffi").rglob("*"):
+        if path.is_file():
+            native |= set(re.findall(r'getenv\("(FICCO_[A-Z0-9_]+)"\)', path.read_text(errors="replace")))
     assert native, "no getenv found in xla_ffi/: the scan is broken"
     assert native <= set(config.NATIVE_ENVIRONMENT), sorted(native - set(config.NATIVE_ENVIRONMENT))
     python = set()
-    package = os.path.join(root, "ficco_jax")
-    for name in os.listdir(package):
-        if name.endswith(".py") and name != "config.py":
-            with open(os.path.join(package, name)) as fh:
-                python |= set(re.findall(r'environ(?:\.get)?\(?\[?"(FICCO_[A-Z0-9_]+)"', fh.read()))
-    with open(os.path.join(package, "config.py")) as fh:
+    package = root / "ficco_jax"
+    for path in package.rglob("*.py"):
+        if path.name != "config.py" or path.parent != package:
+            python |= set(re.findall(r'environ(?:\.get)?\(?\[?"(FICCO_[A-Z0-9_]+)"', path.read_text()))
+    with open(package / "config.py") as fh:
         in_config = set(re.findall(r'"(FICCO_[A-Z0-9_]+)"', fh.read()))
     assert python <= in_config, f"read outside config.py and not named there: {sorted(python - in_config)}"

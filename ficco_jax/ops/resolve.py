@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from ..lowering import dma
 from ..runtime import topology
-from ..schedule import Schedule, check_shapes
+from ..schedule import Schedule, as_schedule, check_shapes
 from ..tuning import policy, select
 from .core import ScheduleArg
 
@@ -31,13 +31,7 @@ def resolve_schedule(op: str, schedule: ScheduleArg, shapes, dtype, axis_size: i
                                measure=measure)
         log.debug("%s %s %s: schedule %s", op, shapes, jnp.dtype(dtype).name, chosen)
         return chosen
-    if isinstance(schedule, str):
-        schedule = Schedule.parse(schedule)
-    if not isinstance(schedule, Schedule):
-        raise TypeError(
-            f"{op}: schedule must be 'auto', 'autotune', a ficco_jax.Schedule or its string form; "
-            f"found {type(schedule).__name__}"
-        )
+    schedule = as_schedule(op, schedule, "'auto', 'autotune', a ficco_jax.Schedule or its string form")
     schedule.validate(op, shapes, axis_size)
     if schedule.comm == "dma":
         dma.check_supported(op, dtype)

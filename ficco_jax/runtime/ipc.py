@@ -1,4 +1,4 @@
-"""Copy engines across the processes of one host: CUDA IPC (xla_ffi/ipc.h, docs/multiprocess.md).
+"""Copy engines across the processes of one host: CUDA IPC (xla_ffi/runtime/ipc.h, docs/multiprocess.md).
 
 A tensor-parallel group whose devices live in several processes of one host (one process per
 GPU under ``jax.distributed``) runs ``comm="dma"`` through CUDA IPC. XLA's own allocations

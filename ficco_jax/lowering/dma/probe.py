@@ -1,4 +1,4 @@
-"""The contention probe of `characterize` (xla_ffi/probe.cc): `repeats` matmuls a @ w on XLA's
+"""The contention probe of `characterize` (xla_ffi/exec/probe.cc): `repeats` matmuls a @ w on XLA's
 stream, with or without the copy engines pulling every peer's x meanwhile.
 
     matmuls_beside_pulls(a, w, x, axis_name, repeats=R, pull=True)  -> a @ w
