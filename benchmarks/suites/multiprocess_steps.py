@@ -22,9 +22,9 @@ from ficco_jax import dma
 from ficco_jax import ops as ficco_ops
 from ficco_jax.ops import measure
 from ficco_jax.runtime import ipc, topology
-from ficco_jax.schedule import Schedule
+from ficco_jax.schedule import Schedule, local_shapes
 from ficco_jax.tools.bench import record_timeline
-from ficco_jax.tuning import cost_model, select, timing
+from ficco_jax.tuning import cost_model, policy, select, timing
 
 #: (M, K, N) timed on GPUs (bench.ANCHOR_SHAPES' names); the first one is also checked.
 GPU_TIMED = {"llama70b_qkv_M8k": (8192, 8192, 10240), "llama70b_mlp_up_M8k": (8192, 8192, 28672),
@@ -238,7 +238,7 @@ class Run:
         for op in OPS:
             if not self.go(f"checks {op} {name}", 25):
                 return
-            args = measure.make_inputs(op, M, K, N, DTYPE, self.mesh, seed=1)
+            args = measure.make_inputs(op, local_shapes(op, M, K, N, self.n), DTYPE, self.mesh, seed=1)
             want = measure.sharded(self.mesh, op, measure.op_body(op, "ref"))(*[a.astype(jnp.float32) for a in args])
             for sched in dma_schedules(op, self.n):
                 start = time.monotonic()
@@ -339,7 +339,7 @@ class Run:
         with jax.set_mesh(self.mesh):
             auto = str(ficco_ops.resolve_schedule(op, "auto", shapes, DTYPE, self.n, axis_name="tp"))
             site = topology.for_axis("tp")
-        comms, why = select.allowed_comms(DTYPE, site)
+        comms, why = policy.allowed_comms(DTYPE, site)
         comm = "dma" if "dma" in comms else "xla"
         ranked = cost_model.rank(op, shapes, DTYPE, self.n, Schedule.enumerate(op, self.n, (comm,)),
                                  select.profile_for(self.n))
@@ -368,9 +368,9 @@ class Run:
         for op in OPS:
             if not self.go(f"timings {op} {name}", 30):
                 return
-            args = measure.make_inputs(op, M, K, N, DTYPE, self.mesh, seed=3)
+            args = measure.make_inputs(op, local_shapes(op, M, K, N, self.n), DTYPE, self.mesh, seed=3)
             want = measure.sharded(self.mesh, op, measure.op_body(op, "ref"))(*[a.astype(jnp.float32) for a in args])
-            chosen, header = self.candidates(op, measure.local_shapes(op, M, K, N, self.n))
+            chosen, header = self.candidates(op, local_shapes(op, M, K, N, self.n))
             row = {"op": op, "shape": name, "MKN": dims, **header, "candidates": {}}
             for label, sched in [("jax_seq", "ref")] + [(str(s), s) for s in chosen]:
                 entry = self.time_candidate(op, sched, args, want)

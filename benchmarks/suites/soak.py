@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import ficco_jax
 from ficco_jax.ops import measure
-from ficco_jax.schedule import Schedule
+from ficco_jax.schedule import Schedule, local_shapes
 from ficco_jax.tools.bench import ANCHOR_SHAPES
 
 DTYPE = "bfloat16"
@@ -41,7 +41,7 @@ def check_one(mesh, op, sched, dims, seed) -> tuple[float, bool]:
     """(relative error, gathered operand exact) of one schedule against the reference."""
     M, K, N = dims
     n = mesh.shape["tp"]
-    args = measure.make_inputs(op, M, K, N, DTYPE, mesh, seed=seed)
+    args = measure.make_inputs(op, local_shapes(op, M, K, N, n), DTYPE, mesh, seed=seed)
     want = measure.sharded(mesh, op, measure.op_body(op, "ref"))(*[a.astype(jnp.float32) for a in args])
     if op != "ag_matmul":
         return rel_err(measure.sharded(mesh, op, measure.op_body(op, sched))(*args), want), True
@@ -70,7 +70,7 @@ def correctness(mesh, budget_s: float) -> dict:
 
 def soak(mesh, calls: int) -> dict:
     M, K, N = ANCHOR_SHAPES[SOAK_SHAPE]
-    x, w = measure.make_inputs("ag_matmul", M, K, N, DTYPE, mesh)
+    x, w = measure.make_inputs("ag_matmul", local_shapes("ag_matmul", M, K, N, mesh.shape["tp"]), DTYPE, mesh)
     w2 = jax.device_put(w.T, NamedSharding(mesh, P("tp", None)))
 
     def pair(x, w, w2):
