@@ -60,6 +60,8 @@ DTYPE = jnp.bfloat16
 GPU_SIZES, CPU_SIZES = "1,4,16,64", "0.0625,0.25"
 GPU_MATMUL, CPU_MATMUL = "8192,8192,7168", "128,128,128"
 COLLECTIVES = ("all_to_all", "all_gather", "reduce_scatter")
+#: What the standalone dma collectives run with schedule=None: direct, one chunk, one copy stream.
+DEFAULT_SCHEDULE = Schedule(comm="dma", order="direct", chunks=1, copy_streams=1)
 #: dma.reduce_scatter sums in float32 and rounds once; NCCL's bf16 ring sums round per step.
 RS_TOLERANCE = 1e-2
 #: The pair's matmul against the matmul alone: the same bf16 dot, but XLA may fuse or split it
@@ -290,7 +292,7 @@ def resolved(variant, n, collective="all_to_all") -> str:
     if variant == NCCL:
         return NCCL
     if variant == "default":  # one chunk: valid for any block
-        return f"{dma._collective_schedule(collective, None, n, 1)} (default)"
+        return f"{DEFAULT_SCHEDULE} (default)"
     return str(Schedule.parse(variant))
 
 
