@@ -3,7 +3,7 @@ all-to-all <-> expert-matmul sites in a function's jaxpr (shard_map bodies, and 
 in them) and rewrite them into the ficco_jax ops."""
 from __future__ import annotations
 
-from .match_tp import SiteRecord
+from .site import SiteRecord
 from .overlap import Report, explain, overlap
 
 __all__ = ["overlap", "explain", "Report", "SiteRecord"]

@@ -1,5 +1,4 @@
-"""Find the expert-parallel all_to_all+matmul sites of a `shard_map` body (see _patterns.py for
-the all_gather / psum_scatter ones; transform.py runs both).
+"""The expert-parallel patterns of a `shard_map` body: all_to_all → expert matmul and back.
 
 Two patterns, in the 4-D form a MoE layer under expert parallelism is written in:
 
@@ -17,94 +16,63 @@ the transposes jnp.einsum adds around its dot_general stay as they were.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Callable
 
-import numpy as np
-
-from .match_tp import (SiteRecord, _MatchContext, _collective_problem, _default_precision, _fmt, _is_var,
-                        _single_axis)
+from .. import ops
+from .jaxpr_util import fmt, is_var, transpose
+from .site import MatchContext, Site, SiteRecord, collective_problem, dot_dtype_problem
 
 A2A_MM, MM_A2A = "a2a_matmul", "matmul_a2a"
-_A2A, _DOT, _TRANSPOSE = "all_to_all", "dot_general", "transpose"
+OPS = (A2A_MM, MM_A2A)
+_DOT, _TRANSPOSE = "dot_general", "transpose"
+_TOKENS = ("p", "e", "c", "d")  # the all_to_all's layout [n, E, C, d]: peer, expert, capacity, features
+_OP_OUT = ["p", "e", "c", "f"]  # the ops' output layout [n, E, C, f]
 
 
-@dataclasses.dataclass
-class _A2ASite:
-    """One all_to_all+matmul site; the same interface as _patterns._Site for transform.py."""
+@dataclasses.dataclass(kw_only=True)
+class ExpertSite(Site):
+    """An a2a_matmul or matmul_a2a site: tokens [n, E, C, d] and one [E, d, f] weight per expert."""
 
-    op: str
-    axis_name: str
-    axis_size: int
-    exec_index: int
-    skip: tuple[int, ...]
-    dot: Any
-    collective: Any
+    op_calls = {A2A_MM: (ops.a2a_matmul, "return_received"), MM_A2A: (ops.matmul_a2a, None)}
+
     tokens_side: int  # which dot operand holds the [n, E, C, .] tokens (0 lhs, 1 rhs)
     w_dims: tuple[int, int, int]  # the weight's (expert, contracted, free) dimensions
     tokens_labels: tuple[str, ...]  # the tokens operand's dims as p(eer) e(xpert) c(apacity) d(contracted)
-    record: SiteRecord
-    schedule: Any = "auto"
-    return_received: bool = False
-    mesh: Any = None  # as _Site.mesh (a2a sites do not use it yet)
 
     def op_shapes(self):
         """(tokens shape, weight shape) as the op takes them: [n, E, C, d], [E, d, f]."""
-        tokens = self.dot.invars[self.tokens_side].aval.shape if self.op == MM_A2A else self.collective.invars[0].aval.shape
+        tokens = self.collective.invars[0] if self.op == A2A_MM else self.dot.invars[self.tokens_side]
         w = self.dot.invars[1 - self.tokens_side].aval.shape
-        return tuple(tokens), tuple(w[d] for d in self.w_dims)
+        return tuple(tokens.aval.shape), tuple(w[d] for d in self.w_dims)
 
-    shapes_2d = op_shapes  # the name transform.py's shared code asks every site for
-
-    def _dot_labels(self) -> list[str]:
+    def dot_labels(self) -> list[str]:
         """The dot's output dimensions named as the op's: batch e, then lhs free, then rhs free."""
         tokens_free, w_free = [label for label in self.tokens_labels if label in ("p", "c")], ["f"]
         return ["e"] + (tokens_free + w_free if self.tokens_side == 0 else w_free + tokens_free)
 
-    def run(self, read: Callable, write: Callable, call_op: Callable) -> None:
-        w = _transpose(read(self.dot.invars[1 - self.tokens_side]), self.w_dims)
-        if self.op == A2A_MM:
-            result = call_op(self, read(self.collective.invars[0]), w)
-            out, received = result if self.return_received else (result, None)
-            perm = [["p", "e", "c", "f"].index(label) for label in self._dot_labels()]
-            write(self.dot.outvars[0], _transpose(out, perm))
-            if received is not None:
-                write(self.collective.outvars[0], received)
-        else:
-            write(self.collective.outvars[0], call_op(self, read(self.dot.invars[self.tokens_side]), w))
+    def operands(self, read: Callable):
+        tokens = self.collective.invars[0] if self.op == A2A_MM else self.dot.invars[self.tokens_side]
+        return read(tokens), transpose(read(self.dot.invars[1 - self.tokens_side]), self.w_dims)
 
-
-def _transpose(x, perm):
-    import jax
-
-    perm = tuple(int(p) for p in perm)
-    return x if perm == tuple(range(len(perm))) else jax.lax.transpose(x, perm)
+    def write_outputs(self, out, collective_out, write: Callable) -> None:
+        if self.op == MM_A2A:
+            write(self.collective.outvars[0], out)
+            return
+        write(self.dot.outvars[0], transpose(out, [_OP_OUT.index(label) for label in self.dot_labels()]))
+        if collective_out is not None:
+            write(self.collective.outvars[0], collective_out)
 
 
 # --------------------------------------------------------------------------------------------
 # Matching
 # --------------------------------------------------------------------------------------------
-def find_a2a_sites(jaxpr, axis_sizes: dict, where: str, ops: Sequence[str]):
-    """Sites and near-misses of the all_to_all patterns in one jaxpr (not its sub-jaxprs)."""
-    eqns = jaxpr.eqns
-    ctx = _Context.of(jaxpr, axis_sizes, where)
-    sites, misses, taken_dots = [], [], set()
-    for i, eqn in enumerate(eqns):
-        if eqn.primitive.name != _A2A:
-            continue
-        found = _match_dispatch(ctx, i, A2A_MM in ops, taken_dots)
-        if not isinstance(found, _A2ASite):
-            combine = _match_combine(ctx, i, MM_A2A in ops, taken_dots)
-            found = combine if isinstance(combine, _A2ASite) else _merge_misses(found, combine)
-        if isinstance(found, _A2ASite):
-            sites.append(found)
-            taken_dots.add(eqns.index(found.dot))
-        else:
-            misses.append(found)
-    return sites, misses
-
-
-# The matching context is the all-gather matcher's own (same fields, same helpers).
-_Context = _MatchContext
+def match_all_to_all(ctx: MatchContext, i: int) -> ExpertSite | SiteRecord:
+    """The all_to_all at equation `i` as a dispatch site, else as a combine site, else a near-miss."""
+    found = _match_dispatch(ctx, i)
+    if isinstance(found, ExpertSite):
+        return found
+    combine = _match_combine(ctx, i)
+    return combine if isinstance(combine, ExpertSite) else _merge_misses(found, combine)
 
 
 def _merge_misses(dispatch: SiteRecord, combine: SiteRecord) -> SiteRecord:
@@ -121,9 +89,9 @@ def _merge_misses(dispatch: SiteRecord, combine: SiteRecord) -> SiteRecord:
                                reason=f"as dispatch: {dispatch.reason}; as combine: {combine.reason}")
 
 
-def _a2a_problem(eqn) -> str | None:
+def _a2a_problem(ctx: MatchContext, op: str, eqn) -> str | None:
     params = eqn.params
-    problem = _collective_problem(params)
+    problem = ctx.not_enabled(op) or collective_problem(params)
     if problem:
         return problem
     shape = eqn.invars[0].aval.shape
@@ -133,9 +101,6 @@ def _a2a_problem(eqn) -> str | None:
         return (f"split_axis={params['split_axis']}, concat_axis={params['concat_axis']}; the ops exchange "
                 f"the leading peer-block axis (split_axis=concat_axis=0)")
     return None
-
-
-_TOKENS = ("p", "e", "c", "d")  # the all_to_all's layout [n, E, C, d]
 
 
 def _expert_dot(dot, tokens_pos: int, labels=_TOKENS) -> tuple[tuple[int, int, int] | None, str | None]:
@@ -155,23 +120,15 @@ def _expert_dot(dot, tokens_pos: int, labels=_TOKENS) -> tuple[tuple[int, int, i
         return None, f"the weight is {len(w_aval.shape)}-D; expected one [E, d, f] matrix per local expert"
     wb, wc = batch[1 - tokens_pos][0], contract[1 - tokens_pos][0]
     wf = next(d for d in range(3) if d not in (wb, wc))
-    lhs, rhs = (v.aval for v in dot.invars)
-    out = dot.outvars[0].aval
-    if not (lhs.dtype == rhs.dtype == out.dtype):
-        return None, (f"operand/result dtypes differ ({np.dtype(lhs.dtype).name} x {np.dtype(rhs.dtype).name}"
-                      f" -> {np.dtype(out.dtype).name}); the ops compute in the operands' dtype")
-    precision = dot.params.get("precision")
-    if precision is not None and precision != _default_precision():
-        return None, f"explicit precision={precision} differs from the default the ops' matmuls use"
-    return (wb, wc, wf), None
+    problem = dot_dtype_problem(dot)
+    return (None, problem) if problem else ((wb, wc, wf), None)
 
 
-def _match_dispatch(ctx: _Context, i: int, enabled: bool, taken_dots: set):
+def _match_dispatch(ctx: MatchContext, i: int) -> ExpertSite | SiteRecord:
     a2a = ctx.eqns[i]
     x, r = a2a.invars[0], a2a.outvars[0]
-    shapes = f"x {_fmt(x.aval)} all_to_all"
-    problem = None if enabled else f"{A2A_MM} is not in ops="
-    problem = problem or _a2a_problem(a2a)
+    shapes = f"x {fmt(x.aval)} all_to_all"
+    problem = _a2a_problem(ctx, A2A_MM, a2a)
     if problem:
         return ctx.miss(A2A_MM, i, shapes, problem)
     uses = ctx.users.get(r, [])
@@ -183,33 +140,25 @@ def _match_dispatch(ctx: _Context, i: int, enabled: bool, taken_dots: set):
         dot = ctx.eqns[j]
         w_dims, problem = _expert_dot(dot, pos, labels)
         w = dot.invars[1 - pos]
-        if problem is None and j in taken_dots:
+        if problem is None and j in ctx.taken_dots:
             problem = "the matmul is already part of another site"
-        if problem is None and not _is_var(w):
-            problem = "the weight is a literal"
-        if problem is None and ctx.defined_at[w] >= first_use:
-            problem = "the weight is computed after the received tokens' first use"
+        problem = problem or ctx.weight_problem(w, first_use, "received tokens'")
         if problem:
             reasons.append(f"eqn {j}: {problem}")
             continue
         # Through a transpose, the transpose stays (it may have other users) and reads the
         # received tokens, so the op returns them.
-        site = _A2ASite(A2A_MM, _single_axis(a2a.params), ctx.axis_size(a2a), first_use, tuple(sorted({i, j})),
-                        dot, a2a, pos, w_dims, tuple(labels), record=None,  # type: ignore[arg-type]
-                        return_received=len(uses) > 1 or r in ctx.outputs or through)
-        (tokens, w_shape) = site.op_shapes()
-        site.record = SiteRecord(A2A_MM, f"{ctx.where}eqn {i}", site.axis_name,
-                                 f"{shapes} · w {_fmt(w.aval)} -> {_fmt(dot.outvars[0].aval)}"
-                                 + (" (received tokens also used elsewhere)" if site.return_received else ""),
-                                 f"{list(tokens)}·{list(w_shape)}", "")
-        return site
+        site = ExpertSite(op=A2A_MM, **ctx.axis(a2a), exec_index=first_use, skip=tuple(sorted({i, j})), dot=dot,
+                          collective=a2a, tokens_side=pos, w_dims=w_dims, tokens_labels=tuple(labels),
+                          returns_collective=ctx.read_elsewhere(r) or through)
+        also = " (received tokens also used elsewhere)" if site.returns_collective else ""
+        return ctx.found(site, i, f"{shapes} · w {fmt(w.aval)} -> {fmt(dot.outvars[0].aval)}{also}")
     if reasons:
         return ctx.miss(A2A_MM, i, shapes, "; ".join(reasons))
-    others = sorted({ctx.eqns[j].primitive.name for j, _ in uses})
-    return ctx.miss(A2A_MM, i, shapes, f"the received tokens feed no matmul directly (users: {others or 'none'})")
+    return ctx.miss(A2A_MM, i, shapes, f"the received tokens feed no matmul directly ({ctx.readers_text(r)})")
 
 
-def _dot_users(ctx: _Context, r):
+def _dot_users(ctx: MatchContext, r):
     """(eqn, operand position, tokens labels, through a transpose) of every matmul reading r,
     directly or through one transpose."""
     found = []
@@ -219,57 +168,60 @@ def _dot_users(ctx: _Context, r):
             found.append((j, pos, _TOKENS, False))
         elif eqn.primitive.name == _TRANSPOSE:
             labels = tuple(_TOKENS[p] for p in eqn.params["permutation"])
-            found += [(k, p, labels, True) for k, p in ctx.users.get(eqn.outvars[0], []) if ctx.eqns[k].primitive.name == _DOT]
+            found += [(k, p, labels, True) for k, p in ctx.users.get(eqn.outvars[0], [])
+                      if ctx.eqns[k].primitive.name == _DOT]
     return sorted(found)
 
 
-def _match_combine(ctx: _Context, i: int, enabled: bool, taken_dots: set):
-    a2a = ctx.eqns[i]
-    v = a2a.invars[0]
-    shapes = f"y·w {_fmt(v.aval)} all_to_all"
-    problem = None if enabled else f"{MM_A2A} is not in ops="
-    problem = problem or _a2a_problem(a2a)
-    if problem:
-        return ctx.miss(MM_A2A, i, shapes, problem)
-    chain = [i]
-    k = ctx.defined_at.get(v, -1) if _is_var(v) else -1
-    perm = None
+def _combine_chain(ctx: MatchContext, i: int):
+    """(equations from the all_to_all back to its matmul, the transpose's permutation or None,
+    the matmul's index or -1): the all_to_all's input, through at most one transpose."""
+    chain, perm = [i], None
+    k = ctx.producer(ctx.eqns[i].invars[0])
     if k >= 0 and ctx.eqns[k].primitive.name == _TRANSPOSE:
         perm = tuple(ctx.eqns[k].params["permutation"])
         chain.append(k)
-        inner = ctx.eqns[k].invars[0]
-        k = ctx.defined_at.get(inner, -1) if _is_var(inner) else -1
+        k = ctx.producer(ctx.eqns[k].invars[0])
+    return chain, perm, k
+
+
+def _match_combine(ctx: MatchContext, i: int) -> ExpertSite | SiteRecord:
+    a2a = ctx.eqns[i]
+    v = a2a.invars[0]
+    shapes = f"y·w {fmt(v.aval)} all_to_all"
+    problem = _a2a_problem(ctx, MM_A2A, a2a)
+    if problem:
+        return ctx.miss(MM_A2A, i, shapes, problem)
+    chain, perm, k = _combine_chain(ctx, i)
     if k < 0 or ctx.eqns[k].primitive.name != _DOT:
-        producer = ctx.eqns[k].primitive.name if k >= 0 else "an input of the body"
-        return ctx.miss(MM_A2A, i, shapes, f"the all_to_all input comes from {producer}, not from a matmul")
+        return ctx.miss(MM_A2A, i, shapes, f"the all_to_all input comes from {ctx.producer_name(k)}, not from a matmul")
     dot = ctx.eqns[k]
-    chain.append(k)
-    for var in (dot.outvars[0], *(ctx.eqns[t].outvars[0] for t in chain[1:-1])):
-        if len(ctx.users.get(var, [])) != 1 or var in ctx.outputs:
-            return ctx.miss(MM_A2A, i, shapes, "the matmul's product has other users, so it is computed anyway")
-    if k in taken_dots:
+    if any(ctx.read_elsewhere(ctx.eqns[t].outvars[0]) for t in (k, *chain[1:])):
+        return ctx.miss(MM_A2A, i, shapes, "the matmul's product has other users, so it is computed anyway")
+    if k in ctx.taken_dots:
         return ctx.miss(MM_A2A, i, shapes, "the matmul already consumes an a2a_matmul site (all_to_all→matmul→all_to_all)")
     reasons = []
     for pos in (0, 1):
         if len(dot.invars[pos].aval.shape) != 4:
             continue
         w_dims, problem = _expert_dot(dot, pos)
-        if problem is None:
-            site = _A2ASite(MM_A2A, _single_axis(a2a.params), ctx.axis_size(a2a), k, tuple(sorted(chain)), dot, a2a,
-                            pos, w_dims, _TOKENS, record=None)  # type: ignore[arg-type]
-            labels = site._dot_labels()
-            layout = [labels[p] for p in perm] if perm is not None else labels
-            if layout != ["p", "e", "c", "f"]:
-                reasons.append(f"the product reaches the all_to_all in layout {layout}, not [peer, expert, "
-                               f"capacity, features]")
-                continue
-            if not all(_is_var(u) for u in dot.invars):
-                reasons.append("a matmul operand is a literal")
-                continue
-            tokens, w_shape = site.op_shapes()
-            site.record = SiteRecord(MM_A2A, f"{ctx.where}eqn {i}", site.axis_name,
-                                     f"y {_fmt(dot.invars[pos].aval)} · w {_fmt(dot.invars[1 - pos].aval)} -> "
-                                     f"{_fmt(v.aval)} all_to_all", f"{list(tokens)}·{list(w_shape)}", "")
-            return site
-        reasons.append(problem)
+        if problem:
+            reasons.append(problem)
+            continue
+        site = ExpertSite(op=MM_A2A, **ctx.axis(a2a), exec_index=k, skip=tuple(sorted(chain + [k])), dot=dot,
+                          collective=a2a, tokens_side=pos, w_dims=w_dims, tokens_labels=_TOKENS)
+        layout = site.dot_labels()
+        layout = [layout[p] for p in perm] if perm is not None else layout
+        if layout != _OP_OUT:
+            reasons.append(f"the product reaches the all_to_all in layout {layout}, not [peer, expert, "
+                           f"capacity, features]")
+        elif not all(is_var(u) for u in dot.invars):
+            reasons.append("a matmul operand is a literal")
+        else:
+            return ctx.found(site, i, f"y {fmt(dot.invars[pos].aval)} · w {fmt(dot.invars[1 - pos].aval)} -> "
+                                      f"{fmt(v.aval)} all_to_all")
     return ctx.miss(MM_A2A, i, shapes, "; ".join(reasons) or "no operand of the matmul is 4-D [n, E, C, f]")
+
+
+# The matcher of each collective primitive this family rewrites.
+MATCHERS = {"all_to_all": match_all_to_all}

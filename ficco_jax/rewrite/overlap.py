@@ -3,10 +3,11 @@
 ``overlap(fn)(*args)`` computes exactly ``fn(*args)``. It traces `fn` to a jaxpr once per argument
 signature, finds ``all_gather → matmul`` and ``matmul → psum_scatter`` sites inside each
 `shard_map` body (also inside scan / cond / while / jit / checkpoint bodies nested there; see
-`_patterns.py` for the matching rules), and evaluates the jaxpr again with each site replaced by
+match_tp.py for the matching rules), and evaluates the jaxpr again with each site replaced by
 ``ag_matmul`` / ``matmul_rs`` and everything else bound as it was written. The expert-parallel
 forms ``all_to_all → expert matmul`` and ``expert matmul → all_to_all`` (4-D per-peer blocks,
-`_patterns_a2a.py`) become ``a2a_matmul`` / ``matmul_a2a`` the same way.
+match_ep.py) become ``a2a_matmul`` / ``matmul_a2a`` the same way. Every site is a `site.Site`;
+`matchers.find_sites` finds them, and this module only resolves schedules and re-binds.
 
 Composition: the result is an ordinary traceable function, so ``jit(overlap(f))``,
 ``grad(overlap(f))`` (the ops' custom VJPs overlap the backward pass) and ``overlap(grad(f))``
@@ -28,14 +29,13 @@ import jax.extend.core as jex
 
 from .. import ops
 from ..schedule import Schedule
-from .match_ep import A2A_MM, MM_A2A, find_a2a_sites
-from .match_tp import AG, RS, SiteRecord, _Site, find_sites
+from .jaxpr_util import open_jaxpr, sub_jaxprs
+from .matchers import ALL_OPS, find_sites
+from .site import Site, SiteRecord
 
 __all__ = ["overlap", "explain", "Report", "SiteRecord"]
 
 logger = logging.getLogger("ficco_jax")
-
-_ALL_OPS = (AG, RS, A2A_MM, MM_A2A)
 
 _SHARD_MAP = "shard_map"
 # Sub-jaxprs of these are user-written custom derivatives: rewriting their primal body alone
@@ -79,14 +79,14 @@ class _Options:
     def make(cls, schedule, autotune: bool, ops: Sequence[str]) -> "_Options":
         if isinstance(ops, str) or not isinstance(ops, (tuple, list, set, frozenset)):
             raise TypeError(
-                f"overlap: ops must be a sequence of op names from {_ALL_OPS}, found "
+                f"overlap: ops must be a sequence of op names from {ALL_OPS}, found "
                 f"{'the str ' if isinstance(ops, str) else ''}{ops!r}; write ops=({ops!r},)"
             )
         if not isinstance(autotune, bool):
             raise TypeError(f"overlap: autotune must be a bool, found {autotune!r}")
-        unknown = [op for op in ops if op not in _ALL_OPS]
+        unknown = [op for op in ops if op not in ALL_OPS]
         if unknown:
-            raise ValueError(f"overlap: unknown ops {unknown}; valid ops: {_ALL_OPS}")
+            raise ValueError(f"overlap: unknown ops {unknown}; valid ops: {ALL_OPS}")
         if autotune:
             schedule = "autotune"
         elif isinstance(schedule, str) and schedule not in ("auto", "autotune"):
@@ -95,14 +95,14 @@ class _Options:
             raise TypeError(f"overlap: schedule must be 'auto', 'autotune', a Schedule or its string; found {schedule!r}")
         return cls(schedule, tuple(ops))
 
-    def resolve(self, site: _Site) -> tuple[Any, str]:
+    def resolve(self, site: Site) -> tuple[Any, str]:
         """The schedule handed to the op at `site`, and how to show it."""
         # The axis locates the peers, so "auto" keeps copy engines for in-process groups of a
         # multi-process program.
         where = {"axis_name": site.axis_name, "mesh": site.mesh}
         if self.schedule == "autotune":
             return "autotune", "autotune"  # measured when the op is traced, not by explain()
-        args = (site.shapes_2d(), site.dot.outvars[0].aval.dtype, site.axis_size)
+        args = (site.op_shapes(), site.dtype, site.axis_size)
         if isinstance(self.schedule, Schedule):
             try:
                 return ops.resolve_schedule(site.op, self.schedule, *args, **where), str(self.schedule)
@@ -113,94 +113,78 @@ class _Options:
         return chosen, f"{chosen} (auto)"
 
 
-def _call_op(site: _Site, operand, weight):
-    """Run the fused op of `site` on its canonical 2-D operands."""
-    kwargs = {"return_gathered": True} if site.op == AG and site.return_gathered else {}
-    if site.op == A2A_MM and site.return_received:
-        kwargs = {"return_received": True}
-    fn = {AG: ops.ag_matmul, RS: ops.matmul_rs, A2A_MM: ops.a2a_matmul, MM_A2A: ops.matmul_a2a}[site.op]
-    try:
-        return fn(operand, weight, site.axis_name, schedule=site.schedule, **kwargs)
-    except ValueError as err:
-        if site.schedule == "auto":
-            raise
-        logger.warning("ficco_jax.overlap: %s rejected %s at %s (%s); using 'auto'", site.op, site.schedule, site.record.where, err)
-        return fn(operand, weight, site.axis_name, schedule="auto", **kwargs)
-
-
 # --------------------------------------------------------------------------------------------
 # Analysis: a plan per jaxpr, mirroring its nesting
 # --------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class _Plan:
-    sites_at: dict = dataclasses.field(default_factory=dict)  # eqn index -> [_Site] run there
+    sites_at: dict = dataclasses.field(default_factory=dict)  # eqn index -> [Site] run there
     skip: set = dataclasses.field(default_factory=set)  # eqn indices the sites replace
     children: dict = dataclasses.field(default_factory=dict)  # eqn index -> {param: plan | tuple}
     changed: bool = False
 
 
-def _is_jaxpr(value) -> bool:
-    return isinstance(value, (jex.Jaxpr, jex.ClosedJaxpr))
+@dataclasses.dataclass(frozen=True)
+class _Scope:
+    """What a jaxpr inherits from the equations around it."""
+
+    where: str = ""  # path of the jaxpr, "shard_map@0/scan@2/"
+    axis_sizes: dict | None = None  # mesh axes of the enclosing shard_maps; None outside all of them
+    # The concrete mesh of the innermost enclosing shard_map, if it was given one (its body sees
+    # only an abstract mesh), so that "auto" knows which peers share this process.
+    mesh: Any = None
+    frozen: str | None = None  # why sites here are reported and left as written
+
+    def inner(self, i: int, eqn) -> "_Scope":
+        """The scope of the sub-jaxprs of equation `i`."""
+        name = eqn.primitive.name
+        axis_sizes, mesh, frozen = self.axis_sizes, self.mesh, self.frozen
+        if name == _SHARD_MAP:
+            axis_sizes = {**(axis_sizes or {}), **dict(eqn.params["mesh"].shape)}
+            if isinstance(eqn.params["mesh"], jax.sharding.Mesh):
+                mesh = eqn.params["mesh"]
+        if name in _CUSTOM_RULES:
+            frozen = frozen or f"inside a {name} (a user-written derivative rule): left as written"
+        return _Scope(f"{self.where}{name}@{i}/", axis_sizes, mesh, frozen)
 
 
-def _sub_jaxprs(params) -> dict:
-    subs = {}
-    for key, value in params.items():
-        if _is_jaxpr(value) or (isinstance(value, (tuple, list)) and value and all(_is_jaxpr(v) for v in value)):
-            subs[key] = value
-    return subs
-
-
-def _open(jaxpr) -> tuple[Any, Sequence[Any]]:
-    return (jaxpr.jaxpr, jaxpr.consts) if isinstance(jaxpr, jex.ClosedJaxpr) else (jaxpr, ())
-
-
-def _analyse(jaxpr, axis_sizes: dict | None, where: str, options: _Options, records: list,
-             frozen: str | None, mesh=None) -> _Plan:
-    """`mesh`: the concrete mesh of the innermost enclosing shard_map, if it was given one (its body
-    sees only an abstract mesh), so that "auto" knows which peers share this process."""
+def _analyse(jaxpr, scope: _Scope, options: _Options, records: list) -> _Plan:
+    """The plan of `jaxpr` and its sub-jaxprs; appends every site and near-miss to `records`."""
     plan = _Plan()
-    if axis_sizes is not None:
-        sites, misses = find_sites(jaxpr, axis_sizes, where, options.ops)
-        a2a_sites, a2a_misses = find_a2a_sites(jaxpr, axis_sizes, where, options.ops)
-        sites, misses = sites + a2a_sites, misses + a2a_misses
-        for site in sites:
-            site.mesh = mesh
-            if frozen:
-                records.append(dataclasses.replace(site.record, reason=frozen))
-                continue
-            site.schedule, shown = options.resolve(site)
-            site.record = dataclasses.replace(site.record, schedule=shown)
-            records.append(site.record)
-            plan.sites_at.setdefault(site.exec_index, []).append(site)
-            plan.skip.update(site.skip)
-            plan.changed = True
-        records.extend(misses)
+    if scope.axis_sizes is not None:
+        _plan_sites(plan, jaxpr, scope, options, records)
     for i, eqn in enumerate(jaxpr.eqns):
-        subs = _sub_jaxprs(eqn.params)
+        subs = sub_jaxprs(eqn.params)
         if not subs:
             continue
-        name = eqn.primitive.name
-        inner_sizes, inner_mesh = axis_sizes, mesh
-        if name == _SHARD_MAP:
-            inner_sizes = {**(axis_sizes or {}), **dict(eqn.params["mesh"].shape)}
-            if isinstance(eqn.params["mesh"], jax.sharding.Mesh):
-                inner_mesh = eqn.params["mesh"]
-        inner_frozen = frozen
-        if name in _CUSTOM_RULES:
-            inner_frozen = frozen or f"inside a {name} (a user-written derivative rule): left as written"
-        path = f"{where}{name}@{i}/"
+        inner = scope.inner(i, eqn)
         children = {}
         for key, sub in subs.items():
             many = isinstance(sub, (tuple, list))
-            plans = tuple(_analyse(_open(s)[0], inner_sizes, path, options, records, inner_frozen, inner_mesh)
-                          for s in (sub if many else (sub,)))
+            plans = tuple(_analyse(open_jaxpr(s)[0], inner, options, records) for s in (sub if many else (sub,)))
             if any(p.changed for p in plans):
                 children[key] = plans if many else plans[0]
         if children:
             plan.children[i] = children
             plan.changed = True
     return plan
+
+
+def _plan_sites(plan: _Plan, jaxpr, scope: _Scope, options: _Options, records: list) -> None:
+    """The sites of `jaxpr` itself (not of its sub-jaxprs), each with its schedule, into `plan`."""
+    sites, misses = find_sites(jaxpr, scope.axis_sizes, scope.where, options.ops)
+    for site in sites:
+        site.mesh = scope.mesh
+        if scope.frozen:
+            records.append(dataclasses.replace(site.record, reason=scope.frozen))
+            continue
+        site.schedule, shown = options.resolve(site)
+        site.record = dataclasses.replace(site.record, schedule=shown)
+        records.append(site.record)
+        plan.sites_at.setdefault(site.exec_index, []).append(site)
+        plan.skip.update(site.skip)
+        plan.changed = True
+    records.extend(misses)
 
 
 # --------------------------------------------------------------------------------------------
@@ -219,7 +203,7 @@ def _run(plan: _Plan, jaxpr, consts, args) -> list:
         write(var, value)
     for i, eqn in enumerate(jaxpr.eqns):
         for site in plan.sites_at.get(i, ()):
-            site.run(read, write, _call_op)
+            site.run(read, write)
         if i in plan.skip:
             continue
         invals = [read(v) for v in eqn.invars]
@@ -252,7 +236,7 @@ def _bind(eqn, invals, params):
 def _bind_shard_map(eqn, child: _Plan, invals) -> list:
     """Re-issue a shard_map through the public API with the rewritten body."""
     params = eqn.params
-    body, consts = _open(params["jaxpr"])
+    body, consts = open_jaxpr(params["jaxpr"])
     manual = params.get("newly_manual_axes", params.get("manual_axes", params.get("axis_names")))
     check = params.get("check_vma", params.get("check_rep", True))
     fn = jax.shard_map(lambda *args: tuple(_run(child, body, consts, args)), mesh=params["mesh"],
@@ -264,7 +248,7 @@ def _bind_shard_map(eqn, child: _Plan, invals) -> list:
 def _rewrite_param(sub, child):
     if isinstance(sub, (tuple, list)):
         return type(sub)(_rewrite_param(s, c) if c.changed else s for s, c in zip(sub, child))
-    body, consts = _open(sub)
+    body, consts = open_jaxpr(sub)
     if isinstance(sub, jex.Jaxpr) and body.constvars:
         raise NotImplementedError("ficco_jax.overlap: a sub-jaxpr with constvars cannot be rewritten")
     in_avals = [v.aval for v in body.invars]
@@ -343,7 +327,7 @@ class Overlapped:
 
         closed = jax.make_jaxpr(flat_fn)(*leaves)
         records: list = []
-        plan = _analyse(closed.jaxpr, None, "", self._options, records, None)
+        plan = _analyse(closed.jaxpr, _Scope(), self._options, records)
         report = Report(records)
         for record in report:
             logger.debug("ficco_jax.overlap %s: %s %s at %s, axis %s, %s", getattr(self, "__name__", "fn"),
@@ -356,9 +340,9 @@ class Overlapped:
 
 
 def overlap(fn: Callable | None = None, *, schedule="auto", autotune: bool = False,
-            ops: Sequence[str] = _ALL_OPS):
+            ops: Sequence[str] = ALL_OPS):
     """Return `fn` with every all_gather→matmul, matmul→psum_scatter, all_to_all→expert matmul
-    and expert matmul→all_to_all (4-D, see _patterns_a2a.py) in its shard_maps overlapped.
+    and expert matmul→all_to_all (4-D, see match_ep.py) in its shard_maps overlapped.
 
     ``overlap(f)(*args)`` equals ``f(*args)``. `schedule` applies to every site where it is valid
     ("auto" elsewhere, with a log line); ``autotune=True`` measures candidates per site; `ops`

@@ -1,0 +1,70 @@
+"""Small jaxpr helpers shared by the matchers and the interpreter: atoms, avals, sub-jaxprs, and the
+transposes/reshapes that move operands between a dot's layout and an op's."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.extend.core as jex
+import numpy as np
+
+
+def fmt(aval) -> str:
+    """`float32[2,16,32]`: how reports show a shape."""
+    return f"{np.dtype(aval.dtype).name}[{','.join(str(d) for d in aval.shape)}]"
+
+
+def fmt_shapes(shapes: Sequence[Sequence[int]]) -> str:
+    """`[64,32]·[32,16]`: the operand shapes an op is called with."""
+    return "·".join(f"[{','.join(str(d) for d in shape)}]" for shape in shapes)
+
+
+def is_var(atom) -> bool:
+    return not isinstance(atom, jex.Literal)
+
+
+def single_axis(params) -> str | None:
+    """The one mesh axis a collective runs over, or None when it names several."""
+    names = params["axis_name"]
+    names = tuple(names) if isinstance(names, (tuple, list)) else (names,)
+    return names[0] if len(names) == 1 else None
+
+
+def free_dims(ndim: int, contracting: Sequence[int]) -> list[int]:
+    return [d for d in range(ndim) if d not in contracting]
+
+
+def default_precision():
+    """The precision a matmul written without one gets now (jax_default_matmul_precision applies)."""
+    one = jax.ShapeDtypeStruct((1, 1), np.float32)
+    return jax.make_jaxpr(jax.lax.dot)(one, one).eqns[0].params.get("precision")
+
+
+def transpose(x, perm):
+    """`jax.lax.transpose`, binding nothing for the identity so untouched layouts stay as written."""
+    perm = tuple(int(p) for p in perm)
+    return x if perm == tuple(range(len(perm))) else jax.lax.transpose(x, perm)
+
+
+def reshape(x, shape):
+    """`jax.lax.reshape`, binding nothing when the shape already matches."""
+    shape = tuple(int(d) for d in shape)
+    return x if tuple(x.shape) == shape else jax.lax.reshape(x, shape)
+
+
+def is_jaxpr(value) -> bool:
+    return isinstance(value, (jex.Jaxpr, jex.ClosedJaxpr))
+
+
+def sub_jaxprs(params) -> dict:
+    """The parameters of an equation that hold a jaxpr or a non-empty sequence of jaxprs."""
+    subs = {}
+    for key, value in params.items():
+        if is_jaxpr(value) or (isinstance(value, (tuple, list)) and value and all(is_jaxpr(v) for v in value)):
+            subs[key] = value
+    return subs
+
+
+def open_jaxpr(jaxpr) -> tuple[Any, Sequence[Any]]:
+    """(jaxpr, consts) of a closed or an open jaxpr."""
+    return (jaxpr.jaxpr, jaxpr.consts) if isinstance(jaxpr, jex.ClosedJaxpr) else (jaxpr, ())

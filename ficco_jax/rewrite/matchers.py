@@ -1,0 +1,32 @@
+"""`find_sites`: every matcher family over one jaxpr, as one list of sites and one of near-misses."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from . import match_ep, match_tp
+from .site import MatchContext, Site, SiteRecord
+
+# Tensor-parallel first, then expert-parallel: the order explain() lists a body's sites in.
+# Each family maps a collective primitive to its matcher.
+FAMILIES = (match_tp.MATCHERS, match_ep.MATCHERS)
+ALL_OPS = (*match_tp.OPS, *match_ep.OPS)
+
+
+def find_sites(jaxpr, axis_sizes: dict, where: str, ops: Sequence[str]) -> tuple[list[Site], list[SiteRecord]]:
+    """Sites and near-misses of one jaxpr (not of its sub-jaxprs); `axis_sizes` maps mesh axes."""
+    ctx = MatchContext.of(jaxpr, axis_sizes, where, ops)
+    sites: list[Site] = []
+    misses: list[SiteRecord] = []
+    for matchers in FAMILIES:
+        for i, eqn in enumerate(ctx.eqns):
+            match = matchers.get(eqn.primitive.name)
+            if match is None:
+                continue
+            found = match(ctx, i)
+            if isinstance(found, Site):
+                sites.append(found)
+                # A matmul feeds one op only: a later collective beside it is a near-miss.
+                ctx.taken_dots.add(ctx.eqns.index(found.dot))
+            else:
+                misses.append(found)
+    return sites, misses

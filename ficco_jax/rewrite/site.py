@@ -1,0 +1,193 @@
+"""The one site protocol: a collective next to a matmul that `overlap()` turns into a ficco_jax op.
+
+Every pattern family (match_tp.py: all_gather / psum_scatter; match_ep.py: all_to_all) subclasses
+`Site` with the layout of its pattern: which operands the op takes and how its outputs map back
+onto the variables of the jaxpr. The interpreter in overlap.py uses only what `Site` declares,
+so a new family adds a subclass and its matchers, and nothing else changes. `MatchContext` is
+what every matcher reads of one jaxpr; `SiteRecord` is what `explain()` reports of a site.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable, ClassVar
+
+import numpy as np
+
+from .jaxpr_util import default_precision, fmt_shapes, is_var, single_axis
+
+logger = logging.getLogger("ficco_jax")
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteRecord:
+    """One collective next to a matmul: rewritten (``reason == ""``) or a near-miss."""
+
+    op: str  # "ag_matmul" | "matmul_rs" | "a2a_matmul" | "matmul_a2a"
+    where: str  # path of the equation: "shard_map@0/scan@2/eqn 5"
+    axis_name: str
+    shapes: str  # the site as written: "x float32[2,16,32] gathered dim 1 · w float32[32,16]"
+    matmul_2d: str  # the operand shapes handed to the op, "[64,32]·[32,16]"; "" for near-misses
+    schedule: str  # the schedule chosen, "" for near-misses
+    reason: str = ""  # why it was not rewritten, "" if it was
+
+    @property
+    def rewritten(self) -> bool:
+        return not self.reason
+
+
+@dataclasses.dataclass(kw_only=True)
+class Site:
+    """A matched site: where the op runs, what it replaces, and (in subclasses) its layout."""
+
+    # op name -> (the public op, its keyword for also returning the collective's result or None)
+    op_calls: ClassVar[dict[str, tuple[Callable, str | None]]] = {}
+
+    op: str
+    axis_name: str
+    axis_size: int
+    exec_index: int  # the equation index at which the op runs
+    skip: tuple[int, ...]  # the equations it replaces
+    dot: Any
+    collective: Any
+    record: SiteRecord | None = None
+    # The collective's result has readers besides the matmul: the op returns it too, so nothing
+    # is communicated twice.
+    returns_collective: bool = False
+    schedule: Any = "auto"
+    mesh: Any = None  # the enclosing shard_map's concrete mesh, where it has one (locates the peers)
+
+    def op_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(operand shape, weight shape) as the op takes them."""
+        raise NotImplementedError
+
+    def operands(self, read: Callable) -> tuple[Any, Any]:
+        """The op's (operand, weight), brought from the jaxpr's layout into the op's."""
+        raise NotImplementedError
+
+    def write_outputs(self, out, collective_out, write: Callable) -> None:
+        """Write the op's result (and the collective's, when returned) back in the jaxpr's layout."""
+        raise NotImplementedError
+
+    @property
+    def dtype(self):
+        return self.dot.outvars[0].aval.dtype
+
+    def run(self, read: Callable, write: Callable) -> None:
+        """Compute this site's outputs from the interpreter's environment and write them into it."""
+        result = self.call_op(*self.operands(read))
+        out, collective_out = result if self.returns_collective else (result, None)
+        self.write_outputs(out, collective_out, write)
+
+    def call_op(self, operand, weight):
+        fn, side_flag = self.op_calls[self.op]
+        kwargs = {side_flag: True} if self.returns_collective else {}
+        try:
+            return fn(operand, weight, self.axis_name, schedule=self.schedule, **kwargs)
+        except ValueError as err:
+            # The schedule was validated for the site's shapes; an op that still refuses it
+            # (a check only the op makes) falls back rather than failing the user's function.
+            if self.schedule == "auto":
+                raise
+            logger.warning("ficco_jax.overlap: %s rejected %s at %s (%s); using 'auto'", self.op, self.schedule,
+                           self.record.where, err)
+            return fn(operand, weight, self.axis_name, schedule="auto", **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# What a matcher reads of one jaxpr
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class MatchContext:
+    eqns: Any
+    defined_at: dict  # variable -> index of its equation, -1 for the jaxpr's inputs
+    users: dict  # variable -> [(equation index, operand position)]
+    outputs: set
+    axis_sizes: dict  # mesh axis -> size
+    where: str  # path of this jaxpr, prefixed to every record
+    ops: tuple[str, ...]  # the ops overlap() may rewrite
+    taken_dots: set = dataclasses.field(default_factory=set)  # dots some site already consumes
+
+    @classmethod
+    def of(cls, jaxpr, axis_sizes: dict, where: str, ops) -> "MatchContext":
+        """Definitions and users of every variable of one jaxpr (not of its sub-jaxprs)."""
+        defined_at = {v: -1 for v in (*jaxpr.constvars, *jaxpr.invars)}
+        users: dict[Any, list[tuple[int, int]]] = {}
+        for i, eqn in enumerate(jaxpr.eqns):
+            for pos, v in enumerate(eqn.invars):
+                if is_var(v):
+                    users.setdefault(v, []).append((i, pos))
+            for v in eqn.outvars:
+                defined_at[v] = i
+        outputs = {v for v in jaxpr.outvars if is_var(v)}
+        return cls(jaxpr.eqns, defined_at, users, outputs, axis_sizes, where, tuple(ops))
+
+    def producer(self, atom) -> int:
+        """Index of the equation that computes `atom`; -1 for an input of the jaxpr or a literal."""
+        return self.defined_at.get(atom, -1) if is_var(atom) else -1
+
+    def producer_name(self, index: int) -> str:
+        return self.eqns[index].primitive.name if index >= 0 else "an input of the body"
+
+    def read_elsewhere(self, var) -> bool:
+        """Whether `var` has more than one reader (an output of the jaxpr counts as one)."""
+        return len(self.users.get(var, [])) != 1 or var in self.outputs
+
+    def readers_text(self, var) -> str:
+        names = sorted({self.eqns[j].primitive.name for j, _ in self.users.get(var, [])})
+        return f"users: {names or 'none'}"
+
+    def axis(self, eqn) -> dict:
+        """The axis_name / axis_size of a site built on collective `eqn`."""
+        size = eqn.params.get("axis_size")
+        size = int(size) if size is not None else int(self.axis_sizes[single_axis(eqn.params)])
+        return {"axis_name": single_axis(eqn.params), "axis_size": size}
+
+    def not_enabled(self, op: str) -> str | None:
+        return None if op in self.ops else f"{op} is not in ops="
+
+    def weight_problem(self, weight, first_use: int, operand: str) -> str | None:
+        """Why `weight` cannot be read where the op runs (at the first use of `operand`)."""
+        if not is_var(weight):
+            return "the weight is a literal"
+        if self.defined_at[weight] >= first_use:
+            return f"the weight is computed after the {operand} first use"
+        return None
+
+    def miss(self, op: str, i: int, shapes: str, reason: str) -> SiteRecord:
+        axis = self.eqns[i].params.get("axis_name")
+        axis = axis[0] if isinstance(axis, (tuple, list)) and len(axis) == 1 else axis
+        return SiteRecord(op, f"{self.where}eqn {i}", str(axis), shapes, "", "", reason)
+
+    def found(self, site: Site, i: int, shapes: str) -> Site:
+        """`site`, with the record of the collective at equation `i` that it rewrites."""
+        site.record = SiteRecord(site.op, f"{self.where}eqn {i}", site.axis_name, shapes,
+                                 fmt_shapes(site.op_shapes()), "")
+        return site
+
+
+# --------------------------------------------------------------------------------------------
+# Checks every family makes
+# --------------------------------------------------------------------------------------------
+def collective_problem(params) -> str | None:
+    """Why a collective cannot become one of the ops, whatever the matmul beside it."""
+    if not params.get("tiled", False):
+        return "untiled collective (adds or removes an axis); only tiled=True maps onto the ops"
+    if params.get("axis_index_groups") is not None:
+        return "axis_index_groups is set; the ops work on a whole mesh axis"
+    if single_axis(params) is None:
+        return f"collective over several mesh axes {params['axis_name']}; the ops take one axis"
+    return None
+
+
+def dot_dtype_problem(dot) -> str | None:
+    """Why the ops' matmuls would not compute what `dot` computes: dtypes or precision."""
+    lhs, rhs = (v.aval for v in dot.invars)
+    out = dot.outvars[0].aval
+    if not (lhs.dtype == rhs.dtype == out.dtype):
+        return (f"operand/result dtypes differ ({np.dtype(lhs.dtype).name} x {np.dtype(rhs.dtype).name}"
+                f" -> {np.dtype(out.dtype).name}); the ops compute in the operands' dtype")
+    precision = dot.params.get("precision")
+    if precision is not None and precision != default_precision():
+        return f"explicit precision={precision} differs from the default the ops' matmuls use"
+    return None
