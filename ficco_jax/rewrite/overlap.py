@@ -56,8 +56,8 @@ class Report(list):
 
     def __str__(self) -> str:
         if not self:
-            return "ficco_jax.overlap: no all_gather/psum_scatter found inside a shard_map"
-        header = ("", "op", "where", "axis", "shapes", "as 2-D", "schedule / why not")
+            return "ficco_jax.overlap: no all_gather/psum_scatter/all_to_all found inside a shard_map"
+        header = ("", "op", "where", "axis", "shapes", "op operands", "schedule / why not")
         rows = [("ok" if r.rewritten else "--", r.op, r.where, r.axis_name, r.shapes, r.matmul_2d,
                  r.schedule if r.rewritten else r.reason) for r in self]
         widths = [max(len(str(row[c])) for row in (header, *rows)) for c in range(len(header) - 1)]
