@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ficco_jax.schedule import Schedule, local_shapes
-from ficco_jax.tools import accuracy, characterize
+from ficco_jax.tools import accuracy, characterize, report
 from ficco_jax.tuning import cost_model, fitting
 
 # Copies of GPU results (H200 machines, 2026-11-22) that these tests recompute; tests/data/README.md
@@ -53,7 +53,7 @@ def test_heldout_shapes_are_not_the_calibration_shapes():
 
 
 def test_judge_flags_a_pick_slower_than_sequential():
-    from ficco_jax.tools.bench import Row
+    from ficco_jax.tools.harness import Row
 
     rows = [Row("ag_matmul", "s", 8, 8, 8, "none", median_ms=1.0, verified=True, extra={"predicted_ms": 1.0}),
             Row("ag_matmul", "s", 8, 8, 8, "dma/direct/c1", median_ms=1.1, verified=True, extra={"predicted_ms": 0.8})]
@@ -142,7 +142,7 @@ def test_accuracy_plot_from_the_gpu_run(tmp_path):
     pytest.importorskip("matplotlib")
     with open(os.path.join(DATA, "accuracy_h200x4.json")) as fh:
         result = json.load(fh)
-    accuracy.plot_accuracy(result, str(tmp_path))
+    report.plot_accuracy(result, str(tmp_path))
     assert (tmp_path / "accuracy.png").stat().st_size > 10_000
 
 
@@ -175,7 +175,7 @@ def test_calibrate_from_files_fits_the_op_times(tmp_path):
 
 
 def _rows(times):
-    from ficco_jax.tools.bench import Row
+    from ficco_jax.tools.harness import Row
 
     return [Row("ag_matmul", "s", 8, 8, 8, v, median_ms=t, verified=True, extra={"predicted_ms": 1.0})
             for v, t in times.items()]

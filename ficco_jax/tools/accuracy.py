@@ -7,7 +7,7 @@ shape and both ops, on the first N local devices:
 - the schedule `auto` picks with this machine's profile (`select.select_schedule`),
 - the model's next `top` candidates and a fixed set of schedules that often win on GPUs,
 
-each verified against the reference before it is timed (`bench.verify_then_time`). Per case it
+each verified against the reference before it is timed (`harness.verify_then_time`). Per case it
 reports the predicted and measured time of each, the best measured, and whether the pick is within
 5 % of that best and no more than 3 % slower than JAX sequential. When the first timings say no,
 the pick, the best and JAX sequential are timed `--confirm-rounds` more times, interleaved, and
@@ -22,6 +22,7 @@ M from 512 to 32768 tokens.
 """
 from __future__ import annotations
 
+import collections
 import datetime
 import json
 import os
@@ -29,15 +30,15 @@ import time
 from dataclasses import asdict
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from ..schedule import Schedule
+from ..ops import measure
+from ..schedule import Schedule, local_shapes
 from ..tuning import cost_model, select, timing
 from ..tuning.fitting import recorded_op_rows
-from . import bench
-from .report import git_commit, progress_printer
+from .harness import Row, verify_then_time_each
+from .report import git_commit, plot_accuracy, progress_printer
 
 #: (M tokens, K, N) of a tensor-parallel layer; K = hidden, N = the sharded width.
 HELDOUT_SHAPES = {
@@ -103,66 +104,30 @@ def run(out_dir: str, axis_size: int | None = None, shapes: dict | None = None, 
     only the (op, shape) cases it lacks are measured, so several short device calls add up to one
     held-out check. It must be of the same device kind, group size, dtype and profile (else
     ValueError), and each case keeps the commit it was measured at."""
-
-    devices = jax.local_devices()
-    n = axis_size or len(devices)
-    if n > len(devices):
-        raise ValueError(f"accuracy: --axis-size {n} needs {n} devices, this process has {len(devices)}")
-    mesh = Mesh(np.array(devices[:n]), ("tp",))
+    mesh = _mesh(axis_size)
+    n = mesh.shape["tp"]
     on_cpu = jax.default_backend() == "cpu"
     if on_cpu:
         dtype = "float32"
     shapes = shapes or (CPU_SHAPES if on_cpu else HELDOUT_SHAPES)
-    comms = select.available_comms()  # the model's pick over these is what "auto" resolves to on a GPU
     profile = profile or select.profile_for(n)
-    plans = []
-    for name, (M, K, N) in shapes.items():  # shape-major: a time budget cuts shapes, not one op
-        for op in ("ag_matmul", "matmul_rs"):
-            local = bench.local_shapes(op, M, K, N, n)
-            chosen, cands = candidates(op, local, dtype, n, comms, profile, top)
-            plans.append((op, name, M, K, N, chosen, cands))
+    plans = plan_cases(shapes, n, dtype, profile, top)
     earlier = []
     if resume is not None:
         earlier = resumed_cases(resume, jax.devices()[0].device_kind, n, dtype, profile.get("name"))
         done = {(c["op"], c["shape"]) for c in earlier}
         plans = [p for p in plans if (p[0], p[1]) not in done]
     progress = progress_printer(sum(len(p[6]) for p in plans))
-    result = {
-        "device": jax.devices()[0].device_kind, "platform": jax.default_backend(), "axis_size": n,
-        "dtype": dtype, "jax": jax.__version__, "commit": git_commit(), "profile": profile.get("name"),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "method": timing.METHOD + ("; ON CPU: NOT meaningful" if on_cpu else ""),
-        "criteria": {"within_best": WITHIN_BEST, "within_seq": WITHIN_SEQ}, "confirm_rounds": confirm_rounds,
-        "cases": earlier,
-    }
-    if resume is not None:
-        result["resumed"] = {"commit": resume.get("commit"), "date": resume.get("date"), "cases": len(earlier)}
+    result = _new_result(n, dtype, profile, confirm_rounds, earlier, resume, on_cpu)
     os.makedirs(out_dir, exist_ok=True)
     t0 = time.perf_counter()
     for op, name, M, K, N, chosen, cands in plans:
         if budget_s is not None and time.perf_counter() - t0 > budget_s:
             result.setdefault("skipped", []).append(f"{op} {name}")
             continue
-        args = bench.make_inputs(op, M, K, N, dtype, mesh)
-        want = bench.sharded(mesh, op, bench.op_body(op, "ref"))(*[a.astype(jnp.float32) for a in args])
-        rows, makers = [], {}
-        for sched, pred in cands:
-            progress(f"{op} {name} {sched}")
-            row = bench.Row(op, name, M, K, N, str(sched), selected=(sched == chosen))
-            body = bench.op_body(op, sched)
-            makers[str(sched)] = lambda r, body=body: bench.sharded(mesh, op, body, r)
-            bench.verify_then_time(row, makers[str(sched)], args, want, dtype)
-            row.extra["predicted_ms"] = pred * 1e3
-            rows.append(row)
-        case = judge(op, name, (M, K, N), chosen, rows)
-        for _ in range(2):  # twice at most: a re-timed best can hand "best" to another single timing
-            if case["verdict"] != "miss" or confirm_rounds < 1 or not confirm(rows, case, makers, args, confirm_rounds):
-                break
-            progress(f"{op} {name}: re-timed the pick, the best and JAX seq")
-            case = judge(op, name, (M, K, N), chosen, rows)
+        case = measure_case(op, name, (M, K, N), chosen, cands, mesh, dtype, confirm_rounds, progress)
         case["commit"] = result["commit"]
         result["cases"].append(case)
-        del args, want
         _save(result, out_dir)
     result["summary"] = summarize(result["cases"])
     _save(result, out_dir)
@@ -173,6 +138,63 @@ def run(out_dir: str, axis_size: int | None = None, shapes: dict | None = None, 
     if plot:
         plot_accuracy(result, out_dir)
     return result
+
+
+def _mesh(axis_size: int | None) -> Mesh:
+    """A one-axis ("tp") mesh over the first `axis_size` local devices (default: all of them)."""
+    devices = jax.local_devices()
+    n = axis_size or len(devices)
+    if n > len(devices):
+        raise ValueError(f"accuracy: --axis-size {n} needs {n} devices, this process has {len(devices)}")
+    return Mesh(np.array(devices[:n]), ("tp",))
+
+
+def plan_cases(shapes: dict, n: int, dtype: str, profile, top: int) -> list[tuple]:
+    """[(op, name, M, K, N, auto's pick, [(schedule, predicted s)])], shape-major so that a time
+    budget cuts shapes, not one op of a shape. The model ranks the comms this process offers: its
+    pick over them is what "auto" resolves to on a GPU."""
+    comms = select.available_comms()
+    plans = []
+    for name, (M, K, N) in shapes.items():
+        for op in ("ag_matmul", "matmul_rs"):
+            chosen, cands = candidates(op, local_shapes(op, M, K, N, n), dtype, n, comms, profile, top)
+            plans.append((op, name, M, K, N, chosen, cands))
+    return plans
+
+
+def _new_result(n, dtype, profile, confirm_rounds, earlier, resume, on_cpu) -> dict:
+    """accuracy.json's header (machine, versions, commit, method, criteria) and the cases kept so far."""
+    result = {
+        "device": jax.devices()[0].device_kind, "platform": jax.default_backend(), "axis_size": n,
+        "dtype": dtype, "jax": jax.__version__, "commit": git_commit(), "profile": profile.get("name"),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "method": timing.METHOD + ("; ON CPU: NOT meaningful" if on_cpu else ""),
+        "criteria": {"within_best": WITHIN_BEST, "within_seq": WITHIN_SEQ}, "confirm_rounds": confirm_rounds,
+        "cases": earlier,
+    }
+    if resume is not None:
+        result["resumed"] = {"commit": resume.get("commit"), "date": resume.get("date"), "cases": len(earlier)}
+    return result
+
+
+def measure_case(op, name, dims, chosen, cands, mesh, dtype, confirm_rounds, progress) -> dict:
+    """One (op, shape) case: every candidate verified then timed, judged; a miss re-timed and
+    judged again (`confirm`)."""
+    M, K, N = dims
+    args = measure.make_inputs(op, local_shapes(op, M, K, N, mesh.shape["tp"]), dtype, mesh)
+    variants = [(Row(op, name, M, K, N, str(sched), selected=(sched == chosen)), sched) for sched, _ in cands]
+    makers = verify_then_time_each(variants, mesh, args, dtype, progress)
+    rows = []
+    for (row, _), (_, pred) in zip(variants, cands):
+        row.extra["predicted_ms"] = pred * 1e3
+        rows.append(row)
+    case = judge(op, name, dims, chosen, rows)
+    for _ in range(2):  # twice at most: a re-timed best can hand "best" to another single timing
+        if case["verdict"] != "miss" or confirm_rounds < 1 or not confirm(rows, case, makers, args, confirm_rounds):
+            break
+        progress(f"{op} {name}: re-timed the pick, the best and JAX seq")
+        case = judge(op, name, dims, chosen, rows)
+    return case
 
 
 def resumed_cases(earlier: dict, device: str, n: int, dtype: str, profile_name) -> list[dict]:
@@ -194,41 +216,6 @@ def resumed_cases(earlier: dict, device: str, n: int, dtype: str, profile_name) 
             continue
         kept.append(dict(c, commit=c.get("commit", earlier.get("commit"))))
     return kept
-
-
-def plot_accuracy(result: dict, out_dir: str) -> None:
-    """accuracy.png: predicted vs measured time of every measured schedule (left), and per case
-    the pick's time over the best measured (right, 5 % line)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("--plot needs matplotlib: pip install 'ficco_jax[plot]'")
-        return
-    cases = [c for c in result["cases"] if "chosen_vs_best" in c]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for op, marker in (("ag_matmul", "o"), ("matmul_rs", "s")):
-        pts = [(r["median_ms"], r["extra"]["predicted_ms"]) for c in cases if c["op"] == op for r in c["rows"]
-               if r["median_ms"]]
-        if pts:
-            left.scatter(*zip(*pts), marker=marker, s=14, label=op)
-    lo = min([r["median_ms"] for c in cases for r in c["rows"] if r["median_ms"]] or [0.01])
-    hi = max([r["median_ms"] for c in cases for r in c["rows"] if r["median_ms"]] or [1.0])
-    left.plot([lo, hi], [lo, hi], "k--", lw=0.8)
-    left.set(xscale="log", yscale="log", xlabel="measured ms", ylabel="predicted ms", title="cost model")
-    left.legend()
-    labels = [f"{'AG' if c['op'] == 'ag_matmul' else 'RS'} {c['shape']}" for c in cases]
-    right.bar(range(len(cases)), [c["chosen_vs_best"] for c in cases],
-              color=["tab:green" if c["verdict"] == "ok" else "tab:red" for c in cases])
-    right.axhline(WITHIN_BEST, color="k", ls="--", lw=0.8)
-    right.set_xticks(range(len(cases)), labels, rotation=90, fontsize=6)
-    right.set(ylabel="pick / best measured", ylim=(0.95, max([c["chosen_vs_best"] for c in cases] + [1.1]) + 0.02),
-              title="auto's pick (green: within 5 % and <= 3 % over JAX seq)")
-    fig.suptitle(f"{result['axis_size']} x {result['device']}, profile {result['profile']}")
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "accuracy.png"), dpi=110)
-    plt.close(fig)
 
 
 def confirm(rows, case, makers, args, rounds: int) -> bool:
@@ -305,9 +292,6 @@ def replay(results: list[dict], profile=None) -> dict:
     restricted to what was measured, so this scores the model's ranking, not its full choice: it
     answers "which profile ranks these times better" without GPU time, on times that may be the
     ones a profile was fitted to (say so when quoting it)."""
-    import collections
-
-
     cases, errs, used = [], [], set()
     for index, res in enumerate(results):
         measured = collections.defaultdict(dict)
@@ -318,7 +302,7 @@ def replay(results: list[dict], profile=None) -> dict:
         prof = profile or select.profile_for(n, device_kind=res.get("device", ""))
         used.add(prof.get("name", "?"))
         for (op, M, K, N), times in measured.items():
-            local = bench.local_shapes(op, M, K, N, n)
+            local = local_shapes(op, M, K, N, n)
             predicted = {}
             for sched in times:
                 try:

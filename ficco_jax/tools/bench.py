@@ -16,7 +16,6 @@ import sys
 from dataclasses import asdict
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -25,7 +24,7 @@ from ..ops.measure import op_body, sharded
 from ..schedule import A2A_OPS, Schedule, local_shapes
 from ..tuning import select, timing
 from . import bench_moe
-from .harness import DTYPES, TOLERANCE, Row, extension_info, listed_schedules, verify_then_time  # noqa: F401
+from .harness import Row, bound_rows, extension_info, fitting_schedules, listed_schedules, verify_then_time_each
 from .report import git_commit, markdown_table, plot_speedups, progress_printer
 
 #: (M tokens, K, N) of a tensor-parallel layer over 4 GPUs, the anchor shapes of BENCHMARKS.md.
@@ -46,62 +45,40 @@ SHAPE_SETS = {"anchors": ANCHOR_SHAPES, "llama405b": LLAMA405B_SHAPES}
 CPU_SHAPES = {"tiny_M256_K128_N256": (256, 128, 256)}
 
 
-
-def make_inputs(op, M, K, N, dtype, mesh, seed=0):
-    """Random global operands (never zeros) of a layer (M, K, N), sharded as `op` expects."""
-    return measure.make_inputs(op, local_shapes(op, M, K, N, mesh.shape["tp"]), dtype, mesh, seed=seed)
-
-
 # ------------------------------------------------------------------------------------------------
 # One (op, shape): every variant
 # ------------------------------------------------------------------------------------------------
 def bench_shape(op, name, M, K, N, dtype, mesh, schedules, progress) -> list[Row]:
+    """The rows of one (op, layer shape): JAX sequential, the listed schedules, JAX's ring, auto's
+    pick, each verified then timed, and the bounds."""
     n = mesh.shape["tp"]
     shapes = local_shapes(op, M, K, N, n)
-    args = make_inputs(op, M, K, N, dtype, mesh)
-    want = sharded(mesh, op, op_body(op, "ref"))(*[a.astype(jnp.float32) for a in args])
+    args = measure.make_inputs(op, shapes, dtype, mesh)
     # What "auto" would pick on a GPU of this machine's profile (on CPU "auto" means no overlap).
     selected = select.select_schedule(op, shapes, dtype, n)
-    rows = []
     variants = [("jax_seq", "ref")] + [(f"ficco:{s}", s) for s in schedules]
     if Schedule(comm="xla", order="ring") not in schedules:
         variants.append(("jax_ring", Schedule(comm="xla", order="ring")))
     if selected not in schedules:
         variants.append((f"ficco:{selected}", selected))
-    for label, sched in variants:
-        progress(f"{op} {name} {label}")
-        row = Row(op, name, M, K, N, label, selected=(sched == selected))
-        rows.append(verify_then_time(row, lambda r, sched=sched: sharded(mesh, op, op_body(op, sched), r),
-                                     args, want, dtype))
-    rows += _bounds(op, name, M, K, N, dtype, mesh, progress)
-    return rows
+    rows = [(Row(op, name, M, K, N, label, selected=(sched == selected)), sched) for label, sched in variants]
+    verify_then_time_each(rows, mesh, args, dtype, progress, body_of=op_body)
+    return [row for row, _ in rows] + _bounds(op, name, M, K, N, dtype, mesh, progress)
 
 
 def _bounds(op, name, M, K, N, dtype, mesh, progress) -> list[Row]:
     """GEMM alone (full size, one device), the collective alone, and the ideal max of the two."""
     n = mesh.shape["tp"]
-    (a_shape, w_shape) = local_shapes(op, M, K, N, n)
-    dev = mesh.devices.flat[0]
-    key = jax.random.PRNGKey(1)
-    full_a = (M, K) if op == "ag_matmul" else (M, N // n)
-    a = jax.device_put(jax.random.normal(key, full_a, jnp.float32).astype(dtype), dev)
-    w = jax.device_put(jax.random.normal(key, w_shape, jnp.float32).astype(dtype), dev)
-    progress(f"{op} {name} gemm_alone")
-    gemm = timing.device_time(lambda r: jax.jit(timing.chain(lambda a, w: a @ w, r)), (a, w))
-    if op == "ag_matmul":
-        coll_body = lambda x: jax.lax.all_gather(x, "tp", axis=0, tiled=True)
-        coll_in = jax.device_put(jnp.ones((M, K), dtype) * 0.5, NamedSharding(mesh, P("tp", None)))
-    else:
-        coll_body = lambda y: jax.lax.psum_scatter(y, "tp", scatter_dimension=0, tiled=True)
-        coll_in = jax.device_put(jnp.ones((M * n, K), dtype) * 0.5, NamedSharding(mesh, P("tp", None)))
-    progress(f"{op} {name} collective_alone")
-    make = lambda r: jax.jit(jax.shard_map(timing.chain(coll_body, r), mesh=mesh, in_specs=(P("tp", None),),
-                                           out_specs=P("tp", None)))
-    coll = timing.device_time(make, (coll_in,))
-    rows = [Row(op, name, M, K, N, "gemm_alone", gemm["median_s"] * 1e3, gemm["spread_s"] * 1e3),
-            Row(op, name, M, K, N, "collective_alone", coll["median_s"] * 1e3, coll["spread_s"] * 1e3)]
-    rows.append(Row(op, name, M, K, N, "ideal", max(r.median_ms for r in rows), note="max(gemm_alone, collective_alone)"))
-    return rows
+    _, w_shape = local_shapes(op, M, K, N, n)
+    if op == "ag_matmul":  # all-gathers x [M/n, K] per device into [M, K]
+        full_a, coll_shape = (M, K), (M, K)
+        collective = lambda x: jax.lax.all_gather(x, "tp", axis=0, tiled=True)  # noqa: E731
+    else:  # reduce-scatters every device's [M, K] product
+        full_a, coll_shape = (M, N // n), (M * n, K)
+        collective = lambda y: jax.lax.psum_scatter(y, "tp", scatter_dimension=0, tiled=True)  # noqa: E731
+    return bound_rows(Row(op, name, M, K, N, ""), mesh, dtype, progress, gemm=lambda a, w: a @ w,
+                      gemm_shapes=(full_a, w_shape), collective=collective, collective_shape=coll_shape,
+                      spec=P("tp", None))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -113,7 +90,7 @@ WINDOWED_FLAGS = "--xla_gpu_threshold_for_windowed_einsum_mib=0 --xla_gpu_multi_
 def windowed_einsum_child(op, M, K, N, dtype) -> dict:
     """Runs in the child: GSPMD-sharded matmul whose collective XLA turns into a windowed einsum."""
     mesh = Mesh(np.array(jax.local_devices()), ("tp",))
-    args = make_inputs(op, M, K, N, dtype, mesh)
+    args = measure.make_inputs(op, local_shapes(op, M, K, N, mesh.shape["tp"]), dtype, mesh)
     out_spec = P(None, "tp") if op == "ag_matmul" else P("tp", None)
     sharding = NamedSharding(mesh, out_spec)
 
@@ -145,21 +122,12 @@ def windowed_einsum(op, name, M, K, N, dtype) -> Row:
 # ------------------------------------------------------------------------------------------------
 # The command
 # ------------------------------------------------------------------------------------------------
-def _fits(schedule, op, M, K, N, n) -> bool:
-    """Whether a listed schedule applies to this op and shape (a list may name ag-only points)."""
-    try:
-        schedule.validate(op, local_shapes(op, M, K, N, n), n)
-        return True
-    except ValueError:
-        return False
-
-
 def record_timeline(mesh, op: str, schedule, M: int, K: int, N: int, iters: int, out_dir: str | None,
                     dtype: str = "bfloat16", seed: int = 0) -> None:
     """Run `op` under `schedule` ("ref" or a Schedule) `iters` times in one jitted loop, compiled and
     warmed up first, then once more under JAX's profiler (a Perfetto trace under `out_dir`; None:
     no profiler, e.g. when nsys records the process). The trace suite of benchmarks/ prints it."""
-    inputs = make_inputs(op, M, K, N, dtype, mesh, seed=seed)
+    inputs = measure.make_inputs(op, local_shapes(op, M, K, N, mesh.shape["tp"]), dtype, mesh, seed=seed)
     fn = sharded(mesh, op, op_body(op, schedule), iters)
     jax.block_until_ready(fn(*inputs))  # compile and warm up outside the recording
     if out_dir is None:
@@ -183,9 +151,9 @@ def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=
         if op in A2A_OPS:
             moe_plan += bench_moe.plan(op, moe_shapes, schedules_arg, n, comms)
             continue
+        listed = listed_schedules(op, schedules_arg, n, comms)
         for name, (M, K, N) in shapes.items():
-            scheds = listed_schedules(op, schedules_arg, n, comms)
-            tp_plan.append((op, name, M, K, N, [s for s in scheds if s.comm != "none" and _fits(s, op, M, K, N, n)]))
+            tp_plan.append((op, name, M, K, N, fitting_schedules(op, listed, local_shapes(op, M, K, N, n), n)))
     total = (sum(len(p[5]) + 5 + (not on_cpu and windowed) for p in tp_plan)
              + sum(len(p[3]) + 4 for p in moe_plan))
     progress = progress_printer(total)

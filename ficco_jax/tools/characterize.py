@@ -23,10 +23,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .. import dma
 from ..lowering.dma import probe as dma_probe
-from ..schedule import Schedule, local_shapes
-from ..tuning import cost_model, select, timing
+from ..schedule import Schedule
+from ..tuning import select, timing
 from ..tuning.fitting import nccl_contention
-from .report import git_commit, progress_printer
+from .report import git_commit, plot_characterization, progress_printer
 
 GPU_GRID = {"rows": [512, 1024, 2048, 4096, 8192], "kn": [(8192, 7168), (8192, 2560), (12288, 12288)],
             "chunks": [1, 2, 4, 8], "shard_mib": [1, 4, 16, 64]}
@@ -222,30 +222,3 @@ def summary(char: dict) -> str:
                  + (f"; executor matmul alone {c['executor_matmul_ms']:.3f} ms, beside copy-engine pulls "
                     f"{c['executor_matmul_beside_dma_ms']:.3f} ms" if "executor_matmul_ms" in c else ""))
     return "\n".join(lines)
-
-
-def plot_characterization(char: dict, out_dir: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("--plot needs matplotlib: pip install 'ficco_jax[plot]'")
-        return
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for (k, n_cols) in sorted({(r["K"], r["N"]) for r in char["decomposition"]}):
-        for c in sorted({r["chunks"] for r in char["decomposition"]} - {1}):
-            pts = [(r["rows"], r["loss"] * 100) for r in char["decomposition"] if (r["K"], r["N"], r["chunks"]) == (k, n_cols, c)]
-            if pts:
-                ax1.plot(*zip(*pts), marker="o", label=f"K={k} N={n_cols} c={c}")
-    ax1.set_xscale("log", base=2); ax1.set_xlabel("rows of the whole matmul"); ax1.set_ylabel("decomposition loss %")
-    ax1.legend(fontsize=6)
-    for comm in sorted({r["comm"] for r in char["transfers"]}):
-        pts = [(r["shard_bytes"] / 2**20, r["ingress_gbps"]) for r in char["transfers"] if r["comm"] == comm]
-        ax2.plot(*zip(*pts), marker="o", label=comm)
-    ax2.set_xscale("log", base=2); ax2.set_xlabel("shard MiB"); ax2.set_ylabel("all-gather ingress GB/s"); ax2.legend()
-    fig.suptitle(f"{char['n_devices']} x {char['device']}")
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "characterize.png"), dpi=110)
-    plt.close(fig)

@@ -1,4 +1,4 @@
-"""`python -m ficco_jax {demo,bench,characterize,calibrate,explain}`."""
+"""`python -m ficco_jax {demo,bench,explain,characterize,calibrate,accuracy}`."""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +11,7 @@ import jax
 from ..schedule import Schedule, local_shapes
 from ..tuning import cost_model, fitting, select
 from . import accuracy, bench, characterize
+from .harness import DTYPES, listed_schedules
 
 # Without GPUs, run on 8 virtual CPU devices. The flag only affects JAX's CPU platform, so it is
 # harmless on a GPU host; it must be set before JAX's backend starts (the first device query).
@@ -40,14 +41,38 @@ def _shapes(args_shapes, default):
     return shapes
 
 
+def _load_profile(name: str | None, flag: str):
+    """The profile `--profile` names (a name or a JSON path), None when not given; one that is
+    missing or unreadable is a clear error naming the option."""
+    try:
+        return cost_model.load_profile(name) if name else None
+    except (ValueError, FileNotFoundError) as exc:
+        raise SystemExit(f"{flag}: {exc}")
+
+
+def _add_bench(sub):
+    p = sub.add_parser("bench", help="ficco_jax vs JAX sequential, ring, windowed einsum and the ideal bound")
+    p.add_argument("--op", choices=["ag_matmul", "matmul_rs", "all", "a2a_matmul", "matmul_a2a", "moe"], default="all",
+                   help="all = ag_matmul + matmul_rs; moe = a2a_matmul + matmul_a2a")
+    p.add_argument("--shape", action="append", help="M,K,N, a shape name or a set: anchors, llama405b (repeatable); default: the anchor shapes (GPU) or a tiny one (CPU)")
+    p.add_argument("--moe-shape", action="append",
+                   help="T,d,f,E,k for the moe ops (repeatable); default: Mixtral-8x7B-like on GPU, tiny on CPU")
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--schedules", default="auto", help="auto | all | dma | xla | comma-separated list like dma/direct/c4/s2,xla/ring/c1")
+    p.add_argument("--out", default="out/bench")
+    p.add_argument("--plot", action="store_true", help="write speedup PNGs (needs matplotlib)")
+    p.add_argument("--no-windowed", action="store_true", help="skip XLA's windowed einsum child process")
+    p.set_defaults(fn=_cmd_bench)
+
+
 def _cmd_bench(args):
-    dtype = bench.DTYPES.get(args.dtype)
+    dtype = DTYPES.get(args.dtype)
     if dtype is None:
-        raise SystemExit(f"--dtype {args.dtype!r}: use one of {sorted(bench.DTYPES)}")
+        raise SystemExit(f"--dtype {args.dtype!r}: use one of {sorted(DTYPES)}")
     default = bench.CPU_SHAPES if jax.default_backend() == "cpu" else bench.ANCHOR_SHAPES
     ops = {"all": ["ag_matmul", "matmul_rs"], "moe": ["a2a_matmul", "matmul_a2a"]}.get(args.op, [args.op])
     try:
-        bench.listed_schedules(ops[0], args.schedules, 1, ("none", "xla", "dma"))  # parse before any compile
+        listed_schedules(ops[0], args.schedules, 1, ("none", "xla", "dma"))  # parse before any compile
     except ValueError as exc:
         raise SystemExit(str(exc))
     bench.run(ops, _shapes(args.shape, default), dtype, args.schedules, args.out, plot=args.plot,
@@ -68,6 +93,12 @@ def _moe_shapes(texts):
     return shapes
 
 
+def _add_demo(sub):
+    p = sub.add_parser("demo", help="check every schedule on all local devices and print a timing table")
+    p.add_argument("--out", default="out/demo")
+    p.set_defaults(fn=_cmd_demo)
+
+
 def _cmd_demo(args):
     on_cpu = jax.default_backend() == "cpu"
     print(f"ficco_jax demo on {len(jax.local_devices())} x {jax.devices()[0].device_kind} ({jax.default_backend()})")
@@ -79,12 +110,23 @@ def _cmd_demo(args):
               windowed=False)
 
 
+def _add_explain(sub):
+    p = sub.add_parser("explain", help="the cost model's prediction for every candidate schedule")
+    p.add_argument("--op", choices=["ag_matmul", "matmul_rs"], required=True)
+    p.add_argument("--shape", required=True, help="M,K,N")
+    p.add_argument("--axis-size", type=int, default=4)
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--profile", default=None, help="profile name or JSON path (default: this machine's)")
+    p.add_argument("--top", type=int, default=15)
+    p.set_defaults(fn=_cmd_explain)
+
+
 def _cmd_explain(args):
     (M, K, N), = _shapes([args.shape], None).values()
     n = args.axis_size
     shapes = local_shapes(args.op, M, K, N, n)
-    dtype = bench.DTYPES[args.dtype]
-    profile = cost_model.load_profile(args.profile) if args.profile else select.profile_for(n)
+    dtype = DTYPES[args.dtype]
+    profile = _load_profile(args.profile, "explain --profile") or select.profile_for(n)
     comms = ("none", "xla", "dma")
     ranked = cost_model.rank(args.op, shapes, dtype, n, Schedule.enumerate(args.op, n, comms), profile)
     print(f"{args.op} M,K,N={M},{K},{N} on {n} devices, {dtype}, profile {profile.get('name')}: per-device {shapes}")
@@ -94,6 +136,15 @@ def _cmd_explain(args):
     print(f"choice: {ranked[0][1]}")
 
 
+def _add_characterize(sub):
+    p = sub.add_parser("characterize", help="decomposition loss, contention and transfer cost on this machine")
+    p.add_argument("--out", default="out/characterize")
+    p.add_argument("--plot", action="store_true")
+    p.add_argument("--parts", default="decomposition,transfers,contention",
+                   help="comma-separated subset of decomposition, transfers, contention")
+    p.set_defaults(fn=_cmd_characterize)
+
+
 def _cmd_characterize(args):
     parts = tuple(p for p in args.parts.split(",") if p)
     try:
@@ -101,6 +152,16 @@ def _cmd_characterize(args):
     except ValueError as exc:
         raise SystemExit(f"--parts {args.parts!r} (comma-separated): {exc}")
     characterize.run(args.out, plot=args.plot, parts=parts)
+
+
+def _add_calibrate(sub):
+    p = sub.add_parser("calibrate", help="characterize, then fit and write a machine profile for the cost model")
+    p.add_argument("--out", default="out/calibrate/profile.json")
+    p.add_argument("--characterization", help="fit an existing characterize.json instead of measuring")
+    p.add_argument("--bench", action="append",
+                   help="a bench.json whose verified op times refine the op-level costs (repeatable)")
+    p.add_argument("--name", help="the profile's name (e.g. h200x8)")
+    p.set_defaults(fn=_cmd_calibrate)
 
 
 def _cmd_calibrate(args):
@@ -134,84 +195,7 @@ def _read_json(path: str, flag: str):
         raise SystemExit(f"{flag} {path}: cannot read it as JSON ({exc})")
 
 
-def _cmd_accuracy(args):
-    if args.replay:  # offline: re-score recorded times, no device needed
-        results = [_read_json(path, "accuracy --replay") for path in args.replay]
-        try:
-            profile = cost_model.load_profile(args.profile) if args.profile else None
-            print(accuracy.replay_markdown(accuracy.replay(results, profile)), end="")
-        except (ValueError, FileNotFoundError) as exc:
-            raise SystemExit(f"accuracy --replay: {exc}")
-        return
-    shapes = None
-    if args.shape:
-        named = dict(accuracy.HELDOUT_SHAPES)
-        shapes = {t: named[t] for t in args.shape if t in named}
-        shapes.update(_shapes([t for t in args.shape if t not in named], {}))
-    try:
-        profile = cost_model.load_profile(args.profile) if args.profile else None
-    except FileNotFoundError as exc:
-        raise SystemExit(f"accuracy --profile: {exc}")
-    resume = _read_json(args.resume, "accuracy --resume") if args.resume else None
-    rounds = accuracy.CONFIRM_ROUNDS if args.confirm_rounds is None else args.confirm_rounds
-    if rounds < 0:
-        raise SystemExit(f"accuracy: --confirm-rounds must be >= 0 (0 turns re-timing off), got {rounds}")
-    try:
-        accuracy.run(args.out, axis_size=args.axis_size, shapes=shapes, top=args.top, profile=profile,
-                     budget_s=args.budget_s, plot=args.plot, confirm_rounds=rounds, resume=resume)
-    except ValueError as exc:  # a device count or shape the run cannot take: say so, no traceback
-        raise SystemExit(str(exc))
-
-
-def _cmd_windowed(args):
-    print(json.dumps(bench.windowed_einsum_child(args.op, args.M, args.K, args.N, args.dtype)))
-
-
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m ficco_jax", description=__doc__)
-    sub = parser.add_subparsers(dest="cmd", required=True)
-
-    p = sub.add_parser("demo", help="check every schedule on all local devices and print a timing table")
-    p.add_argument("--out", default="out/demo")
-    p.set_defaults(fn=_cmd_demo)
-
-    p = sub.add_parser("bench", help="ficco_jax vs JAX sequential, ring, windowed einsum and the ideal bound")
-    p.add_argument("--op", choices=["ag_matmul", "matmul_rs", "all", "a2a_matmul", "matmul_a2a", "moe"], default="all",
-                   help="all = ag_matmul + matmul_rs; moe = a2a_matmul + matmul_a2a")
-    p.add_argument("--shape", action="append", help="M,K,N, a shape name or a set: anchors, llama405b (repeatable); default: the anchor shapes (GPU) or a tiny one (CPU)")
-    p.add_argument("--moe-shape", action="append",
-                   help="T,d,f,E,k for the moe ops (repeatable); default: Mixtral-8x7B-like on GPU, tiny on CPU")
-    p.add_argument("--dtype", default="bf16")
-    p.add_argument("--schedules", default="auto", help="auto | all | dma | xla | comma-separated list like dma/direct/c4/s2,xla/ring/c1")
-    p.add_argument("--out", default="out/bench")
-    p.add_argument("--plot", action="store_true", help="write speedup PNGs (needs matplotlib)")
-    p.add_argument("--no-windowed", action="store_true", help="skip XLA's windowed einsum child process")
-    p.set_defaults(fn=_cmd_bench)
-
-    p = sub.add_parser("explain", help="the cost model's prediction for every candidate schedule")
-    p.add_argument("--op", choices=["ag_matmul", "matmul_rs"], required=True)
-    p.add_argument("--shape", required=True, help="M,K,N")
-    p.add_argument("--axis-size", type=int, default=4)
-    p.add_argument("--dtype", default="bf16")
-    p.add_argument("--profile", default=None, help="profile name or JSON path (default: this machine's)")
-    p.add_argument("--top", type=int, default=15)
-    p.set_defaults(fn=_cmd_explain)
-
-    p = sub.add_parser("characterize", help="decomposition loss, contention and transfer cost on this machine")
-    p.add_argument("--out", default="out/characterize")
-    p.add_argument("--plot", action="store_true")
-    p.add_argument("--parts", default="decomposition,transfers,contention",
-                   help="comma-separated subset of decomposition, transfers, contention")
-    p.set_defaults(fn=_cmd_characterize)
-
-    p = sub.add_parser("calibrate", help="characterize, then fit and write a machine profile for the cost model")
-    p.add_argument("--out", default="out/calibrate/profile.json")
-    p.add_argument("--characterization", help="fit an existing characterize.json instead of measuring")
-    p.add_argument("--bench", action="append",
-                   help="a bench.json whose verified op times refine the op-level costs (repeatable)")
-    p.add_argument("--name", help="the profile's name (e.g. h200x8)")
-    p.set_defaults(fn=_cmd_calibrate)
-
+def _add_accuracy(sub):
     p = sub.add_parser("accuracy", help="held-out check of schedule='auto': pick vs best measured vs JAX sequential")
     p.add_argument("--axis-size", type=int, help="devices in the tp group (default: all local devices)")
     p.add_argument("--top", type=int, default=3, help="the model's next candidates measured besides its pick")
@@ -229,11 +213,53 @@ def main(argv=None):
                         "--profile, or with the profile auto would use for that run")
     p.set_defaults(fn=_cmd_accuracy)
 
+
+def _cmd_accuracy(args):
+    if args.replay:  # offline: re-score recorded times, no device needed
+        results = [_read_json(path, "accuracy --replay") for path in args.replay]
+        profile = _load_profile(args.profile, "accuracy --replay")
+        try:
+            print(accuracy.replay_markdown(accuracy.replay(results, profile)), end="")
+        except ValueError as exc:
+            raise SystemExit(f"accuracy --replay: {exc}")
+        return
+    shapes = None
+    if args.shape:
+        named = dict(accuracy.HELDOUT_SHAPES)
+        shapes = {t: named[t] for t in args.shape if t in named}
+        shapes.update(_shapes([t for t in args.shape if t not in named], {}))
+    profile = _load_profile(args.profile, "accuracy --profile")
+    resume = _read_json(args.resume, "accuracy --resume") if args.resume else None
+    rounds = accuracy.CONFIRM_ROUNDS if args.confirm_rounds is None else args.confirm_rounds
+    if rounds < 0:
+        raise SystemExit(f"accuracy: --confirm-rounds must be >= 0 (0 turns re-timing off), got {rounds}")
+    try:
+        accuracy.run(args.out, axis_size=args.axis_size, shapes=shapes, top=args.top, profile=profile,
+                     budget_s=args.budget_s, plot=args.plot, confirm_rounds=rounds, resume=resume)
+    except ValueError as exc:  # a device count or shape the run cannot take: say so, no traceback
+        raise SystemExit(str(exc))
+
+
+def _add_windowed(sub):
     p = sub.add_parser("_windowed")  # internal: the windowed-einsum child of `bench`
     p.add_argument("op"); p.add_argument("M", type=int); p.add_argument("K", type=int)
     p.add_argument("N", type=int); p.add_argument("dtype")
     p.set_defaults(fn=_cmd_windowed)
 
+
+def _cmd_windowed(args):
+    print(json.dumps(bench.windowed_einsum_child(args.op, args.M, args.K, args.N, args.dtype)))
+
+
+#: The subcommands, in the order `--help` lists them: each adds its parser, options and handler.
+SUBCOMMANDS = (_add_demo, _add_bench, _add_explain, _add_characterize, _add_calibrate, _add_accuracy, _add_windowed)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m ficco_jax", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    for add in SUBCOMMANDS:
+        add(sub)
     args = parser.parse_args(argv)
     args.fn(args)
     return 0

@@ -1,12 +1,16 @@
-"""What the benchmark tools share: a result row, verifying a variant against the reference before
-timing it, the dtypes and tolerances, and the schedules a `--schedules` argument names."""
+"""What the benchmark tools share: a result row; measuring one case's variants (each verified
+against the reference before it is timed); the bound rows (GEMM alone, collective alone, ideal);
+the dtypes and tolerances; and the schedules a `--schedules` argument names."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
+from ..ops.measure import op_body, sharded
 from ..runtime import extension
 from ..schedule import Schedule
 from ..tuning import timing
@@ -55,6 +59,59 @@ def verify_then_time(row: Row, make, args, want, dtype) -> Row:
     except Exception as exc:  # noqa: BLE001 - the run goes on and the table says what broke
         row.note = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
     return row
+
+
+def verify_then_time_each(variants, mesh, args, dtype, progress, body_of=op_body) -> dict:
+    """Measure the `(row, schedule)` pairs of one case (one op, one set of operands `args`): the
+    reference is computed once in f32, then each schedule's body (`body_of(op, schedule)`, "ref":
+    the plain collective then the matmul) goes through `verify_then_time`, filling its row.
+    Returns {row.variant: make}, so a caller can time a variant again."""
+    op = variants[0][0].op
+    want = sharded(mesh, op, body_of(op, "ref"))(*[a.astype(jnp.float32) for a in args])
+    makers = {}
+    for row, schedule in variants:
+        progress(f"{row.op} {row.shape} {row.variant}")
+        body = body_of(op, schedule)
+        makers[row.variant] = lambda r, body=body: sharded(mesh, op, body, r)
+        verify_then_time(row, makers[row.variant], args, want, dtype)
+    return makers
+
+
+def bound_rows(case: Row, mesh, dtype, progress, *, gemm, gemm_shapes, collective, collective_shape,
+               spec) -> list[Row]:
+    """The bounds of a case, as rows like `case`: `gemm(a, w)` alone on one device with random
+    operands of `gemm_shapes`, `collective(x)` alone under shard_map over "tp" (a global
+    `collective_shape` sharded as `spec`), and the ideal, the max of the two."""
+    dev = mesh.devices.flat[0]
+    key = jax.random.PRNGKey(1)
+    a, w = (jax.device_put(jax.random.normal(key, shape, jnp.float32).astype(dtype), dev) for shape in gemm_shapes)
+    progress(f"{case.op} {case.shape} gemm_alone")
+    gemm_t = timing.device_time(lambda r: jax.jit(timing.chain(gemm, r)), (a, w))
+    x = jax.device_put(jnp.ones(collective_shape, dtype) * 0.5, NamedSharding(mesh, spec))
+    progress(f"{case.op} {case.shape} collective_alone")
+    make = lambda r: jax.jit(jax.shard_map(timing.chain(collective, r), mesh=mesh, in_specs=(spec,),  # noqa: E731
+                                           out_specs=spec))
+    coll_t = timing.device_time(make, (x,))
+    rows = [replace(case, variant=variant, median_ms=t["median_s"] * 1e3, spread_ms=t["spread_s"] * 1e3,
+                    extra=dict(case.extra))
+            for variant, t in (("gemm_alone", gemm_t), ("collective_alone", coll_t))]
+    rows.append(replace(case, variant="ideal", median_ms=max(r.median_ms for r in rows),
+                        note="max(gemm_alone, collective_alone)", extra=dict(case.extra)))
+    return rows
+
+
+def fitting_schedules(op, schedules, shapes, n) -> list[Schedule]:
+    """The overlapped schedules of a `--schedules` list that apply to `op` on per-device `shapes`
+    (a list may name points another op or shape cannot take)."""
+    fits = []
+    for s in schedules:
+        try:
+            s.validate(op, shapes, n)
+        except ValueError:
+            continue
+        if s.comm != "none":
+            fits.append(s)
+    return fits
 
 
 def listed_schedules(op, schedules_arg, n, comms) -> list[Schedule]:

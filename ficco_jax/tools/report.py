@@ -1,4 +1,4 @@
-"""Presenting benchmark results: progress line, Markdown tables, plots, provenance."""
+"""Presenting results: progress line, Markdown tables, plots (bench, accuracy, characterize), provenance."""
 from __future__ import annotations
 
 import os
@@ -84,15 +84,23 @@ def markdown_table(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_speedups(result: dict, out_dir: str) -> list[str]:
-    """PNG per op: speedup over JAX sequential of every ficco schedule, per shape."""
+def pyplot():
+    """matplotlib.pyplot on its file-only backend, or None (saying how to install it) without it."""
     try:
-        import matplotlib
+        import matplotlib  # optional: the `plot` extra
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         print("--plot needs matplotlib: pip install 'ficco_jax[plot]'", file=sys.stderr)
+        return None
+    return plt
+
+
+def plot_speedups(result: dict, out_dir: str) -> list[str]:
+    """PNG per op: speedup over JAX sequential of every ficco schedule, per shape."""
+    plt = pyplot()
+    if plt is None:
         return []
     paths = []
     for op in sorted({r["op"] for r in result["rows"]}):
@@ -120,3 +128,57 @@ def plot_speedups(result: dict, out_dir: str) -> list[str]:
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def plot_accuracy(result: dict, out_dir: str) -> None:
+    """accuracy.png: predicted vs measured time of every measured schedule (left), and per case
+    the pick's time over the best measured (right, 5 % line)."""
+    plt = pyplot()
+    if plt is None:
+        return
+    cases = [c for c in result["cases"] if "chosen_vs_best" in c]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for op, marker in (("ag_matmul", "o"), ("matmul_rs", "s")):
+        pts = [(r["median_ms"], r["extra"]["predicted_ms"]) for c in cases if c["op"] == op for r in c["rows"]
+               if r["median_ms"]]
+        if pts:
+            left.scatter(*zip(*pts), marker=marker, s=14, label=op)
+    lo = min([r["median_ms"] for c in cases for r in c["rows"] if r["median_ms"]] or [0.01])
+    hi = max([r["median_ms"] for c in cases for r in c["rows"] if r["median_ms"]] or [1.0])
+    left.plot([lo, hi], [lo, hi], "k--", lw=0.8)
+    left.set(xscale="log", yscale="log", xlabel="measured ms", ylabel="predicted ms", title="cost model")
+    left.legend()
+    labels = [f"{'AG' if c['op'] == 'ag_matmul' else 'RS'} {c['shape']}" for c in cases]
+    right.bar(range(len(cases)), [c["chosen_vs_best"] for c in cases],
+              color=["tab:green" if c["verdict"] == "ok" else "tab:red" for c in cases])
+    right.axhline(result["criteria"]["within_best"], color="k", ls="--", lw=0.8)
+    right.set_xticks(range(len(cases)), labels, rotation=90, fontsize=6)
+    right.set(ylabel="pick / best measured", ylim=(0.95, max([c["chosen_vs_best"] for c in cases] + [1.1]) + 0.02),
+              title="auto's pick (green: within 5 % and <= 3 % over JAX seq)")
+    fig.suptitle(f"{result['axis_size']} x {result['device']}, profile {result['profile']}")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "accuracy.png"), dpi=110)
+    plt.close(fig)
+
+
+def plot_characterization(char: dict, out_dir: str) -> None:
+    """characterize.png: decomposition loss by rows (left) and all-gather ingress by shard size (right)."""
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for (k, n_cols) in sorted({(r["K"], r["N"]) for r in char["decomposition"]}):
+        for c in sorted({r["chunks"] for r in char["decomposition"]} - {1}):
+            pts = [(r["rows"], r["loss"] * 100) for r in char["decomposition"] if (r["K"], r["N"], r["chunks"]) == (k, n_cols, c)]
+            if pts:
+                ax1.plot(*zip(*pts), marker="o", label=f"K={k} N={n_cols} c={c}")
+    ax1.set_xscale("log", base=2); ax1.set_xlabel("rows of the whole matmul"); ax1.set_ylabel("decomposition loss %")
+    ax1.legend(fontsize=6)
+    for comm in sorted({r["comm"] for r in char["transfers"]}):
+        pts = [(r["shard_bytes"] / 2**20, r["ingress_gbps"]) for r in char["transfers"] if r["comm"] == comm]
+        ax2.plot(*zip(*pts), marker="o", label=comm)
+    ax2.set_xscale("log", base=2); ax2.set_xlabel("shard MiB"); ax2.set_ylabel("all-gather ingress GB/s"); ax2.legend()
+    fig.suptitle(f"{char['n_devices']} x {char['device']}")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "characterize.png"), dpi=110)
+    plt.close(fig)
