@@ -11,6 +11,9 @@ import numpy as np
 import pytest
 
 _PATH = pathlib.Path(__file__).resolve().parents[1] / "examples" / "tp_transformer.py"
+sys.path.insert(0, str(_PATH.parent))  # as running the script does: it imports its model, llama_block
+import llama_block  # noqa: E402
+
 _spec = importlib.util.spec_from_file_location("tp_transformer", _PATH)
 tp_transformer = importlib.util.module_from_spec(_spec)
 sys.modules["tp_transformer"] = tp_transformer  # dataclasses look their module up there
@@ -85,7 +88,7 @@ def test_comm_free_bound_has_the_shapes_and_no_collectives():
     x = jax.random.normal(jax.random.PRNGKey(0), (cfg.batch, cfg.seq // cfg.tp, cfg.hidden))
     y = jax.random.normal(jax.random.PRNGKey(1), (cfg.batch, cfg.seq, cfg.hidden))
     for c in (cfg, free):
-        body = jax.shard_map(lambda x, y, c=c: (tp_transformer.gather_seq(c, x), tp_transformer.scatter_seq(c, y)),
+        body = jax.shard_map(lambda x, y, c=c: (llama_block.gather_seq(c, x), llama_block.scatter_seq(c, y)),
                              mesh=mesh, in_specs=(tp_transformer.P(None, None, None),) * 2,
                              out_specs=(tp_transformer.P(None, None, None),) * 2, check_vma=False)
         g, r = body(x, y)

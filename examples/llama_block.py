@@ -1,0 +1,222 @@
+"""The model of examples/tp_transformer.py: a Llama-style decoder stack under tensor + sequence
+parallelism, written as a user would write it, with no ficco_jax call inside.
+
+`Config` and `PRESETS` (the tiny CPU model, one Llama-70B layer's shapes); the parameters with
+their Megatron-style shardings (`init_params`, `param_specs`); the blocks (RMSNorm, causal
+attention with RoPE and grouped-query heads, SwiGLU MLP) run in one `jax.shard_map` over a
+(dp, tp) mesh with sequence-parallel activations [batch/dp, seq/tp, hidden] between blocks; and
+the loss (`make_loss`): embedding, final norm, LM head and cross-entropy outside the shard_map.
+tp_transformer.py's docstring tells where the overlappable collectives are.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+
+# ------------------------------------------------------------------------------------------------
+# Configuration
+# ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Config:
+    vocab: int = 256
+    hidden: int = 64
+    ffn: int = 128
+    heads: int = 8
+    kv_heads: int = 4
+    layers: int = 2
+    seq: int = 64
+    batch: int = 2  # sequences per data-parallel replica; global batch = batch * dp
+    tp: int = 4
+    dtype: str = "auto"  # "auto": bfloat16 on GPU, float32 elsewhere
+    lr: float = 3e-3
+    steps: int = 3
+    remat: bool = False
+    overlap: bool = True
+    schedule: str = "auto"  # handed to ficco_jax.overlap
+    attention: str = "xla"  # jax.nn.dot_product_attention implementation: "xla" or "cudnn"
+    # Layers as a lax.scan over stacked parameters (True) or a Python loop (False). None: scan, except
+    # with cuDNN attention and no remat, whose gradient in a scan body crashes XLA's compiler on 2+ GPUs
+    # (SIGSEGV in compile, jax 0.11.2, H200; unrolled or with remat it compiles: RELIABILITY.md).
+    scan: bool | None = None
+    # A timing bound, not a model: the sequence all-gathers and reduce-scatters become local ops of the
+    # same shapes (tile / sum of slices), so the step does all its other work with no communication.
+    # No overlap can make the real step faster than this one. Its losses are not the model's.
+    comm_free: bool = False
+    rope_theta: float = 10000.0
+    seed: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def compute_dtype(self):
+        name = self.dtype if self.dtype != "auto" else ("bfloat16" if jax.default_backend() == "gpu" else "float32")
+        return jnp.dtype(name)
+
+    @property
+    def scans_layers(self) -> bool:
+        if self.scan is not None:
+            return self.scan
+        return not (self.attention == "cudnn" and not self.remat)
+
+    def validate(self, tp: int) -> None:
+        problems = []
+        if self.hidden % self.heads or self.head_dim % 2:
+            problems.append(f"hidden={self.hidden} must split into heads={self.heads} of even head_dim")
+        if self.heads % self.kv_heads:
+            problems.append(f"heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
+        for name, value in (("kv_heads", self.kv_heads), ("ffn", self.ffn), ("seq", self.seq), ("hidden", self.hidden)):
+            if value % tp:
+                problems.append(f"{name}={value} must divide by tp={tp}")
+        if problems:
+            raise ValueError(f"tp_transformer: invalid config: {'; '.join(problems)}")
+
+
+PRESETS = {
+    # 8 virtual CPU devices as dp=2 x tp=4; trains in seconds.
+    "tiny": Config(),
+    # One Llama-70B decoder layer's shapes, stacked `layers` deep, at tp=4 (4 x H200, dp=1). Per layer and
+    # device: 214M parameters -> 2.0 GiB of bf16 params + f32 Adam moments. XLA's attention keeps
+    # [16 local heads, 8192, 8192] f32 scores per layer for the backward pass, so activations cost
+    # ~15 GiB per layer without --remat. XLA's memory analysis (compiled for 4 CPU devices): 4 layers
+    # ~72 GiB per device; 8 layers with --remat ~46 GiB. The step prints the analysis it compiled.
+    # The vocabulary is Llama-2's 32000, kept small so that the blocks, not the LM head, fill the step.
+    "llama70b-layer": Config(vocab=32000, hidden=8192, ffn=28672, heads=64, kv_heads=8, layers=4, seq=8192,
+                             batch=1, tp=4, lr=1e-4, rope_theta=500000.0),
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# Parameters
+# ------------------------------------------------------------------------------------------------
+def init_params(cfg: Config, key):
+    """Parameters; layer weights are stacked on a leading `layers` axis for the scan."""
+    dt, L, D, F, dh = cfg.compute_dtype, cfg.layers, cfg.hidden, cfg.ffn, cfg.head_dim
+    kv, q_per_kv = cfg.kv_heads, cfg.heads // cfg.kv_heads
+    keys = jax.random.split(key, 6)
+
+    def normal(k, shape, fan_in, scale=1.0):
+        return (jax.random.normal(k, shape, jnp.float32) * scale / math.sqrt(fan_in)).astype(dt)
+
+    residual_scale = 1.0 / math.sqrt(2 * L)  # keeps the residual stream's variance flat in depth
+    return {
+        "embed": normal(keys[0], (cfg.vocab, D), 1),
+        "layers": {
+            "attn_norm": jnp.ones((L, D), dt),
+            "wqkv": normal(keys[1], (L, D, kv, q_per_kv + 2, dh), D),
+            "wo": normal(keys[2], (L, cfg.heads, dh, D), D, residual_scale),
+            "mlp_norm": jnp.ones((L, D), dt),
+            "w_gate_up": normal(keys[3], (L, D, 2, F), D),
+            "w_down": normal(keys[4], (L, F, D), F, residual_scale),
+        },
+        "final_norm": jnp.ones((D,), dt),
+        "head": normal(keys[5], (D, cfg.vocab), D),
+    }
+
+
+def param_specs():
+    """Megatron-style: column-parallel QKV / gate-up (over kv heads / ffn), row-parallel O / down."""
+    return {
+        "embed": P(None, "tp"),
+        "layers": {
+            "attn_norm": P(),
+            "wqkv": P(None, None, "tp", None, None),
+            "wo": P(None, "tp", None, None),
+            "mlp_norm": P(),
+            "w_gate_up": P(None, None, None, "tp"),
+            "w_down": P(None, "tp", None),
+        },
+        "final_norm": P(),
+        "head": P(None, "tp"),
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# Model
+# ------------------------------------------------------------------------------------------------
+def rms_norm(x, weight, eps=1e-6):
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x, theta):
+    """Rotary position embedding of x [batch, seq, heads, head_dim]; positions are 0..seq-1."""
+    half = x.shape[-1] // 2
+    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * freqs  # [seq, half]
+    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def gather_seq(cfg: Config, x):
+    """[b, s/tp, D] -> [b, s, D]: the sequence all-gather (with cfg.comm_free, a local tile instead)."""
+    if cfg.comm_free:
+        return jnp.tile(x, (1, jax.lax.axis_size("tp"), 1))
+    return jax.lax.all_gather(x, "tp", axis=1, tiled=True)
+
+
+def scatter_seq(cfg: Config, y):
+    """[b, s, D] -> [b, s/tp, D]: the sequence reduce-scatter (with cfg.comm_free, a local sum of slices)."""
+    if cfg.comm_free:
+        b, s, d = y.shape
+        tp = jax.lax.axis_size("tp")
+        return y.reshape(b, tp, s // tp, d).sum(axis=1, dtype=y.dtype)
+    return jax.lax.psum_scatter(y, "tp", scatter_dimension=1, tiled=True)
+
+
+def attention_block(cfg: Config, x, p):
+    """x [b, s/tp, D] -> [b, s/tp, D]; heads are sharded over tp, the sequence is gathered."""
+    g = gather_seq(cfg, rms_norm(x, p["attn_norm"]))  # [b, s, D]
+    qkv = jnp.einsum("bsd,dkgh->bskgh", g, p["wqkv"])  # local kv heads, each with its q group, k, v
+    b, s, kv, groups, dh = qkv.shape
+    q = rope(qkv[:, :, :, :-2].reshape(b, s, kv * (groups - 2), dh), cfg.rope_theta)
+    k = rope(qkv[:, :, :, -2], cfg.rope_theta)
+    v = qkv[:, :, :, -1]
+    o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=cfg.attention)
+    return scatter_seq(cfg, jnp.einsum("bshk,hkd->bsd", o, p["wo"]))
+
+
+def mlp_block(cfg: Config, x, p):
+    g = gather_seq(cfg, rms_norm(x, p["mlp_norm"]))
+    gate_up = jnp.einsum("bsd,dcf->bscf", g, p["w_gate_up"])
+    h = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
+    return scatter_seq(cfg, jnp.einsum("bsf,fd->bsd", h, p["w_down"]))
+
+
+def decoder_stack(cfg: Config, x, layers):
+    """The shard_map body: every decoder layer, as a scan over the stacked parameters (or a loop, cfg.scan)."""
+    def layer(x, p):
+        x = x + attention_block(cfg, x, p)
+        return x + mlp_block(cfg, x, p), None
+
+    layer = jax.checkpoint(layer) if cfg.remat else layer
+    if cfg.scans_layers:
+        return jax.lax.scan(layer, x, layers)[0]
+    for i in range(jax.tree.leaves(layers)[0].shape[0]):
+        x = layer(x, jax.tree.map(lambda a, i=i: a[i], layers))[0]
+    return x
+
+
+ACT_SPEC = P("dp", "tp", None)  # [batch, seq, hidden]: batch over dp, sequence over tp
+
+
+def make_loss(cfg: Config, mesh: Mesh):
+    stack = jax.shard_map(lambda x, layers: decoder_stack(cfg, x, layers), mesh=mesh,
+                          in_specs=(ACT_SPEC, param_specs()["layers"]), out_specs=ACT_SPEC)
+
+    def loss(params, inputs, targets):
+        x = jax.lax.with_sharding_constraint(params["embed"][inputs], NamedSharding(mesh, ACT_SPEC))
+        x = rms_norm(stack(x, params["layers"]), params["final_norm"])
+        logits = jnp.einsum("bsd,dv->bsv", x, params["head"], preferred_element_type=jnp.float32)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+    return loss
