@@ -47,6 +47,12 @@ COPY_STREAM_CHOICES: tuple[int, ...] = (1, 2, 4)
 #: 2026-11-22; tp = 4 not measured); "push" is always accepted where it is named ("dma/direct/c2/push").
 TRANSFER_CHOICES: tuple[str, ...] = ("pull",)
 
+#: The smallest block one peer sends (bytes) for which `ficco_jax.dma.*(..., schedule="auto")` uses
+#: copy engines; below it, XLA's own collective (NCCL on GPUs). On 2 x H200 (2026-11-22) the
+#: copy-engine all_gather took 2.06x and reduce_scatter 1.59x NCCL's time at 1 MiB per peer, about
+#: 1.1x at 4 MiB and 0.8x at 16 MiB: copy engines pay from about 8 MiB.
+DMA_COLLECTIVE_MIN_BYTES: int = 8 << 20
+
 #: dtypes the DMA executor handles; others take the XLA path (`comm="xla"`).
 DMA_DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
 
@@ -61,7 +67,7 @@ HOST_ID: str = os.environ.get("FICCO_HOST_ID", "")
 HOST_EXCHANGE_TIMEOUT_S: float = _env_float("FICCO_HOST_EXCHANGE_TIMEOUT_S", 30.0)
 
 #: The commit stamped on benchmark results (report.git_commit) where no .git travels with the tree
-#: (device runs: scripts/device_run.sh sets it from the `.commit` file beside the carried tree).
+#: (device runs: benchmarks/run.py sets it from the `.commit` file beside the carried tree).
 #: Default (""): `git rev-parse` of the checkout.
 COMMIT: str = os.environ.get("FICCO_COMMIT", "")
 

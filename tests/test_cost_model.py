@@ -123,3 +123,36 @@ def test_shipped_profiles_load_and_name_their_group_size():
     for name, size in (("h200x2", 2), ("h200x4", 4), ("h200x8", 8)):
         profile = cost_model.load_profile(name)
         assert profile["name"] == name and profile.get("axis_size", size) == size
+
+
+@pytest.mark.parametrize("op,shapes", [
+    ("ag_matmul", ((8192, 8192), (8192, 10240))), ("matmul_rs", ((8192, 10240), (10240, 8192))),
+    ("ag_matmul", ((256, 4096), (4096, 4096))), ("matmul_rs", ((256, 4096), (4096, 4096))),
+])
+def test_a_group_of_one_device_ranks_the_plain_path_first(op, shapes):
+    # One device has nothing to communicate: a copy-engine call only adds its own cost.
+    for name in ("h200x2", "h200x4", "h200x8", "default"):
+        ranked = cost_model.rank(op, shapes, "bfloat16", 1, Schedule.enumerate(op, 1, ("none", "xla", "dma")),
+                                 cost_model.load_profile(name))
+        assert ranked[0][1] == Schedule(comm="none"), (name, ranked[:3])
+
+
+@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs", "a2a_matmul", "matmul_a2a"])
+def test_auto_keeps_the_plain_path_on_a_group_of_one_device(monkeypatch, op):
+    from ficco_jax.tuning import policy
+
+    monkeypatch.setattr(policy, "MODEL_ON_CPU", True)  # decide as on a GPU
+    shapes = ((8192, 8192), (8192, 10240)) if op in ("ag_matmul", "matmul_rs") else ((1, 2, 64, 32), (2, 32, 48))
+    assert policy.choose(op, shapes, "bfloat16", 1) == Schedule(comm="none")
+
+
+@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs"])
+def test_explain_cli_chooses_none_for_one_device(op):
+    import subprocess
+    import sys
+
+    for shape in ("8192,8192,10240", "256,4096,4096", "2048,8192,28672"):
+        out = subprocess.run([sys.executable, "-m", "ficco_jax", "explain", "--op", op, "--shape", shape,
+                              "--axis-size", "1", "--profile", "h200x4"], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.strip().splitlines()[-1] == "choice: none", out.stdout

@@ -134,7 +134,7 @@ COLLECTIVE_CASES = [
     ("rs-dim-out-of-range", lambda m: _scatter(m, _zeros((512, 4)), scatter_dimension=2),
      ValueError, r"reduce_scatter: axis 2 is out of range for an array of rank 2"),
     ("ag-schedule-type", lambda m: _gather(m, _zeros((64, 4)), schedule=3),
-     TypeError, r"all_gather: schedule must be None, a comm='dma' ficco_jax.Schedule or its string form; found int"),
+     TypeError, r"all_gather: schedule must be None, 'auto', a comm='dma' ficco_jax.Schedule or its string form; found int"),
     ("ag-schedule-xla", lambda m: _gather(m, _zeros((64, 4)), schedule="xla/ring/c1"),
      ValueError, r"all_gather: dma.all_gather runs comm='dma' schedules only, found xla/ring/c1"),
     ("ag-rows-vs-chunks", lambda m: _gather(m, _zeros((24, 4)), schedule="dma/direct/c8"),

@@ -115,7 +115,10 @@ def predict(op: str, schedule: Schedule, shapes: Sequence[Sequence[int]], dtype,
     else:
         m, k, cols, moved_cols = a0 // n, a1, w1, w1  # moves output rows [., K_out]
     if n == 1:
-        return gemm_time(m, k, cols, dtype, profile)
+        # A group of one has nothing to move; a copy-engine call still costs its own launch, events
+        # and a local copy (about 16 us on one H100, 2026-11-24), so the plain path ranks first.
+        extra = profile["dma_call_us"] * 1e-6 if schedule.comm == "dma" else 0.0
+        return gemm_time(m, k, cols, dtype, profile) + extra
     if schedule.comm == "none":
         coll = profile["collective_latency_us"] * 1e-6 + (n - 1) * m * moved_cols * itemsize / (profile["xla_ingress_gbps"] * 1e9)
         return coll + gemm_time(n * m, k, cols, dtype, profile)

@@ -30,6 +30,9 @@ def choose(op: str, shapes, dtype, axis_size: int, *, autotune: bool = False, to
     peers are not all in this process (`topology`) or the executor lacks the dtype, with a log
     line saying why, so the pick never needs correcting afterwards.
     """
+    if axis_size == 1:
+        # A group of one device has nothing to communicate: any overlap schedule only adds work.
+        return Schedule(comm="none")
     if jax.default_backend() == "cpu" and not MODEL_ON_CPU:
         # Host "collectives" are memcpys that block the host thread: nothing to overlap.
         return Schedule(comm="none")

@@ -4,6 +4,12 @@
   ``reduce_scatter(x, axis_name, *, scatter_dimension=0, tiled=True, schedule=None)``
   ``all_to_all(x, axis_name, split_axis, concat_axis, *, tiled=True, schedule=None)``
 
+`schedule`: None (copy engines, direct, one chunk, one copy stream), a comm="dma" Schedule or its
+string form, or "auto": copy engines where they beat XLA's own collective (NCCL on GPUs) — GPU
+groups inside this process whose per-peer block is at least config.DMA_COLLECTIVE_MIN_BYTES — and
+`jax.lax`'s collective elsewhere. The default stays None because a caller of ficco_jax.dma asked for
+copy engines by name; "auto" is the choice for code that only wants the faster of the two.
+
 Each moves the collective's axis to the front and makes one FFI call per device (registry.bind);
 each is differentiable, its transpose being another of the three on copy engines. all_to_all cuts
 the split axis into n blocks moved to the front; the executor exchanges blocks (block p to rank p,
@@ -18,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ... import config
+from ...runtime import extension, topology
 from ...schedule import Schedule, as_schedule
 from .registry import axis_size_of, bind, check_axis_name, check_not_empty
 
@@ -36,6 +43,8 @@ def all_gather(x, axis_name, *, axis=0, tiled=True, schedule=None):
     `schedule`: a comm="dma" Schedule (or its string) for the transfers; default direct, one chunk.
     """
     axis, n = _checked("all_gather", "all_gather", x, axis_name, tiled, axis)
+    if schedule == "auto" and not copy_engines_pay(x.nbytes, axis_name):
+        return all_gather_ref(x, axis_name, axis=axis)
     sched = _collective_schedule("all_gather", schedule, n, x.shape[axis])
     return _all_gather(x, axis_name, axis, sched)
 
@@ -48,8 +57,22 @@ def reduce_scatter(x, axis_name, *, scatter_dimension=0, tiled=True, schedule=No
     """
     axis, n = _checked("reduce_scatter", "psum_scatter", x, axis_name, tiled, scatter_dimension)
     _check_divides("reduce_scatter", x, axis, n, axis_name)
+    if schedule == "auto" and not copy_engines_pay(x.nbytes // n, axis_name):
+        return reduce_scatter_ref(x, axis_name, scatter_dimension=axis)
     sched = _collective_schedule("reduce_scatter", schedule, n, x.shape[axis] // n)
     return _reduce_scatter(x, axis_name, axis, sched)
+
+
+def copy_engines_pay(block_bytes: int, axis_name: str, platform: str | None = None) -> bool:
+    """Whether `schedule="auto"` moves a collective whose peers each send `block_bytes` on copy
+    engines: a GPU with the CUDA build, every peer in this process, and a block of at least
+    config.DMA_COLLECTIVE_MIN_BYTES (below it XLA's collective is faster)."""
+    platform = platform or jax.default_backend()
+    if platform != "gpu" or not extension.cuda_built():
+        return False
+    if topology.for_axis(axis_name).spanning_groups():
+        return False
+    return block_bytes >= config.DMA_COLLECTIVE_MIN_BYTES
 
 
 def _checked(op: str, lax_name: str, x, axis_name, tiled, *axes):
@@ -106,9 +129,9 @@ def _collective_schedule(op: str, schedule, n: int, rows: int) -> Schedule:
     One stream: on 4 x H200 (2026-11-22) one copy stream pulled 313 GB/s per GPU in an all-gather
     of 64 MiB shards and two streams 181 GB/s; the all_to_all of 64 MiB blocks took 0.632 ms on
     one stream and 1.084 ms on two (NCCL 0.706 ms)."""
-    if schedule is None:
+    if schedule is None or schedule == "auto":
         schedule = Schedule(comm="dma", order="direct", chunks=1, copy_streams=1)
-    schedule = as_schedule(op, schedule, "None, a comm='dma' ficco_jax.Schedule or its string form")
+    schedule = as_schedule(op, schedule, "None, 'auto', a comm='dma' ficco_jax.Schedule or its string form")
     if schedule.comm != "dma":
         raise ValueError(f"{op}: dma.{op} runs comm='dma' schedules only, found {schedule}")
     problem = schedule._problem("ag_matmul", n)  # same transfer rules: ring/direct, stream counts
@@ -139,6 +162,8 @@ def all_to_all(x, axis_name, split_axis, concat_axis, *, tiled=True, schedule=No
     """
     split_axis, concat_axis, n = _checked("all_to_all", "all_to_all", x, axis_name, tiled, split_axis, concat_axis)
     _check_divides("all_to_all", x, split_axis, n, axis_name, " (the split axis)")
+    if schedule == "auto" and not copy_engines_pay(x.nbytes // n, axis_name):
+        return all_to_all_ref(x, axis_name, split_axis, concat_axis)
     sched = _collective_schedule("all_to_all", schedule, n, _block_rows(x.shape, split_axis, n))
     return _all_to_all(x, axis_name, split_axis, concat_axis, sched)
 
