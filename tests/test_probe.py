@@ -1,4 +1,4 @@
-"""The contention probe of `characterize` (xla_ffi/probe.cc) on 8 CPU devices."""
+"""The contention probe of `characterize` (xla_ffi/exec/probe.cc) on 8 CPU devices."""
 import jax
 import jax.numpy as jnp
 import numpy as np
