@@ -194,7 +194,7 @@ SUITES = {s.name: s for s in [
     Suite("tests", "pytest tests/gpu (skips without GPUs) and the CPU tests of the benchmark scripts",
           "any; tests/gpu need 1+ GPU", 0, 420, _tests, r"(passed|failed|error|skipped)", takes_options=True),
     Suite("demo", "every schedule checked on all local devices, then a timing table (python -m ficco_jax demo)",
-          "any", 0, 240, _demo, takes_options=True),
+          "any", 0, 420, _demo, takes_options=True),
     Suite("bench", "ficco_jax vs JAX sequential, ring, windowed einsum and the bound (python -m ficco_jax bench)",
           "any; 2+ GPUs for real numbers", 0, 480, _bench, takes_options=True),
     Suite("peers", "PyTorch async-TP and sequential, JAX seq / ring / XLA (windowed einsum), collectives vs NCCL",
@@ -214,5 +214,5 @@ SUITES = {s.name: s for s in [
     Suite("characterize", "decomposition loss, copy-engine vs NCCL contention, transfer cost on this machine",
           "2+ GPUs", 2, 420, _characterize, takes_options=True),
     Suite("trace", "a GPU timeline of one op (nsys, else JAX's profiler): OP SCHEDULE M K N [ITERS] after --",
-          "any; 1+ GPU for a GPU timeline", 0, 240, _trace, r"events", takes_options=True),
+          "any; 1+ GPU for a GPU timeline", 0, 240, _trace, r"^\d+ .*events (of|on) ", takes_options=True),
 ]}
