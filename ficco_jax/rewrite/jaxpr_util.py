@@ -8,6 +8,11 @@ import jax
 import jax.extend.core as jex
 import numpy as np
 
+try:  # where an equation was written; private to jax, so a missing one degrades to no source line
+    from jax._src.source_info_util import summarize as _summarize_source
+except ImportError:  # pragma: no cover - depends on the jax version
+    _summarize_source = None
+
 
 def fmt(aval) -> str:
     """`float32[2,16,32]`: how reports show a shape."""
@@ -17,6 +22,18 @@ def fmt(aval) -> str:
 def fmt_shapes(shapes: Sequence[Sequence[int]]) -> str:
     """`[64,32]·[32,16]`: the operand shapes an op is called with."""
     return "·".join(f"[{','.join(str(d) for d in shape)}]" for shape in shapes)
+
+
+def source_line(eqn) -> str:
+    """`file:line (function)` of the user code that wrote `eqn`; "" where the jaxpr kept none."""
+    info = getattr(eqn, "source_info", None)
+    if info is None or _summarize_source is None:
+        return ""
+    try:
+        text = _summarize_source(info)
+    except Exception:  # noqa: BLE001 - a report line must never fail the user's function
+        return ""
+    return "" if text in ("", "unknown") else text
 
 
 def is_var(atom) -> bool:

@@ -1,7 +1,8 @@
 """`overlap(fn)`: rewrite the collective+matmul sites inside every `shard_map` of `fn` into ficco ops.
 
 ``overlap(fn)(*args)`` computes exactly ``fn(*args)``. It traces `fn` to a jaxpr once per argument
-signature, finds ``all_gather → matmul`` and ``matmul → psum_scatter`` sites inside each
+signature (Python options such as bools, strings and callables are static, as jax.jit's static
+arguments; see arguments.py), finds ``all_gather → matmul`` and ``matmul → psum_scatter`` sites inside each
 `shard_map` body (also inside scan / cond / while / jit / checkpoint bodies nested there; see
 match_tp.py for the matching rules), and evaluates the jaxpr again with each site replaced by
 ``ag_matmul`` / ``matmul_rs`` and everything else bound as it was written. The expert-parallel
@@ -27,10 +28,10 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.extend.core as jex
 
-from .. import ops
-from ..schedule import Schedule
+from .arguments import CallArgs
 from .jaxpr_util import open_jaxpr, sub_jaxprs
 from .matchers import ALL_OPS, find_sites
+from .options import Options
 from .site import Site, SiteRecord
 
 __all__ = ["overlap", "explain", "Report", "SiteRecord"]
@@ -58,8 +59,8 @@ class Report(list):
         if not self:
             return "ficco_jax.overlap: no all_gather/psum_scatter/all_to_all found inside a shard_map"
         header = ("", "op", "where", "axis", "shapes", "op operands", "schedule / why not")
-        rows = [("ok" if r.rewritten else "--", r.op, r.where, r.axis_name, r.shapes, r.matmul_2d,
-                 r.schedule if r.rewritten else r.reason) for r in self]
+        rows = [("ok" if r.rewritten else "--", r.op, f"{r.where} at {r.source}" if r.source else r.where,
+                 r.axis_name, r.shapes, r.matmul_2d, _outcome(r)) for r in self]
         widths = [max(len(str(row[c])) for row in (header, *rows)) for c in range(len(header) - 1)]
         lines = ["  ".join(str(v).ljust(w) for v, w in zip(row, widths)) + "  " + str(row[-1])
                  for row in (header, *rows)]
@@ -67,50 +68,10 @@ class Report(list):
         return "\n".join([summary, *lines])
 
 
-# --------------------------------------------------------------------------------------------
-# Options: which ops, which schedule
-# --------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class _Options:
-    schedule: Any  # "auto" | "autotune" | Schedule
-    ops: tuple[str, ...]
-
-    @classmethod
-    def make(cls, schedule, autotune: bool, ops: Sequence[str]) -> "_Options":
-        if isinstance(ops, str) or not isinstance(ops, (tuple, list, set, frozenset)):
-            raise TypeError(
-                f"overlap: ops must be a sequence of op names from {ALL_OPS}, found "
-                f"{'the str ' if isinstance(ops, str) else ''}{ops!r}; write ops=({ops!r},)"
-            )
-        if not isinstance(autotune, bool):
-            raise TypeError(f"overlap: autotune must be a bool, found {autotune!r}")
-        unknown = [op for op in ops if op not in ALL_OPS]
-        if unknown:
-            raise ValueError(f"overlap: unknown ops {unknown}; valid ops: {ALL_OPS}")
-        if autotune:
-            schedule = "autotune"
-        elif isinstance(schedule, str) and schedule not in ("auto", "autotune"):
-            schedule = Schedule.parse(schedule)
-        elif not isinstance(schedule, (str, Schedule)):
-            raise TypeError(f"overlap: schedule must be 'auto', 'autotune', a Schedule or its string; found {schedule!r}")
-        return cls(schedule, tuple(ops))
-
-    def resolve(self, site: Site) -> tuple[Any, str]:
-        """The schedule handed to the op at `site`, and how to show it."""
-        # The axis locates the peers, so "auto" keeps copy engines for in-process groups of a
-        # multi-process program.
-        where = {"axis_name": site.axis_name, "mesh": site.mesh}
-        if self.schedule == "autotune":
-            return "autotune", "autotune"  # measured when the op is traced, not by explain()
-        args = (site.op_shapes(), site.dtype, site.axis_size)
-        if isinstance(self.schedule, Schedule):
-            try:
-                return ops.resolve_schedule(site.op, self.schedule, *args, **where), str(self.schedule)
-            except ValueError as err:
-                logger.info("ficco_jax.overlap: %s at %s: using 'auto' instead (%s)",
-                            self.schedule, site.record.where, err)
-        chosen = ops.resolve_schedule(site.op, "auto", *args, **where)
-        return chosen, f"{chosen} (auto)"
+def _outcome(record: SiteRecord) -> str:
+    if not record.rewritten:
+        return record.reason
+    return f"{record.schedule}; {record.note}" if record.note else record.schedule
 
 
 # --------------------------------------------------------------------------------------------
@@ -148,7 +109,7 @@ class _Scope:
         return _Scope(f"{self.where}{name}@{i}/", axis_sizes, mesh, frozen)
 
 
-def _analyse(jaxpr, scope: _Scope, options: _Options, records: list) -> _Plan:
+def _analyse(jaxpr, scope: _Scope, options: Options, records: list) -> _Plan:
     """The plan of `jaxpr` and its sub-jaxprs; appends every site and near-miss to `records`."""
     plan = _Plan()
     if scope.axis_sizes is not None:
@@ -170,7 +131,7 @@ def _analyse(jaxpr, scope: _Scope, options: _Options, records: list) -> _Plan:
     return plan
 
 
-def _plan_sites(plan: _Plan, jaxpr, scope: _Scope, options: _Options, records: list) -> None:
+def _plan_sites(plan: _Plan, jaxpr, scope: _Scope, options: Options, records: list) -> None:
     """The sites of `jaxpr` itself (not of its sub-jaxprs), each with its schedule, into `plan`."""
     sites, misses = find_sites(jaxpr, scope.axis_sizes, scope.where, options.ops)
     for site in sites:
@@ -178,8 +139,8 @@ def _plan_sites(plan: _Plan, jaxpr, scope: _Scope, options: _Options, records: l
         if scope.frozen:
             records.append(dataclasses.replace(site.record, reason=scope.frozen))
             continue
-        site.schedule, shown = options.resolve(site)
-        site.record = dataclasses.replace(site.record, schedule=shown)
+        site.schedule, shown, note = options.resolve(site)
+        site.record = dataclasses.replace(site.record, schedule=shown, note=note)
         records.append(site.record)
         plan.sites_at.setdefault(site.exec_index, []).append(site)
         plan.skip.update(site.skip)
@@ -293,34 +254,36 @@ class _Traced:
 class Overlapped:
     """`fn` with its collective+matmul sites overlapped; made by `overlap`."""
 
-    def __init__(self, fn: Callable, options: _Options):
+    def __init__(self, fn: Callable, options: Options):
         functools.update_wrapper(self, fn)
         self._fn = fn
         self._options = options
         self._traced: dict = {}
 
     def __call__(self, *args, **kwargs):
-        traced = self._trace(args, kwargs)
+        call = CallArgs.of(args, kwargs)
+        traced = self._trace(call)
         if traced.rewritten is None:
             return self._fn(*args, **kwargs)
-        outs = traced.call(*jax.tree.leaves((args, kwargs)))
+        outs = traced.call(*call.traced)
         return jax.tree.unflatten(traced.out_tree, outs)
 
     def explain(self, *args, **kwargs) -> Report:
-        return self._trace(args, kwargs).report
+        return self._trace(CallArgs.of(args, kwargs)).report
 
-    def _trace(self, args, kwargs) -> _Traced:
-        leaves, in_tree = jax.tree.flatten((args, kwargs))
-        key = (in_tree, tuple(jax.typeof(x) for x in leaves))
+    def _trace(self, call: CallArgs) -> _Traced:
+        key = call.key()
         if key not in self._traced:
-            self._traced[key] = self._rewrite(leaves, in_tree)
+            self._traced[key] = self._rewrite(call)
         return self._traced[key]
 
-    def _rewrite(self, leaves, in_tree) -> _Traced:
+    def _rewrite(self, call: CallArgs) -> _Traced:
+        """Trace `fn` over the traced leaves of `call` (its static ones closed over) and rewrite it."""
         out_trees = []
+        leaves = call.traced
 
         def flat_fn(*flat):
-            args, kwargs = jax.tree.unflatten(in_tree, flat)
+            args, kwargs = call.rebuild(flat)
             out_leaves, out_tree = jax.tree.flatten(self._fn(*args, **kwargs))
             out_trees.append(out_tree)
             return out_leaves
@@ -332,7 +295,7 @@ class Overlapped:
         for record in report:
             logger.debug("ficco_jax.overlap %s: %s %s at %s, axis %s, %s", getattr(self, "__name__", "fn"),
                          "rewrote" if record.rewritten else "left", record.op, record.where, record.axis_name,
-                         f"{record.matmul_2d} schedule {record.schedule}" if record.rewritten else record.reason)
+                         f"{record.matmul_2d} schedule {_outcome(record)}" if record.rewritten else record.reason)
         rewritten = None
         if plan.changed:
             rewritten = jax.make_jaxpr(lambda *flat: _run(plan, closed.jaxpr, closed.consts, flat))(*leaves)
@@ -348,7 +311,7 @@ def overlap(fn: Callable | None = None, *, schedule="auto", autotune: bool = Fal
     ("auto" elsewhere, with a log line); ``autotune=True`` measures candidates per site; `ops`
     chooses which patterns are rewritten. Usable as ``@overlap`` or ``@overlap(schedule=...)``.
     """
-    options = _Options.make(schedule, autotune, ops)
+    options = Options.make(schedule, autotune, ops)
     if fn is None:
         return lambda f: overlap(f, schedule=schedule, autotune=autotune, ops=ops)
     if not callable(fn):

@@ -12,9 +12,10 @@ import dataclasses
 import logging
 from typing import Any, Callable, ClassVar
 
+import jax.numpy as jnp
 import numpy as np
 
-from .jaxpr_util import default_precision, fmt_shapes, is_var, single_axis
+from .jaxpr_util import default_precision, fmt_shapes, is_var, single_axis, source_line
 
 logger = logging.getLogger("ficco_jax")
 
@@ -30,6 +31,8 @@ class SiteRecord:
     matmul_2d: str  # the operand shapes handed to the op, "[64,32]·[32,16]"; "" for near-misses
     schedule: str  # the schedule chosen, "" for near-misses
     reason: str = ""  # why it was not rewritten, "" if it was
+    source: str = ""  # the user's line that wrote the collective, "file.py:12 (fn)"; "" where jax kept none
+    note: str = ""  # what the schedule means for a rewritten site: "plain path: ..." where nothing overlaps
 
     @property
     def rewritten(self) -> bool:
@@ -157,12 +160,13 @@ class MatchContext:
     def miss(self, op: str, i: int, shapes: str, reason: str) -> SiteRecord:
         axis = self.eqns[i].params.get("axis_name")
         axis = axis[0] if isinstance(axis, (tuple, list)) and len(axis) == 1 else axis
-        return SiteRecord(op, f"{self.where}eqn {i}", str(axis), shapes, "", "", reason)
+        return SiteRecord(op, f"{self.where}eqn {i}", str(axis), shapes, "", "", reason,
+                          source=source_line(self.eqns[i]))
 
     def found(self, site: Site, i: int, shapes: str) -> Site:
         """`site`, with the record of the collective at equation `i` that it rewrites."""
         site.record = SiteRecord(site.op, f"{self.where}eqn {i}", site.axis_name, shapes,
-                                 fmt_shapes(site.op_shapes()), "")
+                                 fmt_shapes(site.op_shapes()), "", source=source_line(self.eqns[i]))
         return site
 
 
@@ -184,6 +188,10 @@ def dot_dtype_problem(dot) -> str | None:
     """Why the ops' matmuls would not compute what `dot` computes: dtypes or precision."""
     lhs, rhs = (v.aval for v in dot.invars)
     out = dot.outvars[0].aval
+    for aval in (lhs, rhs):
+        if not jnp.issubdtype(aval.dtype, jnp.floating):
+            return (f"{np.dtype(aval.dtype).name} matmul; the ops compute floating-point matmuls only, so it "
+                    f"stays as written")
     if not (lhs.dtype == rhs.dtype == out.dtype):
         return (f"operand/result dtypes differ ({np.dtype(lhs.dtype).name} x {np.dtype(rhs.dtype).name}"
                 f" -> {np.dtype(out.dtype).name}); the ops compute in the operands' dtype")

@@ -1,0 +1,97 @@
+"""What `overlap()` was asked for (which ops, which schedule) and what each site gets of it: the
+schedule handed to the site's op, how `explain()` shows it, and, where the site keeps the plain
+path (`comm="none"`: the collective, then the matmul, nothing overlapped), why."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Sequence
+
+import jax
+
+from .. import ops
+from ..schedule import Schedule
+from ..tuning import policy
+from .matchers import ALL_OPS
+from .site import Site
+
+logger = logging.getLogger("ficco_jax")
+
+#: How explain() shows an autotuned site whose pick needs a measurement.
+AUTOTUNE_LATER = "measured when traced under jit (autotune)"
+
+
+class _WouldMeasure(Exception):
+    """Autotune's pick for a site needs timing runs, which explain() does not make."""
+
+
+def _refuse_to_measure(*_args):
+    raise _WouldMeasure
+
+
+def plain_path_note(site: Site, chosen: Schedule, given: bool = False) -> str:
+    """Why `chosen` keeps the plain path at `site` ("" when it overlaps); mirrors tuning.policy.choose."""
+    if chosen.comm != "none":
+        return ""
+    if given:
+        return "plain path: schedule comm='none' was given"
+    if site.axis_size == 1:
+        return "plain path: group of one device, nothing to communicate"
+    if jax.default_backend() == "cpu" and not policy.MODEL_ON_CPU:
+        return ("plain path: CPU — auto keeps the plain path on CPU (host collectives are memcpys); "
+                "pass schedule=... to force one")
+    return "plain path: the cost model predicts no gain from overlapping this site"
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    schedule: Any  # "auto" | "autotune" | Schedule
+    ops: tuple[str, ...]
+
+    @classmethod
+    def make(cls, schedule, autotune: bool, ops: Sequence[str]) -> "Options":
+        if isinstance(ops, str) or not isinstance(ops, (tuple, list, set, frozenset)):
+            raise TypeError(
+                f"overlap: ops must be a sequence of op names from {ALL_OPS}, found "
+                f"{'the str ' if isinstance(ops, str) else ''}{ops!r}; write ops=({ops!r},)"
+            )
+        if not isinstance(autotune, bool):
+            raise TypeError(f"overlap: autotune must be a bool, found {autotune!r}")
+        unknown = [op for op in ops if op not in ALL_OPS]
+        if unknown:
+            raise ValueError(f"overlap: unknown ops {unknown}; valid ops: {ALL_OPS}")
+        if autotune:
+            schedule = "autotune"
+        elif isinstance(schedule, str) and schedule not in ("auto", "autotune"):
+            schedule = Schedule.parse(schedule)
+        elif not isinstance(schedule, (str, Schedule)):
+            raise TypeError(f"overlap: schedule must be 'auto', 'autotune', a Schedule or its string; found {schedule!r}")
+        return cls(schedule, tuple(ops))
+
+    def resolve(self, site: Site) -> tuple[Any, str, str]:
+        """The schedule handed to the op at `site`, how to show it, and the plain-path note."""
+        # The axis locates the peers, so "auto" keeps copy engines for in-process groups of a
+        # multi-process program.
+        where = {"axis_name": site.axis_name, "mesh": site.mesh}
+        args = (site.op_shapes(), site.dtype, site.axis_size)
+        if self.schedule == "autotune":
+            return ("autotune", *self._autotune_preview(site, args, where))
+        if isinstance(self.schedule, Schedule):
+            try:
+                chosen = ops.resolve_schedule(site.op, self.schedule, *args, **where)
+                return chosen, str(self.schedule), plain_path_note(site, chosen, given=True)
+            except ValueError as err:
+                logger.info("ficco_jax.overlap: %s at %s: using 'auto' instead (%s)",
+                            self.schedule, site.record.where, err)
+        chosen = ops.resolve_schedule(site.op, "auto", *args, **where)
+        return chosen, f"{chosen} (auto)", plain_path_note(site, chosen)
+
+    @staticmethod
+    def _autotune_preview(site: Site, args, where) -> tuple[str, str]:
+        """What autotune picks at `site` where that needs no timing run (a cached winner, a plain
+        path it never measures); else when it is measured. The op resolves it again when traced."""
+        try:
+            chosen = ops.resolve_schedule(site.op, "autotune", *args, **where, measure=_refuse_to_measure)
+        except _WouldMeasure:
+            return AUTOTUNE_LATER, ""
+        return f"{chosen} (autotune)", plain_path_note(site, chosen)

@@ -1,0 +1,165 @@
+"""overlap() / explain() on programs written as the README shows them: a shard_map'd Megatron MLP
+called with Python options, integer matmuls, and what explain() says of each site (8 CPU devices)."""
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+from ficco_jax import config
+from ficco_jax.rewrite import explain, overlap
+from ficco_jax.schedule import Schedule
+from ficco_jax.tuning import policy
+
+XLA = Schedule(comm="xla", chunks=1, order="ring")
+T, D, F = 64, 16, 32  # tokens, hidden, ffn
+PARAM_SPECS = {"w1": P(None, "tp"), "b1": P("tp"), "w2": P("tp", None)}
+
+
+def megatron_mlp(mesh, params, x, use_bias=True, act="gelu"):
+    """Sequence-parallel Megatron MLP: x [T/n, D] gathered, w1 column- and w2 row-parallel,
+    the output reduce-scattered back onto the tokens. `use_bias` and `act` are Python options."""
+    activation = act if callable(act) else {"gelu": jax.nn.gelu, "tanh": jnp.tanh}[act]
+
+    def block(params, x):
+        h = jax.lax.all_gather(x, "tp", axis=0, tiled=True) @ params["w1"]
+        if use_bias:
+            h = h + params["b1"]
+        return jax.lax.psum_scatter(activation(h) @ params["w2"], "tp", scatter_dimension=0, tiled=True)
+
+    return jax.shard_map(block, mesh=mesh, in_specs=(PARAM_SPECS, P("tp")), out_specs=P("tp"))(params, x)
+
+
+def mlp_inputs(seed=0, dtype=jnp.float32):
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(seed), 4)
+    params = {"w1": jax.random.normal(k1, (D, F)) / np.sqrt(D), "b1": jax.random.normal(k2, (F,)),
+              "w2": jax.random.normal(k3, (F, D)) / np.sqrt(F)}
+    return jax.tree.map(lambda a: a.astype(dtype), params), jax.random.normal(k4, (T, D)).astype(dtype)
+
+
+def assert_close(actual, expected, rtol=1e-5):
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    assert actual.shape == expected.shape
+    assert np.linalg.norm(actual - expected) <= rtol * np.linalg.norm(expected)
+
+
+# --------------------------------------------------------------------------------------------
+# Python options: bools, strings and callables are static, as jax.jit's static arguments
+# --------------------------------------------------------------------------------------------
+def test_bool_and_str_keywords_outside_jit(mesh1d):
+    mlp = lambda params, x, **options: megatron_mlp(mesh1d, params, x, **options)
+    params, x = mlp_inputs()
+    fused = overlap(mlp, schedule=XLA)
+    for options in ({"use_bias": False}, {"use_bias": True}, {"act": "tanh"}, {"act": jnp.tanh, "use_bias": False}):
+        assert_close(fused(params, x, **options), mlp(params, x, **options))
+        assert [r.op for r in explain(fused, params, x, **options).sites] == ["ag_matmul", "matmul_rs"]
+    # Two calls with different options are two programs, not one cached for the first.
+    assert not np.allclose(fused(params, x, use_bias=False), fused(params, x, use_bias=True))
+
+
+def test_static_argnames_under_jit(mesh1d):
+    def mlp(params, x, use_bias=True):
+        return megatron_mlp(mesh1d, params, x, use_bias=use_bias)
+
+    params, x = mlp_inputs(1)
+    step = jax.jit(overlap(mlp, schedule=XLA), static_argnames="use_bias")
+    for use_bias in (False, True):
+        assert_close(step(params, x, use_bias=use_bias), mlp(params, x, use_bias=use_bias))
+    grads = jax.jit(jax.grad(lambda p, x: overlap(mlp, schedule=XLA)(p, x, use_bias=False).sum()))(params, x)
+    expected = jax.grad(lambda p, x: mlp(p, x, use_bias=False).sum())(params, x)
+    for name in ("w1", "w2"):
+        assert_close(grads[name], expected[name])
+
+
+def test_python_numbers_stay_traced_outside_jit(mesh1d):
+    traced = []
+
+    def scaled(params, x, scale):
+        traced.append(type(scale))
+        return megatron_mlp(mesh1d, params, x) * scale
+
+    params, x = mlp_inputs(2)
+    fused = overlap(scaled, schedule=XLA)
+    assert_close(fused(params, x, 0.5), scaled(params, x, 0.5))
+    calls = len(traced)
+    assert_close(fused(params, x, 0.25), scaled(params, x, 0.25))
+    assert len(traced) == calls + 1  # the plain call only: 0.25 reused the program traced for 0.5
+
+
+# --------------------------------------------------------------------------------------------
+# Integer matmuls: near-misses, left as written
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("schedule", ["auto", XLA], ids=["auto", "xla"])
+def test_integer_site_is_a_near_miss(mesh1d, schedule):
+    def body(x, w):
+        return jax.lax.all_gather(x, "tp", axis=0, tiled=True) @ w
+
+    fn = jax.shard_map(body, mesh=mesh1d, in_specs=(P("tp"), P(None, "tp")), out_specs=P(None, "tp"))
+    x = jnp.arange(T * D, dtype=jnp.int32).reshape(T, D) % 7
+    w = jnp.arange(D * F, dtype=jnp.int32).reshape(D, F) % 5
+    report = explain(overlap(fn, schedule=schedule), x, w)
+    assert not report.sites and len(report.near_misses) == 1, str(report)
+    assert "int32" in report.near_misses[0].reason and "floating" in report.near_misses[0].reason
+    np.testing.assert_array_equal(overlap(fn, schedule=schedule)(x, w), fn(x, w))
+
+
+# --------------------------------------------------------------------------------------------
+# explain(): what each site will run, and where the user wrote it
+# --------------------------------------------------------------------------------------------
+def test_plain_path_on_cpu_is_said(mesh1d):
+    params, x = mlp_inputs(3)
+    report = explain(lambda p, x: megatron_mlp(mesh1d, p, x), params, x)
+    assert len(report.sites) == 2, str(report)
+    for record in report.sites:
+        assert record.schedule == "none (auto)" and "plain path" in record.note and "CPU" in record.note
+    assert "plain path" in str(report)
+
+
+def test_plain_path_for_a_group_of_one_device():
+    mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
+    params, x = mlp_inputs(4)
+    report = explain(lambda p, x: megatron_mlp(mesh, p, x), params, x)
+    assert all("group of one device" in r.note for r in report.sites) and len(report.sites) == 2, str(report)
+
+
+def test_plain_path_when_the_model_predicts_no_gain(mesh1d, monkeypatch):
+    monkeypatch.setattr(policy, "MODEL_ON_CPU", True)  # decide as on a GPU
+    params, x = mlp_inputs(5)
+    report = explain(lambda p, x: megatron_mlp(mesh1d, p, x), params, x)
+    assert all("cost model predicts no gain" in r.note for r in report.sites) and report.sites, str(report)
+    forced = explain(overlap(lambda p, x: megatron_mlp(mesh1d, p, x), schedule=XLA), params, x)
+    assert all(r.note == "" for r in forced.sites), str(forced)
+
+
+def test_autotune_shows_the_pick_or_when_it_is_measured(mesh1d, monkeypatch, tmp_path):
+    params, x = mlp_inputs(6)
+    mlp = lambda p, x: megatron_mlp(mesh1d, p, x)
+    report = explain(overlap(mlp, autotune=True), params, x)  # on CPU the pick needs no measurement
+    assert all(r.schedule == "none (autotune)" and "CPU" in r.note for r in report.sites), str(report)
+    monkeypatch.setattr(policy, "MODEL_ON_CPU", True)
+    monkeypatch.setattr(config, "AUTOTUNE_CACHE_DIR", str(tmp_path))
+    report = explain(overlap(mlp, autotune=True), params, x)
+    assert report.sites and all("measured when traced under jit (autotune)" in r.schedule
+                                for r in report.sites), str(report)
+    assert not list(tmp_path.iterdir())  # explain() measured nothing
+
+
+def test_where_names_the_source_line(mesh1d):
+    params, x = mlp_inputs(7)
+    report = explain(lambda p, x: megatron_mlp(mesh1d, p, x), params, x)
+    assert all("test_user_programs.py:" in r.source and "block" in r.source for r in report), str(report)
+    assert all(r.where.startswith("shard_map@") for r in report)
+    assert "test_user_programs.py:" in str(report)
+
+
+def test_bfloat16_sites_are_still_rewritten(mesh1d):
+    """The floating-point check counts bfloat16 (not a numpy floating type) as floating."""
+    params, x = mlp_inputs(8, jnp.bfloat16)
+    mlp = lambda p, x: megatron_mlp(mesh1d, p, x)
+    report = explain(overlap(mlp, schedule=XLA), params, x)
+    assert [r.op for r in report.sites] == ["ag_matmul", "matmul_rs"] and not report.near_misses, str(report)
+    assert_close(overlap(mlp, schedule=XLA)(params, x), mlp(params, x), rtol=2e-2)
