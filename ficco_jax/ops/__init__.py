@@ -2,9 +2,11 @@
 
   api.py      ag_matmul / matmul_rs / a2a_matmul / matmul_a2a and their references
   measure.py  running one op on local devices to time it (autotune, the benchmark tools)
-  table.py    one record per pair of ops (reference, lowering per comm, backward), the custom VJPs
+  table.py    one record per pair of ops (reference, lowering per comm, backward), their forms
+  tangents.py the tangent maps of a pair: forward mode runs the op, reverse mode its transpose
   resolve.py  one schedule resolution for every op, topology-aware
-  core.py     axis, operand checks, the generic custom-VJP forms
+  linear.py   the primitive carrying a tangent map (evaluation, transpose, jvp, batching)
+  core.py     axis, operand checks, the generic custom-JVP forms
 """
 from __future__ import annotations
 

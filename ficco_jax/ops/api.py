@@ -6,8 +6,10 @@
     matmul_a2a(y, w, "ep")  == all_to_all(einsum("pecf,efd->pecd", y, w), "ep", 0, 0, tiled=True)
 
 Each checks its operands, resolves its `schedule` (ops/resolve.py; "autotune" times candidates with
-ops/measure.py) and runs the positional form of the op table (ops/table.py), whose VJP is itself
-overlapped.
+ops/measure.py) and runs the positional form of the op table (ops/table.py). Every op is
+differentiable in both modes: forward mode (jax.jvp, jax.jacfwd) runs the op itself on the
+tangents with the same schedule, reverse mode (jax.grad, jax.vjp) runs the other op of its pair,
+so the backward pass is overlapped too; the two compose (Hessian-vector products, grad of grad).
 """
 from __future__ import annotations
 
@@ -42,8 +44,8 @@ def ag_matmul(x, w, axis_name: str, *, schedule: ScheduleArg = "auto", return_ga
     Per device: x [m, K], w [K, N] -> [n*m, N] (n = size of `axis_name`). With
     `return_gathered=True` also returns the gathered x [n*m, K], so a caller that needs it gathers
     nothing twice. `schedule` is "auto" (the cost model's pick), "autotune" (measured once, then
-    cached), a `Schedule`, or its string form ("dma/direct/c4/s2"). Differentiable; the backward
-    pass is itself overlapped. dtypes: any float; `comm="dma"` takes bf16, f16 and f32.
+    cached), a `Schedule`, or its string form ("dma/direct/c4/s2"). Differentiable in both modes;
+    the backward pass is itself overlapped. dtypes: any float; `comm="dma"` takes bf16, f16, f32.
     """
     return call("ag_matmul", x, w, axis_name, schedule, with_side=return_gathered, side_flag="return_gathered",
                 measure=time_op)
@@ -53,7 +55,7 @@ def matmul_rs(y, w, axis_name: str, *, schedule: ScheduleArg = "auto"):
     """`psum_scatter(y @ w, axis_name, scatter_dimension=0, tiled=True)`, overlapped by a FiCCO schedule.
 
     Per device: y [M, N], w [N, K] -> [M/n, K] (n = size of `axis_name`; M must divide by n).
-    `schedule` as in `ag_matmul`. Differentiable; the backward pass is itself overlapped.
+    `schedule` as in `ag_matmul`. Differentiable in both modes; the backward pass is itself overlapped.
     """
     return call("matmul_rs", y, w, axis_name, schedule, measure=time_op)
 
@@ -65,7 +67,8 @@ def a2a_matmul(x, w, axis_name: str, *, schedule: ScheduleArg = "auto", return_r
     `axis_name`). With `return_received=True` also returns ``all_to_all(x)`` [n, E_local, C, d]
     (the tokens this device's experts received), so a caller that needs it moves nothing twice.
     `schedule`: "auto", a `Schedule` or its string ("xla/direct/c2", "dma/ring/c4/grouped").
-    Differentiable; the backward pass is itself overlapped. `comm="dma"` takes bf16, f16, f32.
+    Differentiable in both modes; the backward pass is itself overlapped. `comm="dma"` takes bf16,
+    f16, f32.
     """
     return call("a2a_matmul", x, w, axis_name, schedule, with_side=return_received, side_flag="return_received",
                 measure=time_op)
@@ -75,6 +78,6 @@ def matmul_a2a(y, w, axis_name: str, *, schedule: ScheduleArg = "auto"):
     """``all_to_all(einsum("pecf,efd->pecd", y, w), axis_name, 0, 0, tiled=True)``, overlapped.
 
     Per device: y [n, E_local, C, f], w [E_local, f, d] -> [n, E_local, C, d]. `schedule` as in
-    `a2a_matmul`. Differentiable; the backward pass is itself overlapped.
+    `a2a_matmul`. Differentiable in both modes; the backward pass is itself overlapped.
     """
     return call("matmul_a2a", y, w, axis_name, schedule, measure=time_op)

@@ -1,5 +1,5 @@
-"""What every op shares: its axis, its operand checks, the generic custom-VJP form with an optional
-side output, and how cotangents are made to look like their primals under shard_map."""
+"""What every op shares: its axis, its operand checks, the generic custom-JVP forms (with an
+optional side output), and how cotangents are made to look like their primals under shard_map."""
 from __future__ import annotations
 
 from typing import Callable, Union
@@ -7,6 +7,7 @@ from typing import Callable, Union
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 
 from ..schedule import Schedule
 
@@ -52,13 +53,25 @@ def check_operands(op: str, a, w) -> None:
         )
 
 
-def custom_vjp_pair(impl: Callable, backward: Callable, name: str, name_with_side: str):
-    """Two positional custom-VJP forms of an op whose `impl(x, w, axis_name, sched, side_needed=True)`
+def _present(t):
+    """A tangent, or None where it is a symbolic zero."""
+    return None if isinstance(t, SymbolicZero) else t
+
+
+def _zero_where_none(t, like):
+    return SymbolicZero(jax.typeof(like).to_tangent_aval()) if t is None else t
+
+
+def custom_jvp_pair(impl: Callable, tangent: Callable, name: str, name_with_side: str):
+    """Two positional forms of a gather op whose `impl(x, w, axis_name, sched, side_needed=True)`
     returns (out, side); with side_needed=False the side output may be left incomplete. `name`
-    returns out only (its primal passes side_needed=False; its forward rule keeps the side as the
-    residual), so the common use carries no cotangent for the side output and its backward pass no
-    collective for it; `name_with_side` returns both.
-    `backward(axis_name, sched, (side, w), g_out, g_side)` gets g_side None for the first."""
+    returns out only (its primal passes side_needed=False; differentiated, its forward computes
+    the side in full, the weight's tangent and gradient read it); `name_with_side` returns both.
+
+    Both are custom JVPs: `tangent(axis_name, sched, (x, w), (out, side), (dx, dw), with_side)` returns
+    the tangent of out (and of side when with_side; None = zero) as one transposable equation
+    (ops/linear.py), so the forms are differentiable in forward and in reverse mode; dx or dw is
+    None where it is zero."""
 
     def only_out(x, w, axis_name, sched):  # the primal alone: nobody reads the side output
         return impl(x, w, axis_name, sched, side_needed=False)[0]
@@ -68,38 +81,52 @@ def custom_vjp_pair(impl: Callable, backward: Callable, name: str, name_with_sid
 
     only_out.__name__ = only_out.__qualname__ = name
     both.__name__ = both.__qualname__ = name_with_side
-    only_out = jax.custom_vjp(only_out, nondiff_argnums=(2, 3))
-    both = jax.custom_vjp(both, nondiff_argnums=(2, 3))
+    only_out = jax.custom_jvp(only_out, nondiff_argnums=(2, 3))
+    both = jax.custom_jvp(both, nondiff_argnums=(2, 3))
 
-    def fwd_only_out(x, w, axis_name, sched):
-        out, side = impl(x, w, axis_name, sched)
-        return out, (side, w)
+    def rule(with_side: bool):
+        def jvp(axis_name, sched, primals, tangents):
+            x, w = primals
+            dx, dw = map(_present, tangents)
+            # Differentiated, the forward delivers the side output in full, as a residual would be.
+            out, side = both(x, w, axis_name, sched)
+            t_out, t_side = tangent(axis_name, sched, (x, w), (out, side), (dx, dw), with_side)
+            if with_side:
+                return (out, side), (_zero_where_none(t_out, out), _zero_where_none(t_side, side))
+            return out, _zero_where_none(t_out, out)
+        return jvp
 
-    def fwd_both(x, w, axis_name, sched):
-        out, side = impl(x, w, axis_name, sched)
-        return (out, side), (side, w)
-
-    only_out.defvjp(fwd_only_out, lambda axis_name, sched, res, g_out: backward(axis_name, sched, res, g_out, None))
-    both.defvjp(fwd_both, lambda axis_name, sched, res, cotangents: backward(axis_name, sched, res, *cotangents))
+    only_out.defjvp(rule(False), symbolic_zeros=True)
+    both.defjvp(rule(True), symbolic_zeros=True)
     return only_out, both
 
 
-def custom_vjp_plain(impl: Callable, backward: Callable, name: str):
-    """The positional custom-VJP form of an op without a side output: `impl(y, w, axis_name, sched)`
-    -> out, `backward(axis_name, sched, (y, w), g)` -> (dy, dw)."""
+def custom_jvp_plain(impl: Callable, tangent: Callable, name: str):
+    """The positional form of an op without a side output: `impl(y, w, axis_name, sched)` -> out,
+    `tangent(axis_name, sched, (y, w), out, (dy, dw))` -> the tangent of out as one transposable
+    equation (dy or dw None where it is zero)."""
 
     def primal(y, w, axis_name, sched):
         return impl(y, w, axis_name, sched)
 
     primal.__name__ = primal.__qualname__ = name
-    primal = jax.custom_vjp(primal, nondiff_argnums=(2, 3))
-    primal.defvjp(lambda y, w, axis_name, sched: (impl(y, w, axis_name, sched), (y, w)), backward)
+    primal = jax.custom_jvp(primal, nondiff_argnums=(2, 3))
+
+    def jvp(axis_name, sched, primals, tangents):
+        out = primal(*primals, axis_name, sched)
+        t_out = tangent(axis_name, sched, primals, out, tuple(map(_present, tangents)))
+        return out, _zero_where_none(t_out, out)
+
+    primal.defjvp(jvp, symbolic_zeros=True)
     return primal
 
 
 def varying_axes(v) -> frozenset:
     """Mesh axes along which `v` varies inside shard_map (empty outside it, or on old JAX)."""
-    aval = jax.typeof(v)
+    return _aval_axes(jax.typeof(v))
+
+
+def _aval_axes(aval) -> frozenset:
     vma = getattr(aval, "vma", None)  # jax < 0.10
     if vma is None:
         vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
@@ -113,3 +140,8 @@ def like_primal(ct, dtype, primal_axes: frozenset):
     if extra:
         ct = lax.psum(ct, extra)
     return ct.astype(dtype)
+
+
+def like_aval(ct, aval):
+    """`like_primal` for an operand known by its abstract value (a transpose rule's view)."""
+    return like_primal(ct, aval.dtype, _aval_axes(aval))

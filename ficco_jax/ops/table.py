@@ -1,5 +1,5 @@
 """The op table: one record per pair of ops that are each other's transpose, and the positional
-forms (x, w, axis_name, schedule) built from it, which carry the custom VJPs.
+forms (x, w, axis_name, schedule) built from it, differentiable in forward and reverse mode.
 
 A pair is a *gather* op (collective -> matmul; its side output is what the collective delivered)
 and a *scatter* op (matmul -> collective):
@@ -13,7 +13,9 @@ with all_gather / psum_scatter / all_to_all tiled along dimension 0 (all_to_all 
 Each is the other's transpose, so both backward passes are overlapped: the input gradient of the
 gather op is the scatter op of the output gradient with w transposed, and its weight gradient a
 local product with the side output; the input gradient of the scatter op is the gather op of the
-output gradient, whose side output also feeds the weight gradient.
+output gradient, whose side output also feeds the weight gradient. Forward mode (jvp, jacfwd)
+runs the op itself on the tangents; the tangent maps and their rules are in ops/tangents.py and
+ops/linear.py.
 """
 from __future__ import annotations
 
@@ -25,8 +27,9 @@ import numpy as np
 from jax import lax
 
 from ..lowering import dma, xla
-from .core import ScheduleArg, axis_size, check_operands, custom_vjp_pair, custom_vjp_plain, like_primal, varying_axes
-from .resolve import resolve_schedule, transposed_schedule
+from .core import ScheduleArg, axis_size, check_operands, custom_jvp_pair, custom_jvp_plain
+from .resolve import resolve_schedule
+from .tangents import gather_map, gather_tangent, scatter_map, scatter_tangent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +46,9 @@ class OpPair:
     side_collective: Callable     # (g_side, axis_name) -> its cotangent on the gather op's input
     gather_dw: Callable           # (side, g_out) -> the gather op's weight gradient
     scatter_dw: Callable          # (y, g_side) -> the scatter op's weight gradient
+    gather_collective: Callable   # (x, axis_name) -> the gather op's side output, plain JAX
+    gather_local: Callable        # (side, w) -> the gather op's output from its side output
+    contraction: tuple            # (axis of the scatter op's y, axis of its w) contracted
 
 
 def _all_to_all(v, axis_name):
@@ -59,6 +65,9 @@ TENSOR_PARALLEL = OpPair(
     side_collective=lambda g, axis_name: lax.psum_scatter(g, axis_name, scatter_dimension=0, tiled=True),
     gather_dw=lambda gathered, g_out: gathered.T @ g_out,
     scatter_dw=lambda y, g_gathered: y.T @ g_gathered,
+    gather_collective=lambda x, axis_name: lax.all_gather(x, axis_name, axis=0, tiled=True),
+    gather_local=lambda gathered, w: gathered @ w,
+    contraction=(1, 0),
 )
 
 EXPERT_PARALLEL = OpPair(
@@ -71,6 +80,9 @@ EXPERT_PARALLEL = OpPair(
     side_collective=_all_to_all,
     gather_dw=lambda received, g_out: jnp.einsum("pecd,pecf->edf", received, g_out),
     scatter_dw=lambda y, g_received: jnp.einsum("pecf,pecd->efd", y, g_received),
+    gather_collective=_all_to_all,
+    gather_local=lambda received, w: jnp.einsum("pecd,edf->pecf", received, w),
+    contraction=(3, 1),
 )
 
 
@@ -94,32 +106,14 @@ def _scheduled_forms(pair: OpPair) -> ScheduledForms:
             return pair.scatter_dma(y, w, axis_name, sched)
         return pair.scatter_xla(y, w, axis_name, sched, axis_size(axis_name, pair.scatter))
 
-    def gather_backward(axis_name, sched, res, g_out, g_side):
-        side, w = res
-        w_t = pair.transpose_w(w)
-        n = axis_size(axis_name, pair.gather)
-        bwd = transposed_schedule(pair.scatter, sched, (g_out.shape, w_t.shape), g_out.dtype, n)
-        # d x = collective(g_out @ w^T (+ g_side)): the collective rides on the matmuls.
-        dx = forms.scatter(g_out, w_t, axis_name, bwd)
-        if g_side is not None:
-            dx = dx + pair.side_collective(g_side, axis_name)
-        # x varied along the op's axis and along every axis its side output varies on.
-        return (like_primal(dx, side.dtype, varying_axes(side) | {axis_name}),
-                like_primal(pair.gather_dw(side, g_out), w.dtype, varying_axes(w)))
+    # The tangent maps call the forms (their transposes are the other op), the forms the maps.
+    def get_forms():
+        return forms
 
-    def scatter_backward(axis_name, sched, res, g):
-        y, w = res
-        w_t = pair.transpose_w(w)
-        n = axis_size(axis_name, pair.scatter)
-        bwd = transposed_schedule(pair.gather, sched, (g.shape, w_t.shape), g.dtype, n)
-        # d y = gather op of g with w^T; its side output (g delivered) is reused for d w.
-        dy, g_side = forms.gather_with_side(g, w_t, axis_name, bwd)
-        return (like_primal(dy, y.dtype, varying_axes(y)),
-                like_primal(pair.scatter_dw(y, g_side), w.dtype, varying_axes(w)))
-
-    gather, gather_with_side = custom_vjp_pair(gather_impl, gather_backward, pair.gather,
-                                               f"{pair.gather}_with_side")
-    forms = ScheduledForms(gather, gather_with_side, custom_vjp_plain(scatter_impl, scatter_backward, pair.scatter))
+    gather_tan = gather_tangent(gather_map(pair, gather_impl, get_forms))
+    gather, gather_with_side = custom_jvp_pair(gather_impl, gather_tan, pair.gather, f"{pair.gather}_with_side")
+    scatter = custom_jvp_plain(scatter_impl, scatter_tangent(scatter_map(pair, scatter_impl, get_forms)), pair.scatter)
+    forms = ScheduledForms(gather, gather_with_side, scatter)
     return forms
 
 

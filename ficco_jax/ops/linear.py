@@ -1,0 +1,133 @@
+"""One primitive for the tangent maps of the ops, so that both modes of differentiation run them.
+
+A tangent map is linear in its *linear* operands (the tangents) given its *residual* operands
+(the primals it needs), e.g. ``(dx, dw) -> ag_matmul(dx, w) + all_gather(x) @ dw``. What differs
+per map is a `LinearMap` record (ops/table.py); this module gives every map the rules JAX needs:
+
+  evaluation   map.apply: the map computed with the op's own schedule (forward mode, jvp / jacfwd)
+  transpose    map.transpose: the op's overlapped backward (reverse mode: grad, vjp)
+  jvp          the map again on the linear operands' tangents, plus map.res_jvp for the
+               residuals' tangents (forward over forward, and reverse over forward)
+  batching     the map once per batch element, in a `lax.map` loop (jacfwd vmaps the tangents)
+
+A custom_vjp cannot be differentiated in forward mode, and a custom_jvp whose tangent calls a
+custom_vjp cannot be transposed: the tangent has to be one equation that carries its own
+transpose, which is what this primitive is.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax.numpy as jnp
+from jax import lax
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from .core import like_aval
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearMap:
+    """The parts of a tangent map that differ per op; `static` is its hashable configuration
+    (axis name, schedule, flags), absent operands (zero tangents, unneeded residuals) are None.
+
+    apply(static, res, lin) -> tuple of outputs (None: zero)
+    transpose(static, res, cts, wanted) -> cotangent per linear operand (None: not wanted / zero)
+    res_jvp(static, res, lin, res_tangents, outs) -> per output the tangent contributed by the
+        residuals' tangents (None: zero); must itself be linear in res_tangents and transposable
+    """
+    name: str
+    apply: Callable
+    transpose: Callable
+    res_jvp: Callable
+
+
+linear_p = Primitive("ficco_linear")
+linear_p.multiple_results = True
+
+
+def bind(lmap: LinearMap, static, res, lin, out_avals) -> list:
+    """`lmap` on (res, lin) as one equation; `out_avals` are its outputs' abstract values."""
+    res_mask = tuple(r is not None for r in res)
+    lin_mask = tuple(v is not None for v in lin)
+    operands = [r for r in res if r is not None] + [v for v in lin if v is not None]
+    return linear_p.bind(*operands, lmap=lmap, static=static, res_mask=res_mask, lin_mask=lin_mask,
+                         out_avals=tuple(out_avals))
+
+
+def _split(args, res_mask, lin_mask):
+    """(res, lin) with None at absent positions."""
+    it = iter(args)
+    res = tuple(next(it) if present else None for present in res_mask)
+    lin = tuple(next(it) if present else None for present in lin_mask)
+    return res, lin
+
+
+def _apply(*args, lmap, static, res_mask, lin_mask, out_avals):
+    res, lin = _split(args, res_mask, lin_mask)
+    outs = lmap.apply(static, res, lin)
+    return [jnp.zeros(a.shape, a.dtype) if o is None else o for o, a in zip(outs, out_avals)]
+
+
+def _abstract_eval(*args, out_avals, **_):
+    return list(out_avals)
+
+
+def _nonzero(t):
+    return None if t is None or type(t) is ad.Zero else t
+
+
+def _add(a, b):
+    return b if a is None else a if b is None else a + b
+
+
+def _jvp(primals, tangents, *, lmap, static, res_mask, lin_mask, out_avals):
+    """d map(res, lin) = map(res, d lin) + (d/d res) map(res, lin) [d res]: linear in both."""
+    params = dict(lmap=lmap, static=static, res_mask=res_mask, lin_mask=lin_mask, out_avals=out_avals)
+    outs = linear_p.bind(*primals, **params)
+    res, lin = _split(primals, res_mask, lin_mask)
+    t_res, t_lin = _split([_nonzero(t) for t in tangents], res_mask, lin_mask)
+    total = [None] * len(outs)
+    if any(t is not None for t in t_lin):
+        total = list(bind(lmap, static, res, t_lin, out_avals))
+    if any(t is not None for t in t_res):
+        total = [_add(a, b) for a, b in zip(total, lmap.res_jvp(static, res, lin, t_res, outs))]
+    return outs, [ad.Zero(a.to_tangent_aval()) if t is None else t for t, a in zip(total, out_avals)]
+
+
+def _transpose(cts, *args, lmap, static, res_mask, lin_mask, out_avals):
+    """The op's overlapped backward; residuals are always known here (the primals of a tangent)."""
+    res, lin = _split(args, res_mask, lin_mask)
+    if any(ad.is_undefined_primal(r) for r in res if r is not None):
+        raise NotImplementedError(f"{lmap.name}: transposing with respect to a residual operand")
+    wanted = tuple(v is not None and ad.is_undefined_primal(v) for v in lin)
+    lin_cts = lmap.transpose(static, res, tuple(_nonzero(c) for c in cts), wanted)
+    out = [None] * sum(res_mask)
+    for v, want, ct in zip(lin, wanted, lin_cts):
+        if v is not None:
+            out.append(like_aval(ct, v.aval) if want and ct is not None else None)
+    return out
+
+
+def _batch(args, dims, **params):
+    """One map per batch element: the op's schedules take no batch dimension of their own."""
+    moved = [a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
+    batched = [i for i, d in enumerate(dims) if d is not None]
+
+    def one(sliced):
+        full = list(moved)
+        for i, v in zip(batched, sliced):
+            full[i] = v
+        return linear_p.bind(*full, **params)
+
+    outs = lax.map(one, [moved[i] for i in batched])
+    return outs, [0] * len(outs)
+
+
+linear_p.def_impl(_apply)
+linear_p.def_abstract_eval(_abstract_eval)
+mlir.register_lowering(linear_p, mlir.lower_fun(_apply, multiple_results=True))
+ad.primitive_jvps[linear_p] = _jvp
+ad.primitive_transposes[linear_p] = _transpose
+batching.primitive_batchers[linear_p] = _batch

@@ -1,0 +1,237 @@
+"""Forward-mode differentiation of the four ops (jvp, jacfwd, linearize), its compositions with
+reverse mode (Hessian-vector products, grad of grad, grad of jvp) and overlap() under jvp.
+
+Every case against the plain-JAX reference, for comm none, xla and dma (the CPU backend of the
+executor), on the permuted (dp=2, tp=4) mesh, so that replicated and varying operands meet. The
+lowered programs show that forward mode runs the op itself on the tangents and that reverse mode
+still runs the transposed op of the same family on copy engines.
+"""
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import ficco_jax
+from ficco_jax import Schedule
+from helpers import TOLERANCE, ag_specs, global_shapes, random, rel_err, rs_specs
+
+RTOL = TOLERANCE["float32"]
+M_ROWS, K, N_COLS = 4, 6, 2       # tensor parallel, per device: x [4, 6], w [6, 2]
+E, C, D, F = 2, 2, 4, 3           # expert parallel, per device: x [n, 2, 2, 4], w [2, 4, 3]
+TRANSPOSE = {"ag_matmul": "matmul_rs", "matmul_rs": "ag_matmul", "a2a_matmul": "matmul_a2a",
+             "matmul_a2a": "a2a_matmul"}
+SCHEDULES = ["none", "xla/ring/c2", "xla/bidirectional/c2", "xla/direct/c2", "dma/direct/c2", "dma/ring/c2",
+             "dma/direct/c1/push"]
+
+
+def _ep_specs(mesh):
+    tokens = P(("dp", "tp"))
+    return (tokens, P("tp")), tokens
+
+
+def _ep_shapes(op, mesh):
+    tp, devices = mesh.shape["tp"], mesh.devices.size
+    inner, w_in, w_out = (D, D, F) if op == "a2a_matmul" else (F, F, D)
+    return (devices * tp, E, C, inner), (tp * E, w_in, w_out)
+
+
+OPS = {  # op -> (fn, reference, specs(mesh), global shapes(op, mesh))
+    "ag_matmul": (ficco_jax.ag_matmul, ficco_jax.ag_matmul_ref, ag_specs,
+                  lambda op, mesh: global_shapes(op, mesh, M_ROWS, K, N_COLS)),
+    "matmul_rs": (ficco_jax.matmul_rs, ficco_jax.matmul_rs_ref, rs_specs,
+                  lambda op, mesh: global_shapes(op, mesh, M_ROWS, K, N_COLS)),
+    "a2a_matmul": (ficco_jax.a2a_matmul, ficco_jax.a2a_matmul_ref, _ep_specs, _ep_shapes),
+    "matmul_a2a": (ficco_jax.matmul_a2a, ficco_jax.matmul_a2a_ref, _ep_specs, _ep_shapes),
+}
+
+
+def _local_shapes(op, tp=4):
+    if op in ("ag_matmul", "matmul_rs"):
+        return ((M_ROWS, K), (K, N_COLS)) if op == "ag_matmul" else ((tp * M_ROWS, N_COLS), (N_COLS, K))
+    inner, w_in, w_out = (D, D, F) if op == "a2a_matmul" else (F, F, D)
+    return (tp, E, C, inner), (E, w_in, w_out)
+
+
+def _valid(op, text):
+    sched = Schedule.parse(text)
+    if sched.comm == "dma" and not ficco_jax.dma.available():
+        return False
+    try:
+        sched.validate(op, _local_shapes(op), 4)
+    except ValueError:
+        return False
+    return True
+
+
+def _cases(comms=("none", "xla", "dma"), first_only=False):
+    for op in OPS:
+        taken = set()
+        for text in SCHEDULES:
+            comm = text.split("/")[0]
+            if comm in comms and _valid(op, text) and not (first_only and comm in taken):
+                taken.add(comm)
+                yield pytest.param(op, text, id=f"{op}-{text}")
+
+
+def _program(mesh, op, body):
+    """jit(shard_map(body)) over the op's specs: a function of the global (a, w)."""
+    in_specs, out_specs = OPS[op][2](mesh)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+
+
+def _operands(mesh, op, rng, count=2):
+    """`count` random (a, w)-shaped arrays, placed as the op's in_specs say (never zeros)."""
+    in_specs = OPS[op][2](mesh)[0]
+    shapes = OPS[op][3](op, mesh)
+    return [jax.device_put(random(rng, s, "float32"), NamedSharding(mesh, spec))
+            for _ in range(count // 2) for s, spec in zip(shapes, in_specs)]
+
+
+def _pair(mesh, op, sched):
+    """(the op under `sched`, its reference) as programs of the global (a, w)."""
+    fn, ref = OPS[op][:2]
+    return (_program(mesh, op, lambda a, w: fn(a, w, "tp", schedule=sched)),
+            _program(mesh, op, lambda a, w: ref(a, w, "tp")))
+
+
+def _assert_close(got, want):
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert rel_err(g, r) < RTOL
+
+
+# ------------------------------------------------------------------------------------------------
+# jvp and jacfwd
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("op,sched", list(_cases()))
+def test_jvp_matches_reference(mesh2d, rng, op, sched):
+    """Tangents in both operands, in the input alone and in the weight alone (symbolic zeros)."""
+    a, w, da, dw = _operands(mesh2d, op, rng, 4)
+    got_fn, want_fn = _pair(mesh2d, op, sched)
+    _assert_close(jax.jvp(got_fn, (a, w), (da, dw)), jax.jvp(want_fn, (a, w), (da, dw)))
+    _assert_close(jax.jvp(lambda a: got_fn(a, w), (a,), (da,)), jax.jvp(lambda a: want_fn(a, w), (a,), (da,)))
+    _assert_close(jax.jvp(lambda w: got_fn(a, w), (w,), (dw,)), jax.jvp(lambda w: want_fn(a, w), (w,), (dw,)))
+
+
+@pytest.mark.parametrize("op,sched", list(_cases(first_only=True)))
+def test_jacfwd_matches_reference(mesh2d, rng, op, sched):
+    """jacfwd vmaps the tangents: the tangent equation runs once per basis direction."""
+    a, w = _operands(mesh2d, op, rng)
+    got_fn, want_fn = _pair(mesh2d, op, sched)
+    _assert_close(jax.jacfwd(got_fn, argnums=(0, 1))(a, w), jax.jacfwd(want_fn, argnums=(0, 1))(a, w))
+
+
+@pytest.mark.parametrize("op,sched", list(_cases(first_only=True)))
+def test_linearize_evaluates(mesh2d, rng, op, sched):
+    a, w, da, dw = _operands(mesh2d, op, rng, 4)
+    got_fn, want_fn = _pair(mesh2d, op, sched)
+    (got_out, got_lin), (want_out, want_lin) = jax.linearize(got_fn, a, w), jax.linearize(want_fn, a, w)
+    _assert_close((got_out, got_lin(da, dw)), (want_out, want_lin(da, dw)))
+
+
+# ------------------------------------------------------------------------------------------------
+# Compositions with reverse mode
+# ------------------------------------------------------------------------------------------------
+def _loss(fn):
+    return lambda a, w: jnp.sum(jnp.sin(fn(a, w)))
+
+
+@pytest.mark.parametrize("op,sched", list(_cases()))
+def test_hvp_matches_reference(mesh2d, rng, op, sched):
+    """Hessian-vector product: jvp of grad, through a loss that is not quadratic in the output."""
+    a, w, da, dw = _operands(mesh2d, op, rng, 4)
+    got_fn, want_fn = _pair(mesh2d, op, sched)
+
+    def hvp(fn):
+        return jax.jvp(jax.grad(_loss(fn), argnums=(0, 1)), (a, w), (da, dw))
+
+    _assert_close(hvp(got_fn), hvp(want_fn))
+
+
+@pytest.mark.parametrize("op,sched", list(_cases(comms=("xla", "dma"), first_only=True)))
+def test_second_order_compositions(mesh2d, rng, op, sched):
+    """grad of grad, jvp of jvp and grad of jvp (reverse over forward)."""
+    a, w, da, dw = _operands(mesh2d, op, rng, 4)
+    got_fn, want_fn = _pair(mesh2d, op, sched)
+
+    def grad_grad(fn):
+        inner = jax.grad(_loss(fn), argnums=0)
+        return jax.grad(lambda a, w: jnp.sum(inner(a, w) ** 2), argnums=(0, 1))(a, w)
+
+    def jvp_jvp(fn):
+        first = lambda a, w: jax.jvp(fn, (a, w), (da, dw))[1]
+        return jax.jvp(first, (a, w), (dw.sum() + a, w * 0.5))
+
+    def grad_jvp(fn):
+        return jax.grad(lambda a, w: jnp.sum(jnp.sin(jax.jvp(fn, (a, w), (da, dw))[1])), argnums=(0, 1))(a, w)
+
+    for composed in (grad_grad, jvp_jvp, grad_jvp):
+        _assert_close(composed(got_fn), composed(want_fn))
+
+
+# ------------------------------------------------------------------------------------------------
+# The programs: forward mode runs the op on the tangents, reverse mode its transpose, on copy engines
+# ------------------------------------------------------------------------------------------------
+PLAIN_COLLECTIVES = ("stablehlo.all_gather", "stablehlo.reduce_scatter", "stablehlo.all_to_all",
+                     "stablehlo.collective_permute")
+
+
+@pytest.mark.skipif(not ficco_jax.dma.available(), reason="the ficco_jax extension is not built")
+@pytest.mark.parametrize("op", list(OPS))
+def test_both_modes_stay_on_copy_engines(mesh2d, rng, op):
+    a, w, da, dw = _operands(mesh2d, op, rng, 4)
+    got_fn, _ = _pair(mesh2d, op, "dma/direct/c2")
+    jvp_text = jax.jit(lambda a, w, da, dw: jax.jvp(got_fn, (a, w), (da, dw))).lower(a, w, da, dw).as_text()
+    grad_text = jax.jit(jax.grad(_loss(got_fn), argnums=(0, 1))).lower(a, w).as_text()
+    assert jvp_text.count(f"ficco_{op}") >= 2  # the primal and the tangent
+    assert f"ficco_{TRANSPOSE[op]}" in grad_text  # the backward is the transposed op, overlapped
+    for text in (jvp_text, grad_text):
+        assert not [c for c in PLAIN_COLLECTIVES if c in text]
+
+
+# ------------------------------------------------------------------------------------------------
+# Side outputs and overlap()
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("op,sched", [c for c in _cases(first_only=True) if c.values[0] in ("ag_matmul", "a2a_matmul")])
+def test_side_output_tangents(mesh2d, rng, op, sched):
+    """return_gathered / return_received: tangents of both outputs, and an HVP through both."""
+    a, w, da, dw = _operands(mesh2d, op, rng, 4)
+    fn, _, specs, _ = OPS[op]
+    flag = "return_gathered" if op == "ag_matmul" else "return_received"
+    collective = ((lambda x: jax.lax.all_gather(x, "tp", axis=0, tiled=True)) if op == "ag_matmul"
+                  else (lambda x: jax.lax.all_to_all(x, "tp", 0, 0, tiled=True)))
+    local = (lambda s, w: s @ w) if op == "ag_matmul" else (lambda s, w: jnp.einsum("pecd,edf->pecf", s, w))
+    in_specs, out_spec = specs(mesh2d)
+    side_spec = P(("dp", "tp"), None) if op == "ag_matmul" else P(("dp", "tp"))
+
+    def program(body):
+        return jax.jit(jax.shard_map(body, mesh=mesh2d, in_specs=in_specs, out_specs=(out_spec, side_spec)))
+
+    got_fn = program(lambda a, w: fn(a, w, "tp", schedule=sched, **{flag: True}))
+    want_fn = program(lambda a, w: (local(collective(a), w), collective(a)))
+    _assert_close(jax.jvp(got_fn, (a, w), (da, dw)), jax.jvp(want_fn, (a, w), (da, dw)))
+
+    def hvp(fn):
+        loss = lambda a, w: jnp.sum(jnp.sin(fn(a, w)[0])) + jnp.sum(jnp.cos(fn(a, w)[1]) * fn(a, w)[1])
+        return jax.jvp(jax.grad(loss, argnums=(0, 1)), (a, w), (da, dw))
+
+    _assert_close(hvp(got_fn), hvp(want_fn))
+
+
+@pytest.mark.parametrize("schedule", ["auto", "xla/ring/c2"] + (["dma/direct/c2"] if ficco_jax.dma.available() else []))
+def test_overlap_under_jvp(mesh2d, rng, schedule):
+    """An all_gather -> matmul -> psum_scatter block rewritten by overlap(), under jvp and jacfwd."""
+    in_specs, out_spec = (P(("dp", "tp"), None), P(None, "tp"), P("tp", None)), P(("dp", "tp"), None)
+    x = random(rng, (8 * M_ROWS, K), "float32")
+    w1, w2 = random(rng, (K, 4 * N_COLS), "float32"), random(rng, (4 * N_COLS, K), "float32")
+    dx, dw1, dw2 = (random(rng, v.shape, "float32") for v in (x, w1, w2))
+
+    def block(x, w1, w2):
+        h = jnp.tanh(jax.lax.all_gather(x, "tp", axis=0, tiled=True) @ w1)
+        return jax.lax.psum_scatter(h @ w2, "tp", scatter_dimension=0, tiled=True)
+
+    plain = jax.jit(jax.shard_map(block, mesh=mesh2d, in_specs=in_specs, out_specs=out_spec))
+    fused = jax.jit(jax.shard_map(ficco_jax.overlap(block, schedule=schedule), mesh=mesh2d, in_specs=in_specs,
+                                  out_specs=out_spec))
+    args, tangents = (x, w1, w2), (dx, dw1, dw2)
+    _assert_close(jax.jvp(fused, args, tangents), jax.jvp(plain, args, tangents))
+    _assert_close(jax.jacfwd(fused, argnums=1)(*args), jax.jacfwd(plain, argnums=1)(*args))
