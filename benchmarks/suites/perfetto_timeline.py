@@ -33,9 +33,11 @@ def load(path: str) -> list[dict]:
 
 def pick_process(events: list[dict], device: int) -> tuple[int, str]:
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    # A GPU machine running JAX on its CPU still lists the GPU in the trace, with no events on it.
+    busy = {e.get("pid") for e in events if e.get("ph") != "M"}
     pattern = re.compile(rf"GPU:?\s*{device}\b|gpu:?\s*{device}\b")
     for pid, name in names.items():
-        if pattern.search(name):
+        if pattern.search(name) and pid in busy:
             return pid, name
     for pid, name in names.items():  # no GPU in the trace (CPU runs): the host
         if "host" in name.lower() or "cpu" in name.lower():
