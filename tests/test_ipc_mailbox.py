@@ -144,7 +144,7 @@ print(json.dumps({"stats": [dict(d) for d in _ffi.ipc_stats()]}))
 
 
 def test_the_staging_buffer_without_a_gpu_is_an_error_not_a_crash():
-    """ipc.staging_info() (the first step of scripts/mp_gpu.py) on a machine without a usable GPU:
+    """ipc.staging_info() (the first step of benchmarks/suites/multiprocess.py) on a machine without a usable GPU:
     a RuntimeError naming the call, in a process that goes on (the GPU run's processes died
     formatting an error; this path formats one too)."""
     p = subprocess.run([sys.executable, "-c", _STAGING_PROBE], capture_output=True, text=True,

@@ -102,7 +102,7 @@ def staging_info(device=None, nbytes: int = 0) -> dict:
     least `nbytes`: ``base``, ``bytes``, ``buffer_id``, ``ipc_capable`` (legacy CUDA IPC can
     export it), ``generation``, ``retired_bytes`` and ``export_error`` ("" if
     ``cudaIpcGetMemHandle`` accepts it). Allocates it if needed, so call it between ops (the first
-    step of scripts/mp_gpu.py does). Raises RuntimeError with the CUDA error otherwise."""
+    step of the multiprocess suite, benchmarks/suites/multiprocess.py, does). Raises RuntimeError with the CUDA error otherwise."""
     from .. import _ffi
 
     device = device if device is not None else jax.local_devices()[0]
