@@ -95,6 +95,18 @@ def synthetic_batch(cfg: Config, dp: int, step: int):
 # ------------------------------------------------------------------------------------------------
 # Training
 # ------------------------------------------------------------------------------------------------
+def fit_tp(cfg: Config, n_devices: int) -> int:
+    """The tp to use when --tp is not given: the largest value up to the preset's that divides the
+    device count and the model's sizes (1 always does: one device runs the plain model)."""
+    def fits(tp):
+        try:
+            cfg.validate(tp)
+        except ValueError:
+            return False
+        return n_devices % tp == 0
+    return max(tp for tp in range(1, cfg.tp + 1) if fits(tp))
+
+
 def make_mesh(cfg: Config) -> Mesh:
     devices = jax.devices()
     tp = cfg.tp
@@ -210,15 +222,19 @@ def describe_memory(memory) -> str:
             f"{gb(memory.output_size_in_bytes - memory.alias_size_in_bytes)}; total {gb(peak)}")
 
 
-def print_comparison(plain: dict, over: dict) -> None:
+def print_comparison(plain: dict, over: dict, speedups: bool = True) -> None:
+    """Losses and step times side by side; `speedups=False` (CPU, or tp=1 where there is nothing to
+    overlap) prints n/a instead of a ratio of times that means nothing."""
+    ratio = lambda t0, t1, digits: f"{t0 / t1:.{digits}f}x" if speedups else "n/a"  # noqa: E731
     print("\nstep  loss (no overlap)  loss (overlap)   rel diff   time no-overlap   time overlap   speedup")
     for i, (l0, l1, t0, t1) in enumerate(zip(plain["losses"], over["losses"], plain["step_s"], over["step_s"])):
         rel = abs(l1 - l0) / max(abs(l0), 1e-30)
-        print(f"{i + 1:4d}  {l0:17.6f}  {l1:14.6f}  {rel:9.2e}  {t0 * 1e3:13.2f} ms  {t1 * 1e3:10.2f} ms  {t0 / t1:7.2f}x")
+        print(f"{i + 1:4d}  {l0:17.6f}  {l1:14.6f}  {rel:9.2e}  {t0 * 1e3:13.2f} ms  {t1 * 1e3:10.2f} ms  "
+              f"{ratio(t0, t1, 2):>8}")
     t0, t1 = steady_step_s(plain["step_s"]), steady_step_s(over["step_s"])
     tokens = plain["tokens_per_step"]
     print(f"steady state (median, first step excluded): no-overlap {t0 * 1e3:.2f} ms ({tokens / t0:,.0f} tokens/s), "
-          f"overlap {t1 * 1e3:.2f} ms ({tokens / t1:,.0f} tokens/s), speedup {t0 / t1:.3f}x")
+          f"overlap {t1 * 1e3:.2f} ms ({tokens / t1:,.0f} tokens/s), speedup {ratio(t0, t1, 3)}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -238,8 +254,10 @@ def parse_config(argv=None) -> tuple[Config, argparse.Namespace]:
     parser.add_argument("--comm-free-bound", action="store_true",
                         help="also time the step with its sequence collectives replaced by local ops of the same "
                              "shapes: the fastest any overlap could make it (its losses are not the model's)")
-    for name in ("layers", "hidden", "ffn", "heads", "kv_heads", "seq", "batch", "steps", "tp", "seed"):
+    for name in ("layers", "hidden", "ffn", "heads", "kv_heads", "seq", "batch", "steps", "seed"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int)
+    parser.add_argument("--tp", type=int, help="tensor-parallel group size (default: the preset's tp if it divides "
+                                                "the device count, else the largest that does and fits the model)")
     parser.add_argument("--lr", type=float)
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"))
     parser.add_argument("--schedule", help="schedule for every site: auto (default), autotune, or e.g. dma/direct/c4/s2")
@@ -255,8 +273,16 @@ def parse_config(argv=None) -> tuple[Config, argparse.Namespace]:
 
 def main(argv=None) -> None:
     cfg, args = parse_config(argv)
+    if args.tp is None:  # the preset's tp where it fits these devices, else the largest that does
+        cfg = dataclasses.replace(cfg, tp=fit_tp(cfg, jax.device_count()))
+        if cfg.tp != PRESETS[args.preset].tp:
+            print(f"tp={cfg.tp}: the preset's tp={PRESETS[args.preset].tp} does not fit {jax.device_count()} "
+                  f"device(s) (--tp sets it)")
     mesh = make_mesh(cfg)
     dp, tp = mesh.shape["dp"], mesh.shape["tp"]
+    if tp == 1:
+        print("tp=1: a group of one device has no collective to overlap; with overlap the step keeps the plain "
+              "matmuls, so both modes run the same model and give the same losses")
     n_params = sum(math.prod(a.shape) for a in jax.tree.leaves(jax.eval_shape(lambda k: init_params(cfg, k),
                                                                                jax.random.PRNGKey(0))))
     print(f"tp_transformer ({args.preset}): {cfg.layers} layers, hidden {cfg.hidden}, ffn {cfg.ffn}, heads "
@@ -286,7 +312,7 @@ def main(argv=None) -> None:
               f"(one device, gate/up GEMM) = {flops / rate * 1e3:.2f} ms/step"
               + ("; CPU times mean nothing" if jax.default_backend() == "cpu" else ""))
     if args.compare:
-        print_comparison(results[False], results[True])
+        print_comparison(results[False], results[True], speedups=jax.default_backend() != "cpu" and tp > 1)
 
 
 if __name__ == "__main__":

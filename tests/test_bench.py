@@ -133,3 +133,26 @@ def test_table_shows_the_best_with_its_spread_and_over_the_ideal():
     cells = [c.strip() for c in line.strip("|").split("|")]
     assert cells[9] == "0.532 (dma/direct/c1) ± 0.130"
     assert cells[10] == "1.50x" and cells[11] == "1.120x"  # 0.8 / 0.532 and 0.532 / 0.475
+
+
+def test_progress_ends_at_its_planned_count(tmp_path, capsys):
+    # xla/ring/c1 listed is JAX's ring too: counted once, as it is run once
+    bench.run(["ag_matmul"], {"t": (64, 32, 64)}, "float32", "xla/ring/c1,xla/direct/c1", str(tmp_path),
+              windowed=False)
+    steps = [tuple(map(int, m)) for m in __import__("re").findall(r"\[\s*(\d+)/(\d+)\]", capsys.readouterr().err)]
+    assert steps and steps[-1][0] == steps[-1][1] == len(steps), steps
+
+
+def test_table_on_cpu_computes_no_speedup():
+    from ficco_jax.tools import report
+
+    rows = [{"op": "ag_matmul", "shape": "s", "M": 8, "K": 8, "N": 8, "variant": v, "median_ms": ms, "spread_ms": 0.01,
+             "verified": True, "selected": v == "ficco:none", "note": ""}
+            for v, ms in (("jax_seq", 0.2), ("gemm_alone", 0.01), ("collective_alone", 0.15), ("ideal", 0.15),
+                          ("ficco:none", 0.18))]
+    result = {"n_devices": 8, "device": "cpu", "platform": "cpu", "dtype": "float32", "jax": "0", "commit": "c",
+              "date": "t", "method": "m", "rows": rows}
+    table = report.markdown_table(result)
+    cells = [c.strip() for c in next(x for x in table.splitlines() if x.startswith("| ag_matmul")).strip("|").split("|")]
+    assert cells[10:] == ["n/a", "n/a"], cells
+    assert "no speed-up" in table

@@ -123,3 +123,25 @@ def test_cudnn_attention_unrolls_layers_unless_told():
     assert tp_transformer.parse_config(["--attention", "cudnn", "--scan"])[0].scans_layers
     assert tp_transformer.parse_config(["--attention", "cudnn", "--remat"])[0].scans_layers
     assert tp_transformer.parse_config([])[0].scans_layers
+
+
+def test_default_tp_fits_the_device_count():
+    tiny = tp_transformer.PRESETS["tiny"]  # tp=4
+    assert [tp_transformer.fit_tp(tiny, n) for n in (1, 2, 3, 4, 6, 8)] == [1, 2, 1, 4, 2, 4]
+
+
+def test_compare_on_one_device_runs_the_plain_model_both_ways():
+    import os
+    import re
+    import subprocess
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    done = subprocess.run([sys.executable, str(_PATH), "--compare", "--steps", "2", "--no-bound"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "dp=1 x tp=1" in done.stdout and "no collective to overlap" in done.stdout
+    steps = re.findall(r"^\s+\d+\s+(\d+\.\d+)\s+(\d+\.\d+)\s", done.stdout, re.MULTILINE)
+    assert len(steps) == 2, done.stdout
+    for plain, over in steps:
+        assert float(plain) == pytest.approx(float(over), rel=1e-5)
+    assert not re.search(r"\d+\.\d+x", done.stdout.split("step  loss")[-1]), done.stdout

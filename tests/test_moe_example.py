@@ -44,3 +44,15 @@ def test_overlap_agrees_with_plain(moe, schedule, dtype):
     for name, grad in fused["grads"].items():
         assert np.all(np.isfinite(np.asarray(grad, np.float32))), name
         assert np.any(np.asarray(plain["grads"][name], np.float32) != 0), name
+
+
+def test_compare_on_one_device(moe):
+    import os
+    import subprocess
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    done = subprocess.run([sys.executable, str(_PATH), "--compare", "--steps", "2"], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "over ep=1" in done.stdout and "no all_to_all to overlap" in done.stdout
+    assert ": OK" in done.stdout, done.stdout

@@ -24,7 +24,7 @@ from ..ops.measure import op_body, sharded
 from ..schedule import A2A_OPS, Schedule, local_shapes
 from ..tuning import select, timing
 from . import bench_moe
-from .harness import Row, bound_rows, extension_info, fitting_schedules, listed_schedules, verify_then_time_each
+from .harness import BOUND_STEPS, Row, bound_rows, extension_info, fitting_schedules, listed_schedules, verify_then_time_each
 from .report import git_commit, markdown_table, plot_speedups, progress_printer
 
 #: (M tokens, K, N) of a tensor-parallel layer over 4 GPUs, the anchor shapes of BENCHMARKS.md.
@@ -48,20 +48,27 @@ CPU_SHAPES = {"tiny_M256_K128_N256": (256, 128, 256)}
 # ------------------------------------------------------------------------------------------------
 # One (op, shape): every variant
 # ------------------------------------------------------------------------------------------------
+def variants(op, shapes, dtype, n, schedules) -> tuple[list, object]:
+    """([(label, schedule)], auto's pick) of one (op, per-device shapes): JAX sequential, the listed
+    schedules, JAX's ring, and the schedule "auto" would pick on a GPU of this machine's profile
+    (on CPU "auto" means no overlap), each once."""
+    selected = select.select_schedule(op, shapes, dtype, n)
+    out = [("jax_seq", "ref")] + [(f"ficco:{s}", s) for s in schedules]
+    if Schedule(comm="xla", order="ring") not in schedules:
+        out.append(("jax_ring", Schedule(comm="xla", order="ring")))
+    if selected not in schedules:
+        out.append((f"ficco:{selected}", selected))
+    return out, selected
+
+
 def bench_shape(op, name, M, K, N, dtype, mesh, schedules, progress) -> list[Row]:
     """The rows of one (op, layer shape): JAX sequential, the listed schedules, JAX's ring, auto's
     pick, each verified then timed, and the bounds."""
     n = mesh.shape["tp"]
     shapes = local_shapes(op, M, K, N, n)
     args = measure.make_inputs(op, shapes, dtype, mesh)
-    # What "auto" would pick on a GPU of this machine's profile (on CPU "auto" means no overlap).
-    selected = select.select_schedule(op, shapes, dtype, n)
-    variants = [("jax_seq", "ref")] + [(f"ficco:{s}", s) for s in schedules]
-    if Schedule(comm="xla", order="ring") not in schedules:
-        variants.append(("jax_ring", Schedule(comm="xla", order="ring")))
-    if selected not in schedules:
-        variants.append((f"ficco:{selected}", selected))
-    rows = [(Row(op, name, M, K, N, label, selected=(sched == selected)), sched) for label, sched in variants]
+    listed, selected = variants(op, shapes, dtype, n, schedules)
+    rows = [(Row(op, name, M, K, N, label, selected=(sched == selected)), sched) for label, sched in listed]
     verify_then_time_each(rows, mesh, args, dtype, progress, body_of=op_body)
     return [row for row, _ in rows] + _bounds(op, name, M, K, N, dtype, mesh, progress)
 
@@ -137,6 +144,18 @@ def record_timeline(mesh, op: str, schedule, M: int, K: int, N: int, iters: int,
         jax.block_until_ready(fn(*inputs))
 
 
+def provenance(n: int, dtype) -> dict:
+    """The head of a result file: device, platform, dtype, versions, commit, date, timing method."""
+    on_cpu = jax.default_backend() == "cpu"
+    return {
+        "device": jax.devices()[0].device_kind, "platform": jax.default_backend(), "n_devices": n,
+        "dtype": dtype, "jax": jax.__version__, "commit": git_commit(), "extension": extension_info(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "method": timing.METHOD + ("; ON CPU: times are host memcpy/loop times, NOT meaningful" if on_cpu else ""),
+        "rows": [],
+    }
+
+
 def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=True, moe_shapes=None) -> dict:
     """Bench `ops_to_run` on all local devices: ag_matmul/matmul_rs on `shapes` {name: (M, K, N)},
     a2a_matmul/matmul_a2a on `moe_shapes` {name: (T, d, f, E, k)} (see bench_moe.py)."""
@@ -154,17 +173,14 @@ def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=
         listed = listed_schedules(op, schedules_arg, n, comms)
         for name, (M, K, N) in shapes.items():
             tp_plan.append((op, name, M, K, N, fitting_schedules(op, listed, local_shapes(op, M, K, N, n), n)))
-    total = (sum(len(p[5]) + 5 + (not on_cpu and windowed) for p in tp_plan)
-             + sum(len(p[3]) + 4 for p in moe_plan))
+    windowed = windowed and not on_cpu
+    total = sum(len(variants(op, local_shapes(op, M, K, N, n), dtype, n, scheds)[0]) + BOUND_STEPS + windowed
+                for op, name, M, K, N, scheds in tp_plan)
+    total += sum(len(bench_moe.variants(op, bench_moe.local_shapes(op, *dims, n), dtype, n, scheds)[0]) + BOUND_STEPS
+                 for op, name, dims, scheds in moe_plan)
     progress = progress_printer(total)
     rows = []
-    result = {
-        "device": jax.devices()[0].device_kind, "platform": jax.default_backend(), "n_devices": n,
-        "dtype": dtype, "jax": jax.__version__, "commit": git_commit(), "extension": extension_info(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "method": timing.METHOD + ("; ON CPU: times are host memcpy/loop times, NOT meaningful" if on_cpu else ""),
-        "rows": [],
-    }
+    result = provenance(n, dtype)
     os.makedirs(out_dir, exist_ok=True)
 
     def save(rows):  # after every shape, so a run stopped early keeps what it measured
@@ -174,7 +190,7 @@ def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=
 
     for op, name, M, K, N, scheds in tp_plan:
         rows += bench_shape(op, name, M, K, N, dtype, mesh, scheds, progress)
-        if windowed and not on_cpu:
+        if windowed:
             progress(f"{op} {name} xla_windowed_einsum")
             rows.append(windowed_einsum(op, name, M, K, N, dtype))
         save(rows)

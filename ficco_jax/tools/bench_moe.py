@@ -35,6 +35,16 @@ def local_shapes(op, T, d, f, E, k, n):
     return (n, e_local, c, f), (e_local, f, d)
 
 
+def variants(op, shapes, dtype, n, schedules) -> tuple[list, object]:
+    """([(label, schedule)], auto's pick) of one (op, per-device shapes): JAX sequential, the listed
+    schedules and the schedule "auto" resolves to, each once."""
+    selected = resolve_schedule(op, "auto", shapes, dtype, n)
+    out = [("jax_seq", "ref")] + [(f"ficco:{s}", s) for s in schedules]
+    if selected not in schedules:
+        out.append((f"ficco:{selected}", selected))
+    return out, selected
+
+
 def bench_shape(op, name, dims, dtype, mesh, schedules, progress) -> list[Row]:
     """The rows of one (op, MoE shape): JAX sequential, the listed schedules and auto's pick, each
     verified then timed, and the bounds."""
@@ -42,13 +52,10 @@ def bench_shape(op, name, dims, dtype, mesh, schedules, progress) -> list[Row]:
     n = mesh.shape["tp"]
     shapes = local_shapes(op, *dims, n)
     args = measure.make_inputs(op, shapes, dtype, mesh)
-    selected = resolve_schedule(op, "auto", shapes, dtype, n)
-    variants = [("jax_seq", "ref")] + [(f"ficco:{s}", s) for s in schedules]
-    if selected not in schedules:
-        variants.append((f"ficco:{selected}", selected))
+    listed, selected = variants(op, shapes, dtype, n, schedules)
     extra = {"experts": E, "top_k": k}
     rows = [(Row(op, name, T, d, f, label, selected=(sched == selected), extra=dict(extra)), sched)
-            for label, sched in variants]
+            for label, sched in listed]
     verify_then_time_each(rows, mesh, args, dtype, progress, body_of=op_body)
     return [row for row, _ in rows] + _bounds(op, name, dims, shapes, dtype, mesh, progress)
 

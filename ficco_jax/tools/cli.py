@@ -1,4 +1,5 @@
-"""`python -m ficco_jax {demo,bench,explain,characterize,calibrate,accuracy}`."""
+"""`python -m ficco_jax {demo,bench,rank,characterize,calibrate,accuracy}`: the command line of ficco_jax
+(`explain` is another name of `rank`)."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +11,7 @@ import jax
 
 from ..schedule import Schedule, local_shapes
 from ..tuning import cost_model, fitting, select
-from . import accuracy, bench, characterize
+from . import accuracy, bench, characterize, demo
 from .harness import DTYPES, listed_schedules
 
 # Without GPUs, run on 8 virtual CPU devices. The flag only affects JAX's CPU platform, so it is
@@ -57,9 +58,9 @@ def _add_bench(sub):
     p.add_argument("--shape", action="append", help="M,K,N, a shape name or a set: anchors, llama405b (repeatable); default: the anchor shapes (GPU) or a tiny one (CPU)")
     p.add_argument("--moe-shape", action="append",
                    help="T,d,f,E,k for the moe ops (repeatable); default: Mixtral-8x7B-like on GPU, tiny on CPU")
-    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--dtype", default="bf16", help=f"operand dtype, one of {', '.join(sorted(DTYPES))} (default bf16)")
     p.add_argument("--schedules", default="auto", help="auto | all | dma | xla | comma-separated list like dma/direct/c4/s2,xla/ring/c1")
-    p.add_argument("--out", default="out/bench")
+    p.add_argument("--out", default="out/bench", help="folder for bench.json and bench.md (default out/bench)")
     p.add_argument("--plot", action="store_true", help="write speedup PNGs (needs matplotlib)")
     p.add_argument("--no-windowed", action="store_true", help="skip XLA's windowed einsum child process")
     p.set_defaults(fn=_cmd_bench)
@@ -94,39 +95,35 @@ def _moe_shapes(texts):
 
 
 def _add_demo(sub):
-    p = sub.add_parser("demo", help="check every schedule on all local devices and print a timing table")
-    p.add_argument("--out", default="out/demo")
-    p.set_defaults(fn=_cmd_demo)
+    p = sub.add_parser("demo", help="check every schedule on all local devices and print a timing table "
+                                    "(one device: what auto does there)")
+    p.add_argument("--out", default="out/demo", help="folder for the result files (default out/demo)")
+    p.set_defaults(fn=lambda args: demo.run(args.out))
 
 
-def _cmd_demo(args):
-    on_cpu = jax.default_backend() == "cpu"
-    print(f"ficco_jax demo on {len(jax.local_devices())} x {jax.devices()[0].device_kind} ({jax.default_backend()})")
-    if on_cpu:
-        print("No GPU: running on 8 virtual CPU devices. Every schedule is checked against the reference;\n"
-              "times on CPU are NOT meaningful (host memcpys, no copy engines, no overlap).")
-    shapes = bench.CPU_SHAPES if on_cpu else {"llama70b_qkv_M8k": bench.ANCHOR_SHAPES["llama70b_qkv_M8k"]}
-    bench.run(["ag_matmul", "matmul_rs"], shapes, "float32" if on_cpu else "bfloat16", "all", args.out,
-              windowed=False)
+RANK_HELP = ("the cost model's predicted time of every candidate schedule of one op and shape, best first "
+             "(also named explain; for the overlap sites of a function, see ficco_jax.explain(fn, *args) in Python)")
 
 
-def _add_explain(sub):
-    p = sub.add_parser("explain", help="the cost model's prediction for every candidate schedule")
-    p.add_argument("--op", choices=["ag_matmul", "matmul_rs"], required=True)
-    p.add_argument("--shape", required=True, help="M,K,N")
-    p.add_argument("--axis-size", type=int, default=4)
-    p.add_argument("--dtype", default="bf16")
+def _add_rank(sub):
+    p = sub.add_parser("rank", aliases=["explain"], help=RANK_HELP, description=RANK_HELP)
+    p.add_argument("--op", choices=["ag_matmul", "matmul_rs"], required=True, help="the op to rank schedules for")
+    p.add_argument("--shape", required=True, help="M,K,N of the whole layer, or a shape name")
+    p.add_argument("--axis-size", type=int, default=4, help="devices in the group (default 4)")
+    p.add_argument("--dtype", default="bf16", help=f"operand dtype, one of {', '.join(sorted(DTYPES))} (default bf16)")
     p.add_argument("--profile", default=None, help="profile name or JSON path (default: this machine's)")
-    p.add_argument("--top", type=int, default=15)
-    p.set_defaults(fn=_cmd_explain)
+    p.add_argument("--top", type=int, default=15, help="how many schedules to list (default 15)")
+    p.set_defaults(fn=_cmd_rank)
 
 
-def _cmd_explain(args):
+def _cmd_rank(args):
     (M, K, N), = _shapes([args.shape], None).values()
     n = args.axis_size
     shapes = local_shapes(args.op, M, K, N, n)
-    dtype = DTYPES[args.dtype]
-    profile = _load_profile(args.profile, "explain --profile") or select.profile_for(n)
+    dtype = DTYPES.get(args.dtype)
+    if dtype is None:
+        raise SystemExit(f"{args.cmd} --dtype {args.dtype!r}: use one of {sorted(DTYPES)}")
+    profile = _load_profile(args.profile, f"{args.cmd} --profile") or select.profile_for(n)
     comms = ("none", "xla", "dma")
     ranked = cost_model.rank(args.op, shapes, dtype, n, Schedule.enumerate(args.op, n, comms), profile)
     print(f"{args.op} M,K,N={M},{K},{N} on {n} devices, {dtype}, profile {profile.get('name')}: per-device {shapes}")
@@ -138,8 +135,8 @@ def _cmd_explain(args):
 
 def _add_characterize(sub):
     p = sub.add_parser("characterize", help="decomposition loss, contention and transfer cost on this machine")
-    p.add_argument("--out", default="out/characterize")
-    p.add_argument("--plot", action="store_true")
+    p.add_argument("--out", default="out/characterize", help="folder for characterize.json (default out/characterize)")
+    p.add_argument("--plot", action="store_true", help="write characterize.png (needs matplotlib)")
     p.add_argument("--parts", default="decomposition,transfers,contention",
                    help="comma-separated subset of decomposition, transfers, contention")
     p.set_defaults(fn=_cmd_characterize)
@@ -156,7 +153,8 @@ def _cmd_characterize(args):
 
 def _add_calibrate(sub):
     p = sub.add_parser("calibrate", help="characterize, then fit and write a machine profile for the cost model")
-    p.add_argument("--out", default="out/calibrate/profile.json")
+    p.add_argument("--out", default="out/calibrate/profile.json", help="the profile file to write "
+                   "(default out/calibrate/profile.json)")
     p.add_argument("--characterization", help="fit an existing characterize.json instead of measuring")
     p.add_argument("--bench", action="append",
                    help="a bench.json whose verified op times refine the op-level costs (repeatable)")
@@ -202,7 +200,7 @@ def _add_accuracy(sub):
     p.add_argument("--shape", action="append", help="M,K,N or a shape name (default: the 20 held-out shapes)")
     p.add_argument("--profile", default=None, help="profile name or JSON path (default: this machine's)")
     p.add_argument("--budget-s", type=float, help="stop starting new cases after this many seconds")
-    p.add_argument("--out", default="out/accuracy")
+    p.add_argument("--out", default="out/accuracy", help="folder for accuracy.json (default out/accuracy)")
     p.add_argument("--confirm-rounds", type=int, default=None,
                    help="re-timings of the pick, the best and JAX seq when a case first looks like a miss (default 2; 0: none)")
     p.add_argument("--plot", action="store_true", help="write accuracy.png (needs matplotlib)")
@@ -240,27 +238,34 @@ def _cmd_accuracy(args):
         raise SystemExit(str(exc))
 
 
-def _add_windowed(sub):
-    p = sub.add_parser("_windowed")  # internal: the windowed-einsum child of `bench`
+def _windowed(argv):
+    """`_windowed OP M K N DTYPE`: the windowed-einsum child process of `bench` (not for users, so
+    it is parsed apart and `--help` does not list it); prints the child's timing as JSON."""
+    p = argparse.ArgumentParser(prog="python -m ficco_jax _windowed")
     p.add_argument("op"); p.add_argument("M", type=int); p.add_argument("K", type=int)
     p.add_argument("N", type=int); p.add_argument("dtype")
-    p.set_defaults(fn=_cmd_windowed)
-
-
-def _cmd_windowed(args):
+    args = p.parse_args(argv)
     print(json.dumps(bench.windowed_einsum_child(args.op, args.M, args.K, args.N, args.dtype)))
 
 
 #: The subcommands, in the order `--help` lists them: each adds its parser, options and handler.
-SUBCOMMANDS = (_add_demo, _add_bench, _add_explain, _add_characterize, _add_calibrate, _add_accuracy, _add_windowed)
+SUBCOMMANDS = (_add_demo, _add_bench, _add_rank, _add_characterize, _add_calibrate, _add_accuracy)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m ficco_jax", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True, title="commands")
+    for add in SUBCOMMANDS:
+        add(sub)
+    return parser
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m ficco_jax", description=__doc__)
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    for add in SUBCOMMANDS:
-        add(sub)
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["_windowed"]:
+        _windowed(argv[1:])
+        return 0
+    args = build_parser().parse_args(argv)
     args.fn(args)
     return 0
 

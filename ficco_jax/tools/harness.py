@@ -77,6 +77,10 @@ def verify_then_time_each(variants, mesh, args, dtype, progress, body_of=op_body
     return makers
 
 
+#: How many progress steps `bound_rows` reports (GEMM alone, collective alone; the ideal is computed).
+BOUND_STEPS = 2
+
+
 def bound_rows(case: Row, mesh, dtype, progress, *, gemm, gemm_shapes, collective, collective_shape,
                spec) -> list[Row]:
     """The bounds of a case, as rows like `case`: `gemm(a, w)` alone on one device with random

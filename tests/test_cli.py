@@ -1,0 +1,109 @@
+"""`python -m ficco_jax`: the listing and help of every subcommand, `rank` (alias `explain`), the
+hidden `_windowed` child, and the demo on one and on eight CPU devices."""
+import argparse
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+from ficco_jax.tools import bench, cli
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PUBLIC = ["demo", "bench", "rank", "explain", "characterize", "calibrate", "accuracy"]
+# Words that speak of how the project was built, not of what the product does.
+NOT_PRODUCT_TEXT = re.compile(r"\b(issue|session|stage)s?\b", re.IGNORECASE)
+# A speed-up cell of a table: "1.06x" (the demo's CPU and one-device tables must have none).
+SPEEDUP = re.compile(r"\d+\.\d+x\b")
+
+
+def _subparsers(parser):
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+
+
+def _cli(*args, devices=8, timeout=600):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    return subprocess.run([sys.executable, "-m", "ficco_jax", *args], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=timeout)
+
+
+def test_help_lists_every_public_subcommand_with_a_line_of_help():
+    done = _cli("--help")
+    assert done.returncode == 0, done.stderr
+    for name in PUBLIC:
+        assert re.search(rf"\b{name}\b", done.stdout), name
+    assert "_windowed" not in done.stdout
+    assert not NOT_PRODUCT_TEXT.search(done.stdout), done.stdout
+    listed = {a.dest: a.help for a in _subparsers(cli.build_parser())._choices_actions}
+    assert set(listed) == {"demo", "bench", "rank", "characterize", "calibrate", "accuracy"}
+    assert all(listed.values()), listed
+
+
+def test_every_option_of_every_subcommand_has_help():
+    missing = [f"{name} {'/'.join(action.option_strings) or action.dest}"
+               for name, sub in _subparsers(cli.build_parser()).choices.items() for action in sub._actions
+               if not action.help]
+    assert not missing, missing
+
+
+def test_rank_is_the_cost_models_ranking_and_explain_its_alias(capsys):
+    argv = ["--op", "ag_matmul", "--shape", "8192,8192,10240", "--axis-size", "4", "--top", "5"]
+    assert cli.main(["rank", *argv]) == 0
+    ranked = capsys.readouterr().out
+    assert "predicted ms" in ranked and "choice: " in ranked
+    assert len([line for line in ranked.splitlines() if re.match(r"\s+\d+\.\d{3}  ", line)]) == 5
+    assert cli.main(["explain", *argv]) == 0
+    assert capsys.readouterr().out == ranked
+    helps = {a.dest: a.help for a in _subparsers(cli.build_parser())._choices_actions}
+    assert "ficco_jax.explain(" in helps["rank"] and "explain" in helps["rank"].replace("ficco_jax.explain(", "")
+
+
+def test_rank_rejects_an_unknown_dtype():
+    done = _cli("rank", "--op", "ag_matmul", "--shape", "64,64,64", "--dtype", "int3")
+    assert done.returncode != 0 and "rank --dtype 'int3'" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_windowed_child_parses_apart_from_the_listing(capsys, monkeypatch):
+    seen = []
+    monkeypatch.setattr(bench, "windowed_einsum_child",
+                        lambda *a: seen.append(a) or {"median_ms": 1.5, "spread_ms": 0.1})
+    assert cli.main(["_windowed", "ag_matmul", "64", "32", "16", "float32"]) == 0
+    assert seen == [("ag_matmul", 64, 32, 16, "float32")]
+    assert json.loads(capsys.readouterr().out) == {"median_ms": 1.5, "spread_ms": 0.1}
+
+
+def test_demo_on_one_device_says_there_is_nothing_to_overlap(tmp_path):
+    done = _cli("demo", "--out", str(tmp_path), devices=1)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    text = " ".join(out.split())
+    assert "two or more devices in a group" in text and "keeps the plain path" in text
+    rows = [line for line in out.splitlines() if line.startswith(("| ag_matmul", "| matmul_rs"))]
+    assert len(rows) == 2, out
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[2] == "none" and cells[5] == "n/a" and cells[6] == "yes", row
+    assert not SPEEDUP.search(out) and not NOT_PRODUCT_TEXT.search(out + done.stderr), out
+    progress = re.findall(r"\[\s*(\d+)/(\d+)\]", done.stderr)
+    assert progress[-1] == ("4", "4"), progress
+    result = json.loads((tmp_path / "demo.json").read_text())
+    assert result["n_devices"] == 1 and all(r["verified"] for r in result["rows"]) and len(result["rows"]) == 4
+
+
+def test_demo_readme_command_on_eight_cpu_devices(tmp_path):
+    done = _cli("demo", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert "NOT meaningful" in out and "no speed-up" in out
+    rows = [line for line in out.splitlines() if line.startswith(("| ag_matmul", "| matmul_rs"))]
+    assert len(rows) == 2, out
+    for row in rows:
+        assert row.rstrip().endswith("| n/a | n/a |"), row
+    assert not SPEEDUP.search("\n".join(rows)) and not NOT_PRODUCT_TEXT.search(out + done.stderr)
+    verified = re.search(r"Verified against the reference before timing: (\d+)/(\d+)", out)
+    assert verified and verified.group(1) == verified.group(2), out
+    k, total = re.findall(r"\[\s*(\d+)/(\d+)\]", done.stderr)[-1]
+    assert k == total, done.stderr[-500:]
