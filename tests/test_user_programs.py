@@ -1,5 +1,6 @@
 """overlap() / explain() on programs written as the README shows them: a shard_map'd Megatron MLP
 called with Python options, integer matmuls, and what explain() says of each site (8 CPU devices)."""
+import logging
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -90,6 +91,24 @@ def test_python_numbers_stay_traced_outside_jit(mesh1d):
     assert len(traced) == calls + 1  # the plain call only: 0.25 reused the program traced for 0.5
 
 
+def stacked(mesh, params, x, layers):
+    """`layers` MLP blocks in a Python loop: an int option that must be static."""
+    for _ in range(layers):
+        x = x + megatron_mlp(mesh, params, x)
+    return x
+
+
+def test_python_int_static_under_jit_and_explained_outside(mesh1d):
+    params, x = mlp_inputs(9)
+    fn = lambda params, x, layers: stacked(mesh1d, params, x, layers)
+    step = jax.jit(overlap(fn, schedule=XLA), static_argnames="layers")
+    for layers in (1, 2):
+        assert_close(step(params, x, layers=layers), fn(params, x, layers))
+    with pytest.raises(jax.errors.TracerIntegerConversionError) as err:
+        overlap(fn)(params, x, 2)  # traced as jax.jit traces it: the error says how to make it static
+    assert "static_argnames" in "\n".join(getattr(err.value, "__notes__", [])), err.value
+
+
 # --------------------------------------------------------------------------------------------
 # Integer matmuls: near-misses, left as written
 # --------------------------------------------------------------------------------------------
@@ -135,17 +154,24 @@ def test_plain_path_when_the_model_predicts_no_gain(mesh1d, monkeypatch):
     assert all(r.note == "" for r in forced.sites), str(forced)
 
 
-def test_autotune_shows_the_pick_or_when_it_is_measured(mesh1d, monkeypatch, tmp_path):
+def test_autotune_shows_the_pick_or_when_it_is_measured(mesh1d, monkeypatch, tmp_path, caplog):
     params, x = mlp_inputs(6)
     mlp = lambda p, x: megatron_mlp(mesh1d, p, x)
     report = explain(overlap(mlp, autotune=True), params, x)  # on CPU the pick needs no measurement
     assert all(r.schedule == "none (autotune)" and "CPU" in r.note for r in report.sites), str(report)
     monkeypatch.setattr(policy, "MODEL_ON_CPU", True)
     monkeypatch.setattr(config, "AUTOTUNE_CACHE_DIR", str(tmp_path))
-    report = explain(overlap(mlp, autotune=True), params, x)
+    fused = overlap(mlp, autotune=True)
+    report = explain(fused, params, x)
     assert report.sites and all("measured when traced under jit (autotune)" in r.schedule
                                 for r in report.sites), str(report)
     assert not list(tmp_path.iterdir())  # explain() measured nothing
+    with caplog.at_level(logging.WARNING, logger="ficco_jax"):
+        assert_close(jax.jit(fused)(params, x), mlp(params, x))  # measures and caches each site's winner
+    assert "rejected" not in caplog.text and (tmp_path / "autotune.json").exists(), caplog.text
+    for report in (explain(fused, params, x), explain(overlap(mlp, autotune=True), params, x)):
+        assert all(r.schedule.endswith(" (autotune)") and "measured" not in r.schedule
+                   for r in report.sites), str(report)
 
 
 def test_where_names_the_source_line(mesh1d):

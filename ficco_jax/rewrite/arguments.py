@@ -6,6 +6,7 @@ flow, `if use_bias:`) are static; arrays are traced. Python numbers are traced w
 called outside any transformation, as `jax.jit` traces them, so a new value reuses the program. A
 Python number that reaches `overlap(f)` while its other arguments are tracers was kept static by
 the enclosing transformation (`jax.jit(overlap(f), static_argnames=...)`), so it stays static here.
+Where a traced Python number meets Python control flow, the error says how to make it static.
 Every static value is part of the trace's cache key: two calls with different options are traced
 separately.
 """
@@ -75,6 +76,10 @@ class CallArgs:
         """What one trace is valid for: the tree, the static values, the traced leaves' types."""
         return (self.in_tree, tuple((i, _static_key(v)) for i, v in self.static),
                 tuple(jax.typeof(x) for x in self.traced))
+
+    def traced_python_numbers(self) -> list[int]:
+        """Positions among the traced leaves of plain Python numbers (their values became tracers)."""
+        return [i for i, leaf in enumerate(self.traced) if type(leaf) in (int, float, complex)]
 
     def rebuild(self, traced) -> tuple[tuple, dict]:
         """(args, kwargs) with the static leaves put back among `traced` (tracers while tracing)."""

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 
 from .. import ops
+from ..ops.measure import time_op
 from ..schedule import Schedule
 from ..tuning import policy
 from .matchers import ALL_OPS
@@ -47,6 +48,13 @@ def plain_path_note(site: Site, chosen: Schedule, given: bool = False) -> str:
 class Options:
     schedule: Any  # "auto" | "autotune" | Schedule
     ops: tuple[str, ...]
+    # Times autotune's candidates; None while explaining, which runs no timing jobs.
+    measure: Callable | None = dataclasses.field(default=None, compare=False)
+
+    def measuring(self) -> "Options":
+        """These options for a call: autotune measures its candidates during the analysis, outside
+        every shard_map body (a timing job cannot run inside the op's own trace there)."""
+        return dataclasses.replace(self, measure=time_op)
 
     @classmethod
     def make(cls, schedule, autotune: bool, ops: Sequence[str]) -> "Options":
@@ -75,7 +83,7 @@ class Options:
         where = {"axis_name": site.axis_name, "mesh": site.mesh}
         args = (site.op_shapes(), site.dtype, site.axis_size)
         if self.schedule == "autotune":
-            return ("autotune", *self._autotune_preview(site, args, where))
+            return self._autotune(site, args, where)
         if isinstance(self.schedule, Schedule):
             try:
                 chosen = ops.resolve_schedule(site.op, self.schedule, *args, **where)
@@ -86,12 +94,12 @@ class Options:
         chosen = ops.resolve_schedule(site.op, "auto", *args, **where)
         return chosen, f"{chosen} (auto)", plain_path_note(site, chosen)
 
-    @staticmethod
-    def _autotune_preview(site: Site, args, where) -> tuple[str, str]:
-        """What autotune picks at `site` where that needs no timing run (a cached winner, a plain
-        path it never measures); else when it is measured. The op resolves it again when traced."""
+    def _autotune(self, site: Site, args, where) -> tuple[Any, str, str]:
+        """Autotune's pick at `site`: measured now when the options measure; else known where that
+        needs no timing run (a cached winner, a plain path it never measures), or "autotune"."""
         try:
-            chosen = ops.resolve_schedule(site.op, "autotune", *args, **where, measure=_refuse_to_measure)
+            chosen = ops.resolve_schedule(site.op, "autotune", *args, **where,
+                                          measure=self.measure or _refuse_to_measure)
         except _WouldMeasure:
-            return AUTOTUNE_LATER, ""
-        return f"{chosen} (autotune)", plain_path_note(site, chosen)
+            return "autotune", AUTOTUNE_LATER, ""
+        return chosen, f"{chosen} (autotune)", plain_path_note(site, chosen)

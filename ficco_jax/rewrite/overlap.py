@@ -31,7 +31,7 @@ import jax.extend.core as jex
 from .arguments import CallArgs
 from .jaxpr_util import open_jaxpr, sub_jaxprs
 from .matchers import ALL_OPS, find_sites
-from .options import Options
+from .options import AUTOTUNE_LATER, Options
 from .site import Site, SiteRecord
 
 __all__ = ["overlap", "explain", "Report", "SiteRecord"]
@@ -54,6 +54,11 @@ class Report(list):
     @property
     def near_misses(self) -> list[SiteRecord]:
         return [r for r in self if not r.rewritten]
+
+    @property
+    def awaiting_autotune(self) -> bool:
+        """Whether a site's schedule is measured when the function is called (explain() measures nothing)."""
+        return any(r.schedule == AUTOTUNE_LATER for r in self.sites)
 
     def __str__(self) -> str:
         if not self:
@@ -251,6 +256,11 @@ class _Traced:
         self.call = jax.jit(overlapped)
 
 
+_TRACED_NUMBER_NOTE = (
+    "ficco_jax.overlap traces Python int/float arguments, as jax.jit does. To use one in Python control "
+    "flow, make it static: jax.jit(overlap(f), static_argnames=...) or functools.partial(f, n=...)")
+
+
 class Overlapped:
     """`fn` with its collective+matmul sites overlapped; made by `overlap`."""
 
@@ -262,7 +272,7 @@ class Overlapped:
 
     def __call__(self, *args, **kwargs):
         call = CallArgs.of(args, kwargs)
-        traced = self._trace(call)
+        traced = self._trace(call, measure=True)
         if traced.rewritten is None:
             return self._fn(*args, **kwargs)
         outs = traced.call(*call.traced)
@@ -271,13 +281,17 @@ class Overlapped:
     def explain(self, *args, **kwargs) -> Report:
         return self._trace(CallArgs.of(args, kwargs)).report
 
-    def _trace(self, call: CallArgs) -> _Traced:
+    def _trace(self, call: CallArgs, measure: bool = False) -> _Traced:
+        """The rewrite for these arguments; a call (`measure`) redoes one that explain() made with
+        autotune's picks left to measure."""
         key = call.key()
-        if key not in self._traced:
-            self._traced[key] = self._rewrite(call)
-        return self._traced[key]
+        traced = self._traced.get(key)
+        if traced is None or (measure and traced.report.awaiting_autotune):
+            options = self._options.measuring() if measure else self._options
+            traced = self._traced[key] = self._rewrite(call, options)
+        return traced
 
-    def _rewrite(self, call: CallArgs) -> _Traced:
+    def _rewrite(self, call: CallArgs, options: Options) -> _Traced:
         """Trace `fn` over the traced leaves of `call` (its static ones closed over) and rewrite it."""
         out_trees = []
         leaves = call.traced
@@ -288,16 +302,22 @@ class Overlapped:
             out_trees.append(out_tree)
             return out_leaves
 
-        closed = jax.make_jaxpr(flat_fn)(*leaves)
+        try:
+            closed = jax.make_jaxpr(flat_fn)(*leaves)
+        except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError) as err:
+            if call.traced_python_numbers():
+                err.add_note(_TRACED_NUMBER_NOTE)
+            raise
         records: list = []
-        plan = _analyse(closed.jaxpr, _Scope(), self._options, records)
+        plan = _analyse(closed.jaxpr, _Scope(), options, records)
         report = Report(records)
         for record in report:
             logger.debug("ficco_jax.overlap %s: %s %s at %s, axis %s, %s", getattr(self, "__name__", "fn"),
                          "rewrote" if record.rewritten else "left", record.op, record.where, record.axis_name,
                          f"{record.matmul_2d} schedule {_outcome(record)}" if record.rewritten else record.reason)
         rewritten = None
-        if plan.changed:
+        # A site whose autotune pick is not measured yet is only reported: the call measures it.
+        if plan.changed and not report.awaiting_autotune:
             rewritten = jax.make_jaxpr(lambda *flat: _run(plan, closed.jaxpr, closed.consts, flat))(*leaves)
         return _Traced(rewritten, out_trees[0], report)
 
@@ -308,7 +328,8 @@ def overlap(fn: Callable | None = None, *, schedule="auto", autotune: bool = Fal
     and expert matmul→all_to_all (4-D, see match_ep.py) in its shard_maps overlapped.
 
     ``overlap(f)(*args)`` equals ``f(*args)``. `schedule` applies to every site where it is valid
-    ("auto" elsewhere, with a log line); ``autotune=True`` measures candidates per site; `ops`
+    ("auto" elsewhere, with a log line); ``autotune=True`` measures candidates per site when the
+    function is first called (explain() shows a cached pick and measures nothing); `ops`
     chooses which patterns are rewritten. Usable as ``@overlap`` or ``@overlap(schedule=...)``.
     """
     options = Options.make(schedule, autotune, ops)
