@@ -136,6 +136,8 @@ def test_plain_path_on_cpu_is_said(mesh1d):
     for record in report.sites:
         assert record.schedule == "none (auto)" and "plain path" in record.note and "CPU" in record.note
     assert "plain path" in str(report)
+    given = explain(overlap(lambda p, x: megatron_mlp(mesh1d, p, x), schedule="none"), params, x)
+    assert [r.note for r in given.sites] == ["plain path: schedule comm='none' was given"] * 2, str(given)
 
 
 def test_plain_path_for_a_group_of_one_device():
@@ -171,6 +173,8 @@ def test_autotune_shows_the_pick_or_when_it_is_measured(mesh1d, monkeypatch, tmp
     assert "rejected" not in caplog.text and (tmp_path / "autotune.json").exists(), caplog.text
     for report in (explain(fused, params, x), explain(overlap(mlp, autotune=True), params, x)):
         assert all(r.schedule.endswith(" (autotune)") and "measured" not in r.schedule
+                   for r in report.sites), str(report)
+        assert all(r.schedule.startswith("none ") == ("autotune measured it fastest" in r.note)
                    for r in report.sites), str(report)
 
 

@@ -30,17 +30,21 @@ def _refuse_to_measure(*_args):
     raise _WouldMeasure
 
 
-def plain_path_note(site: Site, chosen: Schedule, given: bool = False) -> str:
-    """Why `chosen` keeps the plain path at `site` ("" when it overlaps); mirrors tuning.policy.choose."""
+def plain_path_note(site: Site, chosen: Schedule, how: str = "auto") -> str:
+    """Why `chosen` keeps the plain path at `site` ("" when it overlaps); mirrors tuning.policy.choose.
+
+    `how` the schedule was chosen: "given" (the user's), "auto" (the cost model) or "autotune"."""
     if chosen.comm != "none":
         return ""
-    if given:
+    if how == "given":
         return "plain path: schedule comm='none' was given"
     if site.axis_size == 1:
         return "plain path: group of one device, nothing to communicate"
     if jax.default_backend() == "cpu" and not policy.MODEL_ON_CPU:
         return ("plain path: CPU — auto keeps the plain path on CPU (host collectives are memcpys); "
                 "pass schedule=... to force one")
+    if how == "autotune":
+        return "plain path: autotune measured it fastest for this site"
     return "plain path: the cost model predicts no gain from overlapping this site"
 
 
@@ -87,7 +91,7 @@ class Options:
         if isinstance(self.schedule, Schedule):
             try:
                 chosen = ops.resolve_schedule(site.op, self.schedule, *args, **where)
-                return chosen, str(self.schedule), plain_path_note(site, chosen, given=True)
+                return chosen, str(self.schedule), plain_path_note(site, chosen, how="given")
             except ValueError as err:
                 logger.info("ficco_jax.overlap: %s at %s: using 'auto' instead (%s)",
                             self.schedule, site.record.where, err)
@@ -102,4 +106,4 @@ class Options:
                                           measure=self.measure or _refuse_to_measure)
         except _WouldMeasure:
             return "autotune", AUTOTUNE_LATER, ""
-        return chosen, f"{chosen} (autotune)", plain_path_note(site, chosen)
+        return chosen, f"{chosen} (autotune)", plain_path_note(site, chosen, how="autotune")
