@@ -126,6 +126,25 @@ def test_integer_site_is_a_near_miss(mesh1d, schedule):
     np.testing.assert_array_equal(overlap(fn, schedule=schedule)(x, w), fn(x, w))
 
 
+def test_integer_expert_sites_are_near_misses(mesh1d):
+    """An expert layer on int32 tokens: dispatch and combine are both left as written."""
+    n, experts, capacity, d = 8, 2, 4, 8
+
+    def body(tokens, w_in, w_out):
+        received = jax.lax.all_to_all(tokens, "tp", 0, 0, tiled=True)
+        hidden = jnp.einsum("pecd,edf->pecf", received, w_in)
+        return jax.lax.all_to_all(jnp.einsum("pecf,efd->pecd", hidden, w_out), "tp", 0, 0, tiled=True)
+
+    fn = jax.shard_map(body, mesh=mesh1d, in_specs=(P("tp"),) * 3, out_specs=P("tp"))
+    tokens = jnp.arange(n * n * experts * capacity * d, dtype=jnp.int32).reshape(n * n, experts, capacity, d) % 5
+    w_in = jnp.arange(n * experts * d * d, dtype=jnp.int32).reshape(n * experts, d, d) % 3
+    w_out = w_in[:, ::-1] % 2
+    report = explain(fn, tokens, w_in, w_out)
+    assert not report.sites and len(report.near_misses) == 2, str(report)
+    assert all("int32 matmul" in r.reason for r in report.near_misses), str(report)
+    np.testing.assert_array_equal(overlap(fn)(tokens, w_in, w_out), fn(tokens, w_in, w_out))
+
+
 # --------------------------------------------------------------------------------------------
 # explain(): what each site will run, and where the user wrote it
 # --------------------------------------------------------------------------------------------
