@@ -305,7 +305,7 @@ class Overlapped:
         try:
             closed = jax.make_jaxpr(flat_fn)(*leaves)
         except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError) as err:
-            if call.traced_python_numbers():
+            if call.traced_python_numbers() and hasattr(err, "add_note"):  # Python 3.11+
                 err.add_note(_TRACED_NUMBER_NOTE)
             raise
         records: list = []
