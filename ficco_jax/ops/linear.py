@@ -2,13 +2,16 @@
 
 A tangent map is linear in its *linear* operands (the tangents) given its *residual* operands
 (the primals it needs), e.g. ``(dx, dw) -> ag_matmul(dx, w) + all_gather(x) @ dw``. What differs
-per map is a `LinearMap` record (ops/table.py); this module gives every map the rules JAX needs:
+per map is a `LinearMap` record (ops/tangents.py); this module gives every map the rules JAX needs:
 
   evaluation   map.apply: the map computed with the op's own schedule (forward mode, jvp / jacfwd)
   transpose    map.transpose: the op's overlapped backward (reverse mode: grad, vjp)
   jvp          the map again on the linear operands' tangents, plus map.res_jvp for the
                residuals' tangents (forward over forward, and reverse over forward)
   batching     the map once per batch element, in a `lax.map` loop (jacfwd vmaps the tangents)
+
+The op itself is bilinear, so it is such a map too (linear in its input given its weight); the
+positional forms evaluate it as one of these equations (ops/tangents.gather_primal).
 
 A custom_vjp cannot be differentiated in forward mode, and a custom_jvp whose tangent calls a
 custom_vjp cannot be transposed: the tangent has to be one equation that carries its own

@@ -29,7 +29,7 @@ from jax import lax
 from ..lowering import dma, xla
 from .core import ScheduleArg, axis_size, check_operands, custom_jvp_pair, custom_jvp_plain
 from .resolve import resolve_schedule
-from .tangents import gather_map, gather_tangent, scatter_map, scatter_tangent
+from .tangents import gather_map, gather_primal, gather_tangent, scatter_map, scatter_primal, scatter_tangent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,9 +110,10 @@ def _scheduled_forms(pair: OpPair) -> ScheduledForms:
     def get_forms():
         return forms
 
-    gather_tan = gather_tangent(gather_map(pair, gather_impl, get_forms))
-    gather, gather_with_side = custom_jvp_pair(gather_impl, gather_tan, pair.gather, f"{pair.gather}_with_side")
-    scatter = custom_jvp_plain(scatter_impl, scatter_tangent(scatter_map(pair, scatter_impl, get_forms)), pair.scatter)
+    gmap, smap = gather_map(pair, gather_impl, get_forms), scatter_map(pair, scatter_impl, get_forms)
+    gather, gather_with_side = custom_jvp_pair(gather_primal(gmap, gather_impl), gather_tangent(gmap), pair.gather,
+                                               f"{pair.gather}_with_side")
+    scatter = custom_jvp_plain(scatter_primal(smap, scatter_impl), scatter_tangent(smap), pair.scatter)
     forms = ScheduledForms(gather, gather_with_side, scatter)
     return forms
 

@@ -11,6 +11,10 @@ each is the other op of the pair with w transposed, on the forward's schedule wh
 for it (ops/resolve.transposed_schedule): the backward of the gather op is the scatter op plus a
 local weight-gradient product, the backward of the scatter op the gather op, whose side output
 feeds the weight gradient.
+
+The op itself is the same map with its input as the linear operand (gather(x, w) is the gather
+map at lin (x, -), res (w, -)): the forms evaluate it as such an equation, so the op keeps its
+rules wherever JAX inlines the custom JVP around it.
 """
 from __future__ import annotations
 
@@ -149,3 +153,26 @@ def scatter_tangent(lmap: LinearMap):
         res = (y if dw is not None else None, w if dy is not None else None)
         return bind(lmap, Static(axis_name, sched), res, lin, [_tangent_aval(out)])[0]
     return tangent
+
+
+def _out_avals(impl: Callable, a, w, *static):
+    return jax.make_jaxpr(lambda a, w: impl(a, w, *static))(a, w).out_avals
+
+
+def gather_primal(lmap: LinearMap, gather_impl: Callable):
+    """The gather op as one equation of its own map (x the linear operand, w the residual): what
+    the forms evaluate, so that where JAX inlines a custom JVP (the known part of a scan's
+    linearization) the op stays differentiable."""
+    def primal(x, w, axis_name, sched, side_needed=True):
+        avals = _out_avals(gather_impl, x, w, axis_name, sched, side_needed)[:2 if side_needed else 1]
+        outs = bind(lmap, Static(axis_name, sched, side_needed), (w, None), (x, None), avals)
+        return outs[0], (outs[1] if side_needed else None)
+    return primal
+
+
+def scatter_primal(lmap: LinearMap, scatter_impl: Callable):
+    """The scatter op as one equation of its own map (y linear, w residual), as `gather_primal`."""
+    def primal(y, w, axis_name, sched):
+        avals = _out_avals(scatter_impl, y, w, axis_name, sched)
+        return bind(lmap, Static(axis_name, sched), (None, w), (y, None), avals)[0]
+    return primal
