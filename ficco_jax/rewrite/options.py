@@ -7,7 +7,6 @@ import dataclasses
 import logging
 from typing import Any, Callable, Sequence
 
-import jax
 
 from .. import ops
 from ..ops.measure import time_op
@@ -31,18 +30,16 @@ def _refuse_to_measure(*_args):
 
 
 def plain_path_note(site: Site, chosen: Schedule, how: str = "auto") -> str:
-    """Why `chosen` keeps the plain path at `site` ("" when it overlaps); mirrors tuning.policy.choose.
+    """Why `chosen` keeps the plain path at `site` ("" when it overlaps).
 
     `how` the schedule was chosen: "given" (the user's), "auto" (the cost model) or "autotune"."""
     if chosen.comm != "none":
         return ""
     if how == "given":
         return "plain path: schedule comm='none' was given"
-    if site.axis_size == 1:
-        return "plain path: group of one device, nothing to communicate"
-    if jax.default_backend() == "cpu" and not policy.MODEL_ON_CPU:
-        return ("plain path: CPU — auto keeps the plain path on CPU (host collectives are memcpys); "
-                "pass schedule=... to force one")
+    reason = policy.plain_path_reason(site.axis_size)
+    if reason:
+        return f"plain path: {reason}"
     if how == "autotune":
         return "plain path: autotune measured it fastest for this site"
     return "plain path: the cost model predicts no gain from overlapping this site"

@@ -22,6 +22,18 @@ log = logging.getLogger("ficco_jax")
 MODEL_ON_CPU = False
 
 
+def plain_path_reason(axis_size: int) -> str:
+    """Why "auto" keeps the plain path before any model is asked, or "" where it asks one."""
+    if axis_size == 1:
+        # Any overlap schedule only adds work to a group with nothing to communicate.
+        return "group of one device, nothing to communicate"
+    if jax.default_backend() == "cpu" and not MODEL_ON_CPU:
+        # Host "collectives" are memcpys that block the host thread: nothing to overlap.
+        return ("CPU — auto keeps the plain path on CPU (host collectives are memcpys); "
+                "pass schedule=... to force one")
+    return ""
+
+
 def choose(op: str, shapes, dtype, axis_size: int, *, autotune: bool = False, topology=None,
            measure: Callable | None = None) -> Schedule:
     """What `schedule="auto"` / `"autotune"` resolve to at trace time.
@@ -30,11 +42,7 @@ def choose(op: str, shapes, dtype, axis_size: int, *, autotune: bool = False, to
     peers are not all in this process (`topology`) or the executor lacks the dtype, with a log
     line saying why, so the pick never needs correcting afterwards.
     """
-    if axis_size == 1:
-        # A group of one device has nothing to communicate: any overlap schedule only adds work.
-        return Schedule(comm="none")
-    if jax.default_backend() == "cpu" and not MODEL_ON_CPU:
-        # Host "collectives" are memcpys that block the host thread: nothing to overlap.
+    if plain_path_reason(axis_size):
         return Schedule(comm="none")
     comms, why_not_dma = allowed_comms(dtype, topology)
     if autotune and op in A2A_OPS:

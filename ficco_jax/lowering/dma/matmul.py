@@ -8,20 +8,14 @@ adds both). Each is one FFI call per device (registry.bind).
 """
 from __future__ import annotations
 
-import jax.numpy as jnp
-
-from ... import config
 from ...schedule import Schedule
 from . import registry
 
 
 def _check(op: str, a, w, axis_name, operands: str) -> None:
     registry.check_axis_name(op, axis_name)
-    if a.dtype != w.dtype:
+    if a.dtype != w.dtype:  # the dtypes the executor handles are checked when the op binds
         raise TypeError(f"{op}: comm='dma' needs {operands} of one dtype, found {a.dtype} and {w.dtype}")
-    if jnp.dtype(a.dtype).name not in config.DMA_DTYPES:
-        raise TypeError(f"{op}: comm='dma' handles dtypes {config.DMA_DTYPES}, found {jnp.dtype(a.dtype).name}; "
-                        f"cast the operands or use comm='xla'")
 
 
 def ag_matmul_dma(x, w, axis_name, schedule: Schedule, *, gathered_needed: bool = True):
