@@ -1,5 +1,6 @@
 """Forward-mode differentiation of the four ops (jvp, jacfwd, linearize), its compositions with
-reverse mode (Hessian-vector products, grad of grad, grad of jvp) and overlap() under jvp.
+reverse mode (Hessian-vector products, grad of grad, grad of jvp, inside a remat'd scan),
+overlap() under jvp, and jax.vmap of the ops.
 
 Every case against the plain-JAX reference, for comm none, xla and dma (the CPU backend of the
 executor), on the permuted (dp=2, tp=4) mesh, so that replicated and varying operands meet. The
@@ -270,3 +271,19 @@ def test_layers_in_remat_scan(mesh2d, rng, sched):
     # Two layers of second derivatives: chunked sums in another order differ by a few f32 ulps
     # per layer, amplified (about 1e-5 seen for xla and dma schedules alike).
     _assert_close(hvp(got)[1], hvp(want)[1], rtol=5 * RTOL)
+
+
+@pytest.mark.parametrize("op,sched", list(_cases(comms=("xla", "dma"), first_only=True)))
+def test_vmap_matches_reference(mesh2d, rng, op, sched):
+    """A batch of inputs against one weight: the op runs once per batch element (jacfwd's path)."""
+    fn, ref, specs, shapes = OPS[op]
+    (a_spec, w_spec), out_spec = specs(mesh2d)
+    a = random(rng, (2, *shapes(op, mesh2d)[0]), "float32")
+    w = random(rng, shapes(op, mesh2d)[1], "float32")
+
+    def program(body):
+        return jax.jit(jax.shard_map(jax.vmap(body, in_axes=(0, None)), mesh=mesh2d, in_specs=(P(None, *a_spec), w_spec),
+                                     out_specs=P(None, *out_spec)))
+
+    got = program(lambda a, w: fn(a, w, "tp", schedule=sched))(a, w)
+    _assert_close(got, program(lambda a, w: ref(a, w, "tp"))(a, w))

@@ -8,7 +8,8 @@ per map is a `LinearMap` record (ops/tangents.py); this module gives every map t
   transpose    map.transpose: the op's overlapped backward (reverse mode: grad, vjp)
   jvp          the map again on the linear operands' tangents, plus map.res_jvp for the
                residuals' tangents (forward over forward, and reverse over forward)
-  batching     the map once per batch element, in a `lax.map` loop (jacfwd vmaps the tangents)
+  batching     the map once per batch element, in a `lax.map` loop (jacfwd vmaps the tangents;
+               jax.vmap of an op takes the same path)
 
 The op itself is bilinear, so it is such a map too (linear in its input given its weight); the
 positional forms evaluate it as one of these equations (ops/tangents.gather_primal).
