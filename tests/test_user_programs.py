@@ -213,3 +213,23 @@ def test_bfloat16_sites_are_still_rewritten(mesh1d):
     report = explain(overlap(mlp, schedule=XLA), params, x)
     assert [r.op for r in report.sites] == ["ag_matmul", "matmul_rs"] and not report.near_misses, str(report)
     assert_close(overlap(mlp, schedule=XLA)(params, x), mlp(params, x), rtol=2e-2)
+
+
+# --------------------------------------------------------------------------------------------
+# Never slower: a site whose schedule is the plain path is left exactly as written
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("schedule", ["auto", "none"])
+def test_plain_path_sites_are_left_as_written(mesh1d, schedule):
+    # On CPU (and on a group of one device) auto keeps the plain path: the rewritten function must
+    # be the user's program itself, not the same computation with extra ops around the sites.
+    mlp = lambda params, x: megatron_mlp(mesh1d, params, x)
+    params, x = mlp_inputs()
+    fused = overlap(mlp, schedule=schedule)
+    assert all(r.schedule.startswith("none") for r in explain(fused, params, x).sites)
+    plain_jaxpr, fused_jaxpr = jax.make_jaxpr(mlp)(params, x), jax.make_jaxpr(fused)(params, x)
+    assert str(fused_jaxpr) == str(plain_jaxpr)
+    assert_close(fused(params, x), mlp(params, x))
+    grads = jax.grad(lambda p: fused(p, x).sum())(params)
+    want = jax.grad(lambda p: mlp(p, x).sum())(params)
+    for name in grads:
+        assert_close(grads[name], want[name])

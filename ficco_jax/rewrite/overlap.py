@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.extend.core as jex
 
+from ..schedule import Schedule
 from .arguments import CallArgs
 from .jaxpr_util import open_jaxpr, sub_jaxprs
 from .matchers import ALL_OPS, find_sites
@@ -82,6 +83,9 @@ def _outcome(record: SiteRecord) -> str:
 # --------------------------------------------------------------------------------------------
 # Analysis: a plan per jaxpr, mirroring its nesting
 # --------------------------------------------------------------------------------------------
+_PLAIN = Schedule(comm="none")
+
+
 @dataclasses.dataclass
 class _Plan:
     sites_at: dict = dataclasses.field(default_factory=dict)  # eqn index -> [Site] run there
@@ -147,6 +151,8 @@ def _plan_sites(plan: _Plan, jaxpr, scope: _Scope, options: Options, records: li
         site.schedule, shown, note = options.resolve(site)
         site.record = dataclasses.replace(site.record, schedule=shown, note=note)
         records.append(site.record)
+        if site.schedule == _PLAIN:
+            continue  # the plain path is the program as written: leaving it adds no op, so never slower
         plan.sites_at.setdefault(site.exec_index, []).append(site)
         plan.skip.update(site.skip)
         plan.changed = True
