@@ -191,7 +191,7 @@ def test_confirm_retimes_pick_best_and_seq_and_judges_on_medians(monkeypatch):
         calls.append(variant)
         return {"median_s": later[variant].pop(0) * 1e-3, "spread_s": 0.0}
 
-    monkeypatch.setattr(accuracy.timing, "device_time", fake_time)
+    monkeypatch.setattr(accuracy.harness, "device_time", fake_time)
     rows = _rows({"none": 1.3, "dma/direct/c1": 1.10, "dma/direct/c4/grouped": 1.00, "dma/direct/c2": 1.2})
     makers = {r.variant: (lambda r, v=r.variant: v) for r in rows}
     pick = Schedule.parse("dma/direct/c1")
@@ -211,7 +211,7 @@ def test_confirm_retimes_pick_best_and_seq_and_judges_on_medians(monkeypatch):
 
 def test_confirm_keeps_a_real_miss(monkeypatch):
     later = {"dma/direct/c1": [1.12, 1.11], "dma/direct/c4/grouped": [1.0, 1.01], "none": [1.3, 1.3]}
-    monkeypatch.setattr(accuracy.timing, "device_time",
+    monkeypatch.setattr(accuracy.harness, "device_time",
                         lambda make, args: {"median_s": later[make(None)].pop(0) * 1e-3, "spread_s": 0.0})
     rows = _rows({"none": 1.3, "dma/direct/c1": 1.10, "dma/direct/c4/grouped": 1.00})
     makers = {r.variant: (lambda r, v=r.variant: v) for r in rows}

@@ -137,7 +137,7 @@ def _tangent_aval(v):
 def gather_tangent(lmap: LinearMap):
     """The `tangent` callable of core.custom_jvp_pair for a gather op's map."""
     def tangent(axis_name, sched, primals, outs, lin, with_side):
-        (x, w), (out, side), (dx, dw) = primals, outs, lin
+        w, (out, side), (dx, dw) = primals[1], outs, lin
         side_out = with_side and dx is not None
         avals = [_tangent_aval(out)] + ([_tangent_aval(side)] if side_out else [])
         res = (w if dx is not None else None, side if dw is not None else None)

@@ -35,9 +35,10 @@ from jax.sharding import Mesh
 
 from ..ops import measure
 from ..schedule import Schedule, local_shapes
-from ..tuning import cost_model, select, timing
+from ..tuning import cost_model, select
 from ..tuning.fitting import recorded_op_rows
 from .harness import Row, verify_then_time_each
+from . import harness
 from .report import git_commit, plot_accuracy, progress_printer
 
 #: (M tokens, K, N) of a tensor-parallel layer; K = hidden, N = the sharded width.
@@ -118,7 +119,7 @@ def run(out_dir: str, axis_size: int | None = None, shapes: dict | None = None, 
         done = {(c["op"], c["shape"]) for c in earlier}
         plans = [p for p in plans if (p[0], p[1]) not in done]
     progress = progress_printer(sum(len(p[6]) for p in plans))
-    result = _new_result(n, dtype, profile, confirm_rounds, earlier, resume, on_cpu)
+    result = _new_result(n, dtype, profile, confirm_rounds, earlier, resume)
     os.makedirs(out_dir, exist_ok=True)
     t0 = time.perf_counter()
     for op, name, M, K, N, chosen, cands in plans:
@@ -162,13 +163,13 @@ def plan_cases(shapes: dict, n: int, dtype: str, profile, top: int) -> list[tupl
     return plans
 
 
-def _new_result(n, dtype, profile, confirm_rounds, earlier, resume, on_cpu) -> dict:
+def _new_result(n, dtype, profile, confirm_rounds, earlier, resume) -> dict:
     """accuracy.json's header (machine, versions, commit, method, criteria) and the cases kept so far."""
     result = {
         "device": jax.devices()[0].device_kind, "platform": jax.default_backend(), "axis_size": n,
         "dtype": dtype, "jax": jax.__version__, "commit": git_commit(), "profile": profile.get("name"),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "method": timing.METHOD + ("; ON CPU: NOT meaningful" if on_cpu else ""),
+        "method": harness.method(),
         "criteria": {"within_best": WITHIN_BEST, "within_seq": WITHIN_SEQ}, "confirm_rounds": confirm_rounds,
         "cases": earlier,
     }
@@ -232,7 +233,7 @@ def confirm(rows, case, makers, args, rounds: int) -> bool:
     for _ in range(rounds):
         for v in names:
             try:
-                t = timing.device_time(makers[v], args)
+                t = harness.device_time(makers[v], args)
             except Exception as exc:  # noqa: BLE001 - keep the first timing; the table says why
                 by[v].note = f"re-timing failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
                 continue

@@ -4,7 +4,7 @@ For each op and shape, on all local devices (one 1-D mesh axis "tp"), in one run
 ficco_jax schedule, JAX sequential (the plain collective then the matmul), JAX's shard-level
 ring (`ppermute`), XLA's windowed einsum (GPU only, in a child process with its flags), the GEMM
 alone, the collective alone and the ideal bound max(GEMM, collective). Every variant's result is
-checked against the reference before it is timed. Times: see `timing.METHOD`.
+checked against the reference before it is timed. Times: see `harness.method()` (tuning/timing.py).
 """
 from __future__ import annotations
 
@@ -22,9 +22,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ..ops import measure
 from ..ops.measure import op_body, sharded
 from ..schedule import A2A_OPS, Schedule, local_shapes
-from ..tuning import select, timing
+from ..tuning import select
 from . import bench_moe
 from .harness import BOUND_STEPS, Row, bound_rows, extension_info, fitting_schedules, listed_schedules, verify_then_time_each
+from . import harness
 from .report import git_commit, markdown_table, plot_speedups, progress_printer
 
 #: (M tokens, K, N) of a tensor-parallel layer over 4 GPUs, the anchor shapes of BENCHMARKS.md.
@@ -109,7 +110,7 @@ def windowed_einsum_child(op, M, K, N, dtype) -> dict:
             return jax.lax.fori_loop(0, r, one, a)
         return jax.jit(loop, out_shardings=args[0].sharding)
 
-    t = timing.device_time(make, args)
+    t = harness.device_time(make, args)
     return {"median_ms": t["median_s"] * 1e3, "spread_ms": t["spread_s"] * 1e3}
 
 
@@ -146,12 +147,11 @@ def record_timeline(mesh, op: str, schedule, M: int, K: int, N: int, iters: int,
 
 def provenance(n: int, dtype) -> dict:
     """The head of a result file: device, platform, dtype, versions, commit, date, timing method."""
-    on_cpu = jax.default_backend() == "cpu"
     return {
         "device": jax.devices()[0].device_kind, "platform": jax.default_backend(), "n_devices": n,
         "dtype": dtype, "jax": jax.__version__, "commit": git_commit(), "extension": extension_info(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "method": timing.METHOD + ("; ON CPU: times are host memcpy/loop times, NOT meaningful" if on_cpu else ""),
+        "method": harness.method("times are host memcpy/loop times, NOT meaningful"),
         "rows": [],
     }
 

@@ -26,6 +26,7 @@ from ..lowering.dma import probe as dma_probe
 from ..schedule import Schedule
 from ..tuning import select, timing
 from ..tuning.fitting import nccl_contention
+from . import harness
 from .report import git_commit, plot_characterization, progress_printer
 
 GPU_GRID = {"rows": [512, 1024, 2048, 4096, 8192], "kn": [(8192, 7168), (8192, 2560), (12288, 12288)],
@@ -64,7 +65,7 @@ def decomposition(grid, dtype, progress) -> list[dict]:
                 progress(f"decomposition rows={rows} K={k} N={n_cols} c={c}")
 
                 step = chunk_matmuls(c)
-                t = timing.device_time(lambda r, step=step: jax.jit(timing.chain(step, r)), (a, w))["median_s"]
+                t = harness.device_time(lambda r, step=step: jax.jit(timing.chain(step, r)), (a, w))["median_s"]
                 base = t if c == 1 else base
                 rows_out.append({"rows": rows, "K": k, "N": n_cols, "chunks": c, "ms": t * 1e3,
                                  "loss": t / base - 1.0 if base else 0.0})
@@ -90,7 +91,7 @@ def transfers(grid, dtype, progress) -> list[dict]:
             progress(f"transfer {name} shard {mib} MiB")
             make = lambda r, body=body: jax.jit(jax.shard_map(timing.chain(body, r), mesh=mesh,
                                                               in_specs=(P("tp", None),), out_specs=P("tp", None)))
-            t = timing.device_time(make, (x,))["median_s"]
+            t = harness.device_time(make, (x,))["median_s"]
             nbytes = rows * cols * itemsize
             out.append({"comm": name, "shard_bytes": nbytes, "ms": t * 1e3,
                         "ingress_gbps": (n - 1) * nbytes / t / 1e9})
@@ -120,7 +121,7 @@ def contention(dtype, progress, rows=4096, k=8192, n_cols=7168, shard_mib=64) ->
             g = gather(x)  # independent of the matmul: XLA may run the two at once
             return y + g[:1, :1].astype(y.dtype)
         make = lambda r: jax.jit(jax.shard_map(timing.chain(step, r), mesh=mesh, in_specs=specs, out_specs=specs[0]))
-        return timing.device_time(make, (a, w, x))["median_s"] * 1e3
+        return harness.device_time(make, (a, w, x))["median_s"] * 1e3
 
     progress("contention: matmul alone")
     result = {"rows": rows, "K": k, "N": n_cols, "shard_bytes": x_rows * 1024 * jnp.dtype(dtype).itemsize,
@@ -158,7 +159,7 @@ def _dma_contention(a, w, x, mesh, specs, progress, repeats: int = 4) -> dict:
     def timed(pull):
         body = lambda a, w, x: dma_probe.matmuls_beside_pulls(a, w, x, "tp", repeats=repeats, pull=pull)
         make = lambda r: jax.jit(jax.shard_map(timing.chain(body, r), mesh=mesh, in_specs=specs, out_specs=specs[0]))
-        return timing.device_time(make, (a, w, x))["median_s"] * 1e3 / repeats
+        return harness.device_time(make, (a, w, x))["median_s"] * 1e3 / repeats
 
     progress("contention: executor matmuls alone")
     alone = timed(False)
@@ -189,7 +190,7 @@ def run(out_dir: str, dtype: str = "bfloat16", plot: bool = False, parts=PARTS) 
         "device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
         "n_devices": len(jax.local_devices()), "dtype": dtype, "jax": jax.__version__, "commit": git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "method": timing.METHOD + ("; ON CPU: NOT meaningful" if on_cpu else ""),
+        "method": harness.method(),
         "decomposition": decomposition(grid, dtype, progress) if "decomposition" in parts else [],
         "transfers": transfers(grid, dtype, progress) if "transfers" in parts else [],
         "contention": contention(dtype, progress) if "contention" in parts else {},

@@ -45,6 +45,19 @@ def rel_err(got, want):
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
 
 
+def device_time(make, args) -> dict:
+    """timing.device_time as the tools run it: adaptive on accelerators; on CPU, where the times mean
+    nothing, a fixed count of estimates (the adaptive rule would retry noisy host timings to its cap)."""
+    return timing.device_time(make, args, adaptive=jax.default_backend() != "cpu")
+
+
+def method(cpu_note: str = "NOT meaningful") -> str:
+    """The timing method stamped on a result of `device_time`."""
+    if jax.default_backend() == "cpu":
+        return f"{timing.METHOD_FIXED}; ON CPU: {cpu_note}"
+    return timing.METHOD
+
+
 def verify_then_time(row: Row, make, args, want, dtype) -> Row:
     """Fill `row`: check `make(None)(*args)` against `want`, and only if it agrees time `make(R)`
     (R repetitions in one jit, timing.device_time). A failing variant is reported, not fatal."""
@@ -52,7 +65,7 @@ def verify_then_time(row: Row, make, args, want, dtype) -> Row:
         row.rel_err = rel_err(make(None)(*args), want)
         row.verified = row.rel_err < TOLERANCE[dtype]
         if row.verified:
-            t = timing.device_time(make, args)
+            t = device_time(make, args)
             row.median_ms, row.spread_ms = t["median_s"] * 1e3, t["spread_s"] * 1e3
         else:
             row.note = f"WRONG RESULT: rel err {row.rel_err:.3g}; not timed"
@@ -90,12 +103,12 @@ def bound_rows(case: Row, mesh, dtype, progress, *, gemm, gemm_shapes, collectiv
     key = jax.random.PRNGKey(1)
     a, w = (jax.device_put(jax.random.normal(key, shape, jnp.float32).astype(dtype), dev) for shape in gemm_shapes)
     progress(f"{case.op} {case.shape} gemm_alone")
-    gemm_t = timing.device_time(lambda r: jax.jit(timing.chain(gemm, r)), (a, w))
+    gemm_t = device_time(lambda r: jax.jit(timing.chain(gemm, r)), (a, w))
     x = jax.device_put(jnp.ones(collective_shape, dtype) * 0.5, NamedSharding(mesh, spec))
     progress(f"{case.op} {case.shape} collective_alone")
     make = lambda r: jax.jit(jax.shard_map(timing.chain(collective, r), mesh=mesh, in_specs=(spec,),  # noqa: E731
                                            out_specs=spec))
-    coll_t = timing.device_time(make, (x,))
+    coll_t = device_time(make, (x,))
     rows = [replace(case, variant=variant, median_ms=t["median_s"] * 1e3, spread_ms=t["spread_s"] * 1e3,
                     extra=dict(case.extra))
             for variant, t in (("gemm_alone", gemm_t), ("collective_alone", coll_t))]

@@ -32,7 +32,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from ..schedule import Schedule, check_shapes
+from ..schedule import Schedule
 
 _PROFILE_DIR = os.path.join(os.path.dirname(__file__), "profiles")
 
