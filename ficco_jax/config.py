@@ -56,6 +56,9 @@ DMA_COLLECTIVE_MIN_BYTES: int = 8 << 20
 #: dtypes the DMA executor handles; others take the XLA path (`comm="xla"`).
 DMA_DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
 
+#: FP8 operand dtypes of the scaled ops (`ag_matmul` / `matmul_rs` with `x_scale`, `w_scale`).
+FP8_DTYPES: tuple[str, ...] = ("float8_e4m3fn", "float8_e5m2")
+
 #: This process's host id in a multi-process run (topology.py): processes with equal ids share a
 #: host. Default (""): socket.gethostname(). Set it where host names do not identify machines
 #: (containers with generated names on one machine, or one name reused across machines).

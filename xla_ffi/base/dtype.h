@@ -9,9 +9,22 @@
 
 namespace ficco {
 
-enum class Dtype : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+// The FP8 types are matmul operands only (per-tensor scaled, see MatmulTypes in device/gemm.h):
+// the executor reads them, moves their bytes, and never writes one.
+enum class Dtype : int { kF32 = 0, kBF16 = 1, kF16 = 2, kF8E4M3 = 3, kF8E5M2 = 4 };
 
-inline size_t ByteWidth(Dtype dtype) { return dtype == Dtype::kF32 ? 4 : 2; }
+inline size_t ByteWidth(Dtype dtype) {
+  switch (dtype) {
+    case Dtype::kF32: return 4;
+    case Dtype::kBF16:
+    case Dtype::kF16: return 2;
+    case Dtype::kF8E4M3:
+    case Dtype::kF8E5M2: return 1;
+  }
+  return 4;
+}
+
+inline bool IsFp8(Dtype dtype) { return dtype == Dtype::kF8E4M3 || dtype == Dtype::kF8E5M2; }
 
 inline float BitsToFloat(uint32_t bits) {
   float value;
@@ -62,11 +75,25 @@ inline uint16_t FloatToF16(float value) {
   return sign | static_cast<uint16_t>((rounded - (112u << 23)) >> 13);
 }
 
+// float8_e4m3fn: bias 7, no infinities, S.1111.111 is NaN. float8_e5m2: bias 15, IEEE-style
+// infinities and NaNs. Both exact in f32.
+inline float F8E4M3ToFloat(uint8_t v) {
+  const float sign = (v & 0x80u) ? -1.0f : 1.0f;
+  const int exponent = (v >> 3) & 0xf, mantissa = v & 0x7;
+  if (exponent == 0xf && mantissa == 0x7) return std::nanf("");
+  if (exponent == 0) return sign * std::ldexp(static_cast<float>(mantissa), -9);  // subnormal: m * 2^-6 / 8
+  return sign * std::ldexp(1.0f + mantissa / 8.0f, exponent - 7);
+}
+
+inline float F8E5M2ToFloat(uint8_t v) { return F16ToFloat(static_cast<uint16_t>(uint16_t{v} << 8)); }
+
 inline float LoadAsFloat(const void* base, int64_t index, Dtype dtype) {
   switch (dtype) {
     case Dtype::kF32: return static_cast<const float*>(base)[index];
     case Dtype::kBF16: return Bf16ToFloat(static_cast<const uint16_t*>(base)[index]);
     case Dtype::kF16: return F16ToFloat(static_cast<const uint16_t*>(base)[index]);
+    case Dtype::kF8E4M3: return F8E4M3ToFloat(static_cast<const uint8_t*>(base)[index]);
+    case Dtype::kF8E5M2: return F8E5M2ToFloat(static_cast<const uint8_t*>(base)[index]);
   }
   return 0.0f;
 }
@@ -76,6 +103,8 @@ inline void StoreFromFloat(void* base, int64_t index, Dtype dtype, float value) 
     case Dtype::kF32: static_cast<float*>(base)[index] = value; return;
     case Dtype::kBF16: static_cast<uint16_t*>(base)[index] = FloatToBf16(value); return;
     case Dtype::kF16: static_cast<uint16_t*>(base)[index] = FloatToF16(value); return;
+    case Dtype::kF8E4M3:
+    case Dtype::kF8E5M2: return;  // never an output (see Dtype)
   }
 }
 

@@ -13,17 +13,24 @@
 namespace ficco {
 
 void GemmHost(const GemmProblem& p) {
-  std::vector<float> b(static_cast<size_t>(p.inner * p.cols));
-  for (int64_t i = 0; i < p.inner * p.cols; ++i) b[i] = LoadAsFloat(p.b, i, p.dtype);
+  const MatmulTypes& t = p.types;
+  std::vector<float> b(static_cast<size_t>(p.inner * p.cols));  // [inner, cols]
+  for (int64_t k = 0; k < p.inner; ++k) {
+    for (int64_t j = 0; j < p.cols; ++j) {
+      b[k * p.cols + j] = LoadAsFloat(p.b, t.b_transposed ? j * p.inner + k : k * p.cols + j, t.b);
+    }
+  }
+  // On the CPU backend the scales are host scalars.
+  const float scale = (t.a_scale ? *t.a_scale : 1.0f) * (t.b_scale ? *t.b_scale : 1.0f);
   std::vector<float> row(static_cast<size_t>(p.cols));
   for (int64_t i = 0; i < p.rows; ++i) {
     std::fill(row.begin(), row.end(), 0.0f);
     for (int64_t k = 0; k < p.inner; ++k) {
-      const float a_ik = LoadAsFloat(p.a, i * p.inner + k, p.dtype);
+      const float a_ik = LoadAsFloat(p.a, i * p.inner + k, t.a);
       const float* b_k = &b[static_cast<size_t>(k * p.cols)];
       for (int64_t j = 0; j < p.cols; ++j) row[j] += a_ik * b_k[j];
     }
-    for (int64_t j = 0; j < p.cols; ++j) StoreFromFloat(p.c, i * p.cols + j, p.dtype, row[j]);
+    for (int64_t j = 0; j < p.cols; ++j) StoreFromFloat(p.c, i * p.cols + j, t.c, scale * row[j]);
   }
 }
 
@@ -35,6 +42,8 @@ cudaDataType_t CudaType(Dtype dtype) {
     case Dtype::kF32: return CUDA_R_32F;
     case Dtype::kBF16: return CUDA_R_16BF;
     case Dtype::kF16: return CUDA_R_16F;
+    case Dtype::kF8E4M3: return CUDA_R_8F_E4M3;
+    case Dtype::kF8E5M2: return CUDA_R_8F_E5M2;
   }
   return CUDA_R_32F;
 }
@@ -73,8 +82,14 @@ struct GemmPlan {
 
 namespace {
 
-// (rows, inner, cols, dtype, alignment of a, b, c): cuBLASLt algorithms depend on alignment.
+// (rows, inner, cols, dtypes of a, b, c and b's layout, alignment of a, b, c): cuBLASLt
+// algorithms depend on alignment.
 using PlanKey = std::tuple<int64_t, int64_t, int64_t, int, uint32_t, uint32_t, uint32_t>;
+
+int TypesKey(const MatmulTypes& t) {
+  return static_cast<int>(t.a) | static_cast<int>(t.b) << 4 | static_cast<int>(t.c) << 8 |
+         static_cast<int>(t.b_transposed) << 12;
+}
 
 // The largest power of two (at most 256) dividing the address: what cuBLASLt may assume.
 uint32_t Alignment(const void* pointer) {
@@ -85,7 +100,7 @@ uint32_t Alignment(const void* pointer) {
 }
 
 PlanKey KeyOf(const GemmProblem& p) {
-  return PlanKey{p.rows, p.inner, p.cols, static_cast<int>(p.dtype), Alignment(p.a), Alignment(p.b), Alignment(p.c)};
+  return PlanKey{p.rows, p.inner, p.cols, TypesKey(p.types), Alignment(p.a), Alignment(p.b), Alignment(p.c)};
 }
 
 // How many of the heuristic's candidates a new plan times on the device (once per shape). XLA's
@@ -121,25 +136,46 @@ float TimeAlgo(const GemmProblem& p, cublasLtHandle_t handle, const GemmPlan& pl
   return ms;
 }
 
+// The per-tensor scales of an FP8 problem: cuBLASLt's "A" is our b, its "B" our a. Device
+// pointers, read when a matmul is enqueued, so a cached plan takes each call's own.
+cublasStatus_t SetScales(const GemmProblem& p, cublasLtMatmulDesc_t op) {
+  const void* a_scale = p.types.b_scale;
+  const void* b_scale = p.types.a_scale;
+  if (a_scale != nullptr) {
+    FICCO_LT_RETURN_IF_ERROR(
+        cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a_scale, sizeof(a_scale)));
+  }
+  if (b_scale != nullptr) {
+    FICCO_LT_RETURN_IF_ERROR(
+        cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b_scale, sizeof(b_scale)));
+  }
+  return CUBLAS_STATUS_SUCCESS;
+}
+
 // cuBLASLt is column-major. A row-major [rows, cols] matrix is the column-major [cols, rows]
 // matrix with the same bytes, so row-major C = A @ B is computed as column-major
 // C^T[cols, rows] = B^T[cols, inner] @ A^T[inner, rows]: pass b as cuBLASLt's "A" and a as its
-// "B", no transposes, leading dimensions cols, inner and cols.
+// "B", no transposes, leading dimensions cols, inner and cols. A transposed b ([cols, inner],
+// FP8) is column-major [inner, cols]: cuBLASLt's "A" with op T, leading dimension inner.
 //
-// The algorithm: the heuristic's best guesses are timed on the device and the fastest is kept
-// (as XLA's GEMM autotuner does at compile time): a warm-up, one short pass over every candidate,
-// then the finalists again with more repeats. The synchronisations this costs happen on the first
-// call of each shape only.
 // The layouts of `p` as cuBLASLt sees it (see MakePlan), then up to kAlgoCandidates algorithms
 // the heuristic proposes for them, within the workspace and the operands' alignments.
 cublasStatus_t FindCandidates(const GemmProblem& p, cublasLtHandle_t handle, size_t workspace_bytes, GemmPlan* plan,
                               std::vector<cublasLtMatmulHeuristicResult_t>* candidates, int* found) {
-  const cudaDataType_t type = CudaType(p.dtype);
+  const MatmulTypes& t = p.types;
   // f32 inputs use true f32 (no TF32) so results match the XLA reference within 1e-5.
   FICCO_LT_RETURN_IF_ERROR(cublasLtMatmulDescCreate(&plan->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  FICCO_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan->a, type, p.cols, p.inner, p.cols));
-  FICCO_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan->b, type, p.inner, p.rows, p.inner));
-  FICCO_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan->c, type, p.cols, p.rows, p.cols));
+  if (t.b_transposed) {  // b stored [cols, inner]: cuBLASLt's "A" is column-major [inner, cols], transposed
+    const cublasOperation_t transpose = CUBLAS_OP_T;
+    FICCO_LT_RETURN_IF_ERROR(
+        cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSA, &transpose, sizeof(transpose)));
+    FICCO_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan->a, CudaType(t.b), p.inner, p.cols, p.inner));
+  } else {
+    FICCO_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan->a, CudaType(t.b), p.cols, p.inner, p.cols));
+  }
+  FICCO_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan->b, CudaType(t.a), p.inner, p.rows, p.inner));
+  FICCO_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan->c, CudaType(t.c), p.cols, p.rows, p.cols));
+  FICCO_LT_RETURN_IF_ERROR(SetScales(p, plan->op));
   cublasLtMatmulPreference_t preference = nullptr;
   FICCO_LT_RETURN_IF_ERROR(cublasLtMatmulPreferenceCreate(&preference));
   const uint32_t align[3] = {Alignment(p.b), Alignment(p.a), Alignment(p.c)};  // cuBLASLt's A, B, C
@@ -197,10 +233,10 @@ void LogPlan(const GemmProblem& p, const GemmPlan& plan, int found, float ms) {
   cublasLtMatmulAlgoConfigGetAttribute(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &split_k, sizeof(split_k), &written);
   cublasLtMatmulAlgoConfigGetAttribute(algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, &swizzle, sizeof(swizzle), &written);
   std::fprintf(stderr,
-               "ficco gemm plan [%lld,%lld]@[%lld,%lld] dtype %d: %d candidates, chose algo %d tile %d stages %d "
+               "ficco gemm plan [%lld,%lld]@[%lld,%lld] types %#x: %d candidates, chose algo %d tile %d stages %d "
                "split_k %d swizzle %d, %.4f ms per run\n",
                static_cast<long long>(p.rows), static_cast<long long>(p.inner), static_cast<long long>(p.inner),
-               static_cast<long long>(p.cols), static_cast<int>(p.dtype), found, id, tile, stages, split_k, swizzle,
+               static_cast<long long>(p.cols), TypesKey(p.types), found, id, tile, stages, split_k, swizzle,
                ms >= 0.0f ? ms / kFinalRepeats : -1.0f);
 }
 
@@ -248,17 +284,16 @@ GemmPlans::~GemmPlans() { delete impl_; }
 
 cublasStatus_t GemmPlans::Run(const GemmProblem& p, cublasLtHandle_t handle, void* workspace,
                               size_t workspace_bytes, cudaStream_t stream) {
-  const GemmPlan* plan = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(impl_->mu);
-    std::unique_ptr<GemmPlan>& slot = impl_->plans[KeyOf(p)];
-    if (!slot) {
-      auto fresh = std::make_unique<GemmPlan>();
-      FICCO_LT_RETURN_IF_ERROR(MakePlan(p, handle, workspace, workspace_bytes, stream, fresh.get()));
-      slot = std::move(fresh);
-    }
-    plan = slot.get();  // plans are never erased, so the pointer stays valid after unlocking
+  // Held through the enqueue: an FP8 plan's scale pointers are set per call on its descriptor.
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::unique_ptr<GemmPlan>& slot = impl_->plans[KeyOf(p)];
+  if (!slot) {
+    auto fresh = std::make_unique<GemmPlan>();
+    FICCO_LT_RETURN_IF_ERROR(MakePlan(p, handle, workspace, workspace_bytes, stream, fresh.get()));
+    slot = std::move(fresh);
   }
+  const GemmPlan* plan = slot.get();
+  FICCO_LT_RETURN_IF_ERROR(SetScales(p, plan->op));
   const float alpha = 1.0f, beta = 0.0f;
   return cublasLtMatmul(handle, plan->op, &alpha, p.b, plan->a, p.a, plan->b, &beta, p.c, plan->c, p.c,
                         plan->c, &plan->algo, workspace, workspace_bytes, stream);

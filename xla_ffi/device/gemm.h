@@ -1,5 +1,5 @@
-// Chunk matmuls: c[rows, cols] = a[rows, inner] @ b[inner, cols], row-major, contiguous,
-// f32 accumulation, one rounding to the output dtype. Pure launchers: no FFI types.
+// Chunk matmuls: c[rows, cols] = a_scale * b_scale * (a[rows, inner] @ b[inner, cols]), row-major,
+// contiguous, f32 accumulation, one rounding to the output dtype. Pure launchers: no FFI types.
 #ifndef FICCO_JAX_XLA_FFI_DEVICE_GEMM_H_
 #define FICCO_JAX_XLA_FFI_DEVICE_GEMM_H_
 
@@ -14,14 +14,26 @@
 
 namespace ficco {
 
+// The element types of one op's matmuls. Operands share a half or f32 dtype and the result is
+// that dtype or f32 (mixed precision: bf16 operands, f32 result); or the operands are FP8 (not
+// both e5m2), each with a per-tensor f32 scale on the device, and the result bf16, f16 or f32.
+// FP8 on cuBLASLt needs the "TN" layout, so an FP8 b is stored transposed: [cols, inner].
+struct MatmulTypes {
+  Dtype a = Dtype::kF32, b = Dtype::kF32, c = Dtype::kF32;
+  const float* a_scale = nullptr;  // device scalars; nullptr: 1
+  const float* b_scale = nullptr;
+  bool b_transposed = false;
+  static MatmulTypes Uniform(Dtype dtype) { return {dtype, dtype, dtype}; }
+};
+
 struct GemmProblem {
   const void* a;  // [rows, inner]
-  const void* b;  // [inner, cols]
+  const void* b;  // [inner, cols], or [cols, inner] when types.b_transposed
   void* c;        // [rows, cols]
   int64_t rows;
   int64_t inner;
   int64_t cols;
-  Dtype dtype;
+  MatmulTypes types;
 };
 
 // CPU reference loops.
@@ -30,7 +42,7 @@ void GemmHost(const GemmProblem& problem);
 #ifdef FICCO_WITH_CUDA
 struct GemmPlan;  // cuBLASLt descriptors and the chosen algorithm of one problem shape
 
-// The cuBLASLt plans of one device, by (rows, inner, cols, dtype, alignments). Building a plan
+// The cuBLASLt plans of one device, by (rows, inner, cols, dtypes, layout, alignments). Building a plan
 // (descriptors, the heuristic's candidates, timing them once on the device) costs host time and
 // one synchronisation; a chunked schedule runs the same few shapes on every call, so each is
 // planned once. Thread-safe.

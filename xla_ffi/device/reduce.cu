@@ -113,6 +113,8 @@ cudaError_t LaunchReduceSum(const ReduceProblem& p, cudaStream_t stream) {
     case Dtype::kF32: return Launch<float>(p, stream);
     case Dtype::kBF16: return Launch<__nv_bfloat16>(p, stream);
     case Dtype::kF16: return Launch<__half>(p, stream);
+    case Dtype::kF8E4M3:
+    case Dtype::kF8E5M2: break;  // partials are never FP8 (MatmulTypes)
   }
   return cudaErrorInvalidValue;
 }

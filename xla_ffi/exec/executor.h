@@ -85,7 +85,7 @@ struct GatherArgs {
   const void* w = nullptr; // [groups, inner, cols]; nullptr: no consumer (the collective alone)
   void* out = nullptr;     // [n, groups, rows, cols]
   int64_t inner = 0, cols = 0;
-  Dtype dtype = Dtype::kF32;
+  MatmulTypes types;       // x's (received's) dtype is types.a
 };
 
 // produce -> scatter. matmul_rs / matmul_a2a: send slot s = y[block of rank r+1+s] @ w, our own
@@ -95,7 +95,7 @@ struct ScatterArgs {
   SignatureKind kind;
   const char* rows_name;
   int64_t groups, rows, cols;  // a result block: [groups, rows, cols] elements
-  Dtype dtype;
+  MatmulTypes types;           // what moves and is summed has types.c (reduce_scatter: a = b = c)
   const void* y;               // [n, groups, rows, inner] (matmul) or [n, 1, rows, cols] (reduce_scatter)
   const void* w = nullptr;     // [groups, inner, cols]; nullptr: reduce_scatter
   int64_t inner = 0;
@@ -114,7 +114,7 @@ struct ProbeArgs {
   const void* w;
   void* out;
   int64_t rows, inner, cols;
-  Dtype dtype;
+  MatmulTypes types;
   const void* x;          // the shard peers pull
   int64_t shard_bytes;
   void* gathered;         // [n, shard_bytes]
@@ -123,8 +123,8 @@ struct ProbeArgs {
 };
 ffi::Error RunProbe(Backend& backend, const OpConfig& config, const ProbeArgs& args);
 
-// Shared by the pipelines (gather.cc): {kind, dtype, shape..., schedule, n}.
-std::vector<int64_t> ScheduleSignature(const OpConfig& config, SignatureKind kind, Dtype dtype,
+// Shared by the pipelines (gather.cc): {kind, dtypes, shape..., schedule, n}.
+std::vector<int64_t> ScheduleSignature(const OpConfig& config, SignatureKind kind, const MatmulTypes& types,
                                        std::initializer_list<int64_t> shape);
 // Enqueues chunk j of block `src_block` of `src` into block `dst_block` of `dst` (every group).
 ffi::Error CopyBlockChunk(Backend& backend, const OpConfig& config, const BlockLayout& layout, int stream,
@@ -135,7 +135,7 @@ struct BlockMatmul {
   BlockLayout in, res;
   const void* w;
   int64_t inner, cols;
-  Dtype dtype;
+  MatmulTypes types;
   ffi::Error Run(Backend& backend, const void* in_base, int64_t in_block, void* out_base, int64_t out_block,
                  int64_t row, int64_t count) const;
 };

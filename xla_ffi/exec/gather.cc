@@ -6,9 +6,10 @@
 
 namespace ficco {
 
-std::vector<int64_t> ScheduleSignature(const OpConfig& config, SignatureKind kind, Dtype dtype,
+std::vector<int64_t> ScheduleSignature(const OpConfig& config, SignatureKind kind, const MatmulTypes& types,
                                        std::initializer_list<int64_t> shape) {
-  std::vector<int64_t> signature{static_cast<int64_t>(kind), static_cast<int64_t>(dtype)};
+  std::vector<int64_t> signature{static_cast<int64_t>(kind), static_cast<int64_t>(types.a),
+                                 static_cast<int64_t>(types.b), static_cast<int64_t>(types.c)};
   signature.insert(signature.end(), shape.begin(), shape.end());
   signature.insert(signature.end(), {config.chunks, static_cast<int64_t>(config.order),
                                      static_cast<int64_t>(config.gemm), config.copy_streams, config.n()});
@@ -27,10 +28,10 @@ ffi::Error CopyBlockChunk(Backend& backend, const OpConfig& config, const BlockL
 
 ffi::Error BlockMatmul::Run(Backend& backend, const void* in_base, int64_t in_block, void* out_base,
                             int64_t out_block, int64_t row, int64_t count) const {
-  const int64_t w_bytes = inner * cols * static_cast<int64_t>(ByteWidth(dtype));
+  const int64_t w_bytes = inner * cols * static_cast<int64_t>(ByteWidth(types.b));
   for (int64_t g = 0; g < in.groups; ++g) {
     FICCO_RETURN_IF_ERROR(backend.Gemm({Offset(in_base, in.At(in_block, g, row)), Offset(w, g * w_bytes),
-                                        Offset(out_base, res.At(out_block, g, row)), count, inner, cols, dtype}));
+                                        Offset(out_base, res.At(out_block, g, row)), count, inner, cols, types}));
   }
   return ffi::Error::Success();
 }
@@ -42,8 +43,8 @@ class Gather {
  public:
   Gather(Backend& backend, const OpConfig& config, const GatherArgs& a)
       : backend_(backend), config_(config), a_(a), matmul_(a.w != nullptr),
-        mm_{a.layout, {a.layout.groups, a.layout.rows, a.cols * static_cast<int64_t>(ByteWidth(a.dtype))},
-            a.w, a.inner, a.cols, a.dtype} {}
+        mm_{a.layout, {a.layout.groups, a.layout.rows, a.cols * static_cast<int64_t>(ByteWidth(a.types.c))},
+            a.w, a.inner, a.cols, a.types} {}
 
   ffi::Error Run(CallSession& session);
 
@@ -141,7 +142,7 @@ ffi::Error Gather::Consume(const std::vector<std::vector<Event>>& landed) {
 
 ffi::Error RunGather(Backend& backend, const OpConfig& config, const GatherArgs& a) {
   FICCO_RETURN_IF_ERROR(BeginCall(backend, config, a.layout.rows, a.rows_name));
-  CallSession session(config, ScheduleSignature(config, a.kind, a.dtype,
+  CallSession session(config, ScheduleSignature(config, a.kind, a.types,
                                                 {a.layout.groups, a.layout.rows, a.layout.row_bytes, a.inner, a.cols}));
   return Gather(backend, config, a).Run(session);
 }

@@ -12,8 +12,8 @@ namespace ficco {
 
 ffi::Error RunProbe(Backend& backend, const OpConfig& config, const ProbeArgs& p) {
   FICCO_RETURN_IF_ERROR(backend.Prepare(1, config.group));
-  CallSession session(config, {static_cast<int64_t>(SignatureKind::kContentionProbe), static_cast<int64_t>(p.dtype),
-                               p.rows, p.inner, p.cols, p.shard_bytes, p.repeats, p.pull ? 1 : 0, config.n()});
+  CallSession session(config, {static_cast<int64_t>(SignatureKind::kContentionProbe), static_cast<int64_t>(p.types.a),
+                               static_cast<int64_t>(p.types.b), static_cast<int64_t>(p.types.c), p.rows, p.inner, p.cols, p.shard_bytes, p.repeats, p.pull ? 1 : 0, config.n()});
   Event ready;
   FICCO_RETURN_IF_ERROR(backend.Record(Backend::kCompute, &ready));
   std::vector<Post> posts;
@@ -28,7 +28,7 @@ ffi::Error RunProbe(Backend& backend, const OpConfig& config, const ProbeArgs& p
   FICCO_RETURN_IF_ERROR(backend.Wait(0, ready));
   FICCO_RETURN_IF_ERROR(backend.Copy(0, Offset(p.gathered, config.rank * p.shard_bytes), p.x, p.shard_bytes));
   for (int64_t i = 0; i < p.repeats; ++i) {
-    FICCO_RETURN_IF_ERROR(backend.Gemm({p.a, p.w, p.out, p.rows, p.inner, p.cols, p.dtype}));
+    FICCO_RETURN_IF_ERROR(backend.Gemm({p.a, p.w, p.out, p.rows, p.inner, p.cols, p.types}));
   }
   return JoinAndRelease(backend, config, session);
 }

@@ -13,9 +13,9 @@ class Scatter {
  public:
   Scatter(Backend& backend, const OpConfig& config, const ScatterArgs& a)
       : backend_(backend), config_(config), a_(a), matmul_(a.w != nullptr), reduce_(a.recv != nullptr),
-        layout_{a.groups, a.rows, a.cols * static_cast<int64_t>(ByteWidth(a.dtype))},
-        mm_{{a.groups, a.rows, a.inner * static_cast<int64_t>(ByteWidth(a.dtype))}, layout_, a.w, a.inner, a.cols,
-            a.dtype} {}
+        layout_{a.groups, a.rows, a.cols * static_cast<int64_t>(ByteWidth(a.types.c))},
+        mm_{{a.groups, a.rows, a.inner * static_cast<int64_t>(ByteWidth(a.types.a))}, layout_, a.w, a.inner, a.cols,
+            a.types} {}
 
   ffi::Error Run(CallSession& session);
 
@@ -138,7 +138,7 @@ ffi::Error Scatter::Push(CallSession& session, const void* send, Event entry, co
 // Compute stream after the transfers: out[chunk] = own[chunk] + sum over slots of recv[slot][chunk].
 // matmul_rs with gemm=grouped reduces the whole block once after every chunk has landed.
 ffi::Error Scatter::ReduceChunks(const std::vector<std::vector<Event>>& landed) {
-  const int64_t esize = static_cast<int64_t>(ByteWidth(a_.dtype));
+  const int64_t esize = static_cast<int64_t>(ByteWidth(a_.types.c));
   const void* own = matmul_ ? static_cast<const void*>(a_.out) : Offset(a_.y, config_.rank * layout_.Block());
   const int64_t block_elems = a_.rows * a_.cols;
   const bool grouped = config_.gemm == GemmMode::kGrouped && matmul_;
@@ -153,7 +153,7 @@ ffi::Error Scatter::ReduceChunks(const std::vector<std::vector<Event>>& landed) 
     }
     const int64_t offset = piece * piece_elems * esize;
     FICCO_RETURN_IF_ERROR(backend_.Reduce({Offset(a_.out, offset), Offset(own, offset), Offset(a_.recv, offset),
-                                           block_elems, config_.n() - 1, piece_elems, a_.dtype}));
+                                           block_elems, config_.n() - 1, piece_elems, a_.types.c}));
   }
   return ffi::Error::Success();
 }
@@ -162,7 +162,7 @@ ffi::Error Scatter::ReduceChunks(const std::vector<std::vector<Event>>& landed) 
 
 ffi::Error RunScatter(Backend& backend, const OpConfig& config, const ScatterArgs& a) {
   FICCO_RETURN_IF_ERROR(BeginCall(backend, config, a.rows, a.rows_name));
-  CallSession session(config, ScheduleSignature(config, a.kind, a.dtype, {a.groups, a.rows, a.inner, a.cols}));
+  CallSession session(config, ScheduleSignature(config, a.kind, a.types, {a.groups, a.rows, a.inner, a.cols}));
   return Scatter(backend, config, a).Run(session);
 }
 

@@ -9,15 +9,18 @@ std::string Shape(ffi::AnyBuffer buffer) {
   return "[" + JoinNumbers(buffer.dimensions()) + "]";
 }
 
-static ffi::Error ToDtype(const CallContext& ctx, ffi::DataType type, Dtype* dtype) {
+static ffi::Error ToDtype(const CallContext& ctx, ffi::DataType type, Dtype* dtype, bool fp8 = false) {
   switch (type) {
     case ffi::DataType::F32: *dtype = Dtype::kF32; return ffi::Error::Success();
     case ffi::DataType::BF16: *dtype = Dtype::kBF16; return ffi::Error::Success();
     case ffi::DataType::F16: *dtype = Dtype::kF16; return ffi::Error::Success();
-    default:
-      return MakeInvalid(ctx, "unsupported dtype " + std::to_string(static_cast<int>(type)) +
-                                  "; expected bfloat16, float16 or float32");
+    case ffi::DataType::F8E4M3FN: *dtype = Dtype::kF8E4M3; break;
+    case ffi::DataType::F8E5M2: *dtype = Dtype::kF8E5M2; break;
+    default: break;
   }
+  if (fp8 && IsFp8(*dtype)) return ffi::Error::Success();
+  return MakeInvalid(ctx, "unsupported dtype " + std::to_string(static_cast<int>(type)) + "; expected " +
+                              (fp8 ? "float8_e4m3fn or float8_e5m2 with scales" : "bfloat16, float16 or float32"));
 }
 
 // `buffer` must have exactly `dims`; `name` and `role` go into the message.
@@ -36,6 +39,33 @@ ffi::Error SameDtype(const CallContext& ctx, std::initializer_list<ffi::AnyBuffe
     if (buffer.element_type() != first) return MakeInvalid(ctx, "operands and results must share one dtype");
   }
   return ToDtype(ctx, first, dtype);
+}
+
+ffi::Error MatmulDtypes(const CallContext& ctx, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer c, bool fp8,
+                        const ffi::AnyBuffer* scales, MatmulTypes* types) {
+  FICCO_RETURN_IF_ERROR(ToDtype(ctx, a.element_type(), &types->a, fp8));
+  FICCO_RETURN_IF_ERROR(ToDtype(ctx, b.element_type(), &types->b, fp8));
+  FICCO_RETURN_IF_ERROR(ToDtype(ctx, c.element_type(), &types->c));
+  if (fp8) {
+    for (int i = 0; scales != nullptr && i < 2; ++i) {
+      if (scales[i].element_type() != ffi::DataType::F32 || scales[i].element_count() != 1) {
+        return MakeInvalid(ctx, "an FP8 operand's scale must be one float32, found " + Shape(scales[i]));
+      }
+    }
+    if (types->a == Dtype::kF8E5M2 && types->b == Dtype::kF8E5M2) {
+      return MakeInvalid(ctx, "float8_e5m2 x float8_e5m2 matmuls are not supported; make one operand float8_e4m3fn");
+    }
+    if (scales != nullptr) {
+      types->a_scale = static_cast<const float*>(scales[0].untyped_data());
+      types->b_scale = static_cast<const float*>(scales[1].untyped_data());
+    }
+    types->b_transposed = true;  // FP8 targets take w column-major (ficco_jax/lowering/dma/registry.py)
+    return ffi::Error::Success();
+  }
+  if (types->a != types->b || (types->c != types->a && types->c != Dtype::kF32)) {
+    return MakeInvalid(ctx, "matmul operands must share one dtype and the result have it or float32");
+  }
+  return ffi::Error::Success();
 }
 
 }  // namespace ficco

@@ -20,10 +20,13 @@ int64_t RowBytes(int64_t elements, Dtype dtype) { return elements * static_cast<
 // ---------------------------------------------------------------------------------------------
 // gather -> consume
 // ---------------------------------------------------------------------------------------------
-ffi::Error AgMatmulImpl(Backend& backend, const OpConfig& config, Buffer x, Buffer w, Buffer out, Buffer gathered) {
+// ag_matmul, unscaled (scales == nullptr) or FP8 with the scales of x and w.
+static ffi::Error AgMatmul(Backend& backend, const OpConfig& config, Buffer x, Buffer w, const Buffer* scales,
+                           Buffer out, Buffer gathered) {
   const CallContext& ctx = config.ctx;
-  Dtype dtype;
-  FICCO_RETURN_IF_ERROR(SameDtype(ctx, {x, w, out, gathered}, &dtype));
+  MatmulTypes types;
+  FICCO_RETURN_IF_ERROR(MatmulDtypes(ctx, x, w, out, scales != nullptr, scales, &types));
+  if (gathered.element_type() != x.element_type()) return MakeInvalid(ctx, "gathered must have x's dtype");
   if (x.dimensions().size() != 2 || w.dimensions().size() != 2 || x.dimensions()[1] != w.dimensions()[0]) {
     return MakeInvalid(ctx, "ag_matmul needs x [m, K] and w [K, N]; found x " + Shape(x) + ", w " + Shape(w));
   }
@@ -32,8 +35,18 @@ ffi::Error AgMatmulImpl(Backend& backend, const OpConfig& config, Buffer x, Buff
   FICCO_RETURN_IF_ERROR(ExpectShape(ctx, "gathered", gathered, {n * m, k}));
   return RunGather(backend, config,
                    {SignatureKind::kAgMatmul, kRowsPerDevice, x.untyped_data(), /*x_per_peer=*/false,
-                    gathered.untyped_data(), {1, m, RowBytes(k, dtype)}, w.untyped_data(), out.untyped_data(), k,
-                    cols, dtype});
+                    gathered.untyped_data(), {1, m, RowBytes(k, types.a)}, w.untyped_data(), out.untyped_data(), k,
+                    cols, types});
+}
+
+ffi::Error AgMatmulImpl(Backend& backend, const OpConfig& config, Buffer x, Buffer w, Buffer out, Buffer gathered) {
+  return AgMatmul(backend, config, x, w, nullptr, out, gathered);
+}
+
+ffi::Error AgMatmulScaledImpl(Backend& backend, const OpConfig& config, Buffer x, Buffer w, Buffer x_scale,
+                              Buffer w_scale, Buffer out, Buffer gathered) {
+  const Buffer scales[2] = {x_scale, w_scale};
+  return AgMatmul(backend, config, x, w, scales, out, gathered);
 }
 
 ffi::Error AllGatherImpl(Backend& backend, const OpConfig& config, Buffer x, Buffer out) {
@@ -68,8 +81,9 @@ ffi::Error AllToAllImpl(Backend& backend, const OpConfig& config, Buffer x, Buff
 
 ffi::Error A2aMatmulImpl(Backend& backend, const OpConfig& config, Buffer x, Buffer w, Buffer out, Buffer received) {
   const CallContext& ctx = config.ctx;
-  Dtype dtype;
-  FICCO_RETURN_IF_ERROR(SameDtype(ctx, {x, w, out, received}, &dtype));
+  MatmulTypes types;
+  FICCO_RETURN_IF_ERROR(MatmulDtypes(ctx, x, w, out, false, nullptr, &types));
+  if (received.element_type() != x.element_type()) return MakeInvalid(ctx, "received must have x's dtype");
   const int64_t n = config.n();
   auto xd = x.dimensions();
   auto wd = w.dimensions();
@@ -82,18 +96,23 @@ ffi::Error A2aMatmulImpl(Backend& backend, const OpConfig& config, Buffer x, Buf
   FICCO_RETURN_IF_ERROR(ExpectShape(ctx, "received", received, {n, e, c, d}));
   return RunGather(backend, config,
                    {SignatureKind::kA2aMatmul, kRowsPerPeerBlock, x.untyped_data(), /*x_per_peer=*/true,
-                    received.untyped_data(), {e, c, RowBytes(d, dtype)}, w.untyped_data(), out.untyped_data(), d, f,
-                    dtype});
+                    received.untyped_data(), {e, c, RowBytes(d, types.a)}, w.untyped_data(), out.untyped_data(), d, f,
+                    types});
 }
 
 // ---------------------------------------------------------------------------------------------
 // produce -> scatter
 // ---------------------------------------------------------------------------------------------
-ffi::Error MatmulRsImpl(Backend& backend, const OpConfig& config, Buffer y, Buffer w, Buffer out, Buffer send,
-                        Buffer recv) {
+// matmul_rs, unscaled (scales == nullptr) or FP8 with the scales of y and w. The partials that
+// move and are summed have out's dtype.
+static ffi::Error MatmulRs(Backend& backend, const OpConfig& config, Buffer y, Buffer w, const Buffer* scales,
+                           Buffer out, Buffer send, Buffer recv) {
   const CallContext& ctx = config.ctx;
-  Dtype dtype;
-  FICCO_RETURN_IF_ERROR(SameDtype(ctx, {y, w, out, send, recv}, &dtype));
+  MatmulTypes types;
+  FICCO_RETURN_IF_ERROR(MatmulDtypes(ctx, y, w, out, scales != nullptr, scales, &types));
+  if (send.element_type() != out.element_type() || recv.element_type() != out.element_type()) {
+    return MakeInvalid(ctx, "send and recv must have out's dtype");
+  }
   const int64_t n = config.n();
   if (y.dimensions().size() != 2 || w.dimensions().size() != 2 || y.dimensions()[1] != w.dimensions()[0] ||
       y.dimensions()[0] % n != 0) {
@@ -105,8 +124,19 @@ ffi::Error MatmulRsImpl(Backend& backend, const OpConfig& config, Buffer y, Buff
   FICCO_RETURN_IF_ERROR(ExpectShape(ctx, "send", send, {n - 1, m, cols}));
   FICCO_RETURN_IF_ERROR(ExpectShape(ctx, "recv", recv, {n - 1, m, cols}));
   return RunScatter(backend, config,
-                    {SignatureKind::kMatmulRs, kRowsPerOutputBlock, 1, m, cols, dtype, y.untyped_data(),
+                    {SignatureKind::kMatmulRs, kRowsPerOutputBlock, 1, m, cols, types, y.untyped_data(),
                      w.untyped_data(), y.dimensions()[1], send.untyped_data(), out.untyped_data(), recv.untyped_data()});
+}
+
+ffi::Error MatmulRsImpl(Backend& backend, const OpConfig& config, Buffer y, Buffer w, Buffer out, Buffer send,
+                        Buffer recv) {
+  return MatmulRs(backend, config, y, w, nullptr, out, send, recv);
+}
+
+ffi::Error MatmulRsScaledImpl(Backend& backend, const OpConfig& config, Buffer y, Buffer w, Buffer y_scale,
+                              Buffer w_scale, Buffer out, Buffer send, Buffer recv) {
+  const Buffer scales[2] = {y_scale, w_scale};
+  return MatmulRs(backend, config, y, w, scales, out, send, recv);
 }
 
 ffi::Error ReduceScatterImpl(Backend& backend, const OpConfig& config, Buffer x, Buffer out, Buffer recv) {
@@ -126,14 +156,16 @@ ffi::Error ReduceScatterImpl(Backend& backend, const OpConfig& config, Buffer x,
                                 " do not match x " + Shape(x) + " split " + std::to_string(n) + " ways");
   }
   return RunScatter(backend, config,
-                    {SignatureKind::kReduceScatter, kRowsPerOutputBlock, 1, m, row_elems, dtype, x.untyped_data(),
+                    {SignatureKind::kReduceScatter, kRowsPerOutputBlock, 1, m, row_elems, MatmulTypes::Uniform(dtype),
+                     x.untyped_data(),
                      /*w=*/nullptr, /*inner=*/0, /*send=*/nullptr, out.untyped_data(), recv.untyped_data()});
 }
 
 ffi::Error MatmulA2aImpl(Backend& backend, const OpConfig& config, Buffer y, Buffer w, Buffer out, Buffer send) {
   const CallContext& ctx = config.ctx;
-  Dtype dtype;
-  FICCO_RETURN_IF_ERROR(SameDtype(ctx, {y, w, out, send}, &dtype));
+  MatmulTypes types;
+  FICCO_RETURN_IF_ERROR(MatmulDtypes(ctx, y, w, out, false, nullptr, &types));
+  if (send.element_type() != out.element_type()) return MakeInvalid(ctx, "send must have out's dtype");
   const int64_t n = config.n();
   auto yd = y.dimensions();
   auto wd = w.dimensions();
@@ -145,7 +177,7 @@ ffi::Error MatmulA2aImpl(Backend& backend, const OpConfig& config, Buffer y, Buf
   FICCO_RETURN_IF_ERROR(ExpectShape(ctx, "out", out, {n, e, c, d}));
   FICCO_RETURN_IF_ERROR(ExpectShape(ctx, "send", send, {std::max<int64_t>(n - 1, 1), e, c, d}));
   return RunScatter(backend, config,
-                    {SignatureKind::kMatmulA2a, kRowsPerPeerBlock, e, c, d, dtype, y.untyped_data(), w.untyped_data(),
+                    {SignatureKind::kMatmulA2a, kRowsPerPeerBlock, e, c, d, types, y.untyped_data(), w.untyped_data(),
                      yd[3], send.untyped_data(), out.untyped_data(), /*recv=*/nullptr});
 }
 
@@ -155,8 +187,10 @@ ffi::Error MatmulA2aImpl(Backend& backend, const OpConfig& config, Buffer y, Buf
 ffi::Error ContentionProbeImpl(Backend& backend, const OpConfig& config, const ProbeAttrs& attrs, Buffer a, Buffer w,
                                Buffer x, Buffer out, Buffer gathered) {
   const CallContext& ctx = config.ctx;
-  Dtype dtype;
-  FICCO_RETURN_IF_ERROR(SameDtype(ctx, {a, w, out}, &dtype));
+  // FP8 operands unscaled (w column-major, as the ops pass it): the matmul rate is what is measured.
+  MatmulTypes types;
+  const bool fp8 = a.element_type() == ffi::DataType::F8E4M3FN || a.element_type() == ffi::DataType::F8E5M2;
+  FICCO_RETURN_IF_ERROR(MatmulDtypes(ctx, a, w, out, fp8, nullptr, &types));
   const int64_t n = config.n();
   if (a.dimensions().size() != 2 || w.dimensions().size() != 2 || a.dimensions()[1] != w.dimensions()[0] ||
       x.dimensions().size() < 1 || attrs.repeats < 1) {
@@ -171,7 +205,7 @@ ffi::Error ContentionProbeImpl(Backend& backend, const OpConfig& config, const P
                                 " copies of x " + Shape(x));
   }
   return RunProbe(backend, config,
-                  {a.untyped_data(), w.untyped_data(), out.untyped_data(), rows, inner, cols, dtype, x.untyped_data(),
+                  {a.untyped_data(), w.untyped_data(), out.untyped_data(), rows, inner, cols, types, x.untyped_data(),
                    static_cast<int64_t>(x.size_bytes()), gathered.untyped_data(), attrs.repeats, attrs.pull != 0});
 }
 

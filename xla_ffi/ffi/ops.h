@@ -12,6 +12,8 @@ namespace ficco {
 
 inline constexpr char kAgMatmulTarget[] = "ficco_ag_matmul";
 inline constexpr char kMatmulRsTarget[] = "ficco_matmul_rs";
+inline constexpr char kAgMatmulScaledTarget[] = "ficco_ag_matmul_scaled";
+inline constexpr char kMatmulRsScaledTarget[] = "ficco_matmul_rs_scaled";
 inline constexpr char kAllGatherTarget[] = "ficco_all_gather";
 inline constexpr char kReduceScatterTarget[] = "ficco_reduce_scatter";
 inline constexpr char kAllToAllTarget[] = "ficco_all_to_all";
@@ -24,6 +26,11 @@ using Buffer = ffi::AnyBuffer;
 ffi::Error AgMatmulImpl(Backend& backend, const OpConfig& config, Buffer x, Buffer w, Buffer out, Buffer gathered);
 ffi::Error MatmulRsImpl(Backend& backend, const OpConfig& config, Buffer y, Buffer w, Buffer out, Buffer send,
                         Buffer recv);
+// FP8 operands with per-tensor f32 scales; w column-major ([N, K] in memory for w [K, N]).
+ffi::Error AgMatmulScaledImpl(Backend& backend, const OpConfig& config, Buffer x, Buffer w, Buffer x_scale,
+                              Buffer w_scale, Buffer out, Buffer gathered);
+ffi::Error MatmulRsScaledImpl(Backend& backend, const OpConfig& config, Buffer y, Buffer w, Buffer y_scale,
+                              Buffer w_scale, Buffer out, Buffer send, Buffer recv);
 ffi::Error AllGatherImpl(Backend& backend, const OpConfig& config, Buffer x, Buffer out);
 ffi::Error ReduceScatterImpl(Backend& backend, const OpConfig& config, Buffer x, Buffer out, Buffer recv);
 ffi::Error AllToAllImpl(Backend& backend, const OpConfig& config, Buffer x, Buffer out);

@@ -3,6 +3,8 @@
 // ficco_jax/dma.py and dma_a2a.py bind them (n: group size):
 //   ficco_ag_matmul        x [m, K], w [K, N]           -> out [n*m, N], gathered [n*m, K]
 //   ficco_matmul_rs        y [n*m, N], w [N, K]         -> out [m, K], send [n-1, m, K], recv [n-1, m, K]
+//   ficco_*_scaled         the two above with FP8 operands: + the f32 scales of both operands after w
+//                          (w column-major), results in bf16, f16 or f32
 //   ficco_all_gather       x [m, ...]                   -> out [n*m, ...]
 //   ficco_reduce_scatter   x [n*m, ...]                 -> out [m, ...], recv [n-1, m, ...]
 //   ficco_all_to_all       x [n, ...]                   -> out [n, ...]
@@ -19,6 +21,9 @@ namespace {
 
 using AgMatmul = Target<kAgMatmulTarget, &AgMatmulImpl, OpAttrs, Arg, Arg, Ret, Ret>;
 using MatmulRs = Target<kMatmulRsTarget, &MatmulRsImpl, OpAttrs, Arg, Arg, Ret, Ret, Ret>;
+using AgMatmulScaled = Target<kAgMatmulScaledTarget, &AgMatmulScaledImpl, OpAttrs, Arg, Arg, Arg, Arg, Ret, Ret>;
+using MatmulRsScaled =
+    Target<kMatmulRsScaledTarget, &MatmulRsScaledImpl, OpAttrs, Arg, Arg, Arg, Arg, Ret, Ret, Ret>;
 using AllGather = Target<kAllGatherTarget, &AllGatherImpl, OpAttrs, Arg, Ret>;
 using ReduceScatter = Target<kReduceScatterTarget, &ReduceScatterImpl, OpAttrs, Arg, Ret, Ret>;
 using AllToAll = Target<kAllToAllTarget, &AllToAllImpl, OpAttrs, Arg, Ret>;
@@ -41,6 +46,7 @@ const std::vector<TargetEntries>& Targets() {
   static const std::vector<TargetEntries> targets = {
       EntriesOf<AgMatmul>(),  EntriesOf<MatmulRs>(),  EntriesOf<AllGather>(), EntriesOf<ReduceScatter>(),
       EntriesOf<AllToAll>(),  EntriesOf<A2aMatmul>(), EntriesOf<MatmulA2a>(), EntriesOf<ContentionProbe>(),
+      EntriesOf<AgMatmulScaled>(), EntriesOf<MatmulRsScaled>(),
   };
   return targets;
 }

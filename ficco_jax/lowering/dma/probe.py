@@ -22,13 +22,15 @@ from .groups import in_process_groups
 _TARGET = "ficco_contention_probe"
 
 
-def _abstract(a, w, x, *, axis_size, **_):
-    return [registry.aval(a, (a.shape[0], w.shape[1])), registry.aval(x, (axis_size * x.shape[0], *x.shape[1:]))]
+def _abstract(a, w, x, *, axis_size, out_dtype, **_):
+    return [registry.aval(a, (a.shape[0], w.shape[1]), out_dtype),
+            registry.aval(x, (axis_size * x.shape[0], *x.shape[1:]))]
 
 
-def _lowering(ctx, a, w, x, *, axis_name, axis_size, op_id, repeats, pull, timeout_ms):
+def _lowering(ctx, a, w, x, *, axis_name, axis_size, op_id, repeats, pull, timeout_ms, out_dtype):
     groups = in_process_groups(ctx, "contention_probe", axis_name, axis_size)
-    return jax.ffi.ffi_lowering(_TARGET)(
+    fp8 = np.dtype(ctx.avals_in[0].dtype).name in config.FP8_DTYPES  # w column-major, as the scaled ops take it
+    return jax.ffi.ffi_lowering(_TARGET, operand_layouts=[None, (0, 1), None] if fp8 else None)(
         ctx, a, w, x, op_id=np.int64(op_id), groups=groups.reshape(-1), group_size=np.int64(axis_size),
         timeout_ms=np.int64(timeout_ms), repeats=np.int64(repeats), pull=np.int64(int(pull)))
 
@@ -39,16 +41,20 @@ _PRIMITIVE.def_abstract_eval(_abstract)
 mlir.register_lowering(_PRIMITIVE, _lowering)
 
 
-def matmuls_beside_pulls(a, w, x, axis_name: str, *, repeats: int, pull: bool):
-    """`a @ w` (computed `repeats` times), while the copy engines all-gather x along `axis_name` if `pull`."""
+def matmuls_beside_pulls(a, w, x, axis_name: str, *, repeats: int, pull: bool, out_dtype=None):
+    """`a @ w` (computed `repeats` times), while the copy engines all-gather x along `axis_name` if `pull`.
+
+    FP8 a and w (unscaled) measure the FP8 matmul rate; `out_dtype` is then bf16, f16 or f32."""
     registry.check_axis_name("contention_probe", axis_name)
-    if a.dtype != w.dtype or not isinstance(repeats, int) or repeats < 1:
+    fp8 = np.dtype(a.dtype).name in config.FP8_DTYPES
+    if (a.dtype != w.dtype and not fp8) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"contention_probe: a and w need one dtype and repeats an int >= 1; found "
                          f"{a.dtype}, {w.dtype}, repeats={repeats!r}")
-    registry.check_supported("ag_matmul", a.dtype)
+    out_dtype = np.dtype(out_dtype or ("bfloat16" if fp8 else a.dtype))
+    registry.check_supported("ag_matmul_scaled" if fp8 else "ag_matmul", a.dtype, out_dtype)
     a, w, x = registry.match_varying(a, w, x)
     out, _gathered = _PRIMITIVE.bind(
         a, w, x, axis_name=axis_name, axis_size=registry.axis_size_of(axis_name, "contention_probe"),
         op_id=registry.next_op_id(), repeats=repeats, pull=bool(pull),
-        timeout_ms=int(round(config.RENDEZVOUS_TIMEOUT_S * 1000)))
+        timeout_ms=int(round(config.RENDEZVOUS_TIMEOUT_S * 1000)), out_dtype=out_dtype)
     return out

@@ -63,14 +63,26 @@ def next_op_id() -> int:
 # ------------------------------------------------------------------------------------------------
 # Checks and attributes
 # ------------------------------------------------------------------------------------------------
-def check_supported(op: str, dtype) -> None:
-    """Raise TypeError for a dtype the executor lacks, ImportError if the extension is unusable."""
+def check_supported(op: str, dtype, out_dtype=None) -> None:
+    """Raise TypeError for dtypes the executor lacks, ImportError if the extension is unusable.
+
+    Matmul operands are bf16, f16 or f32 with a result of their dtype or f32 (mixed precision), or
+    FP8 (config.FP8_DTYPES, the scaled ops) with a bf16, f16 or f32 result."""
     name = jnp.dtype(dtype).name
-    if op not in ("all_gather", "all_to_all") and name not in config.DMA_DTYPES:  # those two move bytes
-        raise TypeError(
-            f"{op}: comm='dma' handles dtypes {config.DMA_DTYPES}, found {name}; "
-            f"cast the operands or use comm='xla'"
-        )
+    if op in ("all_gather", "all_to_all"):  # those two move bytes
+        extension.ensure_loaded()
+        return
+    if name in config.FP8_DTYPES and op in _SCALED:
+        outs = config.DMA_DTYPES
+    elif name in config.DMA_DTYPES:
+        outs = (name, "float32")
+    else:
+        handled = config.DMA_DTYPES + (config.FP8_DTYPES if op in _SCALED else ())
+        raise TypeError(f"{op}: comm='dma' handles dtypes {handled}, found {name}; cast the operands or use comm='xla'")
+    out = jnp.dtype(out_dtype or dtype).name
+    if out not in outs:
+        raise TypeError(f"{op}: comm='dma' computes {name} operands into {outs}, not {out}; "
+                        f"pass one of those as out_dtype or use comm='xla'")
     extension.ensure_loaded()
 
 
@@ -135,14 +147,14 @@ def aval(like, shape, dtype=None):
         spec=jax.sharding.PartitionSpec(*([None] * len(shape)))) if hasattr(like.sharding, "update") else like.sharding)
 
 
-def _abstract_ag_matmul(x, w, *, axis_size, **_):
+def _abstract_ag_matmul(x, w, *scales, axis_size, out_dtype, **_):
     n, (m, k), cols = axis_size, x.shape, w.shape[1]
-    return [aval(x, (n * m, cols)), aval(x, (n * m, k))]
+    return [aval(x, (n * m, cols), out_dtype), aval(x, (n * m, k))]
 
 
-def _abstract_matmul_rs(y, w, *, axis_size, **_):
+def _abstract_matmul_rs(y, w, *scales, axis_size, out_dtype, **_):
     n, m, cols = axis_size, y.shape[0] // axis_size, w.shape[1]
-    return [aval(y, (m, cols)), aval(y, (n - 1, m, cols)), aval(y, (n - 1, m, cols))]
+    return [aval(y, (m, cols), out_dtype), aval(y, (n - 1, m, cols), out_dtype), aval(y, (n - 1, m, cols), out_dtype)]
 
 
 def _abstract_all_gather(x, *, axis_size, **_):
@@ -158,17 +170,18 @@ def _abstract_all_to_all(x, **_):
     return [aval(x, x.shape)]
 
 
-def _abstract_a2a_matmul(x, w, **_):
+def _abstract_a2a_matmul(x, w, *, out_dtype, **_):
     n, e, c, _d = x.shape
-    return [aval(x, (n, e, c, w.shape[2])), aval(x, x.shape)]
+    return [aval(x, (n, e, c, w.shape[2]), out_dtype), aval(x, x.shape)]
 
 
-def _abstract_matmul_a2a(y, w, *, axis_size, **_):
+def _abstract_matmul_a2a(y, w, *, axis_size, out_dtype, **_):
     n, e, c, _f = y.shape
-    return [aval(y, (n, e, c, w.shape[2])), aval(y, (max(axis_size - 1, 1), e, c, w.shape[2]))]
+    return [aval(y, (n, e, c, w.shape[2]), out_dtype), aval(y, (max(axis_size - 1, 1), e, c, w.shape[2]), out_dtype)]
 
 
-def _lowering(ctx, *operands, op, axis_name, axis_size, op_id, schedule, timeout_ms, fault, skip_own_rows=False):
+def _lowering(ctx, *operands, op, axis_name, axis_size, op_id, schedule, timeout_ms, fault, skip_own_rows=False,
+              out_dtype=None):
     group = groups.group_attrs(ctx, op, axis_name, axis_size)
     if schedule.transfer == "push" and group["ipc_job"] != 0:
         raise ValueError(
@@ -176,7 +189,10 @@ def _lowering(ctx, *operands, op, axis_name, axis_size, op_id, schedule, timeout
             f"spans processes, whose XLA buffers cannot be opened from here; use transfer='pull' "
             f"(e.g. {str(schedule.replace(transfer='pull'))!r})"
         )
-    rule = jax.ffi.ffi_lowering(_TARGETS[op][0])
+    # The scaled (FP8) targets take w column-major, the layout cuBLASLt's FP8 matmuls need; XLA
+    # transposes it where it is not produced so (minor-to-major: K, the rows of w, is minor).
+    layouts = ([None, (0, 1), None, None] if op in _SCALED else None)
+    rule = jax.ffi.ffi_lowering(_TARGETS[op][0], operand_layouts=layouts)
     return rule(
         ctx, *operands,
         op_id=np.int64(op_id),
@@ -212,14 +228,23 @@ _TARGETS = {
     "all_to_all": ("ficco_all_to_all", _abstract_all_to_all),
     "a2a_matmul": ("ficco_a2a_matmul", _abstract_a2a_matmul),
     "matmul_a2a": ("ficco_matmul_a2a", _abstract_matmul_a2a),
+    # FP8 operands (x, w, x_scale, w_scale): config.FP8_DTYPES.
+    "ag_matmul_scaled": ("ficco_ag_matmul_scaled", _abstract_ag_matmul),
+    "matmul_rs_scaled": ("ficco_matmul_rs_scaled", _abstract_matmul_rs),
 }
+_SCALED = ("ag_matmul_scaled", "matmul_rs_scaled")
 _PRIMITIVES = {op: _make_primitive(target, abstract) for op, (target, abstract) in _TARGETS.items()}
 
 
-def bind(op: str, operands, axis_name: str, axis_size: int, schedule: Schedule, *, skip_own_rows: bool = False):
-    check_supported(op, operands[0].dtype)
+def bind(op: str, operands, axis_name: str, axis_size: int, schedule: Schedule, *, skip_own_rows: bool = False,
+         out_dtype=None):
+    """`op` on `operands` (the scaled ops: x, w, x_scale, w_scale); `out_dtype` is the matmul
+    result's dtype (None: the operands')."""
+    check_supported(op, operands[0].dtype, out_dtype)
     operands = match_varying(*operands)
+    out_dtype = np.dtype(out_dtype or operands[0].dtype)
     return _PRIMITIVES[op].bind(
         *operands, op=op, axis_name=axis_name, axis_size=axis_size, op_id=next_op_id(), schedule=schedule,
         timeout_ms=int(round(config.RENDEZVOUS_TIMEOUT_S * 1000)), fault=fault_code(), skip_own_rows=skip_own_rows,
+        out_dtype=out_dtype,
     )
