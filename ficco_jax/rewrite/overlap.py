@@ -7,8 +7,11 @@ arguments; see arguments.py), finds ``all_gather → matmul`` and ``matmul → p
 match_tp.py for the matching rules), and evaluates the jaxpr again with each site replaced by
 ``ag_matmul`` / ``matmul_rs`` and everything else bound as it was written. The expert-parallel
 forms ``all_to_all → expert matmul`` and ``expert matmul → all_to_all`` (4-D per-peer blocks,
-match_ep.py) become ``a2a_matmul`` / ``matmul_a2a`` the same way. Every site is a `site.Site`;
-`matchers.find_sites` finds them, and this module only resolves schedules and re-binds.
+match_ep.py) become ``a2a_matmul`` / ``matmul_a2a`` the same way. Outside every shard_map, code
+written on global arrays with explicit shardings (``AxisType.Explicit`` mesh axes) has the same
+two tensor-parallel sites, implied by its ``reshard`` / ``out_sharding``; each becomes its op inside
+a shard_map over the mesh (match_global.py). Every site is a `site.Site`; `matchers.find_sites`
+finds them, and this module only resolves schedules and re-binds.
 
 Composition: the result is an ordinary traceable function, so ``jit(overlap(f))``,
 ``grad(overlap(f))`` (the ops' custom VJPs overlap the backward pass) and ``overlap(grad(f))``
@@ -27,6 +30,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.extend.core as jex
+from jax._src import mesh as mesh_lib
 
 from ..schedule import Schedule
 from .arguments import CallArgs
@@ -63,7 +67,8 @@ class Report(list):
 
     def __str__(self) -> str:
         if not self:
-            return "ficco_jax.overlap: no all_gather/psum_scatter/all_to_all found inside a shard_map"
+            return ("ficco_jax.overlap: no all_gather/psum_scatter/all_to_all found inside a shard_map, and no "
+                    "matmul next to a resharding in explicitly sharded code")
         header = ("", "op", "where", "axis", "shapes", "op operands", "schedule / why not")
         rows = [("ok" if r.rewritten else "--", r.op, f"{r.where} at {r.source}" if r.source else r.where,
                  r.axis_name, r.shapes, r.matmul_2d, _outcome(r)) for r in self]
@@ -101,7 +106,8 @@ class _Scope:
     where: str = ""  # path of the jaxpr, "shard_map@0/scan@2/"
     axis_sizes: dict | None = None  # mesh axes of the enclosing shard_maps; None outside all of them
     # The concrete mesh of the innermost enclosing shard_map, if it was given one (its body sees
-    # only an abstract mesh), so that "auto" knows which peers share this process.
+    # only an abstract mesh), so that "auto" knows which peers share this process. Outside every
+    # shard_map: the mesh of the jax.set_mesh context or of the arguments, where there is one.
     mesh: Any = None
     frozen: str | None = None  # why sites here are reported and left as written
 
@@ -121,8 +127,7 @@ class _Scope:
 def _analyse(jaxpr, scope: _Scope, options: Options, records: list) -> _Plan:
     """The plan of `jaxpr` and its sub-jaxprs; appends every site and near-miss to `records`."""
     plan = _Plan()
-    if scope.axis_sizes is not None:
-        _plan_sites(plan, jaxpr, scope, options, records)
+    _plan_sites(plan, jaxpr, scope, options, records)
     for i, eqn in enumerate(jaxpr.eqns):
         subs = sub_jaxprs(eqn.params)
         if not subs:
@@ -315,7 +320,7 @@ class Overlapped:
                 err.add_note(_TRACED_NUMBER_NOTE)
             raise
         records: list = []
-        plan = _analyse(closed.jaxpr, _Scope(), options, records)
+        plan = _analyse(closed.jaxpr, _Scope(mesh=_concrete_mesh(leaves)), options, records)
         report = Report(records)
         for record in report:
             logger.debug("ficco_jax.overlap %s: %s %s at %s, axis %s, %s", getattr(self, "__name__", "fn"),
@@ -328,10 +333,23 @@ class Overlapped:
         return _Traced(rewritten, out_trees[0], report)
 
 
+def _concrete_mesh(leaves) -> jax.sharding.Mesh | None:
+    """The mesh global-view sites run their shard_maps over: the jax.set_mesh context's, else the
+    first argument's (copy-engine schedules find their peers in it when lowered)."""
+    context = mesh_lib.get_concrete_mesh()  # the set_mesh context, also under jit; no public getter there
+    if isinstance(context, jax.sharding.Mesh) and not context.empty:
+        return context
+    arrays = (leaf for leaf in leaves if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer))
+    meshes = (getattr(leaf.sharding, "mesh", None) for leaf in arrays)
+    return next((m for m in meshes if isinstance(m, jax.sharding.Mesh) and not m.empty), None)
+
+
 def overlap(fn: Callable | None = None, *, schedule="auto", autotune: bool = False,
             ops: Sequence[str] = ALL_OPS):
     """Return `fn` with every all_gather→matmul, matmul→psum_scatter, all_to_all→expert matmul
-    and expert matmul→all_to_all (4-D, see match_ep.py) in its shard_maps overlapped.
+    and expert matmul→all_to_all (4-D, see match_ep.py) in its shard_maps overlapped, and the
+    all-gather→matmul and matmul→reduce-scatter its explicit shardings imply outside them
+    (match_global.py).
 
     ``overlap(f)(*args)`` equals ``f(*args)``. `schedule` applies to every site where it is valid
     ("auto" elsewhere, with a log line); ``autotune=True`` measures candidates per site when the

@@ -1,0 +1,422 @@
+"""The tensor-parallel patterns of global-view code under explicit sharding (no shard_map).
+
+With a mesh whose axes are ``AxisType.Explicit`` (the default of ``jax.make_mesh`` since jax
+0.9), the shardings are part of the types (``f32[64@tp,32]``) and a program written on global
+arrays tells where the partitioner communicates:
+
+- all_gather → matmul: ``reshard`` removes mesh axis A from one dimension g of x and the result
+  feeds a ``dot_general`` in which g is a free (row) dimension; or the dot itself reads x sharded
+  on A along free dimension g while its result is not (the partitioner gathers x). Becomes
+  ``ag_matmul``, with ``return_gathered=True`` where the reshard's result is read elsewhere.
+- matmul → reduce-scatter: a ``dot_general`` whose contracted dimensions are sharded on A in
+  both operands, with a result sharded on A along a free dimension (its ``out_sharding``, or a
+  ``reshard`` of the replicated product right after it). Becomes ``matmul_rs``.
+
+Each site runs as its op inside a ``jax.shard_map`` over the mesh, with the operands' own
+shardings as in_specs and the results' as out_specs: the other mesh axes (dp) stay manual and
+untouched, and every output keeps its type. The local pattern inside that shard_map is the one
+match_tp.py recognises, so the site is found by tracing the local body and running that matcher
+on it: one canonicalisation to 2-D for both views.
+
+Programs on an ``AxisType.Auto`` mesh carry no shardings in their types (GSPMD decides them at
+compile time): their matmuls are reported as near-misses with the way to explicit mode. A reshard
+that moves an axis from one dimension to another before a matmul is an all-to-all; it is reported
+too, as expert-parallel layers become the ops only when written in a shard_map.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+from jax.sharding import AxisType, PartitionSpec
+
+from . import match_tp
+from .jaxpr_util import fmt, fmt_shapes, free_dims, open_jaxpr, source_line
+from .site import MatchContext, Site, SiteRecord
+
+AG, RS = match_tp.AG, match_tp.RS
+_DOT = "dot_general"
+# jax 0.6-0.11 name the explicit-mode resharding primitive "reshard"; a later rename is one entry.
+_RESHARD = ("reshard",)
+# How near-misses of GSPMD programs name the op: which of the two applies depends on shardings
+# the program does not state.
+_EITHER = f"{AG}/{RS}"
+GSPMD_FIX = ("the mesh axes are AxisType.Auto, so the shardings are chosen by GSPMD at compile time and "
+             "are not in the program; make the mesh with axis_types=(AxisType.Explicit, ...) and state "
+             "shardings with jax.sharding.reshard / out_sharding=, or write the layer in a jax.shard_map")
+
+
+# --------------------------------------------------------------------------------------------
+# Shardings as the types carry them
+# --------------------------------------------------------------------------------------------
+def _mesh(aval):
+    sharding = getattr(aval, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    return None if mesh is None or not getattr(mesh, "axis_names", ()) else mesh
+
+
+def _dims(aval) -> tuple[tuple[str, ...], ...] | None:
+    """The mesh axes of each dimension of `aval`; None where the type states no usable sharding."""
+    spec = getattr(getattr(aval, "sharding", None), "spec", None)
+    if spec is None or getattr(spec, "unreduced", None) or getattr(spec, "reduced", None):
+        return None
+    entries = list(spec) + [None] * (len(aval.shape) - len(spec))
+    return tuple(() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in entries)
+
+
+def _split_axes(mesh) -> dict:
+    """The mesh axes that split data (size > 1), with their types."""
+    types = getattr(mesh, "axis_types", None) or (AxisType.Explicit,) * len(mesh.axis_names)
+    return {a: t for a, t in zip(mesh.axis_names, types) if mesh.shape[a] > 1}
+
+
+def _is_explicit(mesh) -> bool:
+    return mesh is not None and all(t == AxisType.Explicit for t in _split_axes(mesh).values())
+
+
+def _is_gspmd(mesh) -> bool:
+    return mesh is not None and any(t == AxisType.Auto for t in _split_axes(mesh).values())
+
+
+def _contract(dot) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    (lc, rc), _ = dot.params["dimension_numbers"]
+    return tuple(lc), tuple(rc)
+
+
+def _batch(dot) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    _, (lb, rb) = dot.params["dimension_numbers"]
+    return tuple(lb), tuple(rb)
+
+
+def _free(dot, side: int) -> list[int]:
+    """The dimensions of operand `side` that are neither contracted nor batched."""
+    return free_dims(len(dot.invars[side].aval.shape), _contract(dot)[side] + _batch(dot)[side])
+
+
+def _out_dim(dot, side: int, dim: int) -> int:
+    """The result dimension of free dimension `dim` of operand `side` (dot_general's order:
+    batch, lhs free, rhs free)."""
+    before = len(_batch(dot)[0]) + (len(_free(dot, 0)) if side == 1 else 0)
+    return before + _free(dot, side).index(dim)
+
+
+# --------------------------------------------------------------------------------------------
+# The site
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass(kw_only=True)
+class GlobalSite(Site):
+    """A global-view site: its op runs on the local blocks inside a shard_map over the mesh.
+
+    `local` is the same site as match_tp.py finds it in the shard_map body; this site moves the
+    global operands into that body and the results out of it.
+    """
+
+    local: Site
+    shard_mesh: object  # the mesh the shard_map is over (the types' abstract mesh)
+    reads: tuple  # global variables handed to the shard_map, with their in_specs
+    in_specs: tuple
+    writes: tuple  # global variables it defines, with their out_specs
+    out_specs: tuple
+    local_in: tuple  # the body's inputs and outputs, in the order of reads / writes
+    local_out: tuple
+
+    def op_shapes(self):
+        return self.local.op_shapes()
+
+    def run(self, read: Callable, write: Callable) -> None:
+        """Run the local site in a shard_map; the outputs have exactly the global types written."""
+        self.local.schedule, self.local.record = self.schedule, self.record
+
+        def body(*blocks):
+            env, out = dict(zip(self.local_in, blocks)), {}
+            self.local.run(env.__getitem__, out.__setitem__)
+            return tuple(out[v] for v in self.local_out)
+
+        # The gathered rows an op also returns are equal on every device of the axis, but their type
+        # says they vary over it, so that output's replication is asserted rather than inferred.
+        fn = jax.shard_map(body, mesh=self._shard_map_mesh(), in_specs=self.in_specs, out_specs=self.out_specs,
+                           check_vma=not self.returns_collective)
+        for var, value in zip(self.writes, fn(*[read(v) for v in self.reads])):
+            write(var, value)
+
+    def _shard_map_mesh(self):
+        # The concrete mesh where it is known (copy-engine schedules find their peers from it when
+        # lowered), else the types' abstract mesh, which serves every other schedule.
+        concrete = self.mesh
+        if isinstance(concrete, jax.sharding.Mesh) and concrete.abstract_mesh == self.shard_mesh:
+            return concrete
+        return self.shard_mesh
+
+
+def _local_site(mesh, local_fn: Callable, reads, in_specs, out_specs, where: str) -> Site | str:
+    """The site match_tp.py finds in the shard_map body `local_fn` is, or why it finds none."""
+    traced = jax.make_jaxpr(jax.shard_map(local_fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                                          check_vma=False))(*[v.aval for v in reads])
+    (eqn,) = traced.jaxpr.eqns
+    body, _ = open_jaxpr(eqn.params["jaxpr"])
+    ctx = MatchContext.of(body, dict(mesh.shape), where, (AG, RS))
+    for i, inner in enumerate(body.eqns):
+        match = match_tp.MATCHERS.get(inner.primitive.name)
+        if match is not None:
+            found = match(ctx, i)
+            return found if isinstance(found, Site) else found.reason
+    return "the local body has no collective"  # pragma: no cover - local_fn always writes one
+
+
+def _local_dot(dot, x, w, side: int):
+    """`dot`'s dot_general on local blocks, `x` on `side`, without the global out_sharding."""
+    params = {k: v for k, v in dot.params.items() if k in ("dimension_numbers", "precision", "preferred_element_type")}
+    lhs, rhs = (x, w) if side == 0 else (w, x)
+    return jax.lax.dot_general(lhs, rhs, **params)
+
+
+def _spec(aval) -> PartitionSpec:
+    return aval.sharding.spec
+
+
+# --------------------------------------------------------------------------------------------
+# all_gather → matmul
+# --------------------------------------------------------------------------------------------
+def _free_dims_sharding(dot, side_dims=None) -> tuple:
+    """The sharding of `dot`'s result that its operands' free dimensions give, before any
+    collective: operand `side`'s dimensions read from `side_dims` = (side, dims) where given."""
+    dims = [_dims(v.aval) for v in dot.invars]
+    if side_dims is not None:
+        dims[side_dims[0]] = side_dims[1]
+    out = [dims[0][d] for d in _batch(dot)[0]] + [()] * (len(dot.outvars[0].aval.shape) - len(_batch(dot)[0]))
+    for s in (0, 1):
+        for d in _free(dot, s):
+            out[_out_dim(dot, s, d)] = dims[s][d]
+    return tuple(out)
+
+
+def _gather_problem(dot, side: int, dim: int, axis: str, gathered_dims) -> str | None:
+    """Why `dot`, reading operand `side` with dimension `dim` gathered over `axis`, is no ag_matmul site."""
+    contract = _contract(dot)
+    if dim in contract[side]:
+        return "the matmul contracts over the gathered dimension (a weight-gradient matmul)"
+    if dim in _batch(dot)[side]:
+        return "the gathered dimension is a batch dimension of the matmul"
+    w = dot.invars[1 - side].aval
+    w_dims = _dims(w)
+    if w_dims is None:
+        return "the weight's sharding is not stated in its type"
+    if any(gathered_dims[d] for d in contract[side]) or any(w_dims[d] for d in contract[1 - side]):
+        return "a contracted dimension is sharded as well; the op contracts whole local rows"
+    out_dims = _dims(dot.outvars[0].aval)
+    if out_dims is None:
+        return "the result's sharding is not stated in its type"
+    expected = _free_dims_sharding(dot, (side, gathered_dims))
+    if expected != out_dims:
+        spec = PartitionSpec(*[a if len(a) != 1 else a[0] for a in (e or None for e in expected)])
+        return (f"the result is sharded {_spec(dot.outvars[0].aval)}, not as its operands' free dimensions "
+                f"are ({spec}); a resharding follows the matmul")
+    return None
+
+
+def _gather_site(ctx: MatchContext, i: int, j: int, side: int, dim: int, axis: str, reshard=None):
+    """The ag_matmul site of dot `j` reading operand `side` gathered on `dim` over `axis` (by
+    equation `reshard`, or by the dot itself when None), or why it is none."""
+    dot = ctx.eqns[j]
+    src = reshard.invars[0] if reshard is not None else dot.invars[side]
+    w = dot.invars[1 - side]
+    mesh = _mesh(src.aval)
+    gathered = reshard.outvars[0] if reshard is not None else None
+    also = gathered is not None and ctx.read_elsewhere(gathered)
+    uses = [k for k, _ in ctx.users.get(gathered, [])] if gathered is not None else [j]
+    problem = ctx.weight_problem(w, min(uses), "gathered tensor's") if reshard is not None else None
+    if problem:
+        return problem
+    writes = (dot.outvars[0], gathered) if also else (dot.outvars[0],)
+
+    def local_fn(x, w_block):
+        g = jax.lax.all_gather(x, axis, axis=dim, tiled=True)
+        out = _local_dot(dot, g, w_block, side)
+        return (out, g) if also else (out,)
+
+    in_specs = (_spec(src.aval), _spec(w.aval))
+    out_specs = tuple(_spec(v.aval) for v in writes)
+    local = _local_site(mesh, local_fn, (src, w), in_specs, out_specs, ctx.where)
+    if isinstance(local, str):
+        return local
+    site = GlobalSite(op=AG, axis_name=axis, axis_size=int(mesh.shape[axis]), exec_index=min(uses),
+                      skip=tuple(sorted({i, j})), dot=dot, collective=reshard or dot, returns_collective=also,
+                      local=local, shard_mesh=mesh, reads=(src, w), in_specs=in_specs, writes=writes,
+                      out_specs=out_specs, local_in=tuple(local.collective.invars[:1]) + (local.dot.invars[1 - side],),
+                      local_out=(local.dot.outvars[0],) + ((local.collective.outvars[0],) if also else ()))
+    more = f" (gathered x also used by {len(uses) - 1 + (gathered in ctx.outputs)} more)" if also else ""
+    shapes = f"x {_typed(src)} gathered dim {dim} · w {_typed(w)} -> {_typed(dot.outvars[0])}{more}"
+    return _found(ctx, site, i, shapes)
+
+
+def _typed(var) -> str:
+    """`float32[64@tp,32]`: a shape with its sharding, as jax.typeof shows it."""
+    dims = _dims(var.aval) or ((),) * len(var.aval.shape)
+    text = [f"{n}@{'·'.join(a)}" if a else str(n) for n, a in zip(var.aval.shape, dims)]
+    return f"{fmt(var.aval).split('[')[0]}[{','.join(text)}]"
+
+
+def _found(ctx: MatchContext, site: GlobalSite, i: int, shapes: str) -> GlobalSite:
+    site.record = SiteRecord(site.op, f"{ctx.where}eqn {i}", site.axis_name, shapes, fmt_shapes(site.op_shapes()),
+                             "", source=source_line(ctx.eqns[i]))
+    return site
+
+
+def _miss(ctx: MatchContext, op: str, i: int, axis: str, shapes: str, reason: str) -> SiteRecord:
+    return SiteRecord(op, f"{ctx.where}eqn {i}", axis, shapes, "", "", reason, source=source_line(ctx.eqns[i]))
+
+
+def _removed_axis(before, after) -> tuple[int, str] | str | None:
+    """(dimension, axis) where `after` is `before` with one axis taken off one dimension; a text
+    when axes move between dimensions (an all-to-all); None when no axis is taken off."""
+    removed = [(d, a) for d, (b, c) in enumerate(zip(before, after)) for a in b if a not in c]
+    if not removed:
+        return None
+    added = [a for b, c in zip(before, after) for a in c if a not in b]
+    if added:
+        return f"an all-to-all: axes {sorted(set(added))} move to other dimensions"
+    if len(removed) > 1 or before[removed[0][0]] != (removed[0][1],):
+        return f"it removes {[a for _, a in removed]} from dimensions {before}; the op gathers one axis of one dimension"
+    changed = [d for d, (b, c) in enumerate(zip(before, after)) if b != c]
+    return removed[0] if changed == [removed[0][0]] else "it changes the sharding of other dimensions too"
+
+
+def match_reshard(ctx: MatchContext, i: int) -> Site | SiteRecord | None:
+    """A reshard that gathers one axis of one dimension, feeding a matmul on the gathered rows."""
+    eqn = ctx.eqns[i]
+    x, g = eqn.invars[0], eqn.outvars[0]
+    before, after, mesh = _dims(x.aval), _dims(g.aval), _mesh(x.aval)
+    if before is None or after is None or not _is_explicit(mesh) or not hasattr(x.aval, "shape"):
+        return None
+    change = _removed_axis(before, after)
+    dots = [(j, pos) for j, pos in ctx.users.get(g, []) if ctx.eqns[j].primitive.name == _DOT]
+    if change is None or not dots:
+        return None
+    axis = change[1] if isinstance(change, tuple) else "?"
+    shapes = f"x {_typed(x)} resharded to {_typed(g)}"
+    if isinstance(change, str):
+        op = "a2a_matmul" if "all-to-all" in change else AG
+        fix = ("; write the expert layer in a jax.shard_map to get a2a_matmul" if op != AG else "")
+        return _miss(ctx, op, i, axis, shapes, f"the reshard is {change}{fix}")
+    dim, axis = change
+    problem = ctx.not_enabled(AG)
+    if problem:
+        return _miss(ctx, AG, i, axis, shapes, problem)
+    reasons = []
+    for j, pos in dots:
+        found = _gather_problem(ctx.eqns[j], pos, dim, axis, after) or _gather_site(ctx, i, j, pos, dim, axis, eqn)
+        if isinstance(found, Site):
+            return found
+        reasons.append(f"eqn {j}: {found}")
+    return _miss(ctx, AG, i, axis, shapes, "; ".join(reasons))
+
+
+# --------------------------------------------------------------------------------------------
+# matmul → reduce-scatter, and the matmuls that gather an operand themselves
+# --------------------------------------------------------------------------------------------
+def _sharded_contraction(dot) -> str | None:
+    """The one mesh axis both operands' contracted dimensions are split over, else None."""
+    lhs, rhs = _dims(dot.invars[0].aval), _dims(dot.invars[1].aval)
+    lc, rc = _contract(dot)
+    axes = {a for d in lc for a in lhs[d]} | {a for d in rc for a in rhs[d]}
+    if len(axes) != 1:
+        return None
+    (axis,) = axes
+    pairs = [(lhs[a], rhs[b]) for a, b in zip(lc, rc)]
+    return axis if all(p == q for p, q in pairs) else None
+
+
+def _scatter_target(ctx: MatchContext, j: int, axis: str):
+    """(the variable holding the scattered result, its dims, the reshard equation or None)."""
+    dot = ctx.eqns[j]
+    y = dot.outvars[0]
+    y_dims = _dims(y.aval)
+    if any(axis in d for d in y_dims):
+        return y, y_dims, None
+    users = ctx.users.get(y, [])
+    if len(users) == 1 and y not in ctx.outputs and ctx.eqns[users[0][0]].primitive.name in _RESHARD:
+        reshard = ctx.eqns[users[0][0]]
+        return reshard.outvars[0], _dims(reshard.outvars[0].aval), reshard
+    return y, y_dims, None
+
+
+def _scatter(ctx: MatchContext, j: int, axis: str) -> Site | SiteRecord:
+    dot = ctx.eqns[j]
+    target, target_dims, reshard = _scatter_target(ctx, j, axis)
+    y_dims = _free_dims_sharding(dot)
+    shapes = f"{_typed(dot.invars[0])} · {_typed(dot.invars[1])} -> {_typed(target)}"
+    scattered = [d for d, (a, b) in enumerate(zip(y_dims, target_dims)) if axis in b and axis not in a]
+    rest_same = all(a == b for d, (a, b) in enumerate(zip(y_dims, target_dims)) if d not in scattered)
+    if len(scattered) != 1 or target_dims[scattered[0]] != (axis,) or not rest_same:
+        return _miss(ctx, RS, j, axis, shapes,
+                     f"the contraction is split over {axis!r} and the result is not scattered over it along one "
+                     f"row dimension (an all-reduce, e.g. a data-parallel weight gradient); the op reduce-scatters: "
+                     f"an out_sharding= with {axis!r} on a row dimension makes it matmul_rs")
+    problem = ctx.not_enabled(RS)
+    if problem:
+        return _miss(ctx, RS, j, axis, shapes, problem)
+    mesh = _mesh(dot.invars[0].aval)
+    reads = tuple(dot.invars)
+
+    def local_fn(lhs, rhs):
+        y = _local_dot(dot, lhs, rhs, 0)
+        return (jax.lax.psum_scatter(y, axis, scatter_dimension=scattered[0], tiled=True),)
+
+    in_specs = tuple(_spec(v.aval) for v in reads)
+    out_specs = (_spec(target.aval),)
+    local = _local_site(mesh, local_fn, reads, in_specs, out_specs, ctx.where)
+    if isinstance(local, str):
+        return _miss(ctx, RS, j, axis, shapes, local)
+    skip = (j,) if reshard is None else (j, ctx.eqns.index(reshard))
+    site = GlobalSite(op=RS, axis_name=axis, axis_size=int(mesh.shape[axis]), exec_index=j, skip=skip, dot=dot,
+                      collective=reshard or dot, local=local, shard_mesh=mesh, reads=reads, in_specs=in_specs,
+                      writes=(target,), out_specs=out_specs, local_in=tuple(local.dot.invars),
+                      local_out=(local.collective.outvars[0],))
+    return _found(ctx, site, j, shapes)
+
+
+def _implicit_gather(dot) -> tuple[int, int, str] | None:
+    """(side, dimension, axis) of an operand the partitioner gathers for `dot`: sharded on a free
+    dimension whose result dimension is not."""
+    out_dims = _dims(dot.outvars[0].aval)
+    for side in (0, 1):
+        dims = _dims(dot.invars[side].aval)
+        for d in _free(dot, side):
+            lost = [a for a in dims[d] if a not in out_dims[_out_dim(dot, side, d)]]
+            if lost:
+                return side, d, lost[0]
+    return None
+
+
+def match_dot(ctx: MatchContext, j: int) -> Site | SiteRecord | None:
+    """A matmul that reduce-scatters its product or gathers an operand itself; a GSPMD near-miss."""
+    dot = ctx.eqns[j]
+    if j in ctx.taken_dots:
+        return None
+    meshes = [_mesh(v.aval) for v in (*dot.invars, *dot.outvars) if hasattr(v.aval, "shape")]
+    if any(_is_gspmd(m) for m in meshes):
+        shapes = f"{fmt(dot.invars[0].aval)} · {fmt(dot.invars[1].aval)} -> {fmt(dot.outvars[0].aval)}"
+        return _miss(ctx, _EITHER, j, ",".join(_split_axes(next(m for m in meshes if _is_gspmd(m)))), shapes,
+                     GSPMD_FIX)
+    if not all(_is_explicit(m) for m in meshes) or any(_dims(v.aval) is None for v in (*dot.invars, *dot.outvars)):
+        return None
+    axis = _sharded_contraction(dot)
+    if axis is not None:
+        return _scatter(ctx, j, axis)
+    gather = _implicit_gather(dot)
+    if gather is None:
+        return None
+    side, dim, axis = gather
+    shapes = f"x {_typed(dot.invars[side])} gathered dim {dim} · w {_typed(dot.invars[1 - side])} -> {_typed(dot.outvars[0])}"
+    dims = list(_dims(dot.invars[side].aval))
+    dims[dim] = tuple(a for a in dims[dim] if a != axis)
+    problem = ctx.not_enabled(AG) or _gather_problem(dot, side, dim, axis, tuple(dims))
+    if problem is None and _dims(dot.invars[side].aval)[dim] != (axis,):
+        problem = f"dimension {dim} is split over several axes {_dims(dot.invars[side].aval)[dim]}"
+    found = problem or _gather_site(ctx, j, j, side, dim, axis)
+    return found if isinstance(found, Site) else _miss(ctx, AG, j, axis, shapes, found)
+
+
+# The matchers of global-view code, in the order they run: reshards claim their matmuls first.
+FAMILIES = ({name: match_reshard for name in _RESHARD}, {_DOT: match_dot})

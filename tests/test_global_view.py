@@ -1,0 +1,303 @@
+"""overlap() on global-view code with explicit shardings (no shard_map), 8 CPU devices: the
+sites its reshard / out_sharding imply are found, rewritten into the ops when a schedule is
+forced (on CPU "auto" keeps the plain path), and the rewritten program equals the written one
+in value, gradient and type; GSPMD (Auto-axis) code is reported, never rewritten."""
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P, reshard
+
+from ficco_jax import explain, overlap
+from ficco_jax.rewrite.match_global import GSPMD_FIX
+from ficco_jax.runtime import extension
+
+XLA = "xla/ring/c2"
+DMA = "dma/direct/c2"
+SCHEDULES = [XLA, pytest.param(DMA, marks=pytest.mark.skipif(not extension.available(),
+                                                             reason="the ficco_jax extension is not built"))]
+# Relative error (norm of the difference over the norm of the reference) allowed per dtype.
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+B, S, D, F, H, DH = 4, 16, 32, 64, 8, 4  # batch, sequence, model, ffn, heads, head dim
+SEQ_PARALLEL = P("dp", "tp", None)  # activations between blocks: [batch@dp, seq@tp, model]
+
+
+def _dp_tp_mesh():
+    """dp=2 x tp=4, both axes explicit; device order permuted so ordinals differ from ranks."""
+    devices = np.array(jax.devices()[:8])[[5, 2, 7, 0, 3, 6, 1, 4]].reshape(2, 4)
+    return jax.sharding.Mesh(devices, ("dp", "tp"), axis_types=(AxisType.Explicit,) * 2)
+
+
+@pytest.fixture
+def mesh():
+    """The (dp, tp) mesh, entered as the context mesh as explicit-mode programs are run."""
+    mesh = _dp_tp_mesh()
+    with jax.set_mesh(mesh):
+        yield mesh
+
+
+def _random(mesh, specs_shapes, dtype=jnp.float32, seed=0):
+    keys = jax.random.split(jax.random.key(seed), len(specs_shapes))
+    return [jax.device_put(jax.random.normal(k, shape, jnp.float32).astype(dtype) * 0.5 + 0.25,
+                           NamedSharding(mesh, spec)) for k, (spec, shape) in zip(keys, specs_shapes)]
+
+
+def _assert_same(got, want, dtype=jnp.float32):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert jax.typeof(g) == jax.typeof(w), (jax.typeof(g), jax.typeof(w))
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        assert np.abs(w).max() > 0
+        err = np.linalg.norm(g - w) / np.linalg.norm(w)
+        assert err < TOLERANCE[dtype], f"relative error {err:.2e} >= {TOLERANCE[dtype]}"
+
+
+def _ops(report):
+    return [r.op for r in report.sites]
+
+
+# --------------------------------------------------------------------------------------------
+# The programs, written on global arrays
+# --------------------------------------------------------------------------------------------
+def megatron_mlp(x, w_up, w_down):
+    """Sequence-parallel Megatron MLP: gather the sequence, column- then row-parallel matmul."""
+    g = reshard(x, P("dp", None, None))
+    h = jax.nn.gelu(jnp.einsum("bsd,df->bsf", g, w_up))
+    return jnp.einsum("bsf,fd->bsd", h, w_down, out_sharding=SEQ_PARALLEL)
+
+
+def _mlp_args(mesh, dtype=jnp.float32):
+    return _random(mesh, [(SEQ_PARALLEL, (B, S, D)), (P(None, "tp"), (D, F)), (P("tp", None), (F, D))], dtype)
+
+
+def attention_projections(x, wq, wk, wv, wo):
+    """QKV projections of the gathered sequence (heads over tp), attention, O projection scattered."""
+    g = reshard(x, P("dp", None, None))
+    q, k, v = (jnp.einsum("bsd,dhk->bshk", g, w) for w in (wq, wk, wv))
+    scores = jnp.einsum("bshk,bthk->bhst", q, k) * DH ** -0.5
+    o = jnp.einsum("bhst,bthk->bshk", jax.nn.softmax(scores, axis=-1), v)
+    return jnp.einsum("bshk,hkd->bsd", o, wo, out_sharding=SEQ_PARALLEL)
+
+
+def _attention_args(mesh, dtype=jnp.float32):
+    head_spec = P(None, "tp", None)
+    return _random(mesh, [(SEQ_PARALLEL, (B, S, D)), (head_spec, (D, H, DH)), (head_spec, (D, H, DH)),
+                          (head_spec, (D, H, DH)), (P("tp", None, None), (H, DH, D))], dtype, seed=1)
+
+
+def _loss(block):
+    return lambda *args: jnp.mean(block(*args).astype(jnp.float32) ** 2)
+
+
+# --------------------------------------------------------------------------------------------
+# Sites found and rewritten: values, gradients and types as written
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("block, make_args", [(megatron_mlp, _mlp_args), (attention_projections, _attention_args)],
+                         ids=["mlp", "attention"])
+def test_block_forward_and_gradients_equal(mesh, block, make_args, schedule, dtype):
+    args = make_args(mesh, dtype)
+    fused = overlap(block, schedule=schedule)
+    report = explain(fused, *args)
+    # One op per gather: the attention's K and V projections read the rows the Q projection's op returns.
+    assert _ops(report) == ["ag_matmul", "matmul_rs"] and not report.near_misses, str(report)
+    assert (block is megatron_mlp) != ("also used by 2 more" in report.sites[0].shapes), str(report)
+    assert all(r.schedule == schedule and r.axis_name == "tp" for r in report.sites), str(report)
+    _assert_same(jax.jit(fused)(*args), jax.jit(block)(*args), dtype)
+    grad = lambda f: jax.jit(jax.grad(_loss(f), argnums=tuple(range(len(args)))))  # noqa: E731
+    _assert_same(grad(fused)(*args), grad(block)(*args), dtype)
+
+
+def test_sites_report_the_global_and_the_local_shapes(mesh):
+    report = explain(overlap(megatron_mlp, schedule=XLA), *_mlp_args(mesh))
+    gather, scatter = report.sites
+    assert gather.shapes.startswith(f"x float32[{B}@dp,{S}@tp,{D}] gathered dim 1"), gather.shapes
+    assert gather.matmul_2d == f"[{B // 2 * S // 4},{D}]·[{D},{F // 4}]"  # local rows (s, b), local columns
+    assert scatter.matmul_2d == f"[{B // 2 * S},{F // 4}]·[{F // 4},{D}]"
+    assert "test_global_view.py" in gather.source
+
+
+def test_dp_tp_training_step_equal(mesh):
+    """A 2-D (dp, tp) SGD step on the MLP: the rewritten step updates the parameters alike."""
+    x, w_up, w_down = _mlp_args(mesh)
+
+    def step(params, x):
+        loss, grads = jax.value_and_grad(lambda p: _loss(megatron_mlp)(x, *p))(params)
+        return loss, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+    fused = overlap(step, schedule=XLA)
+    # forward: gather (also returning the gathered rows, read by a weight gradient) and scatter;
+    # backward: the hidden gradient's gather (x is not differentiated: no scatter behind it)
+    report = explain(fused, (w_up, w_down), x)
+    assert sorted(_ops(report)) == ["ag_matmul", "ag_matmul", "matmul_rs"], str(report)
+    assert "also used by" in report.sites[0].shapes, str(report)
+    _assert_same(jax.jit(fused)((w_up, w_down), x), jax.jit(step)((w_up, w_down), x))
+
+
+def test_overlap_of_the_gradient_rewrites_backward_sites(mesh):
+    args = _mlp_args(mesh)
+    grad = jax.grad(_loss(megatron_mlp), argnums=(0, 1, 2))
+    report = explain(overlap(grad, schedule=XLA), *args)
+    assert sorted(_ops(report)) == ["ag_matmul", "ag_matmul", "matmul_rs", "matmul_rs"], str(report)
+    # the data-parallel weight-gradient reduction stays an all-reduce, and says so
+    assert all("all-reduce" in r.reason and r.axis_name == "dp" for r in report.near_misses), str(report)
+    _assert_same(jax.jit(overlap(grad, schedule=XLA))(*args), jax.jit(grad)(*args))
+
+
+def test_gathered_tensor_read_twice_is_returned_by_the_op(mesh):
+    x, w_up, w_down = _mlp_args(mesh)
+
+    def swiglu(x, w_gate, w_up, w_down):
+        g = reshard(x, P("dp", None, None))
+        h = jax.nn.silu(jnp.einsum("bsd,df->bsf", g, w_gate)) * jnp.einsum("bsd,df->bsf", g, w_up)
+        return jnp.einsum("bsf,fd->bsd", h, w_down, out_sharding=SEQ_PARALLEL), g
+
+    args = (x, w_up, w_up * 0.5 - 0.1, w_down)
+    report = explain(overlap(swiglu, schedule=XLA), *args)
+    assert _ops(report) == ["ag_matmul", "matmul_rs"] and "also used by 2 more" in report.sites[0].shapes, str(report)
+    _assert_same(jax.jit(overlap(swiglu, schedule=XLA))(*args), jax.jit(swiglu)(*args))
+
+
+def test_dot_that_gathers_its_operand_and_reshard_after_the_product(mesh):
+    """No reshard before the matmul (out_sharding drops the sequence axis), and the reduce-scatter
+    as a replicated product resharded onto the sequence."""
+    x, w_up, w_down = _mlp_args(mesh)
+
+    def mlp(x, w_up, w_down):
+        h = jnp.einsum("bsd,df->bsf", x, w_up, out_sharding=P("dp", None, "tp"))
+        y = jnp.einsum("bsf,fd->bsd", jnp.tanh(h), w_down, out_sharding=P("dp", None, None))
+        return reshard(y, SEQ_PARALLEL)
+
+    report = explain(overlap(mlp, schedule=XLA), x, w_up, w_down)
+    assert _ops(report) == ["ag_matmul", "matmul_rs"] and not report.near_misses, str(report)
+    _assert_same(jax.jit(overlap(mlp, schedule=XLA))(x, w_up, w_down), jax.jit(mlp)(x, w_up, w_down))
+
+
+def test_sites_inside_scan_and_remat(mesh):
+    x, w_up, w_down = _mlp_args(mesh)
+    layers = [jnp.stack([w, w * 0.5]) for w in (w_up, w_down)]  # [2 layers, ...], sharded as the weights
+
+    def stack(x, layers):
+        layer = jax.checkpoint(lambda h, p: (h + megatron_mlp(h, *p), None))
+        return jax.lax.scan(layer, x, layers)[0]
+
+    report = explain(overlap(stack, schedule=XLA), x, layers)
+    assert _ops(report) == ["ag_matmul", "matmul_rs"] and all("scan@" in r.where for r in report.sites), str(report)
+    _assert_same(jax.jit(overlap(stack, schedule=XLA))(x, layers), jax.jit(stack)(x, layers))
+    grad = lambda f: jax.jit(jax.grad(lambda x, p: jnp.mean(f(x, p) ** 2), argnums=(0, 1)))  # noqa: E731
+    _assert_same(grad(overlap(stack, schedule=XLA))(x, layers), grad(stack)(x, layers))
+
+
+# --------------------------------------------------------------------------------------------
+# What the compiler is handed
+# --------------------------------------------------------------------------------------------
+def _compiled(fn, args) -> str:
+    return jax.jit(fn).lower(*args).compile().as_text()
+
+
+@pytest.mark.skipif(not extension.available(), reason="the ficco_jax extension is not built")
+def test_dma_sites_lower_to_the_custom_calls_and_gather_nothing(mesh):
+    args = _mlp_args(mesh)
+    fused = overlap(megatron_mlp, schedule=DMA)
+    lowered = jax.jit(fused).lower(*args).as_text()
+    assert "ficco_ag_matmul" in lowered and "ficco_matmul_rs" in lowered
+    assert "all-gather" in _compiled(megatron_mlp, args)  # what the written program does
+    compiled = _compiled(fused, args)
+    assert "all-gather" not in compiled and "reduce-scatter" not in compiled
+
+
+def test_xla_schedule_gathers_in_chunks(mesh):
+    args = _mlp_args(mesh)
+    compiled = _compiled(overlap(megatron_mlp, schedule=XLA), args)
+    assert "collective-permute" in compiled and "all-gather" not in compiled
+
+
+# --------------------------------------------------------------------------------------------
+# Left as written
+# --------------------------------------------------------------------------------------------
+def test_gspmd_program_is_reported_not_rewritten():
+    mesh = jax.make_mesh((8,), ("tp",), axis_types=(AxisType.Auto,))
+    with jax.set_mesh(mesh):
+        _check_gspmd_mlp(mesh)
+
+
+def _check_gspmd_mlp(mesh):
+    x, w_up, w_down = _random(mesh, [(P("tp", None), (S * 2, D)), (P(None, "tp"), (D, F)), (P("tp", None), (F, D))])
+
+    def mlp(x, w_up, w_down):
+        g = jax.lax.with_sharding_constraint(x, P())
+        return jax.lax.with_sharding_constraint(jnp.tanh(g @ w_up) @ w_down, P("tp", None))
+
+    fused = overlap(mlp, schedule=XLA)
+    report = explain(fused, x, w_up, w_down)
+    assert not report.sites and len(report.near_misses) == 2, str(report)
+    assert all(r.reason == GSPMD_FIX and r.axis_name == "tp" for r in report.near_misses)
+    _assert_same(jax.jit(fused)(x, w_up, w_down), jax.jit(mlp)(x, w_up, w_down))
+
+
+def test_program_without_site_runs_unchanged(mesh):
+    x, w = _random(mesh, [(P("dp", None), (B, D)), (P(), (D, F))])
+
+    def data_parallel(x, w):  # no tensor-parallel axis anywhere: no collective beside a matmul
+        return jnp.tanh(x @ w)
+
+    assert len(explain(data_parallel, x, w)) == 0
+    _assert_same(overlap(data_parallel, schedule=XLA)(x, w), data_parallel(x, w))
+
+
+def test_one_device_mesh_keeps_the_plain_path():
+    mesh = jax.make_mesh((1, 1), ("dp", "tp"), axis_types=(AxisType.Explicit,) * 2, devices=jax.devices()[:1])
+    with jax.set_mesh(mesh):
+        args = _mlp_args(mesh)
+        report = explain(overlap(megatron_mlp), *args)
+        assert _ops(report) == ["ag_matmul", "matmul_rs"] and all("plain path" in r.note for r in report.sites)
+        for schedule in ("auto", XLA):
+            _assert_same(jax.jit(overlap(megatron_mlp, schedule=schedule))(*args), jax.jit(megatron_mlp)(*args))
+
+
+def test_near_misses_say_why(mesh):
+    x, w_up, w_down = _mlp_args(mesh)
+
+    def all_reduced(x, w_up, w_down):  # row-parallel matmul with a replicated result
+        h = jnp.einsum("bsd,df->bsf", reshard(x, P("dp", None, None)), w_up)
+        return jnp.einsum("bsf,fd->bsd", h, w_down, out_sharding=P("dp", None, None))
+
+    report = explain(overlap(all_reduced, schedule=XLA), x, w_up, w_down)
+    assert _ops(report) == ["ag_matmul"] and len(report.near_misses) == 1, str(report)
+    assert report.near_misses[0].op == "matmul_rs" and "all-reduce" in report.near_misses[0].reason
+    report = explain(overlap(megatron_mlp, ops=("matmul_rs",)), x, w_up, w_down)
+    assert "ag_matmul is not in ops=" in report.near_misses[0].reason, str(report)
+
+
+def test_expert_all_to_all_in_global_view_is_a_near_miss():
+    mesh = jax.make_mesh((8,), ("ep",), axis_types=(AxisType.Explicit,))
+    tokens, w = _random(mesh, [(P("ep"), (8, 8, 4, D)), (P("ep"), (8, D, F))])
+
+    def experts(tokens, w):  # tokens [group@ep, expert, capacity, d] -> experts over ep
+        routed = reshard(tokens, NamedSharding(mesh, P(None, "ep")))
+        return jnp.einsum("gecd,edf->gecf", routed, w)
+
+    report = explain(overlap(experts, schedule=XLA), tokens, w)
+    assert not report.sites and [r.op for r in report.near_misses] == ["a2a_matmul"], str(report)
+    assert "all-to-all" in report.near_misses[0].reason and "shard_map" in report.near_misses[0].reason
+    _assert_same(overlap(experts, schedule=XLA)(tokens, w), experts(tokens, w))
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_without_a_context_mesh_the_arguments_mesh_is_used(schedule):
+    """Shardings given as NamedShardings, no jax.set_mesh: the sites run over the arguments' mesh."""
+    mesh = _dp_tp_mesh()
+    args = _mlp_args(mesh)
+
+    def mlp(x, w_up, w_down):
+        g = reshard(x, NamedSharding(mesh, P("dp", None, None)))
+        h = jnp.tanh(jnp.einsum("bsd,df->bsf", g, w_up))
+        return jnp.einsum("bsf,fd->bsd", h, w_down, out_sharding=NamedSharding(mesh, SEQ_PARALLEL))
+
+    fused = overlap(mlp, schedule=schedule)
+    assert _ops(explain(fused, *args)) == ["ag_matmul", "matmul_rs"]
+    _assert_same(jax.jit(fused)(*args), jax.jit(mlp)(*args))
