@@ -70,7 +70,7 @@ def prefer_copy_engines(monkeypatch):
 
     asked = []
 
-    def select_schedule(op, shapes, dtype, axis_size, profile=None, comms=None):
+    def select_schedule(op, shapes, dtype, axis_size, profile=None, comms=None, out_dtype=None):
         comms = tuple(comms or select.available_comms())
         asked.append((op, comms))
         return Schedule.parse("dma/direct/c1" if "dma" in comms else "xla/ring/c1")

@@ -58,31 +58,49 @@ def _shift_perm(n: int, shift: int) -> list[tuple[int, int]]:
     return [(j, (j + shift) % n) for j in range(n)]
 
 
-def _matmul_blocks(chunk_list: list[jax.Array], w: jax.Array, gemm: str) -> jax.Array:
+def product(a: jax.Array, w: jax.Array, out_dtype=None, scales=None) -> jax.Array:
+    """The matmul of every TP schedule: ``a @ w`` with its result in `out_dtype` (None: the
+    operands' dtype; f32 for bf16 operands is mixed precision). With `scales` =
+    (a_scale, w_scale) the operands are FP8: ``(a.astype(f32) * a_scale) @ (w.astype(f32) *
+    w_scale)``, the dequantize-then-dot form XLA's GPU compiler turns into its own FP8 matmul."""
+    if scales is None:
+        return jnp.matmul(a, w, preferred_element_type=out_dtype)
+    a_scale, w_scale = scales
+    f32 = jnp.float32
+    out = jnp.matmul(a.astype(f32) * a_scale, w.astype(f32) * w_scale, preferred_element_type=f32)
+    return out.astype(out_dtype or jnp.bfloat16)
+
+
+def _matmul_blocks(chunk_list: list[jax.Array], w: jax.Array, gemm: str, mm) -> jax.Array:
     """One shard's rows times w: one matmul per chunk, or one for the whole shard (grouped)."""
     if gemm == "grouped" or len(chunk_list) == 1:
         rows = chunk_list[0] if len(chunk_list) == 1 else jnp.concatenate(chunk_list, axis=0)
-        return rows @ w
-    return jnp.concatenate([c @ w for c in chunk_list], axis=0)
+        return mm(rows, w)
+    return jnp.concatenate([mm(c, w) for c in chunk_list], axis=0)
 
 
 # ------------------------------------------------------------------------------------------------
 # all-gather -> matmul
 # ------------------------------------------------------------------------------------------------
-def ag_matmul(x: jax.Array, w: jax.Array, axis_name: str, schedule: Schedule, n: int):
-    """(all_gather(x, tiled) @ w, all_gather(x, tiled)) by the steps of `schedule`."""
+def ag_matmul(x: jax.Array, w: jax.Array, axis_name: str, schedule: Schedule, n: int, out_dtype=None,
+              scales=None):
+    """(all_gather(x, tiled) @ w, all_gather(x, tiled)) by the steps of `schedule`; the matmuls
+    are `product(., w, out_dtype, scales)`."""
+    def mm(a, b):
+        return product(a, b, out_dtype, scales)
+
     if schedule.comm == "none" or n == 1:
         gathered = lax.all_gather(x, axis_name, axis=0, tiled=True)
-        return gathered @ w, gathered
+        return mm(gathered, w), gathered
     idx = lax.axis_index(axis_name)
     m = x.shape[0]
     # (source-rank offset, chunks of that shard) per step; the offset is relative to idx.
     steps = _ag_steps(x, axis_name, schedule, n)
-    out = jnp.zeros((n * m, w.shape[1]), dtype=_result_dtype(x, w))
+    out = jnp.zeros((n * m, w.shape[1]), dtype=jax.eval_shape(mm, x, w).dtype)
     gathered = jnp.zeros((n * m, x.shape[1]), dtype=x.dtype)
     for offset, rows_at, chunk_list in steps:
         src = (idx + offset) % n
-        block = _matmul_blocks(chunk_list, w, schedule.gemm)
+        block = _matmul_blocks(chunk_list, w, schedule.gemm, mm)
         # int32 throughout: with jax_enable_x64 a Python int would become int64 beside the int32
         # axis index, and dynamic_update_slice wants one index type.
         start = (src * m + rows_at).astype(jnp.int32)
@@ -124,22 +142,27 @@ def _ag_steps(x, axis_name, schedule: Schedule, n: int):
 # ------------------------------------------------------------------------------------------------
 # matmul -> reduce-scatter
 # ------------------------------------------------------------------------------------------------
-def matmul_rs(y: jax.Array, w: jax.Array, axis_name: str, schedule: Schedule, n: int):
-    """psum_scatter(y @ w, scatter_dimension=0, tiled) by the steps of `schedule`."""
+def matmul_rs(y: jax.Array, w: jax.Array, axis_name: str, schedule: Schedule, n: int, out_dtype=None,
+              scales=None):
+    """psum_scatter(y @ w, scatter_dimension=0, tiled) by the steps of `schedule`; the matmuls are
+    `product(., w, out_dtype, scales)`, so the partials that move have the product's dtype."""
+    def mm(a, b):
+        return product(a, b, out_dtype, scales)
+
     if schedule.comm == "none" or n == 1:
-        return lax.psum_scatter(y @ w, axis_name, scatter_dimension=0, tiled=True)
+        return lax.psum_scatter(mm(y, w), axis_name, scatter_dimension=0, tiled=True)
     idx = lax.axis_index(axis_name)
     m = y.shape[0] // n
     c = schedule.chunks
     q = m // c
-    dtype = _result_dtype(y, w)
+    dtype = jax.eval_shape(mm, y, w).dtype
 
     def partial(target, j0, j1):
         """Rows [j0*q, j1*q) of `target`'s output block, as this device's partial sum."""
         rows = lax.dynamic_slice_in_dim(y, (target * m + j0 * q).astype(jnp.int32), (j1 - j0) * q, axis=0)
         if schedule.gemm == "grouped" or j1 - j0 == 1:
-            return (rows @ w).astype(dtype)
-        return jnp.concatenate([(rows[k * q:(k + 1) * q] @ w).astype(dtype) for k in range(j1 - j0)])
+            return mm(rows, w)
+        return jnp.concatenate([mm(rows[k * q:(k + 1) * q], w) for k in range(j1 - j0)])
 
     if schedule.order == "direct":
         acc = partial(idx, 0, c).astype(jnp.float32)
@@ -172,10 +195,6 @@ def _rs_chain(partial, idx, n, j0, j1, *, direction, axis_name):
     return acc
 
 
-def _result_dtype(a, w):
-    return jnp.result_type(a.dtype, w.dtype)
-
-
 # ------------------------------------------------------------------------------------------------
 # expert parallel: all-to-all -> expert matmul, expert matmul -> all-to-all
 # ------------------------------------------------------------------------------------------------
@@ -196,16 +215,26 @@ def _cut(a: jax.Array, chunks: int, axis: int) -> list[jax.Array]:
     return [lax.slice_in_dim(a, j * q, (j + 1) * q, axis=axis) for j in range(chunks)]
 
 
-def _expert_matmul(tokens: jax.Array, w: jax.Array) -> jax.Array:
+def einsum(spec: str, a: jax.Array, b: jax.Array, out_dtype=None) -> jax.Array:
+    """``jnp.einsum(spec, a, b)`` with its result in `out_dtype` (None: the operands'). XLA's CPU
+    backend has no batched bf16 x bf16 -> f32 dot, so there the operands are widened first."""
+    if out_dtype is None or jnp.dtype(out_dtype) == a.dtype:
+        return jnp.einsum(spec, a, b)
+    return lax.platform_dependent(
+        a, b, cpu=lambda a, b: jnp.einsum(spec, a.astype(out_dtype), b.astype(out_dtype)),
+        default=lambda a, b: jnp.einsum(spec, a, b, preferred_element_type=out_dtype))
+
+
+def _expert_matmul(tokens: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     """tokens [E, q, d] @ w [E, d, f] -> [E, q, f]: one matmul per local expert, batched."""
-    return jnp.einsum("ecd,edf->ecf", tokens, w)
+    return einsum("ecd,edf->ecf", tokens, w, out_dtype)
 
 
-def _matmul_chunks(chunk_list: list[jax.Array], w: jax.Array, gemm: str) -> list[jax.Array]:
+def _matmul_chunks(chunk_list: list[jax.Array], w: jax.Array, gemm: str, out_dtype=None) -> list[jax.Array]:
     """One matmul per chunk, or one for the whole block (grouped) cut back into the same chunks."""
     if gemm == "grouped" and len(chunk_list) > 1:
-        return _cut(_expert_matmul(jnp.concatenate(chunk_list, axis=1), w), len(chunk_list), axis=1)
-    return [_expert_matmul(ch, w) for ch in chunk_list]
+        return _cut(_expert_matmul(jnp.concatenate(chunk_list, axis=1), w, out_dtype), len(chunk_list), axis=1)
+    return [_expert_matmul(ch, w, out_dtype) for ch in chunk_list]
 
 
 def _in_rank_order(by_shift: list[jax.Array], idx) -> jax.Array:
@@ -224,11 +253,12 @@ def _blocks_from(a: jax.Array, idx, first_shift: int, n: int) -> jax.Array:
 # ------------------------------------------------------------------------------------------------
 # dispatch: all_to_all -> expert matmuls
 # ------------------------------------------------------------------------------------------------
-def a2a_matmul(x, w, axis_name: str, schedule: Schedule, n: int):
-    """(einsum("pecd,edf->pecf", all_to_all(x), w), all_to_all(x)) by the steps of `schedule`."""
+def a2a_matmul(x, w, axis_name: str, schedule: Schedule, n: int, out_dtype=None):
+    """(einsum("pecd,edf->pecf", all_to_all(x), w), all_to_all(x)) by the steps of `schedule`,
+    the matmuls' results in `out_dtype` (None: the operands')."""
     if schedule.comm == "none" or n == 1:
         received = lax.all_to_all(x, axis_name, 0, 0, tiled=True)
-        return jnp.einsum("pecd,edf->pecf", received, w), received
+        return einsum("pecd,edf->pecf", received, w, out_dtype), received
     idx = lax.axis_index(axis_name)
     c = schedule.chunks
     recv_by_shift = [_cut(_block(x, idx), c, axis=1)]  # shift 0: our own tokens for our experts
@@ -242,7 +272,7 @@ def a2a_matmul(x, w, axis_name: str, schedule: Schedule, n: int):
             bundles = [lax.ppermute(b, axis_name, _shift_perm(n, 1)) for b in bundles]
             recv_by_shift.append([b[0] for b in bundles])
             bundles = [b[1:] for b in bundles]
-    out_by_shift = [jnp.concatenate(_matmul_chunks(chs, w, schedule.gemm), axis=1) for chs in recv_by_shift]
+    out_by_shift = [jnp.concatenate(_matmul_chunks(chs, w, schedule.gemm, out_dtype), axis=1) for chs in recv_by_shift]
     received = [jnp.concatenate(chs, axis=1) for chs in recv_by_shift]
     return _in_rank_order(out_by_shift, idx), _in_rank_order(received, idx)
 
@@ -250,16 +280,18 @@ def a2a_matmul(x, w, axis_name: str, schedule: Schedule, n: int):
 # ------------------------------------------------------------------------------------------------
 # combine: expert matmuls -> all_to_all
 # ------------------------------------------------------------------------------------------------
-def matmul_a2a(y, w, axis_name: str, schedule: Schedule, n: int):
-    """all_to_all(einsum("pecf,efd->pecd", y, w)) by the steps of `schedule`."""
+def matmul_a2a(y, w, axis_name: str, schedule: Schedule, n: int, out_dtype=None):
+    """all_to_all(einsum("pecf,efd->pecd", y, w)) by the steps of `schedule`, the matmuls' results
+    (what moves) in `out_dtype` (None: the operands')."""
     if schedule.comm == "none" or n == 1:
-        return lax.all_to_all(jnp.einsum("pecf,efd->pecd", y, w), axis_name, 0, 0, tiled=True)
+        out = einsum("pecf,efd->pecd", y, w, out_dtype)
+        return lax.all_to_all(out, axis_name, 0, 0, tiled=True)
     idx = lax.axis_index(axis_name)
     c = schedule.chunks
 
     def results_for(rank):
         """Our experts' outputs for the tokens `rank` sent us, chunk by chunk."""
-        return _matmul_chunks(_cut(_block(y, rank), c, axis=1), w, schedule.gemm)
+        return _matmul_chunks(_cut(_block(y, rank), c, axis=1), w, schedule.gemm, out_dtype)
 
     out_by_shift = [None] * n
     if schedule.order == "direct":

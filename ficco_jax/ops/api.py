@@ -13,32 +13,45 @@ so the backward pass is overlapped too; the two compose (Hessian-vector products
 """
 from __future__ import annotations
 
+from jax import lax
+
+from ..lowering.xla import product
+from . import scaled
 from .core import ScheduleArg
 from .measure import time_op
 from .table import call, reference
 
 
-def ag_matmul_ref(x, w, axis_name):
-    """The meaning of `ag_matmul`: `all_gather(x, axis_name, axis=0, tiled=True) @ w`."""
-    return reference("ag_matmul")(x, w, axis_name)
+def ag_matmul_ref(x, w, axis_name, *, out_dtype=None, x_scale=None, w_scale=None):
+    """The meaning of `ag_matmul`: `all_gather(x, axis_name, axis=0, tiled=True) @ w` (result in
+    `out_dtype`); with scales, of FP8 operands dequantized in f32 (ops/scaled.py)."""
+    if x_scale is not None or w_scale is not None:
+        gathered = lax.all_gather(x, axis_name, axis=0, tiled=True)
+        return product(gathered, w, out_dtype, (x_scale, w_scale))
+    return reference("ag_matmul")(x, w, axis_name, out_dtype)
 
 
-def matmul_rs_ref(y, w, axis_name):
-    """The meaning of `matmul_rs`: `psum_scatter(y @ w, axis_name, scatter_dimension=0, tiled=True)`."""
-    return reference("matmul_rs")(y, w, axis_name)
+def matmul_rs_ref(y, w, axis_name, *, out_dtype=None, x_scale=None, w_scale=None):
+    """The meaning of `matmul_rs`: `psum_scatter(y @ w, axis_name, scatter_dimension=0, tiled=True)`;
+    with scales, of FP8 operands dequantized in f32, the partials in `out_dtype`."""
+    if x_scale is not None or w_scale is not None:
+        return lax.psum_scatter(product(y, w, out_dtype, (x_scale, w_scale)), axis_name, scatter_dimension=0,
+                                tiled=True)
+    return reference("matmul_rs")(y, w, axis_name, out_dtype)
 
 
-def a2a_matmul_ref(x, w, axis_name):
+def a2a_matmul_ref(x, w, axis_name, *, out_dtype=None):
     """The meaning of `a2a_matmul`: ``einsum("pecd,edf->pecf", all_to_all(x, axis_name, 0, 0, tiled), w)``."""
-    return reference("a2a_matmul")(x, w, axis_name)
+    return reference("a2a_matmul")(x, w, axis_name, out_dtype)
 
 
-def matmul_a2a_ref(y, w, axis_name):
+def matmul_a2a_ref(y, w, axis_name, *, out_dtype=None):
     """The meaning of `matmul_a2a`: ``all_to_all(einsum("pecf,efd->pecd", y, w), axis_name, 0, 0, tiled)``."""
-    return reference("matmul_a2a")(y, w, axis_name)
+    return reference("matmul_a2a")(y, w, axis_name, out_dtype)
 
 
-def ag_matmul(x, w, axis_name: str, *, schedule: ScheduleArg = "auto", return_gathered: bool = False):
+def ag_matmul(x, w, axis_name: str, *, schedule: ScheduleArg = "auto", return_gathered: bool = False,
+              out_dtype=None, x_scale=None, w_scale=None):
     """`all_gather(x, axis_name, axis=0, tiled=True) @ w`, overlapped by a FiCCO schedule.
 
     Per device: x [m, K], w [K, N] -> [n*m, N] (n = size of `axis_name`). With
@@ -46,21 +59,41 @@ def ag_matmul(x, w, axis_name: str, *, schedule: ScheduleArg = "auto", return_ga
     nothing twice. `schedule` is "auto" (the cost model's pick), "autotune" (measured once, then
     cached), a `Schedule`, or its string form ("dma/direct/c4/s2"). Differentiable in both modes;
     the backward pass is itself overlapped. dtypes: any float; `comm="dma"` takes bf16, f16, f32.
+
+    `out_dtype` is the matmul's result dtype, as `preferred_element_type` of `jnp.matmul`: None
+    (the operands'), or f32 for bf16/f16 operands (mixed precision: f32 accumulation and result).
+    With mixed precision the gradient matmuls take the cotangent in the operands' dtype and
+    accumulate into f32 as the forward does (the usual recipe); their collectives move f32.
+
+    FP8: x and w ``float8_e4m3fn`` / ``float8_e5m2`` (not both e5m2) with per-tensor f32 scales
+    `x_scale`, `w_scale` compute ``((all_gather(x).astype(f32) * x_scale) @ (w.astype(f32) *
+    w_scale)).astype(out_dtype)`` (out_dtype bf16 by default, or f16, f32): the gather moves FP8
+    bytes, the matmuls are FP8. Reverse-mode differentiable with an overlapped backward whose
+    precision ops/scaled.py states; scales may be traced (delayed scaling updates them).
     """
+    if x_scale is not None or w_scale is not None or scaled.is_fp8(x.dtype):
+        return scaled.call("ag_matmul", x, w, axis_name, schedule, (x_scale, w_scale), out_dtype,
+                           with_side=return_gathered, measure=time_op)
     return call("ag_matmul", x, w, axis_name, schedule, with_side=return_gathered, side_flag="return_gathered",
-                measure=time_op)
+                measure=time_op, out_dtype=out_dtype)
 
 
-def matmul_rs(y, w, axis_name: str, *, schedule: ScheduleArg = "auto"):
+def matmul_rs(y, w, axis_name: str, *, schedule: ScheduleArg = "auto", out_dtype=None, x_scale=None, w_scale=None):
     """`psum_scatter(y @ w, axis_name, scatter_dimension=0, tiled=True)`, overlapped by a FiCCO schedule.
 
     Per device: y [M, N], w [N, K] -> [M/n, K] (n = size of `axis_name`; M must divide by n).
     `schedule` as in `ag_matmul`. Differentiable in both modes; the backward pass is itself overlapped.
+    `out_dtype` as in `ag_matmul`: with f32 for bf16 operands the partial sums that move and are
+    summed are f32, and so is the result. FP8 y and w take `x_scale` (y's scale) and `w_scale` as
+    in `ag_matmul`; the partials that move and are summed have `out_dtype` (bf16 by default).
     """
-    return call("matmul_rs", y, w, axis_name, schedule, measure=time_op)
+    if x_scale is not None or w_scale is not None or scaled.is_fp8(y.dtype):
+        return scaled.call("matmul_rs", y, w, axis_name, schedule, (x_scale, w_scale), out_dtype, measure=time_op)
+    return call("matmul_rs", y, w, axis_name, schedule, measure=time_op, out_dtype=out_dtype)
 
 
-def a2a_matmul(x, w, axis_name: str, *, schedule: ScheduleArg = "auto", return_received: bool = False):
+def a2a_matmul(x, w, axis_name: str, *, schedule: ScheduleArg = "auto", return_received: bool = False,
+               out_dtype=None):
     """``einsum("pecd,edf->pecf", all_to_all(x, axis_name, 0, 0, tiled=True), w)``, overlapped.
 
     Per device: x [n, E_local, C, d], w [E_local, d, f] -> [n, E_local, C, f] (n = size of
@@ -68,16 +101,17 @@ def a2a_matmul(x, w, axis_name: str, *, schedule: ScheduleArg = "auto", return_r
     (the tokens this device's experts received), so a caller that needs it moves nothing twice.
     `schedule`: "auto", a `Schedule` or its string ("xla/direct/c2", "dma/ring/c4/grouped").
     Differentiable in both modes; the backward pass is itself overlapped. `comm="dma"` takes bf16,
-    f16, f32.
+    f16, f32. `out_dtype` as in `ag_matmul`.
     """
     return call("a2a_matmul", x, w, axis_name, schedule, with_side=return_received, side_flag="return_received",
-                measure=time_op)
+                measure=time_op, out_dtype=out_dtype)
 
 
-def matmul_a2a(y, w, axis_name: str, *, schedule: ScheduleArg = "auto"):
+def matmul_a2a(y, w, axis_name: str, *, schedule: ScheduleArg = "auto", out_dtype=None):
     """``all_to_all(einsum("pecf,efd->pecd", y, w), axis_name, 0, 0, tiled=True)``, overlapped.
 
     Per device: y [n, E_local, C, f], w [E_local, f, d] -> [n, E_local, C, d]. `schedule` as in
-    `a2a_matmul`. Differentiable in both modes; the backward pass is itself overlapped.
+    `a2a_matmul`. Differentiable in both modes; the backward pass is itself overlapped. `out_dtype`
+    as in `ag_matmul` (the results that move have it).
     """
-    return call("matmul_a2a", y, w, axis_name, schedule, measure=time_op)
+    return call("matmul_a2a", y, w, axis_name, schedule, measure=time_op, out_dtype=out_dtype)

@@ -33,6 +33,19 @@ def axis_size(axis_name, op: str) -> int:
         ) from exc
 
 
+def check_out_dtype(op: str, out_dtype, operand_dtype):
+    """`out_dtype` as a numpy dtype: None means the operands' dtype; else a floating-point dtype."""
+    if out_dtype is None:
+        return None
+    try:
+        dtype = jnp.dtype(out_dtype)
+    except TypeError as exc:
+        raise TypeError(f"{op}: out_dtype must be a dtype such as jnp.float32, found {out_dtype!r}") from exc
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{op}: out_dtype must be a floating-point dtype (e.g. jnp.float32), found {dtype}")
+    return None if dtype == jnp.dtype(operand_dtype) else dtype
+
+
 def check_operands(op: str, a, w) -> None:
     """Both operands arrays of one floating-point dtype."""
     names = OPERAND_NAMES[op]
@@ -63,34 +76,35 @@ def _zero_where_none(t, like):
 
 
 def custom_jvp_pair(impl: Callable, tangent: Callable, name: str, name_with_side: str):
-    """Two positional forms of a gather op whose `impl(x, w, axis_name, sched, side_needed=True)`
-    returns (out, side); with side_needed=False the side output may be left incomplete. `name`
-    returns out only (its primal passes side_needed=False; differentiated, its forward computes
-    the side in full, the weight's tangent and gradient read it); `name_with_side` returns both.
+    """Two positional forms (x, w, axis_name, sched, out_dtype) of a gather op whose
+    `impl(x, w, axis_name, sched, out_dtype, side_needed=True)` returns (out, side); with
+    side_needed=False the side output may be left incomplete. `name` returns out only (its primal
+    passes side_needed=False; differentiated, its forward computes the side in full, the weight's
+    tangent and gradient read it); `name_with_side` returns both.
 
-    Both are custom JVPs: `tangent(axis_name, sched, (x, w), (out, side), (dx, dw), with_side)` returns
-    the tangent of out (and of side when with_side; None = zero) as one transposable equation
+    Both are custom JVPs: `tangent(static, (x, w), (out, side), (dx, dw), with_side)` returns the
+    tangent of out (and of side when with_side; None = zero) as one transposable equation
     (ops/linear.py), so the forms are differentiable in forward and in reverse mode; dx or dw is
-    None where it is zero."""
+    None where it is zero; `static` is (axis_name, sched, out_dtype)."""
 
-    def only_out(x, w, axis_name, sched):  # the primal alone: nobody reads the side output
-        return impl(x, w, axis_name, sched, side_needed=False)[0]
+    def only_out(x, w, axis_name, sched, out_dtype):  # the primal alone: nobody reads the side output
+        return impl(x, w, axis_name, sched, out_dtype, side_needed=False)[0]
 
-    def both(x, w, axis_name, sched):
-        return impl(x, w, axis_name, sched)
+    def both(x, w, axis_name, sched, out_dtype):
+        return impl(x, w, axis_name, sched, out_dtype)
 
     only_out.__name__ = only_out.__qualname__ = name
     both.__name__ = both.__qualname__ = name_with_side
-    only_out = jax.custom_jvp(only_out, nondiff_argnums=(2, 3))
-    both = jax.custom_jvp(both, nondiff_argnums=(2, 3))
+    only_out = jax.custom_jvp(only_out, nondiff_argnums=_STATIC)
+    both = jax.custom_jvp(both, nondiff_argnums=_STATIC)
 
     def rule(with_side: bool):
-        def jvp(axis_name, sched, primals, tangents):
+        def jvp(axis_name, sched, out_dtype, primals, tangents):
             x, w = primals
             dx, dw = map(_present, tangents)
             # Differentiated, the forward delivers the side output in full, as a residual would be.
-            out, side = both(x, w, axis_name, sched)
-            t_out, t_side = tangent(axis_name, sched, (x, w), (out, side), (dx, dw), with_side)
+            out, side = both(x, w, axis_name, sched, out_dtype)
+            t_out, t_side = tangent((axis_name, sched, out_dtype), (x, w), (out, side), (dx, dw), with_side)
             if with_side:
                 return (out, side), (_zero_where_none(t_out, out), _zero_where_none(t_side, side))
             return out, _zero_where_none(t_out, out)
@@ -102,23 +116,27 @@ def custom_jvp_pair(impl: Callable, tangent: Callable, name: str, name_with_side
 
 
 def custom_jvp_plain(impl: Callable, tangent: Callable, name: str):
-    """The positional form of an op without a side output: `impl(y, w, axis_name, sched)` -> out,
-    `tangent(axis_name, sched, (y, w), out, (dy, dw))` -> the tangent of out as one transposable
-    equation (dy or dw None where it is zero)."""
+    """The positional form (y, w, axis_name, sched, out_dtype) of an op without a side output:
+    `impl(y, w, axis_name, sched, out_dtype)` -> out, `tangent(static, (y, w), out, (dy, dw))` ->
+    the tangent of out as one transposable equation (dy or dw None where it is zero)."""
 
-    def primal(y, w, axis_name, sched):
-        return impl(y, w, axis_name, sched)
+    def primal(y, w, axis_name, sched, out_dtype):
+        return impl(y, w, axis_name, sched, out_dtype)
 
     primal.__name__ = primal.__qualname__ = name
-    primal = jax.custom_jvp(primal, nondiff_argnums=(2, 3))
+    primal = jax.custom_jvp(primal, nondiff_argnums=_STATIC)
 
-    def jvp(axis_name, sched, primals, tangents):
-        out = primal(*primals, axis_name, sched)
-        t_out = tangent(axis_name, sched, primals, out, tuple(map(_present, tangents)))
+    def jvp(axis_name, sched, out_dtype, primals, tangents):
+        out = primal(*primals, axis_name, sched, out_dtype)
+        t_out = tangent((axis_name, sched, out_dtype), primals, out, tuple(map(_present, tangents)))
         return out, _zero_where_none(t_out, out)
 
     primal.defjvp(jvp, symbolic_zeros=True)
     return primal
+
+
+# The static arguments of every positional form: axis_name, sched, out_dtype.
+_STATIC = (2, 3, 4)
 
 
 def varying_axes(v) -> frozenset:

@@ -79,10 +79,20 @@ def load_profile(name_or_path: str) -> dict:
     return {**DEFAULT_PROFILE, **profile}
 
 
+def _peak_tflops(dtype: str, peaks: Mapping) -> float:
+    """The dtype's matmul peak in the profile; FP8 without one of its own: twice bf16's (Hopper's
+    dense FP8 rate is twice its bf16 rate)."""
+    if dtype in peaks:
+        return peaks[dtype]
+    if dtype.startswith("float8"):
+        return peaks.get("float8_e4m3fn", 2 * peaks["bfloat16"])
+    return peaks["float32"]
+
+
 def gemm_time(rows: int, k: int, n_cols: int, dtype: str, profile: Mapping, executor: bool = False) -> float:
     """Seconds for a [rows, k] @ [k, n_cols] matmul, decomposition loss included (by XLA, or by
     the copy-engine executor's cuBLASLt when `executor`)."""
-    peak = profile["peak_tflops"].get(dtype, profile["peak_tflops"]["float32"]) * 1e12
+    peak = _peak_tflops(dtype, profile["peak_tflops"]) * 1e12
     flops = 2.0 * rows * k * n_cols
     compute = flops * (rows + profile["rows_half"]) / (rows * peak)
     itemsize = np.dtype(dtype).itemsize if dtype != "bfloat16" else 2
@@ -102,14 +112,17 @@ def _transfer_time(nbytes: float, streams: int, comm: str, profile: Mapping) -> 
 
 
 def predict(op: str, schedule: Schedule, shapes: Sequence[Sequence[int]], dtype, axis_size: int,
-            profile: Mapping | None = None) -> float:
-    """Predicted seconds of `op` under `schedule` for per-device `shapes` on `axis_size` devices."""
+            profile: Mapping | None = None, out_dtype=None) -> float:
+    """Predicted seconds of `op` under `schedule` for per-device `shapes` on `axis_size` devices;
+    `dtype` is the operands' (the matmul rate), `out_dtype` the result's (None: the same), which
+    matmul_rs moves and sums."""
     profile = profile or DEFAULT_PROFILE
     dtype = np.dtype(dtype).name
     schedule.validate(op, shapes, axis_size)
     (a0, a1), (_, w1) = shapes
     n = axis_size
-    itemsize = 2 if dtype in ("bfloat16", "float16") else np.dtype(dtype).itemsize
+    moved_dtype = dtype if op == "ag_matmul" or out_dtype is None else np.dtype(out_dtype).name
+    itemsize = np.dtype(moved_dtype).itemsize
     if op == "ag_matmul":
         m, k, cols, moved_cols = a0, a1, w1, a1  # moves x rows [., K]; matmul [., K] @ [K, N]
     else:
@@ -146,7 +159,7 @@ def _simulate(op, s: Schedule, m, k, cols, row_bytes, n, dtype, profile) -> floa
     arrival = {}
     per_item = _transfer_time(chunk_bytes, streams, s.comm, profile)
     if op == "matmul_rs":
-        return _simulate_rs(s, m, q, k, cols, n, dtype, profile, contention, streams, per_item, ex)
+        return _simulate_rs(s, m, q, k, cols, n, dtype, profile, contention, streams, per_item, ex, row_bytes // cols)
     for i, (step, j) in enumerate(items):
         lane = ((step - 1) % streams) if s.comm == "dma" else (i % streams)
         start = stream_free[lane]
@@ -162,7 +175,7 @@ def _simulate(op, s: Schedule, m, k, cols, row_bytes, n, dtype, profile) -> floa
     return t
 
 
-def _simulate_rs(s, m, q, k, cols, n, dtype, profile, contention, streams, per_item, ex) -> float:
+def _simulate_rs(s, m, q, k, cols, n, dtype, profile, contention, streams, per_item, ex, itemsize) -> float:
     c = s.chunks
     group = c if s.gemm == "grouped" else 1
     t = 0.0
@@ -182,17 +195,16 @@ def _simulate_rs(s, m, q, k, cols, n, dtype, profile, contention, streams, per_i
         last_arrival = max(last_arrival, stream_free[lane])
     # Summing the received partials is memory-bound (n blocks of q rows per chunk); all but the
     # last chunk's sum hide behind later transfers.
-    itemsize = 4 if dtype == "float32" else 2
     last_reduce = n * q * cols * itemsize / (profile["hbm_gbps"] * 1e9) + profile["gemm_launch_us"] * 1e-6
     return max(own_done, last_arrival) + last_reduce
 
 
-def rank(op: str, shapes, dtype, axis_size: int, candidates: Sequence[Schedule], profile=None):
+def rank(op: str, shapes, dtype, axis_size: int, candidates: Sequence[Schedule], profile=None, out_dtype=None):
     """[(predicted seconds, schedule)] for the candidates, fastest first."""
     scored = []
     for sched in candidates:
         try:
-            scored.append((predict(op, sched, shapes, dtype, axis_size, profile), sched))
+            scored.append((predict(op, sched, shapes, dtype, axis_size, profile, out_dtype), sched))
         except ValueError:
             continue
     scored.sort(key=lambda pair: (pair[0], str(pair[1])))

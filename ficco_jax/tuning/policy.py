@@ -35,7 +35,7 @@ def plain_path_reason(axis_size: int) -> str:
 
 
 def choose(op: str, shapes, dtype, axis_size: int, *, autotune: bool = False, topology=None,
-           measure: Callable | None = None) -> Schedule:
+           measure: Callable | None = None, out_dtype=None) -> Schedule:
     """What `schedule="auto"` / `"autotune"` resolve to at trace time.
 
     The candidates are only schedules that can run this call: `comm="dma"` is left out where the
@@ -49,7 +49,7 @@ def choose(op: str, shapes, dtype, axis_size: int, *, autotune: bool = False, to
         log.info("%s: schedule='autotune' is not implemented for the expert-parallel ops; using 'auto'", op)
         autotune = False
     chosen = (autotune_schedule(op, shapes, dtype, axis_size, comms=comms, measure=measure) if autotune
-              else select_schedule(op, shapes, dtype, axis_size, comms=comms))
+              else select_schedule(op, shapes, dtype, axis_size, comms=comms, out_dtype=out_dtype))
     if why_not_dma:
         log.info("ficco_jax %s %s over axis %r: %s, so %s (XLA's collectives)", op, shapes,
                  getattr(topology, "axis_name", None), why_not_dma, chosen)
@@ -63,6 +63,7 @@ def allowed_comms(dtype, topology=None) -> tuple[tuple[str, ...], str]:
     if not dma_reaches(topology):
         return comms, f"{topology.why_not_in_process()}; comm='dma' cannot reach every peer from here"
     name = np.dtype(dtype).name
-    if "dma" in comms and name not in config.DMA_DTYPES:
-        return tuple(c for c in comms if c != "dma"), f"comm='dma' handles dtypes {config.DMA_DTYPES}, not {name}"
+    handled = config.DMA_DTYPES + config.FP8_DTYPES  # FP8: the scaled TP ops
+    if "dma" in comms and name not in handled:
+        return tuple(c for c in comms if c != "dma"), f"comm='dma' handles dtypes {handled}, not {name}"
     return comms, ""

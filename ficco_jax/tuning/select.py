@@ -90,13 +90,14 @@ def _log_profile_stand_in(kind: str, axis_size: int, name: str) -> None:
 
 
 def select_schedule(op: str, shapes, dtype, axis_size: int, profile=None,
-                    comms: Sequence[str] | None = None) -> Schedule:
+                    comms: Sequence[str] | None = None, out_dtype=None) -> Schedule:
     """The predicted-fastest valid schedule, or `Schedule(comm="none")` when overlap does not pay."""
     comms = tuple(comms or available_comms())
     if op in A2A_OPS:
         return _expert_pick(comms, axis_size)
     profile = profile or profile_for(axis_size)
-    ranked = cost_model.rank(op, shapes, dtype, axis_size, Schedule.enumerate(op, axis_size, comms), profile)
+    ranked = cost_model.rank(op, shapes, dtype, axis_size, Schedule.enumerate(op, axis_size, comms), profile,
+                             out_dtype)
     return ranked[0][1]
 
 

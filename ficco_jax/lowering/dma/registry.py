@@ -72,12 +72,13 @@ def check_supported(op: str, dtype, out_dtype=None) -> None:
     if op in ("all_gather", "all_to_all"):  # those two move bytes
         extension.ensure_loaded()
         return
-    if name in config.FP8_DTYPES and op in _SCALED:
+    fp8_ok = op in _SCALED or f"{op}_scaled" in _SCALED
+    if name in config.FP8_DTYPES and fp8_ok:
         outs = config.DMA_DTYPES
     elif name in config.DMA_DTYPES:
         outs = (name, "float32")
     else:
-        handled = config.DMA_DTYPES + (config.FP8_DTYPES if op in _SCALED else ())
+        handled = config.DMA_DTYPES + (config.FP8_DTYPES if fp8_ok else ())
         raise TypeError(f"{op}: comm='dma' handles dtypes {handled}, found {name}; cast the operands or use comm='xla'")
     out = jnp.dtype(out_dtype or dtype).name
     if out not in outs:

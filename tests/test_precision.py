@@ -1,0 +1,214 @@
+"""Mixed precision (bf16 operands, f32 results) and FP8 (scaled) forms of the ops: every schedule
+against the plain-JAX reference computed in f32 from the same values, gradients included."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import ficco_jax
+from ficco_jax import Schedule
+from ficco_jax.runtime import extension
+from helpers import TOLERANCE, ag_specs, global_shapes, random, rel_err, rs_specs, run_sharded
+
+OPS = {
+    "ag_matmul": (ficco_jax.ag_matmul, ficco_jax.ag_matmul_ref, ag_specs),
+    "matmul_rs": (ficco_jax.matmul_rs, ficco_jax.matmul_rs_ref, rs_specs),
+}
+M_ROWS, K, N_COLS = 16, 32, 16
+F32 = jnp.float32
+
+
+def _schedules(op, tp=4):
+    comms = ("none", "xla", "dma") if extension.available() else ("none", "xla")
+    for sched in Schedule.enumerate(op, tp, comms=comms):
+        if sched.chunks <= 2 and sched.copy_streams <= 2:  # every comm, order and gemm mode; fewer chunkings
+            yield pytest.param(op, str(sched), id=f"{op}-{sched}")
+
+
+CASES = [c for op in OPS for c in _schedules(op)]
+
+
+def _scaled_inputs(rng, op, mesh, dtypes=("float8_e4m3fn", "float8_e4m3fn")):
+    a_shape, w_shape = global_shapes(op, mesh, M_ROWS, K, N_COLS)
+    a = random(rng, a_shape, F32) * 3.0
+    w = random(rng, w_shape, F32)
+    scales = (jnp.float32(0.37), jnp.float32(1.7))
+    return a.astype(dtypes[0]), w.astype(dtypes[1]), scales
+
+
+def _fp8_specs(op, mesh):
+    (a_spec, w_spec), out_spec = OPS[op][2](mesh)
+    return (a_spec, w_spec, P(), P()), out_spec
+
+
+# ------------------------------------------------------------------------------------------------
+# mixed precision
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("op,sched", CASES)
+def test_mixed_precision_matches_f32_reference(mesh2d, rng, op, sched):
+    fn, ref, specs = OPS[op]
+    a_shape, w_shape = global_shapes(op, mesh2d, M_ROWS, K, N_COLS)
+    a, w = random(rng, a_shape, jnp.bfloat16), random(rng, w_shape, jnp.bfloat16)
+    got = run_sharded(mesh2d, lambda a, w: fn(a, w, "tp", schedule=sched, out_dtype=F32), specs(mesh2d), a, w)
+    want = run_sharded(mesh2d, lambda a, w: ref(a, w, "tp"), specs(mesh2d), a.astype(F32), w.astype(F32))
+    assert got.dtype == F32
+    # bf16 x bf16 products are exact in f32: only the summation order differs.
+    assert rel_err(got, want) < TOLERANCE["float32"]
+
+
+@pytest.mark.parametrize("op,sched", [c for c in CASES if "c1" in c.values[1]])
+def test_mixed_precision_gradients(mesh2d, rng, op, sched):
+    fn, ref, specs = OPS[op]
+    a_shape, w_shape = global_shapes(op, mesh2d, M_ROWS, K, N_COLS)
+    a, w = random(rng, a_shape, jnp.bfloat16), random(rng, w_shape, jnp.bfloat16)
+
+    def loss(body, a, w):
+        return jnp.sum(jnp.sin(run_sharded(mesh2d, body, specs(mesh2d), a, w)))
+
+    got = jax.grad(functools.partial(loss, lambda a, w: fn(a, w, "tp", schedule=sched, out_dtype=F32)), (0, 1))(a, w)
+    want = jax.grad(functools.partial(loss, lambda a, w: ref(a, w, "tp", out_dtype=F32)), (0, 1))(a, w)
+    for g, r in zip(got, want):
+        assert g.dtype == jnp.bfloat16
+        # The gradient matmuls take the cotangent in bf16 (the recipe); JAX's keeps it in f32.
+        assert rel_err(g, r) < TOLERANCE["bfloat16"]
+
+
+def test_mixed_precision_forward_mode(mesh2d, rng):
+    a_shape, w_shape = global_shapes("matmul_rs", mesh2d, M_ROWS, K, N_COLS)
+    a, w = random(rng, a_shape, jnp.bfloat16), random(rng, w_shape, jnp.bfloat16)
+    specs = rs_specs(mesh2d)
+    run = functools.partial(run_sharded, mesh2d)
+    f = lambda a, w: run(lambda a, w: ficco_jax.matmul_rs(a, w, "tp", schedule="xla/ring/c2", out_dtype=F32),
+                         specs, a, w)
+    r = lambda a, w: run(lambda a, w: ficco_jax.matmul_rs_ref(a, w, "tp", out_dtype=F32), specs, a, w)
+    _, got = jax.jvp(f, (a, w), (a, w))
+    _, want = jax.jvp(r, (a, w), (a, w))
+    assert got.dtype == F32 and rel_err(got, want) < TOLERANCE["float32"]
+
+
+@pytest.mark.parametrize("op", ["a2a_matmul", "matmul_a2a"])
+def test_mixed_precision_expert_ops(mesh1d, rng, op):
+    fn, ref = getattr(ficco_jax, op), getattr(ficco_jax, f"{op}_ref")
+    n, e, c, d, f = 8, 2, 4, 16, 8
+    x = random(rng, (n * n, e, c, d), jnp.bfloat16)
+    w = random(rng, (n * e, d, f), jnp.bfloat16)
+    specs = ((P("tp"), P("tp")), P("tp"))
+    for sched in ("xla/direct/c2", "none") + (("dma/direct/c1",) if extension.available() else ()):
+        got = run_sharded(mesh1d, lambda x, w: fn(x, w, "tp", schedule=sched, out_dtype=F32), specs, x, w)
+        want = run_sharded(mesh1d, lambda x, w: ref(x, w, "tp"), specs, x.astype(F32), w.astype(F32))
+        assert got.dtype == F32 and rel_err(got, want) < TOLERANCE["float32"], sched
+
+
+@pytest.mark.parametrize("out_dtype,match", [(jnp.int32, "floating-point"), ("nonsense", "must be a dtype")])
+def test_bad_out_dtype_is_a_clear_error(mesh2d, rng, out_dtype, match):
+    a_shape, w_shape = global_shapes("ag_matmul", mesh2d, M_ROWS, K, N_COLS)
+    a, w = random(rng, a_shape, jnp.bfloat16), random(rng, w_shape, jnp.bfloat16)
+    with pytest.raises(TypeError, match=match):
+        run_sharded(mesh2d, lambda a, w: ficco_jax.ag_matmul(a, w, "tp", out_dtype=out_dtype), ag_specs(mesh2d), a, w)
+
+
+@pytest.mark.skipif(not extension.available(), reason="ficco_jax._ffi is not built")
+def test_dma_result_dtype_outside_the_executor_is_a_clear_error(mesh2d, rng):
+    a_shape, w_shape = global_shapes("ag_matmul", mesh2d, M_ROWS, K, N_COLS)
+    a, w = random(rng, a_shape, jnp.float32), random(rng, w_shape, jnp.float32)
+    with pytest.raises(TypeError, match="out_dtype"):
+        run_sharded(mesh2d, lambda a, w: ficco_jax.ag_matmul(a, w, "tp", schedule="dma/direct/c1",
+                                                             out_dtype=jnp.bfloat16), ag_specs(mesh2d), a, w)
+
+
+# ------------------------------------------------------------------------------------------------
+# FP8
+# ------------------------------------------------------------------------------------------------
+def _fp8_call(op, sched, out_dtype):
+    fn = OPS[op][0]
+    return lambda a, w, sa, sw: fn(a, w, "tp", schedule=sched, out_dtype=out_dtype, x_scale=sa, w_scale=sw)
+
+
+def _fp8_reference_f32(op, out_dtype):
+    """The reference on the dequantized operands (f32 arrays holding the FP8 values)."""
+    ref = OPS[op][1]
+    return lambda a, w, sa, sw: ref(a, w, "tp", out_dtype=out_dtype, x_scale=sa, w_scale=sw)
+
+
+@pytest.mark.parametrize("out_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("op,sched", CASES)
+def test_fp8_matches_reference(mesh2d, rng, op, sched, out_dtype):
+    a, w, scales = _scaled_inputs(rng, op, mesh2d)
+    specs = _fp8_specs(op, mesh2d)
+    got = run_sharded(mesh2d, _fp8_call(op, sched, out_dtype), specs, a, w, *scales)
+    want = run_sharded(mesh2d, _fp8_reference_f32(op, F32), specs, a.astype(F32), w.astype(F32), *scales)
+    assert got.dtype == jnp.dtype(out_dtype)
+    assert rel_err(got, want) < TOLERANCE[out_dtype]
+
+
+@pytest.mark.parametrize("op,sched", [c for c in CASES if "c1" in c.values[1]])
+def test_fp8_gradients(mesh2d, rng, op, sched):
+    """Scales' gradients within f32 rounding of the reference's; the FP8 operands' gradients are
+    the f32 reference's rounded once to FP8 (JAX's own rounds per device before the sum)."""
+    a, w, scales = _scaled_inputs(rng, op, mesh2d, ("float8_e4m3fn", "float8_e5m2"))
+    specs = _fp8_specs(op, mesh2d)
+    cot_shape = jax.eval_shape(lambda *v: run_sharded(mesh2d, _fp8_reference_f32(op, F32), specs, *v),
+                               a.astype(F32), w.astype(F32), *scales).shape
+    cot = random(rng, cot_shape, F32)
+
+    def loss(body, *v):
+        return jnp.sum(run_sharded(mesh2d, body, specs, *v).astype(F32) * cot)
+
+    got = jax.grad(functools.partial(loss, _fp8_call(op, sched, F32)), (0, 1, 2, 3))(a, w, *scales)
+    want = jax.grad(functools.partial(loss, _fp8_reference_f32(op, F32)), (0, 1, 2, 3))(
+        a.astype(F32), w.astype(F32), *scales)
+    for g, r, v in zip(got[:2], want[:2], (a, w)):
+        assert g.dtype == v.dtype
+        same = np.mean(np.asarray(g.astype(F32)) == np.asarray(r.astype(v.dtype).astype(F32)))
+        assert same > 0.99, same
+    for g, r in zip(got[2:], want[2:]):
+        assert abs(float(g) - float(r)) <= 1e-5 * abs(float(r)) + 1e-6
+
+
+def test_fp8_return_gathered_and_its_gradient(mesh2d, rng):
+    """The gathered FP8 x is returned as it was gathered (no dequantization), and a second user of
+    it sends its cotangent back to x."""
+    a, w, scales = _scaled_inputs(rng, "ag_matmul", mesh2d)
+    (a_spec, w_spec), out_spec = ag_specs(mesh2d)
+    specs = ((a_spec, w_spec, P(), P()), (out_spec, P(("dp", "tp"), None)))  # all_gather output is typed varying
+
+    def both(a, w, sa, sw):
+        return ficco_jax.ag_matmul(a, w, "tp", schedule="xla/ring/c2", x_scale=sa, w_scale=sw, out_dtype=F32,
+                                   return_gathered=True)
+
+    def ref_both(a, w, sa, sw):
+        gathered = jax.lax.all_gather(a, "tp", axis=0, tiled=True)
+        return ficco_jax.ag_matmul_ref(a, w, "tp", out_dtype=F32, x_scale=sa, w_scale=sw), gathered
+
+    out, gathered = run_sharded(mesh2d, both, specs, a, w, *scales)
+    _, want = run_sharded(mesh2d, ref_both, specs, a, w, *scales)
+    assert gathered.dtype == a.dtype
+    np.testing.assert_array_equal(np.asarray(gathered.astype(F32)), np.asarray(want.astype(F32)))
+
+    def loss(body, a, sa):
+        out, g = run_sharded(mesh2d, body, specs, a, w, sa, scales[1])
+        return jnp.sum(out) + jnp.sum(g.astype(F32) ** 2)
+
+    got = jax.grad(functools.partial(loss, both), (0, 1))(a, scales[0])
+    ref = jax.grad(functools.partial(loss, ref_both), (0, 1))(a.astype(F32), scales[0])
+    same = np.mean(np.asarray(got[0].astype(F32)) == np.asarray(ref[0].astype(a.dtype).astype(F32)))
+    assert same > 0.99, same
+    assert abs(float(got[1]) - float(ref[1])) <= 1e-5 * abs(float(ref[1]))
+
+
+@pytest.mark.parametrize("dtypes,scales,out_dtype,match", [
+    (("float8_e4m3fn", "float8_e4m3fn"), (None, 1.0), None, "need x_scale= and w_scale="),
+    (("float8_e5m2", "float8_e5m2"), (1.0, 1.0), None, "e5m2 x float8_e5m2"),
+    (("bfloat16", "bfloat16"), (1.0, 1.0), None, "both operands must be FP8"),
+    (("float8_e4m3fn", "float8_e4m3fn"), (1.0, 1.0), "float8_e4m3fn", "out_dtype is one of"),
+    (("float8_e4m3fn", "float8_e4m3fn"), (np.ones(3, np.float32), 1.0), None, "one float32 value"),
+])
+def test_fp8_bad_input_is_a_clear_error(mesh2d, rng, dtypes, scales, out_dtype, match):
+    a_shape, w_shape = global_shapes("ag_matmul", mesh2d, M_ROWS, K, N_COLS)
+    a, w = random(rng, a_shape, F32).astype(dtypes[0]), random(rng, w_shape, F32).astype(dtypes[1])
+    body = lambda a, w: ficco_jax.ag_matmul(a, w, "tp", x_scale=scales[0], w_scale=scales[1], out_dtype=out_dtype)
+    with pytest.raises(TypeError, match=match):
+        run_sharded(mesh2d, body, ag_specs(mesh2d), a, w)
