@@ -6,7 +6,10 @@ their Megatron-style shardings (`init_params`, `param_specs`); the blocks (RMSNo
 attention with RoPE and grouped-query heads, SwiGLU MLP) run in one `jax.shard_map` over a
 (dp, tp) mesh with sequence-parallel activations [batch/dp, seq/tp, hidden] between blocks; and
 the loss (`make_loss`): embedding, final norm, LM head and cross-entropy outside the shard_map.
-tp_transformer.py's docstring tells where the overlappable collectives are.
+With `Config.global_view` the same blocks are written on global arrays with explicit shardings
+(a mesh of `AxisType.Explicit` axes) and no shard_map: `reshard` gathers the sequence and the
+row-parallel matmuls' `out_sharding` scatters it. tp_transformer.py's docstring tells where the
+overlappable collectives are.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, reshard
 
 
 # ------------------------------------------------------------------------------------------------
@@ -47,6 +50,9 @@ class Config:
     # same shapes (tile / sum of slices), so the step does all its other work with no communication.
     # No overlap can make the real step faster than this one. Its losses are not the model's.
     comm_free: bool = False
+    # The model on global arrays with explicit shardings and no shard_map (the mesh's axes are
+    # AxisType.Explicit); the partitioner's gathers and scatters are the overlappable collectives.
+    global_view: bool = False
     rope_theta: float = 10000.0
     seed: int = 0
 
@@ -74,6 +80,9 @@ class Config:
         for name, value in (("kv_heads", self.kv_heads), ("ffn", self.ffn), ("seq", self.seq), ("hidden", self.hidden)):
             if value % tp:
                 problems.append(f"{name}={value} must divide by tp={tp}")
+        if self.global_view and self.comm_free:
+            problems.append("the communication-free bound replaces the shard_map view's collectives; "
+                            "the global view has none written")
         if problems:
             raise ValueError(f"tp_transformer: invalid config: {'; '.join(problems)}")
 
@@ -156,11 +165,26 @@ def rope(x, theta):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+ACT_SPEC = P("dp", "tp", None)  # [batch, seq, hidden]: batch over dp, sequence over tp
+GATHERED_SPEC = P("dp", None, None)  # the same with the whole sequence on every tp device
+
+
 def gather_seq(cfg: Config, x):
-    """[b, s/tp, D] -> [b, s, D]: the sequence all-gather (with cfg.comm_free, a local tile instead)."""
+    """[b, s/tp, D] -> [b, s, D]: the sequence all-gather (with cfg.comm_free, a local tile instead;
+    in the global view, a reshard that the partitioner makes an all-gather)."""
+    if cfg.global_view:
+        return reshard(x, GATHERED_SPEC)
     if cfg.comm_free:
         return jnp.tile(x, (1, jax.lax.axis_size("tp"), 1))
     return jax.lax.all_gather(x, "tp", axis=1, tiled=True)
+
+
+def project_scatter_seq(cfg: Config, equation: str, a, w):
+    """The row-parallel matmul ``einsum(equation, a, w)`` [b, s, D], its partial sums reduce-scattered
+    along the sequence -> [b, s/tp, D]. In the global view its out_sharding says so."""
+    if cfg.global_view:
+        return jnp.einsum(equation, a, w, out_sharding=ACT_SPEC)
+    return scatter_seq(cfg, jnp.einsum(equation, a, w))
 
 
 def scatter_seq(cfg: Config, y):
@@ -181,18 +205,19 @@ def attention_block(cfg: Config, x, p):
     k = rope(qkv[:, :, :, -2], cfg.rope_theta)
     v = qkv[:, :, :, -1]
     o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=cfg.attention)
-    return scatter_seq(cfg, jnp.einsum("bshk,hkd->bsd", o, p["wo"]))
+    return project_scatter_seq(cfg, "bshk,hkd->bsd", o, p["wo"])
 
 
 def mlp_block(cfg: Config, x, p):
     g = gather_seq(cfg, rms_norm(x, p["mlp_norm"]))
     gate_up = jnp.einsum("bsd,dcf->bscf", g, p["w_gate_up"])
     h = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
-    return scatter_seq(cfg, jnp.einsum("bsf,fd->bsd", h, p["w_down"]))
+    return project_scatter_seq(cfg, "bsf,fd->bsd", h, p["w_down"])
 
 
 def decoder_stack(cfg: Config, x, layers):
-    """The shard_map body: every decoder layer, as a scan over the stacked parameters (or a loop, cfg.scan)."""
+    """Every decoder layer, as a scan over the stacked parameters (or a loop, cfg.scan): the shard_map
+    body, or in the global view the global computation."""
     def layer(x, p):
         x = x + attention_block(cfg, x, p)
         return x + mlp_block(cfg, x, p), None
@@ -205,10 +230,9 @@ def decoder_stack(cfg: Config, x, layers):
     return x
 
 
-ACT_SPEC = P("dp", "tp", None)  # [batch, seq, hidden]: batch over dp, sequence over tp
-
-
 def make_loss(cfg: Config, mesh: Mesh):
+    if cfg.global_view:
+        return _make_global_loss(cfg)
     stack = jax.shard_map(lambda x, layers: decoder_stack(cfg, x, layers), mesh=mesh,
                           in_specs=(ACT_SPEC, param_specs()["layers"]), out_specs=ACT_SPEC)
 
@@ -216,6 +240,20 @@ def make_loss(cfg: Config, mesh: Mesh):
         x = jax.lax.with_sharding_constraint(params["embed"][inputs], NamedSharding(mesh, ACT_SPEC))
         x = rms_norm(stack(x, params["layers"]), params["final_norm"])
         logits = jnp.einsum("bsd,dv->bsv", x, params["head"], preferred_element_type=jnp.float32)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+    return loss
+
+
+def _make_global_loss(cfg: Config):
+    """The loss on global arrays (explicit mode; run under `jax.set_mesh`): every sharding is in
+    the types, the LM head's logits keep the activations' [batch@dp, seq@tp] layout."""
+    def loss(params, inputs, targets):
+        x = params["embed"].at[inputs].get(out_sharding=ACT_SPEC)
+        x = rms_norm(decoder_stack(cfg, x, params["layers"]), params["final_norm"])
+        logits = jnp.einsum("bsd,dv->bsv", x, params["head"], preferred_element_type=jnp.float32,
+                            out_sharding=ACT_SPEC)
         logp = jax.nn.log_softmax(logits, axis=-1)
         return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
 

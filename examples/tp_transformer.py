@@ -5,6 +5,7 @@ Usage:
     python examples/tp_transformer.py --compare --steps 5    # both modes, same init and data, side by side
     python examples/tp_transformer.py --preset llama70b-layer --layers 6 --compare   # 4 x H200
     python examples/tp_transformer.py --compare --comm-free-bound   # + the step with no communication at all
+    python examples/tp_transformer.py --global-view --compare       # the model in global view, no shard_map
 
 The model, in examples/llama_block.py, is written as a user would write it, with no ficco_jax call
 inside: decoder blocks (RMSNorm, causal attention with RoPE and grouped-query heads, SwiGLU MLP)
@@ -26,6 +27,13 @@ forward and the backward shard_map bodies, so both passes' all_gather->matmul an
 matmul->psum_scatter sites become `ag_matmul` / `matmul_rs`. The embedding, final norm, LM head
 and loss run outside the shard_map, partitioned by XLA from the shardings given to `jit`.
 
+`--global-view` trains the same model written on global arrays with explicit shardings and no
+shard_map (the mesh's axes are `AxisType.Explicit`; the step runs under `jax.set_mesh`): each
+block's `reshard(x, P("dp", None, None))` is the sequence all-gather and its row-parallel
+matmul's `out_sharding=P("dp", "tp", None)` the reduce-scatter. `overlap` finds the same sites
+there and runs each op in a shard_map over the mesh; the step's types are unchanged. On one
+device there is nothing to gather and the plain path is kept.
+
 Precision: on GPU, bf16 parameters and activations, f32 Adam moments and f32 update arithmetic
 (no f32 master copy); on CPU, f32 throughout (`--dtype` overrides). Optimizer: AdamW in plain JAX.
 Data: synthetic token sequences that mostly follow a fixed affine recurrence, so the loss falls.
@@ -35,6 +43,7 @@ real time, dispatch included); the step function is compiled before the first st
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import os
@@ -47,7 +56,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import ficco_jax  # noqa: E402
 from ficco_jax.tuning import timing  # noqa: E402
@@ -112,7 +121,15 @@ def make_mesh(cfg: Config) -> Mesh:
     tp = cfg.tp
     if len(devices) % tp:
         raise ValueError(f"tp_transformer: tp={tp} must divide the device count {len(devices)}; pass --tp")
-    return Mesh(np.array(devices).reshape(len(devices) // tp, tp), ("dp", "tp"))
+    # The global view states its shardings in the types: explicit axes. The shard_map view keeps
+    # the Mesh default, as the user code it stands for was written against.
+    axis_types = {"axis_types": (AxisType.Explicit,) * 2} if cfg.global_view else {}
+    return Mesh(np.array(devices).reshape(len(devices) // tp, tp), ("dp", "tp"), **axis_types)
+
+
+def mesh_context(cfg: Config, mesh: Mesh):
+    """The global view's model names its shardings by PartitionSpec: it is traced under jax.set_mesh."""
+    return jax.set_mesh(mesh) if cfg.global_view else contextlib.nullcontext()
 
 
 @dataclasses.dataclass
@@ -161,6 +178,11 @@ def init_state(trainer: Trainer):
 def train(cfg: Config, mesh: Mesh | None = None, log=print) -> dict:
     """Train `cfg.steps` steps; returns {"losses", "step_s", "tokens_per_step", "report", "memory"}."""
     mesh = mesh or make_mesh(cfg)
+    with mesh_context(cfg, mesh):
+        return _train(cfg, mesh, log)
+
+
+def _train(cfg: Config, mesh: Mesh, log) -> dict:
     trainer = build_trainer(cfg, mesh)
     mode = "comm-free bound" if cfg.comm_free else "overlap" if cfg.overlap else "no-overlap"
     params, opt_state = init_state(trainer)
@@ -251,6 +273,8 @@ def parse_config(argv=None) -> tuple[Config, argparse.Namespace]:
                         help="print the matmul-only bound (measures one GEMM)")
     parser.add_argument("--scan", action=argparse.BooleanOptionalAction, default=None,
                         help="layers as lax.scan (default) or a Python loop (default with --attention cudnn)")
+    parser.add_argument("--global-view", action="store_true", default=None,
+                        help="the model on global arrays with explicit shardings, no shard_map")
     parser.add_argument("--comm-free-bound", action="store_true",
                         help="also time the step with its sequence collectives replaced by local ops of the same "
                              "shapes: the fastest any overlap could make it (its losses are not the model's)")
@@ -287,7 +311,8 @@ def main(argv=None) -> None:
                                                                                jax.random.PRNGKey(0))))
     print(f"tp_transformer ({args.preset}): {cfg.layers} layers, hidden {cfg.hidden}, ffn {cfg.ffn}, heads "
           f"{cfg.heads}/{cfg.kv_heads} kv, seq {cfg.seq}, batch {cfg.batch} x dp {dp}, {n_params / 1e6:,.1f}M params, "
-          f"{cfg.compute_dtype.name}, remat {cfg.remat}, layers {'scanned' if cfg.scans_layers else 'unrolled'}; "
+          f"{cfg.compute_dtype.name}, remat {cfg.remat}, layers {'scanned' if cfg.scans_layers else 'unrolled'}, "
+          f"{'global view (explicit shardings)' if cfg.global_view else 'shard_map view'}; "
           f"mesh dp={dp} x tp={tp} on "
           f"{jax.device_count()} x {jax.devices()[0].device_kind}")
     print("timing: wall time per training step, block_until_ready after each (dispatch included)")

@@ -130,13 +130,29 @@ def test_default_tp_fits_the_device_count():
     assert [tp_transformer.fit_tp(tiny, n) for n in (1, 2, 3, 4, 6, 8)] == [1, 2, 1, 4, 2, 4]
 
 
-def test_compare_on_one_device_runs_the_plain_model_both_ways():
+def test_global_view_trains_alike_with_and_without_overlap():
+    """The same model on global arrays with explicit shardings: overlap finds each block's sequence
+    gathers and scatters (forward and backward) in the layer scan, and the losses are unchanged."""
+    cfg = dataclasses.replace(tp_transformer.PRESETS["tiny"], steps=2, dtype="float32", schedule=OVERLAP_SCHEDULE,
+                              global_view=True)
+    mesh = tp_transformer.make_mesh(cfg)
+    runs = {mode: tp_transformer.train(dataclasses.replace(cfg, overlap=mode), mesh, log=lambda *_: None)
+            for mode in (False, True)}
+    assert len(set(runs[False]["losses"])) == 2
+    np.testing.assert_allclose(runs[True]["losses"], runs[False]["losses"], rtol=1e-5)
+    in_layers = [r for r in runs[True]["report"].sites if "scan@" in r.where]
+    assert sorted(r.op for r in in_layers) == ["ag_matmul"] * 4 + ["matmul_rs"] * 4, str(runs[True]["report"])
+    assert all(r.schedule == OVERLAP_SCHEDULE for r in in_layers)
+
+
+@pytest.mark.parametrize("view", [[], ["--global-view"]], ids=["shard_map", "global"])
+def test_compare_on_one_device_runs_the_plain_model_both_ways(view):
     import os
     import re
     import subprocess
 
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-    done = subprocess.run([sys.executable, str(_PATH), "--compare", "--steps", "2", "--no-bound"],
+    done = subprocess.run([sys.executable, str(_PATH), "--compare", "--steps", "2", "--no-bound", *view],
                           capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "dp=1 x tp=1" in done.stdout and "no collective to overlap" in done.stdout

@@ -1,7 +1,7 @@
 """The tensor-parallel patterns of global-view code under explicit sharding (no shard_map).
 
-With a mesh whose axes are ``AxisType.Explicit`` (the default of ``jax.make_mesh`` since jax
-0.9), the shardings are part of the types (``f32[64@tp,32]``) and a program written on global
+With a mesh whose axes are ``AxisType.Explicit`` (the default of ``jax.make_mesh`` in jax
+0.10), the shardings are part of the types (``f32[64@tp,32]``) and a program written on global
 arrays tells where the partitioner communicates:
 
 - all_gather → matmul: ``reshard`` removes mesh axis A from one dimension g of x and the result
@@ -348,7 +348,10 @@ def _scatter(ctx: MatchContext, j: int, axis: str) -> Site | SiteRecord:
     shapes = f"{_typed(dot.invars[0])} · {_typed(dot.invars[1])} -> {_typed(target)}"
     scattered = [d for d, (a, b) in enumerate(zip(y_dims, target_dims)) if axis in b and axis not in a]
     rest_same = all(a == b for d, (a, b) in enumerate(zip(y_dims, target_dims)) if d not in scattered)
+    mesh = _mesh(dot.invars[0].aval)
     if len(scattered) != 1 or target_dims[scattered[0]] != (axis,) or not rest_same:
+        if mesh.shape[axis] == 1:
+            return None  # an axis of one device reduces nothing
         return _miss(ctx, RS, j, axis, shapes,
                      f"the contraction is split over {axis!r} and the result is not scattered over it along one "
                      f"row dimension (an all-reduce, e.g. a data-parallel weight gradient); the op reduce-scatters: "
@@ -356,7 +359,6 @@ def _scatter(ctx: MatchContext, j: int, axis: str) -> Site | SiteRecord:
     problem = ctx.not_enabled(RS)
     if problem:
         return _miss(ctx, RS, j, axis, shapes, problem)
-    mesh = _mesh(dot.invars[0].aval)
     reads = tuple(dot.invars)
 
     def local_fn(lhs, rhs):

@@ -333,13 +333,16 @@ class Overlapped:
         return _Traced(rewritten, out_trees[0], report)
 
 
+_TRACER = getattr(jax.core, "Tracer", ())  # a traced argument has no concrete sharding to read
+
+
 def _concrete_mesh(leaves) -> jax.sharding.Mesh | None:
     """The mesh global-view sites run their shard_maps over: the jax.set_mesh context's, else the
     first argument's (copy-engine schedules find their peers in it when lowered)."""
     context = mesh_lib.get_concrete_mesh()  # the set_mesh context, also under jit; no public getter there
     if isinstance(context, jax.sharding.Mesh) and not context.empty:
         return context
-    arrays = (leaf for leaf in leaves if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer))
+    arrays = (leaf for leaf in leaves if isinstance(leaf, jax.Array) and not isinstance(leaf, _TRACER))
     meshes = (getattr(leaf.sharding, "mesh", None) for leaf in arrays)
     return next((m for m in meshes if isinstance(m, jax.sharding.Mesh) and not m.empty), None)
 
