@@ -272,6 +272,14 @@ def test_near_misses_say_why(mesh):
     report = explain(overlap(megatron_mlp, ops=("matmul_rs",)), x, w_up, w_down)
     assert "ag_matmul is not in ops=" in report.near_misses[0].reason, str(report)
 
+    def gathered_then_normalised(x, w_up):  # a reshard whose reader is not the matmul
+        g = reshard(x, P("dp", None, None))
+        return jnp.einsum("bsd,df->bsf", g / jnp.linalg.norm(g, axis=-1, keepdims=True), w_up)
+
+    report = explain(overlap(gathered_then_normalised, schedule=XLA), x, w_up)
+    assert not report.sites and len(report.near_misses) == 1, str(report)
+    assert "feeds no matmul directly" in report.near_misses[0].reason and report.near_misses[0].axis_name == "tp"
+
 
 def test_expert_all_to_all_in_global_view_is_a_near_miss():
     mesh = jax.make_mesh((8,), ("ep",), axis_types=(AxisType.Explicit,))

@@ -151,8 +151,11 @@ class GlobalSite(Site):
 
 def _local_site(mesh, local_fn: Callable, reads, in_specs, out_specs, where: str) -> Site | str:
     """The site match_tp.py finds in the shard_map body `local_fn` is, or why it finds none."""
-    traced = jax.make_jaxpr(jax.shard_map(local_fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                                          check_vma=False))(*[v.aval for v in reads])
+    try:
+        traced = jax.make_jaxpr(jax.shard_map(local_fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                                              check_vma=False))(*[v.aval for v in reads])
+    except Exception as err:  # noqa: BLE001 - a site jax cannot express per device stays as written
+        return f"its per-device form does not trace ({type(err).__name__}: {str(err).splitlines()[0]})"
     (eqn,) = traced.jaxpr.eqns
     body, _ = open_jaxpr(eqn.params["jaxpr"])
     ctx = MatchContext.of(body, dict(mesh.shape), where, (AG, RS))
@@ -291,10 +294,13 @@ def match_reshard(ctx: MatchContext, i: int) -> Site | SiteRecord | None:
         return None
     change = _removed_axis(before, after)
     dots = [(j, pos) for j, pos in ctx.users.get(g, []) if ctx.eqns[j].primitive.name == _DOT]
-    if change is None or not dots:
+    if change is None or (not dots and not isinstance(change, tuple)):
         return None
     axis = change[1] if isinstance(change, tuple) else "?"
     shapes = f"x {_typed(x)} resharded to {_typed(g)}"
+    if not dots:
+        return _miss(ctx, AG, i, axis, shapes, f"the gathered tensor feeds no matmul directly "
+                                               f"({ctx.readers_text(g)}); reshard right before the matmul")
     if isinstance(change, str):
         op = "a2a_matmul" if "all-to-all" in change else AG
         fix = ("; write the expert layer in a jax.shard_map to get a2a_matmul" if op != AG else "")
