@@ -212,3 +212,74 @@ def test_fp8_bad_input_is_a_clear_error(mesh2d, rng, dtypes, scales, out_dtype, 
     body = lambda a, w: ficco_jax.ag_matmul(a, w, "tp", x_scale=scales[0], w_scale=scales[1], out_dtype=out_dtype)
     with pytest.raises(TypeError, match=match):
         run_sharded(mesh2d, body, ag_specs(mesh2d), a, w)
+
+
+# ------------------------------------------------------------------------------------------------
+# overlap(): mixed-precision and FP8 sites as users write them
+# ------------------------------------------------------------------------------------------------
+def _mixed_mlp(x, w1, w2):
+    h = jnp.matmul(jax.lax.all_gather(x, "tp", axis=0, tiled=True), w1, preferred_element_type=F32)
+    y = jnp.matmul(jax.nn.gelu(h).astype(jnp.bfloat16), w2, preferred_element_type=F32)
+    return jax.lax.psum_scatter(y, "tp", scatter_dimension=0, tiled=True)
+
+
+def _fp8_mlp(x8, w1, w2, sx, sw):
+    """The FP8 recipe: the gathered FP8 activation dequantized in bf16 before the first matmul, the
+    second matmul's operands dequantized from FP8 before the reduce-scatter."""
+    bf = jnp.bfloat16
+    g = jax.lax.all_gather(x8, "tp", axis=0, tiled=True)
+    h = (g.astype(bf) * sx.astype(bf)) @ (w1.astype(bf) * sw.astype(bf))
+    h8 = jax.nn.relu(h).astype(jnp.float8_e4m3fn)
+    y = (h8.astype(F32) * sx) @ (w2.astype(F32) * sw)
+    return h, jax.lax.psum_scatter(y, "tp", scatter_dimension=0, tiled=True)
+
+
+def _mlp_weights(rng, mesh, dtype):
+    tp = mesh.shape["tp"]
+    return random(rng, (K, tp * N_COLS), F32).astype(dtype), random(rng, (tp * N_COLS, K), F32).astype(dtype)
+
+
+@pytest.mark.parametrize("sched", ["xla/ring/c2"] + (["dma/direct/c2"] if extension.available() else []))
+def test_overlap_rewrites_mixed_precision_sites(mesh1d, rng, sched):
+    x = random(rng, (8 * M_ROWS, K), jnp.bfloat16)
+    w1, w2 = _mlp_weights(rng, mesh1d, jnp.bfloat16)
+    fn = jax.shard_map(_mixed_mlp, mesh=mesh1d, in_specs=(P("tp"), P(None, "tp"), P("tp", None)), out_specs=P("tp"))
+    report = ficco_jax.explain(ficco_jax.overlap(fn, schedule=sched), x, w1, w2)
+    assert [r.op for r in report.sites] == ["ag_matmul", "matmul_rs"] and not report.near_misses, str(report)
+    fused = jax.jit(ficco_jax.overlap(fn, schedule=sched))
+    got, want = fused(x, w1, w2), jax.jit(fn)(x, w1, w2)
+    assert got.dtype == F32 and rel_err(got, want) < TOLERANCE["float32"]
+    g = jax.grad(lambda *a: jnp.sum(fused(*a)), (1, 2))(x, w1, w2)
+    r = jax.grad(lambda *a: jnp.sum(fn(*a)), (1, 2))(x, w1, w2)
+    for a, b in zip(g, r):
+        assert a.dtype == jnp.bfloat16 and rel_err(a, b) < TOLERANCE["bfloat16"]
+
+
+@pytest.mark.parametrize("sched", ["xla/ring/c2"] + (["dma/direct/c2"] if extension.available() else []))
+def test_overlap_rewrites_fp8_sites(mesh1d, rng, sched):
+    x8 = (random(rng, (8 * M_ROWS, K), F32) * 3).astype(jnp.float8_e4m3fn)
+    w1, w2 = _mlp_weights(rng, mesh1d, jnp.float8_e4m3fn)
+    scales = (jnp.float32(0.37), jnp.float32(1.7))
+    fn = jax.shard_map(_fp8_mlp, mesh=mesh1d, in_specs=(P("tp"), P(None, "tp"), P("tp", None), P(), P()),
+                       out_specs=(P(None, "tp"), P("tp")))
+    fused = ficco_jax.overlap(fn, schedule=sched)
+    report = ficco_jax.explain(fused, x8, w1, w2, *scales)
+    assert [r.op for r in report.sites] == ["ag_matmul", "matmul_rs"], str(report)
+    assert all("FP8, scaled" in r.shapes for r in report.sites), str(report)
+    (h, y), (h_ref, y_ref) = jax.jit(fused)(x8, w1, w2, *scales), jax.jit(fn)(x8, w1, w2, *scales)
+    assert h.dtype == jnp.bfloat16 and rel_err(h, h_ref) < TOLERANCE["bfloat16"]
+    # y reads h requantized to FP8: where bf16 rounding of h differs, an FP8 step may differ too.
+    assert y.dtype == F32 and rel_err(y, y_ref) < 0.05
+    text = jax.jit(fused).lower(x8, w1, w2, *scales).as_text()
+    if sched.startswith("dma"):
+        assert text.count("ficco_ag_matmul_scaled") == 1 and text.count("ficco_matmul_rs_scaled") == 1
+
+
+def test_overlap_reports_e5m2_pair_as_near_miss(mesh1d, rng):
+    x8 = random(rng, (8 * M_ROWS, K), F32).astype(jnp.float8_e5m2)
+    w1, w2 = _mlp_weights(rng, mesh1d, jnp.float8_e5m2)
+    scales = (jnp.float32(1.0), jnp.float32(1.0))
+    fn = jax.shard_map(_fp8_mlp, mesh=mesh1d, in_specs=(P("tp"), P(None, "tp"), P("tp", None), P(), P()),
+                       out_specs=(P(None, "tp"), P("tp")))
+    report = ficco_jax.explain(ficco_jax.overlap(fn, schedule="xla/ring/c2"), x8, w1, w2, *scales)
+    assert any("e5m2 x float8_e5m2" in r.reason for r in report.near_misses), str(report)

@@ -71,7 +71,7 @@ def ag_matmul(x, w, axis_name: str, *, schedule: ScheduleArg = "auto", return_ga
     bytes, the matmuls are FP8. Reverse-mode differentiable with an overlapped backward whose
     precision ops/scaled.py states; scales may be traced (delayed scaling updates them).
     """
-    if x_scale is not None or w_scale is not None or scaled.is_fp8(x.dtype):
+    if scaled.wanted(x, x_scale, w_scale):
         return scaled.call("ag_matmul", x, w, axis_name, schedule, (x_scale, w_scale), out_dtype,
                            with_side=return_gathered, measure=time_op)
     return call("ag_matmul", x, w, axis_name, schedule, with_side=return_gathered, side_flag="return_gathered",
@@ -87,7 +87,7 @@ def matmul_rs(y, w, axis_name: str, *, schedule: ScheduleArg = "auto", out_dtype
     summed are f32, and so is the result. FP8 y and w take `x_scale` (y's scale) and `w_scale` as
     in `ag_matmul`; the partials that move and are summed have `out_dtype` (bf16 by default).
     """
-    if x_scale is not None or w_scale is not None or scaled.is_fp8(y.dtype):
+    if scaled.wanted(y, x_scale, w_scale):
         return scaled.call("matmul_rs", y, w, axis_name, schedule, (x_scale, w_scale), out_dtype, measure=time_op)
     return call("matmul_rs", y, w, axis_name, schedule, measure=time_op, out_dtype=out_dtype)
 

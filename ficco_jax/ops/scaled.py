@@ -47,6 +47,11 @@ def is_fp8(dtype) -> bool:
     return jnp.dtype(dtype).name in config.FP8_DTYPES
 
 
+def wanted(a, *scales) -> bool:
+    """Whether a call is an FP8 one: scales given, or an FP8 first operand (which needs them)."""
+    return any(s is not None for s in scales) or (hasattr(a, "dtype") and is_fp8(a.dtype))
+
+
 def check(op: str, a, w, scales, out_dtype):
     """(scales as f32 scalars, out_dtype) of an FP8 call, or a TypeError that names the fix."""
     names = ("x", "w") if op == "ag_matmul" else ("y", "w")

@@ -40,6 +40,11 @@ class Static:
     with_side: bool = False
 
 
+def _present_one(res):
+    """A residual that is present: both have the operands' dtype."""
+    return res[0] if res[0] is not None else res[1]
+
+
 def _operand_dtype(ct, w):
     """A cotangent of the op's result, in the operands' dtype: with mixed precision (f32 results of
     bf16 operands) the gradient matmuls take bf16 operands and accumulate into f32, as the forward
@@ -71,7 +76,7 @@ def gather_map(pair, gather_impl: Callable, forms: Callable) -> LinearMap:
         return (out, side_t) if static.with_side else (out,)
 
     def transpose(static, res, cts, wanted):
-        (w, side), ct_out = res, _operand_dtype(cts[0], res[0])
+        (w, side), ct_out = res, _operand_dtype(cts[0], _present_one(res))
         ct_side = cts[1] if static.with_side else None
         dx = dw = None
         if wanted[0] and ct_out is not None:
@@ -111,7 +116,7 @@ def scatter_map(pair, scatter_impl: Callable, forms: Callable) -> LinearMap:
         return (scatter_impl(a, b, static.axis_name, static.sched, static.out_dtype),)
 
     def transpose(static, res, cts, wanted):
-        (y, w), ct = res, _operand_dtype(cts[0], res[1] if res[1] is not None else res[0])
+        (y, w), ct = res, _operand_dtype(cts[0], _present_one(res))
         dy = dw = None
         if ct is None:
             return dy, dw

@@ -17,6 +17,12 @@ of the 2-D rows contiguous: for x[b, s, d] gathered on s, rows = (s, b), and the
 of [s·b, d] concatenates the devices' [s·b] blocks, i.e. gathers s. The result is reshaped to
 [n·s, b, N] and transposed back to the dot's own output order.
 
+FP8, as JAX recipes write it: ``all_gather(x8) → convert → multiply by a scalar scale → dot`` with
+the other operand dequantized the same way (``convert(w8) * w_scale``) becomes the FP8 ag_matmul of
+x8 and w8 with their scales (the gather moves FP8 bytes); ``dot(dequantized y8, dequantized w8) →
+psum_scatter`` the FP8 matmul_rs. The result dtype is the dot's. Mixed precision (bf16 operands,
+``preferred_element_type=jnp.float32``) passes `out_dtype` to the op.
+
 Everything not matched is reported as a near-miss with the reason, and left as written.
 """
 from __future__ import annotations
@@ -34,6 +40,10 @@ from .site import MatchContext, Site, SiteRecord, collective_problem, dot_dtype_
 AG, RS = "ag_matmul", "matmul_rs"
 OPS = (AG, RS)
 _DOT = "dot_general"
+_CONVERT, _MUL = "convert_element_type", "mul"
+# What a scale may pass through between the scalar and the multiply: shape, dtype and the
+# varying-axes type (pvary; pcast in newer jax) change, its value does not.
+_SCALE_PASSES = ("broadcast_in_dim", _CONVERT, "pvary", "pcast")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -65,8 +75,10 @@ class TensorSite(Site):
     def operands(self, read: Callable):
         _, _, ca, cw, fa, fw = self._layout()
         (rows, k), (_, n_cols) = self.op_shapes()
-        weight = reshape(transpose(read(self.dot.invars[1 - self.act_side]), cw + fw), (k, n_cols))
-        act = read(self.collective.invars[0] if self.op == AG else self.dot.invars[self.act_side])
+        w_atom = self.fp8_weight if self.fp8_weight is not None else self.dot.invars[1 - self.act_side]
+        weight = reshape(transpose(read(w_atom), cw + fw), (k, n_cols))
+        act_atom = self.fp8_act if self.fp8_act is not None else self.dot.invars[self.act_side]
+        act = read(self.collective.invars[0] if self.op == AG else act_atom)
         return reshape(transpose(act, [self.act_dim] + fa + ca), (rows, k)), weight
 
     def write_outputs(self, out, collective_out, write: Callable) -> None:
@@ -110,6 +122,8 @@ def match_gather(ctx: MatchContext, i: int) -> TensorSite | SiteRecord:
     problem = ctx.not_enabled(AG) or collective_problem(gather.params)
     if problem:
         return ctx.miss(AG, i, shapes, problem)
+    if ops.scaled.is_fp8(x.aval.dtype):
+        return _match_scaled_gather(ctx, i, shapes)
     uses = ctx.users.get(g, [])
     dot_reasons = []
     for j, pos in uses:
@@ -156,10 +170,12 @@ def match_scatter(ctx: MatchContext, i: int) -> TensorSite | SiteRecord:
     w = dot.invars[1 - side]
     if not is_var(w) or not is_var(dot.invars[side]):
         return ctx.miss(RS, i, shapes, "a matmul operand is a literal")
+    fp8 = _scaled_operands(ctx, dot.invars[side], w)
     site = TensorSite(op=RS, **ctx.axis(scatter), exec_index=j, skip=(j, i), dot=dot, collective=scatter,
-                      act_side=side, act_dim=act_dim)
-    return ctx.found(site, i, f"y {fmt(dot.invars[side].aval)} scattered dim {act_dim} · w {fmt(w.aval)} -> "
-                              f"{fmt(scatter.outvars[0].aval)}")
+                      act_side=side, act_dim=act_dim, **fp8)
+    y, w = (fp8["fp8_act"], fp8["fp8_weight"]) if fp8 else (dot.invars[side], w)
+    return ctx.found(site, i, f"y {fmt(y.aval)} scattered dim {act_dim} · w {fmt(w.aval)}{' (FP8, scaled)' if fp8 else ''}"
+                              f" -> {fmt(scatter.outvars[0].aval)}")
 
 
 def _scatter_source_problem(ctx: MatchContext, j: int) -> str | None:
@@ -173,6 +189,97 @@ def _scatter_source_problem(ctx: MatchContext, j: int) -> str | None:
     if producer == "convert_element_type":
         problem += " (a dtype cast between matmul and reduce-scatter changes the reduction dtype)"
     return problem
+
+
+# --------------------------------------------------------------------------------------------
+# FP8: operands dequantized as convert(v8) * scale
+# --------------------------------------------------------------------------------------------
+def _scale_atom(ctx: MatchContext, atom):
+    """The scalar a dequantizing multiply scales by: the value `atom` broadcasts or casts from
+    (itself if neither); None if that is not one value."""
+    j = ctx.producer(atom)
+    while j >= 0 and ctx.eqns[j].primitive.name in _SCALE_PASSES:
+        atom = ctx.eqns[j].invars[0]
+        j = ctx.producer(atom)
+    return atom if atom.aval.shape == () else None
+
+
+def _dequantized(ctx: MatchContext, atom):
+    """(FP8 source, scale, (convert index, multiply index)) where `atom` = convert(FP8) * scalar,
+    else None."""
+    j = ctx.producer(atom)
+    if j < 0 or ctx.eqns[j].primitive.name != _MUL:
+        return None
+    mul = ctx.eqns[j]
+    for pos in (0, 1):
+        c = ctx.producer(mul.invars[pos])
+        if c >= 0 and ctx.eqns[c].primitive.name == _CONVERT and ops.scaled.is_fp8(ctx.eqns[c].invars[0].aval.dtype):
+            scale = _scale_atom(ctx, mul.invars[1 - pos])
+            if scale is not None:
+                return ctx.eqns[c].invars[0], scale, (c, j)
+    return None
+
+
+def _scaled_operands(ctx: MatchContext, act, w) -> dict:
+    """The FP8 fields of a matmul_rs site whose dot multiplies two dequantized FP8 tensors (not
+    both e5m2); {} for any other dot, which the op takes as written."""
+    a, b = _dequantized(ctx, act), _dequantized(ctx, w)
+    if a is None or b is None or str(a[0].aval.dtype) == str(b[0].aval.dtype) == "float8_e5m2":
+        return {}
+    return {"fp8_act": a[0], "fp8_weight": b[0], "scales": (a[1], b[1])}
+
+
+def _match_scaled_gather(ctx: MatchContext, i: int, shapes: str) -> TensorSite | SiteRecord:
+    """all_gather(x8) → convert → × x_scale → dot with convert(w8) × w_scale: the FP8 ag_matmul."""
+    gather = ctx.eqns[i]
+    axis, g = gather.params["all_gather_dimension"], gather.outvars[0]
+    uses = ctx.users.get(g, [])
+    first_use = min(k for k, _ in uses) if uses else i
+    reasons = []
+    for c, _ in uses:
+        conv = ctx.eqns[c]
+        if conv.primitive.name != _CONVERT:
+            continue
+        for m, _ in ctx.users.get(conv.outvars[0], []):
+            for j, pos in ctx.users.get(ctx.eqns[m].outvars[0], []):
+                dot = ctx.eqns[j]
+                if dot.primitive.name != _DOT or _dequantized(ctx, dot.invars[pos]) is None:
+                    continue
+                _, x_scale, _ = _dequantized(ctx, dot.invars[pos])
+                problem, w_deq = _scaled_gather_problem(ctx, dot, pos, axis, (conv, ctx.eqns[m]), first_use, x_scale)
+                if problem:
+                    reasons.append(f"eqn {j}: {problem}")
+                    continue
+                site = TensorSite(op=AG, **ctx.axis(gather), exec_index=first_use, skip=tuple(sorted({i, c, m, j})),
+                                  dot=dot, collective=gather, act_side=pos, act_dim=axis,
+                                  returns_collective=ctx.read_elsewhere(g), fp8_weight=w_deq[0],
+                                  scales=(x_scale, w_deq[1]))
+                return ctx.found(site, i, f"{shapes} · w {fmt(w_deq[0].aval)} (FP8, scaled) -> "
+                                          f"{fmt(dot.outvars[0].aval)}")
+    if reasons:
+        return ctx.miss(AG, i, shapes, "; ".join(reasons))
+    return ctx.miss(AG, i, shapes, "the FP8 gathered tensor reaches no matmul as convert → multiply by a scalar "
+                                   f"scale → dot ({ctx.readers_text(g)})")
+
+
+def _scaled_gather_problem(ctx, dot, pos, axis, dequant_eqns, first_use, x_scale):
+    """(why the FP8 gather's dot cannot be the FP8 op, the weight's (FP8 source, scale))."""
+    (lc, rc), _ = dot.params["dimension_numbers"]
+    problem = _dot_problem(dot)
+    if problem is None and axis in (lc, rc)[pos]:
+        problem = "the matmul contracts over the gathered dimension (a weight-gradient matmul)"
+    if problem is None and any(ctx.read_elsewhere(e.outvars[0]) for e in dequant_eqns):
+        problem = "the dequantized gathered tensor has other users"
+    w_deq = _dequantized(ctx, dot.invars[1 - pos])
+    if problem is None and w_deq is None:
+        problem = "the matmul's other operand is not an FP8 tensor dequantized by a scalar scale"
+    x8 = dequant_eqns[0].invars[0]  # the gathered FP8 tensor the convert reads
+    if problem is None and str(w_deq[0].aval.dtype) == str(x8.aval.dtype) == "float8_e5m2":
+        problem = "float8_e5m2 x float8_e5m2 matmuls are not supported"
+    for atom, what in ((w_deq and w_deq[0], "FP8 weight"), (x_scale, "scale"), (w_deq and w_deq[1], "scale")):
+        if problem is None and is_var(atom) and ctx.defined_at[atom] >= first_use:
+            problem = f"the {what} is computed after the gathered tensor's first use"
+    return problem, w_deq
 
 
 # The matcher of each collective primitive this family rewrites.

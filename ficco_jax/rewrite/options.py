@@ -81,7 +81,7 @@ class Options:
         """The schedule handed to the op at `site`, how to show it, and the plain-path note."""
         # The axis locates the peers, so "auto" keeps copy engines for in-process groups of a
         # multi-process program.
-        where = {"axis_name": site.axis_name, "mesh": site.mesh}
+        where = {"axis_name": site.axis_name, "mesh": site.mesh, "out_dtype": site.out_dtype}
         args = (site.op_shapes(), site.dtype, site.axis_size)
         if self.schedule == "autotune":
             return self._autotune(site, args, where)

@@ -59,6 +59,11 @@ class Site:
     returns_collective: bool = False
     schedule: Any = "auto"
     mesh: Any = None  # the enclosing shard_map's concrete mesh, where it has one (locates the peers)
+    # FP8 sites (all_gather of an FP8 tensor, dequantized, then the matmul): the jaxpr atoms of the
+    # op's FP8 operands where they differ from the dot's, and of the two per-tensor scales.
+    fp8_act: Any = None
+    fp8_weight: Any = None
+    scales: tuple | None = None
 
     def op_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(operand shape, weight shape) as the op takes them."""
@@ -74,19 +79,29 @@ class Site:
 
     @property
     def dtype(self):
-        return self.dot.outvars[0].aval.dtype
+        """The op's operand dtype: the FP8 one of an FP8 site, else the dot's operands'."""
+        return (self.fp8_weight if self.fp8_weight is not None else self.dot.invars[1]).aval.dtype
+
+    @property
+    def out_dtype(self):
+        """The op's result dtype where it differs from its operands' (mixed precision, FP8), else None."""
+        out = self.dot.outvars[0].aval.dtype
+        return None if out == self.dtype else np.dtype(out)
 
     def run(self, read: Callable, write: Callable) -> None:
         """Compute this site's outputs from the interpreter's environment and write them into it."""
-        result = self.call_op(*self.operands(read))
+        numerics = {"out_dtype": self.out_dtype} if self.out_dtype is not None else {}
+        if self.scales is not None:
+            numerics.update(x_scale=_scalar(read(self.scales[0])), w_scale=_scalar(read(self.scales[1])))
+        result = self.call_op(*self.operands(read), **numerics)
         out, collective_out = result if self.returns_collective else (result, None)
         self.write_outputs(out, collective_out, write)
 
-    def call_op(self, operand, weight):
+    def call_op(self, operand, weight, **numerics):
         fn, side_flag = self.op_calls[self.op]
         kwargs = {side_flag: True} if self.returns_collective else {}
         try:
-            return fn(operand, weight, self.axis_name, schedule=self.schedule, **kwargs)
+            return fn(operand, weight, self.axis_name, schedule=self.schedule, **kwargs, **numerics)
         except ValueError as err:
             # The schedule was validated for the site's shapes; an op that still refuses it
             # (a check only the op makes) falls back rather than failing the user's function.
@@ -94,7 +109,12 @@ class Site:
                 raise
             logger.warning("ficco_jax.overlap: %s rejected %s at %s (%s); using 'auto'", self.op, self.schedule,
                            self.record.where, err)
-            return fn(operand, weight, self.axis_name, schedule="auto", **kwargs)
+            return fn(operand, weight, self.axis_name, schedule="auto", **kwargs, **numerics)
+
+
+def _scalar(value):
+    """A per-tensor scale as the ops take it: one f32 value."""
+    return jnp.asarray(value, jnp.float32).reshape(())
 
 
 # --------------------------------------------------------------------------------------------
@@ -185,16 +205,20 @@ def collective_problem(params) -> str | None:
 
 
 def dot_dtype_problem(dot) -> str | None:
-    """Why the ops' matmuls would not compute what `dot` computes: dtypes or precision."""
+    """Why the ops' matmuls would not compute what `dot` computes: dtypes or precision. Operands
+    of one dtype with a result of that dtype, or f32 from bf16 / f16 operands (mixed precision,
+    `preferred_element_type=jnp.float32`), are served."""
     lhs, rhs = (v.aval for v in dot.invars)
     out = dot.outvars[0].aval
     for aval in (lhs, rhs):
         if not jnp.issubdtype(aval.dtype, jnp.floating):
             return (f"{np.dtype(aval.dtype).name} matmul; the ops compute floating-point matmuls only, so it "
                     f"stays as written")
-    if not (lhs.dtype == rhs.dtype == out.dtype):
+    mixed = out.dtype == jnp.float32 and lhs.dtype in (jnp.bfloat16, jnp.float16)
+    if lhs.dtype != rhs.dtype or (out.dtype != lhs.dtype and not mixed):
         return (f"operand/result dtypes differ ({np.dtype(lhs.dtype).name} x {np.dtype(rhs.dtype).name}"
-                f" -> {np.dtype(out.dtype).name}); the ops compute in the operands' dtype")
+                f" -> {np.dtype(out.dtype).name}); the ops take operands of one dtype and return it, or f32 "
+                f"from bf16/f16 operands")
     precision = dot.params.get("precision")
     if precision is not None and precision != default_precision():
         return f"explicit precision={precision} differs from the default the ops' matmuls use"
