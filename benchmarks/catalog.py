@@ -161,6 +161,23 @@ def _characterize(ctx):
     return [Step("characterize", _py(ctx, "-m", "ficco_jax", "characterize", "--out", ctx.out, *ctx.options))]
 
 
+def _fp8(ctx):
+    return [Step("fp8_gemm", _py(ctx, f"{SUITES_DIR}/fp8_gemm.py", "--out", ctx.out, *ctx.options))]
+
+
+def _fp8_result(out: str) -> str:
+    """The executor's FP8 speed-up over the bf16 GEMMs (lowest and highest over the shapes) and the
+    verification count, from fp8_gemm.json."""
+    with open(os.path.join(out, "fp8_gemm.json")) as fh:
+        data = json.load(fh)
+    pairs = [(x["executor_fp8_over_executor_bf16"], x["executor_fp8_over_jax_bf16"])
+             for x in (s["speedups"] for s in data["shapes"])]
+    over = [min(pair) for pair in pairs if None not in pair]
+    rows = [r for s in data["shapes"] for r in s["variants"].values() if r.get("verified") is not None]
+    span = f"executor FP8 over bf16 {min(over):.2f}x-{max(over):.2f}x" if over else "no executor FP8 speed-up"
+    return f"{span} over {len(data['shapes'])} shapes; verified {sum(bool(r['verified']) for r in rows)}/{len(rows)}"
+
+
 def nsys_path() -> str | None:
     found = shutil.which("nsys")
     if found:
@@ -211,8 +228,11 @@ SUITES = {s.name: s for s in [
           "any; GPUs for run-ahead", 0, 360, _load, r"(PASS|FAIL)", takes_options=True),
     Suite("multiprocess", "one process per GPU (CUDA IPC): every dma schedule checked, then timed",
           "2+ GPUs (CPU: 2 processes, refusals checked)", 0, 560, _multiprocess, r"^checks: "),
-    Suite("characterize", "decomposition loss, copy-engine vs NCCL contention, transfer cost on this machine",
+    Suite("characterize", "decomposition loss, copy-engine vs NCCL contention, transfer cost, FP8 matmul rate",
           "2+ GPUs", 2, 420, _characterize, takes_options=True),
+    Suite("fp8", "FP8 vs bf16 GEMMs on one GPU: the executor's FP8 and bf16 matmuls, JAX's bf16 dot, FP8 dot and "
+          "dequantize-then-dot, on the per-device anchor shapes", "1+ GPU (the script alone runs on CPU)", 1, 300,
+          _fp8, _fp8_result, takes_options=True),
     Suite("trace", "a GPU timeline of one op (nsys, else JAX's profiler): OP SCHEDULE M K N [ITERS] after --",
           "any; 1+ GPU for a GPU timeline", 0, 240, _trace, r"^\d+ .*events (of|on) ", takes_options=True),
 ]}

@@ -16,7 +16,7 @@ from ficco_jax.runtime import extension
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RUN = REPO / "benchmarks" / "run.py"
 SUITES = ["build", "tests", "demo", "bench", "peers", "accuracy", "e2e", "faults", "soak", "load",
-          "multiprocess", "characterize", "trace"]
+          "multiprocess", "characterize", "fp8", "trace"]
 
 
 def _run(*args, timeout=120):
@@ -57,6 +57,15 @@ def test_gpu_suites_are_skipped_on_a_cpu_machine(tmp_path):
     table = done.stdout.strip().splitlines()[-5:]
     assert table[0] == "| suite | rc | seconds | result |"
     assert [row.split("|")[1].strip() for row in table[2:]] == ["accuracy", "soak", "characterize"]
+
+
+def test_the_fp8_suite_needs_a_gpu_and_takes_options(tmp_path):
+    run = _entry_module()
+    done = _run("fp8", "--cpu", "--out", str(tmp_path))
+    assert done.returncode == 0 and "fp8: skipped: needs 1+ GPUs" in done.stdout, done.stdout
+    ctx = run.catalog.Context(python=sys.executable, out=str(tmp_path), gpus=1, limit_s=300, options=("--repeats", "2,8"))
+    step, = run.catalog.SUITES["fp8"].steps(ctx)
+    assert step.argv[1:] == ["benchmarks/suites/fp8_gemm.py", "--out", str(tmp_path), "--repeats", "2,8"]
 
 
 def test_a_suite_past_its_limit_is_cut(tmp_path, monkeypatch, capsys):

@@ -21,10 +21,14 @@ def test_characterize_writes_schema_and_calibrate_fits_a_usable_profile(tmp_path
     assert all(r["ingress_gbps"] > 0 for r in on_disk["transfers"])
     assert {"matmul_ms", "matmul_plus_nccl_ms", "nccl_alone_ms", "executor_matmul_ms",
             "executor_matmul_beside_dma_ms"} <= set(on_disk["contention"])
+    assert [r["rows"] for r in on_disk["fp8"]] == characterize.CPU_FP8["rows"]
+    assert all(r["verified"] is True and r["ms"] is not None for r in on_disk["fp8"])
 
     profile = fitting.fit_profile(on_disk)
     assert profile["axis_size"] == 8 and profile["calibrated"] == on_disk["date"]
     assert profile["peak_tflops"]["float32"] != cost_model.DEFAULT_PROFILE["peak_tflops"]["float32"]
+    # the FP8 peak fitted to the fp8 rows (None where CPU loop times fall with rows: no line to fit)
+    assert profile["peak_tflops"].get("float8_e4m3fn") == fitting.fp8_peak_tflops(on_disk["fp8"])
     assert profile["xla_ingress_gbps"] > 0 and profile["rows_half"] >= 0
     # contention_dma from fixed numbers: +20 % beside the pulls, and a faster run clamped to 0
     for beside, want in ((1.2, 0.2), (0.9, 0.0)):

@@ -16,11 +16,13 @@ import sys
 from dataclasses import asdict
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ..ops import measure
-from ..ops.measure import op_body, sharded
+from .. import config
+from ..ops import api, measure
+from ..ops.measure import AXIS, op_body, sharded
 from ..schedule import A2A_OPS, Schedule, local_shapes
 from ..tuning import select
 from . import bench_moe
@@ -67,10 +69,13 @@ def bench_shape(op, name, M, K, N, dtype, mesh, schedules, progress) -> list[Row
     pick, each verified then timed, and the bounds."""
     n = mesh.shape["tp"]
     shapes = local_shapes(op, M, K, N, n)
-    args = measure.make_inputs(op, shapes, dtype, mesh)
+    if is_fp8(dtype):
+        args, body_of = fp8_inputs(op, shapes, dtype, mesh)
+    else:
+        args, body_of = measure.make_inputs(op, shapes, dtype, mesh), op_body
     listed, selected = variants(op, shapes, dtype, n, schedules)
     rows = [(Row(op, name, M, K, N, label, selected=(sched == selected)), sched) for label, sched in listed]
-    verify_then_time_each(rows, mesh, args, dtype, progress, body_of=op_body)
+    verify_then_time_each(rows, mesh, args, dtype, progress, body_of=body_of)
     return [row for row, _ in rows] + _bounds(op, name, M, K, N, dtype, mesh, progress)
 
 
@@ -78,15 +83,48 @@ def _bounds(op, name, M, K, N, dtype, mesh, progress) -> list[Row]:
     """GEMM alone (full size, one device), the collective alone, and the ideal max of the two."""
     n = mesh.shape["tp"]
     _, w_shape = local_shapes(op, M, K, N, n)
+    fp8 = is_fp8(dtype)
     if op == "ag_matmul":  # all-gathers x [M/n, K] per device into [M, K]
-        full_a, coll_shape = (M, K), (M, K)
+        full_a, coll_shape, coll_dtype = (M, K), (M, K), dtype
         collective = lambda x: jax.lax.all_gather(x, "tp", axis=0, tiled=True)  # noqa: E731
-    else:  # reduce-scatters every device's [M, K] product
-        full_a, coll_shape = (M, N // n), (M * n, K)
+    else:  # reduce-scatters every device's [M, K] product (an FP8 matmul's partials are bf16)
+        full_a, coll_shape, coll_dtype = (M, N // n), (M * n, K), "bfloat16" if fp8 else dtype
         collective = lambda y: jax.lax.psum_scatter(y, "tp", scatter_dimension=0, tiled=True)  # noqa: E731
-    return bound_rows(Row(op, name, M, K, N, ""), mesh, dtype, progress, gemm=lambda a, w: a @ w,
+    gemm = (lambda a, w: jnp.dot(a, w, preferred_element_type=jnp.bfloat16)) if fp8 else (lambda a, w: a @ w)
+    return bound_rows(Row(op, name, M, K, N, ""), mesh, dtype, progress, gemm=gemm,
                       gemm_shapes=(full_a, w_shape), collective=collective, collective_shape=coll_shape,
-                      spec=P("tp", None))
+                      spec=P("tp", None), collective_dtype=coll_dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# FP8 operands: e4m3 with per-tensor scales, bf16 results
+# ------------------------------------------------------------------------------------------------
+def is_fp8(dtype) -> bool:
+    return jnp.dtype(dtype).name in config.FP8_DTYPES
+
+
+def fp8_inputs(op, shapes, dtype, mesh, seed: int = 0):
+    """(FP8 operands, body_of) of one case: unit-normal values quantized to `dtype` (w carries its
+    1/sqrt(K) as a power-of-two scale, so the f32 reference of the FP8 values is exact), and
+    bodies calling the op with those scales and bf16 results ("ref": JAX's dequantize-then-dot)."""
+    a, w = measure.make_inputs(op, shapes, "float32", mesh, seed=seed)
+    w_scale = 2.0 ** -round(np.log2(np.sqrt(shapes[0][-1])))
+    scales = (1.0, w_scale)
+    args = [a.astype(dtype), (w * (np.sqrt(shapes[0][-1]))).astype(dtype)]
+    return args, lambda op, schedule: fp8_body(op, schedule, scales)
+
+
+def fp8_body(op: str, schedule, scales):
+    """The per-device body of the FP8 `op` under `schedule`; "ref" is the reference in plain JAX
+    (the all-gather or reduce-scatter around the dequantize-then-dot, what the op's comm="none"
+    schedule runs), in f32 when it is given f32 operands (the check's reference)."""
+    sx, sw = (jnp.float32(s) for s in scales)
+    if schedule == "ref":
+        ref = api.ag_matmul_ref if op == "ag_matmul" else api.matmul_rs_ref
+        return lambda a, w: ref(a, w, AXIS, x_scale=sx, w_scale=sw,
+                                out_dtype=jnp.float32 if a.dtype == jnp.float32 else jnp.bfloat16)
+    fn = api.ag_matmul if op == "ag_matmul" else api.matmul_rs
+    return lambda a, w: fn(a, w, AXIS, schedule=schedule, x_scale=sx, w_scale=sw, out_dtype=jnp.bfloat16)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -158,13 +196,17 @@ def provenance(n: int, dtype) -> dict:
 
 def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=True, moe_shapes=None) -> dict:
     """Bench `ops_to_run` on all local devices: ag_matmul/matmul_rs on `shapes` {name: (M, K, N)},
-    a2a_matmul/matmul_a2a on `moe_shapes` {name: (T, d, f, E, k)} (see bench_moe.py)."""
+    a2a_matmul/matmul_a2a on `moe_shapes` {name: (T, d, f, E, k)} (see bench_moe.py). FP8 `dtype`:
+    each shape also in bf16 (rows of shape "<name>/bf16"), so the table holds both."""
     n = len(jax.local_devices())
     mesh = Mesh(np.array(jax.local_devices()), ("tp",))
     on_cpu = jax.default_backend() == "cpu"
     comms = select.available_comms()
     if moe_shapes is None:
         moe_shapes = bench_moe.CPU_SHAPES if on_cpu else bench_moe.GPU_SHAPES
+    if is_fp8(dtype) and any(op in A2A_OPS for op in ops_to_run):
+        raise ValueError(f"bench: FP8 ({dtype}) runs the tensor-parallel ops ag_matmul and matmul_rs only; "
+                         f"found {[op for op in ops_to_run if op in A2A_OPS]}")
     tp_plan, moe_plan = [], []
     for op in ops_to_run:
         if op in A2A_OPS:
@@ -172,10 +214,11 @@ def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=
             continue
         listed = listed_schedules(op, schedules_arg, n, comms)
         for name, (M, K, N) in shapes.items():
-            tp_plan.append((op, name, M, K, N, fitting_schedules(op, listed, local_shapes(op, M, K, N, n), n)))
+            fits = fitting_schedules(op, listed, local_shapes(op, M, K, N, n), n)
+            tp_plan += [(op, label, M, K, N, fits, case_dtype) for label, case_dtype in case_dtypes(name, dtype)]
     windowed = windowed and not on_cpu
-    total = sum(len(variants(op, local_shapes(op, M, K, N, n), dtype, n, scheds)[0]) + BOUND_STEPS + windowed
-                for op, name, M, K, N, scheds in tp_plan)
+    total = sum(len(variants(op, local_shapes(op, M, K, N, n), cd, n, scheds)[0]) + BOUND_STEPS
+                + (windowed and not is_fp8(cd)) for op, name, M, K, N, scheds, cd in tp_plan)
     total += sum(len(bench_moe.variants(op, bench_moe.local_shapes(op, *dims, n), dtype, n, scheds)[0]) + BOUND_STEPS
                  for op, name, dims, scheds in moe_plan)
     progress = progress_printer(total)
@@ -188,20 +231,63 @@ def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=
         with open(os.path.join(out_dir, "bench.json"), "w") as fh:
             json.dump(result, fh, indent=1)
 
-    for op, name, M, K, N, scheds in tp_plan:
-        rows += bench_shape(op, name, M, K, N, dtype, mesh, scheds, progress)
-        if windowed:
+    for op, name, M, K, N, scheds, case_dtype in tp_plan:
+        case = bench_shape(op, name, M, K, N, case_dtype, mesh, scheds, progress)
+        if windowed and not is_fp8(case_dtype):
             progress(f"{op} {name} xla_windowed_einsum")
-            rows.append(windowed_einsum(op, name, M, K, N, dtype))
+            case.append(windowed_einsum(op, name, M, K, N, case_dtype))
+        if case_dtype != dtype:  # a row of another dtype than the run's says so (calibrate reads it)
+            for row in case:
+                row.extra["dtype"] = case_dtype
+        rows += case
         save(rows)
     for op, name, dims, scheds in moe_plan:
         rows += bench_moe.bench_shape(op, name, dims, dtype, mesh, scheds, progress)
         save(rows)
     save(rows)
-    table = markdown_table(result)
+    table = markdown_table(result) + (fp8_table(result) if is_fp8(dtype) else "")
     with open(os.path.join(out_dir, "bench.md"), "w") as fh:
         fh.write(table)
     if plot:
         plot_speedups(result, out_dir)
     print(table)
     return result
+
+
+def case_dtypes(name: str, dtype) -> list[tuple[str, str]]:
+    """(shape label, dtype) of each case a shape gives: itself, and for FP8 also bf16 beside it."""
+    return [(name, dtype), (f"{name}/bf16", "bfloat16")] if is_fp8(dtype) else [(name, dtype)]
+
+
+def fp8_table(result: dict) -> str:
+    """Per op and shape: FP8 against bf16, for JAX sequential and for ficco's best (speed-ups:
+    the bf16 time over the FP8 one)."""
+    times = {}
+    for r in result["rows"]:
+        if r["median_ms"] is not None and (r["variant"] == "jax_seq" or r["variant"].startswith("ficco:")):
+            key = (r["op"], r["shape"].removesuffix("/bf16"), r["M"], r["K"], r["N"], r["shape"].endswith("/bf16"))
+            best = times.setdefault(key, {})
+            kind = "seq" if r["variant"] == "jax_seq" else "best"
+            best[kind] = min(best.get(kind, float("inf")), r["median_ms"])
+    lines = ["", f"FP8 ({result['dtype']} operands, per-tensor scales, bf16 results) against bf16, ms:", "",
+             "| op | shape (M,K,N) | JAX seq bf16 | JAX seq FP8 | ficco best bf16 | ficco best FP8 | "
+             "JAX seq FP8 / bf16 | ficco best FP8 / bf16 | ficco best FP8 / JAX seq bf16 |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    speedup = lambda slow, fast: "—" if slow is None or fast is None else f"{slow / fast:.2f}x"  # noqa: E731
+    for (op, shape, M, K, N, is_bf16), fp8 in times.items():
+        if is_bf16:
+            continue
+        bf16 = times.get((op, shape, M, K, N, True), {})
+        cells = [bf16.get("seq"), fp8.get("seq"), bf16.get("best"), fp8.get("best")]
+        lines.append(f"| {op} | {shape} {M},{K},{N} | " + " | ".join(_fmt_ms(c) for c in cells) +
+                     f" | {speedup(bf16.get('seq'), fp8.get('seq'))} | {speedup(bf16.get('best'), fp8.get('best'))}"
+                     f" | {speedup(bf16.get('seq'), fp8.get('best'))} |")
+    lines.append("Speed-ups: the bf16 time over the FP8 one (above 1: FP8 faster). JAX seq FP8 is the "
+                 "all-gather / reduce-scatter around JAX's dequantize-then-dot (the ops' comm=\"none\").")
+    if result["platform"] == "cpu":
+        lines.append("On CPU these times are host loops of tiny shapes: they mean nothing about a GPU.")
+    return "\n".join(lines) + "\n"
+
+
+def _fmt_ms(v) -> str:
+    return "—" if v is None else f"{v:.3f}"

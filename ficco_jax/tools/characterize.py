@@ -7,7 +7,9 @@ cause, measured on this machine, and a machine profile fitted to them for the co
     matmuls with and without its copy streams pulling every peer's shard in the same call, since
     a ficco call joins XLA's stream before it returns and so never runs beside another matmul);
 (c) transfer cost: all-gather time by shard size for copy engines (1..k streams) and NCCL,
-    fitted to latency + size / bandwidth.
+    fitted to latency + size / bandwidth;
+(d) FP8 rate: the executor's FP8 matmul (e4m3 x e4m3 -> bf16, cuBLASLt) by row count, each
+    product verified first (gemm_rates.py); `calibrate` fits peak_tflops["float8_e4m3fn"] to it.
 All times by `timing.device_time` (in-jit loop differencing). On CPU they are not meaningful.
 """
 from __future__ import annotations
@@ -26,12 +28,15 @@ from ..lowering.dma import probe as dma_probe
 from ..schedule import Schedule
 from ..tuning import select, timing
 from ..tuning.fitting import nccl_contention
-from . import harness
+from . import gemm_rates, harness
 from .report import git_commit, plot_characterization, progress_printer
 
 GPU_GRID = {"rows": [512, 1024, 2048, 4096, 8192], "kn": [(8192, 7168), (8192, 2560), (12288, 12288)],
             "chunks": [1, 2, 4, 8], "shard_mib": [1, 4, 16, 64]}
 CPU_GRID = {"rows": [64, 128], "kn": [(64, 64)], "chunks": [1, 2, 4], "shard_mib": [0.0625, 0.25]}
+#: Row counts and (K, N) of the FP8 rate (a line in rows, as the bf16 peak is fitted).
+GPU_FP8 = {"rows": [1024, 2048, 4096, 8192], "kn": (8192, 7168)}
+CPU_FP8 = {"rows": [32, 64], "kn": (64, 48)}
 
 
 def _rand(shape, dtype, seed=0, device=None):
@@ -167,7 +172,13 @@ def _dma_contention(a, w, x, mesh, specs, progress, repeats: int = 4) -> dict:
     return {"executor_matmul_ms": alone, "executor_matmul_beside_dma_ms": timed(True), "probe_repeats": repeats}
 
 
-PARTS = ("decomposition", "transfers", "contention")
+def fp8_rate(grid, progress) -> list[dict]:
+    """The executor's FP8 matmul time per row count of one (K, N) (see gemm_rates.executor_fp8_rows)."""
+    k, n_cols = grid["kn"]
+    return gemm_rates.executor_fp8_rows(grid["rows"], k, n_cols, progress=progress)
+
+
+PARTS = ("decomposition", "transfers", "contention", "fp8")
 
 
 def check_parts(parts) -> None:
@@ -177,14 +188,15 @@ def check_parts(parts) -> None:
 
 
 def run(out_dir: str, dtype: str = "bfloat16", plot: bool = False, parts=PARTS) -> dict:
-    """Measure `parts` (all three by default) and write characterize.json; a part left out is an
+    """Measure `parts` (all four by default) and write characterize.json; a part left out is an
     empty list/dict there (fit_profile then keeps the profile's values for it)."""
     check_parts(parts)
     on_cpu = jax.default_backend() == "cpu"
-    grid = CPU_GRID if on_cpu else GPU_GRID
+    grid, fp8_grid = (CPU_GRID, CPU_FP8) if on_cpu else (GPU_GRID, GPU_FP8)
     dtype = "float32" if on_cpu else dtype
     steps = ((len(grid["kn"]) * len(grid["rows"]) * len(grid["chunks"]) if "decomposition" in parts else 0)
-             + (3 * len(grid["shard_mib"]) if "transfers" in parts else 0) + (7 if "contention" in parts else 0))
+             + (3 * len(grid["shard_mib"]) if "transfers" in parts else 0) + (7 if "contention" in parts else 0)
+             + (len(fp8_grid["rows"]) if "fp8" in parts else 0))
     progress = progress_printer(steps)
     result = {
         "device": jax.devices()[0].device_kind, "platform": jax.default_backend(),
@@ -194,6 +206,7 @@ def run(out_dir: str, dtype: str = "bfloat16", plot: bool = False, parts=PARTS) 
         "decomposition": decomposition(grid, dtype, progress) if "decomposition" in parts else [],
         "transfers": transfers(grid, dtype, progress) if "transfers" in parts else [],
         "contention": contention(dtype, progress) if "contention" in parts else {},
+        "fp8": fp8_rate(fp8_grid, progress) if "fp8" in parts else [],
     }
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "characterize.json"), "w") as fh:
@@ -213,6 +226,7 @@ def summary(char: dict) -> str:
     lines.append("transfers (all-gather, ingress per device):")
     for r in char["transfers"]:
         lines.append(f"  {r['comm']:>7} shard {r['shard_bytes'] / 2**20:8.2f} MiB: {r['ms']:.3f} ms  {r['ingress_gbps']:.1f} GB/s")
+    lines += fp8_summary(char.get("fp8", []))
     c = char["contention"]
     if not c:
         return "\n".join(lines)
@@ -223,3 +237,14 @@ def summary(char: dict) -> str:
                  + (f"; executor matmul alone {c['executor_matmul_ms']:.3f} ms, beside copy-engine pulls "
                     f"{c['executor_matmul_beside_dma_ms']:.3f} ms" if "executor_matmul_ms" in c else ""))
     return "\n".join(lines)
+
+
+def fp8_summary(rows) -> list[str]:
+    if not rows:
+        return []
+    lines = ["FP8 executor matmul (e4m3 x e4m3 -> bf16, verified first):"]
+    for r in rows:
+        rate = f"{r['ms']:.3f} ms  {2 * r['rows'] * r['K'] * r['N'] / (r['ms'] * 1e-3) / 1e12:.0f} TFLOP/s" \
+            if r["ms"] else r["note"]
+        lines.append(f"  rows={r['rows']:>6} K={r['K']:>6} N={r['N']:>6}: {rate}")
+    return lines

@@ -58,7 +58,10 @@ def _add_bench(sub):
     p.add_argument("--shape", action="append", help="M,K,N, a shape name or a set: anchors, llama405b (repeatable); default: the anchor shapes (GPU) or a tiny one (CPU)")
     p.add_argument("--moe-shape", action="append",
                    help="T,d,f,E,k for the moe ops (repeatable); default: Mixtral-8x7B-like on GPU, tiny on CPU")
-    p.add_argument("--dtype", default="bf16", help=f"operand dtype, one of {', '.join(sorted(DTYPES))} (default bf16)")
+    p.add_argument("--dtype", default="bf16",
+                   help=f"operand dtype, one of {', '.join(sorted(DTYPES))} (default bf16). fp8: e4m3 operands with "
+                        f"per-tensor scales and bf16 results (ag_matmul / matmul_rs only), JAX's FP8 path "
+                        f"(dequantize-then-dot) as JAX seq, and every shape again in bf16 beside it")
     p.add_argument("--schedules", default="auto", help="auto | all | dma | xla | comma-separated list like dma/direct/c4/s2,xla/ring/c1")
     p.add_argument("--out", default="out/bench", help="folder for bench.json and bench.md (default out/bench)")
     p.add_argument("--plot", action="store_true", help="write speedup PNGs (needs matplotlib)")
@@ -72,6 +75,9 @@ def _cmd_bench(args):
         raise SystemExit(f"--dtype {args.dtype!r}: use one of {sorted(DTYPES)}")
     default = bench.CPU_SHAPES if jax.default_backend() == "cpu" else bench.ANCHOR_SHAPES
     ops = {"all": ["ag_matmul", "matmul_rs"], "moe": ["a2a_matmul", "matmul_a2a"]}.get(args.op, [args.op])
+    if bench.is_fp8(dtype) and args.op not in ("all", "ag_matmul", "matmul_rs"):
+        raise SystemExit(f"bench --dtype {args.dtype} --op {args.op}: FP8 runs ag_matmul and matmul_rs only "
+                         f"(--op all, ag_matmul or matmul_rs)")
     try:
         listed_schedules(ops[0], args.schedules, 1, ("none", "xla", "dma"))  # parse before any compile
     except ValueError as exc:
@@ -134,11 +140,13 @@ def _cmd_rank(args):
 
 
 def _add_characterize(sub):
-    p = sub.add_parser("characterize", help="decomposition loss, contention and transfer cost on this machine")
+    p = sub.add_parser("characterize", help="decomposition loss, contention, transfer cost and the FP8 matmul rate "
+                                            "on this machine")
     p.add_argument("--out", default="out/characterize", help="folder for characterize.json (default out/characterize)")
     p.add_argument("--plot", action="store_true", help="write characterize.png (needs matplotlib)")
-    p.add_argument("--parts", default="decomposition,transfers,contention",
-                   help="comma-separated subset of decomposition, transfers, contention")
+    p.add_argument("--parts", default="decomposition,transfers,contention,fp8",
+                   help="comma-separated subset of decomposition, transfers, contention, fp8 (the executor's "
+                        "FP8 matmul rate; calibrate fits peak_tflops['float8_e4m3fn'] to it)")
     p.set_defaults(fn=_cmd_characterize)
 
 

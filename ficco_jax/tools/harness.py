@@ -15,9 +15,10 @@ from ..runtime import extension
 from ..schedule import Schedule
 from ..tuning import timing
 
-TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3}
+#: Relative error a variant may have against the f32 reference; FP8: of the same FP8 values, bf16 results.
+TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3, "float8_e4m3fn": 1e-2}
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "f16": "float16", "float16": "float16",
-          "f32": "float32", "float32": "float32"}
+          "f32": "float32", "float32": "float32", "fp8": "float8_e4m3fn", "float8_e4m3fn": "float8_e4m3fn"}
 
 
 @dataclass
@@ -95,16 +96,17 @@ BOUND_STEPS = 2
 
 
 def bound_rows(case: Row, mesh, dtype, progress, *, gemm, gemm_shapes, collective, collective_shape,
-               spec) -> list[Row]:
+               spec, collective_dtype=None) -> list[Row]:
     """The bounds of a case, as rows like `case`: `gemm(a, w)` alone on one device with random
     operands of `gemm_shapes`, `collective(x)` alone under shard_map over "tp" (a global
-    `collective_shape` sharded as `spec`), and the ideal, the max of the two."""
+    `collective_shape` of `collective_dtype`, default `dtype`, sharded as `spec`), and the ideal,
+    the max of the two."""
     dev = mesh.devices.flat[0]
     key = jax.random.PRNGKey(1)
     a, w = (jax.device_put(jax.random.normal(key, shape, jnp.float32).astype(dtype), dev) for shape in gemm_shapes)
     progress(f"{case.op} {case.shape} gemm_alone")
     gemm_t = device_time(lambda r: jax.jit(timing.chain(gemm, r)), (a, w))
-    x = jax.device_put(jnp.ones(collective_shape, dtype) * 0.5, NamedSharding(mesh, spec))
+    x = jax.device_put(jnp.ones(collective_shape, collective_dtype or dtype) * 0.5, NamedSharding(mesh, spec))
     progress(f"{case.op} {case.shape} collective_alone")
     make = lambda r: jax.jit(jax.shard_map(timing.chain(collective, r), mesh=mesh, in_specs=(spec,),  # noqa: E731
                                            out_specs=spec))

@@ -30,6 +30,9 @@ def fit_profile(char: dict) -> dict:
         if peaks:
             profile["peak_tflops"] = {**profile["peak_tflops"], char["dtype"]: float(np.median(peaks))}
             profile["rows_half"] = float(np.median(halves))
+    fp8 = fp8_peak_tflops(char.get("fp8", []))
+    if fp8 is not None:
+        profile["peak_tflops"] = {**profile["peak_tflops"], "float8_e4m3fn": fp8}
     pts = sorted((r["shard_bytes"], r["ms"] * 1e-3) for r in char["transfers"] if r["comm"] == "nccl")
     if len(pts) >= 2:
         n = char["n_devices"]
@@ -55,6 +58,17 @@ def fit_profile(char: dict) -> dict:
     if c.get("executor_matmul_ms", 0) > 0:
         profile["contention_dma"] = float(max(c["executor_matmul_beside_dma_ms"] / c["executor_matmul_ms"] - 1.0, 0.0))
     return profile
+
+
+def fp8_peak_tflops(rows) -> float | None:
+    """The FP8 matmul peak from verified executor FP8 times at two or more row counts of one
+    (K, N): 2 K N / the slope of time in rows (the fixed cost drops out, as for bf16)."""
+    pts = sorted((r["rows"], r["ms"] * 1e-3) for r in rows if r.get("verified") and r.get("ms"))
+    if len({p[0] for p in pts}) < 2:
+        return None
+    slope, _ = np.polyfit([p[0] for p in pts], [p[1] for p in pts], 1)
+    k, n_cols = rows[0]["K"], rows[0]["N"]
+    return float(2 * k * n_cols / slope / 1e12) if slope > 0 else None
 
 
 def nccl_contention(c: dict) -> tuple[float | None, str]:
@@ -106,8 +120,8 @@ def recorded_op_rows(result: dict, where: str = "result"):
         if not r.get("verified") or not r.get("median_ms") or r.get("op") not in ("ag_matmul", "matmul_rs"):
             continue
         sched = _schedule_of(r.get("variant", ""))
-        if sched is not None:
-            yield r, sched, n, dtype
+        if sched is not None:  # a row of another dtype than its run's names it (bf16 beside FP8)
+            yield r, sched, n, (r.get("extra") or {}).get("dtype", dtype)
 
 
 def op_observations(bench_result: dict) -> list[tuple]:
