@@ -29,15 +29,17 @@ import dataclasses
 from typing import Callable
 
 import jax
-from jax.sharding import AxisType, PartitionSpec
+from jax.sharding import PartitionSpec
 
 from . import match_tp
-from .jaxpr_util import fmt, fmt_shapes, free_dims, open_jaxpr, source_line
+from .jaxpr_util import fmt, fmt_shapes, open_jaxpr, source_line
+from .shardings import (axes_of, batched, contracted, free, is_explicit, is_gspmd, mesh_of, out_dim, product_axes,
+                        spec_of, split_axes, typed)
 from .site import MatchContext, Site, SiteRecord
 
 AG, RS = match_tp.AG, match_tp.RS
 _DOT = "dot_general"
-# jax 0.6-0.11 name the explicit-mode resharding primitive "reshard"; a later rename is one entry.
+# jax 0.10 and 0.11 name the explicit-mode resharding primitive "reshard"; a rename is one more entry.
 _RESHARD = ("reshard",)
 # How near-misses of GSPMD programs name the op: which of the two applies depends on shardings
 # the program does not state.
@@ -45,60 +47,6 @@ _EITHER = f"{AG}/{RS}"
 GSPMD_FIX = ("the mesh axes are AxisType.Auto, so the shardings are chosen by GSPMD at compile time and "
              "are not in the program; make the mesh with axis_types=(AxisType.Explicit, ...) and state "
              "shardings with jax.sharding.reshard / out_sharding=, or write the layer in a jax.shard_map")
-
-
-# --------------------------------------------------------------------------------------------
-# Shardings as the types carry them
-# --------------------------------------------------------------------------------------------
-def _mesh(aval):
-    sharding = getattr(aval, "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    return None if mesh is None or not getattr(mesh, "axis_names", ()) else mesh
-
-
-def _dims(aval) -> tuple[tuple[str, ...], ...] | None:
-    """The mesh axes of each dimension of `aval`; None where the type states no usable sharding."""
-    spec = getattr(getattr(aval, "sharding", None), "spec", None)
-    if spec is None or getattr(spec, "unreduced", None) or getattr(spec, "reduced", None):
-        return None
-    entries = list(spec) + [None] * (len(aval.shape) - len(spec))
-    return tuple(() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in entries)
-
-
-def _split_axes(mesh) -> dict:
-    """The mesh axes that split data (size > 1), with their types."""
-    types = getattr(mesh, "axis_types", None) or (AxisType.Explicit,) * len(mesh.axis_names)
-    return {a: t for a, t in zip(mesh.axis_names, types) if mesh.shape[a] > 1}
-
-
-def _is_explicit(mesh) -> bool:
-    return mesh is not None and all(t == AxisType.Explicit for t in _split_axes(mesh).values())
-
-
-def _is_gspmd(mesh) -> bool:
-    return mesh is not None and any(t == AxisType.Auto for t in _split_axes(mesh).values())
-
-
-def _contract(dot) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    (lc, rc), _ = dot.params["dimension_numbers"]
-    return tuple(lc), tuple(rc)
-
-
-def _batch(dot) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    _, (lb, rb) = dot.params["dimension_numbers"]
-    return tuple(lb), tuple(rb)
-
-
-def _free(dot, side: int) -> list[int]:
-    """The dimensions of operand `side` that are neither contracted nor batched."""
-    return free_dims(len(dot.invars[side].aval.shape), _contract(dot)[side] + _batch(dot)[side])
-
-
-def _out_dim(dot, side: int, dim: int) -> int:
-    """The result dimension of free dimension `dim` of operand `side` (dot_general's order:
-    batch, lhs free, rhs free)."""
-    before = len(_batch(dot)[0]) + (len(_free(dot, 0)) if side == 1 else 0)
-    return before + _free(dot, side).index(dim)
 
 
 # --------------------------------------------------------------------------------------------
@@ -174,46 +122,29 @@ def _local_dot(dot, x, w, side: int):
     return jax.lax.dot_general(lhs, rhs, **params)
 
 
-def _spec(aval) -> PartitionSpec:
-    return aval.sharding.spec
-
-
 # --------------------------------------------------------------------------------------------
 # all_gather → matmul
 # --------------------------------------------------------------------------------------------
-def _free_dims_sharding(dot, side_dims=None) -> tuple:
-    """The sharding of `dot`'s result that its operands' free dimensions give, before any
-    collective: operand `side`'s dimensions read from `side_dims` = (side, dims) where given."""
-    dims = [_dims(v.aval) for v in dot.invars]
-    if side_dims is not None:
-        dims[side_dims[0]] = side_dims[1]
-    out = [dims[0][d] for d in _batch(dot)[0]] + [()] * (len(dot.outvars[0].aval.shape) - len(_batch(dot)[0]))
-    for s in (0, 1):
-        for d in _free(dot, s):
-            out[_out_dim(dot, s, d)] = dims[s][d]
-    return tuple(out)
-
-
 def _gather_problem(dot, side: int, dim: int, axis: str, gathered_dims) -> str | None:
     """Why `dot`, reading operand `side` with dimension `dim` gathered over `axis`, is no ag_matmul site."""
-    contract = _contract(dot)
+    contract = contracted(dot)
     if dim in contract[side]:
         return "the matmul contracts over the gathered dimension (a weight-gradient matmul)"
-    if dim in _batch(dot)[side]:
+    if dim in batched(dot)[side]:
         return "the gathered dimension is a batch dimension of the matmul"
     w = dot.invars[1 - side].aval
-    w_dims = _dims(w)
+    w_dims = axes_of(w)
     if w_dims is None:
         return "the weight's sharding is not stated in its type"
     if any(gathered_dims[d] for d in contract[side]) or any(w_dims[d] for d in contract[1 - side]):
         return "a contracted dimension is sharded as well; the op contracts whole local rows"
-    out_dims = _dims(dot.outvars[0].aval)
+    out_dims = axes_of(dot.outvars[0].aval)
     if out_dims is None:
         return "the result's sharding is not stated in its type"
-    expected = _free_dims_sharding(dot, (side, gathered_dims))
+    expected = product_axes(dot, (side, gathered_dims))
     if expected != out_dims:
         spec = PartitionSpec(*[a if len(a) != 1 else a[0] for a in (e or None for e in expected)])
-        return (f"the result is sharded {_spec(dot.outvars[0].aval)}, not as its operands' free dimensions "
+        return (f"the result is sharded {spec_of(dot.outvars[0].aval)}, not as its operands' free dimensions "
                 f"are ({spec}); a resharding follows the matmul")
     return None
 
@@ -224,7 +155,7 @@ def _gather_site(ctx: MatchContext, i: int, j: int, side: int, dim: int, axis: s
     dot = ctx.eqns[j]
     src = reshard.invars[0] if reshard is not None else dot.invars[side]
     w = dot.invars[1 - side]
-    mesh = _mesh(src.aval)
+    mesh = mesh_of(src.aval)
     gathered = reshard.outvars[0] if reshard is not None else None
     also = gathered is not None and ctx.read_elsewhere(gathered)
     uses = [k for k, _ in ctx.users.get(gathered, [])] if gathered is not None else [j]
@@ -238,8 +169,8 @@ def _gather_site(ctx: MatchContext, i: int, j: int, side: int, dim: int, axis: s
         out = _local_dot(dot, g, w_block, side)
         return (out, g) if also else (out,)
 
-    in_specs = (_spec(src.aval), _spec(w.aval))
-    out_specs = tuple(_spec(v.aval) for v in writes)
+    in_specs = (spec_of(src.aval), spec_of(w.aval))
+    out_specs = tuple(spec_of(v.aval) for v in writes)
     local = _local_site(mesh, local_fn, (src, w), in_specs, out_specs, ctx.where)
     if isinstance(local, str):
         return local
@@ -249,15 +180,8 @@ def _gather_site(ctx: MatchContext, i: int, j: int, side: int, dim: int, axis: s
                       out_specs=out_specs, local_in=tuple(local.collective.invars[:1]) + (local.dot.invars[1 - side],),
                       local_out=(local.dot.outvars[0],) + ((local.collective.outvars[0],) if also else ()))
     more = f" (gathered x also used by {len(uses) - 1 + (gathered in ctx.outputs)} more)" if also else ""
-    shapes = f"x {_typed(src)} gathered dim {dim} · w {_typed(w)} -> {_typed(dot.outvars[0])}{more}"
+    shapes = f"x {typed(src)} gathered dim {dim} · w {typed(w)} -> {typed(dot.outvars[0])}{more}"
     return _found(ctx, site, i, shapes)
-
-
-def _typed(var) -> str:
-    """`float32[64@tp,32]`: a shape with its sharding, as jax.typeof shows it."""
-    dims = _dims(var.aval) or ((),) * len(var.aval.shape)
-    text = [f"{n}@{'·'.join(a)}" if a else str(n) for n, a in zip(var.aval.shape, dims)]
-    return f"{fmt(var.aval).split('[')[0]}[{','.join(text)}]"
 
 
 def _found(ctx: MatchContext, site: GlobalSite, i: int, shapes: str) -> GlobalSite:
@@ -289,15 +213,15 @@ def match_reshard(ctx: MatchContext, i: int) -> Site | SiteRecord | None:
     """A reshard that gathers one axis of one dimension, feeding a matmul on the gathered rows."""
     eqn = ctx.eqns[i]
     x, g = eqn.invars[0], eqn.outvars[0]
-    before, after, mesh = _dims(x.aval), _dims(g.aval), _mesh(x.aval)
-    if before is None or after is None or not _is_explicit(mesh) or not hasattr(x.aval, "shape"):
+    before, after, mesh = axes_of(x.aval), axes_of(g.aval), mesh_of(x.aval)
+    if before is None or after is None or not is_explicit(mesh) or not hasattr(x.aval, "shape"):
         return None
     change = _removed_axis(before, after)
     dots = [(j, pos) for j, pos in ctx.users.get(g, []) if ctx.eqns[j].primitive.name == _DOT]
     if change is None or (not dots and not isinstance(change, tuple)):
         return None
     axis = change[1] if isinstance(change, tuple) else "?"
-    shapes = f"x {_typed(x)} resharded to {_typed(g)}"
+    shapes = f"x {typed(x)} resharded to {typed(g)}"
     if not dots:
         return _miss(ctx, AG, i, axis, shapes, f"the gathered tensor feeds no matmul directly "
                                                f"({ctx.readers_text(g)}); reshard right before the matmul")
@@ -323,8 +247,8 @@ def match_reshard(ctx: MatchContext, i: int) -> Site | SiteRecord | None:
 # --------------------------------------------------------------------------------------------
 def _sharded_contraction(dot) -> str | None:
     """The one mesh axis both operands' contracted dimensions are split over, else None."""
-    lhs, rhs = _dims(dot.invars[0].aval), _dims(dot.invars[1].aval)
-    lc, rc = _contract(dot)
+    lhs, rhs = axes_of(dot.invars[0].aval), axes_of(dot.invars[1].aval)
+    lc, rc = contracted(dot)
     axes = {a for d in lc for a in lhs[d]} | {a for d in rc for a in rhs[d]}
     if len(axes) != 1:
         return None
@@ -337,24 +261,24 @@ def _scatter_target(ctx: MatchContext, j: int, axis: str):
     """(the variable holding the scattered result, its dims, the reshard equation or None)."""
     dot = ctx.eqns[j]
     y = dot.outvars[0]
-    y_dims = _dims(y.aval)
+    y_dims = axes_of(y.aval)
     if any(axis in d for d in y_dims):
         return y, y_dims, None
     users = ctx.users.get(y, [])
     if len(users) == 1 and y not in ctx.outputs and ctx.eqns[users[0][0]].primitive.name in _RESHARD:
         reshard = ctx.eqns[users[0][0]]
-        return reshard.outvars[0], _dims(reshard.outvars[0].aval), reshard
+        return reshard.outvars[0], axes_of(reshard.outvars[0].aval), reshard
     return y, y_dims, None
 
 
 def _scatter(ctx: MatchContext, j: int, axis: str) -> Site | SiteRecord:
     dot = ctx.eqns[j]
     target, target_dims, reshard = _scatter_target(ctx, j, axis)
-    y_dims = _free_dims_sharding(dot)
-    shapes = f"{_typed(dot.invars[0])} · {_typed(dot.invars[1])} -> {_typed(target)}"
+    y_dims = product_axes(dot)
+    shapes = f"{typed(dot.invars[0])} · {typed(dot.invars[1])} -> {typed(target)}"
     scattered = [d for d, (a, b) in enumerate(zip(y_dims, target_dims)) if axis in b and axis not in a]
     rest_same = all(a == b for d, (a, b) in enumerate(zip(y_dims, target_dims)) if d not in scattered)
-    mesh = _mesh(dot.invars[0].aval)
+    mesh = mesh_of(dot.invars[0].aval)
     if len(scattered) != 1 or target_dims[scattered[0]] != (axis,) or not rest_same:
         if mesh.shape[axis] == 1:
             return None  # an axis of one device reduces nothing
@@ -371,8 +295,8 @@ def _scatter(ctx: MatchContext, j: int, axis: str) -> Site | SiteRecord:
         y = _local_dot(dot, lhs, rhs, 0)
         return (jax.lax.psum_scatter(y, axis, scatter_dimension=scattered[0], tiled=True),)
 
-    in_specs = tuple(_spec(v.aval) for v in reads)
-    out_specs = (_spec(target.aval),)
+    in_specs = tuple(spec_of(v.aval) for v in reads)
+    out_specs = (spec_of(target.aval),)
     local = _local_site(mesh, local_fn, reads, in_specs, out_specs, ctx.where)
     if isinstance(local, str):
         return _miss(ctx, RS, j, axis, shapes, local)
@@ -387,11 +311,11 @@ def _scatter(ctx: MatchContext, j: int, axis: str) -> Site | SiteRecord:
 def _implicit_gather(dot) -> tuple[int, int, str] | None:
     """(side, dimension, axis) of an operand the partitioner gathers for `dot`: sharded on a free
     dimension whose result dimension is not."""
-    out_dims = _dims(dot.outvars[0].aval)
+    out_dims = axes_of(dot.outvars[0].aval)
     for side in (0, 1):
-        dims = _dims(dot.invars[side].aval)
-        for d in _free(dot, side):
-            lost = [a for a in dims[d] if a not in out_dims[_out_dim(dot, side, d)]]
+        dims = axes_of(dot.invars[side].aval)
+        for d in free(dot, side):
+            lost = [a for a in dims[d] if a not in out_dims[out_dim(dot, side, d)]]
             if lost:
                 return side, d, lost[0]
     return None
@@ -402,12 +326,12 @@ def match_dot(ctx: MatchContext, j: int) -> Site | SiteRecord | None:
     dot = ctx.eqns[j]
     if j in ctx.taken_dots:
         return None
-    meshes = [_mesh(v.aval) for v in (*dot.invars, *dot.outvars) if hasattr(v.aval, "shape")]
-    if any(_is_gspmd(m) for m in meshes):
+    meshes = [mesh_of(v.aval) for v in (*dot.invars, *dot.outvars) if hasattr(v.aval, "shape")]
+    if any(is_gspmd(m) for m in meshes):
         shapes = f"{fmt(dot.invars[0].aval)} · {fmt(dot.invars[1].aval)} -> {fmt(dot.outvars[0].aval)}"
-        return _miss(ctx, _EITHER, j, ",".join(_split_axes(next(m for m in meshes if _is_gspmd(m)))), shapes,
+        return _miss(ctx, _EITHER, j, ",".join(split_axes(next(m for m in meshes if is_gspmd(m)))), shapes,
                      GSPMD_FIX)
-    if not all(_is_explicit(m) for m in meshes) or any(_dims(v.aval) is None for v in (*dot.invars, *dot.outvars)):
+    if not all(is_explicit(m) for m in meshes) or any(axes_of(v.aval) is None for v in (*dot.invars, *dot.outvars)):
         return None
     axis = _sharded_contraction(dot)
     if axis is not None:
@@ -416,12 +340,12 @@ def match_dot(ctx: MatchContext, j: int) -> Site | SiteRecord | None:
     if gather is None:
         return None
     side, dim, axis = gather
-    shapes = f"x {_typed(dot.invars[side])} gathered dim {dim} · w {_typed(dot.invars[1 - side])} -> {_typed(dot.outvars[0])}"
-    dims = list(_dims(dot.invars[side].aval))
+    shapes = f"x {typed(dot.invars[side])} gathered dim {dim} · w {typed(dot.invars[1 - side])} -> {typed(dot.outvars[0])}"
+    dims = list(axes_of(dot.invars[side].aval))
     dims[dim] = tuple(a for a in dims[dim] if a != axis)
     problem = ctx.not_enabled(AG) or _gather_problem(dot, side, dim, axis, tuple(dims))
-    if problem is None and _dims(dot.invars[side].aval)[dim] != (axis,):
-        problem = f"dimension {dim} is split over several axes {_dims(dot.invars[side].aval)[dim]}"
+    if problem is None and axes_of(dot.invars[side].aval)[dim] != (axis,):
+        problem = f"dimension {dim} is split over several axes {axes_of(dot.invars[side].aval)[dim]}"
     found = problem or _gather_site(ctx, j, j, side, dim, axis)
     return found if isinstance(found, Site) else _miss(ctx, AG, j, axis, shapes, found)
 
