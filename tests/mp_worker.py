@@ -175,7 +175,7 @@ def _gpu_like_auto(policy) -> None:
     """A stand-in model: comm="dma" (direct, 2 chunks) where allowed, else comm="xla" (ring, 2 chunks)."""
     from ficco_jax.schedule import Schedule
 
-    def select_schedule(op, shapes, dtype, axis_size, profile=None, comms=None):
+    def select_schedule(op, shapes, dtype, axis_size, profile=None, comms=None, out_dtype=None):
         comms = tuple(comms or ("none", "xla", "dma"))
         return Schedule.parse("dma/direct/c2/s1" if "dma" in comms else "xla/ring/c2")
 
