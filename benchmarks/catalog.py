@@ -231,7 +231,7 @@ SUITES = {s.name: s for s in [
     Suite("characterize", "decomposition loss, copy-engine vs NCCL contention, transfer cost, FP8 matmul rate",
           "2+ GPUs", 2, 420, _characterize, takes_options=True),
     Suite("fp8", "FP8 vs bf16 GEMMs on one GPU: the executor's FP8 and bf16 matmuls, JAX's bf16 dot, FP8 dot and "
-          "dequantize-then-dot, on the per-device anchor shapes", "1+ GPU (the script alone runs on CPU)", 1, 300,
+          "dequantize-then-dot, on the per-device anchor shapes", "1+ GPU (the script alone runs on CPU)", 1, 480,
           _fp8, _fp8_result, takes_options=True),
     Suite("trace", "a GPU timeline of one op (nsys, else JAX's profiler): OP SCHEDULE M K N [ITERS] after --",
           "any; 1+ GPU for a GPU timeline", 0, 240, _trace, r"^\d+ .*events (of|on) ", takes_options=True),
