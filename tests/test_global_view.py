@@ -1,7 +1,8 @@
 """overlap() on global-view code with explicit shardings (no shard_map), 8 CPU devices: the
 sites its reshard / out_sharding imply are found, rewritten into the ops when a schedule is
 forced (on CPU "auto" keeps the plain path), and the rewritten program equals the written one
-in value, gradient and type; GSPMD (Auto-axis) code is reported, never rewritten."""
+in value, gradient and type (FP8 recipes become the scaled ops); GSPMD (Auto-axis) code is
+reported, never rewritten."""
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -14,6 +15,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P, reshard
 
 from ficco_jax import explain, overlap
 from ficco_jax.rewrite.match_global import GSPMD_FIX
+from ficco_jax.rewrite.matchers import ALL_OPS, find_sites
 from ficco_jax.runtime import extension
 
 XLA = "xla/ring/c2"
@@ -190,6 +192,130 @@ def test_sites_inside_scan_and_remat(mesh):
     _assert_same(jax.jit(overlap(stack, schedule=XLA))(x, layers), jax.jit(stack)(x, layers))
     grad = lambda f: jax.jit(jax.grad(lambda x, p: jnp.mean(f(x, p) ** 2), argnums=(0, 1)))  # noqa: E731
     _assert_same(grad(overlap(stack, schedule=XLA))(x, layers), grad(stack)(x, layers))
+
+
+# --------------------------------------------------------------------------------------------
+# FP8 as the recipes write it: the FP8 ops, with the two scales
+# --------------------------------------------------------------------------------------------
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+FP8_SCALES = (jnp.float32(0.37), jnp.float32(1.7))
+# The second matmul reads the first one's result requantized to FP8: where the bf16 rounding of
+# that result differs, an FP8 step may differ too.
+REQUANTIZED_TOLERANCE = 0.05
+
+
+def fp8_mlp(x8, w_up, w_down, sx, sw):
+    """The gathered FP8 sequence dequantized in bf16 before the column-parallel matmul; the
+    row-parallel matmul's operands dequantized from FP8 in f32, its product scattered."""
+    g = reshard(x8, P("dp", None, None))
+    h = jnp.einsum("bsd,df->bsf", g.astype(jnp.bfloat16) * sx.astype(jnp.bfloat16),
+                   w_up.astype(jnp.bfloat16) * sw.astype(jnp.bfloat16))
+    h8 = jax.nn.relu(h).astype(E4M3)
+    y = jnp.einsum("bsf,fd->bsd", h8.astype(jnp.float32) * sx, w_down.astype(jnp.float32) * sw,
+                   out_sharding=SEQ_PARALLEL)
+    return h, y
+
+
+def _fp8_args(mesh, dtype=E4M3):
+    x8, w_up, w_down = (v * 3 for v in _mlp_args(mesh))
+    return (x8.astype(dtype), w_up.astype(dtype), w_down.astype(dtype), *FP8_SCALES)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_fp8_sites_become_the_scaled_ops(mesh, schedule):
+    args = _fp8_args(mesh)
+    fused = overlap(fp8_mlp, schedule=schedule)
+    report = explain(fused, *args)
+    assert _ops(report) == ["ag_matmul", "matmul_rs"] and not report.near_misses, str(report)
+    assert all("(FP8, scaled)" in r.shapes and r.schedule == schedule for r in report.sites), str(report)
+    assert report.sites[0].shapes.startswith(f"x float8_e4m3fn[{B}@dp,{S}@tp,{D}] gathered dim 1"), str(report)
+    (h, y), (h_ref, y_ref) = jax.jit(fused)(*args), jax.jit(fp8_mlp)(*args)
+    _assert_same(h, h_ref, jnp.bfloat16)
+    assert jax.typeof(y) == jax.typeof(y_ref)
+    err = np.linalg.norm(np.asarray(y, np.float64) - np.asarray(y_ref)) / np.linalg.norm(np.asarray(y_ref))
+    assert err < REQUANTIZED_TOLERANCE, err
+    lowered = jax.jit(fused).lower(*args).as_text()
+    if schedule == DMA:
+        assert lowered.count("ficco_ag_matmul_scaled") == 1 and lowered.count("ficco_matmul_rs_scaled") == 1
+    else:  # the ring gathers FP8 blocks
+        assert "collective-permute" in _compiled(fused, args) and "all-gather" not in _compiled(fused, args)
+
+
+def test_fp8_scale_gradients(mesh):
+    """The first matmul's result h is linear in each scale, so d mean(h²)/d s = 2·mean(h²)/s,
+    computed here in f64 from the FP8 values."""
+    args = _fp8_args(mesh)
+    x8, w_up, _, sx, sw = (np.asarray(v, np.float64) for v in args)
+    h = np.einsum("bsd,df->bsf", x8, w_up) * sx * sw
+    want = [2 * np.mean(h ** 2) / s for s in (sx, sw)]
+    loss = lambda *a: jnp.mean(overlap(fp8_mlp, schedule=XLA)(*a)[0].astype(jnp.float32) ** 2)  # noqa: E731
+    got = jax.jit(jax.grad(loss, argnums=(3, 4)))(*args)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=TOLERANCE[jnp.bfloat16])
+
+
+def test_fp8_site_reads_the_fp8_tensors_and_scales(mesh):
+    """The gather's op reads x8, w8 and both scales, and replaces the gathered side's dequantization."""
+    closed = jax.make_jaxpr(fp8_mlp)(*_fp8_args(mesh))
+    x8, w_up, w_down, sx, sw = closed.jaxpr.invars
+    (gather, scatter), _ = find_sites(closed.jaxpr, None, "", ALL_OPS)
+    assert gather.reads == (x8, sx, w_up, sw) and (gather.fp8_weight, gather.scales) == (w_up, (sx, sw))
+    skipped = [closed.jaxpr.eqns[k].primitive.name for k in gather.skip]
+    assert skipped == ["reshard", "convert_element_type", "mul", "dot_general"], skipped
+    assert scatter.reads[2:] == (w_down, sw) and scatter.scales == (sx, sw) and scatter.fp8_weight is w_down
+
+
+def test_fp8_near_misses_say_why(mesh):
+    x8, w_up, w_down, sx, sw = _fp8_args(mesh)
+
+    def per_channel_scale(x8, w_up, sx_d, sw):
+        g = reshard(x8, P("dp", None, None)).astype(jnp.bfloat16) * sx_d.astype(jnp.bfloat16)
+        return jnp.einsum("bsd,df->bsf", g, w_up.astype(jnp.bfloat16) * sw.astype(jnp.bfloat16))
+
+    sx_d = jax.random.uniform(jax.random.key(3), (D,), jnp.float32, 0.5, 1.5)
+    _check_fp8_miss(per_channel_scale, (x8, w_up, sx_d, sw), "scale is not one scalar")
+
+    def dequantized_read_twice(x8, w_up, sx, sw):
+        g = reshard(x8, P("dp", None, None)).astype(jnp.bfloat16) * sx.astype(jnp.bfloat16)
+        return jnp.einsum("bsd,df->bsf", g, w_up.astype(jnp.bfloat16) * sw.astype(jnp.bfloat16)), g
+
+    _check_fp8_miss(dequantized_read_twice, (x8, w_up, sx, sw), "dequantized gathered tensor has other users")
+
+    def bf16_weight(x8, w_up, sx):
+        g = reshard(x8, P("dp", None, None)).astype(jnp.bfloat16) * sx.astype(jnp.bfloat16)
+        return jnp.einsum("bsd,df->bsf", g, w_up)
+
+    _check_fp8_miss(bf16_weight, (x8, (w_up.astype(jnp.float32) * 0.5).astype(jnp.bfloat16), sx),
+                    "other operand is not an FP8 tensor")
+
+    def fp8_product_scattered(h8, w8):  # no dequantization: the FP8 ops have no scale to take
+        return jnp.einsum("bsf,fd->bsd", h8, w8, out_sharding=SEQ_PARALLEL)
+
+    (h,) = _random(mesh, [(P("dp", None, "tp"), (B, S, F))], seed=4)
+    report = explain(overlap(fp8_product_scattered, schedule=XLA), (h * 3).astype(E4M3), w_down)
+    assert not report.sites and [r.op for r in report.near_misses] == ["matmul_rs"], str(report)
+    assert "multiplies FP8 tensors as they are" in report.near_misses[0].reason, str(report)
+
+
+def test_fp8_e5m2_pair_gather_is_a_near_miss(mesh):
+    """e5m2 x e5m2 has no FP8 matmul: the gather stays as written, with the reason; the second
+    matmul (e4m3 activation x e5m2 weight) is still the FP8 matmul_rs."""
+    args = _fp8_args(mesh, E5M2)
+    fused = overlap(fp8_mlp, schedule=XLA)
+    report = explain(fused, *args)
+    assert _ops(report) == ["matmul_rs"] and "(FP8, scaled)" in report.sites[0].shapes, str(report)
+    assert [r.op for r in report.near_misses] == ["ag_matmul"], str(report)
+    assert report.near_misses[0].reason.endswith(": float8_e5m2 x float8_e5m2 matmuls are not supported"), str(report)
+    (h, y), (h_ref, y_ref) = jax.jit(fused)(*args), jax.jit(fp8_mlp)(*args)
+    _assert_same(h, h_ref, jnp.bfloat16)
+    err = np.linalg.norm(np.asarray(y, np.float64) - np.asarray(y_ref)) / np.linalg.norm(np.asarray(y_ref))
+    assert jax.typeof(y) == jax.typeof(y_ref) and 0 < err < REQUANTIZED_TOLERANCE, err
+
+
+def _check_fp8_miss(fn, args, reason):
+    report = explain(overlap(fn, schedule=XLA), *args)
+    assert not report.sites and [r.op for r in report.near_misses] == ["ag_matmul"], str(report)
+    assert reason in report.near_misses[0].reason and report.near_misses[0].axis_name == "tp", str(report)
+    _assert_same(jax.jit(overlap(fn, schedule=XLA))(*args), jax.jit(fn)(*args), jnp.bfloat16)
 
 
 # --------------------------------------------------------------------------------------------

@@ -11,12 +11,17 @@ arrays tells where the partitioner communicates:
 - matmul → reduce-scatter: a ``dot_general`` whose contracted dimensions are sharded on A in
   both operands, with a result sharded on A along a free dimension (its ``out_sharding``, or a
   ``reshard`` of the replicated product right after it). Becomes ``matmul_rs``.
+- FP8, as JAX recipes write it: the resharded tensor is FP8 and reaches the matmul as
+  ``convert → multiply by a scalar scale`` while the weight is ``convert(w8) * w_scale``; or the
+  scattering matmul multiplies two such dequantized tensors. Become the FP8 ops, which gather FP8
+  bytes and take the two scales.
 
 Each site runs as its op inside a ``jax.shard_map`` over the mesh, with the operands' own
 shardings as in_specs and the results' as out_specs: the other mesh axes (dp) stay manual and
 untouched, and every output keeps its type. The local pattern inside that shard_map is the one
 match_tp.py recognises, so the site is found by tracing the local body and running that matcher
-on it: one canonicalisation to 2-D for both views.
+on it: one canonicalisation to 2-D for both views. An FP8 site's body dequantizes the FP8 blocks
+as the program does, so the same FP8 matchers recognise it.
 
 Programs on an ``AxisType.Auto`` mesh carry no shardings in their types (GSPMD decides them at
 compile time): their matmuls are reported as near-misses with the way to explicit mode. A reshard
@@ -26,19 +31,23 @@ too, as expert-parallel layers become the ops only when written in a shard_map.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+import re
+from typing import Any, Callable
 
 import jax
 from jax.sharding import PartitionSpec
 
+from .. import ops
 from . import match_tp
-from .jaxpr_util import fmt, fmt_shapes, open_jaxpr, source_line
+from .jaxpr_util import fmt, fmt_shapes, is_var, open_jaxpr, source_line
 from .shardings import (axes_of, batched, contracted, free, is_explicit, is_gspmd, mesh_of, out_dim, product_axes,
                         spec_of, split_axes, typed)
 from .site import MatchContext, Site, SiteRecord
 
 AG, RS = match_tp.AG, match_tp.RS
 _DOT = "dot_general"
+_CONVERT, _MUL = "convert_element_type", "mul"
+_LOCAL_EQN = re.compile(r"(^|; )eqn \d+: ")
 # jax 0.10 and 0.11 name the explicit-mode resharding primitive "reshard"; a rename is one more entry.
 _RESHARD = ("reshard",)
 # How near-misses of GSPMD programs name the op: which of the two applies depends on shardings
@@ -97,8 +106,9 @@ class GlobalSite(Site):
         return self.shard_mesh
 
 
-def _local_site(mesh, local_fn: Callable, reads, in_specs, out_specs, where: str) -> Site | str:
-    """The site match_tp.py finds in the shard_map body `local_fn` is, or why it finds none."""
+def _local_site(mesh, local_fn: Callable, reads, in_specs, out_specs, where: str) -> tuple[Site, tuple, tuple] | str:
+    """(the site match_tp.py finds in the shard_map body `local_fn` is, the body's inputs, its
+    outputs), or why it finds none."""
     try:
         traced = jax.make_jaxpr(jax.shard_map(local_fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                                               check_vma=False))(*[v.aval for v in reads])
@@ -111,7 +121,9 @@ def _local_site(mesh, local_fn: Callable, reads, in_specs, out_specs, where: str
         match = match_tp.MATCHERS.get(inner.primitive.name)
         if match is not None:
             found = match(ctx, i)
-            return found if isinstance(found, Site) else found.reason
+            if isinstance(found, Site):
+                return found, tuple(body.invars), tuple(body.outvars)
+            return _LOCAL_EQN.sub(r"\1", found.reason)  # the body's equation numbers mean nothing in the program
     return "the local body has no collective"  # pragma: no cover - local_fn always writes one
 
 
@@ -120,6 +132,92 @@ def _local_dot(dot, x, w, side: int):
     params = {k: v for k, v in dot.params.items() if k in ("dimension_numbers", "precision", "preferred_element_type")}
     lhs, rhs = (x, w) if side == 0 else (w, x)
     return jax.lax.dot_general(lhs, rhs, **params)
+
+
+def _global_site(ctx: MatchContext, local_fn: Callable, reads: tuple, writes: tuple, **site) -> GlobalSite | str:
+    """The GlobalSite running the site found in `local_fn` (a shard_map body reading the blocks of
+    `reads`, returning those of `writes`) over the mesh of `reads[0]`, or why there is none."""
+    mesh = mesh_of(reads[0].aval)
+    in_specs, out_specs = tuple(spec_of(v.aval) for v in reads), tuple(spec_of(v.aval) for v in writes)
+    found = _local_site(mesh, local_fn, reads, in_specs, out_specs, ctx.where)
+    if isinstance(found, str):
+        return found
+    local, local_in, local_out = found
+    fp8 = {}
+    if local.scales is not None:  # the global values the local site's FP8 operands and scales are blocks of
+        outer = dict(zip(local_in, reads))
+        fp8 = {"fp8_act": outer.get(local.fp8_act), "fp8_weight": outer[local.fp8_weight],
+               "scales": tuple(outer[s] for s in local.scales)}
+    elif any(ops.scaled.is_fp8(v.aval.dtype) for v in reads):
+        return ("the matmul multiplies FP8 tensors as they are; the FP8 ops take them dequantized as "
+                "convert → multiply by a scalar scale, with the scale")
+    return GlobalSite(axis_size=int(mesh.shape[site["axis_name"]]), local=local, shard_mesh=mesh, reads=reads,
+                      in_specs=in_specs, writes=writes, out_specs=out_specs, local_in=local_in, local_out=local_out,
+                      **fp8, **site)
+
+
+# --------------------------------------------------------------------------------------------
+# FP8 operands: dequantized as convert(v8) * scale
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Dequantized:
+    """A dot operand the program computes as convert(v8) * scale, with a scalar scale."""
+
+    v8: Any  # the FP8 tensor
+    scale: Any  # the scalar the multiply's scale is broadcast or cast from
+    dtype: Any  # the dequantized dtype
+    eqns: tuple[int, int]  # the convert's and the multiply's equation indices
+
+    def rebuild(self, v8, scale):
+        """The dequantization on blocks, written as the recipes write it."""
+        return v8.astype(self.dtype) * scale.astype(self.dtype)
+
+
+def _dequantized(ctx: MatchContext, atom) -> _Dequantized | None:
+    found = match_tp._dequantized(ctx, atom)
+    return None if found is None else _Dequantized(found[0], found[1], atom.aval.dtype, found[2])
+
+
+def _operand(deq: _Dequantized | None, value) -> tuple[tuple, Callable]:
+    """(the global values a local body reads for one dot operand, how it rebuilds the operand
+    from their blocks): `value` itself, or its FP8 tensor and scale, dequantized again."""
+    return ((value,), lambda block: block) if deq is None else ((deq.v8, deq.scale), deq.rebuild)
+
+
+def _fp8_dots(ctx: MatchContext, g) -> tuple[list, list[str]]:
+    """The matmuls reading FP8 `g` dequantized by a scalar scale, [(dot index, operand position,
+    _Dequantized)], and why the other convert → multiply → matmul paths from `g` are not such."""
+    found, reasons = [], []
+    for c, _ in ctx.users.get(g, []):
+        if ctx.eqns[c].primitive.name != _CONVERT:
+            continue
+        for m, _ in ctx.users.get(ctx.eqns[c].outvars[0], []):
+            for j, pos in ctx.users.get(ctx.eqns[m].outvars[0], []) if ctx.eqns[m].primitive.name == _MUL else ():
+                if ctx.eqns[j].primitive.name != _DOT:
+                    continue
+                deq = _dequantized(ctx, ctx.eqns[j].invars[pos])
+                if deq is None or deq.eqns != (c, m):
+                    reasons.append(f"eqn {j}: the FP8 gathered tensor's scale is not one scalar; the FP8 ops take "
+                                   f"per-tensor scales")
+                else:
+                    found.append((j, pos, deq))
+    return found, reasons
+
+
+def _fp8_gather_problem(ctx: MatchContext, deq: _Dequantized, w_deq: _Dequantized | None, first_use: int):
+    """Why the FP8 gathered tensor's dequantization and matmul cannot be taken into the op."""
+    for k in deq.eqns:
+        v = ctx.eqns[k].outvars[0]
+        if ctx.read_elsewhere(v):
+            readers = ctx.readers_text(v) + (", and it is a result of the program" if v in ctx.outputs else "")
+            return (f"the dequantized gathered tensor has other users ({readers}); the FP8 op returns the "
+                    f"gathered FP8 tensor, not its dequantized form")
+    if w_deq is None:
+        return "the matmul's other operand is not an FP8 tensor dequantized by a scalar scale"
+    for atom, what in ((w_deq.v8, "FP8 weight"), (deq.scale, "activation's scale"), (w_deq.scale, "weight's scale")):
+        if is_var(atom) and ctx.defined_at[atom] >= first_use:
+            return f"the {what} is computed after the gathered tensor's first use"
+    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -149,38 +247,42 @@ def _gather_problem(dot, side: int, dim: int, axis: str, gathered_dims) -> str |
     return None
 
 
-def _gather_site(ctx: MatchContext, i: int, j: int, side: int, dim: int, axis: str, reshard=None):
+def _gather_site(ctx: MatchContext, i: int, j: int, side: int, dim: int, axis: str, reshard=None,
+                 deq: _Dequantized | None = None):
     """The ag_matmul site of dot `j` reading operand `side` gathered on `dim` over `axis` (by
-    equation `reshard`, or by the dot itself when None), or why it is none."""
+    equation `reshard`, or by the dot itself when None; through FP8 dequantization `deq`), or why
+    it is none."""
     dot = ctx.eqns[j]
     src = reshard.invars[0] if reshard is not None else dot.invars[side]
     w = dot.invars[1 - side]
-    mesh = mesh_of(src.aval)
     gathered = reshard.outvars[0] if reshard is not None else None
     also = gathered is not None and ctx.read_elsewhere(gathered)
     uses = [k for k, _ in ctx.users.get(gathered, [])] if gathered is not None else [j]
-    problem = ctx.weight_problem(w, min(uses), "gathered tensor's") if reshard is not None else None
+    w_deq = _dequantized(ctx, w) if deq is not None else None
+    if deq is not None:
+        problem = _fp8_gather_problem(ctx, deq, w_deq, min(uses))
+    else:
+        problem = ctx.weight_problem(w, min(uses), "gathered tensor's") if reshard is not None else None
     if problem:
         return problem
     writes = (dot.outvars[0], gathered) if also else (dot.outvars[0],)
+    x_reads, dequantize_x = ((src, deq.scale), deq.rebuild) if deq is not None else ((src,), lambda g: g)
+    w_reads, rebuild_w = _operand(w_deq, w)
 
-    def local_fn(x, w_block):
+    def local_fn(x, *rest):
         g = jax.lax.all_gather(x, axis, axis=dim, tiled=True)
-        out = _local_dot(dot, g, w_block, side)
+        x_rest, w_blocks = rest[:len(x_reads) - 1], rest[len(x_reads) - 1:]
+        out = _local_dot(dot, dequantize_x(g, *x_rest), rebuild_w(*w_blocks), side)
         return (out, g) if also else (out,)
 
-    in_specs = (spec_of(src.aval), spec_of(w.aval))
-    out_specs = tuple(spec_of(v.aval) for v in writes)
-    local = _local_site(mesh, local_fn, (src, w), in_specs, out_specs, ctx.where)
-    if isinstance(local, str):
-        return local
-    site = GlobalSite(op=AG, axis_name=axis, axis_size=int(mesh.shape[axis]), exec_index=min(uses),
-                      skip=tuple(sorted({i, j})), dot=dot, collective=reshard or dot, returns_collective=also,
-                      local=local, shard_mesh=mesh, reads=(src, w), in_specs=in_specs, writes=writes,
-                      out_specs=out_specs, local_in=tuple(local.collective.invars[:1]) + (local.dot.invars[1 - side],),
-                      local_out=(local.dot.outvars[0],) + ((local.collective.outvars[0],) if also else ()))
+    skip = {i, j} | set(deq.eqns if deq is not None else ())
+    site = _global_site(ctx, local_fn, x_reads + w_reads, writes, op=AG, axis_name=axis, exec_index=min(uses),
+                        skip=tuple(sorted(skip)), dot=dot, collective=reshard or dot, returns_collective=also)
+    if isinstance(site, str):
+        return site
     more = f" (gathered x also used by {len(uses) - 1 + (gathered in ctx.outputs)} more)" if also else ""
-    shapes = f"x {typed(src)} gathered dim {dim} · w {typed(w)} -> {typed(dot.outvars[0])}{more}"
+    w_text = f"{typed(w_deq.v8)} (FP8, scaled)" if w_deq is not None else typed(w)
+    shapes = f"x {typed(src)} gathered dim {dim} · w {w_text} -> {typed(dot.outvars[0])}{more}"
     return _found(ctx, site, i, shapes)
 
 
@@ -217,14 +319,18 @@ def match_reshard(ctx: MatchContext, i: int) -> Site | SiteRecord | None:
     if before is None or after is None or not is_explicit(mesh) or not hasattr(x.aval, "shape"):
         return None
     change = _removed_axis(before, after)
-    dots = [(j, pos) for j, pos in ctx.users.get(g, []) if ctx.eqns[j].primitive.name == _DOT]
-    if change is None or (not dots and not isinstance(change, tuple)):
+    fp8 = ops.scaled.is_fp8(g.aval.dtype)
+    dots, fp8_reasons = _fp8_dots(ctx, g) if fp8 else ([], [])
+    dots += [(j, pos, None) for j, pos in ctx.users.get(g, []) if ctx.eqns[j].primitive.name == _DOT]
+    if change is None or (not dots and not fp8_reasons and not isinstance(change, tuple)):
         return None
     axis = change[1] if isinstance(change, tuple) else "?"
     shapes = f"x {typed(x)} resharded to {typed(g)}"
     if not dots:
-        return _miss(ctx, AG, i, axis, shapes, f"the gathered tensor feeds no matmul directly "
-                                               f"({ctx.readers_text(g)}); reshard right before the matmul")
+        fed = ("feeds no matmul directly" if not fp8 else
+               "reaches no matmul as convert → multiply by a scalar scale → dot, as FP8 recipes write it")
+        why = f"the gathered tensor {fed} ({ctx.readers_text(g)}); reshard right before the matmul"
+        return _miss(ctx, AG, i, axis, shapes, "; ".join(fp8_reasons) or why)
     if isinstance(change, str):
         op = "a2a_matmul" if "all-to-all" in change else AG
         fix = ("; write the expert layer in a jax.shard_map to get a2a_matmul" if op != AG else "")
@@ -233,9 +339,9 @@ def match_reshard(ctx: MatchContext, i: int) -> Site | SiteRecord | None:
     problem = ctx.not_enabled(AG)
     if problem:
         return _miss(ctx, AG, i, axis, shapes, problem)
-    reasons = []
-    for j, pos in dots:
-        found = _gather_problem(ctx.eqns[j], pos, dim, axis, after) or _gather_site(ctx, i, j, pos, dim, axis, eqn)
+    reasons = list(fp8_reasons)
+    for j, pos, deq in dots:
+        found = _gather_problem(ctx.eqns[j], pos, dim, axis, after) or _gather_site(ctx, i, j, pos, dim, axis, eqn, deq)
         if isinstance(found, Site):
             return found
         reasons.append(f"eqn {j}: {found}")
@@ -289,22 +395,22 @@ def _scatter(ctx: MatchContext, j: int, axis: str) -> Site | SiteRecord:
     problem = ctx.not_enabled(RS)
     if problem:
         return _miss(ctx, RS, j, axis, shapes, problem)
-    reads = tuple(dot.invars)
+    # FP8 operands are read as FP8 and dequantized in the body, where the FP8 matcher finds them.
+    fp8 = bool(match_tp._scaled_operands(ctx, *dot.invars))
+    (lhs_reads, lhs), (rhs_reads, rhs) = (_operand(_dequantized(ctx, v) if fp8 else None, v) for v in dot.invars)
 
-    def local_fn(lhs, rhs):
-        y = _local_dot(dot, lhs, rhs, 0)
+    def local_fn(*blocks):
+        y = _local_dot(dot, lhs(*blocks[:len(lhs_reads)]), rhs(*blocks[len(lhs_reads):]), 0)
         return (jax.lax.psum_scatter(y, axis, scatter_dimension=scattered[0], tiled=True),)
 
-    in_specs = tuple(spec_of(v.aval) for v in reads)
-    out_specs = (spec_of(target.aval),)
-    local = _local_site(mesh, local_fn, reads, in_specs, out_specs, ctx.where)
-    if isinstance(local, str):
-        return _miss(ctx, RS, j, axis, shapes, local)
     skip = (j,) if reshard is None else (j, ctx.eqns.index(reshard))
-    site = GlobalSite(op=RS, axis_name=axis, axis_size=int(mesh.shape[axis]), exec_index=j, skip=skip, dot=dot,
-                      collective=reshard or dot, local=local, shard_mesh=mesh, reads=reads, in_specs=in_specs,
-                      writes=(target,), out_specs=out_specs, local_in=tuple(local.dot.invars),
-                      local_out=(local.collective.outvars[0],))
+    site = _global_site(ctx, local_fn, lhs_reads + rhs_reads, (target,), op=RS, axis_name=axis, exec_index=j,
+                        skip=skip, dot=dot, collective=reshard or dot)
+    if isinstance(site, str):
+        return _miss(ctx, RS, j, axis, shapes, site)
+    if fp8:
+        y8, w8 = site.fp8_act, site.fp8_weight
+        shapes = f"{typed(y8)} · {typed(w8)} (FP8, scaled) -> {typed(target)}"
     return _found(ctx, site, j, shapes)
 
 
