@@ -283,3 +283,36 @@ def test_overlap_reports_e5m2_pair_as_near_miss(mesh1d, rng):
                        out_specs=(P(None, "tp"), P("tp")))
     report = ficco_jax.explain(ficco_jax.overlap(fn, schedule="xla/ring/c2"), x8, w1, w2, *scales)
     assert any("e5m2 x float8_e5m2" in r.reason for r in report.near_misses), str(report)
+
+
+# ------------------------------------------------------------------------------------------------
+# GPUs without FP8 tensor cores
+# ------------------------------------------------------------------------------------------------
+class _Device:
+    def __init__(self, capability):
+        self.compute_capability = capability
+
+
+@pytest.mark.parametrize("capabilities,supported", [(["9.0", "9.0"], True), (["8.9"], True), (["9.0", "8.0"], False),
+                                                    ([None], False)])
+def test_fp8_support_follows_compute_capability(monkeypatch, capabilities, supported):
+    monkeypatch.setattr(jax, "local_devices", lambda: [_Device(c) for c in capabilities])
+    assert extension.fp8_matmuls_supported("gpu") is supported
+
+
+@pytest.mark.skipif(not extension.available(), reason="ficco_jax._ffi is not built")
+def test_fp8_without_fp8_tensor_cores(monkeypatch, mesh2d, rng):
+    """An explicit copy-engine FP8 schedule is an error that names the requirement; 'auto' leaves
+    copy engines out and still computes the op."""
+    from helpers import prefer_copy_engines
+
+    monkeypatch.setattr(extension, "fp8_matmuls_supported", lambda platform=None: False)
+    a, w, scales = _scaled_inputs(rng, "ag_matmul", mesh2d)
+    specs = _fp8_specs("ag_matmul", mesh2d)
+    with pytest.raises(TypeError, match="FP8 tensor cores"):
+        run_sharded(mesh2d, _fp8_call("ag_matmul", "dma/direct/c1", None), specs, a, w, *scales)
+    asked = prefer_copy_engines(monkeypatch)
+    got = run_sharded(mesh2d, _fp8_call("ag_matmul", "auto", F32), specs, a, w, *scales)
+    want = run_sharded(mesh2d, _fp8_reference_f32("ag_matmul", F32), specs, a.astype(F32), w.astype(F32), *scales)
+    assert asked and all("dma" not in comms for _, comms in asked)
+    assert rel_err(got, want) < TOLERANCE["float32"]

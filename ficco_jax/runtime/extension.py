@@ -74,3 +74,20 @@ try:
     _load()
 except ImportError as _exc:  # remembered; raised again by ensure_loaded() when an op needs it
     _import_error = _exc
+
+
+#: The first compute capability with FP8 tensor cores (Ada; Hopper is 9.0).
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+def fp8_matmuls_supported(platform: str | None = None) -> bool:
+    """Whether the executor's FP8 matmuls run here: always on CPU (reference loops); on GPUs, where
+    every local device has FP8 tensor cores (compute capability 8.9 or newer, as cuBLASLt needs)."""
+    platform = platform or jax.default_backend()
+    if platform != "gpu":
+        return platform == "cpu"
+    for device in jax.local_devices():
+        capability = getattr(device, "compute_capability", None)
+        if capability is None or tuple(int(p) for p in str(capability).split(".")[:2]) < FP8_MIN_CAPABILITY:
+            return False
+    return True

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from .. import config
+from ..runtime import extension
 from ..schedule import A2A_OPS, Schedule
 from .autotune import autotune_schedule
 from .select import available_comms, dma_reaches, select_schedule
@@ -66,4 +67,6 @@ def allowed_comms(dtype, topology=None) -> tuple[tuple[str, ...], str]:
     handled = config.DMA_DTYPES + config.FP8_DTYPES  # FP8: the scaled TP ops
     if "dma" in comms and name not in handled:
         return tuple(c for c in comms if c != "dma"), f"comm='dma' handles dtypes {handled}, not {name}"
+    if "dma" in comms and name in config.FP8_DTYPES and not extension.fp8_matmuls_supported():
+        return tuple(c for c in comms if c != "dma"), "these GPUs have no FP8 tensor cores for the executor's matmuls"
     return comms, ""

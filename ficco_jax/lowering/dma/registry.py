@@ -74,6 +74,10 @@ def check_supported(op: str, dtype, out_dtype=None) -> None:
         return
     fp8_ok = op in _SCALED or f"{op}_scaled" in _SCALED
     if name in config.FP8_DTYPES and fp8_ok:
+        if not extension.fp8_matmuls_supported():
+            raise TypeError(f"{op}: comm='dma' with FP8 operands needs GPUs with FP8 tensor cores (compute "
+                            f"capability {'.'.join(map(str, extension.FP8_MIN_CAPABILITY))}+: Ada, Hopper); "
+                            f"use comm='xla' or 'none' here")
         outs = config.DMA_DTYPES
     elif name in config.DMA_DTYPES:
         outs = (name, "float32")
