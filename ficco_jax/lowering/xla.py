@@ -60,15 +60,23 @@ def _shift_perm(n: int, shift: int) -> list[tuple[int, int]]:
 
 def product(a: jax.Array, w: jax.Array, out_dtype=None, scales=None) -> jax.Array:
     """The matmul of every TP schedule: ``a @ w`` with its result in `out_dtype` (None: the
-    operands' dtype; f32 for bf16 operands is mixed precision). With `scales` =
-    (a_scale, w_scale) the operands are FP8: ``(a.astype(f32) * a_scale) @ (w.astype(f32) *
-    w_scale)``, the dequantize-then-dot form XLA's GPU compiler turns into its own FP8 matmul."""
+    operands' dtype; f32 for bf16 operands is mixed precision). With `scales` = (a_scale, w_scale)
+    the operands are FP8 and the result is ``(a.astype(f32) * a_scale) @ (w.astype(f32) * w_scale)``
+    in `out_dtype` (bf16 by default): on GPUs one FP8 dot (XLA's cuBLASLt FP8 matmul, f32
+    accumulation) with both scales applied to its result; XLA's CPU backend has no FP8 dot, so
+    there the operands are widened first."""
     if scales is None:
         return jnp.matmul(a, w, preferred_element_type=out_dtype)
-    a_scale, w_scale = scales
-    f32 = jnp.float32
-    out = jnp.matmul(a.astype(f32) * a_scale, w.astype(f32) * w_scale, preferred_element_type=f32)
-    return out.astype(out_dtype or jnp.bfloat16)
+    out, f32 = jnp.dtype(out_dtype or jnp.bfloat16), jnp.float32
+    scale = scales[0].astype(f32) * scales[1].astype(f32)
+
+    def fp8_dot(a, w, scale):
+        return (jnp.matmul(a, w, preferred_element_type=f32) * scale).astype(out)
+
+    def widened(a, w, scale):
+        return (jnp.matmul(a.astype(f32), w.astype(f32), preferred_element_type=f32) * scale).astype(out)
+
+    return lax.platform_dependent(a, w, scale, cpu=widened, default=fp8_dot)
 
 
 def _matmul_blocks(chunk_list: list[jax.Array], w: jax.Array, gemm: str, mm) -> jax.Array:

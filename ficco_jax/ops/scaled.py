@@ -7,8 +7,8 @@
 
 The all-gather moves FP8 bytes (half of bf16's); matmul_rs moves and sums `out_dtype` partials.
 The matmuls are FP8: cuBLASLt's, with the scales as device pointers, on the copy-engine path
-(`comm="dma"`); on `comm="none"` / `"xla"` the dequantize-then-dot form of lowering/xla.product,
-which XLA's GPU compiler turns into its own FP8 matmul.
+(`comm="dma"`); on `comm="none"` / `"xla"` XLA's own FP8 dot with the scales applied to its f32
+result (lowering/xla.product).
 
 Backward (a custom VJP, itself overlapped): the gradient matmuls take operands in the cotangent's
 dtype (`out_dtype`) — the FP8 values converted exactly (every e4m3 and e5m2 value is a bf16, f16
