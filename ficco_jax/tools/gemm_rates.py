@@ -253,7 +253,7 @@ def markdown(result: dict) -> str:
             verified += bool(row.get("verified"))
             if row.get("note"):
                 notes.append(f"- {s['shape']} {k}: {row['note']}")
-    lines += ["", "Cells: ms per matmul (TFLOP/s); a / b: b's time over a's (above 1: a faster). Target: "
+    lines += ["", "Cells: ms per matmul (TFLOP/s); X / Y: the speed-up of X over Y, Y's time over X's. Target: "
               "the executor's FP8 matmul at least the target over both bf16 GEMMs of the same shape.",
               f"Verified against the f32 reference of the same FP8 values (rel err < {result['tolerance']}) "
               f"before timing: {verified}/{checked} variants."]
