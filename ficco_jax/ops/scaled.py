@@ -6,8 +6,8 @@
         == psum_scatter(((y.astype(f32) * sy) @ (w.astype(f32) * sw)).astype(bf16))
 
 The all-gather moves FP8 bytes (half of bf16's); matmul_rs moves and sums `out_dtype` partials.
-The matmuls are FP8: cuBLASLt's, with the scales as device pointers, on the copy-engine path
-(`comm="dma"`); on `comm="none"` / `"xla"` XLA's own FP8 dot with the scales applied to its f32
+The matmuls are FP8: cuBLASLt's, with the scales as device pointers and Hopper's fast
+accumulation (as TransformerEngine's forward GEMMs), on the copy-engine path (`comm="dma"`); on `comm="none"` / `"xla"` XLA's own FP8 dot with the scales applied to its f32
 result (lowering/xla.product).
 
 Backward (a custom VJP, itself overlapped): the gradient matmuls take operands in the cotangent's
