@@ -316,3 +316,10 @@ def test_fp8_without_fp8_tensor_cores(monkeypatch, mesh2d, rng):
     want = run_sharded(mesh2d, _fp8_reference_f32("ag_matmul", F32), specs, a.astype(F32), w.astype(F32), *scales)
     assert asked and all("dma" not in comms for _, comms in asked)
     assert rel_err(got, want) < TOLERANCE["float32"]
+
+
+def test_expert_ops_refuse_fp8_with_the_way_out(mesh1d, rng):
+    x = random(rng, (64, 2, 4, 16), F32).astype(jnp.float8_e4m3fn)
+    w = random(rng, (16, 16, 8), F32).astype(jnp.float8_e4m3fn)
+    with pytest.raises(TypeError, match="FP8 operands are taken by ag_matmul and matmul_rs.*dequantize x"):
+        run_sharded(mesh1d, lambda x, w: ficco_jax.a2a_matmul(x, w, "tp"), ((P("tp"), P("tp")), P("tp")), x, w)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
+from .. import config
 from ..schedule import Schedule
 
 ScheduleArg = Union[str, Schedule]
@@ -58,6 +59,11 @@ def check_operands(op: str, a, w) -> None:
             raise TypeError(
                 f"{op}: {name} must be a floating-point array, found dtype {v.dtype}; "
                 f"cast it, e.g. {name}.astype(jnp.bfloat16)"
+            )
+        if jnp.dtype(v.dtype).name in config.FP8_DTYPES:  # ag_matmul / matmul_rs route FP8 to ops/scaled.py
+            raise TypeError(
+                f"{op}: FP8 operands are taken by ag_matmul and matmul_rs (with x_scale= and w_scale=); {op} takes "
+                f"bf16, f16 or f32: dequantize {name} first, e.g. {name}.astype(jnp.bfloat16) * scale"
             )
     if a.dtype != w.dtype:
         raise TypeError(
