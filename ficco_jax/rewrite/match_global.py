@@ -32,21 +32,20 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 from jax.sharding import PartitionSpec
 
 from .. import ops
-from . import match_tp
-from .jaxpr_util import fmt, fmt_shapes, is_var, open_jaxpr, source_line
+from . import dequant, match_tp
+from .jaxpr_util import fmt, fmt_shapes, open_jaxpr, source_line
 from .shardings import (axes_of, batched, contracted, free, is_explicit, is_gspmd, mesh_of, out_dim, product_axes,
                         spec_of, split_axes, typed)
 from .site import MatchContext, Site, SiteRecord
 
 AG, RS = match_tp.AG, match_tp.RS
 _DOT = "dot_general"
-_CONVERT, _MUL = "convert_element_type", "mul"
 _LOCAL_EQN = re.compile(r"(^|; )eqn \d+: ")
 # jax 0.10 and 0.11 name the explicit-mode resharding primitive "reshard"; a rename is one more entry.
 _RESHARD = ("reshard",)
@@ -157,67 +156,12 @@ def _global_site(ctx: MatchContext, local_fn: Callable, reads: tuple, writes: tu
 
 
 # --------------------------------------------------------------------------------------------
-# FP8 operands: dequantized as convert(v8) * scale
+# FP8 operands: dequantized as convert(v8) * scale (rewrite/dequant.py)
 # --------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class _Dequantized:
-    """A dot operand the program computes as convert(v8) * scale, with a scalar scale."""
-
-    v8: Any  # the FP8 tensor
-    scale: Any  # the scalar the multiply's scale is broadcast or cast from
-    dtype: Any  # the dequantized dtype
-    eqns: tuple[int, int]  # the convert's and the multiply's equation indices
-
-    def rebuild(self, v8, scale):
-        """The dequantization on blocks, written as the recipes write it."""
-        return v8.astype(self.dtype) * scale.astype(self.dtype)
-
-
-def _dequantized(ctx: MatchContext, atom) -> _Dequantized | None:
-    found = match_tp._dequantized(ctx, atom)
-    return None if found is None else _Dequantized(found[0], found[1], atom.aval.dtype, found[2])
-
-
-def _operand(deq: _Dequantized | None, value) -> tuple[tuple, Callable]:
+def _operand(deq: dequant.Dequantized | None, value) -> tuple[tuple, Callable]:
     """(the global values a local body reads for one dot operand, how it rebuilds the operand
     from their blocks): `value` itself, or its FP8 tensor and scale, dequantized again."""
     return ((value,), lambda block: block) if deq is None else ((deq.v8, deq.scale), deq.rebuild)
-
-
-def _fp8_dots(ctx: MatchContext, g) -> tuple[list, list[str]]:
-    """The matmuls reading FP8 `g` dequantized by a scalar scale, [(dot index, operand position,
-    _Dequantized)], and why the other convert → multiply → matmul paths from `g` are not such."""
-    found, reasons = [], []
-    for c, _ in ctx.users.get(g, []):
-        if ctx.eqns[c].primitive.name != _CONVERT:
-            continue
-        for m, _ in ctx.users.get(ctx.eqns[c].outvars[0], []):
-            for j, pos in ctx.users.get(ctx.eqns[m].outvars[0], []) if ctx.eqns[m].primitive.name == _MUL else ():
-                if ctx.eqns[j].primitive.name != _DOT:
-                    continue
-                deq = _dequantized(ctx, ctx.eqns[j].invars[pos])
-                if deq is None or deq.eqns != (c, m):
-                    reasons.append(f"eqn {j}: the FP8 gathered tensor's scale is not one scalar; the FP8 ops take "
-                                   f"per-tensor scales")
-                else:
-                    found.append((j, pos, deq))
-    return found, reasons
-
-
-def _fp8_gather_problem(ctx: MatchContext, deq: _Dequantized, w_deq: _Dequantized | None, first_use: int):
-    """Why the FP8 gathered tensor's dequantization and matmul cannot be taken into the op."""
-    for k in deq.eqns:
-        v = ctx.eqns[k].outvars[0]
-        if ctx.read_elsewhere(v):
-            readers = ctx.readers_text(v) + (", and it is a result of the program" if v in ctx.outputs else "")
-            return (f"the dequantized gathered tensor has other users ({readers}); the FP8 op returns the "
-                    f"gathered FP8 tensor, not its dequantized form")
-    if w_deq is None:
-        return "the matmul's other operand is not an FP8 tensor dequantized by a scalar scale"
-    for atom, what in ((w_deq.v8, "FP8 weight"), (deq.scale, "activation's scale"), (w_deq.scale, "weight's scale")):
-        if is_var(atom) and ctx.defined_at[atom] >= first_use:
-            return f"the {what} is computed after the gathered tensor's first use"
-    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -248,7 +192,7 @@ def _gather_problem(dot, side: int, dim: int, axis: str, gathered_dims) -> str |
 
 
 def _gather_site(ctx: MatchContext, i: int, j: int, side: int, dim: int, axis: str, reshard=None,
-                 deq: _Dequantized | None = None):
+                 deq: dequant.Dequantized | None = None):
     """The ag_matmul site of dot `j` reading operand `side` gathered on `dim` over `axis` (by
     equation `reshard`, or by the dot itself when None; through FP8 dequantization `deq`), or why
     it is none."""
@@ -258,9 +202,9 @@ def _gather_site(ctx: MatchContext, i: int, j: int, side: int, dim: int, axis: s
     gathered = reshard.outvars[0] if reshard is not None else None
     also = gathered is not None and ctx.read_elsewhere(gathered)
     uses = [k for k, _ in ctx.users.get(gathered, [])] if gathered is not None else [j]
-    w_deq = _dequantized(ctx, w) if deq is not None else None
+    w_deq = dequant.dequantized(ctx, w) if deq is not None else None
     if deq is not None:
-        problem = _fp8_gather_problem(ctx, deq, w_deq, min(uses))
+        problem = dequant.gather_problem(ctx, deq, w_deq, min(uses))
     else:
         problem = ctx.weight_problem(w, min(uses), "gathered tensor's") if reshard is not None else None
     if problem:
@@ -320,7 +264,7 @@ def match_reshard(ctx: MatchContext, i: int) -> Site | SiteRecord | None:
         return None
     change = _removed_axis(before, after)
     fp8 = ops.scaled.is_fp8(g.aval.dtype)
-    dots, fp8_reasons = _fp8_dots(ctx, g) if fp8 else ([], [])
+    dots, fp8_reasons = dequant.fp8_dots(ctx, g) if fp8 else ([], [])
     dots += [(j, pos, None) for j, pos in ctx.users.get(g, []) if ctx.eqns[j].primitive.name == _DOT]
     if change is None or (not dots and not fp8_reasons and not isinstance(change, tuple)):
         return None
@@ -396,8 +340,8 @@ def _scatter(ctx: MatchContext, j: int, axis: str) -> Site | SiteRecord:
     if problem:
         return _miss(ctx, RS, j, axis, shapes, problem)
     # FP8 operands are read as FP8 and dequantized in the body, where the FP8 matcher finds them.
-    fp8 = bool(match_tp._scaled_operands(ctx, *dot.invars))
-    (lhs_reads, lhs), (rhs_reads, rhs) = (_operand(_dequantized(ctx, v) if fp8 else None, v) for v in dot.invars)
+    fp8 = bool(dequant.scaled_operands(ctx, *dot.invars))
+    (lhs_reads, lhs), (rhs_reads, rhs) = (_operand(dequant.dequantized(ctx, v) if fp8 else None, v) for v in dot.invars)
 
     def local_fn(*blocks):
         y = _local_dot(dot, lhs(*blocks[:len(lhs_reads)]), rhs(*blocks[len(lhs_reads):]), 0)

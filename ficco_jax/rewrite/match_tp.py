@@ -34,16 +34,13 @@ from typing import Callable
 import numpy as np
 
 from .. import ops
+from . import dequant
 from .jaxpr_util import fmt, free_dims, is_var, reshape, transpose
 from .site import MatchContext, Site, SiteRecord, collective_problem, dot_dtype_problem
 
 AG, RS = "ag_matmul", "matmul_rs"
 OPS = (AG, RS)
 _DOT = "dot_general"
-_CONVERT, _MUL = "convert_element_type", "mul"
-# What a scale may pass through between the scalar and the multiply: shape, dtype and the
-# varying-axes type (pvary; pcast in newer jax) change, its value does not.
-_SCALE_PASSES = ("broadcast_in_dim", _CONVERT, "pvary", "pcast")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -170,7 +167,7 @@ def match_scatter(ctx: MatchContext, i: int) -> TensorSite | SiteRecord:
     w = dot.invars[1 - side]
     if not is_var(w) or not is_var(dot.invars[side]):
         return ctx.miss(RS, i, shapes, "a matmul operand is a literal")
-    fp8 = _scaled_operands(ctx, dot.invars[side], w)
+    fp8 = dequant.scaled_operands(ctx, dot.invars[side], w)
     site = TensorSite(op=RS, **ctx.axis(scatter), exec_index=j, skip=(j, i), dot=dot, collective=scatter,
                       act_side=side, act_dim=act_dim, **fp8)
     y, w = (fp8["fp8_act"], fp8["fp8_weight"]) if fp8 else (dot.invars[side], w)
@@ -192,94 +189,34 @@ def _scatter_source_problem(ctx: MatchContext, j: int) -> str | None:
 
 
 # --------------------------------------------------------------------------------------------
-# FP8: operands dequantized as convert(v8) * scale
+# FP8: operands dequantized as convert(v8) * scale (rewrite/dequant.py)
 # --------------------------------------------------------------------------------------------
-def _scale_atom(ctx: MatchContext, atom):
-    """The scalar a dequantizing multiply scales by: the value `atom` broadcasts or casts from
-    (itself if neither); None if that is not one value."""
-    j = ctx.producer(atom)
-    while j >= 0 and ctx.eqns[j].primitive.name in _SCALE_PASSES:
-        atom = ctx.eqns[j].invars[0]
-        j = ctx.producer(atom)
-    return atom if atom.aval.shape == () else None
-
-
-def _dequantized(ctx: MatchContext, atom):
-    """(FP8 source, scale, (convert index, multiply index)) where `atom` = convert(FP8) * scalar,
-    else None."""
-    j = ctx.producer(atom)
-    if j < 0 or ctx.eqns[j].primitive.name != _MUL:
-        return None
-    mul = ctx.eqns[j]
-    for pos in (0, 1):
-        c = ctx.producer(mul.invars[pos])
-        if c >= 0 and ctx.eqns[c].primitive.name == _CONVERT and ops.scaled.is_fp8(ctx.eqns[c].invars[0].aval.dtype):
-            scale = _scale_atom(ctx, mul.invars[1 - pos])
-            if scale is not None:
-                return ctx.eqns[c].invars[0], scale, (c, j)
-    return None
-
-
-def _scaled_operands(ctx: MatchContext, act, w) -> dict:
-    """The FP8 fields of a matmul_rs site whose dot multiplies two dequantized FP8 tensors (not
-    both e5m2); {} for any other dot, which the op takes as written."""
-    a, b = _dequantized(ctx, act), _dequantized(ctx, w)
-    if a is None or b is None or str(a[0].aval.dtype) == str(b[0].aval.dtype) == "float8_e5m2":
-        return {}
-    return {"fp8_act": a[0], "fp8_weight": b[0], "scales": (a[1], b[1])}
-
-
 def _match_scaled_gather(ctx: MatchContext, i: int, shapes: str) -> TensorSite | SiteRecord:
     """all_gather(x8) → convert → × x_scale → dot with convert(w8) × w_scale: the FP8 ag_matmul."""
     gather = ctx.eqns[i]
     axis, g = gather.params["all_gather_dimension"], gather.outvars[0]
     uses = ctx.users.get(g, [])
     first_use = min(k for k, _ in uses) if uses else i
-    reasons = []
-    for c, _ in uses:
-        conv = ctx.eqns[c]
-        if conv.primitive.name != _CONVERT:
+    dots, reasons = dequant.fp8_dots(ctx, g)
+    for j, pos, deq in dots:
+        dot = ctx.eqns[j]
+        (lc, rc), _ = dot.params["dimension_numbers"]
+        w_deq = dequant.dequantized(ctx, dot.invars[1 - pos])
+        problem = _dot_problem(dot)
+        if problem is None and axis in (lc, rc)[pos]:
+            problem = "the matmul contracts over the gathered dimension (a weight-gradient matmul)"
+        problem = problem or dequant.gather_problem(ctx, deq, w_deq, first_use)
+        if problem:
+            reasons.append(f"eqn {j}: {problem}")
             continue
-        for m, _ in ctx.users.get(conv.outvars[0], []):
-            for j, pos in ctx.users.get(ctx.eqns[m].outvars[0], []):
-                dot = ctx.eqns[j]
-                if dot.primitive.name != _DOT or _dequantized(ctx, dot.invars[pos]) is None:
-                    continue
-                _, x_scale, _ = _dequantized(ctx, dot.invars[pos])
-                problem, w_deq = _scaled_gather_problem(ctx, dot, pos, axis, (conv, ctx.eqns[m]), first_use, x_scale)
-                if problem:
-                    reasons.append(f"eqn {j}: {problem}")
-                    continue
-                site = TensorSite(op=AG, **ctx.axis(gather), exec_index=first_use, skip=tuple(sorted({i, c, m, j})),
-                                  dot=dot, collective=gather, act_side=pos, act_dim=axis,
-                                  returns_collective=ctx.read_elsewhere(g), fp8_weight=w_deq[0],
-                                  scales=(x_scale, w_deq[1]))
-                return ctx.found(site, i, f"{shapes} · w {fmt(w_deq[0].aval)} (FP8, scaled) -> "
-                                          f"{fmt(dot.outvars[0].aval)}")
+        site = TensorSite(op=AG, **ctx.axis(gather), exec_index=first_use, skip=tuple(sorted({i, *deq.eqns, j})),
+                          dot=dot, collective=gather, act_side=pos, act_dim=axis,
+                          returns_collective=ctx.read_elsewhere(g), fp8_weight=w_deq.v8, scales=(deq.scale, w_deq.scale))
+        return ctx.found(site, i, f"{shapes} · w {fmt(w_deq.v8.aval)} (FP8, scaled) -> {fmt(dot.outvars[0].aval)}")
     if reasons:
         return ctx.miss(AG, i, shapes, "; ".join(reasons))
     return ctx.miss(AG, i, shapes, "the FP8 gathered tensor reaches no matmul as convert → multiply by a scalar "
                                    f"scale → dot ({ctx.readers_text(g)})")
-
-
-def _scaled_gather_problem(ctx, dot, pos, axis, dequant_eqns, first_use, x_scale):
-    """(why the FP8 gather's dot cannot be the FP8 op, the weight's (FP8 source, scale))."""
-    (lc, rc), _ = dot.params["dimension_numbers"]
-    problem = _dot_problem(dot)
-    if problem is None and axis in (lc, rc)[pos]:
-        problem = "the matmul contracts over the gathered dimension (a weight-gradient matmul)"
-    if problem is None and any(ctx.read_elsewhere(e.outvars[0]) for e in dequant_eqns):
-        problem = "the dequantized gathered tensor has other users"
-    w_deq = _dequantized(ctx, dot.invars[1 - pos])
-    if problem is None and w_deq is None:
-        problem = "the matmul's other operand is not an FP8 tensor dequantized by a scalar scale"
-    x8 = dequant_eqns[0].invars[0]  # the gathered FP8 tensor the convert reads
-    if problem is None and str(w_deq[0].aval.dtype) == str(x8.aval.dtype) == "float8_e5m2":
-        problem = "float8_e5m2 x float8_e5m2 matmuls are not supported"
-    for atom, what in ((w_deq and w_deq[0], "FP8 weight"), (x_scale, "scale"), (w_deq and w_deq[1], "scale")):
-        if problem is None and is_var(atom) and ctx.defined_at[atom] >= first_use:
-            problem = f"the {what} is computed after the gathered tensor's first use"
-    return problem, w_deq
 
 
 # The matcher of each collective primitive this family rewrites.

@@ -37,7 +37,7 @@ from .arguments import CallArgs
 from .jaxpr_util import open_jaxpr, sub_jaxprs
 from .matchers import ALL_OPS, find_sites
 from .options import AUTOTUNE_LATER, Options
-from .site import Site, SiteRecord
+from .site import SiteRecord
 
 __all__ = ["overlap", "explain", "Report", "SiteRecord"]
 
