@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
 
 def _env_float(name: str, default: float) -> float:
     raw = os.environ.get(name)
@@ -58,6 +60,11 @@ DMA_DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
 
 #: FP8 operand dtypes of the scaled ops (`ag_matmul` / `matmul_rs` with `x_scale`, `w_scale`).
 FP8_DTYPES: tuple[str, ...] = ("float8_e4m3fn", "float8_e5m2")
+
+
+def is_fp8(dtype) -> bool:
+    """Whether `dtype` (a dtype, its name, or a scalar type) is one of FP8_DTYPES."""
+    return np.dtype(dtype).name in FP8_DTYPES
 
 #: This process's host id in a multi-process run (topology.py): processes with equal ids share a
 #: host. Default (""): socket.gethostname(). Set it where host names do not identify machines

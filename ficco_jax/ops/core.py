@@ -60,7 +60,7 @@ def check_operands(op: str, a, w) -> None:
                 f"{op}: {name} must be a floating-point array, found dtype {v.dtype}; "
                 f"cast it, e.g. {name}.astype(jnp.bfloat16)"
             )
-        if jnp.dtype(v.dtype).name in config.FP8_DTYPES:  # ag_matmul / matmul_rs route FP8 to ops/scaled.py
+        if config.is_fp8(v.dtype):  # ag_matmul / matmul_rs route FP8 to ops/scaled.py
             raise TypeError(
                 f"{op}: FP8 operands are taken by ag_matmul and matmul_rs (with x_scale= and w_scale=); {op} takes "
                 f"bf16, f16 or f32: dequantize {name} first, e.g. {name}.astype(jnp.bfloat16) * scale"

@@ -34,22 +34,17 @@ import jax.numpy as jnp
 from jax import lax
 
 from .. import config
-from ..lowering import dma, xla
 from .core import axis_size, like_primal, varying_axes
 from .resolve import resolve_schedule, transposed_schedule
-from .table import run_scheduled
+from .table import TENSOR_PARALLEL, gather_impl, run_scheduled, scatter_impl
 
 #: The result dtypes of an FP8 matmul.
 OUT_DTYPES = ("bfloat16", "float16", "float32")
 
 
-def is_fp8(dtype) -> bool:
-    return jnp.dtype(dtype).name in config.FP8_DTYPES
-
-
 def wanted(a, *scales) -> bool:
     """Whether a call is an FP8 one: scales given, or an FP8 first operand (which needs them)."""
-    return any(s is not None for s in scales) or (hasattr(a, "dtype") and is_fp8(a.dtype))
+    return any(s is not None for s in scales) or (hasattr(a, "dtype") and config.is_fp8(a.dtype))
 
 
 def check(op: str, a, w, scales, out_dtype):
@@ -59,7 +54,7 @@ def check(op: str, a, w, scales, out_dtype):
         raise TypeError(f"{op}: FP8 operands ({names[0]} {a.dtype}, w {w.dtype}) need x_scale= and w_scale=, the "
                         f"per-tensor dequantization scales (f32 scalars, e.g. x_scale=jnp.float32(1.0))")
     for name, v in zip(names, (a, w)):
-        if not is_fp8(v.dtype):
+        if not config.is_fp8(v.dtype):
             raise TypeError(f"{op}: with scales both operands must be FP8 {config.FP8_DTYPES}, found {name} {v.dtype}; "
                             f"quantize it (e.g. {name}.astype(jnp.float8_e4m3fn)) or drop the scales")
     if jnp.dtype(a.dtype).name == jnp.dtype(w.dtype).name == "float8_e5m2":
@@ -94,16 +89,11 @@ def call(op: str, a, w, axis_name: str, schedule, scales, out_dtype, *, with_sid
 # forward
 # ------------------------------------------------------------------------------------------------
 def _ag_forward(x, w, sx, sw, axis_name, sched, out_dtype, side_needed):
-    if sched.comm == "dma":
-        return dma.ag_matmul_dma(x, w, axis_name, sched, gathered_needed=side_needed, out_dtype=out_dtype,
-                                 scales=(sx, sw))
-    return xla.ag_matmul(x, w, axis_name, sched, axis_size(axis_name, "ag_matmul"), out_dtype, scales=(sx, sw))
+    return gather_impl(TENSOR_PARALLEL, x, w, axis_name, sched, out_dtype, side_needed, scales=(sx, sw))
 
 
 def _rs_forward(y, w, sy, sw, axis_name, sched, out_dtype):
-    if sched.comm == "dma":
-        return dma.matmul_rs_dma(y, w, axis_name, sched, out_dtype=out_dtype, scales=(sy, sw))
-    return xla.matmul_rs(y, w, axis_name, sched, axis_size(axis_name, "matmul_rs"), out_dtype, scales=(sy, sw))
+    return scatter_impl(TENSOR_PARALLEL, y, w, axis_name, sched, out_dtype, scales=(sy, sw))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))

@@ -20,6 +20,7 @@ ops/linear.py.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import jax.numpy as jnp
@@ -39,6 +40,7 @@ class OpPair:
     # `out_dtype` below is the matmuls' result dtype, None for the operands' (ops/core.py).
     gather_ref: Callable          # (x, w, axis_name, out_dtype=None) -> out: the meaning of the gather op
     scatter_ref: Callable         # (y, w, axis_name, out_dtype=None) -> out
+    # The four below take scales=(x_scale, w_scale) too where the pair has FP8 forms (ops/scaled.py).
     gather_dma: Callable          # (x, w, axis_name, sched, side_needed, out_dtype) -> (out, side)
     scatter_dma: Callable         # (y, w, axis_name, sched, out_dtype) -> out
     gather_xla: Callable          # (x, w, axis_name, sched, n, out_dtype) -> (out, side)   comm none / xla
@@ -72,9 +74,9 @@ TENSOR_PARALLEL = OpPair(
                                                           out_dtype),
     scatter_ref=lambda y, w, axis_name, out_dtype=None: lax.psum_scatter(_mm(y, w, out_dtype), axis_name,
                                                                         scatter_dimension=0, tiled=True),
-    gather_dma=lambda x, w, a, s, side_needed, out_dtype: dma.ag_matmul_dma(x, w, a, s, gathered_needed=side_needed,
-                                                                            out_dtype=out_dtype),
-    scatter_dma=lambda y, w, a, s, out_dtype: dma.matmul_rs_dma(y, w, a, s, out_dtype=out_dtype),
+    gather_dma=lambda x, w, a, s, side_needed, out_dtype, **fp8: dma.ag_matmul_dma(
+        x, w, a, s, gathered_needed=side_needed, out_dtype=out_dtype, **fp8),
+    scatter_dma=lambda y, w, a, s, out_dtype, **fp8: dma.matmul_rs_dma(y, w, a, s, out_dtype=out_dtype, **fp8),
     gather_xla=xla.ag_matmul, scatter_xla=xla.matmul_rs,
     transpose_w=lambda w: w.T,
     side_collective=lambda g, axis_name: lax.psum_scatter(g, axis_name, scatter_dimension=0, tiled=True),
@@ -114,25 +116,32 @@ class ScheduledForms:
     scatter: Callable
 
 
-def _scheduled_forms(pair: OpPair) -> ScheduledForms:
-    def gather_impl(x, w, axis_name, sched, out_dtype, side_needed=True):
-        if sched.comm == "dma":
-            return pair.gather_dma(x, w, axis_name, sched, side_needed, out_dtype)
-        return pair.gather_xla(x, w, axis_name, sched, axis_size(axis_name, pair.gather), out_dtype)
+def gather_impl(pair: OpPair, x, w, axis_name, sched, out_dtype, side_needed=True, **fp8):
+    """The gather op of `pair` run by `sched`, on copy engines or in plain JAX: (out, side). `fp8`:
+    scales=(x_scale, w_scale) for FP8 operands (ops/scaled.py)."""
+    if sched.comm == "dma":
+        return pair.gather_dma(x, w, axis_name, sched, side_needed, out_dtype, **fp8)
+    return pair.gather_xla(x, w, axis_name, sched, axis_size(axis_name, pair.gather), out_dtype, **fp8)
 
-    def scatter_impl(y, w, axis_name, sched, out_dtype):
-        if sched.comm == "dma":
-            return pair.scatter_dma(y, w, axis_name, sched, out_dtype)
-        return pair.scatter_xla(y, w, axis_name, sched, axis_size(axis_name, pair.scatter), out_dtype)
+
+def scatter_impl(pair: OpPair, y, w, axis_name, sched, out_dtype, **fp8):
+    """The scatter op of `pair` run by `sched`, as `gather_impl`: out."""
+    if sched.comm == "dma":
+        return pair.scatter_dma(y, w, axis_name, sched, out_dtype, **fp8)
+    return pair.scatter_xla(y, w, axis_name, sched, axis_size(axis_name, pair.scatter), out_dtype, **fp8)
+
+
+def _scheduled_forms(pair: OpPair) -> ScheduledForms:
+    gather_run, scatter_run = functools.partial(gather_impl, pair), functools.partial(scatter_impl, pair)
 
     # The tangent maps call the forms (their transposes are the other op), the forms the maps.
     def get_forms():
         return forms
 
-    gmap, smap = gather_map(pair, gather_impl, get_forms), scatter_map(pair, scatter_impl, get_forms)
-    gather, gather_with_side = custom_jvp_pair(gather_primal(gmap, gather_impl), gather_tangent(gmap), pair.gather,
+    gmap, smap = gather_map(pair, gather_run, get_forms), scatter_map(pair, scatter_run, get_forms)
+    gather, gather_with_side = custom_jvp_pair(gather_primal(gmap, gather_run), gather_tangent(gmap), pair.gather,
                                                f"{pair.gather}_with_side")
-    scatter = custom_jvp_plain(scatter_primal(smap, scatter_impl), scatter_tangent(smap), pair.scatter)
+    scatter = custom_jvp_plain(scatter_primal(smap, scatter_run), scatter_tangent(smap), pair.scatter)
     forms = ScheduledForms(gather, gather_with_side, scatter)
     return forms
 

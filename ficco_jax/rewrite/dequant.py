@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .. import ops
+from .. import config
 from .jaxpr_util import is_var
 from .site import MatchContext
 
@@ -54,7 +54,7 @@ def dequantized(ctx: MatchContext, atom) -> Dequantized | None:
     mul = ctx.eqns[j]
     for pos in (0, 1):
         c = ctx.producer(mul.invars[pos])
-        if c >= 0 and ctx.eqns[c].primitive.name == CONVERT and ops.scaled.is_fp8(ctx.eqns[c].invars[0].aval.dtype):
+        if c >= 0 and ctx.eqns[c].primitive.name == CONVERT and config.is_fp8(ctx.eqns[c].invars[0].aval.dtype):
             scale = _scale_atom(ctx, mul.invars[1 - pos])
             if scale is not None:
                 return Dequantized(ctx.eqns[c].invars[0], scale, atom.aval.dtype, (c, j))

@@ -37,7 +37,7 @@ from typing import Callable
 import jax
 from jax.sharding import PartitionSpec
 
-from .. import ops
+from .. import config
 from . import dequant, match_tp
 from .jaxpr_util import fmt, fmt_shapes, open_jaxpr, source_line
 from .shardings import (axes_of, batched, contracted, free, is_explicit, is_gspmd, mesh_of, out_dim, product_axes,
@@ -147,7 +147,7 @@ def _global_site(ctx: MatchContext, local_fn: Callable, reads: tuple, writes: tu
         outer = dict(zip(local_in, reads))
         fp8 = {"fp8_act": outer.get(local.fp8_act), "fp8_weight": outer[local.fp8_weight],
                "scales": tuple(outer[s] for s in local.scales)}
-    elif any(ops.scaled.is_fp8(v.aval.dtype) for v in reads):
+    elif any(config.is_fp8(v.aval.dtype) for v in reads):
         return ("the matmul multiplies FP8 tensors as they are; the FP8 ops take them dequantized as "
                 "convert → multiply by a scalar scale, with the scale")
     return GlobalSite(axis_size=int(mesh.shape[site["axis_name"]]), local=local, shard_mesh=mesh, reads=reads,
@@ -263,7 +263,7 @@ def match_reshard(ctx: MatchContext, i: int) -> Site | SiteRecord | None:
     if before is None or after is None or not is_explicit(mesh) or not hasattr(x.aval, "shape"):
         return None
     change = _removed_axis(before, after)
-    fp8 = ops.scaled.is_fp8(g.aval.dtype)
+    fp8 = config.is_fp8(g.aval.dtype)
     dots, fp8_reasons = dequant.fp8_dots(ctx, g) if fp8 else ([], [])
     dots += [(j, pos, None) for j, pos in ctx.users.get(g, []) if ctx.eqns[j].primitive.name == _DOT]
     if change is None or (not dots and not fp8_reasons and not isinstance(change, tuple)):

@@ -33,7 +33,7 @@ from typing import Callable
 
 import numpy as np
 
-from .. import ops
+from .. import config, ops
 from . import dequant
 from .jaxpr_util import fmt, free_dims, is_var, reshape, transpose
 from .site import MatchContext, Site, SiteRecord, collective_problem, dot_dtype_problem
@@ -119,7 +119,7 @@ def match_gather(ctx: MatchContext, i: int) -> TensorSite | SiteRecord:
     problem = ctx.not_enabled(AG) or collective_problem(gather.params)
     if problem:
         return ctx.miss(AG, i, shapes, problem)
-    if ops.scaled.is_fp8(x.aval.dtype):
+    if config.is_fp8(x.aval.dtype):
         return _match_scaled_gather(ctx, i, shapes)
     uses = ctx.users.get(g, [])
     dot_reasons = []

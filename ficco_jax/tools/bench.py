@@ -69,7 +69,7 @@ def bench_shape(op, name, M, K, N, dtype, mesh, schedules, progress) -> list[Row
     pick, each verified then timed, and the bounds."""
     n = mesh.shape["tp"]
     shapes = local_shapes(op, M, K, N, n)
-    if is_fp8(dtype):
+    if config.is_fp8(dtype):
         args, body_of = fp8_inputs(op, shapes, dtype, mesh)
     else:
         args, body_of = measure.make_inputs(op, shapes, dtype, mesh), op_body
@@ -83,7 +83,7 @@ def _bounds(op, name, M, K, N, dtype, mesh, progress) -> list[Row]:
     """GEMM alone (full size, one device), the collective alone, and the ideal max of the two."""
     n = mesh.shape["tp"]
     _, w_shape = local_shapes(op, M, K, N, n)
-    fp8 = is_fp8(dtype)
+    fp8 = config.is_fp8(dtype)
     if op == "ag_matmul":  # all-gathers x [M/n, K] per device into [M, K]
         full_a, coll_shape, coll_dtype = (M, K), (M, K), dtype
         collective = lambda x: jax.lax.all_gather(x, "tp", axis=0, tiled=True)  # noqa: E731
@@ -99,10 +99,6 @@ def _bounds(op, name, M, K, N, dtype, mesh, progress) -> list[Row]:
 # ------------------------------------------------------------------------------------------------
 # FP8 operands: e4m3 with per-tensor scales, bf16 results
 # ------------------------------------------------------------------------------------------------
-def is_fp8(dtype) -> bool:
-    return jnp.dtype(dtype).name in config.FP8_DTYPES
-
-
 def fp8_inputs(op, shapes, dtype, mesh, seed: int = 0):
     """(FP8 operands, body_of) of one case: unit-normal values quantized to `dtype` (w carries its
     1/sqrt(K) as a power-of-two scale, so the f32 reference of the FP8 values is exact), and
@@ -204,7 +200,7 @@ def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=
     comms = select.available_comms()
     if moe_shapes is None:
         moe_shapes = bench_moe.CPU_SHAPES if on_cpu else bench_moe.GPU_SHAPES
-    if is_fp8(dtype) and any(op in A2A_OPS for op in ops_to_run):
+    if config.is_fp8(dtype) and any(op in A2A_OPS for op in ops_to_run):
         raise ValueError(f"bench: FP8 ({dtype}) runs the tensor-parallel ops ag_matmul and matmul_rs only; "
                          f"found {[op for op in ops_to_run if op in A2A_OPS]}")
     tp_plan, moe_plan = [], []
@@ -218,7 +214,7 @@ def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=
             tp_plan += [(op, label, M, K, N, fits, case_dtype) for label, case_dtype in case_dtypes(name, dtype)]
     windowed = windowed and not on_cpu
     total = sum(len(variants(op, local_shapes(op, M, K, N, n), cd, n, scheds)[0]) + BOUND_STEPS
-                + (windowed and not is_fp8(cd)) for op, name, M, K, N, scheds, cd in tp_plan)
+                + (windowed and not config.is_fp8(cd)) for op, name, M, K, N, scheds, cd in tp_plan)
     total += sum(len(bench_moe.variants(op, bench_moe.local_shapes(op, *dims, n), dtype, n, scheds)[0]) + BOUND_STEPS
                  for op, name, dims, scheds in moe_plan)
     progress = progress_printer(total)
@@ -233,7 +229,7 @@ def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=
 
     for op, name, M, K, N, scheds, case_dtype in tp_plan:
         case = bench_shape(op, name, M, K, N, case_dtype, mesh, scheds, progress)
-        if windowed and not is_fp8(case_dtype):
+        if windowed and not config.is_fp8(case_dtype):
             progress(f"{op} {name} xla_windowed_einsum")
             case.append(windowed_einsum(op, name, M, K, N, case_dtype))
         if case_dtype != dtype:  # a row of another dtype than the run's says so (calibrate reads it)
@@ -245,7 +241,7 @@ def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=
         rows += bench_moe.bench_shape(op, name, dims, dtype, mesh, scheds, progress)
         save(rows)
     save(rows)
-    table = markdown_table(result) + (fp8_table(result) if is_fp8(dtype) else "")
+    table = markdown_table(result) + (fp8_table(result) if config.is_fp8(dtype) else "")
     with open(os.path.join(out_dir, "bench.md"), "w") as fh:
         fh.write(table)
     if plot:
@@ -256,7 +252,7 @@ def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=
 
 def case_dtypes(name: str, dtype) -> list[tuple[str, str]]:
     """(shape label, dtype) of each case a shape gives: itself, and for FP8 also bf16 beside it."""
-    return [(name, dtype), (f"{name}/bf16", "bfloat16")] if is_fp8(dtype) else [(name, dtype)]
+    return [(name, dtype), (f"{name}/bf16", "bfloat16")] if config.is_fp8(dtype) else [(name, dtype)]
 
 
 def fp8_table(result: dict) -> str:

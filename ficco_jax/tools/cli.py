@@ -9,6 +9,7 @@ import sys
 
 import jax
 
+from .. import config
 from ..schedule import Schedule, local_shapes
 from ..tuning import cost_model, fitting, select
 from . import accuracy, bench, characterize, demo
@@ -75,7 +76,7 @@ def _cmd_bench(args):
         raise SystemExit(f"--dtype {args.dtype!r}: use one of {sorted(DTYPES)}")
     default = bench.CPU_SHAPES if jax.default_backend() == "cpu" else bench.ANCHOR_SHAPES
     ops = {"all": ["ag_matmul", "matmul_rs"], "moe": ["a2a_matmul", "matmul_a2a"]}.get(args.op, [args.op])
-    if bench.is_fp8(dtype) and args.op not in ("all", "ag_matmul", "matmul_rs"):
+    if config.is_fp8(dtype) and args.op not in ("all", "ag_matmul", "matmul_rs"):
         raise SystemExit(f"bench --dtype {args.dtype} --op {args.op}: FP8 runs ag_matmul and matmul_rs only "
                          f"(--op all, ag_matmul or matmul_rs)")
     try:

@@ -67,6 +67,6 @@ def allowed_comms(dtype, topology=None) -> tuple[tuple[str, ...], str]:
     handled = config.DMA_DTYPES + config.FP8_DTYPES  # FP8: the scaled TP ops
     if "dma" in comms and name not in handled:
         return tuple(c for c in comms if c != "dma"), f"comm='dma' handles dtypes {handled}, not {name}"
-    if "dma" in comms and name in config.FP8_DTYPES and not extension.fp8_matmuls_supported():
+    if "dma" in comms and config.is_fp8(name) and not extension.fp8_matmuls_supported():
         return tuple(c for c in comms if c != "dma"), "these GPUs have no FP8 tensor cores for the executor's matmuls"
     return comms, ""

@@ -29,8 +29,8 @@ def _abstract(a, w, x, *, axis_size, out_dtype, **_):
 
 def _lowering(ctx, a, w, x, *, axis_name, axis_size, op_id, repeats, pull, timeout_ms, out_dtype):
     groups = in_process_groups(ctx, "contention_probe", axis_name, axis_size)
-    fp8 = np.dtype(ctx.avals_in[0].dtype).name in config.FP8_DTYPES  # w column-major, as the scaled ops take it
-    return jax.ffi.ffi_lowering(_TARGET, operand_layouts=[None, (0, 1), None] if fp8 else None)(
+    layouts = registry.operand_layouts(3, config.is_fp8(ctx.avals_in[0].dtype))  # FP8: as the scaled ops
+    return jax.ffi.ffi_lowering(_TARGET, operand_layouts=layouts)(
         ctx, a, w, x, op_id=np.int64(op_id), groups=groups.reshape(-1), group_size=np.int64(axis_size),
         timeout_ms=np.int64(timeout_ms), repeats=np.int64(repeats), pull=np.int64(int(pull)))
 
@@ -46,12 +46,12 @@ def matmuls_beside_pulls(a, w, x, axis_name: str, *, repeats: int, pull: bool, o
 
     FP8 a and w (unscaled) measure the FP8 matmul rate; `out_dtype` is then bf16, f16 or f32."""
     registry.check_axis_name("contention_probe", axis_name)
-    fp8 = np.dtype(a.dtype).name in config.FP8_DTYPES
+    fp8 = config.is_fp8(a.dtype)
     if (a.dtype != w.dtype and not fp8) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"contention_probe: a and w need one dtype and repeats an int >= 1; found "
                          f"{a.dtype}, {w.dtype}, repeats={repeats!r}")
     out_dtype = np.dtype(out_dtype or ("bfloat16" if fp8 else a.dtype))
-    registry.check_supported("ag_matmul_scaled" if fp8 else "ag_matmul", a.dtype, out_dtype)
+    registry.check_supported("ag_matmul", a.dtype, out_dtype)
     a, w, x = registry.match_varying(a, w, x)
     out, _gathered = _PRIMITIVE.bind(
         a, w, x, axis_name=axis_name, axis_size=registry.axis_size_of(axis_name, "contention_probe"),

@@ -73,7 +73,7 @@ def check_supported(op: str, dtype, out_dtype=None) -> None:
         extension.ensure_loaded()
         return
     fp8_ok = op in _SCALED or f"{op}_scaled" in _SCALED
-    if name in config.FP8_DTYPES and fp8_ok:
+    if config.is_fp8(name) and fp8_ok:
         if not extension.fp8_matmuls_supported():
             raise TypeError(f"{op}: comm='dma' with FP8 operands needs GPUs with FP8 tensor cores (compute "
                             f"capability {'.'.join(map(str, extension.FP8_MIN_CAPABILITY))}+: Ada, Hopper); "
@@ -185,6 +185,13 @@ def _abstract_matmul_a2a(y, w, *, axis_size, out_dtype, **_):
     return [aval(y, (n, e, c, w.shape[2]), out_dtype), aval(y, (max(axis_size - 1, 1), e, c, w.shape[2]), out_dtype)]
 
 
+def operand_layouts(count: int, fp8: bool):
+    """The operand layouts of a custom call with `count` operands: row-major (None), except that an
+    FP8 matmul's w (operand 1) is column-major, the "TN" form cuBLASLt's FP8 matmuls need; XLA
+    transposes w where it is not produced so (minor-to-major (0, 1): K, the rows of w, is minor)."""
+    return [None, (0, 1)] + [None] * (count - 2) if fp8 else None
+
+
 def _lowering(ctx, *operands, op, axis_name, axis_size, op_id, schedule, timeout_ms, fault, skip_own_rows=False,
               out_dtype=None):
     group = groups.group_attrs(ctx, op, axis_name, axis_size)
@@ -194,10 +201,7 @@ def _lowering(ctx, *operands, op, axis_name, axis_size, op_id, schedule, timeout
             f"spans processes, whose XLA buffers cannot be opened from here; use transfer='pull' "
             f"(e.g. {str(schedule.replace(transfer='pull'))!r})"
         )
-    # The scaled (FP8) targets take w column-major, the layout cuBLASLt's FP8 matmuls need; XLA
-    # transposes it where it is not produced so (minor-to-major: K, the rows of w, is minor).
-    layouts = ([None, (0, 1), None, None] if op in _SCALED else None)
-    rule = jax.ffi.ffi_lowering(_TARGETS[op][0], operand_layouts=layouts)
+    rule = jax.ffi.ffi_lowering(_TARGETS[op][0], operand_layouts=operand_layouts(len(operands), op in _SCALED))
     return rule(
         ctx, *operands,
         op_id=np.int64(op_id),
