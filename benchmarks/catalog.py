@@ -129,6 +129,17 @@ def _e2e(ctx):
             Step("mlp_overlap", _py(ctx, f"{SUITES_DIR}/mlp_overlap.py", *mlp))]
 
 
+def _hang(ctx):
+    """The flagship example (GPUs: the Llama-70B layer with cuDNN attention; CPU: the tiny preset) run
+    after run under a watchdog, CUDA_DEVICE_MAX_CONNECTIONS unset, 1 and 32 in turn."""
+    if ctx.options:
+        return [Step("hang", _py(ctx, f"{SUITES_DIR}/hang.py", "--out", ctx.out, *ctx.options))]
+    runs = ["--runs", "9", "--steps", "40", "--budget-s", max(60, ctx.limit_s - 120)] if ctx.gpus else \
+        ["--runs", "3", "--steps", "4", "--start-s", "120", "--stall-s", "60"]
+    example = ["--preset", "llama70b-layer", "--attention", "cudnn"] if ctx.gpus else ["--preset", "tiny"]
+    return [Step("hang", _py(ctx, f"{SUITES_DIR}/hang.py", "--out", ctx.out, *runs, "--", *example))]
+
+
 def _faults(ctx):
     return [Step("faults", _py(ctx, f"{SUITES_DIR}/faults.py", "--budget-s", max(20, ctx.limit_s - 30),
                                "--out", ctx.out, *ctx.options))]
@@ -220,6 +231,9 @@ SUITES = {s.name: s for s in [
           "2+ GPUs", 2, 600, _accuracy, takes_options=True),
     Suite("e2e", "a Llama-70B layer with and without overlap (examples/tp_transformer.py --compare) and an MLP "
           "forward+backward", "2+ GPUs (CPU: tiny sizes)", 0, 420, _e2e, r"speedup"),
+    Suite("hang", "the flagship example run after run under a watchdog (CUDA_DEVICE_MAX_CONNECTIONS unset, 1, 32 "
+          "in turn): runs completed / hung / failed", "any; 2+ GPUs for the Llama-70B layer", 0, 560, _hang,
+          r"^hang: \d+/\d+ completed", takes_options=True),
     Suite("faults", "fault injection on the rendezvous: errors name the rank, arrive in time, next call works",
           "any", 0, 180, _faults, r"Overall: \w+", takes_options=True),
     Suite("soak", "every dma schedule on the anchor shapes, then 2000 back-to-back calls: same result, flat memory",

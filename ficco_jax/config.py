@@ -26,9 +26,19 @@ def _env_float(name: str, default: float) -> float:
 #: of each other in a healthy program; 5 s only guards against a missing peer.
 RENDEZVOUS_TIMEOUT_S: float = _env_float("FICCO_RENDEZVOUS_TIMEOUT_S", 5.0)
 
+#: Seconds a copy-engine call's device work may take once it has started before the watchdog
+#: (xla_ffi/runtime/watchdog.h) reports what the call waits for on stderr — the op, where it was
+#: written, its schedule, device and rank, and each peer event not yet complete — and ends the
+#: process, as NCCL's watchdog ends a PyTorch process: a device waiting for an event that never
+#: completes cannot be recovered in-process, and the thread that would raise is blocked in XLA.
+#: 0 turns the report off (the call then waits as long as it takes, e.g. under a debugger). Read
+#: when an op is traced, like the rendezvous timeout.
+WATCHDOG_S: float = _env_float("FICCO_WATCHDOG_S", 60.0)
+
 #: Debug switch for fault-injection tests: "" (off), or "skip:<rank>" (that rank of every group
 #: returns an error without joining the rendezvous), or "fail:<rank>" (that rank fails before
-#: its transfers). Never set it in production.
+#: its transfers), or "stall:<rank>" (that rank posts events that never complete, as a peer whose
+#: device never reaches the call: only the watchdog ends it). Never set it in production.
 FAULT_INJECTION: str = os.environ.get("FICCO_FAULT_INJECTION", "")
 
 #: Copy engines across the processes of one host (CUDA IPC through staging buffers, ipc.py,

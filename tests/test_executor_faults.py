@@ -169,7 +169,8 @@ def test_a_waiting_rank_names_the_op_group_and_missing_ranks():
         return call(a, op_id=np.int64(2 * 10**9), groups=groups, local_ordinals=groups, ipc_job=np.int64(0),
                     group_size=np.int64(8), chunks=np.int64(1),
                     order=np.int64(1), gemm=np.int64(0), copy_streams=np.int64(1),
-                    timeout_ms=np.int64(int(TIMEOUT_S * 1000)), fault=np.int64(-1), skip_own_rows=np.int64(0),
+                    timeout_ms=np.int64(int(TIMEOUT_S * 1000)), watchdog_ms=np.int64(0), site="test",
+                    fault=np.int64(-1), skip_own_rows=np.int64(0),
                     transfer=np.int64(0))
 
     f = jax.jit(jax.shard_map(gather, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False))

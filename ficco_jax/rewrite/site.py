@@ -15,6 +15,7 @@ from typing import Any, Callable, ClassVar
 import jax.numpy as jnp
 import numpy as np
 
+from ..lowering.dma.registry import site_label
 from .jaxpr_util import default_precision, fmt_shapes, is_var, single_axis, source_line
 
 logger = logging.getLogger("ficco_jax")
@@ -93,7 +94,9 @@ class Site:
         numerics = {"out_dtype": self.out_dtype} if self.out_dtype is not None else {}
         if self.scales is not None:
             numerics.update(x_scale=_scalar(read(self.scales[0])), w_scale=_scalar(read(self.scales[1])))
-        result = self.call_op(*self.operands(read), **numerics)
+        # The op's executor calls name the user's line of the collective they replace.
+        with site_label(self.record.source or f"overlap site {self.record.where}"):
+            result = self.call_op(*self.operands(read), **numerics)
         out, collective_out = result if self.returns_collective else (result, None)
         self.write_outputs(out, collective_out, write)
 

@@ -17,8 +17,20 @@
 
 namespace ficco {
 
-// An opaque event handle: a cudaEvent_t on CUDA, unused (nullptr) on CPU.
+// An opaque event handle: a cudaEvent_t on CUDA, a host flag on CPU (device/backends.h).
 using Event = void*;
+
+// Where one device's events come from and go back to, as the watchdog (runtime/watchdog.h) sees
+// them: it asks whether an event's work is done and returns a finished call's events. Lives as
+// long as the process; thread-safe.
+class EventPool {
+ public:
+  virtual ~EventPool() = default;
+  // Whether the work before the event's record is done (true also for an event whose work failed:
+  // there is nothing left to wait for).
+  virtual bool Done(Event event) = 0;
+  virtual void Release(const std::vector<Event>& events) = 0;
+};
 
 // Copy streams of one device: 0 .. kMaxCopyStreams-1 carry a schedule's transfers; one more,
 // kStagingStream, carries the staging copies of groups across processes (runtime/ipc.h). It is
@@ -43,14 +55,29 @@ class Backend {
   virtual ffi::Error Prepare(int copy_streams, const std::vector<int>& group) = 0;
   // Takes an event from the pool and records it on `stream`.
   virtual ffi::Error Record(int stream, Event* event) = 0;
+  // An event recorded on the compute stream that the caller owns (not one of the call's events):
+  // the watchdog's marks of a call's start and end, returned to Pool() by the watchdog.
+  virtual ffi::Error RecordMark(Event* event) = 0;
+  // An event that never completes: a peer that never records, for the stall fault
+  // (config.FAULT_INJECTION "stall:<rank>"), which only the watchdog ends.
+  virtual ffi::Error RecordNever(Event* event) = 0;
   // `stream` waits for `event` (possibly recorded on another device).
   virtual ffi::Error Wait(int stream, Event event) = 0;
   virtual ffi::Error Copy(int stream, void* dst, const void* src, size_t bytes) = 0;
   virtual ffi::Error Gemm(const GemmProblem& problem) = 0;       // on the compute stream
   virtual ffi::Error Reduce(const ReduceProblem& problem) = 0;   // on the compute stream
-  // Returns this call's events to the pool. Called only after the "release" rendezvous, see
-  // JoinAndRelease() in runtime/call_session.cc for why that makes re-recording them safe.
+  // This call's events may be re-recorded once its device work is done. Called only after the
+  // "release" rendezvous (JoinAndRelease() in runtime/call_session.cc says why that makes a re-record
+  // safe). Interprocess events go back to their pool at once (every one a peer waits on is exported
+  // once, into a bounded table: ipc_mailbox.h); the others are handed to the watchdog with
+  // TakeReusable(), which returns them once the call's work is done, so that no event a stuck call
+  // waits for is re-recorded before the watchdog has read it.
   virtual void ReleaseEvents() = 0;
+  // The events ReleaseEvents() left for the watchdog (none if it was not called: a failed call's
+  // events stay out of the pool, since a peer may still wait on them).
+  virtual std::vector<Event> TakeReusable() = 0;
+  // The pool this device's events come from.
+  virtual EventPool& Pool() = 0;
 };
 
 }  // namespace ficco

@@ -26,6 +26,29 @@ class CudaBackend final : public Backend {
     return ffi::Error::Success();
   }
 
+  ffi::Error RecordMark(Event* event) override {
+    const CallContext& ctx = ctx_;
+    cudaEvent_t cuda_event;
+    FICCO_RETURN_IF_ERROR(device_.AcquireEvent(ctx, &cuda_event, /*interprocess=*/false));
+    FICCO_CHECK_CUDA(cudaEventRecord(cuda_event, compute_));
+    *event = cuda_event;
+    return ffi::Error::Success();
+  }
+
+  // Recorded on a stream of its own behind a kernel that never ends; the event and the stream are
+  // never reused (the stall fault ends the process).
+  ffi::Error RecordNever(Event* event) override {
+    const CallContext& ctx = ctx_;
+    cudaStream_t stalled;
+    cudaEvent_t cuda_event;
+    FICCO_CHECK_CUDA(cudaStreamCreateWithFlags(&stalled, cudaStreamNonBlocking));
+    FICCO_RETURN_IF_ERROR(device_.BlockForever(ctx, stalled));
+    FICCO_CHECK_CUDA(cudaEventCreateWithFlags(&cuda_event, cudaEventDisableTiming));
+    FICCO_CHECK_CUDA(cudaEventRecord(cuda_event, stalled));
+    *event = cuda_event;
+    return ffi::Error::Success();
+  }
+
   ffi::Error Wait(int stream, Event event) override {
     const CallContext& ctx = ctx_;
     FICCO_CHECK_CUDA(cudaStreamWaitEvent(StreamOf(stream), static_cast<cudaEvent_t>(event), 0));
@@ -52,9 +75,22 @@ class CudaBackend final : public Backend {
   }
 
   void ReleaseEvents() override {
-    device_.ReleaseEvents(acquired_, interprocess_);
-    acquired_.clear();
+    if (interprocess_) {
+      device_.ReleaseEvents(acquired_, /*interprocess=*/true);
+      acquired_.clear();
+    } else {
+      reusable_ = true;
+    }
   }
+
+  std::vector<Event> TakeReusable() override {
+    std::vector<Event> events;
+    if (reusable_) events.assign(acquired_.begin(), acquired_.end());
+    acquired_.clear();
+    return events;
+  }
+
+  EventPool& Pool() override { return device_; }
 
  private:
   cudaStream_t StreamOf(int stream) const {
@@ -66,7 +102,8 @@ class CudaBackend final : public Backend {
   const bool interprocess_;  // a group across processes: events from the interprocess pool
   CudaDevice& device_;
   CudaResources* resources_ = nullptr;
-  std::vector<cudaEvent_t> acquired_;  // returned to the pool only by ReleaseEvents()
+  std::vector<cudaEvent_t> acquired_;  // returned to the pool only after ReleaseEvents()
+  bool reusable_ = false;              // ReleaseEvents() was called (in-process events)
 };
 
 }  // namespace

@@ -14,8 +14,13 @@
 
 namespace ficco {
 
-// Everything runs at once, in issue order; events are no-ops.
-std::unique_ptr<Backend> MakeCpuBackend(const CallContext& ctx);
+// The CPU backend's events: host flags, set when recorded (the backend runs everything at once, in
+// issue order) except those of RecordNever; Wait blocks until the flag is set. One pool serves
+// every CPU device of the process (the registry owns it).
+std::unique_ptr<EventPool> MakeHostEventPool();
+
+// Everything runs at once, in issue order; its events come from `pool` (MakeHostEventPool).
+std::unique_ptr<Backend> MakeCpuBackend(const CallContext& ctx, EventPool& pool);
 
 #ifdef FICCO_WITH_CUDA
 // `compute_stream` is XLA's stream for this call on `device` (ctx.device_ordinal). With

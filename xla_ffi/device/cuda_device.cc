@@ -3,6 +3,8 @@
 
 #include <string>
 
+#include "device/stall.h"
+
 namespace ficco {
 
 namespace {
@@ -68,6 +70,33 @@ void CudaDevice::ReleaseEvents(const std::vector<cudaEvent_t>& events, bool inte
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<cudaEvent_t>& pool = interprocess ? cuda_.free_ipc_events : cuda_.free_events;
   pool.insert(pool.end(), events.begin(), events.end());
+}
+
+bool CudaDevice::Done(Event event) {
+  // Not ready is the only answer that leaves something to wait for; an error (a failed launch, a
+  // context torn down at exit) leaves nothing.
+  return event == nullptr || cudaEventQuery(static_cast<cudaEvent_t>(event)) != cudaErrorNotReady;
+}
+
+void CudaDevice::Release(const std::vector<Event>& events) {
+  std::vector<cudaEvent_t> cuda_events;
+  for (Event event : events) cuda_events.push_back(static_cast<cudaEvent_t>(event));
+  ReleaseEvents(cuda_events, /*interprocess=*/false);
+}
+
+ffi::Error CudaDevice::BlockForever(const CallContext& ctx, cudaStream_t stream) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (never_set_ == nullptr) {
+      FICCO_CHECK_CUDA(cudaSetDevice(ordinal_));
+      FICCO_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&never_set_), sizeof(int), cudaHostAllocMapped));
+      *never_set_ = 0;
+    }
+  }
+  int* flag = nullptr;
+  FICCO_CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&flag), never_set_, 0));
+  FICCO_CHECK_CUDA(LaunchSpinUntilSet(flag, stream));
+  return ffi::Error::Success();
 }
 
 CudaResources* CudaDevice::resources() {

@@ -59,7 +59,7 @@ struct CudaResources {
   int64_t ipc_exchanges = 0;
 };
 
-class CudaDevice {
+class CudaDevice final : public EventPool {
  public:
   explicit CudaDevice(int ordinal) : ordinal_(ordinal) {}
 
@@ -69,6 +69,12 @@ class CudaDevice {
   // `interprocess`: an event other processes can wait on (cudaEventInterprocess), from its own pool.
   ffi::Error AcquireEvent(const CallContext& ctx, cudaEvent_t* event, bool interprocess = false);
   void ReleaseEvents(const std::vector<cudaEvent_t>& events, bool interprocess = false);
+  // EventPool, for the watchdog: the in-process events.
+  bool Done(Event event) override;
+  void Release(const std::vector<Event>& events) override;
+  // `stream` blocks until the process ends: a kernel spinning on a host flag nothing sets (the
+  // stall fault's peer that never records its event).
+  ffi::Error BlockForever(const CallContext& ctx, cudaStream_t stream);
   // The resources Prepare made (nullptr before the first Prepare).
   CudaResources* resources();
 
@@ -76,6 +82,7 @@ class CudaDevice {
   const int ordinal_;
   std::mutex mu_;
   CudaResources cuda_;
+  int* never_set_ = nullptr;  // BlockForever's host flag (mapped pinned memory), made on first use
 };
 
 }  // namespace ficco

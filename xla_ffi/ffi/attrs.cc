@@ -35,7 +35,8 @@ ffi::Error DecodeConfig(const OpAttrs& attrs, const char* target, int32_t device
                                 "not match the devices it runs on");
   }
   if (attrs.chunks < 1 || attrs.copy_streams < 1 || (attrs.order != 0 && attrs.order != 1) ||
-      (attrs.gemm != 0 && attrs.gemm != 1) || (attrs.transfer != 0 && attrs.transfer != 1) || attrs.timeout_ms < 0) {
+      (attrs.gemm != 0 && attrs.gemm != 1) || (attrs.transfer != 0 && attrs.transfer != 1) || attrs.timeout_ms < 0 ||
+      attrs.watchdog_ms < 0) {
     return MakeInvalid(ctx, "bad schedule attributes: chunks=" + std::to_string(attrs.chunks) +
                                 " order=" + std::to_string(attrs.order) + " gemm=" + std::to_string(attrs.gemm) +
                                 " copy_streams=" + std::to_string(attrs.copy_streams) +
@@ -46,6 +47,8 @@ ffi::Error DecodeConfig(const OpAttrs& attrs, const char* target, int32_t device
   config->gemm = static_cast<GemmMode>(attrs.gemm);
   config->copy_streams = static_cast<int>(attrs.copy_streams);
   config->timeout_s = static_cast<double>(attrs.timeout_ms) / 1000.0;
+  config->watchdog_s = static_cast<double>(attrs.watchdog_ms) / 1000.0;
+  config->site = std::string(attrs.site);
   config->fault = attrs.fault < 0 ? Fault::kNone : static_cast<Fault>(attrs.fault / 1000);
   config->fault_rank = attrs.fault < 0 ? -1 : static_cast<int>(attrs.fault % 1000);
   config->skip_own_rows = attrs.skip_own_rows != 0;

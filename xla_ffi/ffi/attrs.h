@@ -3,6 +3,7 @@
 #define FICCO_JAX_XLA_FFI_FFI_ATTRS_H_
 
 #include <cstdint>
+#include <string_view>
 
 #include "base/errors.h"
 #include "runtime/op_config.h"
@@ -24,7 +25,9 @@ struct OpAttrs {
   int64_t gemm;                   // 0 per_chunk, 1 grouped
   int64_t copy_streams;
   int64_t timeout_ms;
-  int64_t fault;                  // -1 none, else mode * 1000 + rank (mode 1 skip, 2 fail)
+  int64_t watchdog_ms;            // config.WATCHDOG_S: device work may take this long once started; 0: unwatched
+  std::string_view site;          // where the op was written, for the watchdog's report
+  int64_t fault;                  // -1 none, else mode * 1000 + rank (mode 1 skip, 2 fail, 3 stall)
   // ag_matmul / a2a_matmul: 1 when the caller drops `gathered` / `received` (no return of it, no VJP
   // residual): this device's own rows / block are then not copied in (the matmuls read them from x);
   // the peers' rows still land there.
@@ -38,6 +41,7 @@ struct ProbeAttrs {
   ffi::Span<const int64_t> groups;
   int64_t group_size;
   int64_t timeout_ms;
+  int64_t watchdog_ms;
   int64_t repeats;  // matmuls on the compute stream
   int64_t pull;     // 1: pull every peer's x meanwhile; 0: matmuls alone
 };
@@ -47,7 +51,7 @@ inline const OpAttrs& ScheduleAttrs(const OpAttrs& attrs) { return attrs; }
 // The probe: one copy stream, direct, one chunk; no fault injection in a measurement. In-process
 // groups only (dma_probe.py refuses groups across processes): ordinals are local.
 inline OpAttrs ScheduleAttrs(const ProbeAttrs& p) {
-  return OpAttrs{p.op_id, p.groups, p.groups, 0, p.group_size, 1, 1, 0, 1, p.timeout_ms, -1, 0, 0};
+  return OpAttrs{p.op_id, p.groups, p.groups, 0, p.group_size, 1, 1, 0, 1, p.timeout_ms, p.watchdog_ms, "probe", -1, 0, 0};
 }
 
 ffi::Error DecodeConfig(const OpAttrs& attrs, const char* target, int32_t device_ordinal, int64_t run_id,
@@ -64,6 +68,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::xla::ffi::StructMember<int64_t>("group_size"), ::xla::ffi::StructMember<int64_t>("chunks"),
     ::xla::ffi::StructMember<int64_t>("order"), ::xla::ffi::StructMember<int64_t>("gemm"),
     ::xla::ffi::StructMember<int64_t>("copy_streams"), ::xla::ffi::StructMember<int64_t>("timeout_ms"),
+    ::xla::ffi::StructMember<int64_t>("watchdog_ms"), ::xla::ffi::StructMember<std::string_view>("site"),
     ::xla::ffi::StructMember<int64_t>("fault"), ::xla::ffi::StructMember<int64_t>("skip_own_rows"),
     ::xla::ffi::StructMember<int64_t>("transfer"));
 
@@ -71,6 +76,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ficco::ProbeAttrs, ::xla::ffi::StructMember<int64_t>("op_id"),
     ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("groups"),
     ::xla::ffi::StructMember<int64_t>("group_size"), ::xla::ffi::StructMember<int64_t>("timeout_ms"),
-    ::xla::ffi::StructMember<int64_t>("repeats"), ::xla::ffi::StructMember<int64_t>("pull"));
+    ::xla::ffi::StructMember<int64_t>("watchdog_ms"), ::xla::ffi::StructMember<int64_t>("repeats"),
+    ::xla::ffi::StructMember<int64_t>("pull"));
 
 #endif  // FICCO_JAX_XLA_FFI_FFI_ATTRS_H_

@@ -4,11 +4,16 @@
 // an OpConfig (once), makes the platform's Backend and runs the Impl behind Guard (base/guard.h):
 // no exception or CUDA error escapes.
 //
+// Every call is watched (runtime/watchdog.h) from its start until its device work is done. A call
+// that fails also writes its error to stderr: JAX raises it only once every device's part of the
+// program has finished, which a peer stuck in a collective of XLA's own may never do.
+//
 // The entries are not marked command-buffer compatible: the host rendezvous must run on every
 // execution, which a captured CUDA graph would skip.
 #ifndef FICCO_JAX_XLA_FFI_FFI_HANDLER_H_
 #define FICCO_JAX_XLA_FFI_FFI_HANDLER_H_
 
+#include <cstdio>
 #include <memory>
 #include <type_traits>
 #include <utility>
@@ -17,6 +22,7 @@
 #include "device/backends.h"
 #include "ffi/attrs.h"
 #include "runtime/registry.h"
+#include "runtime/watchdog.h"
 #include "xla/ffi/api/c_api.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -62,7 +68,9 @@ struct BindSteps {
 // The CPU platform: synchronous backend; handlers sleep at once in a rendezvous.
 struct CpuPlatform {
   static constexpr double kSpinSeconds = 0.0;
-  std::unique_ptr<Backend> MakeBackend(const OpConfig& config) const { return MakeCpuBackend(config.ctx); }
+  std::unique_ptr<Backend> MakeBackend(const OpConfig& config) const {
+    return MakeCpuBackend(config.ctx, Registry::Get().host_events());
+  }
 };
 
 #ifdef FICCO_WITH_CUDA
@@ -119,11 +127,17 @@ struct Target {
       FICCO_RETURN_IF_ERROR(DecodeConfig(ScheduleAttrs(attrs), kName, ordinal, run.run_id, &config));
       config.spin_s = Platform::kSpinSeconds;
       std::unique_ptr<Backend> backend = platform.MakeBackend(config);
+      CallWatch watch(*backend, config);
+      config.watch = &watch;
+      ffi::Error result = ffi::Error::Success();
       if constexpr (std::is_same_v<Attrs, OpAttrs>) {
-        return kImpl(*backend, config, buffers...);
+        result = kImpl(*backend, config, buffers...);
       } else {
-        return kImpl(*backend, config, attrs, buffers...);
+        result = kImpl(*backend, config, attrs, buffers...);
       }
+      watch.Finish(*backend);
+      if (result.failure()) std::fprintf(stderr, "%s\n", result.message().c_str());
+      return result;
     });
   }
 };

@@ -4,6 +4,7 @@
 #include "runtime/call_session.h"
 
 #include "runtime/ipc.h"
+#include "runtime/watchdog.h"
 #include "base/text.h"
 
 #include <algorithm>
@@ -59,8 +60,27 @@ CallSession::~CallSession() {
 // stream ahead of the call's own matmuls (CallSession::Stage says why): 31 us for 64 MiB on an
 // H200. With FICCO_STAGE_STREAM=copy the copies run on the staging stream instead (then the
 // compute stream's join waits for the last of them, AwaitStagingCopies).
+namespace {
+// The stall fault (config.FAULT_INJECTION "stall:<rank>"): that rank posts events that never
+// complete, as a peer whose device never reaches the call would; only the watchdog ends it.
+ffi::Error StallIfInjected(Backend& backend, const OpConfig& config, std::vector<Event>* events) {
+  if (config.fault != Fault::kStall || config.rank != config.fault_rank) return ffi::Error::Success();
+  if (config.cross_process()) {
+    return MakeInvalid(config.ctx, "the stall fault applies to groups inside one process");
+  }
+  Event never;
+  FICCO_RETURN_IF_ERROR(backend.RecordNever(&never));
+  std::fill(events->begin(), events->end(), never);
+  return ffi::Error::Success();
+}
+}  // namespace
+
 ffi::Error CallSession::Exchange(Backend& backend, const Exposure& exposure, std::vector<Post>* posts) {
-  if (!config_.cross_process()) return Meet(Phase::kExchange, exposure.buffer, exposure.events, posts);
+  if (!config_.cross_process()) {
+    std::vector<Event> events = exposure.events;
+    FICCO_RETURN_IF_ERROR(StallIfInjected(backend, config_, &events));
+    return Meet(Phase::kExchange, exposure.buffer, std::move(events), posts);
+  }
   if (exposure.bytes == 0) return Meet(Phase::kExchange, nullptr, exposure.events, posts);
   if (in_place_ != nullptr && exposure.buffer == in_place_) return Meet(Phase::kExchange, in_place_, exposure.events, posts);
   if (staged_from_ != exposure.buffer) FICCO_RETURN_IF_ERROR(Stage(backend, exposure));
@@ -184,6 +204,7 @@ ffi::Error CallSession::Meet(Phase phase, const void* buffer, std::vector<Event>
                                           "] (shapes, dtype, schedule)");
     }
   }
+  if (config_.watch != nullptr) config_.watch->NotePeers(config_, phase, *posts);
   return ffi::Error::Success();
 }
 
@@ -263,7 +284,9 @@ ffi::Error PushChunks(Backend& backend, const OpConfig& config, const std::vecto
 ffi::Error CallSession::Push(Backend& backend, void* destination, Event entry, const PushFn& push, bool consumed,
                              std::vector<std::vector<Event>>* landed) {
   std::vector<Post> posts;
-  FICCO_RETURN_IF_ERROR(Meet(Phase::kExchange, destination, {entry}, &posts));  // all or none: no push yet
+  std::vector<Event> entries{entry};
+  FICCO_RETURN_IF_ERROR(StallIfInjected(backend, config_, &entries));
+  FICCO_RETURN_IF_ERROR(Meet(Phase::kExchange, destination, std::move(entries), &posts));  // all or none: no push yet
   const int slots = config_.n() - 1;
   std::vector<std::vector<Event>> pushed(slots, std::vector<Event>(config_.chunks, nullptr));
   ffi::Error mine = CheckFault(config_, Fault::kFail);

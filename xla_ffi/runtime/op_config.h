@@ -4,6 +4,7 @@
 #define FICCO_JAX_XLA_FFI_RUNTIME_OP_CONFIG_H_
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "base/errors.h"
@@ -12,7 +13,9 @@ namespace ficco {
 
 enum class Order : int { kRing = 0, kDirect = 1 };
 enum class GemmMode : int { kPerChunk = 0, kGrouped = 1 };
-enum class Fault : int { kNone = 0, kSkip = 1, kFail = 2 };
+enum class Fault : int { kNone = 0, kSkip = 1, kFail = 2, kStall = 3 };
+
+class CallWatch;  // runtime/watchdog.h
 
 struct OpConfig {
   CallContext ctx;
@@ -30,11 +33,14 @@ struct OpConfig {
   GemmMode gemm = GemmMode::kPerChunk;
   int copy_streams = 1;
   double timeout_s = 5.0;
+  double watchdog_s = 0.0;  // config.WATCHDOG_S: how long device work may take once started; 0: unwatched
+  std::string site;         // where the op was written ("model.py:42 (mlp)"), for the watchdog's report
+  CallWatch* watch = nullptr;  // the watch of this call (ffi/handler.h), told of every peer event waited on
   double spin_s = 0.0;  // rendezvous spin before sleeping (set by the CUDA bindings)
   Fault fault = Fault::kNone;
   int fault_rank = -1;
   bool skip_own_rows = false;  // ag_matmul / a2a_matmul whose gathered / received output nobody reads
-  bool push = false;  // transfer=push: senders write into their peers' buffers (see the top of this file)
+  bool push = false;  // transfer=push: senders write into their peers' buffers (exec/executor.h)
 
   int n() const { return static_cast<int>(group.size()); }
   bool cross_process() const { return ipc_job != 0; }

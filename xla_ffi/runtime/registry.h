@@ -1,4 +1,4 @@
-// The one process-wide object of ficco_jax: per-device state and the host rendezvous.
+// The one process-wide object of ficco_jax: per-device state, the host rendezvous and the watchdog.
 //
 // Per-device state (the occurrence counter and, in the CUDA build, the device's CudaDevice:
 // copy streams, event pools, cuBLASLt, peer access, staging buffers) is created on first use, kept
@@ -23,8 +23,10 @@
 
 #include "base/errors.h"
 #include "device/backend.h"
+#include "device/backends.h"
 #include "device/cuda_device.h"
 #include "runtime/ipc_mailbox.h"
+#include "runtime/watchdog.h"
 
 namespace ficco {
 
@@ -122,6 +124,9 @@ class Registry {
   DeviceState& Device(int ordinal);
   std::vector<int> Ordinals();  // the devices that ran an op so far
   Rendezvous& rendezvous() { return rendezvous_; }
+  Watchdog& watchdog() { return watchdog_; }
+  // The events of every CPU device (device/backends.h).
+  EventPool& host_events() { return *host_events_; }
 
   // The host mailbox of job `job` (groups across processes, ipc_mailbox.h), opened on first use.
   // One job per process; after CloseMailbox() every cross-process call fails.
@@ -135,6 +140,8 @@ class Registry {
   std::mutex mu_;
   std::map<int, std::unique_ptr<DeviceState>> devices_;
   Rendezvous rendezvous_;
+  Watchdog watchdog_;
+  std::unique_ptr<EventPool> host_events_ = MakeHostEventPool();
   std::unique_ptr<HostMailbox> mailbox_;
   bool mailbox_closed_ = false;
 };

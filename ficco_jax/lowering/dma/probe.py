@@ -27,12 +27,13 @@ def _abstract(a, w, x, *, axis_size, out_dtype, **_):
             registry.aval(x, (axis_size * x.shape[0], *x.shape[1:]))]
 
 
-def _lowering(ctx, a, w, x, *, axis_name, axis_size, op_id, repeats, pull, timeout_ms, out_dtype):
+def _lowering(ctx, a, w, x, *, axis_name, axis_size, op_id, repeats, pull, timeout_ms, watchdog_ms, out_dtype):
     groups = in_process_groups(ctx, "contention_probe", axis_name, axis_size)
     layouts = registry.operand_layouts(3, config.is_fp8(ctx.avals_in[0].dtype))  # FP8: as the scaled ops
     return jax.ffi.ffi_lowering(_TARGET, operand_layouts=layouts)(
         ctx, a, w, x, op_id=np.int64(op_id), groups=groups.reshape(-1), group_size=np.int64(axis_size),
-        timeout_ms=np.int64(timeout_ms), repeats=np.int64(repeats), pull=np.int64(int(pull)))
+        timeout_ms=np.int64(timeout_ms), watchdog_ms=np.int64(watchdog_ms), repeats=np.int64(repeats),
+        pull=np.int64(int(pull)))
 
 
 _PRIMITIVE = Primitive(_TARGET)
@@ -56,5 +57,6 @@ def matmuls_beside_pulls(a, w, x, axis_name: str, *, repeats: int, pull: bool, o
     out, _gathered = _PRIMITIVE.bind(
         a, w, x, axis_name=axis_name, axis_size=registry.axis_size_of(axis_name, "contention_probe"),
         op_id=registry.next_op_id(), repeats=repeats, pull=bool(pull),
-        timeout_ms=int(round(config.RENDEZVOUS_TIMEOUT_S * 1000)), out_dtype=out_dtype)
+        timeout_ms=int(round(config.RENDEZVOUS_TIMEOUT_S * 1000)), watchdog_ms=registry.watchdog_ms(),
+        out_dtype=out_dtype)
     return out

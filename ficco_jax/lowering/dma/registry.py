@@ -9,10 +9,12 @@ Attributes of every FFI target (one struct per op in xla_ffi/ffi/):
   op_id, groups (flat i64 array), local_ordinals (same length), ipc_job, group_size, chunks,
   order (0 ring, 1 direct),
   gemm (0 per_chunk, 1 grouped), copy_streams, timeout_ms (config.RENDEZVOUS_TIMEOUT_S),
+  watchdog_ms (config.WATCHDOG_S), site (where the op was written: `site_label`),
   skip_own_rows, transfer (0 pull, 1 push: senders write into their peers, in-process groups only),
   fault: -1 none, else mode*1000 + rank with mode 1 = "skip:<rank>" (that rank errors without
-  joining any rendezvous) and 2 = "fail:<rank>" (it joins the exchange, then errors before its
-  transfers); from config.FAULT_INJECTION, read at trace time. Debug only.
+  joining any rendezvous), 2 = "fail:<rank>" (it joins the exchange, then errors before its
+  transfers) and 3 = "stall:<rank>" (its posted events never complete); from
+  config.FAULT_INJECTION, read at trace time. Debug only.
 
   * op_id: a process-wide counter drawn when the op is traced (bound), unique per call site, so
     two ops of one program never share a rendezvous.
@@ -32,8 +34,12 @@ chunk events to the receivers. Groups inside one process only (a ValueError acro
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import itertools
+import os
 import threading
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +52,7 @@ from ...runtime import extension
 from ...schedule import Schedule
 from . import groups
 
-_FAULT_MODES = {"skip": 1, "fail": 2}
+_FAULT_MODES = {"skip": 1, "fail": 2, "stall": 3}
 
 # ------------------------------------------------------------------------------------------------
 # op ids
@@ -117,6 +123,37 @@ def check_not_empty(op: str, x) -> None:
         )
 
 
+# ------------------------------------------------------------------------------------------------
+# Where an op was written, for the watchdog's report
+# ------------------------------------------------------------------------------------------------
+_SITE = contextvars.ContextVar("ficco_site", default="")
+# Frames of these packages are not where the user wrote the op.
+_LIBRARY_DIRS = tuple(os.path.dirname(os.path.dirname(m.__file__)) + os.sep for m in (jax, np)) + (
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep,)
+
+
+@contextlib.contextmanager
+def site_label(text: str):
+    """Ops bound inside this context say they were written at `text` ("model.py:42 (mlp)"): the
+    rewrite names the user's line of each site it replaces, which the call stack does not show."""
+    token = _SITE.set(text)
+    try:
+        yield
+    finally:
+        _SITE.reset(token)
+
+
+def current_site() -> str:
+    """The label of `site_label`, else the innermost caller outside jax, numpy and ficco_jax."""
+    label = _SITE.get()
+    if label:
+        return label
+    for frame in reversed(traceback.extract_stack()):
+        if not frame.filename.startswith(_LIBRARY_DIRS):
+            return f"{os.path.basename(frame.filename)}:{frame.lineno} ({frame.name})"
+    return ""
+
+
 def fault_code() -> int:
     spec = config.FAULT_INJECTION.strip()
     if not spec:
@@ -124,9 +161,17 @@ def fault_code() -> int:
     mode, _, rank = spec.partition(":")
     if mode not in _FAULT_MODES or not rank.isdigit():
         raise ValueError(
-            f"config.FAULT_INJECTION={config.FAULT_INJECTION!r}: expected '', 'skip:<rank>' or 'fail:<rank>'"
+            f"config.FAULT_INJECTION={config.FAULT_INJECTION!r}: expected '', 'skip:<rank>', 'fail:<rank>' or "
+            f"'stall:<rank>'"
         )
     return _FAULT_MODES[mode] * 1000 + int(rank)
+
+
+def watchdog_ms() -> int:
+    """config.WATCHDOG_S as the executor's attribute: milliseconds, 0 for off."""
+    if config.WATCHDOG_S < 0:
+        raise ValueError(f"config.WATCHDOG_S={config.WATCHDOG_S!r} must be >= 0 seconds (0 turns the watchdog off)")
+    return int(round(config.WATCHDOG_S * 1000))
 
 
 def match_varying(*values):
@@ -192,8 +237,8 @@ def operand_layouts(count: int, fp8: bool):
     return [None, (0, 1)] + [None] * (count - 2) if fp8 else None
 
 
-def _lowering(ctx, *operands, op, axis_name, axis_size, op_id, schedule, timeout_ms, fault, skip_own_rows=False,
-              out_dtype=None):
+def _lowering(ctx, *operands, op, axis_name, axis_size, op_id, schedule, timeout_ms, watchdog_ms, site, fault,
+              skip_own_rows=False, out_dtype=None):
     group = groups.group_attrs(ctx, op, axis_name, axis_size)
     if schedule.transfer == "push" and group["ipc_job"] != 0:
         raise ValueError(
@@ -214,6 +259,8 @@ def _lowering(ctx, *operands, op, axis_name, axis_size, op_id, schedule, timeout
         gemm=np.int64({"per_chunk": 0, "grouped": 1}[schedule.gemm]),
         copy_streams=np.int64(schedule.copy_streams),
         timeout_ms=np.int64(timeout_ms),
+        watchdog_ms=np.int64(watchdog_ms),
+        site=site,
         fault=np.int64(fault),
         skip_own_rows=np.int64(int(skip_own_rows)),
         transfer=np.int64({"pull": 0, "push": 1}[schedule.transfer]),
@@ -254,6 +301,6 @@ def bind(op: str, operands, axis_name: str, axis_size: int, schedule: Schedule, 
     out_dtype = np.dtype(out_dtype or operands[0].dtype)
     return _PRIMITIVES[op].bind(
         *operands, op=op, axis_name=axis_name, axis_size=axis_size, op_id=next_op_id(), schedule=schedule,
-        timeout_ms=int(round(config.RENDEZVOUS_TIMEOUT_S * 1000)), fault=fault_code(), skip_own_rows=skip_own_rows,
-        out_dtype=out_dtype,
+        timeout_ms=int(round(config.RENDEZVOUS_TIMEOUT_S * 1000)), watchdog_ms=watchdog_ms(), site=current_site(),
+        fault=fault_code(), skip_own_rows=skip_own_rows, out_dtype=out_dtype,
     )

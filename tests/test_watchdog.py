@@ -1,0 +1,101 @@
+"""The watchdog: a copy-engine call whose wait cannot complete is reported on stderr — op, where it
+was written, schedule, device, rank, and the peer event it waits for — and the process ends; a
+healthy program is never reported. The stalls are injected (FICCO_FAULT_INJECTION="stall:<rank>":
+that rank posts events that never complete) in a child process, since the watchdog ends it.
+tests/gpu/test_watchdog_gpu.py runs the same program on GPUs."""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ficco_jax import config
+from ficco_jax.lowering.dma import registry
+from ficco_jax.runtime import extension as _ext
+
+pytestmark = pytest.mark.skipif(not _ext.available(), reason="ficco_jax._ffi is not built")
+
+PROGRAM = os.path.join(os.path.dirname(__file__), "watchdog_program.py")
+WATCHDOG_S = 1.0
+#: The most a report may take: the watchdog's limit, the program's start (import, compile) and slack.
+DEADLINE_S = 90
+
+
+def run_program(op, schedule, *extra, fault="stall:1", watchdog_s=WATCHDOG_S, devices=4, timeout=DEADLINE_S):
+    env = {**os.environ, "FICCO_FAULT_INJECTION": fault, "FICCO_WATCHDOG_S": str(watchdog_s),
+           "FICCO_RENDEZVOUS_TIMEOUT_S": "120"}  # the host meetings must not end the stall first
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, PROGRAM, op, schedule, "--cpu", "--devices", str(devices), *extra],
+                          capture_output=True, text=True, env=env, timeout=timeout)
+    return done, time.monotonic() - start
+
+
+@pytest.mark.parametrize("op, schedule, target", [
+    ("ag_matmul", "dma/direct/c2", "ficco_ag_matmul"),
+    ("ag_matmul", "dma/ring/c4/grouped", "ficco_ag_matmul"),
+    ("matmul_rs", "dma/direct/c2/grouped/s2", "ficco_matmul_rs"),
+    ("matmul_rs", "dma/direct/c2/push", "ficco_matmul_rs"),
+    ("all_gather", "dma/direct/c1", "ficco_all_gather"),
+])
+def test_a_stalled_peer_is_reported_and_ends_the_process(op, schedule, target):
+    done, _ = run_program(op, schedule)
+    assert done.returncode == -signal.SIGABRT, (done.returncode, done.stderr[-3000:])
+    assert "calling" in done.stdout and "result" not in done.stdout
+    err = done.stderr
+    head = re.search(r"ficco_jax watchdog: op \d+ \((\w+)\), (\S+), on device (\d+): rank (\d+) of group "
+                     r"\[0, 1, 2, 3\], written at watchdog_program\.py:\d+ \([^)]+\), started [\d.]+ s ago", err)
+    assert head, err[-3000:]
+    assert head.group(1) == target and head.group(2) == schedule
+    # The stalled rank's event is named, by rank, device and phase, for the ranks that wait on it.
+    assert re.search(r"waits for rank 1 \(device 1\): event \d+ of its 'exchange' post, not complete", err), err
+    assert "ending the process" in err and "FICCO_WATCHDOG_S" in err
+
+
+def test_the_report_comes_after_the_limit_not_before():
+    """The limit counts from the start of the call's device work: with a 6 s limit the report
+    cannot come before 6 s (nor much after: it ends the process)."""
+    done, seconds = run_program("ag_matmul", "dma/direct/c2", watchdog_s=6.0)
+    assert done.returncode == -signal.SIGABRT, done.stderr[-2000:]
+    started = re.search(r"started ([\d.]+) s ago and has not finished \(limit 6\.0 s", done.stderr)
+    assert started and 6.0 <= float(started.group(1)) < 6.0 + 5.0, done.stderr[-2000:]
+    assert seconds >= 6.0
+
+
+def test_healthy_calls_are_never_reported():
+    """Many back-to-back launches with a 1 s limit: every call finishes, nothing is reported."""
+    done, _ = run_program("matmul_rs", "dma/direct/c4/grouped", "--calls", "200", fault="")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "watchdog" not in done.stderr
+    assert re.search(r"result -?[\d.e+-]+", done.stdout)
+
+
+def test_watchdog_off_waits_instead_of_reporting():
+    """FICCO_WATCHDOG_S=0: the stalled call waits (here until this test stops it), with no report."""
+    with pytest.raises(subprocess.TimeoutExpired) as info:
+        run_program("ag_matmul", "dma/direct/c2", watchdog_s=0, timeout=20)
+    assert b"watchdog" not in (info.value.stderr or b"")
+
+
+def test_a_failing_call_writes_its_error_to_stderr():
+    """A call that fails says so on stderr at once, besides the exception JAX raises later (which a
+    peer stuck in one of XLA's own collectives could keep from ever coming)."""
+    done, _ = run_program("ag_matmul", "dma/direct/c2", fault="fail:2")
+    assert done.returncode != 0
+    assert re.search(r"ficco_jax: op \d+ \(ficco_ag_matmul\) on device 2: injected fault 'fail' on rank 2",
+                     done.stderr), done.stderr[-2000:]
+
+
+def test_a_negative_limit_is_refused(monkeypatch):
+    monkeypatch.setattr(config, "WATCHDOG_S", -1.0)
+    with pytest.raises(ValueError, match=r"WATCHDOG_S=-1.0 must be >= 0 seconds"):
+        registry.watchdog_ms()
+
+
+def test_the_site_names_the_users_line_and_the_rewrite_names_the_collective():
+    assert registry.current_site().startswith("test_watchdog.py:")
+    with registry.site_label("model.py:12 (mlp)"):
+        assert registry.current_site() == "model.py:12 (mlp)"
+    assert registry.current_site().startswith("test_watchdog.py:")

@@ -1,0 +1,188 @@
+#include "runtime/watchdog.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+
+#include "base/text.h"
+#include "runtime/registry.h"
+
+namespace ficco {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// How often the watchdog looks at unfinished calls. A finished call's events wait this long at
+// most before they can be reused, so the pool holds a few more events than calls in flight.
+constexpr auto kPollInterval = std::chrono::milliseconds(2);
+
+double SecondsSince(Clock::time_point then) {
+  return std::chrono::duration<double>(Clock::now() - then).count();
+}
+
+std::string Seconds(double seconds) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.1f s", seconds);
+  return buf;
+}
+
+}  // namespace
+
+std::string ScheduleText(const OpConfig& config) {
+  std::string text = std::string("dma/") + (config.order == Order::kRing ? "ring" : "direct") + "/c" +
+                     std::to_string(config.chunks);
+  if (config.gemm == GemmMode::kGrouped) text += "/grouped";
+  if (config.copy_streams != 1) text += "/s" + std::to_string(config.copy_streams);
+  if (config.push) text += "/push";
+  return text;
+}
+
+// ---------------------------------------------------------------------------------------------
+// CallWatch
+// ---------------------------------------------------------------------------------------------
+CallWatch::CallWatch(Backend& backend, const OpConfig& config) : call_(std::make_shared<WatchedCall>()) {
+  call_->what = "op " + std::to_string(config.ctx.op_id) + " (" + config.ctx.target + "), " + ScheduleText(config) +
+                ", on device " + std::to_string(config.ctx.device_ordinal) + ": rank " + std::to_string(config.rank) +
+                " of group [" + JoinNumbers(config.group) + "]";
+  call_->site = config.site;
+  call_->device = config.ctx.device_ordinal;
+  call_->timeout_s = config.watchdog_s;
+  call_->pool = &backend.Pool();
+  call_->registered = Clock::now();
+  if (backend.RecordMark(&call_->started).failure()) call_->started = nullptr;  // counts as started
+  Registry::Get().watchdog().Watch(call_);
+}
+
+CallWatch::~CallWatch() {
+  if (!finished_) {  // a path that returned without Finish: the device work is unknown, keep nothing
+    std::lock_guard<std::mutex> lock(call_->mu);
+    call_->returned = true;
+  }
+  Registry::Get().watchdog().Notify();
+}
+
+void CallWatch::Finish(Backend& backend) {
+  Event finished = nullptr;
+  const bool recorded = backend.RecordMark(&finished).success();
+  std::vector<Event> reusable = backend.TakeReusable();
+  std::lock_guard<std::mutex> lock(call_->mu);
+  call_->finished = recorded ? finished : nullptr;
+  if (recorded) call_->reusable = std::move(reusable);
+  call_->returned = true;
+  finished_ = true;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Watchdog
+// ---------------------------------------------------------------------------------------------
+void Watchdog::Watch(std::shared_ptr<WatchedCall> call) {
+  std::lock_guard<std::mutex> lock(mu_);
+  calls_.push_back(std::move(call));
+  if (!thread_) {
+    // Detached: it never ends (the registry is never destroyed), and at exit it may find CUDA gone,
+    // which Done() reads as done.
+    thread_ = std::make_unique<std::thread>([this] { Loop(); });
+    thread_->detach();
+  }
+  cv_.notify_one();
+}
+
+void Watchdog::Notify() { cv_.notify_one(); }
+
+void Watchdog::Loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    if (calls_.empty()) {
+      cv_.wait(lock);
+    } else {
+      cv_.wait_for(lock, kPollInterval);
+    }
+    lock.unlock();
+    std::shared_ptr<WatchedCall> stuck = Sweep();
+    if (stuck) ReportAndAbort(stuck);
+    lock.lock();
+  }
+}
+
+std::shared_ptr<WatchedCall> Watchdog::Sweep() {
+  std::vector<std::shared_ptr<WatchedCall>> calls;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    calls.assign(calls_.begin(), calls_.end());
+  }
+  std::vector<std::shared_ptr<WatchedCall>> done;
+  std::shared_ptr<WatchedCall> stuck;
+  std::map<int, bool> device_looked_at;  // a device's calls finish in order: look at its oldest one
+  for (const std::shared_ptr<WatchedCall>& call : calls) {
+    std::unique_lock<std::mutex> lock(call->mu);
+    if (call->returned && call->finished == nullptr) {  // failed: nothing of it to release or watch
+      done.push_back(call);
+      continue;
+    }
+    if (call->returned && call->pool->Done(call->finished)) {
+      call->pool->Release(call->reusable);
+      call->pool->Release(call->started == nullptr ? std::vector<Event>{call->finished}
+                                                   : std::vector<Event>{call->started, call->finished});
+      done.push_back(call);
+      continue;
+    }
+    if (device_looked_at[call->device]) continue;
+    device_looked_at[call->device] = true;
+    if (!call->seen_started && call->pool->Done(call->started)) {
+      call->seen_started = true;
+      call->started_seen = Clock::now();
+    }
+    if (call->timeout_s > 0 && call->seen_started && SecondsSince(call->started_seen) > call->timeout_s && !stuck) {
+      stuck = call;
+    }
+  }
+  if (!done.empty()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const std::shared_ptr<WatchedCall>& call : done) calls_.remove(call);
+  }
+  return stuck;
+}
+
+void Watchdog::ReportAndAbort(const std::shared_ptr<WatchedCall>& stuck) {
+  std::string report;
+  {
+    std::lock_guard<std::mutex> lock(stuck->mu);
+    report = "ficco_jax watchdog: " + stuck->what + (stuck->site.empty() ? "" : ", written at " + stuck->site) +
+             ", started " + Seconds(SecondsSince(stuck->started_seen)) + " ago and has not finished (limit " +
+             Seconds(stuck->timeout_s) + ": FICCO_WATCHDOG_S).\n";
+  }
+  std::vector<std::shared_ptr<WatchedCall>> calls;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    calls.assign(calls_.begin(), calls_.end());
+  }
+  report += "Unfinished copy-engine calls of this process, oldest first:\n";
+  for (const std::shared_ptr<WatchedCall>& call : calls) {
+    std::lock_guard<std::mutex> lock(call->mu);
+    const bool started = call->pool->Done(call->started);
+    report += "  " + call->what + (call->site.empty() ? "" : " (" + call->site + ")") + ": " +
+              (!started ? "not started: the device is busy with, or stuck in, earlier work"
+               : call->returned ? "its device work started and has not finished"
+                                : "its handler has not returned: it waits on the host, in a meeting of its group or "
+                                  "(CPU backend) for a peer's event") + "\n";
+    if (!started) continue;
+    int pending = 0;
+    for (const PeerEvent& wait : call->waits) {
+      if (call->pool->Done(wait.event)) continue;
+      ++pending;
+      report += "    waits for rank " + std::to_string(wait.rank) + " (device " + std::to_string(wait.device) +
+                "): event " + std::to_string(wait.index) + " of its '" + PhaseName(wait.phase) +
+                "' post, not complete\n";
+    }
+    if (pending == 0) {
+      report += "    none of the peer events it waits for is pending\n";
+    }
+  }
+  report += "ficco_jax watchdog: ending the process; set FICCO_WATCHDOG_S=0 to wait instead (e.g. to attach a "
+            "debugger), or a larger value for calls that legitimately take longer.\n";
+  std::fputs(report.c_str(), stderr);
+  std::fflush(stderr);
+  std::abort();
+}
+
+}  // namespace ficco

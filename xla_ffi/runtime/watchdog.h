@@ -1,0 +1,122 @@
+// The watchdog of the copy-engine calls: no wait of ours, on a device or in a handler, can last
+// forever unreported.
+//
+// Every call is watched from the moment its handler starts until its device work is done:
+//
+//   handler  : CallWatch(..) [started] ... meetings (peer events noted) ... Finish: [finished]
+//   watchdog : polls `started` and `finished`; once `finished` is done, the call's events go back
+//              to the pool (in-process groups) and the call is forgotten.
+//
+// A call whose `started` mark is done but whose `finished` mark is not (or whose handler has not
+// returned: on CPU the waits are the handler's own) after its timeout (config.WATCHDOG_S, an
+// attribute of every call) is stuck. The watchdog then writes to stderr what every unfinished call
+// of the process waits for — op, where it was written, schedule, device, rank and group, and each
+// peer event not yet complete, by rank, device and phase — and ends the process with std::abort, as
+// NCCL's watchdog ends a PyTorch process. Raising is no way out: the host thread that would see
+// the error is the one blocked in XLA waiting for the result, and a device whose stream waits on
+// an event that never completes cannot be used again in this process.
+//
+// An event is re-recorded only after the watchdog has seen its call finish, so what the report says
+// of an event is about this call's record, never a later one. (Across processes the events go back
+// at the release meeting instead, as they did before: each is exported once into a bounded table.)
+#ifndef FICCO_JAX_XLA_FFI_RUNTIME_WATCHDOG_H_
+#define FICCO_JAX_XLA_FFI_RUNTIME_WATCHDOG_H_
+
+#include <chrono>
+#include <condition_variable>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "base/errors.h"
+#include "device/backend.h"
+#include "runtime/op_config.h"
+
+namespace ficco {
+
+enum class Phase : int;
+
+// One event a call's streams wait on that a peer recorded.
+struct PeerEvent {
+  int rank;
+  int device;
+  Phase phase;
+  int index;  // its place in the peer's post of that phase
+  Event event;
+};
+
+// What the watchdog knows of one call; the handler thread writes it through CallWatch, the watchdog
+// thread reads it, both under `mu`.
+struct WatchedCall {
+  std::mutex mu;
+  std::string what;  // "op 12 (ficco_ag_matmul), dma/direct/c2, on device 0: rank 0 of group [0, 1]"
+  std::string site;  // where the op was written, "" where unknown
+  int device = -1;
+  double timeout_s = 0.0;
+  EventPool* pool = nullptr;
+  Event started = nullptr;
+  Event finished = nullptr;  // recorded when the handler returns; stays null if that failed
+  bool returned = false;
+  std::vector<Event> reusable;  // the call's events, back to `pool` once `finished` is done
+  std::vector<PeerEvent> waits;
+  std::chrono::steady_clock::time_point registered, started_seen;
+  bool seen_started = false;
+};
+
+class Watchdog {
+ public:
+  // Registers a call (starts the watchdog's thread on first use).
+  void Watch(std::shared_ptr<WatchedCall> call);
+  // Wakes the watchdog: a call returned.
+  void Notify();
+
+ private:
+  void Loop();
+  // Forgets finished calls (their events back to the pool); returns the first stuck call, if any.
+  std::shared_ptr<WatchedCall> Sweep();
+  [[noreturn]] void ReportAndAbort(const std::shared_ptr<WatchedCall>& stuck);
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::list<std::shared_ptr<WatchedCall>> calls_;
+  std::unique_ptr<std::thread> thread_;
+};
+
+// The watch of one call, held by its handler: records `started` when made, notes the peer events
+// of every meeting, and `finished` plus the reusable events in Finish. A call whose Finish never
+// runs (its handler stuck) stays watched until the watchdog ends the process.
+class CallWatch {
+ public:
+  CallWatch(Backend& backend, const OpConfig& config);
+  ~CallWatch();
+  CallWatch(const CallWatch&) = delete;
+  CallWatch& operator=(const CallWatch&) = delete;
+  // The events of `posts` of other ranks that this call's streams may wait on.
+  template <typename Posts>
+  void NotePeers(const OpConfig& config, Phase phase, const Posts& posts) {
+    std::lock_guard<std::mutex> lock(call_->mu);
+    for (int rank = 0; rank < config.n(); ++rank) {
+      if (rank == config.rank) continue;
+      const auto& events = posts[rank].events;
+      for (int i = 0; i < static_cast<int>(events.size()); ++i) {
+        if (events[i] != nullptr) call_->waits.push_back({rank, config.group[rank], phase, i, events[i]});
+      }
+    }
+  }
+  // After the call's last enqueue (success or not): the `finished` mark and the events to reuse.
+  void Finish(Backend& backend);
+
+ private:
+  std::shared_ptr<WatchedCall> call_;
+  bool finished_ = false;
+};
+
+// "dma/direct/c2/grouped/s2": the schedule as ficco_jax.Schedule prints it.
+std::string ScheduleText(const OpConfig& config);
+
+}  // namespace ficco
+
+#endif  // FICCO_JAX_XLA_FFI_RUNTIME_WATCHDOG_H_
