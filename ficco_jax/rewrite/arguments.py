@@ -9,14 +9,26 @@ the enclosing transformation (`jax.jit(overlap(f), static_argnames=...)`), so it
 Where a traced Python number meets Python control flow, the error says how to make it static.
 Every static value is part of the trace's cache key: two calls with different options are traced
 separately.
+
+The leaves are rebuilt into new objects for tracing, as jax.jit does; unlike jax.jit, an object
+that the arguments reach through two paths (an NNX Variable shared by two modules, tied weights; a
+module passed with one of its submodules) is rebuilt once and reached through both paths again,
+because what `fn` does can depend on it (NNX's split, grad and optimizer tell one shared Variable
+from two copies; an update through one path shows through the other). A tuple cannot be made to
+hold the rebuilt object again, so an object a tuple holds twice stays two copies, and effects.py
+refuses the calls where that would show. Which paths share an object is part of the cache key too. The key paths of the leaves are how effects.py writes what `fn`
+replaced back into the caller's objects; `child` / `set_child` / `describe` read, write and name
+the node at a path.
 """
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any
 
 import jax
 import numpy as np
+from jax.tree_util import DictKey, GetAttrKey, SequenceKey, keystr, tree_flatten_with_path
 
 
 class _ByIdentity:
@@ -63,6 +75,8 @@ class CallArgs:
     in_tree: Any
     static: tuple[tuple[int, Any], ...]  # (leaf index, value)
     traced: tuple[Any, ...]
+    # (first path, another path) of each object reached through two paths, outermost first
+    shared: tuple[tuple[tuple, tuple], ...] = ()
 
     @classmethod
     def of(cls, args, kwargs) -> "CallArgs":
@@ -70,20 +84,143 @@ class CallArgs:
         under_trace = any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
         static = tuple((i, leaf) for i, leaf in enumerate(leaves) if _is_static(leaf, under_trace))
         positions = {i for i, _ in static}
-        return cls(in_tree, static, tuple(leaf for i, leaf in enumerate(leaves) if i not in positions))
+        traced = [i for i in range(len(leaves)) if i not in positions]
+        return cls(in_tree, static, tuple(leaves[i] for i in traced), _shared_objects((args, kwargs), leaves, traced))
 
     def key(self) -> tuple:
-        """What one trace is valid for: the tree, the static values, the traced leaves' types."""
+        """What one trace is valid for: the tree, the static values, the traced leaves' types, the
+        shared objects."""
         return (self.in_tree, tuple((i, _static_key(v)) for i, v in self.static),
-                tuple(jax.typeof(x) for x in self.traced))
+                tuple(jax.typeof(x) for x in self.traced), self.shared)
 
     def traced_python_numbers(self) -> list[int]:
         """Positions among the traced leaves of plain Python numbers (their values became tracers)."""
         return [i for i, leaf in enumerate(self.traced) if type(leaf) in (int, float, complex)]
 
-    def rebuild(self, traced) -> tuple[tuple, dict]:
-        """(args, kwargs) with the static leaves put back among `traced` (tracers while tracing)."""
+    @property
+    def static_positions(self) -> tuple[int, ...]:
+        return tuple(i for i, _ in self.static)
+
+    def leaves(self, traced) -> list:
+        """Every leaf of `(args, kwargs)`: the static ones put back among `traced` (tracers while tracing)."""
         traced = iter(traced)
         static = dict(self.static)
-        leaves = [static[i] if i in static else next(traced) for i in range(len(self.static) + len(self.traced))]
-        return jax.tree.unflatten(self.in_tree, leaves)
+        return [static[i] if i in static else next(traced) for i in range(len(self.static) + len(self.traced))]
+
+    def rebuild(self, traced) -> tuple[tuple[tuple, dict], list["Unshared"]]:
+        """(args, kwargs) built from `leaves(traced)`: new objects, as jax.jit builds its arguments,
+        each shared object once, reached through each of its paths; and the shared objects that
+        stay two copies because the node holding the second cannot hold another object (a tuple)."""
+        args, kwargs = jax.tree.unflatten(self.in_tree, self.leaves(traced))
+        arguments = (list(args), kwargs)  # the positional arguments can be re-linked too
+        unshared = []
+        for first, other in self.shared:
+            node = node_at(arguments, first)
+            try:
+                set_child(node_at(arguments, other[:-1]), other[-1], node)
+            except (AttributeError, LookupError, TypeError) as err:
+                unshared.append(Unshared(first, other, type(node).__name__, isinstance(node, _nnx_graph()), str(err)))
+        return (tuple(arguments[0]), kwargs), unshared
+
+
+@dataclasses.dataclass(frozen=True)
+class Unshared:
+    """An object the arguments reach through two paths, traced as two copies."""
+
+    first: tuple
+    other: tuple
+    type_name: str
+    observed: bool  # an NNX object: NNX's graph functions tell one shared object from two copies
+    why: str  # why the node holding `other` could not be made to hold the first copy
+
+
+def _shared_objects(arguments, leaves, traced_positions) -> tuple[tuple[tuple, tuple], ...]:
+    """(first path, other path) of each object other than a tuple that `arguments` reach through
+    two paths; an object inside a shared one is not listed again."""
+    by_identity: dict[int, list[int]] = {}
+    for i in traced_positions:
+        by_identity.setdefault(id(leaves[i]), []).append(i)
+    groups = [g for g in by_identity.values() if len(g) > 1]
+    if not groups:  # a shared object shows its leaves twice; the usual call stops here
+        return ()
+    paths = [path for path, _ in tree_flatten_with_path(arguments)[0]]
+    reached: dict[int, tuple] = {}  # id -> (node, first path); the node is kept so its id stays its own
+    shared = set()
+    for i in (i for group in groups for i in group):
+        node = arguments
+        for depth, key in enumerate(paths[i][:-1]):
+            node = child(node, key)
+            if node is None:
+                break  # a key that names no attribute or item: the node stays a copy, as in jax.jit
+            if isinstance(node, tuple):
+                continue  # immutable: a copy is the same value
+            prefix = paths[i][:depth + 1]
+            _, first = reached.setdefault(id(node), (node, prefix))
+            if first != prefix:
+                shared.add((first, prefix))
+                break
+    return tuple(sorted(shared, key=lambda pair: len(pair[1])))
+
+
+# --------------------------------------------------------------------------------------------
+# Key paths into (args, kwargs)
+# --------------------------------------------------------------------------------------------
+_VALUE = GetAttrKey("value")  # the key an NNX Variable gives its one child
+
+
+def child(node, key):
+    """The child of `node` at path key `key`, or None where the key names no item or attribute."""
+    try:
+        if isinstance(key, SequenceKey):
+            return node[key.idx]
+        if isinstance(key, DictKey):
+            return node[key.key]
+        if key == _VALUE and isinstance(node, _nnx_variable()):
+            return node.get_raw_value()  # what it flattens to; its `.value` is a copy
+        if isinstance(key, GetAttrKey):
+            return getattr(node, key.name)
+    except (AttributeError, LookupError, TypeError):
+        pass
+    return None
+
+
+def node_at(root, path):
+    for key in path:
+        root = child(root, key)
+    return root
+
+
+def set_child(node, key, value) -> None:
+    """Make `node` hold `value` at path key `key` (raises where `node` is immutable)."""
+    if isinstance(key, SequenceKey):
+        node[key.idx] = value
+    elif isinstance(key, DictKey):
+        node[key.key] = value
+    elif key == _VALUE and isinstance(node, _nnx_variable()):
+        # A Variable flattens to its raw value, and set_raw_value is the inverse; its public
+        # setters (`[...] =`, set_value) would run its on_set_value hooks a second time.
+        node.set_raw_value(value)
+    elif isinstance(key, GetAttrKey):
+        setattr(node, key.name, value)
+    else:
+        raise TypeError(f"{key!r} names no item or attribute (a node registered without keys)")
+
+
+def _nnx_graph() -> tuple[type, ...]:
+    """NNX's Variable and Pytree (Module, Optimizer, Rngs) classes where flax.nnx is loaded, looked
+    up in sys.modules and never imported: an NNX object exists only once flax.nnx is loaded, and
+    flax is not a dependency of ficco_jax."""
+    nnx = sys.modules.get("flax.nnx")
+    return (nnx.Variable, nnx.Pytree) if nnx is not None else ()
+
+
+def _nnx_variable() -> tuple[type, ...]:
+    return _nnx_graph()[:1]
+
+
+def describe(path) -> str:
+    """A key path into `(args, kwargs)` as the caller writes it: ``args[0].w1.value``."""
+    if len(path) < 2:
+        return "the arguments"
+    head = f"args[{path[1].idx}]" if path[0].idx == 0 else f"kwargs[{path[1].key!r}]"
+    return head + keystr(tuple(path[2:]))

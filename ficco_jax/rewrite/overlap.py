@@ -13,6 +13,12 @@ two tensor-parallel sites, implied by its ``reshard`` / ``out_sharding``; each b
 a shard_map over the mesh (match_global.py). Every site is a `site.Site`; `matchers.find_sites`
 finds them, and this module only resolves schedules and re-binds.
 
+Arguments: `fn` is traced over copies of its arguments rebuilt from their leaves, objects shared
+between paths kept shared (arguments.py); what `fn` writes into them in place (an NNX Variable
+assigned, as ``optimizer.update(model, grads)`` does; a dict entry) is an output of the rewritten
+program and written back into the caller's objects on each call (effects.py). A jax Ref argument
+is updated by the program itself.
+
 Composition: the result is an ordinary traceable function, so ``jit(overlap(f))``,
 ``grad(overlap(f))`` (the ops' custom VJPs overlap the backward pass) and ``overlap(grad(f))``
 (the backward collectives are in the traced jaxpr and are rewritten too) all work. Functions
@@ -34,6 +40,7 @@ from jax._src import mesh as mesh_lib
 
 from ..schedule import Schedule
 from .arguments import CallArgs
+from .effects import Effects, replaced_leaves, write_back
 from .jaxpr_util import open_jaxpr, sub_jaxprs
 from .matchers import ALL_OPS, find_sites
 from .options import AUTOTUNE_LATER, Options
@@ -252,6 +259,7 @@ class _Traced:
     rewritten: jex.ClosedJaxpr | None  # None: nothing to rewrite, call the function itself
     out_tree: Any
     report: Report
+    effects: Effects  # the argument leaves fn replaced: `rewritten` outputs them after fn's outputs
     call: Callable | None = None  # flat args -> flat outputs of `rewritten`
 
     def __post_init__(self):
@@ -286,8 +294,15 @@ class Overlapped:
         traced = self._trace(call, measure=True)
         if traced.rewritten is None:
             return self._fn(*args, **kwargs)
+        if traced.effects.refusal:
+            raise ValueError(traced.effects.refusal)
         outs = traced.call(*call.traced)
-        return jax.tree.unflatten(traced.out_tree, outs)
+        n_out = traced.out_tree.num_leaves
+        write_back(self._name(), (args, kwargs), traced.effects, outs[n_out:])
+        return jax.tree.unflatten(traced.out_tree, outs[:n_out])
+
+    def _name(self) -> str:
+        return getattr(self, "__name__", "fn")
 
     def explain(self, *args, **kwargs) -> Report:
         return self._trace(CallArgs.of(args, kwargs)).report
@@ -304,14 +319,19 @@ class Overlapped:
 
     def _rewrite(self, call: CallArgs, options: Options) -> _Traced:
         """Trace `fn` over the traced leaves of `call` (its static ones closed over) and rewrite it."""
-        out_trees = []
+        out_trees, found = [], []
         leaves = call.traced
 
         def flat_fn(*flat):
-            args, kwargs = call.rebuild(flat)
-            out_leaves, out_tree = jax.tree.flatten(self._fn(*args, **kwargs))
+            arguments, unshared = call.rebuild(flat)
+            before = jax.tree_util.tree_flatten_with_path(arguments)
+            out_leaves, out_tree = jax.tree.flatten(self._fn(*arguments[0], **arguments[1]))
+            # fn may have updated its (rebuilt) arguments in place: the leaves it replaced are
+            # outputs too, written back into the caller's objects by __call__ (effects.py).
+            effects, replaced = replaced_leaves(self._name(), before, call.static_positions, arguments, unshared)
             out_trees.append(out_tree)
-            return out_leaves
+            found.append(effects)
+            return [*out_leaves, *replaced]
 
         try:
             closed = jax.make_jaxpr(flat_fn)(*leaves)
@@ -323,14 +343,14 @@ class Overlapped:
         plan = _analyse(closed.jaxpr, _Scope(mesh=_concrete_mesh(leaves)), options, records)
         report = Report(records)
         for record in report:
-            logger.debug("ficco_jax.overlap %s: %s %s at %s, axis %s, %s", getattr(self, "__name__", "fn"),
+            logger.debug("ficco_jax.overlap %s: %s %s at %s, axis %s, %s", self._name(),
                          "rewrote" if record.rewritten else "left", record.op, record.where, record.axis_name,
                          f"{record.matmul_2d} schedule {_outcome(record)}" if record.rewritten else record.reason)
         rewritten = None
         # A site whose autotune pick is not measured yet is only reported: the call measures it.
         if plan.changed and not report.awaiting_autotune:
             rewritten = jax.make_jaxpr(lambda *flat: _run(plan, closed.jaxpr, closed.consts, flat))(*leaves)
-        return _Traced(rewritten, out_trees[0], report)
+        return _Traced(rewritten, out_trees[0], report, found[0])
 
 
 _TRACER = getattr(jax.core, "Tracer", ())  # a traced argument has no concrete sharding to read
@@ -354,7 +374,8 @@ def overlap(fn: Callable | None = None, *, schedule="auto", autotune: bool = Fal
     all-gather→matmul and matmul→reduce-scatter its explicit shardings imply outside them
     (match_global.py).
 
-    ``overlap(f)(*args)`` equals ``f(*args)``. `schedule` applies to every site where it is valid
+    ``overlap(f)(*args)`` equals ``f(*args)``, the in-place updates `f` makes to its arguments
+    included (NNX Variables, dict entries, jax Refs). `schedule` applies to every site where it is valid
     ("auto" elsewhere, with a log line); ``autotune=True`` measures candidates per site when the
     function is first called (explain() shows a cached pick and measures nothing); `ops`
     chooses which patterns are rewritten. Usable as ``@overlap`` or ``@overlap(schedule=...)``.
