@@ -9,9 +9,11 @@ Each run starts the program in a fresh process (`examples/tp_transformer.py --ov
 `benchmarks/suites/mixed_step.py`), with CUDA_DEVICE_MAX_CONNECTIONS taken in turn from
 --connections ("unset": CUDA's default, 8 hardware queues; NVIDIA's JAX containers set 1). A run
 that prints no step line for --stall-s seconds (--start-s before its first one: compilation) is
-hung: its threads' native stacks and the GPUs' resident kernels are written to hang_<run>.txt with
-cuda-gdb where the machine has it, then the process is killed. A run that ends with an error
-(the watchdog's report included, which ends the process) has failed. The runs share a JAX
+hung: its threads' native stacks, the GPUs' resident kernels and where their warps stand are
+written to hang_<run>.txt with cuda-gdb where the machine has it; the process then gets --grace-s
+seconds to end by itself (ficco_jax's watchdog reports what its calls wait for and ends it:
+"hung, ended by its watchdog") before it is killed ("hung"). A run that ends with an error before
+that has failed. The runs share a JAX
 compilation cache, so only the first one compiles (--no-cache: every run compiles, as separate
 jobs do).
 
@@ -55,6 +57,8 @@ def parse_args(argv):
     parser.add_argument("--stall-s", type=float, default=60.0, help="seconds without a step line that count as hung")
     parser.add_argument("--budget-s", type=float, default=None, help="start no run after this many seconds")
     parser.add_argument("--no-cache", action="store_true", help="no shared compilation cache: every run compiles")
+    parser.add_argument("--grace-s", type=float, default=45.0,
+                        help="seconds a hung run gets after its stacks are taken to end by itself (its watchdog)")
     parser.add_argument("--out", default=os.environ.get("OUT") or "out")
     args = parser.parse_args(argv)
     args.options = options
@@ -73,6 +77,7 @@ def dump_stuck(pid: int, path: str) -> None:
             fh.write("no cuda-gdb on this machine: native stacks not taken\n")
             return
         command = [debugger, "-p", str(pid), "-batch", "-ex", "set pagination off", "-ex", "info cuda kernels",
+                   "-ex", "info cuda blocks", "-ex", "info cuda warps", "-ex", "x/12i $pc - 64",
                    "-ex", "thread apply all bt 30"]
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=180)
@@ -81,7 +86,7 @@ def dump_stuck(pid: int, path: str) -> None:
             fh.write(f"cuda-gdb did not finish: {exc}\n")
 
 
-def run_once(argv, env, start_s, stall_s, dump_path, log_path) -> dict:
+def run_once(argv, env, start_s, stall_s, dump_path, log_path, grace_s=0.0) -> dict:
     """One run under the watchdog: {"outcome", "steps", "seconds", "tail"}; its output into `log_path`."""
     t0 = time.time()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -108,10 +113,14 @@ def run_once(argv, env, start_s, stall_s, dump_path, log_path) -> dict:
             break
         waited = time.time() - state["last"]
         if waited > (stall_s if state["steps"] else start_s):
-            outcome = "hung"
             dump_stuck(proc.pid, dump_path)
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            try:
+                proc.wait(timeout=grace_s)
+                outcome = f"hung, ended by its watchdog (exit {proc.returncode})"
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                outcome = "hung"
             break
         time.sleep(0.5)
     thread.join(5)
@@ -142,7 +151,7 @@ def main(argv=None) -> int:
         if setting != "unset":
             env["CUDA_DEVICE_MAX_CONNECTIONS"] = setting
         result = run_once(argv, env, args.start_s, args.stall_s, os.path.join(args.out, f"hang_{i + 1}.txt"),
-                          os.path.join(args.out, f"run_{i + 1}.log"))
+                          os.path.join(args.out, f"run_{i + 1}.log"), args.grace_s)
         runs.append({"run": i + 1, "cuda_device_max_connections": setting, **result})
         print(f"run {i + 1}: CUDA_DEVICE_MAX_CONNECTIONS={setting}: {result['outcome']} after {result['steps']} "
               f"steps, {result['seconds']:.0f} s", flush=True)
@@ -152,9 +161,9 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "hang.json"), "w") as fh:
         json.dump({"argv": argv[1:], "steps": args.steps, "stall_s": args.stall_s, "compilation_cache": bool(cache),
                    "runs": runs, **counts}, fh, indent=1)
-    print(f"\n{'run':>4}  {'connections':>11}  {'outcome':<20} {'steps':>6} {'seconds':>8}")
+    print(f"\n{'run':>4}  {'connections':>11}  {'outcome':<36} {'steps':>6} {'seconds':>8}")
     for r in runs:
-        print(f"{r['run']:>4}  {r['cuda_device_max_connections']:>11}  {r['outcome']:<20} {r['steps']:>6} "
+        print(f"{r['run']:>4}  {r['cuda_device_max_connections']:>11}  {r['outcome']:<36} {r['steps']:>6} "
               f"{r['seconds']:>8.0f}")
     print(f"hang: {counts['completed']}/{len(runs)} completed, {counts['hung']} hung, {counts['failed']} failed",
           flush=True)
