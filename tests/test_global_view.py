@@ -16,6 +16,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P, reshard
 from ficco_jax import explain, overlap
 from ficco_jax.rewrite.match_global import GSPMD_FIX
 from ficco_jax.rewrite.matchers import ALL_OPS, find_sites
+from ficco_jax.rewrite.overlap import Report
+from ficco_jax.rewrite.shardings import spec_of_axes
 from ficco_jax.runtime import extension
 
 XLA = "xla/ring/c2"
@@ -405,6 +407,77 @@ def test_near_misses_say_why(mesh):
     report = explain(overlap(gathered_then_normalised, schedule=XLA), x, w_up)
     assert not report.sites and len(report.near_misses) == 1, str(report)
     assert "feeds no matmul directly" in report.near_misses[0].reason and report.near_misses[0].axis_name == "tp"
+
+
+def _tp_mesh():
+    return jax.make_mesh((8,), ("tp",), axis_types=(AxisType.Explicit,))
+
+
+@pytest.mark.parametrize("make_mesh", [_tp_mesh, _dp_tp_mesh], ids=["tp8", "dp2xtp4"])
+def test_rows_gathered_then_split_again_by_out_sharding(make_mesh):
+    """A replicated operand whose product is split on rows again: each device computes its own rows
+    with nothing communicated after the reshard, so no op gathers; explain says why."""
+    mesh = make_mesh()
+    with jax.set_mesh(mesh):
+        x, w = _random(mesh, [(P("tp", None), (S * 4, D)), (P(None, None), (D, F))])
+
+        def regathered(x, w):
+            g = reshard(x, P(None, None))
+            return jnp.dot(g, w, out_sharding=P("tp", None))
+
+        report = explain(overlap(regathered, schedule=XLA), x, w)
+        assert isinstance(report, Report) and not report.sites, str(report)
+        assert [r.op for r in report.near_misses] == ["ag_matmul"], str(report)
+        assert ("the result is sharded P('tp', None), not as its operands' free dimensions are (P(None, None))"
+                in report.near_misses[0].reason), str(report)
+        _assert_same(jax.jit(overlap(regathered, schedule=XLA))(x, w), jax.jit(regathered)(x, w))
+        assert isinstance(explain(regathered, x, w), Report)
+
+
+def test_spec_of_axes_writes_each_dimension_as_a_partition_spec_does():
+    assert spec_of_axes(((), ("tp",), ("dp", "tp"))) == P(None, "tp", ("dp", "tp"))
+    assert spec_of_axes(()) == P()
+
+
+def _gathered_by_reshard(x, w):
+    return jnp.dot(reshard(x, P()), w)
+
+
+def _gathered_by_the_matmul(x, w):
+    return jnp.dot(x, w, out_sharding=P())
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("program", [_gathered_by_reshard, _gathered_by_the_matmul], ids=["reshard", "matmul"])
+def test_gathered_rows_times_a_replicated_weight(mesh, program, schedule):
+    """The product of gathered rows and a replicated weight is replicated although the gathered
+    rows' type varies over tp: the op's shard_map states that replication instead of inferring it."""
+    x, w = _random(mesh, [(P("tp", None), (S * 2, D)), (P(), (D, F))])
+    fused = overlap(program, schedule=schedule)
+    report = explain(fused, x, w)
+    assert _ops(report) == ["ag_matmul"] and not report.near_misses, str(report)
+    _assert_same(jax.jit(fused)(x, w), jax.jit(program)(x, w))
+    grad = lambda f: jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.sin(f(x, w))), argnums=(0, 1)))  # noqa: E731
+    _assert_same(grad(fused)(x, w), grad(program)(x, w))
+
+
+@pytest.mark.parametrize("x_spec, out_spec, product", [
+    (P(None, "dp"), P(None, "dp"), "P(None, 'tp')"),  # tp leaves the columns, dp comes
+    (P("tp", "dp"), P("tp", "dp"), "P('tp', 'tp')"),  # tp on the rows and, from w, on the columns
+], ids=["columns-tp-to-dp", "tp-on-rows-and-columns"])
+def test_scatter_onto_a_dimension_the_operands_already_split_is_a_near_miss(mesh, x_spec, out_spec, product):
+    """The contraction is split over dp and dp goes onto the columns, which w splits over tp: more
+    than a reduce-scatter of an unsplit dimension, so the matmul stays as written."""
+    x, w = _random(mesh, [(x_spec, (S, D)), (P("dp", "tp"), (D, F))])
+
+    def scattered_onto_split_columns(x, w):
+        return jnp.dot(x, w, out_sharding=out_spec)
+
+    report = explain(overlap(scattered_onto_split_columns, schedule=XLA), x, w)
+    assert not report.sites and [r.op for r in report.near_misses] == ["matmul_rs"], str(report)
+    assert f"sharded {product} by its operands, becomes {out_spec}" in report.near_misses[0].reason, str(report)
+    _assert_same(jax.jit(overlap(scattered_onto_split_columns, schedule=XLA))(x, w),
+                 jax.jit(scattered_onto_split_columns)(x, w))
 
 
 def test_expert_all_to_all_in_global_view_is_a_near_miss():

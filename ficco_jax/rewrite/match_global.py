@@ -35,13 +35,12 @@ import re
 from typing import Callable
 
 import jax
-from jax.sharding import PartitionSpec
 
 from .. import config
 from . import dequant, match_tp
 from .jaxpr_util import fmt, fmt_shapes, open_jaxpr, source_line
-from .shardings import (axes_of, batched, contracted, free, is_explicit, is_gspmd, mesh_of, out_dim, product_axes,
-                        spec_of, split_axes, typed)
+from .shardings import (axes_of, batched, contracted, free, gathered_axis, is_explicit, is_gspmd, mesh_of, out_dim,
+                        product_axes, scattered_dim, spec_of, spec_of_axes, split_axes, typed)
 from .site import MatchContext, Site, SiteRecord
 
 AG, RS = match_tp.AG, match_tp.RS
@@ -76,6 +75,11 @@ class GlobalSite(Site):
     out_specs: tuple
     local_in: tuple  # the body's inputs and outputs, in the order of reads / writes
     local_out: tuple
+    # Whether jax can infer the replication the out_specs state. The out_specs are the program's
+    # own types, which the matcher checked the body computes; but a gathered operand is equal on
+    # every device of its axis while its type says it varies, so an output computed from it (or
+    # the gathered rows the op also returns) has a replication that is asserted, not inferred.
+    check_vma: bool = True
 
     def op_shapes(self):
         return self.local.op_shapes()
@@ -89,10 +93,8 @@ class GlobalSite(Site):
             self.local.run(env.__getitem__, out.__setitem__)
             return tuple(out[v] for v in self.local_out)
 
-        # The gathered rows an op also returns are equal on every device of the axis, but their type
-        # says they vary over it, so that output's replication is asserted rather than inferred.
         fn = jax.shard_map(body, mesh=self._shard_map_mesh(), in_specs=self.in_specs, out_specs=self.out_specs,
-                           check_vma=not self.returns_collective)
+                           check_vma=self.check_vma)
         for var, value in zip(self.writes, fn(*[read(v) for v in self.reads])):
             write(var, value)
 
@@ -105,14 +107,39 @@ class GlobalSite(Site):
         return self.shard_mesh
 
 
-def _local_site(mesh, local_fn: Callable, reads, in_specs, out_specs, where: str) -> tuple[Site, tuple, tuple] | str:
+def _specs(values) -> tuple:
+    return tuple(spec_of(v.aval) for v in values)
+
+
+def _trace_local(mesh, local_fn: Callable, reads, writes, check_vma: bool):
+    """The jaxpr of a shard_map of `local_fn` over `mesh`, from the blocks of `reads` to those of `writes`."""
+    return jax.make_jaxpr(jax.shard_map(local_fn, mesh=mesh, in_specs=_specs(reads), out_specs=_specs(writes),
+                                        check_vma=check_vma))(*[v.aval for v in reads])
+
+
+def _replication_inferred(mesh, local_fn: Callable, reads, writes) -> bool:
+    """Whether jax infers the replication the types of `writes` state of `local_fn`'s results."""
+    try:
+        _trace_local(mesh, local_fn, reads, writes, check_vma=True)
+    except Exception:  # noqa: BLE001 - jax's replication check refuses it; the body traced without it
+        return False
+    return True
+
+
+def _local_site(mesh, local_fn: Callable, reads, writes, where: str) -> tuple[Site, tuple, tuple] | str:
     """(the site match_tp.py finds in the shard_map body `local_fn` is, the body's inputs, its
     outputs), or why it finds none."""
+    # Traced without the replication check, which would insert pvary casts between the body's
+    # inputs and the site's matmul.
     try:
-        traced = jax.make_jaxpr(jax.shard_map(local_fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                                              check_vma=False))(*[v.aval for v in reads])
+        traced = _trace_local(mesh, local_fn, reads, writes, check_vma=False)
     except Exception as err:  # noqa: BLE001 - a site jax cannot express per device stays as written
         return f"its per-device form does not trace ({type(err).__name__}: {str(err).splitlines()[0]})"
+    # The shard_map's results are read as the program's values: a body whose blocks do not make
+    # them up (shapes, dtypes) is no form of this site.
+    if [(a.shape, a.dtype) for a in traced.out_avals] != [(v.aval.shape, v.aval.dtype) for v in writes]:
+        return (f"its per-device form gives {', '.join(fmt(a) for a in traced.out_avals)}, not "
+                f"{', '.join(typed(v) for v in writes)}")
     (eqn,) = traced.jaxpr.eqns
     body, _ = open_jaxpr(eqn.params["jaxpr"])
     ctx = MatchContext.of(body, dict(mesh.shape), where, (AG, RS))
@@ -137,8 +164,7 @@ def _global_site(ctx: MatchContext, local_fn: Callable, reads: tuple, writes: tu
     """The GlobalSite running the site found in `local_fn` (a shard_map body reading the blocks of
     `reads`, returning those of `writes`) over the mesh of `reads[0]`, or why there is none."""
     mesh = mesh_of(reads[0].aval)
-    in_specs, out_specs = tuple(spec_of(v.aval) for v in reads), tuple(spec_of(v.aval) for v in writes)
-    found = _local_site(mesh, local_fn, reads, in_specs, out_specs, ctx.where)
+    found = _local_site(mesh, local_fn, reads, writes, ctx.where)
     if isinstance(found, str):
         return found
     local, local_in, local_out = found
@@ -151,8 +177,8 @@ def _global_site(ctx: MatchContext, local_fn: Callable, reads: tuple, writes: tu
         return ("the matmul multiplies FP8 tensors as they are; the FP8 ops take them dequantized as "
                 "convert → multiply by a scalar scale, with the scale")
     return GlobalSite(axis_size=int(mesh.shape[site["axis_name"]]), local=local, shard_mesh=mesh, reads=reads,
-                      in_specs=in_specs, writes=writes, out_specs=out_specs, local_in=local_in, local_out=local_out,
-                      **fp8, **site)
+                      in_specs=_specs(reads), writes=writes, out_specs=_specs(writes), local_in=local_in,
+                      local_out=local_out, check_vma=_replication_inferred(mesh, local_fn, reads, writes), **fp8, **site)
 
 
 # --------------------------------------------------------------------------------------------
@@ -185,9 +211,8 @@ def _gather_problem(dot, side: int, dim: int, axis: str, gathered_dims) -> str |
         return "the result's sharding is not stated in its type"
     expected = product_axes(dot, (side, gathered_dims))
     if expected != out_dims:
-        spec = PartitionSpec(*[a if len(a) != 1 else a[0] for a in (e or None for e in expected)])
         return (f"the result is sharded {spec_of(dot.outvars[0].aval)}, not as its operands' free dimensions "
-                f"are ({spec}); a resharding follows the matmul")
+                f"are ({spec_of_axes(expected)}); a resharding follows the matmul")
     return None
 
 
@@ -240,21 +265,6 @@ def _miss(ctx: MatchContext, op: str, i: int, axis: str, shapes: str, reason: st
     return SiteRecord(op, f"{ctx.where}eqn {i}", axis, shapes, "", "", reason, source=source_line(ctx.eqns[i]))
 
 
-def _removed_axis(before, after) -> tuple[int, str] | str | None:
-    """(dimension, axis) where `after` is `before` with one axis taken off one dimension; a text
-    when axes move between dimensions (an all-to-all); None when no axis is taken off."""
-    removed = [(d, a) for d, (b, c) in enumerate(zip(before, after)) for a in b if a not in c]
-    if not removed:
-        return None
-    added = [a for b, c in zip(before, after) for a in c if a not in b]
-    if added:
-        return f"an all-to-all: axes {sorted(set(added))} move to other dimensions"
-    if len(removed) > 1 or before[removed[0][0]] != (removed[0][1],):
-        return f"it removes {[a for _, a in removed]} from dimensions {before}; the op gathers one axis of one dimension"
-    changed = [d for d, (b, c) in enumerate(zip(before, after)) if b != c]
-    return removed[0] if changed == [removed[0][0]] else "it changes the sharding of other dimensions too"
-
-
 def match_reshard(ctx: MatchContext, i: int) -> Site | SiteRecord | None:
     """A reshard that gathers one axis of one dimension, feeding a matmul on the gathered rows."""
     eqn = ctx.eqns[i]
@@ -262,7 +272,7 @@ def match_reshard(ctx: MatchContext, i: int) -> Site | SiteRecord | None:
     before, after, mesh = axes_of(x.aval), axes_of(g.aval), mesh_of(x.aval)
     if before is None or after is None or not is_explicit(mesh) or not hasattr(x.aval, "shape"):
         return None
-    change = _removed_axis(before, after)
+    change = gathered_axis(before, after)
     fp8 = config.is_fp8(g.aval.dtype)
     dots, fp8_reasons = dequant.fp8_dots(ctx, g) if fp8 else ([], [])
     dots += [(j, pos, None) for j, pos in ctx.users.get(g, []) if ctx.eqns[j].primitive.name == _DOT]
@@ -278,7 +288,7 @@ def match_reshard(ctx: MatchContext, i: int) -> Site | SiteRecord | None:
     if isinstance(change, str):
         op = "a2a_matmul" if "all-to-all" in change else AG
         fix = ("; write the expert layer in a jax.shard_map to get a2a_matmul" if op != AG else "")
-        return _miss(ctx, op, i, axis, shapes, f"the reshard is {change}{fix}")
+        return _miss(ctx, op, i, axis, shapes, f"the reshard {change}{fix}")
     dim, axis = change
     problem = ctx.not_enabled(AG)
     if problem:
@@ -315,8 +325,8 @@ def _scatter_target(ctx: MatchContext, j: int, axis: str):
     if any(axis in d for d in y_dims):
         return y, y_dims, None
     users = ctx.users.get(y, [])
-    if len(users) == 1 and y not in ctx.outputs and ctx.eqns[users[0][0]].primitive.name in _RESHARD:
-        reshard = ctx.eqns[users[0][0]]
+    reshard = ctx.eqns[users[0][0]] if len(users) == 1 and y not in ctx.outputs else None
+    if reshard is not None and reshard.primitive.name in _RESHARD and axes_of(reshard.outvars[0].aval) is not None:
         return reshard.outvars[0], axes_of(reshard.outvars[0].aval), reshard
     return y, y_dims, None
 
@@ -324,18 +334,12 @@ def _scatter_target(ctx: MatchContext, j: int, axis: str):
 def _scatter(ctx: MatchContext, j: int, axis: str) -> Site | SiteRecord:
     dot = ctx.eqns[j]
     target, target_dims, reshard = _scatter_target(ctx, j, axis)
-    y_dims = product_axes(dot)
     shapes = f"{typed(dot.invars[0])} · {typed(dot.invars[1])} -> {typed(target)}"
-    scattered = [d for d, (a, b) in enumerate(zip(y_dims, target_dims)) if axis in b and axis not in a]
-    rest_same = all(a == b for d, (a, b) in enumerate(zip(y_dims, target_dims)) if d not in scattered)
-    mesh = mesh_of(dot.invars[0].aval)
-    if len(scattered) != 1 or target_dims[scattered[0]] != (axis,) or not rest_same:
-        if mesh.shape[axis] == 1:
+    scattered = scattered_dim(product_axes(dot), target_dims, axis)
+    if isinstance(scattered, str):
+        if mesh_of(dot.invars[0].aval).shape[axis] == 1:
             return None  # an axis of one device reduces nothing
-        return _miss(ctx, RS, j, axis, shapes,
-                     f"the contraction is split over {axis!r} and the result is not scattered over it along one "
-                     f"row dimension (an all-reduce, e.g. a data-parallel weight gradient); the op reduce-scatters: "
-                     f"an out_sharding= with {axis!r} on a row dimension makes it matmul_rs")
+        return _miss(ctx, RS, j, axis, shapes, scattered)
     problem = ctx.not_enabled(RS)
     if problem:
         return _miss(ctx, RS, j, axis, shapes, problem)
@@ -345,7 +349,7 @@ def _scatter(ctx: MatchContext, j: int, axis: str) -> Site | SiteRecord:
 
     def local_fn(*blocks):
         y = _local_dot(dot, lhs(*blocks[:len(lhs_reads)]), rhs(*blocks[len(lhs_reads):]), 0)
-        return (jax.lax.psum_scatter(y, axis, scatter_dimension=scattered[0], tiled=True),)
+        return (jax.lax.psum_scatter(y, axis, scatter_dimension=scattered, tiled=True),)
 
     skip = (j,) if reshard is None else (j, ctx.eqns.index(reshard))
     site = _global_site(ctx, local_fn, lhs_reads + rhs_reads, (target,), op=RS, axis_name=axis, exec_index=j,

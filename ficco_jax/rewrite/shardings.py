@@ -24,6 +24,12 @@ def axes_of(aval) -> tuple[tuple[str, ...], ...] | None:
     return tuple(() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in entries)
 
 
+def spec_of_axes(dims) -> PartitionSpec:
+    """The PartitionSpec whose dimensions are split over `dims` (as `axes_of` gives them): an
+    unsharded dimension `()` is None, one axis its name, several their tuple."""
+    return PartitionSpec(*[None if not a else a[0] if len(a) == 1 else tuple(a) for a in dims])
+
+
 def split_axes(mesh) -> dict:
     """The mesh axes that split data (size > 1), with their types."""
     types = getattr(mesh, "axis_types", None) or (AxisType.Explicit,) * len(mesh.axis_names)
@@ -83,3 +89,35 @@ def typed(var) -> str:
 def spec_of(aval) -> PartitionSpec:
     """The PartitionSpec of `aval`, as a shard_map takes it for this value's in_spec or out_spec."""
     return aval.sharding.spec
+
+
+# How a resharding next to a matmul reads as the collective an op runs
+def gathered_axis(before, after) -> tuple[int, str] | str | None:
+    """(dimension, axis) where `after` is `before` with one axis taken off one dimension; a text
+    when axes move between dimensions (an all-to-all); None when no axis is taken off."""
+    removed = [(d, a) for d, (b, c) in enumerate(zip(before, after)) for a in b if a not in c]
+    if not removed:
+        return None
+    added = [a for b, c in zip(before, after) for a in c if a not in b]
+    if added:
+        return f"is an all-to-all: axes {sorted(set(added))} move to other dimensions"
+    if len(removed) > 1 or before[removed[0][0]] != (removed[0][1],):
+        return (f"removes {[a for _, a in removed]} from dimensions {spec_of_axes(before)}; the op gathers one axis "
+                f"of one dimension")
+    changed = [d for d, (b, c) in enumerate(zip(before, after)) if b != c]
+    return removed[0] if changed == [removed[0][0]] else "changes the sharding of other dimensions too"
+
+
+def scattered_dim(y_dims, target_dims, axis: str) -> int | str:
+    """The row dimension a reduce-scatter over `axis` splits to turn the product's sharding
+    `y_dims` into `target_dims`, or why the resharding is not one such scatter."""
+    scattered = [d for d, (a, b) in enumerate(zip(y_dims, target_dims)) if axis in b and axis not in a]
+    if not scattered:
+        return (f"the contraction is split over {axis!r} and the result is not scattered over it along one row "
+                f"dimension (an all-reduce, e.g. a data-parallel weight gradient); the op reduce-scatters: an "
+                f"out_sharding= with {axis!r} on a row dimension makes it matmul_rs")
+    rest_same = all(a == b for d, (a, b) in enumerate(zip(y_dims, target_dims)) if d not in scattered)
+    if len(scattered) != 1 or target_dims[scattered[0]] != (axis,) or y_dims[scattered[0]] or not rest_same:
+        return (f"the product, sharded {spec_of_axes(y_dims)} by its operands, becomes {spec_of_axes(target_dims)}: "
+                f"more than a scatter over {axis!r} of one unsharded row dimension, which the op does")
+    return scattered[0]
