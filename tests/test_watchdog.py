@@ -39,6 +39,7 @@ def run_program(op, schedule, *extra, fault="stall:1", watchdog_s=WATCHDOG_S, de
     ("matmul_rs", "dma/direct/c2/grouped/s2", "ficco_matmul_rs"),
     ("matmul_rs", "dma/direct/c2/push", "ficco_matmul_rs"),
     ("all_gather", "dma/direct/c1", "ficco_all_gather"),
+    ("overlap", "dma/direct/c2", "ficco_ag_matmul"),
 ])
 def test_a_stalled_peer_is_reported_and_ends_the_process(op, schedule, target):
     done, _ = run_program(op, schedule)
@@ -46,9 +47,13 @@ def test_a_stalled_peer_is_reported_and_ends_the_process(op, schedule, target):
     assert "calling" in done.stdout and "result" not in done.stdout
     err = done.stderr
     head = re.search(r"ficco_jax watchdog: op \d+ \((\w+)\), (\S+), on device (\d+): rank (\d+) of group "
-                     r"\[0, 1, 2, 3\], written at watchdog_program\.py:\d+ \([^)]+\), started [\d.]+ s ago", err)
+                     r"\[0, 1, 2, 3\], written at \S*watchdog_program\.py:(\d+)\S* \([^)]+\), started [\d.]+ s ago", err)
     assert head, err[-3000:]
     assert head.group(1) == target and head.group(2) == schedule
+    if op == "overlap":  # a rewritten site is named by the line of the collective it replaced
+        with open(PROGRAM) as fh:
+            line = next(i for i, text in enumerate(fh, 1) if "the site overlap rewrites" in text)
+        assert int(head.group(5)) == line, (line, head.group(0))
     # The stalled rank's event is named, by rank, device and phase, for the ranks that wait on it.
     assert re.search(r"waits for rank 1 \(device 1\): event \d+ of its 'exchange' post, not complete", err), err
     assert "ending the process" in err and "FICCO_WATCHDOG_S" in err

@@ -11,7 +11,8 @@ import sys
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("op", choices=("ag_matmul", "matmul_rs", "all_gather"))
+    parser.add_argument("op", choices=("ag_matmul", "matmul_rs", "all_gather", "overlap"),
+                        help="an op, or 'overlap': all_gather -> dot rewritten by ficco_jax.overlap")
     parser.add_argument("schedule")
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--calls", type=int, default=1, help="launches of the program, back to back")
@@ -38,11 +39,18 @@ def main() -> int:
         body = lambda y, w: ficco_jax.matmul_rs(y, w, "tp", schedule=args.schedule)  # noqa: E731
         specs, out_spec = (P(None, "tp"), P("tp", None)), P("tp", None)
         x, w = jax.random.normal(key_x, (16 * n, 8 * n)), jax.random.normal(key_w, (8 * n, 64))
-    else:
+    elif args.op == "all_gather":
         body = lambda x, w: ficco_jax.dma.all_gather(x, "tp", schedule=args.schedule) + w.sum()  # noqa: E731
         specs, out_spec = (P("tp", None), P()), P(None, None)
         x, w = jax.random.normal(key_x, (16 * n, 64)), jax.random.normal(key_w, ())
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_spec, check_vma=False))
+    else:
+        def body(x, w):
+            gathered = jax.lax.all_gather(x, "tp", axis=0, tiled=True)  # the site overlap rewrites
+            return gathered @ w
+        specs, out_spec = (P("tp", None), P(None, "tp")), P(None, "tp")
+        x, w = jax.random.normal(key_x, (16 * n, 64)), jax.random.normal(key_w, (64, 8 * n))
+    f = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_spec, check_vma=False)
+    f = jax.jit(ficco_jax.overlap(f, schedule=args.schedule) if args.op == "overlap" else f)
     print("calling", flush=True)
     out = None
     for _ in range(args.calls):

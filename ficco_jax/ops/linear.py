@@ -14,6 +14,11 @@ per map is a `LinearMap` record (ops/tangents.py); this module gives every map t
 The op itself is bilinear, so it is such a map too (linear in its input given its weight); the
 positional forms evaluate it as one of these equations (ops/tangents.gather_primal).
 
+Each equation carries where the op was written (`site`, read when it is bound: the user's line, or
+the line of the collective `overlap()` replaced), because its executor calls are bound only when
+the equation is lowered, and the watchdog's report names them by it; the backward and tangent
+maps keep their op's site.
+
 A custom_vjp cannot be differentiated in forward mode, and a custom_jvp whose tangent calls a
 custom_vjp cannot be transposed: the tangent has to be one equation that carries its own
 transpose, which is what this primitive is.
@@ -28,6 +33,7 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from ..lowering.dma.registry import current_site, site_label
 from .core import like_aval
 
 
@@ -57,7 +63,7 @@ def bind(lmap: LinearMap, static, res, lin, out_avals) -> list:
     lin_mask = tuple(v is not None for v in lin)
     operands = [r for r in res if r is not None] + [v for v in lin if v is not None]
     return linear_p.bind(*operands, lmap=lmap, static=static, res_mask=res_mask, lin_mask=lin_mask,
-                         out_avals=tuple(out_avals))
+                         out_avals=tuple(out_avals), site=current_site())
 
 
 def _split(args, res_mask, lin_mask):
@@ -68,9 +74,10 @@ def _split(args, res_mask, lin_mask):
     return res, lin
 
 
-def _apply(*args, lmap, static, res_mask, lin_mask, out_avals):
+def _apply(*args, lmap, static, res_mask, lin_mask, out_avals, site):
     res, lin = _split(args, res_mask, lin_mask)
-    outs = lmap.apply(static, res, lin)
+    with site_label(site):
+        outs = lmap.apply(static, res, lin)
     return [jnp.zeros(a.shape, a.dtype) if o is None else o for o, a in zip(outs, out_avals)]
 
 
@@ -86,27 +93,29 @@ def _add(a, b):
     return b if a is None else a if b is None else a + b
 
 
-def _jvp(primals, tangents, *, lmap, static, res_mask, lin_mask, out_avals):
+def _jvp(primals, tangents, *, lmap, static, res_mask, lin_mask, out_avals, site):
     """d map(res, lin) = map(res, d lin) + (d/d res) map(res, lin) [d res]: linear in both."""
-    params = dict(lmap=lmap, static=static, res_mask=res_mask, lin_mask=lin_mask, out_avals=out_avals)
+    params = dict(lmap=lmap, static=static, res_mask=res_mask, lin_mask=lin_mask, out_avals=out_avals, site=site)
     outs = linear_p.bind(*primals, **params)
     res, lin = _split(primals, res_mask, lin_mask)
     t_res, t_lin = _split([_nonzero(t) for t in tangents], res_mask, lin_mask)
     total = [None] * len(outs)
-    if any(t is not None for t in t_lin):
-        total = list(bind(lmap, static, res, t_lin, out_avals))
-    if any(t is not None for t in t_res):
-        total = [_add(a, b) for a, b in zip(total, lmap.res_jvp(static, res, lin, t_res, outs))]
+    with site_label(site):
+        if any(t is not None for t in t_lin):
+            total = list(bind(lmap, static, res, t_lin, out_avals))
+        if any(t is not None for t in t_res):
+            total = [_add(a, b) for a, b in zip(total, lmap.res_jvp(static, res, lin, t_res, outs))]
     return outs, [ad.Zero(a.to_tangent_aval()) if t is None else t for t, a in zip(total, out_avals)]
 
 
-def _transpose(cts, *args, lmap, static, res_mask, lin_mask, out_avals):
+def _transpose(cts, *args, lmap, static, res_mask, lin_mask, out_avals, site):
     """The op's overlapped backward; residuals are always known here (the primals of a tangent)."""
     res, lin = _split(args, res_mask, lin_mask)
     if any(ad.is_undefined_primal(r) for r in res if r is not None):
         raise NotImplementedError(f"{lmap.name}: transposing with respect to a residual operand")
     wanted = tuple(v is not None and ad.is_undefined_primal(v) for v in lin)
-    lin_cts = lmap.transpose(static, res, tuple(_nonzero(c) for c in cts), wanted)
+    with site_label(site):
+        lin_cts = lmap.transpose(static, res, tuple(_nonzero(c) for c in cts), wanted)
     out = [None] * sum(res_mask)
     for v, want, ct in zip(lin, wanted, lin_cts):
         if v is not None:
