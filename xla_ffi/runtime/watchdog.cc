@@ -28,24 +28,35 @@ std::string Seconds(double seconds) {
 
 }  // namespace
 
-std::string ScheduleText(const OpConfig& config) {
-  std::string text = std::string("dma/") + (config.order == Order::kRing ? "ring" : "direct") + "/c" +
-                     std::to_string(config.chunks);
-  if (config.gemm == GemmMode::kGrouped) text += "/grouped";
-  if (config.copy_streams != 1) text += "/s" + std::to_string(config.copy_streams);
-  if (config.push) text += "/push";
+std::string ScheduleText(int64_t chunks, Order order, GemmMode gemm, int copy_streams, bool push) {
+  std::string text = std::string("dma/") + (order == Order::kRing ? "ring" : "direct") + "/c" + std::to_string(chunks);
+  if (gemm == GemmMode::kGrouped) text += "/grouped";
+  if (copy_streams != 1) text += "/s" + std::to_string(copy_streams);
+  if (push) text += "/push";
   return text;
+}
+
+std::string WatchedCall::Describe() const {
+  return "op " + std::to_string(op_id) + " (" + target + "), " + ScheduleText(chunks, order, gemm, copy_streams, push) +
+         ", on device " + std::to_string(device) +
+         ": rank " + std::to_string(rank) + " of group [" + JoinNumbers(group) + "]";
 }
 
 // ---------------------------------------------------------------------------------------------
 // CallWatch
 // ---------------------------------------------------------------------------------------------
 CallWatch::CallWatch(Backend& backend, const OpConfig& config) : call_(std::make_shared<WatchedCall>()) {
-  call_->what = "op " + std::to_string(config.ctx.op_id) + " (" + config.ctx.target + "), " + ScheduleText(config) +
-                ", on device " + std::to_string(config.ctx.device_ordinal) + ": rank " + std::to_string(config.rank) +
-                " of group [" + JoinNumbers(config.group) + "]";
-  call_->site = config.site;
+  call_->target = config.ctx.target;  // a string literal of the target table (ffi/ops.h)
+  call_->op_id = config.ctx.op_id;
   call_->device = config.ctx.device_ordinal;
+  call_->rank = config.rank;
+  call_->group = config.group;
+  call_->chunks = config.chunks;
+  call_->order = config.order;
+  call_->gemm = config.gemm;
+  call_->copy_streams = config.copy_streams;
+  call_->push = config.push;
+  call_->site = config.site;
   call_->timeout_s = config.watchdog_s;
   call_->pool = &backend.Pool();
   call_->registered = Clock::now();
@@ -147,7 +158,7 @@ void Watchdog::ReportAndAbort(const std::shared_ptr<WatchedCall>& stuck) {
   std::string report;
   {
     std::lock_guard<std::mutex> lock(stuck->mu);
-    report = "ficco_jax watchdog: " + stuck->what + (stuck->site.empty() ? "" : ", written at " + stuck->site) +
+    report = "ficco_jax watchdog: " + stuck->Describe() + (stuck->site.empty() ? "" : ", written at " + stuck->site) +
              ", started " + Seconds(SecondsSince(stuck->started_seen)) + " ago and has not finished (limit " +
              Seconds(stuck->timeout_s) + ": FICCO_WATCHDOG_S).\n";
   }
@@ -160,7 +171,7 @@ void Watchdog::ReportAndAbort(const std::shared_ptr<WatchedCall>& stuck) {
   for (const std::shared_ptr<WatchedCall>& call : calls) {
     std::lock_guard<std::mutex> lock(call->mu);
     const bool started = call->pool->Done(call->started);
-    report += "  " + call->what + (call->site.empty() ? "" : " (" + call->site + ")") + ": " +
+    report += "  " + call->Describe() + (call->site.empty() ? "" : " (" + call->site + ")") + ": " +
               (!started ? "not started: the device is busy with, or stuck in, earlier work"
                : call->returned ? "its device work started and has not finished"
                                 : "its handler has not returned: it waits on the host, in a meeting of its group or "

@@ -52,9 +52,18 @@ struct PeerEvent {
 // thread reads it, both under `mu`.
 struct WatchedCall {
   std::mutex mu;
-  std::string what;  // "op 12 (ficco_ag_matmul), dma/direct/c2, on device 0: rank 0 of group [0, 1]"
-  std::string site;  // where the op was written, "" where unknown
+  // Who it is, formatted only for a report (Describe): a call's path pays no string formatting.
+  const char* target = "";
+  int64_t op_id = -1;
   int device = -1;
+  int rank = 0;
+  std::vector<int> group;
+  int64_t chunks = 1;
+  Order order = Order::kRing;
+  GemmMode gemm = GemmMode::kPerChunk;
+  int copy_streams = 1;
+  bool push = false;
+  std::string site;  // where the op was written, "" where unknown
   double timeout_s = 0.0;
   EventPool* pool = nullptr;
   Event started = nullptr;
@@ -64,6 +73,9 @@ struct WatchedCall {
   std::vector<PeerEvent> waits;
   std::chrono::steady_clock::time_point registered, started_seen;
   bool seen_started = false;
+
+  // "op 12 (ficco_ag_matmul), dma/direct/c2, on device 0: rank 0 of group [0, 1]"
+  std::string Describe() const;
 };
 
 class Watchdog {
@@ -115,7 +127,7 @@ class CallWatch {
 };
 
 // "dma/direct/c2/grouped/s2": the schedule as ficco_jax.Schedule prints it.
-std::string ScheduleText(const OpConfig& config);
+std::string ScheduleText(int64_t chunks, Order order, GemmMode gemm, int copy_streams, bool push);
 
 }  // namespace ficco
 
