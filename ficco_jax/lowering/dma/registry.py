@@ -128,7 +128,7 @@ def check_not_empty(op: str, x) -> None:
 # ------------------------------------------------------------------------------------------------
 _SITE = contextvars.ContextVar("ficco_site", default="")
 # Frames of these packages are not where the user wrote the op.
-_LIBRARY_DIRS = tuple(os.path.dirname(os.path.dirname(m.__file__)) + os.sep for m in (jax, np)) + (
+_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (jax, np)) + (
     os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep,)
 
 
