@@ -4,7 +4,7 @@
 #define FICCO_JAX_XLA_FFI_RUNTIME_OP_CONFIG_H_
 
 #include <cstdint>
-#include <string>
+#include <string_view>
 #include <vector>
 
 #include "base/errors.h"
@@ -34,7 +34,8 @@ struct OpConfig {
   int copy_streams = 1;
   double timeout_s = 5.0;
   double watchdog_s = 0.0;  // config.WATCHDOG_S: how long device work may take once started; 0: unwatched
-  std::string site;         // where the op was written ("model.py:42 (mlp)"), for the watchdog's report
+  std::string_view site;    // where the op was written ("model.py:42 (mlp)"), for the watchdog's report
+                            // (the call's attribute: valid while the call runs; the watchdog copies it)
   CallWatch* watch = nullptr;  // the watch of this call (ffi/handler.h), told of every peer event waited on
   double spin_s = 0.0;  // rendezvous spin before sleeping (set by the CUDA bindings)
   Fault fault = Fault::kNone;

@@ -56,7 +56,7 @@ CallWatch::CallWatch(Backend& backend, const OpConfig& config) : call_(std::make
   call_->gemm = config.gemm;
   call_->copy_streams = config.copy_streams;
   call_->push = config.push;
-  call_->site = config.site;
+  call_->site = std::string(config.site);
   call_->timeout_s = config.watchdog_s;
   call_->pool = &backend.Pool();
   call_->registered = Clock::now();
@@ -69,7 +69,6 @@ CallWatch::~CallWatch() {
     std::lock_guard<std::mutex> lock(call_->mu);
     call_->returned = true;
   }
-  Registry::Get().watchdog().Notify();
 }
 
 void CallWatch::Finish(Backend& backend) {
@@ -88,6 +87,7 @@ void CallWatch::Finish(Backend& backend) {
 // ---------------------------------------------------------------------------------------------
 void Watchdog::Watch(std::shared_ptr<WatchedCall> call) {
   std::lock_guard<std::mutex> lock(mu_);
+  const bool was_idle = calls_.empty();  // the thread sleeps without a deadline only then
   calls_.push_back(std::move(call));
   if (!thread_) {
     // Detached: it never ends (the registry is never destroyed), and at exit it may find CUDA gone,
@@ -95,10 +95,8 @@ void Watchdog::Watch(std::shared_ptr<WatchedCall> call) {
     thread_ = std::make_unique<std::thread>([this] { Loop(); });
     thread_->detach();
   }
-  cv_.notify_one();
+  if (was_idle) cv_.notify_one();  // otherwise it polls: a call's path pays no wake-up
 }
-
-void Watchdog::Notify() { cv_.notify_one(); }
 
 void Watchdog::Loop() {
   std::unique_lock<std::mutex> lock(mu_);

@@ -82,8 +82,6 @@ class Watchdog {
  public:
   // Registers a call (starts the watchdog's thread on first use).
   void Watch(std::shared_ptr<WatchedCall> call);
-  // Wakes the watchdog: a call returned.
-  void Notify();
 
  private:
   void Loop();
