@@ -51,7 +51,7 @@ class Gather {
  private:
   // The block of x that goes to rank `to`.
   int64_t SourceBlock(int to) const { return a_.x_per_peer ? to : 0; }
-  ffi::Error Pull(CallSession& session, const Exposure& exposure, std::vector<std::vector<Event>>* landed);
+  ffi::Error Pull(CallSession& session, const Exposure& exposure, Event entry, std::vector<std::vector<Event>>* landed);
   ffi::Error Push(CallSession& session, Event ready, std::vector<std::vector<Event>>* landed);
   ffi::Error Consume(const std::vector<std::vector<Event>>& landed);
 
@@ -71,7 +71,7 @@ ffi::Error Gather::Run(CallSession& session) {
   FICCO_RETURN_IF_ERROR(session.Stage(backend_, exposure));  // across processes: before the matmuls (Stage)
   if (matmul_) FICCO_RETURN_IF_ERROR(mm_.Run(backend_, a_.x, SourceBlock(r), a_.out, r, 0, a_.layout.rows));
   std::vector<std::vector<Event>> landed(config_.n() - 1, std::vector<Event>(config_.chunks));
-  FICCO_RETURN_IF_ERROR(config_.push ? Push(session, ready, &landed) : Pull(session, exposure, &landed));
+  FICCO_RETURN_IF_ERROR(config_.push ? Push(session, ready, &landed) : Pull(session, exposure, ready, &landed));
   // Our own block of `received` goes last on the last copy stream: the copy is only needed by the
   // join, so it must not delay the first peer chunk the matmuls wait for. When nobody reads
   // `received` (skip_own_rows: ag_matmul's plain forward, a2a_matmul whose caller drops it) it is
@@ -91,13 +91,14 @@ ffi::Error Gather::Run(CallSession& session) {
 }
 
 // Puller: peers by ring distance (r-1 first); peer p's block for us (x_p's only block, or x_p[r])
-// lands chunk by chunk in received[p].
-ffi::Error Gather::Pull(CallSession& session, const Exposure& exposure, std::vector<std::vector<Event>>* landed) {
+// lands chunk by chunk in received[p], once this device entered the call (`entry`, our `ready`).
+ffi::Error Gather::Pull(CallSession& session, const Exposure& exposure, Event entry,
+                        std::vector<std::vector<Event>>* landed) {
   std::vector<Post> posts;
   FICCO_RETURN_IF_ERROR(session.Exchange(backend_, exposure, &posts));
   FICCO_RETURN_IF_ERROR(CheckFault(config_, Fault::kFail));
   return PullChunks(
-      backend_, config_, posts, [&](int slot, int64_t) { return posts[config_.SourceOfSlot(slot)].events[0]; },
+      backend_, config_, posts, entry, [&](int slot, int64_t) { return posts[config_.SourceOfSlot(slot)].events[0]; },
       [&](int stream, int peer, const Post& post, int, int64_t j) {
         return CopyBlockChunk(backend_, config_, a_.layout, stream, post.buffer, SourceBlock(config_.rank),
                               a_.received, peer, j);

@@ -4,8 +4,9 @@
 // can show on its own: every ficco call joins XLA's stream before it returns, so XLA never runs
 // an unrelated matmul beside our copies.
 //
-//   copy stream 0 : wait(peers' ready) pull(p1) pull(p2) ... own rows     (pull = 1 only)
+//   copy stream 0 : wait(ready) wait(peers' ready) pull(p1) pull(p2) ... own rows     (pull = 1 only)
 //   compute       : ready  matmul x repeats  ........  join
+// (`gathered` is written only after this device's own `ready`: call_session.cc, CopyChunks, says why.)
 #include "exec/executor.h"
 
 namespace ficco {
@@ -18,6 +19,7 @@ ffi::Error RunProbe(Backend& backend, const OpConfig& config, const ProbeArgs& p
   FICCO_RETURN_IF_ERROR(backend.Record(Backend::kCompute, &ready));
   std::vector<Post> posts;
   FICCO_RETURN_IF_ERROR(session.Meet(Phase::kExchange, p.x, {ready}, &posts));
+  FICCO_RETURN_IF_ERROR(backend.Wait(0, ready));
   if (p.pull) {
     for (int slot = 0; slot < config.n() - 1; ++slot) {
       const int peer = config.SourceOfSlot(slot);
@@ -25,7 +27,6 @@ ffi::Error RunProbe(Backend& backend, const OpConfig& config, const ProbeArgs& p
       FICCO_RETURN_IF_ERROR(backend.Copy(0, Offset(p.gathered, peer * p.shard_bytes), posts[peer].buffer, p.shard_bytes));
     }
   }
-  FICCO_RETURN_IF_ERROR(backend.Wait(0, ready));
   FICCO_RETURN_IF_ERROR(backend.Copy(0, Offset(p.gathered, config.rank * p.shard_bytes), p.x, p.shard_bytes));
   for (int64_t i = 0; i < p.repeats; ++i) {
     FICCO_RETURN_IF_ERROR(backend.Gemm({p.a, p.w, p.out, p.rows, p.inner, p.cols, p.types}));

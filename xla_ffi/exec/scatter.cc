@@ -25,7 +25,7 @@ class Scatter {
   void* Landing() const { return reduce_ ? a_.recv : a_.out; }
   int64_t LandingBlock(int slot, int peer) const { return reduce_ ? slot : peer; }
   ffi::Error Produce(void* send, std::vector<Event>* written);
-  ffi::Error Pull(CallSession& session, const void* send, const std::vector<Event>& exposed,
+  ffi::Error Pull(CallSession& session, const void* send, Event entry, const std::vector<Event>& exposed,
                   std::vector<std::vector<Event>>* landed);
   ffi::Error Push(CallSession& session, const void* send, Event entry, const std::vector<Event>& exposed,
                   std::vector<std::vector<Event>>* landed);
@@ -41,26 +41,25 @@ class Scatter {
 };
 
 ffi::Error Scatter::Run(CallSession& session) {
-  // Owner: the matmuls expose their send slots (one event per chunk); reduce_scatter exposes y.
-  // Across processes the send slots are written straight into the staging buffer peers read.
-  // With transfer=push, `entry` opens our landing buffer to the peers' writes, before our matmuls.
+  // `entry`, this call's start on XLA's stream, opens our landing buffer to the copies that write
+  // it, before our matmuls: the peers' pushes, or our own pulls. Owner: the matmuls expose their
+  // send slots (one event per chunk); reduce_scatter exposes y, valid from `entry`. Across
+  // processes the send slots are written straight into the staging buffer peers read.
   std::vector<Event> exposed;
   void* send = a_.send;
   Event entry = nullptr;
-  if (config_.push) FICCO_RETURN_IF_ERROR(backend_.Record(Backend::kCompute, &entry));
+  FICCO_RETURN_IF_ERROR(backend_.Record(Backend::kCompute, &entry));
   if (matmul_) {
     void* in_place = nullptr;
     FICCO_RETURN_IF_ERROR(session.StageInPlace(backend_, (config_.n() - 1) * layout_.Block(), &in_place));
     if (in_place != nullptr) send = in_place;
     FICCO_RETURN_IF_ERROR(Produce(send, &exposed));
   } else {
-    Event ready;
-    FICCO_RETURN_IF_ERROR(backend_.Record(Backend::kCompute, &ready));
-    exposed.assign((config_.n() - 1) * config_.chunks, ready);
+    exposed.assign((config_.n() - 1) * config_.chunks, entry);
   }
   std::vector<std::vector<Event>> landed(config_.n() - 1, std::vector<Event>(config_.chunks));
   FICCO_RETURN_IF_ERROR(config_.push ? Push(session, send, entry, exposed, &landed)
-                                     : Pull(session, send, exposed, &landed));
+                                     : Pull(session, send, entry, exposed, &landed));
   if (reduce_) {
     ffi::Error reduced = ReduceChunks(landed);
     if (reduced.failure()) return AwaitLanded(backend_, config_, landed, std::move(reduced));
@@ -94,8 +93,8 @@ ffi::Error Scatter::Produce(void* send, std::vector<Event>* written) {
 }
 
 // Puller: from peer p = r-1-s its block for us, p's send slot s (or block r of p's y), chunk by
-// chunk once each is written.
-ffi::Error Scatter::Pull(CallSession& session, const void* send, const std::vector<Event>& exposed,
+// chunk once each is written, into our landing buffer once we entered the call (`entry`).
+ffi::Error Scatter::Pull(CallSession& session, const void* send, Event entry, const std::vector<Event>& exposed,
                          std::vector<std::vector<Event>>* landed) {
   // Peers read send's n-1 blocks, or y's other blocks. Staging pieces: a reduce's blocks have one
   // group, so each (slot, chunk) event guards a contiguous piece; an expert block's chunks are
@@ -108,7 +107,7 @@ ffi::Error Scatter::Pull(CallSession& session, const void* send, const std::vect
   FICCO_RETURN_IF_ERROR(session.Exchange(backend_, exposure, &posts));
   FICCO_RETURN_IF_ERROR(CheckFault(config_, Fault::kFail));
   return PullChunks(
-      backend_, config_, posts,
+      backend_, config_, posts, entry,
       [&](int slot, int64_t j) { return posts[config_.SourceOfSlot(slot)].events[slot * config_.chunks + j]; },
       [&](int stream, int peer, const Post& post, int slot, int64_t j) {
         return CopyBlockChunk(backend_, config_, layout_, stream, post.buffer, matmul_ ? slot : config_.rank,

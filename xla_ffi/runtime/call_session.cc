@@ -240,18 +240,26 @@ ffi::Error WaitForLanded(Backend& backend, const std::vector<std::vector<Event>>
 }
 
 // The copy loop of both directions. Slot s pairs this device with SourceOfSlot(s) (pull: that owner's
-// data comes here) or TargetOfSlot(s) (push: ours goes there, after the target's entry event, which
-// opens its buffer to our writes); the slot's copies run on StreamOfSlot(s); chunk j waits for
-// `source_ready(s, j)` (each distinct event once per stream), is enqueued by `copy_chunk`, and its
-// event recorded into recorded[s][j].
+// data comes here) or TargetOfSlot(s) (push: ours goes there); the slot's copies run on
+// StreamOfSlot(s); chunk j waits for `source_ready(s, j)` (each distinct event once per stream), is
+// enqueued by `copy_chunk`, and its event recorded into recorded[s][j].
+//
+// Before its first copy a stream waits for the entry event of the device it writes: the target's
+// (push) or this device's own (pull, `own_entry`). A copy stream is not XLA's stream: without that
+// wait it starts as soon as the source is ready, while the written device's XLA stream may still
+// run the work before this call, and XLA's buffer assignment may have given the memory of this
+// call's results to that work (its temporaries, a cuBLAS workspace). Pulls that started early
+// overwrote the workspace of an XLA matmul on 2 x H100 (docs/design.md, "Copies wait for the
+// device they write"): a corrupted semaphore left the matmul waiting forever.
 ffi::Error CopyChunks(Backend& backend, const OpConfig& config, bool push, const std::vector<Post>& peers,
-                      const ChunkReady& source_ready, const ChunkCopy& copy_chunk,
+                      Event own_entry, const ChunkReady& source_ready, const ChunkCopy& copy_chunk,
                       std::vector<std::vector<Event>>* recorded) {
   std::vector<Event> waited(CopyStreamsUsed(config), nullptr);
+  std::vector<Event> entered(CopyStreamsUsed(config), nullptr);
   for (int slot = 0; slot < config.n() - 1; ++slot) {
     const int peer = push ? config.TargetOfSlot(slot) : config.SourceOfSlot(slot);
     const int stream = config.StreamOfSlot(slot);
-    if (push) FICCO_RETURN_IF_ERROR(backend.Wait(stream, peers[peer].events[0]));
+    FICCO_RETURN_IF_ERROR(WaitOnce(backend, stream, push ? peers[peer].events[0] : own_entry, &entered[stream]));
     for (int64_t j = 0; j < config.chunks; ++j) {
       FICCO_RETURN_IF_ERROR(WaitOnce(backend, stream, source_ready(slot, j), &waited[stream]));
       FICCO_RETURN_IF_ERROR(copy_chunk(stream, peer, peers[peer], slot, j));
@@ -269,16 +277,16 @@ ffi::Error AwaitLanded(Backend& backend, const OpConfig& config, const std::vect
   return error;
 }
 
-ffi::Error PullChunks(Backend& backend, const OpConfig& config, const std::vector<Post>& owners,
+ffi::Error PullChunks(Backend& backend, const OpConfig& config, const std::vector<Post>& owners, Event entry,
                       const ChunkReady& source_ready, const ChunkCopy& copy_chunk,
                       std::vector<std::vector<Event>>* landed) {
-  return CopyChunks(backend, config, /*push=*/false, owners, source_ready, copy_chunk, landed);
+  return CopyChunks(backend, config, /*push=*/false, owners, entry, source_ready, copy_chunk, landed);
 }
 
 ffi::Error PushChunks(Backend& backend, const OpConfig& config, const std::vector<Post>& targets,
                       const ChunkReady& source_ready, const ChunkCopy& copy_chunk,
                       std::vector<std::vector<Event>>* pushed) {
-  return CopyChunks(backend, config, /*push=*/true, targets, source_ready, copy_chunk, pushed);
+  return CopyChunks(backend, config, /*push=*/true, targets, /*own_entry=*/nullptr, source_ready, copy_chunk, pushed);
 }
 
 ffi::Error CallSession::Push(Backend& backend, void* destination, Event entry, const PushFn& push, bool consumed,

@@ -119,10 +119,11 @@ ffi::Error PushChunks(Backend& backend, const OpConfig& config, const std::vecto
                       const ChunkReady& source_ready, const ChunkCopy& copy_chunk,
                       std::vector<std::vector<Event>>* pushed);
 // The receivers' loop of every transfer=pull op, its mirror: receive slot s comes from
-// SourceOfSlot(s) on StreamOfSlot(s); chunk j after `source_ready(s, j)` (an event of that owner,
-// each distinct one waited once per stream), its copies enqueued by
+// SourceOfSlot(s) on StreamOfSlot(s), after `entry` (this call's start on XLA's stream, which opens
+// this device's buffers to the copies: call_session.cc says why); chunk j after `source_ready(s, j)`
+// (an event of that owner, each distinct one waited once per stream), its copies enqueued by
 // `copy_chunk(stream, owner, post, s, j)`, then landed[s][j] recorded.
-ffi::Error PullChunks(Backend& backend, const OpConfig& config, const std::vector<Post>& owners,
+ffi::Error PullChunks(Backend& backend, const OpConfig& config, const std::vector<Post>& owners, Event entry,
                       const ChunkReady& source_ready, const ChunkCopy& copy_chunk,
                       std::vector<std::vector<Event>>* landed);
 // On an error after transfers were enqueued: XLA's stream waits for every landed chunk (pulled by
