@@ -86,7 +86,7 @@ def test_copies_wait_for_the_written_device(op, schedule):
         out, s = ficco(*operands)
         s, ref = np.asarray(s, np.float64), np.asarray(ref_s, np.float64)
         rel = np.abs(s - ref) / np.maximum(np.abs(ref), 1e-30)
-        assert np.all(rel < 1e-3), (f"call {i}: the work before the op read values a copy wrote too early: "
+        assert np.all(rel < 1e-4), (f"call {i}: the work before the op read values a copy wrote too early: "
                                     f"sums {s} vs plain {ref}")
         err = float(jnp.max(jnp.abs(out - ref_out)) / jnp.max(jnp.abs(ref_out)))
         assert err < 2e-2, f"call {i}: op result off by {err:.3g}"

@@ -249,8 +249,8 @@ ffi::Error WaitForLanded(Backend& backend, const std::vector<std::vector<Event>>
 // wait it starts as soon as the source is ready, while the written device's XLA stream may still
 // run the work before this call, and XLA's buffer assignment may have given the memory of this
 // call's results to that work (its temporaries, a cuBLAS workspace). Pulls that started early
-// overwrote the workspace of an XLA matmul on 2 x H100 (docs/design.md, "Copies wait for the
-// device they write"): a corrupted semaphore left the matmul waiting forever.
+// corrupted the work before the call and left an XLA matmul waiting for ever on 2 x H100
+// (docs/design.md, "Copies wait for the device they write").
 ffi::Error CopyChunks(Backend& backend, const OpConfig& config, bool push, const std::vector<Post>& peers,
                       Event own_entry, const ChunkReady& source_ready, const ChunkCopy& copy_chunk,
                       std::vector<std::vector<Event>>* recorded) {
