@@ -96,6 +96,14 @@ AUTOTUNE_CACHE_DIR: str = os.environ.get(
     "FICCO_AUTOTUNE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "ficco_jax")
 )
 
+#: GPUs that no shipped profile describes exactly (another GPU, another group size) get a cost
+#: profile measured on first use — matmul rate, NCCL and copy-engine transfers, a copy-engine
+#: call's fixed costs; about 20 s, with a progress line — cached per device kind and group size
+#: in FICCO_PROFILE_CACHE (default: AUTOTUNE_CACHE_DIR/profiles). "0" skips the measurement: the
+#: same GPU's profile of the nearest group size, else the conservative default.
+PROFILE_MEASURE: bool = os.environ.get("FICCO_PROFILE_MEASURE", "1") != "0"
+PROFILE_CACHE_DIR: str = os.environ.get("FICCO_PROFILE_CACHE", os.path.join(AUTOTUNE_CACHE_DIR, "profiles"))
+
 #: Environment variables the compiled extension (xla_ffi/) reads itself, once, when first needed:
 #: diagnostics and A/B switches for GPU measurements, not settings. Python never reads them; they
 #: are listed here so that every variable of ficco_jax is named in one place (a test checks the

@@ -39,6 +39,7 @@ def fit_profile(char: dict) -> dict:
         slope, icpt = np.polyfit([(n - 1) * b for b, _ in pts], [t for _, t in pts], 1)
         profile["xla_ingress_gbps"] = float(1.0 / slope / 1e9) if slope > 0 else profile["xla_ingress_gbps"]
         profile["xla_latency_us"] = float(max(icpt, 1e-6) * 1e6)
+        profile["collective_latency_us"] = profile["xla_latency_us"]  # the plain path's collective is that all-gather
     dma_s1 = [r for r in char["transfers"] if r["comm"] == "dma_s1"]
     if dma_s1:
         # A standalone copy-engine all-gather of a small shard is bound by the call's host work

@@ -13,7 +13,7 @@ import numpy as np
 from ..runtime import extension, ipc, topology as topology_lib
 from .. import config
 from ..schedule import A2A_OPS, Schedule
-from . import cost_model
+from . import cost_model, first_use
 
 log = logging.getLogger("ficco_jax")
 
@@ -70,16 +70,26 @@ def profile_name_for(device_kind: str, axis_size: int) -> str | None:
 
 
 def profile_for(axis_size: int, device_kind: str | None = None) -> dict:
-    """The calibrated profile of this machine, or of `device_kind` (by `profile_name_for`), else the
-    conservative default."""
-    kind = jax.devices()[0].device_kind if device_kind is None else device_kind
+    """The profile of `axis_size` devices of this machine's GPUs, or of `device_kind`: the shipped
+    one calibrated for exactly them; else, for this machine's GPUs, one measured on first use and
+    cached (first_use.py; off with FICCO_PROFILE_MEASURE=0); else the same GPU's shipped profile of
+    the nearest group size (`profile_name_for`); else the conservative default."""
+    here = device_kind is None
+    kind = jax.devices()[0].device_kind if here else device_kind
     name = profile_name_for(kind, axis_size)
+    shipped = None
     if name is not None:
         with contextlib.suppress(FileNotFoundError):
-            profile = cost_model.load_profile(name)
-            if profile.get("axis_size", axis_size) != axis_size:
-                _log_profile_stand_in(kind, axis_size, name)
-            return profile
+            shipped = cost_model.load_profile(name)
+    if shipped is not None and shipped.get("axis_size", axis_size) == axis_size:
+        return shipped
+    if here and jax.default_backend() == "gpu":
+        measured = first_use.profile(kind, axis_size)
+        if measured is not None:
+            return {**cost_model.DEFAULT_PROFILE, **measured}
+    if shipped is not None:
+        _log_profile_stand_in(kind, axis_size, name)
+        return shipped
     return cost_model.default_profile()
 
 

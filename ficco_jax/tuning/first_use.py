@@ -1,0 +1,213 @@
+"""A cost profile measured on first use, for GPUs that no shipped profile describes exactly.
+
+`schedule="auto"` prices schedules with a machine profile (cost_model). Shipped profiles were
+fitted by `calibrate` on known machines; any other device kind or group size gets one measured
+here the first time an op is resolved on it, then cached per device kind and group size
+(config.PROFILE_CACHE_DIR), so later processes read it. What is measured, on the group's first
+devices, bf16, each probe timed by in-jit loop differencing (timing.py):
+
+- the matmul rate: [rows, 4096] @ [4096, 4096] at two row counts (peak and decomposition loss);
+- NCCL transfers: XLA's all-gather at two shard sizes (latency and ingress bandwidth);
+- copy-engine transfers: a copy-engine all-gather of the larger shard (ingress bandwidth);
+- op times: ag_matmul and matmul_rs, plain and on copy engines, at two sizes, to which the
+  op-level costs (a copy-engine call's fixed device and host cost, per-copy latency, contention)
+  are fitted as `calibrate` fits them (fitting.fit_to_ops).
+
+About 20 s on 2 x H100, announced by one line on stderr and closed by another.
+FICCO_PROFILE_MEASURE=0 skips it (config.PROFILE_MEASURE). Only one process measures: a program
+run by several processes would pick schedules from timings that differ between them, so there
+the shipped profiles apply (a cached profile measured by a one-process run is not read either).
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from .. import config
+from ..lowering import dma
+from ..schedule import Schedule, local_shapes
+from . import fitting, timing
+
+#: Bumped when what a profile holds, or how the model reads it, changes: older caches are measured again.
+MODEL_VERSION = 1
+_AXIS = "g"
+_INNER = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """One timed program. `what`: "gemm" (shape: rows, K, N on one device), "nccl" / "dma" (an
+    all-gather, shape: shard bytes per device), "op" (`op` under `schedule`, shape: global M, K, N)."""
+    what: str
+    shape: tuple[int, ...]
+    op: str = ""
+    schedule: str = ""
+
+
+#: The probes, in the order they run (dma probes are left out where the extension is missing).
+PROBES = (
+    Probe("gemm", (1024, _INNER, _INNER)), Probe("gemm", (8192, _INNER, _INNER)),
+    Probe("nccl", (2 << 20,)), Probe("nccl", (32 << 20,)), Probe("dma", (32 << 20,)),
+    *(Probe("op", shape, op, sched) for op in ("ag_matmul", "matmul_rs") for sched in ("none", "dma/direct/c1")
+      for shape in ((2048, _INNER, _INNER), (8192, _INNER, _INNER))),
+)
+
+#: timer(probe, devices) -> seconds per run of the probe's program.
+Timer = Callable[[Probe, Sequence], float]
+
+
+def cache_path(device_kind: str, axis_size: int) -> str:
+    slug = re.sub(r"[^a-z0-9]+", "-", device_kind.lower()).strip("-") or "device"
+    return os.path.join(config.PROFILE_CACHE_DIR, f"{slug}_x{axis_size}.json")
+
+
+_memo: dict[tuple[str, int], dict | None] = {}
+
+
+def profile(device_kind: str, axis_size: int, *, timer: Timer | None = None, devices=None) -> dict | None:
+    """The measured profile of `axis_size` devices of `device_kind`: from the cache, else measured
+    now on `devices` (default: this process's first `axis_size` devices) and cached. None where
+    measuring is off (config.PROFILE_MEASURE), for a group of one, where several processes run the
+    program, or where this process has fewer than `axis_size` such devices."""
+    key = (device_kind, axis_size)
+    if key in _memo:
+        return _memo[key]
+    if not config.PROFILE_MEASURE or axis_size < 2 or jax.process_count() > 1:
+        return None
+    path = cache_path(device_kind, axis_size)
+    found = _read(path)
+    if found is None:
+        devices = list(devices or jax.local_devices())[:axis_size]
+        if len(devices) < axis_size or any(d.device_kind != device_kind for d in devices):
+            return None
+        found = measure(devices, timer or device_seconds)
+        _write(path, found)
+        print(f"ficco_jax: cost profile cached in {path}", file=sys.stderr)
+    _memo[key] = found
+    return found
+
+
+def measure(devices: Sequence, timer: Timer, probes: Sequence[Probe] = PROBES) -> dict:
+    """A profile fitted to the probes' times on `devices` (one group), as `calibrate` fits one."""
+    n, kind = len(devices), devices[0].device_kind
+    with_dma = dma.available()
+    probes = [p for p in probes if with_dma or not (p.what == "dma" or "dma" in p.schedule)]
+    print(f"ficco_jax: no cost profile ships for {n} x {kind}; measuring one ({len(probes)} timings, about "
+          f"20 s, once per machine; FICCO_PROFILE_MEASURE=0 skips it) ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    seconds = {}
+    with jax.ensure_compile_time_eval():  # runs now, also when the first op is resolved inside a trace
+        for probe in probes:
+            seconds[probe] = timer(probe, devices)
+    fitted = fit(kind, n, seconds)
+    print(f"ficco_jax: measured in {time.perf_counter() - start:.1f} s: matmul "
+          f"{fitted['peak_tflops']['bfloat16']:.0f} TFLOP/s, NCCL {fitted['xla_ingress_gbps']:.0f} GB/s, "
+          f"copy engines {fitted['dma_ingress_gbps']:.0f} GB/s, a copy-engine call {fitted['dma_call_us']:.0f} us "
+          f"on the GPU", file=sys.stderr, flush=True)
+    return fitted
+
+
+def fit(device_kind: str, n: int, seconds: dict[Probe, float]) -> dict:
+    """The profile of the probes' `seconds`: the standalone terms by fitting.fit_profile, the op-level
+    costs by fitting.fit_to_ops."""
+    char = {"device": device_kind, "n_devices": n, "dtype": "bfloat16", "commit": config.COMMIT or "",
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "decomposition": [], "transfers": [], "contention": {}}
+    observations = []
+    for probe, t in seconds.items():
+        if probe.what == "gemm":
+            rows, k, cols = probe.shape
+            char["decomposition"].append({"chunks": 1, "rows": rows, "K": k, "N": cols, "ms": t * 1e3})
+        elif probe.what == "nccl":
+            char["transfers"].append({"comm": "nccl", "shard_bytes": probe.shape[0], "ms": t * 1e3})
+        elif probe.what == "dma":
+            ingress = (n - 1) * probe.shape[0] / t / 1e9
+            char["transfers"].append({"comm": "dma_s1", "shard_bytes": probe.shape[0], "ingress_gbps": ingress})
+        else:
+            observations.append((probe.op, Schedule.parse(probe.schedule), local_shapes(probe.op, *probe.shape, n),
+                                 "bfloat16", n, t))
+    fitted = fitting.fit_profile(char)
+    if observations:
+        fitted, _ = fitting.fit_to_ops(fitted, observations)
+    fitted.update(name=f"{device_kind} x{n} (measured)", model_version=MODEL_VERSION,
+                  source=f"measured on first use on {char['date']} by ficco_jax.tuning.first_use "
+                         f"({len(seconds)} timings; {timing.METHOD})")
+    return fitted
+
+
+def device_seconds(probe: Probe, devices: Sequence) -> float:
+    """Seconds per run of the probe's program on `devices` (timing.device_time)."""
+    make, args = _program(probe, devices)
+    return timing.device_time(make, args)["median_s"]
+
+
+def _program(probe: Probe, devices: Sequence):
+    """(make(R) -> jitted R runs, args) of a probe."""
+    key = jax.random.PRNGKey(0)
+    if probe.what == "gemm":
+        rows, k, cols = probe.shape
+        a = jax.device_put(jax.random.normal(key, (rows, k), jnp.bfloat16), devices[0])
+        b = jax.device_put(jax.random.normal(key, (k, cols), jnp.bfloat16), devices[0])
+        return (lambda r: jax.jit(timing.chain(jnp.dot, r))), (a, b)
+    mesh = Mesh(np.array(devices), (_AXIS,))
+    n = len(devices)
+    if probe.what in ("nccl", "dma"):
+        rows = max(1, probe.shape[0] // (2 * _INNER))
+        x = _put(jax.random.normal(key, (n * rows, _INNER), jnp.bfloat16), mesh, P(_AXIS))
+        gather = ((lambda v: lax.all_gather(v, _AXIS, tiled=True)) if probe.what == "nccl" else
+                  (lambda v: dma.all_gather(v, _AXIS, schedule=Schedule.parse("dma/direct/c1"))))
+        step = jax.shard_map(gather, mesh=mesh, in_specs=P(_AXIS), out_specs=P(_AXIS))
+        return (lambda r: jax.jit(timing.chain(step, r))), (x,)
+    (a_shape, w_shape) = local_shapes(probe.op, *probe.shape, n)
+    schedule = Schedule.parse(probe.schedule)
+    if probe.op == "ag_matmul":
+        specs = (P(_AXIS), P(None, _AXIS))
+        body = (lambda x, w: jnp.dot(lax.all_gather(x, _AXIS, tiled=True), w)) if schedule.comm == "none" else \
+            (lambda x, w: dma.ag_matmul_dma(x, w, _AXIS, schedule, gathered_needed=False)[0])
+        out_spec = P(None, _AXIS)
+        global_shapes = ((n * a_shape[0], a_shape[1]), (w_shape[0], n * w_shape[1]))
+    else:
+        specs = (P(None, _AXIS), P(_AXIS))
+        body = (lambda y, w: lax.psum_scatter(jnp.dot(y, w), _AXIS, scatter_dimension=0, tiled=True)) \
+            if schedule.comm == "none" else (lambda y, w: dma.matmul_rs_dma(y, w, _AXIS, schedule))
+        out_spec = P(_AXIS)
+        global_shapes = ((a_shape[0], n * a_shape[1]), (n * w_shape[0], w_shape[1]))
+    a = _put(jax.random.normal(key, global_shapes[0], jnp.bfloat16), mesh, specs[0])
+    w = _put(jax.random.normal(key, global_shapes[1], jnp.bfloat16), mesh, specs[1])
+    step = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_spec)
+    return (lambda r: jax.jit(timing.chain(step, r))), (a, w)
+
+
+def _put(value, mesh, spec):
+    return jax.device_put(value, NamedSharding(mesh, spec))
+
+
+def _read(path: str) -> dict | None:
+    try:
+        with open(path) as fh:
+            found = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return found if found.get("model_version") == MODEL_VERSION else None
+
+
+def _write(path: str, found: dict) -> None:
+    """Atomically (concurrent first uses on one machine each write a whole file)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+    with os.fdopen(fd, "w") as fh:
+        json.dump(found, fh, indent=1, sort_keys=True)
+    os.replace(tmp, path)
