@@ -146,7 +146,7 @@ def alone(mesh, dims, x) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", action="append", help="M,K,N, an anchor name, or a set: anchors, tiny")
+    parser.add_argument("--shape", action="append", help="M,K,N, a shape name, or a set: anchors, llama405b, tiny")
     parser.add_argument("--windowed", action="store_true", help="XLA's windowed-einsum flags; times 'xla' only")
     parser.add_argument("--out", default=os.environ.get("OUT", "out/peers"))
     args = parser.parse_args()

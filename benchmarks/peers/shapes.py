@@ -2,39 +2,49 @@
 
 A shape (M, K, N) is one tensor-parallel layer over n devices:
   AG: all_gather(x[M/n, K]) @ w[K, N/n]          RS: psum_scatter(y[M, N/n] @ w[N/n, K])
-The anchors are Llama-70B and GPT-3-175B layers and one small layer where host dispatch and
-per-copy fixed costs dominate. This module imports neither torch nor jax: both peer families use it.
+The named shapes and sets (the anchors: Llama-70B and GPT-3-175B layers and one small layer where
+host dispatch and per-copy fixed costs dominate) are those of ficco_jax/tools/anchor_shapes.json,
+the file `python -m ficco_jax bench` reads. This module imports neither torch nor jax, nor
+ficco_jax: both peer families use it, from an environment that may have only one of them.
 """
 from __future__ import annotations
 
 import json
 import os
 
-ANCHORS = {
-    "llama70b_mlp_up_M8k": (8192, 8192, 28672),
-    "llama70b_qkv_M8k": (8192, 8192, 10240),
-    "llama70b_mlp_up_M2k": (2048, 8192, 28672),
-    "gpt3_175b_mlp_M4k": (4096, 12288, 49152),
-    "small_M1k_K4k_N4k": (1024, 4096, 4096),
-}
+#: The repository's one list of named layer shapes.
+SHAPES_FILE = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir,
+                                            "ficco_jax", "tools", "anchor_shapes.json"))
+
+
+def _load(path: str) -> dict[str, dict[str, tuple[int, int, int]]]:
+    with open(path) as fh:
+        sets = json.load(fh)["sets"]
+    return {name: {shape: tuple(dims) for shape, dims in group["shapes"].items()} for name, group in sets.items()}
+
+
+_FILE_SETS = _load(SHAPES_FILE)
+ANCHORS = _FILE_SETS["anchors"]
 #: For a run on CPU devices or a quick check: every variant runs, the times mean nothing.
 TINY = {"tiny_M64_K32_N64": (64, 32, 64)}
-SETS = {"anchors": ANCHORS, "tiny": TINY}
+SETS = {**_FILE_SETS, "tiny": TINY}
+#: Every shape a name on the command line can pick.
+NAMED = {name: dims for group in SETS.values() for name, dims in group.items()}
 
 
 def parse(specs: list[str] | None, default: str = "anchors") -> dict[str, tuple[int, int, int]]:
-    """Shape arguments -> {name: (M, K, N)}: a set name (anchors, tiny), an anchor's name, or M,K,N."""
+    """Shape arguments -> {name: (M, K, N)}: a set name (anchors, llama405b, tiny), a shape's name, or M,K,N."""
     out: dict[str, tuple[int, int, int]] = {}
     for spec in specs or [default]:
         if spec in SETS:
             out.update(SETS[spec])
-        elif spec in ANCHORS:
-            out[spec] = ANCHORS[spec]
+        elif spec in NAMED:
+            out[spec] = NAMED[spec]
         else:
             try:
                 M, K, N = (int(v) for v in spec.split(","))
             except ValueError:
-                raise SystemExit(f"--shape {spec!r}: expected M,K,N, a shape name ({', '.join(ANCHORS)}) "
+                raise SystemExit(f"--shape {spec!r}: expected M,K,N, a shape name ({', '.join(NAMED)}) "
                                  f"or a set ({', '.join(SETS)})") from None
             out[f"M{M}_K{K}_N{N}"] = (M, K, N)
     return out

@@ -34,7 +34,7 @@ COLUMNS = ["gemm_only", "ag_only", "ag_seq", "ag_async_tp", "rs_only", "rs_seq",
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", action="append", help="M,K,N, an anchor name, or a set: anchors, tiny")
+    parser.add_argument("--shape", action="append", help="M,K,N, a shape name, or a set: anchors, llama405b, tiny")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=5)

@@ -1,6 +1,7 @@
 """Forward + backward of a sequence-parallel MLP with and without `ficco_jax.overlap`, side by side.
 
-Usage: python benchmarks/suites/mlp_overlap.py [TOKENS HIDDEN FFN]   (default: Llama-70B, 8192 8192 28672)
+Usage: python benchmarks/suites/mlp_overlap.py [TOKENS HIDDEN FFN]
+(default: Llama-70B, the anchor shape llama70b_mlp_up_M8k: 8192 tokens, hidden 8192, ffn 28672)
 Times by timing.device_time (in-jit loop differencing); checks loss and gradients first.
 """
 import sys
@@ -11,9 +12,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import ficco_jax
+from ficco_jax.tools.bench import ANCHOR_SHAPES
 from ficco_jax.tuning import timing
 
-T, H, F = (int(v) for v in sys.argv[1:4]) if len(sys.argv) > 3 else (8192, 8192, 28672)
+T, H, F = (int(v) for v in sys.argv[1:4]) if len(sys.argv) > 3 else ANCHOR_SHAPES["llama70b_mlp_up_M8k"]
 dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
 mesh = Mesh(np.array(jax.local_devices()), ("tp",))
 specs = (P("tp", None), P(None, "tp"), P("tp", None))

@@ -23,13 +23,14 @@ from ficco_jax import ops as ficco_ops
 from ficco_jax.ops import measure
 from ficco_jax.runtime import ipc, topology
 from ficco_jax.schedule import Schedule, local_shapes
-from ficco_jax.tools.bench import record_timeline
+from ficco_jax.tools.bench import ANCHOR_SHAPES, record_timeline
 from ficco_jax.tuning import cost_model, policy, select, timing
 
-#: (M, K, N) timed on GPUs (bench.ANCHOR_SHAPES' names); the first one is also checked.
-GPU_TIMED = {"llama70b_qkv_M8k": (8192, 8192, 10240), "llama70b_mlp_up_M8k": (8192, 8192, 28672),
-             "llama70b_mlp_up_M2k": (2048, 8192, 28672), "gpt3_175b_mlp_M4k": (4096, 12288, 49152)}
-GPU_CHECKED = {"small_M1k_K512_N1k": (1024, 512, 1024), "llama70b_qkv_M8k": (8192, 8192, 10240)}
+#: (M, K, N) timed on GPUs, in this order as the budget allows: the large anchor shapes
+#: (ficco_jax/tools/anchor_shapes.json).
+GPU_TIMED = {name: ANCHOR_SHAPES[name] for name in
+             ("llama70b_qkv_M8k", "llama70b_mlp_up_M8k", "llama70b_mlp_up_M2k", "gpt3_175b_mlp_M4k")}
+GPU_CHECKED = {"small_M1k_K512_N1k": (1024, 512, 1024), "llama70b_qkv_M8k": ANCHOR_SHAPES["llama70b_qkv_M8k"]}
 CPU_TIMED = {"tiny_M64_K32_N64": (64, 32, 64)}
 CPU_CHECKED = {"tiny_M64_K32_N64": (64, 32, 64)}
 DTYPE = "bfloat16"

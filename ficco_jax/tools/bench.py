@@ -30,21 +30,23 @@ from .harness import BOUND_STEPS, Row, bound_rows, extension_info, fitting_sched
 from . import harness
 from .report import git_commit, markdown_table, plot_speedups, progress_printer
 
-#: (M tokens, K, N) of a tensor-parallel layer over 4 GPUs, the anchor shapes of BENCHMARKS.md.
-ANCHOR_SHAPES = {
-    "llama70b_mlp_up_M8k": (8192, 8192, 28672),
-    "llama70b_qkv_M8k": (8192, 8192, 10240),
-    "llama70b_mlp_up_M2k": (2048, 8192, 28672),
-    "gpt3_175b_mlp_M4k": (4096, 12288, 49152),
-    "small_M1k_K4k_N4k": (1024, 4096, 4096),
-}
-#: Llama-3-405B layers (hidden 16384, ffn 53248, q+k+v 18432) at 8192 tokens, for tp=8.
-LLAMA405B_SHAPES = {
-    "llama405b_qkv_M8k": (8192, 16384, 18432),
-    "llama405b_mlp_up_M8k": (8192, 16384, 53248),
-}
-#: Names `--shape` accepts for a set of shapes.
-SHAPE_SETS = {"anchors": ANCHOR_SHAPES, "llama405b": LLAMA405B_SHAPES}
+#: The file of named layer shapes (M tokens, K, N) every benchmark reads, peers included.
+SHAPES_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "anchor_shapes.json")
+
+
+def load_shape_sets(path: str = SHAPES_FILE) -> dict[str, dict[str, tuple[int, int, int]]]:
+    """{set name: {shape name: (M, K, N)}} as `path` lists them, in its order."""
+    with open(path) as fh:
+        sets = json.load(fh)["sets"]
+    return {name: {shape: tuple(dims) for shape, dims in group["shapes"].items()} for name, group in sets.items()}
+
+
+#: Names `--shape` accepts for a set of shapes: "anchors" (the anchor shapes of BENCHMARKS.md),
+#: "llama405b" (Llama-3-405B layers at 8192 tokens, for tp=8).
+SHAPE_SETS = load_shape_sets()
+ANCHOR_SHAPES = SHAPE_SETS["anchors"]
+LLAMA405B_SHAPES = SHAPE_SETS["llama405b"]
+#: The default on CPU devices: every variant runs, the times mean nothing.
 CPU_SHAPES = {"tiny_M256_K128_N256": (256, 128, 256)}
 
 
