@@ -97,32 +97,43 @@ class Peer:
         return float((got - want).norm() / want.norm().clamp_min(1e-30))
 
 
+def buffer_shapes(M: int, K: int, N: int, n: int) -> dict[str, tuple[int, int]]:
+    """Each rank's tensors for one layer (M, K, N) over n ranks:
+      AG: gathered[M, K] = all_gather(x[M/n, K]);  gathered @ w[K, N/n]
+      RS: partials[M, K] = y[M, N/n] @ w2[N/n, K]; scattered[M/n, K] = reduce_scatter(partials)
+    rs_only reduce-scatters `partials`, the product's shape (NCCL's reduce_scatter_tensor needs an
+    input n times its output: y [M, N/n] fits only where N/n = K)."""
+    return {"x": (M // n, K), "w": (K, N // n), "gathered": (M, K),
+            "y": (M, N // n), "w2": (N // n, K), "partials": (M, K), "scattered": (M // n, K)}
+
+
 def variants(peer, M, K, N):
     """{name: zero-argument callable} for one shape, on fresh random bf16 inputs of this rank."""
     torch, dist, n = peer.torch, peer.dist, peer.world
+    shapes = buffer_shapes(M, K, N, n)
     gen = torch.Generator(device="cuda").manual_seed(1000 + peer.rank)
-    rand = lambda *shape, scale=1.0: torch.randn(*shape, device="cuda", dtype=torch.bfloat16,  # noqa: E731
-                                                 generator=gen) * scale
-    x, w = rand(M // n, K), rand(K, N // n, scale=K ** -0.5)
-    y, w2 = rand(M, N // n), rand(N // n, K, scale=(N // n) ** -0.5)
-    full = torch.empty(M, K, device="cuda", dtype=torch.bfloat16)
-    part = torch.empty(M // n, K, device="cuda", dtype=torch.bfloat16)
+    rand = lambda name, scale=1.0: torch.randn(*shapes[name], device="cuda", dtype=torch.bfloat16,  # noqa: E731
+                                               generator=gen) * scale
+    empty = lambda name: torch.empty(*shapes[name], device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    x, w = rand("x"), rand("w", scale=K ** -0.5)
+    y, w2 = rand("y"), rand("w2", scale=(N // n) ** -0.5)
+    gathered, partials, scattered = empty("gathered"), y @ w2, empty("scattered")
     ops = torch.ops.symm_mem
 
     def ag_seq():
-        dist.all_gather_into_tensor(full, x)
-        return full @ w
+        dist.all_gather_into_tensor(gathered, x)
+        return gathered @ w
 
     def rs_seq():
-        dist.reduce_scatter_tensor(part, y @ w2)
-        return part
+        dist.reduce_scatter_tensor(scattered, y @ w2)
+        return scattered
 
     return {
-        "gemm_only": lambda: full @ w,
-        "ag_only": lambda: dist.all_gather_into_tensor(full, x),
+        "gemm_only": lambda: gathered @ w,
+        "ag_only": lambda: dist.all_gather_into_tensor(gathered, x),
         "ag_seq": ag_seq,
         "ag_async_tp": lambda: ops.fused_all_gather_matmul(x, [w], gather_dim=0, group_name=peer.group)[1][0],
-        "rs_only": lambda: dist.reduce_scatter_tensor(part, y),
+        "rs_only": lambda: dist.reduce_scatter_tensor(scattered, partials),
         "rs_seq": rs_seq,
         "rs_async_tp": lambda: ops.fused_matmul_reduce_scatter(y, w2, "sum", scatter_dim=0, group_name=peer.group),
     }

@@ -1,0 +1,87 @@
+"""benchmarks/peers/torch_tp.py without torch: its variants run on a stand-in of torch built on numpy
+whose NCCL collectives check sizes as NCCL does, so a variant that hands a collective the wrong
+tensor fails here, not first on a GPU machine."""
+import pathlib
+import sys
+import types
+
+import numpy as np
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _torch_tp():
+    sys.path.insert(0, str(REPO / "benchmarks" / "peers"))
+    try:
+        import torch_tp  # noqa: PLC0415 - benchmarks/ is not a package
+
+        return torch_tp
+    finally:
+        sys.path.remove(str(REPO / "benchmarks" / "peers"))
+
+
+class FakeDist:
+    """The two collectives the variants call, with NCCL's size checks; rank `rank` of `world`."""
+
+    def __init__(self, rank, world):
+        self.rank, self.world, self.calls = rank, world, []
+
+    def all_gather_into_tensor(self, out, inp):
+        self.calls.append(("all_gather_into_tensor", out.shape, inp.shape))
+        if out.size != inp.size * self.world:
+            raise ValueError("all_gather_into_tensor: output tensor size must be equal to world_size times input "
+                             "tensor size")
+        out.reshape(self.world, -1)[:] = inp.reshape(1, -1)  # every rank's shard: this one's, in this stand-in
+
+    def reduce_scatter_tensor(self, out, inp):
+        self.calls.append(("reduce_scatter_tensor", out.shape, inp.shape))
+        if inp.size != out.size * self.world:
+            raise ValueError("reduce_scatter_tensor: input tensor must be the same size as output size times "
+                             "world size")
+        out[:] = inp.reshape(self.world, *out.shape)[self.rank] * self.world  # every rank's partials: this one's
+
+
+def fake_torch():
+    rng = np.random.default_rng(0)
+
+    class Generator:
+        def __init__(self, device):
+            pass
+
+        def manual_seed(self, seed):
+            return self
+
+    return types.SimpleNamespace(
+        bfloat16=np.float32, Generator=Generator,
+        randn=lambda *shape, device, dtype, generator: rng.standard_normal(shape).astype(dtype),
+        empty=lambda *shape, device, dtype: np.full(shape, np.nan, dtype),
+        ops=types.SimpleNamespace(symm_mem=None))
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("dims", [(64, 32, 64), (64, 48, 32), (1024, 4096, 4096)])
+def test_every_sequential_variant_hands_nccl_fitting_tensors(n, dims):
+    torch_tp = _torch_tp()
+    M, K, N = dims
+    dist = FakeDist(rank=1, world=n)
+    peer = types.SimpleNamespace(torch=fake_torch(), dist=dist, world=n, rank=1, group="0")
+    fns = torch_tp.variants(peer, M, K, N)
+    assert set(fns) == set(torch_tp.COLUMNS)
+    for name in ("gemm_only", "ag_only", "ag_seq", "rs_only", "rs_seq"):
+        fns[name]()
+    assert {call for call, _, _ in dist.calls} == {"all_gather_into_tensor", "reduce_scatter_tensor"}
+    shapes = torch_tp.buffer_shapes(M, K, N, n)
+    assert fns["ag_seq"]().shape == (M, N // n)
+    assert fns["rs_seq"]().shape == shapes["scattered"] == (M // n, K)
+    # The collectives alone move what the sequential variants move: the same tensors' shapes.
+    rs = [(out, inp) for call, out, inp in dist.calls if call == "reduce_scatter_tensor"]
+    assert len(set(rs)) == 1 and rs[0] == ((M // n, K), (M, K))
+
+
+def test_the_stand_in_refuses_what_nccl_refuses():
+    dist = FakeDist(rank=0, world=2)
+    with pytest.raises(ValueError, match="input tensor must be the same size as output size times world size"):
+        dist.reduce_scatter_tensor(np.empty((32, 48)), np.empty((64, 32)))  # y [M, N/n], M, K, N = 64, 48, 64
+    with pytest.raises(ValueError, match="world_size times input"):
+        dist.all_gather_into_tensor(np.empty((32, 32)), np.empty((32, 32)))
