@@ -7,8 +7,9 @@ attention with RoPE and grouped-query heads, SwiGLU MLP) run in one `jax.shard_m
 (dp, tp) mesh with sequence-parallel activations [batch/dp, seq/tp, hidden] between blocks; and
 the loss (`make_loss`): embedding, final norm, LM head and cross-entropy outside the shard_map.
 With `Config.global_view` the same blocks are written on global arrays with explicit shardings
-(a mesh of `AxisType.Explicit` axes) and no shard_map: `reshard` gathers the sequence and the
-row-parallel matmuls' `out_sharding` scatters it. tp_transformer.py's docstring tells where the
+(a mesh of `AxisType.Explicit` axes): `reshard` gathers the sequence and the row-parallel matmuls'
+`out_sharding` scatters it; only attention, which communicates nothing, runs in a shard_map over
+the heads. tp_transformer.py's docstring tells where the
 overlappable collectives are.
 """
 from __future__ import annotations
@@ -204,8 +205,23 @@ def attention_block(cfg: Config, x, p):
     q = rope(qkv[:, :, :, :-2].reshape(b, s, kv * (groups - 2), dh), cfg.rope_theta)
     k = rope(qkv[:, :, :, -2], cfg.rope_theta)
     v = qkv[:, :, :, -1]
-    o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=cfg.attention)
-    return project_scatter_seq(cfg, "bshk,hkd->bsd", o, p["wo"])
+    return project_scatter_seq(cfg, "bshk,hkd->bsd", attend(cfg, q, k, v), p["wo"])
+
+
+HEADS_SPEC = P("dp", None, "tp", None)  # [batch, seq, heads, head_dim]: heads over tp
+
+
+def attend(cfg: Config, q, k, v):
+    """Causal attention of each device's own heads. In the global view inside a shard_map over
+    the heads: attention needs no communication, and so each device runs the implementation
+    (cuDNN's flash attention too) on its local heads exactly as the shard_map view does, rather
+    than as the partitioner would place it."""
+    def local(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=cfg.attention)
+
+    if cfg.global_view:
+        return jax.shard_map(local, in_specs=(HEADS_SPEC,) * 3, out_specs=HEADS_SPEC)(q, k, v)
+    return local(q, k, v)
 
 
 def mlp_block(cfg: Config, x, p):

@@ -161,3 +161,20 @@ def test_compare_on_one_device_runs_the_plain_model_both_ways(view):
     for plain, over in steps:
         assert float(plain) == pytest.approx(float(over), rel=1e-5)
     assert not re.search(r"\d+\.\d+x", done.stdout.split("step  loss")[-1]), done.stdout
+
+
+def test_global_view_reports_the_communication_free_bound():
+    """The global view writes no collective to take out; its bound is the shard_map view's step
+    without communication, reported beside both modes with tokens/s."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    done = subprocess.run([sys.executable, str(_PATH), "--global-view", "--compare", "--comm-free-bound", "--steps", "2",
+                           "--no-bound", "--schedule", OVERLAP_SCHEDULE], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "global view (explicit shardings)" in done.stdout
+    for name in ("no-overlap", "overlap", "comm-free bound"):
+        assert f"\n{name}: " in done.stdout and "tokens/s" in done.stdout.split(f"\n{name}: ")[1].splitlines()[0], name
+    assert "communication-free step" in done.stdout
