@@ -156,3 +156,62 @@ def test_table_on_cpu_computes_no_speedup():
     cells = [c.strip() for c in next(x for x in table.splitlines() if x.startswith("| ag_matmul")).strip("|").split("|")]
     assert cells[10:] == ["n/a", "n/a"], cells
     assert "no speed-up" in table
+
+
+# ------------------------------------------------------------------------------------------------
+# XLA's windowed einsum runs in a child process beside bench: bounded, and its failures explained
+# ------------------------------------------------------------------------------------------------
+def _stub_child(monkeypatch, code: str):
+    """Make every windowed-einsum child `python -c code` (counted in the returned list)."""
+    started = []
+
+    def command(op, M, K, N, dtype):
+        started.append((op, M, K, N, dtype))
+        return [sys.executable, "-c", code]
+
+    monkeypatch.setattr(bench, "windowed_command", command)
+    return started
+
+
+def test_a_windowed_child_that_never_answers_is_killed_and_later_cases_are_skipped(monkeypatch):
+    import time
+
+    started = _stub_child(monkeypatch, "import sys, time; print('_windowed step: compiling and timing', "
+                                       "file=sys.stderr, flush=True); time.sleep(120)")
+    children = bench.WindowedChildren(timeout_s=3)
+    t0 = time.monotonic()
+    row = children.row("ag_matmul", "qkv", 64, 32, 64, "bfloat16")
+    assert time.monotonic() - t0 < 60
+    assert row.median_ms is None and row.variant == "xla_windowed_einsum"
+    assert row.note.startswith("error: timeout: the windowed-einsum child gave no result in 3 s"), row.note
+    assert "its last step: compiling and timing" in row.note  # what it was waiting in
+    for fix in ("XLA_PYTHON_CLIENT_MEM_FRACTION=0.5", "--no-windowed", f"Time it alone: XLA_FLAGS='{bench.WINDOWED_FLAGS}' python -c"):
+        assert fix in row.note, fix
+    later = children.row("matmul_rs", "qkv", 64, 32, 64, "bfloat16")
+    assert len(started) == 1, "a later case started a child after one timed out"
+    assert later.median_ms is None and later.note.startswith("skipped: the windowed-einsum child of ag_matmul qkv")
+
+
+def test_a_windowed_child_that_fails_names_its_error(monkeypatch):
+    _stub_child(monkeypatch, "import sys; print('_windowed step: allocating the operands', file=sys.stderr); "
+                             "print('RESOURCE_EXHAUSTED: out of memory allocating 2.5GiB', file=sys.stderr); sys.exit(1)")
+    children = bench.WindowedChildren(timeout_s=60)
+    row = children.row("ag_matmul", "qkv", 64, 32, 64, "bfloat16")
+    assert row.median_ms is None and "status 1" in row.note and "RESOURCE_EXHAUSTED" in row.note, row.note
+    assert "'allocating the operands'" in row.note and children.timed_out is None
+
+
+def test_the_windowed_child_does_not_preallocate_beside_bench():
+    env = bench.windowed_env({"XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+                              "XLA_PYTHON_CLIENT_PREALLOCATE": "true", "PATH": "/bin"})
+    assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false" and env["PATH"] == "/bin"
+    assert env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8 " + bench.WINDOWED_FLAGS
+
+
+def test_the_windowed_child_runs_on_cpu_devices():
+    # The real child, with bench's command and environment: its JSON line is read into the row.
+    row = bench.WindowedChildren(timeout_s=240).row("matmul_rs", "t", 64, 32, 64, "float32")
+    assert row.median_ms is not None and row.median_ms > 0, row.note
+    assert row.note.startswith("child process, XLA_FLAGS+=")
+    assert bench.windowed_command("matmul_rs", 64, 32, 64, "float32")[1:] == [
+        "-m", "ficco_jax", "_windowed", "matmul_rs", "64", "32", "64", "float32"]

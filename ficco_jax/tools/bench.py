@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import asdict
@@ -129,11 +130,19 @@ def fp8_body(op: str, schedule, scales):
 # XLA windowed einsum: its flags must be set before the backend starts, so it runs in a child
 # ------------------------------------------------------------------------------------------------
 WINDOWED_FLAGS = "--xla_gpu_threshold_for_windowed_einsum_mib=0 --xla_gpu_multi_streamed_windowed_einsum=true"
+#: How long bench waits for one windowed-einsum child: starting JAX, compiling and timing one shape
+#: take seconds to a minute alone; past this the child is killed and its row says why.
+WINDOWED_TIMEOUT_S = 300.0
+#: What the child prints on stderr as it reaches each step, so a child that never finishes names the
+#: step it was in.
+WINDOWED_STEP = "_windowed step:"
 
 
 def windowed_einsum_child(op, M, K, N, dtype) -> dict:
     """Runs in the child: GSPMD-sharded matmul whose collective XLA turns into a windowed einsum."""
+    _child_step("starting the backend")
     mesh = Mesh(np.array(jax.local_devices()), ("tp",))
+    _child_step(f"allocating the operands on {mesh.shape['tp']} {jax.default_backend()} devices")
     args = measure.make_inputs(op, local_shapes(op, M, K, N, mesh.shape["tp"]), dtype, mesh)
     out_spec = P(None, "tp") if op == "ag_matmul" else P("tp", None)
     sharding = NamedSharding(mesh, out_spec)
@@ -146,21 +155,82 @@ def windowed_einsum_child(op, M, K, N, dtype) -> dict:
             return jax.lax.fori_loop(0, r, one, a)
         return jax.jit(loop, out_shardings=args[0].sharding)
 
+    _child_step("compiling and timing")
     t = harness.device_time(make, args)
     return {"median_ms": t["median_s"] * 1e3, "spread_ms": t["spread_s"] * 1e3}
 
 
-def windowed_einsum(op, name, M, K, N, dtype) -> Row:
-    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + WINDOWED_FLAGS).strip())
-    cmd = [sys.executable, "-m", "ficco_jax", "_windowed", op, str(M), str(K), str(N), dtype]
+def _child_step(what: str) -> None:
+    print(f"{WINDOWED_STEP} {what}", file=sys.stderr, flush=True)
+
+
+def windowed_command(op, M, K, N, dtype) -> list[str]:
+    return [sys.executable, "-m", "ficco_jax", "_windowed", op, str(M), str(K), str(N), dtype]
+
+
+def windowed_env(environ=None) -> dict:
+    """The child's environment: this one, XLA_FLAGS plus the windowed-einsum flags, and no
+    preallocation. The child runs beside this process, whose XLA client already holds its memory
+    pool on every GPU (75 % of each by default): a child that asked for its own 75 % would not get
+    it, so it allocates only what its operands and programs use, from what is left."""
+    environ = os.environ if environ is None else environ
+    flags = (environ.get("XLA_FLAGS", "") + " " + WINDOWED_FLAGS).strip()
+    return dict(environ, XLA_FLAGS=flags, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+
+
+def windowed_einsum(op, name, M, K, N, dtype, timeout_s: float = WINDOWED_TIMEOUT_S) -> Row:
+    """The xla_windowed_einsum row of one case, timed in a child process (`windowed_command`); a
+    child that fails or gives no result within `timeout_s` leaves an error row saying why."""
+    cmd = windowed_command(op, M, K, N, dtype)
     row = Row(op, name, M, K, N, "xla_windowed_einsum", note=f"child process, XLA_FLAGS+={WINDOWED_FLAGS}")
+    code, out, err = _run_child(cmd, windowed_env(), timeout_s)
+    steps = [line[len(WINDOWED_STEP):].strip() for line in err.splitlines() if line.startswith(WINDOWED_STEP)]
+    if code is None:
+        row.note = (f"error: timeout: the windowed-einsum child gave no result in {timeout_s:.0f} s and was killed; "
+                    f"its last step: {steps[-1] if steps else 'starting Python and importing jax'}. It runs beside "
+                    f"this process, which holds its GPUs' memory pool (XLA_PYTHON_CLIENT_PREALLOCATE, "
+                    f"XLA_PYTHON_CLIENT_MEM_FRACTION). Time it alone: XLA_FLAGS='{WINDOWED_FLAGS}' "
+                    f"python {' '.join(cmd[1:])}; or run bench with XLA_PYTHON_CLIENT_MEM_FRACTION=0.5, or with --no-windowed")
+        return row
     try:
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-        result = json.loads(out.stdout.strip().splitlines()[-1])
+        result = json.loads(out.strip().splitlines()[-1])
         row.median_ms, row.spread_ms = result["median_ms"], result["spread_ms"]
-    except Exception as exc:
-        row.note = f"error: {type(exc).__name__}: {str(exc)[:200]}"
+    except (ValueError, IndexError, KeyError, TypeError):
+        last = [line for line in err.splitlines() if line.strip() and not line.startswith(WINDOWED_STEP)]
+        row.note = (f"error: the windowed-einsum child exited with status {code} and no result, in step "
+                    f"{steps[-1] if steps else 'start-up'!r}: {(last[-1] if last else 'no message')[:300]}")
     return row
+
+
+class WindowedChildren:
+    """The xla_windowed_einsum rows of one run, a child process per case. Once a child has timed
+    out, the later cases are not started (each would wait as long): their rows say so."""
+
+    def __init__(self, timeout_s: float | None = None):
+        self.timeout_s = WINDOWED_TIMEOUT_S if timeout_s is None else timeout_s
+        self.timed_out: str | None = None  # "op shape" of the case whose child timed out
+
+    def row(self, op, name, M, K, N, dtype) -> Row:
+        if self.timed_out:
+            return Row(op, name, M, K, N, "xla_windowed_einsum",
+                       note=f"skipped: the windowed-einsum child of {self.timed_out} timed out (its row says why)")
+        row = windowed_einsum(op, name, M, K, N, dtype, self.timeout_s)
+        if row.note.startswith("error: timeout"):
+            self.timed_out = f"{op} {name}"
+        return row
+
+
+def _run_child(cmd, env, timeout_s) -> tuple[int | None, str, str]:
+    """(exit status, stdout, stderr) of `cmd`; status None: killed, with its process group, at `timeout_s`."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+        return proc.returncode, out, err
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        return None, out, err
 
 
 # ------------------------------------------------------------------------------------------------
@@ -229,11 +299,12 @@ def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=
         with open(os.path.join(out_dir, "bench.json"), "w") as fh:
             json.dump(result, fh, indent=1)
 
+    children = WindowedChildren()
     for op, name, M, K, N, scheds, case_dtype in tp_plan:
         case = bench_shape(op, name, M, K, N, case_dtype, mesh, scheds, progress)
         if windowed and not config.is_fp8(case_dtype):
             progress(f"{op} {name} xla_windowed_einsum")
-            case.append(windowed_einsum(op, name, M, K, N, case_dtype))
+            case.append(children.row(op, name, M, K, N, case_dtype))
         if case_dtype != dtype:  # a row of another dtype than the run's says so (calibrate reads it)
             for row in case:
                 row.extra["dtype"] = case_dtype
