@@ -35,12 +35,6 @@ RENDEZVOUS_TIMEOUT_S: float = _env_float("FICCO_RENDEZVOUS_TIMEOUT_S", 5.0)
 #: when an op is traced, like the rendezvous timeout.
 WATCHDOG_S: float = _env_float("FICCO_WATCHDOG_S", 60.0)
 
-#: Debug switch for fault-injection tests: "" (off), or "skip:<rank>" (that rank of every group
-#: returns an error without joining the rendezvous), or "fail:<rank>" (that rank fails before
-#: its transfers), or "stall:<rank>" (that rank posts events that never complete, as a peer whose
-#: device never reaches the call: only the watchdog ends it). Never set it in production.
-FAULT_INJECTION: str = os.environ.get("FICCO_FAULT_INJECTION", "")
-
 #: Copy engines across the processes of one host (CUDA IPC through staging buffers, ipc.py,
 #: docs/multiprocess.md) are opt-in: "1" enables them. Correct on 2 and 4 x H200; on 2 GPUs within
 #: 5 % of one process; on 4 GPUs the best schedule of six timed cases -2 % to +7.5 % against one
@@ -105,15 +99,11 @@ PROFILE_MEASURE: bool = os.environ.get("FICCO_PROFILE_MEASURE", "1") != "0"
 PROFILE_CACHE_DIR: str = os.environ.get("FICCO_PROFILE_CACHE", os.path.join(AUTOTUNE_CACHE_DIR, "profiles"))
 
 #: Environment variables the compiled extension (xla_ffi/) reads itself, once, when first needed:
-#: diagnostics and A/B switches for GPU measurements, not settings. Python never reads them; they
-#: are listed here so that every variable of ficco_jax is named in one place (a test checks the
-#: sources against this table). "Set" means set to anything but "" or "0" unless stated.
+#: diagnostics, not settings. Python never reads them; they are listed here so that every variable
+#: of ficco_jax is named in one place (a test checks the sources against this table). "Set" means
+#: set to anything but "" or "0" unless stated.
 NATIVE_ENVIRONMENT: dict[str, str] = {
     "FICCO_GEMM_LOG": "\"1\": one stderr line per new cuBLASLt plan of the executor (shape, candidates, the "
                       "chosen algorithm and its time), xla_ffi/device/gemm.cc",
     "FICCO_SEGV_TRACE": "set: on SIGSEGV/SIGABRT print the native stack before dying (xla_ffi/module.cc)",
-    "FICCO_STAGE_STREAM": "\"copy\": across processes, run the staging copies on the staging stream instead of "
-                          "XLA's stream (for A/B timings; slower: xla_ffi executor, Stage)",
-    "FICCO_REDUCE_SCALAR": "set: the reduce-scatter sum reads one element at a time instead of 16-byte packs "
-                           "(for A/B timings; slower: xla_ffi/device/reduce.cu)",
 }

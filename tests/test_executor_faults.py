@@ -1,5 +1,7 @@
 """A rank that fails or never arrives makes its peers fail with a timeout naming it: no hang,
-and the process stays usable (the next call succeeds)."""
+and the process stays usable (the next call succeeds). The faults are armed for the whole process
+through the extension's test-only entry point (`inject_fault`, xla_ffi/testing/faults.h) and apply
+to every copy-engine call until they are disarmed."""
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -26,12 +28,20 @@ def short_timeout(monkeypatch):
     monkeypatch.setattr(config, "RENDEZVOUS_TIMEOUT_S", TIMEOUT_S)
 
 
+@pytest.fixture
+def inject_fault():
+    """inject_fault("skip:2") arms a fault for the calls that follow, inject_fault("") disarms it;
+    disarmed after the test whatever happens."""
+    faults = _ext.testing()
+    yield faults.inject_fault
+    faults.inject_fault("")
+
+
 def _mesh():
     return Mesh(np.array(jax.devices()[:8]), ("tp",))
 
 
 def _gather_fn(mesh):
-    # Traced afresh per call (a new lambda), so the fault switch is read at each trace.
     return jax.jit(jax.shard_map(lambda a: dma.all_gather(a, "tp", schedule="dma/direct/c2/s2"),
                                  mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))
 
@@ -43,44 +53,46 @@ def _matmul_rs_fn(mesh):
 
 
 @pytest.mark.parametrize("fault", ["skip:2", "fail:2"])
-def test_missing_rank_times_out_then_recovers(fault, short_timeout, monkeypatch):
+def test_missing_rank_times_out_then_recovers(fault, short_timeout, inject_fault):
     mesh = _mesh()
     x = jnp.arange(8 * 16 * 3, dtype=jnp.float32).reshape(8 * 16, 3)
-    monkeypatch.setattr(config, "FAULT_INJECTION", fault)
+    inject_fault(fault)
     start = time.monotonic()
     with pytest.raises(Exception, match=r"missing ranks \[2\]|injected fault .* on rank 2") as info:
         np.asarray(_gather_fn(mesh)(x))
     assert time.monotonic() - start < 10 * TIMEOUT_S + 5, "the failure took far longer than the timeout"
 
-    monkeypatch.setattr(config, "FAULT_INJECTION", "")
+    inject_fault("")
     out = np.asarray(_gather_fn(mesh)(x))
     np.testing.assert_array_equal(out, np.tile(np.asarray(x), (8, 1)))
 
 
-def test_peers_report_the_missing_rank(short_timeout, monkeypatch):
+def test_peers_report_the_missing_rank(short_timeout, inject_fault):
     """Every waiting rank's error names the missing rank and the phase (checked on matmul_rs)."""
     mesh = _mesh()
     y = jnp.ones((8 * 16, 4), jnp.float32)
     w = jnp.ones((8 * 4, 2), jnp.float32)
-    monkeypatch.setattr(config, "FAULT_INJECTION", "fail:5")
+    inject_fault("fail:5")
     with pytest.raises(Exception, match=r"missing ranks \[5\]|on rank 5") as info:
         np.asarray(_matmul_rs_fn(mesh)(y, w))
     message = str(info.value)
     assert "phase done" in message or "injected fault 'fail' on rank 5" in message
-    monkeypatch.setattr(config, "FAULT_INJECTION", "")
+    inject_fault("")
     out = np.asarray(_matmul_rs_fn(mesh)(y, w))
     np.testing.assert_allclose(out, np.full((16, 2), 4.0 * 8), rtol=0)
 
 
-def test_bad_fault_spec_is_rejected(monkeypatch):
-    monkeypatch.setattr(config, "FAULT_INJECTION", "explode:1")
+def test_bad_fault_spec_is_rejected(inject_fault):
     with pytest.raises(ValueError, match="skip:<rank>"):
-        _gather_fn(_mesh())(jnp.zeros((8 * 4, 2), jnp.float32))
+        inject_fault("explode:1")
+    x = jnp.arange(8 * 4 * 2, dtype=jnp.float32).reshape(8 * 4, 2)  # nothing was armed: the op runs
+    np.testing.assert_array_equal(np.asarray(_gather_fn(_mesh())(x)), np.tile(np.asarray(x), (8, 1)))
 
 
 # ------------------------------------------------------------------------------------------------
 # Every public op on copy engines, a 2-D mesh group, the error's arrival time, and the process
-# staying usable: a program compiled before the fault still runs after it.
+# staying usable: the program that failed runs correctly once the fault is disarmed, and so does
+# a fresh trace.
 # ------------------------------------------------------------------------------------------------
 #: Slack over the rendezvous timeout for the error to reach Python: the peers' wait ends at the
 #: timeout; the rest is unwinding the launch (no compile: the programs are compiled beforehand).
@@ -93,8 +105,8 @@ def _mesh2d():
 
 
 def _program(mesh, op, transfer="pull"):
-    """A freshly traced (so the fault switch is read now) and compiled program running `op`,
-    with its inputs and the expected output; transfer="push" runs the push form of each schedule."""
+    """A freshly traced and compiled program running `op`, with its inputs and the expected output;
+    transfer="push" runs the push form of each schedule."""
     import ficco_jax
 
     def sched(text):
@@ -133,27 +145,25 @@ def _program(mesh, op, transfer="pull"):
 @pytest.mark.parametrize("mode", ["skip", "fail"])
 @pytest.mark.parametrize("transfer", ["pull", "push"])
 def test_every_op_fails_in_time_naming_the_rank_then_runs_again(op, mode, transfer, mesh_kind, short_timeout,
-                                                                monkeypatch):
+                                                                inject_fault):
     mesh = _mesh() if mesh_kind == "1d" else _mesh2d()
     missing = 1 if mesh_kind == "2d" else 6  # on the 2-D mesh: rank 1 of both tp groups
-    healthy, args, expected = _program(mesh, op, transfer)
-    monkeypatch.setattr(config, "FAULT_INJECTION", f"{mode}:{missing}")
-    faulty, _, _ = _program(mesh, op, transfer)
-    monkeypatch.setattr(config, "FAULT_INJECTION", "")
-
+    program, args, expected = _program(mesh, op, transfer)
+    inject_fault(f"{mode}:{missing}")
     start = time.monotonic()
     # Pulls: the peers time out waiting for the missing rank. Pushes: a rank that fails after the
     # exchange still meets its peers once (they may have written into it), so they name it at once.
     named = rf"missing ranks \[{missing}\]|injected fault '{mode}' on rank {missing}|rank {missing} \(device \d+\) failed"
     with pytest.raises(Exception, match=named):
-        jax.block_until_ready(faulty(*args))
+        jax.block_until_ready(program(*args))
     elapsed = time.monotonic() - start
+    inject_fault("")
     print(f"fault {mode}:{missing} {op} {mesh_kind}: error after {elapsed:.3f} s (timeout {TIMEOUT_S} s)")
     assert elapsed < TIMEOUT_S + ARRIVAL_SLACK_S, f"{op} {mode}: the error took {elapsed:.2f} s"
 
-    # The process stays usable: the program compiled before the fault, a fresh trace, and the
-    # faulty program's peers on the next launch (a new RunId) are unaffected by the stale call.
-    np.testing.assert_allclose(np.asarray(healthy(*args)), expected, rtol=1e-5, atol=1e-6)
+    # The process stays usable: the program that failed and a fresh trace run correctly; the
+    # peers on the next launch (a new RunId) are unaffected by the stale call.
+    np.testing.assert_allclose(np.asarray(program(*args)), expected, rtol=1e-5, atol=1e-6)
     fresh, _, _ = _program(mesh, op, transfer)
     np.testing.assert_allclose(np.asarray(fresh(*args)), expected, rtol=1e-5, atol=1e-6)
 
@@ -170,8 +180,7 @@ def test_a_waiting_rank_names_the_op_group_and_missing_ranks():
                     group_size=np.int64(8), chunks=np.int64(1),
                     order=np.int64(1), gemm=np.int64(0), copy_streams=np.int64(1),
                     timeout_ms=np.int64(int(TIMEOUT_S * 1000)), watchdog_ms=np.int64(0), site="test",
-                    fault=np.int64(-1), skip_own_rows=np.int64(0),
-                    transfer=np.int64(0))
+                    skip_own_rows=np.int64(0), transfer=np.int64(0))
 
     f = jax.jit(jax.shard_map(gather, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False))
     x = jnp.zeros((4 * 2, 3), jnp.float32)
@@ -187,17 +196,17 @@ def test_a_waiting_rank_names_the_op_group_and_missing_ranks():
     assert TIMEOUT_S * 0.9 <= elapsed < TIMEOUT_S + ARRIVAL_SLACK_S, elapsed
 
 
-def test_repeated_faults_do_not_accumulate(short_timeout, monkeypatch):
+def test_repeated_faults_do_not_accumulate(short_timeout, inject_fault):
     """Five failed launches in a row, then healthy ones: nothing stale blocks or slows them."""
     mesh = _mesh()
-    healthy, args, expected = _program(mesh, "all_gather")
-    monkeypatch.setattr(config, "FAULT_INJECTION", "fail:0")
-    faulty, _, _ = _program(mesh, "all_gather")
+    program, args, expected = _program(mesh, "all_gather")
+    inject_fault("fail:0")
     for _ in range(5):
         with pytest.raises(Exception, match=r"missing ranks \[0\]|on rank 0"):
-            jax.block_until_ready(faulty(*args))
+            jax.block_until_ready(program(*args))
+    inject_fault("")
     start = time.monotonic()
     for _ in range(20):
-        out = healthy(*args)
+        out = program(*args)
     np.testing.assert_array_equal(np.asarray(out), expected)
     assert time.monotonic() - start < TIMEOUT_S, "healthy launches after faults waited on something"

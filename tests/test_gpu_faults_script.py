@@ -17,7 +17,6 @@ TIMEOUT_S = 1.0
 @pytest.mark.skipif(not _ext.available(), reason="ficco_jax._ffi is not built")
 def test_gpu_faults_script_on_cpu(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    env.pop("FICCO_FAULT_INJECTION", None)
     cmd = [sys.executable, str(SCRIPT), "--ops", "all_gather,a2a_matmul", "--timeout-s", str(TIMEOUT_S),
            "--out", str(tmp_path)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)

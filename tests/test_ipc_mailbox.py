@@ -22,7 +22,7 @@ try:
 except ImportError:  # the extension is not built: the tests skip
     _ffi = None
 
-pytestmark = pytest.mark.skipif(_ffi is None or not hasattr(_ffi, "_mailbox_exchange"),
+pytestmark = pytest.mark.skipif(_ffi is None or not hasattr(_ffi, "testing"),
                                 reason="ficco_jax._ffi with the host mailbox is not built")
 
 #: Seconds every worker gets in all.
@@ -44,8 +44,8 @@ def _worker(job: int, rank: int, n: int, posts: int, members, timeout_s: float) 
         p = _post(rank, k)
         start = time.monotonic()
         try:
-            got = _ffi._mailbox_exchange(job, members, rank, p["op_id"], p["signature"], p["buffer_export"],
-                                         p["buffer_offset"], p["event_ids"], timeout_s)
+            got = _ffi.testing.mailbox_exchange(job, members, rank, p["op_id"], p["signature"], p["buffer_export"],
+                                                p["buffer_offset"], p["event_ids"], timeout_s)
         except RuntimeError as exc:
             errors.append({"post": k, "message": str(exc), "after_s": time.monotonic() - start})
             break

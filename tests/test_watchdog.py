@@ -1,7 +1,8 @@
 """The watchdog: a copy-engine call whose wait cannot complete is reported on stderr — op, where it
 was written, schedule, device, rank, and the peer event it waits for — and the process ends; a
-healthy program is never reported. The stalls are injected (FICCO_FAULT_INJECTION="stall:<rank>":
-that rank posts events that never complete) in a child process, since the watchdog ends it.
+healthy program is never reported. The stalls are injected ("stall:<rank>", the extension's
+test-only inject_fault: the events that rank records on XLA's stream never complete) in a child
+process, since the watchdog ends it.
 tests/gpu/test_watchdog_gpu.py runs the same program on GPUs."""
 import os
 import re
@@ -25,10 +26,11 @@ DEADLINE_S = 90
 
 
 def run_program(op, schedule, *extra, fault="stall:1", watchdog_s=WATCHDOG_S, devices=4, timeout=DEADLINE_S):
-    env = {**os.environ, "FICCO_FAULT_INJECTION": fault, "FICCO_WATCHDOG_S": str(watchdog_s),
+    env = {**os.environ, "FICCO_WATCHDOG_S": str(watchdog_s),
            "FICCO_RENDEZVOUS_TIMEOUT_S": "120"}  # the host meetings must not end the stall first
     start = time.monotonic()
-    done = subprocess.run([sys.executable, PROGRAM, op, schedule, "--cpu", "--devices", str(devices), *extra],
+    done = subprocess.run([sys.executable, PROGRAM, op, schedule, "--fault", fault, "--cpu", "--devices", str(devices),
+                           *extra],
                           capture_output=True, text=True, env=env, timeout=timeout)
     return done, time.monotonic() - start
 

@@ -1,8 +1,9 @@
 """A program with one copy-engine op, for the watchdog's tests (tests/test_watchdog.py on CPU,
-tests/gpu/test_watchdog_gpu.py on GPUs): run it in a child process with FICCO_FAULT_INJECTION and
-FICCO_WATCHDOG_S set; it prints "calling" before the op and "result <sum>" after it.
+tests/gpu/test_watchdog_gpu.py on GPUs): run it in a child process with FICCO_WATCHDOG_S set; with
+--fault it arms that fault (the extension's test-only inject_fault) before the op. It prints
+"calling" before the op and "result <sum>" after it.
 
-    python tests/watchdog_program.py OP SCHEDULE [--devices N] [--calls K] [--cpu]
+    python tests/watchdog_program.py OP SCHEDULE [--fault SPEC] [--devices N] [--calls K] [--cpu]
 """
 import argparse
 import os
@@ -14,6 +15,7 @@ def main() -> int:
     parser.add_argument("op", choices=("ag_matmul", "matmul_rs", "all_gather", "overlap"),
                         help="an op, or 'overlap': all_gather -> dot rewritten by ficco_jax.overlap")
     parser.add_argument("schedule")
+    parser.add_argument("--fault", default="", help="'stall:<rank>', 'fail:<rank>' or 'skip:<rank>'; '' for none")
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--calls", type=int, default=1, help="launches of the program, back to back")
     parser.add_argument("--cpu", action="store_true", help="run on virtual CPU devices")
@@ -27,7 +29,9 @@ def main() -> int:
     from jax.sharding import Mesh, PartitionSpec as P
 
     import ficco_jax
+    from ficco_jax.runtime import extension
 
+    extension.testing().inject_fault(args.fault)
     n = args.devices
     mesh = Mesh(np.array(jax.devices()[:n]), ("tp",))
     key_x, key_w = jax.random.split(jax.random.PRNGKey(0))

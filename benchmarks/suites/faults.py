@@ -11,20 +11,18 @@ a2a targets meet in the same executor rendezvous), on a 1-D mesh "tp" over every
   (a) with a fault injected the call raises (no hang, no crash) within the rendezvous timeout +
       `--margin-s`, and the message names the faulty rank: "injected fault '<mode>' on rank r"
       (the faulty rank's own error) or "missing ranks [r]" (a waiting peer's);
-  (b) in the same process, with the fault switched off, the next call equals the plain-JAX
+  (b) in the same process, with the fault disarmed, the next call equals the plain-JAX
       reference exactly (small-integer inputs, so every matmul and sum is exact): both the
-      program compiled before the fault ran and a freshly traced one;
+      program that failed and a freshly traced one;
   (c) the process stays usable: 20 back-to-back launches after the faults take less than the
       rendezvous timeout together and give the reference result; a plain jnp op still runs.
 
-How the switch is read (ficco_jax/config.py, dma.py): FICCO_FAULT_INJECTION and
-FICCO_RENDEZVOUS_TIMEOUT_S are read once, at import, into config.FAULT_INJECTION and
-config.RENDEZVOUS_TIMEOUT_S; the op reads those attributes when it is traced (they become FFI
-attributes of that program). So each child starts with FICCO_FAULT_INJECTION=skip:1 and
-FICCO_RENDEZVOUS_TIMEOUT_S=<--timeout-s> in its environment (the documented knobs), runs the
-skip case with the program traced under it, then sets config.FAULT_INJECTION in-process to
-fail:<n-1> for the second case, and to "" to switch faults off; a program traced with a fault
-keeps it, one traced after the switch has none.
+How the faults are armed: the extension's test-only entry point
+(`ficco_jax.runtime.extension.testing().inject_fault`, xla_ffi/testing/faults.h) arms one fault
+for every copy-engine call of the process until it is disarmed; the rendezvous timeout is
+FICCO_RENDEZVOUS_TIMEOUT_S=<--timeout-s> in each child's environment, read at import into
+config.RENDEZVOUS_TIMEOUT_S and written into the program when it is traced. Each child arms
+skip:1, runs the case, disarms, runs the next calls; then the same with fail:<n-1>.
 
 One more child launches a group of n devices on only n/2 of them (a direct FFI call, as in
 tests/test_executor_faults.py, with the attributes dma.py itself writes for the whole group) and
@@ -64,8 +62,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # ------------------------------------------------------------------------------------------------
 def _case(op, mesh):
     """(make, args, in_specs, out_spec, ref): `make()` returns a NEW body each call, so that every
-    jit of it traces afresh and reads config.FAULT_INJECTION at that moment. Inputs are small
-    integers (-2..2), so every matmul and sum is exact in f32 and TF32 and results compare exactly."""
+    jit of it traces afresh. Inputs are small integers (-2..2), so every matmul and sum is exact in
+    f32 and TF32 and results compare exactly."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -124,30 +122,30 @@ def _equal(record, key, run, expected) -> bool:
 
 
 def _one_fault(op, spec, mesh, case, expected, timeout_s, margin_s) -> dict:
-    """Trace with `spec` on, switch it off, run: (a) error in time naming the rank, (b) next calls."""
+    """Run with `spec` armed, disarm it, run again: (a) error in time naming the rank, (b) next calls."""
     import jax
 
-    from ficco_jax import config
+    from ficco_jax.runtime import extension
 
     make, args, in_specs, out_spec, _ = case
     mode, rank = spec.split(":")
     record = {"case": f"{op} {spec}", "op": op, "fault": spec, "rank": int(rank)}
-    config.FAULT_INJECTION = spec  # the first case: already this value, read from the environment at import
-    faulty = _compile(mesh, make(), in_specs, out_spec, args)
-    config.FAULT_INJECTION = ""
-    healthy = _compile(mesh, make(), in_specs, out_spec, args)  # compiled before the fault runs
+    program = _compile(mesh, make(), in_specs, out_spec, args)
+    extension.testing().inject_fault(spec)
     start = time.monotonic()
     try:
-        jax.block_until_ready(faulty(*args))
+        jax.block_until_ready(program(*args))
         record.update(raised=False, error_s=time.monotonic() - start, message="")
     except Exception as exc:  # noqa: BLE001 - any error type counts; its message is checked
         record.update(raised=True, error_s=time.monotonic() - start, error_type=type(exc).__name__,
                       message=str(exc)[:600])
+    finally:
+        extension.testing().inject_fault("")
     names = re.search(rf"missing ranks \[{rank}\]|injected fault '{mode}' on rank {rank}\b", record["message"])
     record["names_rank"] = bool(names)
     record["reported_by"] = ("" if not names else "faulty rank" if "injected" in names.group(0) else "waiting peer")
     record["within_time"] = record["error_s"] < timeout_s + margin_s
-    _equal(record, "next_call_precompiled", lambda: healthy(*args), expected)
+    _equal(record, "next_call_precompiled", lambda: program(*args), expected)
     _equal(record, "next_call_fresh_trace", lambda: _compile(mesh, make(), in_specs, out_spec, args)(*args), expected)
     record["pass"] = all(record[k] for k in ("raised", "names_rank", "within_time", "next_call_precompiled",
                                              "next_call_fresh_trace"))
@@ -182,8 +180,6 @@ def child_op(op, timeout_s, margin_s) -> None:
 
     from ficco_jax import config
 
-    env_spec = os.environ.get("FICCO_FAULT_INJECTION", "")
-    assert config.FAULT_INJECTION == env_spec, "config.FAULT_INJECTION is read from the environment at import"
     assert config.RENDEZVOUS_TIMEOUT_S == timeout_s, (config.RENDEZVOUS_TIMEOUT_S, timeout_s)
     devices = jax.local_devices()
     n = len(devices)
@@ -197,7 +193,7 @@ def child_op(op, timeout_s, margin_s) -> None:
         mesh = Mesh(np.array(devices), ("tp",))
     case = _case(op, mesh)
     expected = _reference(mesh, case)
-    for spec in (env_spec or "skip:1", f"fail:{n - 1}"):
+    for spec in ("skip:1", f"fail:{n - 1}"):
         _emit(_one_fault(op, spec, mesh, case, expected, timeout_s, margin_s))
     _emit(_still_usable(op, mesh, case, expected, timeout_s))
 
@@ -245,7 +241,7 @@ def child_partial(timeout_s, margin_s) -> None:
     full, launched = Mesh(np.array(devices), ("tp",)), Mesh(np.array(devices[:half]), ("tp",))
     op_id = 2 * 10**9
     attrs = dict(_library_attributes(full, jnp.zeros((n * 2, 3), jnp.float32)), op_id=np.int64(op_id),
-                 timeout_ms=np.int64(int(round(timeout_s * 1000))), fault=np.int64(-1))
+                 timeout_ms=np.int64(int(round(timeout_s * 1000))))
 
     def gather(a):
         call = jax.ffi.ffi_call("ficco_all_gather", jax.ShapeDtypeStruct((n * a.shape[0], a.shape[1]), a.dtype))
@@ -284,8 +280,7 @@ def _emit(record: dict) -> None:
 # ------------------------------------------------------------------------------------------------
 def _run_child(target, args, timeout_s) -> tuple[list[dict], str]:
     """The child's RESULT records, and a failure note ('' if it exited 0 in time)."""
-    env = dict(os.environ, FICCO_FAULT_INJECTION="" if target == PARTIAL else "skip:1",
-               FICCO_RENDEZVOUS_TIMEOUT_S=str(args.timeout_s), PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, FICCO_RENDEZVOUS_TIMEOUT_S=str(args.timeout_s), PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, os.path.abspath(__file__), "--child", target, "--timeout-s", str(args.timeout_s),
            "--margin-s", str(args.margin_s)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

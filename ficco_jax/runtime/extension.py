@@ -17,13 +17,14 @@ _REBUILD_HINT = (
 )
 
 _registered = False
+_module = None  # ficco_jax._ffi, once loaded
 _build_info: dict | None = None
 _import_error: ImportError | None = None
 
 
 def _load() -> dict:
     """Import `_ffi`, check its version and register its targets (once)."""
-    global _registered, _build_info
+    global _registered, _module, _build_info
     try:
         from .. import _ffi
     except ImportError as exc:
@@ -39,7 +40,7 @@ def _load() -> dict:
             for platform, capsule in platforms.items():
                 jax.ffi.register_ffi_target(name, capsule, platform=platform)
         _registered = True
-    _build_info = info
+    _module, _build_info = _ffi, info
     return info
 
 
@@ -68,6 +69,15 @@ def cuda_built() -> bool:
 
 def build_info() -> dict:
     return dict(ensure_loaded())
+
+
+def testing():
+    """`ficco_jax._ffi.testing`, the extension's test-only entry points (the library never calls
+    them): `inject_fault(spec)` arms a fault for every later copy-engine call of this process
+    ("skip:<rank>", "fail:<rank>", "stall:<rank>"; "" disarms it: xla_ffi/testing/faults.h), and
+    `mailbox_exchange(...)` runs the host mailbox's protocol with plain integers."""
+    ensure_loaded()
+    return _module.testing
 
 
 try:

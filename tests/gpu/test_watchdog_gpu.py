@@ -1,4 +1,4 @@
-"""The watchdog on GPUs: a peer whose event never completes (FICCO_FAULT_INJECTION="stall:1")
+"""The watchdog on GPUs: a peer whose events never complete (the injected fault "stall:1")
 leaves the other GPU's copy streams waiting; the watchdog names the op, schedule, device, rank and
 that event on stderr and ends the process instead of letting it hang. The same program as
 tests/test_watchdog.py, on every visible GPU (one child process each case)."""
@@ -20,9 +20,8 @@ PROGRAM = os.path.join(os.path.dirname(os.path.dirname(__file__)), "watchdog_pro
 @pytest.mark.parametrize("op, schedule", [("ag_matmul", "dma/direct/c2"), ("matmul_rs", "dma/direct/c2/grouped"),
                                           ("ag_matmul", "dma/direct/c1/push")])
 def test_a_stalled_peer_is_reported_and_ends_the_process(op, schedule):
-    env = {**os.environ, "FICCO_FAULT_INJECTION": "stall:1", "FICCO_WATCHDOG_S": "3",
-           "FICCO_RENDEZVOUS_TIMEOUT_S": "120"}
-    done = subprocess.run([sys.executable, PROGRAM, op, schedule, "--devices", str(len(GPUS))],
+    env = {**os.environ, "FICCO_WATCHDOG_S": "3", "FICCO_RENDEZVOUS_TIMEOUT_S": "120"}
+    done = subprocess.run([sys.executable, PROGRAM, op, schedule, "--fault", "stall:1", "--devices", str(len(GPUS))],
                           capture_output=True, text=True, env=env, timeout=180)
     assert done.returncode == -signal.SIGABRT, (done.returncode, done.stderr[-3000:])
     assert "result" not in done.stdout

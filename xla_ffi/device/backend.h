@@ -58,8 +58,8 @@ class Backend {
   // An event recorded on the compute stream that the caller owns (not one of the call's events):
   // the watchdog's marks of a call's start and end, returned to Pool() by the watchdog.
   virtual ffi::Error RecordMark(Event* event) = 0;
-  // An event that never completes: a peer that never records, for the stall fault
-  // (config.FAULT_INJECTION "stall:<rank>"), which only the watchdog ends.
+  // An event that never completes, for the tests' stall fault (testing/faults.h): a device that
+  // never reaches the call, which only the watchdog ends.
   virtual ffi::Error RecordNever(Event* event) = 0;
   // `stream` waits for `event` (possibly recorded on another device).
   virtual ffi::Error Wait(int stream, Event event) = 0;

@@ -3,7 +3,6 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
-#include <cstdlib>
 
 #include "device/reduce.h"
 
@@ -83,12 +82,7 @@ cudaError_t Launch(const ReduceProblem& p, cudaStream_t stream) {
   if (p.count == 0) return cudaSuccess;
   constexpr int kThreads = 256;
   constexpr int V = Pack<T>::kLanes;
-  // FICCO_REDUCE_SCALAR=1 keeps the one-element kernel everywhere (read once): for A/B timings.
-  static const bool scalar_only = [] {
-    const char* flag = std::getenv("FICCO_REDUCE_SCALAR");
-    return flag != nullptr && flag[0] != '\0' && flag[0] != '0';
-  }();
-  const bool vector = !scalar_only && Aligned16(p.out) && Aligned16(p.own) && Aligned16(p.recv) &&
+  const bool vector = Aligned16(p.out) && Aligned16(p.own) && Aligned16(p.recv) &&
                       (p.num_slots <= 1 || p.slot_stride % V == 0);
   // Enough blocks to fill an H100/H200 a few times over; the grid-stride loop covers the rest.
   const int64_t per_thread = vector ? V : 1;

@@ -96,7 +96,6 @@ ffi::Error Gather::Pull(CallSession& session, const Exposure& exposure, Event en
                         std::vector<std::vector<Event>>* landed) {
   std::vector<Post> posts;
   FICCO_RETURN_IF_ERROR(session.Exchange(backend_, exposure, &posts));
-  FICCO_RETURN_IF_ERROR(CheckFault(config_, Fault::kFail));
   return PullChunks(
       backend_, config_, posts, entry, [&](int slot, int64_t) { return posts[config_.SourceOfSlot(slot)].events[0]; },
       [&](int stream, int peer, const Post& post, int, int64_t j) {

@@ -105,7 +105,6 @@ ffi::Error Scatter::Pull(CallSession& session, const void* send, Event entry, co
                                     : Exposure{a_.y, n * layout_.Block(), 1, exposed};
   std::vector<Post> posts;
   FICCO_RETURN_IF_ERROR(session.Exchange(backend_, exposure, &posts));
-  FICCO_RETURN_IF_ERROR(CheckFault(config_, Fault::kFail));
   return PullChunks(
       backend_, config_, posts, entry,
       [&](int slot, int64_t j) { return posts[config_.SourceOfSlot(slot)].events[slot * config_.chunks + j]; },

@@ -49,8 +49,6 @@ ffi::Error DecodeConfig(const OpAttrs& attrs, const char* target, int32_t device
   config->timeout_s = static_cast<double>(attrs.timeout_ms) / 1000.0;
   config->watchdog_s = static_cast<double>(attrs.watchdog_ms) / 1000.0;
   config->site = attrs.site;
-  config->fault = attrs.fault < 0 ? Fault::kNone : static_cast<Fault>(attrs.fault / 1000);
-  config->fault_rank = attrs.fault < 0 ? -1 : static_cast<int>(attrs.fault % 1000);
   config->skip_own_rows = attrs.skip_own_rows != 0;
   config->push = attrs.transfer == 1;
   return ffi::Error::Success();

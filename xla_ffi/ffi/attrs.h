@@ -11,7 +11,7 @@
 
 namespace ficco {
 
-// The attributes of every ficco target (dma.py writes them; see its _attributes()).
+// The attributes of every ficco target (ficco_jax/lowering/dma/registry.py writes them: _lowering).
 struct OpAttrs {
   int64_t op_id;                  // unique per call site, set at trace time
   // Device groups of the mesh axis, flat, members in rank order: device ordinals of this process,
@@ -27,7 +27,6 @@ struct OpAttrs {
   int64_t timeout_ms;
   int64_t watchdog_ms;            // config.WATCHDOG_S: device work may take this long once started; 0: unwatched
   std::string_view site;          // where the op was written, for the watchdog's report
-  int64_t fault;                  // -1 none, else mode * 1000 + rank (mode 1 skip, 2 fail, 3 stall)
   // ag_matmul / a2a_matmul: 1 when the caller drops `gathered` / `received` (no return of it, no VJP
   // residual): this device's own rows / block are then not copied in (the matmuls read them from x);
   // the peers' rows still land there.
@@ -35,7 +34,7 @@ struct OpAttrs {
   int64_t transfer;               // 0 pull (the receiver's copy streams read), 1 push (the sender's write)
 };
 
-// The contention probe's attributes (ficco_jax/dma_probe.py writes them).
+// The contention probe's attributes (ficco_jax/lowering/dma/probe.py writes them).
 struct ProbeAttrs {
   int64_t op_id;
   ffi::Span<const int64_t> groups;
@@ -48,10 +47,10 @@ struct ProbeAttrs {
 
 // The schedule part of a target's attributes, as every target's config decodes it.
 inline const OpAttrs& ScheduleAttrs(const OpAttrs& attrs) { return attrs; }
-// The probe: one copy stream, direct, one chunk; no fault injection in a measurement. In-process
-// groups only (dma_probe.py refuses groups across processes): ordinals are local.
+// The probe: one copy stream, direct, one chunk. In-process groups only (probe.py refuses
+// groups across processes): ordinals are local.
 inline OpAttrs ScheduleAttrs(const ProbeAttrs& p) {
-  return OpAttrs{p.op_id, p.groups, p.groups, 0, p.group_size, 1, 1, 0, 1, p.timeout_ms, p.watchdog_ms, "probe", -1, 0, 0};
+  return OpAttrs{p.op_id, p.groups, p.groups, 0, p.group_size, 1, 1, 0, 1, p.timeout_ms, p.watchdog_ms, "probe", 0, 0};
 }
 
 ffi::Error DecodeConfig(const OpAttrs& attrs, const char* target, int32_t device_ordinal, int64_t run_id,
@@ -69,7 +68,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::xla::ffi::StructMember<int64_t>("order"), ::xla::ffi::StructMember<int64_t>("gemm"),
     ::xla::ffi::StructMember<int64_t>("copy_streams"), ::xla::ffi::StructMember<int64_t>("timeout_ms"),
     ::xla::ffi::StructMember<int64_t>("watchdog_ms"), ::xla::ffi::StructMember<std::string_view>("site"),
-    ::xla::ffi::StructMember<int64_t>("fault"), ::xla::ffi::StructMember<int64_t>("skip_own_rows"),
+    ::xla::ffi::StructMember<int64_t>("skip_own_rows"),
     ::xla::ffi::StructMember<int64_t>("transfer"));
 
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(

@@ -1,7 +1,8 @@
 // One handler definition serves every target on CPU and CUDA: a Target names the target, its Impl,
 // its attribute struct and its operands (Arg: an input buffer, Ret: a result buffer, in binding
 // order), and yields both platforms' XLA FFI entry points. Each entry decodes the attributes into
-// an OpConfig (once), makes the platform's Backend and runs the Impl behind Guard (base/guard.h):
+// an OpConfig (once), makes the platform's Backend (wrapped in the one that injects a fault where a
+// test armed one for this rank: testing/faults.h) and runs the Impl behind Guard (base/guard.h):
 // no exception or CUDA error escapes.
 //
 // Every call is watched (runtime/watchdog.h) from its start until its device work is done. A call
@@ -127,6 +128,9 @@ struct Target {
       FICCO_RETURN_IF_ERROR(DecodeConfig(ScheduleAttrs(attrs), kName, ordinal, run.run_id, &config));
       config.spin_s = Platform::kSpinSeconds;
       std::unique_ptr<Backend> backend = platform.MakeBackend(config);
+      if constexpr (std::is_same_v<Attrs, OpAttrs>) {  // a test's armed fault (none in a measurement)
+        backend = Registry::Get().faults().Apply(std::move(backend), config);
+      }
       CallWatch watch(*backend, config);
       config.watch = &watch;
       ffi::Error result = ffi::Error::Success();

@@ -1,6 +1,6 @@
 // The op table of the FFI layer: one line per target (name, Impl, attributes, operands in binding
 // order); ffi/handler.h makes both platforms' handlers from it. Operand shapes per device, as
-// ficco_jax/dma.py and dma_a2a.py bind them (n: group size):
+// ficco_jax/lowering/dma/registry.py binds them (n: group size):
 //   ficco_ag_matmul        x [m, K], w [K, N]           -> out [n*m, N], gathered [n*m, K]
 //   ficco_matmul_rs        y [n*m, N], w [N, K]         -> out [m, K], send [n-1, m, K], recv [n-1, m, K]
 //   ficco_*_scaled         the two above with FP8 operands: + the f32 scales of both operands after w

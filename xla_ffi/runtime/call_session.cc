@@ -8,8 +8,6 @@
 #include "base/text.h"
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 
 namespace ficco {
 
@@ -41,8 +39,8 @@ CallSession::~CallSession() {
 //   r compute (XLA) : write data [ev_0] .. [ev_E-1] wait(tail) copy piece k [staged_k] .. matmuls ..  (join)
 //   p copy streams  :                                 wait(staged_k) pull piece k ..  [pulls_done]
 //
-//   wait(ev_k)          piece k is valid in XLA's buffer only from the event that guards it (on
-//                       XLA's stream, where the copies run, this holds by stream order).
+//   [ev_k]              piece k is valid in XLA's buffer only from the event that guards it; the
+//                       copies run after it on XLA's stream, so stream order is the wait.
 //   wait(staged_k)      peers pull a piece once it is in the staging buffer.
 //   wait(pulls_done)    the next call's staging copies overwrite the region: they must not start
 //                       before every peer finished pulling this call's data. The staging stream
@@ -58,29 +56,9 @@ CallSession::~CallSession() {
 // gets a new one.
 // Cost of a copied exposure: one more device-local copy of the exposed bytes per call, on XLA's
 // stream ahead of the call's own matmuls (CallSession::Stage says why): 31 us for 64 MiB on an
-// H200. With FICCO_STAGE_STREAM=copy the copies run on the staging stream instead (then the
-// compute stream's join waits for the last of them, AwaitStagingCopies).
-namespace {
-// The stall fault (config.FAULT_INJECTION "stall:<rank>"): that rank posts events that never
-// complete, as a peer whose device never reaches the call would; only the watchdog ends it.
-ffi::Error StallIfInjected(Backend& backend, const OpConfig& config, std::vector<Event>* events) {
-  if (config.fault != Fault::kStall || config.rank != config.fault_rank) return ffi::Error::Success();
-  if (config.cross_process()) {
-    return MakeInvalid(config.ctx, "the stall fault applies to groups inside one process");
-  }
-  Event never;
-  FICCO_RETURN_IF_ERROR(backend.RecordNever(&never));
-  std::fill(events->begin(), events->end(), never);
-  return ffi::Error::Success();
-}
-}  // namespace
-
+// H200.
 ffi::Error CallSession::Exchange(Backend& backend, const Exposure& exposure, std::vector<Post>* posts) {
-  if (!config_.cross_process()) {
-    std::vector<Event> events = exposure.events;
-    FICCO_RETURN_IF_ERROR(StallIfInjected(backend, config_, &events));
-    return Meet(Phase::kExchange, exposure.buffer, std::move(events), posts);
-  }
+  if (!config_.cross_process()) return Meet(Phase::kExchange, exposure.buffer, exposure.events, posts);
   if (exposure.bytes == 0) return Meet(Phase::kExchange, nullptr, exposure.events, posts);
   if (in_place_ != nullptr && exposure.buffer == in_place_) return Meet(Phase::kExchange, in_place_, exposure.events, posts);
   if (staged_from_ != exposure.buffer) FICCO_RETURN_IF_ERROR(Stage(backend, exposure));
@@ -88,13 +66,13 @@ ffi::Error CallSession::Exchange(Backend& backend, const Exposure& exposure, std
 }
 
 // The staging copies of Exchange, enqueued before compute work that does not need the peers
-// (ag_matmul's own-shard matmul), on XLA's stream by default. The copy is within one GPU, and such
+// (ag_matmul's own-shard matmul), on XLA's stream. The copy is within one GPU, and such
 // copies behave as SM work (device/dma.h): on its own stream it waited for the matmul beside it to free
 // the SMs (2 x H200, one process per GPU: the staging copy of x, 64 MiB, began ~0.35 ms
 // into a 0.43 ms matmul every call, whatever its place in host order, with
 // cudaMemcpyBatchAsync's copy-engine hint or 32 hardware queues), and each peer's pull and
-// matmul waited for it. On XLA's stream it runs first, at full speed, then the matmul.
-// FICCO_STAGE_STREAM=copy puts it back on the staging stream (read once; for A/B timings).
+// matmul waited for it. On XLA's stream it runs first, at full speed, then the matmul; the data
+// it copies was written before it on that stream, so it needs no wait for the exposure's events.
 ffi::Error CallSession::Stage(Backend& backend, const Exposure& exposure) {
   if (!config_.cross_process() || exposure.bytes == 0) return ffi::Error::Success();
   if (in_place_ != nullptr && exposure.buffer == in_place_) return ffi::Error::Success();
@@ -111,29 +89,18 @@ ffi::Error CallSession::Stage(Backend& backend, const Exposure& exposure) {
   }
   void* staging = nullptr;
   FICCO_RETURN_IF_ERROR(AcquireStaging(backend, exposure.bytes, &staging));
-  static const bool on_staging_stream = [] {
-    const char* choice = std::getenv("FICCO_STAGE_STREAM");
-    return choice != nullptr && std::strcmp(choice, "copy") == 0;
-  }();
-  const int stream = on_staging_stream ? Backend::kStaging : Backend::kCompute;
-  if (stream == Backend::kCompute) {
-    // As in StageInPlace: the region is written only after the staging stream's waits for the
-    // peers' pulls of earlier calls (ProtectStaging).
-    Event tail;
-    FICCO_RETURN_IF_ERROR(backend.Record(Backend::kStaging, &tail));
-    FICCO_RETURN_IF_ERROR(backend.Wait(Backend::kCompute, tail));
-  }
+  // As in StageInPlace: the region is written only after the staging stream's waits for the
+  // peers' pulls of earlier calls (ProtectStaging).
+  Event tail;
+  FICCO_RETURN_IF_ERROR(backend.Record(Backend::kStaging, &tail));
+  FICCO_RETURN_IF_ERROR(backend.Wait(Backend::kCompute, tail));
   const int64_t piece_bytes = exposure.bytes / exposure.pieces;
   std::vector<Event> staged(exposure.pieces);
   for (int64_t k = 0; k < exposure.pieces; ++k) {
-    // Events are recorded in index order on one stream: the last one of piece k covers all of it.
-    const Event written = exposure.events[(k + 1) * num_events / exposure.pieces - 1];
-    FICCO_RETURN_IF_ERROR(backend.Wait(stream, written));
-    FICCO_RETURN_IF_ERROR(backend.Copy(stream, Offset(staging, k * piece_bytes),
+    FICCO_RETURN_IF_ERROR(backend.Copy(Backend::kCompute, Offset(staging, k * piece_bytes),
                                        Offset(exposure.buffer, k * piece_bytes), piece_bytes));
-    FICCO_RETURN_IF_ERROR(backend.Record(stream, &staged[k]));
+    FICCO_RETURN_IF_ERROR(backend.Record(Backend::kCompute, &staged[k]));
   }
-  staged_last_ = staged.back();
   staged_events_.assign(num_events, nullptr);
   for (int64_t i = 0; i < num_events; ++i) staged_events_[i] = staged[i * exposure.pieces / num_events];
   staged_region_ = staging;
@@ -168,11 +135,6 @@ ffi::Error CallSession::StageInPlace(Backend& backend, int64_t bytes, void** reg
   Event tail;
   FICCO_RETURN_IF_ERROR(backend.Record(Backend::kStaging, &tail));
   return backend.Wait(Backend::kCompute, tail);
-}
-
-ffi::Error CallSession::AwaitStagingCopies(Backend& backend) {
-  if (!staging_exposed_ || staged_last_ == nullptr) return ffi::Error::Success();
-  return backend.Wait(Backend::kCompute, staged_last_);
 }
 
 ffi::Error CallSession::ProtectStaging(Backend& backend, const std::vector<Post>& done_posts) {
@@ -292,13 +254,10 @@ ffi::Error PushChunks(Backend& backend, const OpConfig& config, const std::vecto
 ffi::Error CallSession::Push(Backend& backend, void* destination, Event entry, const PushFn& push, bool consumed,
                              std::vector<std::vector<Event>>* landed) {
   std::vector<Post> posts;
-  std::vector<Event> entries{entry};
-  FICCO_RETURN_IF_ERROR(StallIfInjected(backend, config_, &entries));
-  FICCO_RETURN_IF_ERROR(Meet(Phase::kExchange, destination, std::move(entries), &posts));  // all or none: no push yet
+  FICCO_RETURN_IF_ERROR(Meet(Phase::kExchange, destination, {entry}, &posts));  // all or none: no push yet
   const int slots = config_.n() - 1;
   std::vector<std::vector<Event>> pushed(slots, std::vector<Event>(config_.chunks, nullptr));
-  ffi::Error mine = CheckFault(config_, Fault::kFail);
-  if (mine.success()) mine = push(posts, &pushed);
+  ffi::Error mine = push(posts, &pushed);
   std::vector<Event> flat;
   for (const std::vector<Event>& slot : pushed) flat.insert(flat.end(), slot.begin(), slot.end());
   ffi::Error met = Meet(Phase::kPushed, mine.failure() ? &kPushFailed : nullptr, std::move(flat), &posts);
@@ -329,13 +288,6 @@ int CopyStreamsUsed(const OpConfig& config) {
   return std::max(1, std::min(config.copy_streams, config.n() - 1));
 }
 
-ffi::Error CheckFault(const OpConfig& config, Fault when) {
-  if (config.fault != when || config.rank != config.fault_rank) return ffi::Error::Success();
-  return MakeError(config.ctx, std::string("injected fault '") + (when == Fault::kSkip ? "skip" : "fail") +
-                                   "' on rank " + std::to_string(config.rank) +
-                                   " (config.FAULT_INJECTION is set)");
-}
-
 // The join: nothing this call wrote or exposed may be touched by XLA until every copy that
 // writes this device's buffers (its own copy streams) and every copy that reads them (peers'
 // copy streams, reading x or send) has finished.
@@ -356,7 +308,6 @@ ffi::Error JoinAndRelease(Backend& backend, const OpConfig& config, CallSession&
     FICCO_RETURN_IF_ERROR(backend.Record(stream, &pulls_done[stream]));
     FICCO_RETURN_IF_ERROR(backend.Wait(Backend::kCompute, pulls_done[stream]));
   }
-  FICCO_RETURN_IF_ERROR(session.AwaitStagingCopies(backend));  // across processes: see CallSession::Exchange
   std::vector<Post> posts;
   // transfer=push: no peer's copy touches this device's buffers but its pushes into them, and XLA's
   // stream already waits for every one of those (the consumers per chunk, CallSession::Push for the
@@ -376,7 +327,6 @@ ffi::Error JoinAndRelease(Backend& backend, const OpConfig& config, CallSession&
 }
 
 ffi::Error BeginCall(Backend& backend, const OpConfig& config, int64_t rows, const char* what) {
-  FICCO_RETURN_IF_ERROR(CheckFault(config, Fault::kSkip));
   if (config.push && config.cross_process()) {
     return MakeInvalid(config.ctx, "transfer=push writes into the peers' XLA buffers, which other processes "
                                    "cannot open; a group across processes needs transfer=pull");

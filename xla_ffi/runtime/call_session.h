@@ -1,6 +1,6 @@
 // The building blocks of one call that every executor (exec/) shares: its rendezvous and, across
-// processes, its staging (CallSession), the chunk copy loops of both directions, fault
-// injection, and the join that ends it.
+// processes, its staging (CallSession), the chunk copy loops of both directions, and the join that
+// ends it.
 #ifndef FICCO_JAX_XLA_FFI_RUNTIME_CALL_SESSION_H_
 #define FICCO_JAX_XLA_FFI_RUNTIME_CALL_SESSION_H_
 
@@ -68,7 +68,7 @@ class CallSession {
   // pushed here — that peer's send slot s, as p + 1 + s = r.
   // Failure safety: peers write into this device's buffers, which XLA frees once the handler
   // returns an error. So every rank that passed the exchange meets at kPushed on every path (a
-  // rank whose own pushes failed, or the injected "fail" fault, says so in its post), and on any
+  // rank whose own pushes failed says so in its post), and on any
   // failure, ours or a peer's, XLA's stream waits for every push into this device and for this
   // device's copy streams before the error returns. With `consumed` false (nothing on this device
   // reads the landed data: all_gather, all_to_all, matmul_a2a) XLA's stream waits for them on
@@ -76,10 +76,8 @@ class CallSession {
   using PushFn = std::function<ffi::Error(const std::vector<Post>&, std::vector<std::vector<Event>>*)>;
   ffi::Error Push(Backend& backend, void* destination, Event entry, const PushFn& push, bool consumed,
                   std::vector<std::vector<Event>>* landed);
-  // Across processes, within JoinAndRelease (no-ops otherwise): XLA's stream waits for the
-  // staging copies (they read XLA's buffers), and, once the peers' pulls_done events are known,
-  // the staging stream waits for them (see call_session.cc for why).
-  ffi::Error AwaitStagingCopies(Backend& backend);
+  // Across processes, within JoinAndRelease (a no-op otherwise): once the peers' pulls_done events
+  // are known, the staging stream waits for them (see call_session.cc for why).
   ffi::Error ProtectStaging(Backend& backend, const std::vector<Post>& done_posts);
 
  private:
@@ -92,7 +90,6 @@ class CallSession {
   // The staging buffer holds this call's data and peers may pull from it, but the staging stream
   // does not yet wait for their pulls: if the call fails now, the region is retired (~CallSession).
   bool staging_exposed_ = false;
-  Event staged_last_ = nullptr;  // the last staging copy of this call (none when staged in place)
   const void* staged_from_ = nullptr;  // the exposure Stage copied, its staging region and events
   void* staged_region_ = nullptr;
   std::vector<Event> staged_events_;
@@ -101,10 +98,8 @@ class CallSession {
 
 // Copy streams a call uses: one for ring, else min(copy_streams, n - 1).
 int CopyStreamsUsed(const OpConfig& config);
-// The injected fault of config.FAULT_INJECTION, if it is for this rank and moment.
-ffi::Error CheckFault(const OpConfig& config, Fault when);
-// The first steps of every op: the injected early fault ("skip"), then `rows` (of the chunked
-// dimension, named by `what`) must divide by config.chunks, then the device's copy streams and peers.
+// The first steps of every op: `rows` (of the chunked dimension, named by `what`) must divide by
+// config.chunks, then the device's copy streams and peers.
 ffi::Error BeginCall(Backend& backend, const OpConfig& config, int64_t rows, const char* what);
 // The join and event release that end every call (see call_session.cc).
 ffi::Error JoinAndRelease(Backend& backend, const OpConfig& config, CallSession& session);

@@ -13,7 +13,6 @@ namespace ficco {
 
 enum class Order : int { kRing = 0, kDirect = 1 };
 enum class GemmMode : int { kPerChunk = 0, kGrouped = 1 };
-enum class Fault : int { kNone = 0, kSkip = 1, kFail = 2, kStall = 3 };
 
 class CallWatch;  // runtime/watchdog.h
 
@@ -38,8 +37,6 @@ struct OpConfig {
                             // (the call's attribute: valid while the call runs; the watchdog copies it)
   CallWatch* watch = nullptr;  // the watch of this call (ffi/handler.h), told of every peer event waited on
   double spin_s = 0.0;  // rendezvous spin before sleeping (set by the CUDA bindings)
-  Fault fault = Fault::kNone;
-  int fault_rank = -1;
   bool skip_own_rows = false;  // ag_matmul / a2a_matmul whose gathered / received output nobody reads
   bool push = false;  // transfer=push: senders write into their peers' buffers (exec/executor.h)
 

@@ -1,4 +1,5 @@
-// The one process-wide object of ficco_jax: per-device state, the host rendezvous and the watchdog.
+// The one process-wide object of ficco_jax: per-device state, the host rendezvous, the watchdog and
+// the fault plan that tests arm (testing/faults.h; nothing is armed in production).
 //
 // Per-device state (the occurrence counter and, in the CUDA build, the device's CudaDevice:
 // copy streams, event pools, cuBLASLt, peer access, staging buffers) is created on first use, kept
@@ -27,6 +28,7 @@
 #include "device/cuda_device.h"
 #include "runtime/ipc_mailbox.h"
 #include "runtime/watchdog.h"
+#include "testing/faults.h"
 
 namespace ficco {
 
@@ -125,6 +127,7 @@ class Registry {
   std::vector<int> Ordinals();  // the devices that ran an op so far
   Rendezvous& rendezvous() { return rendezvous_; }
   Watchdog& watchdog() { return watchdog_; }
+  FaultPlan& faults() { return faults_; }
   // The events of every CPU device (device/backends.h).
   EventPool& host_events() { return *host_events_; }
 
@@ -141,6 +144,7 @@ class Registry {
   std::map<int, std::unique_ptr<DeviceState>> devices_;
   Rendezvous rendezvous_;
   Watchdog watchdog_;
+  FaultPlan faults_;
   std::unique_ptr<EventPool> host_events_ = MakeHostEventPool();
   std::unique_ptr<HostMailbox> mailbox_;
   bool mailbox_closed_ = false;

@@ -10,11 +10,7 @@ Attributes of every FFI target (one struct per op in xla_ffi/ffi/):
   order (0 ring, 1 direct),
   gemm (0 per_chunk, 1 grouped), copy_streams, timeout_ms (config.RENDEZVOUS_TIMEOUT_S),
   watchdog_ms (config.WATCHDOG_S), site (where the op was written: `site_label`),
-  skip_own_rows, transfer (0 pull, 1 push: senders write into their peers, in-process groups only),
-  fault: -1 none, else mode*1000 + rank with mode 1 = "skip:<rank>" (that rank errors without
-  joining any rendezvous), 2 = "fail:<rank>" (it joins the exchange, then errors before its
-  transfers) and 3 = "stall:<rank>" (its posted events never complete); from
-  config.FAULT_INJECTION, read at trace time. Debug only.
+  skip_own_rows, transfer (0 pull, 1 push: senders write into their peers, in-process groups only).
 
   * op_id: a process-wide counter drawn when the op is traced (bound), unique per call site, so
     two ops of one program never share a rendezvous.
@@ -51,8 +47,6 @@ from ... import config
 from ...runtime import extension
 from ...schedule import Schedule
 from . import groups
-
-_FAULT_MODES = {"skip": 1, "fail": 2, "stall": 3}
 
 # ------------------------------------------------------------------------------------------------
 # op ids
@@ -154,19 +148,6 @@ def current_site() -> str:
     return ""
 
 
-def fault_code() -> int:
-    spec = config.FAULT_INJECTION.strip()
-    if not spec:
-        return -1
-    mode, _, rank = spec.partition(":")
-    if mode not in _FAULT_MODES or not rank.isdigit():
-        raise ValueError(
-            f"config.FAULT_INJECTION={config.FAULT_INJECTION!r}: expected '', 'skip:<rank>', 'fail:<rank>' or "
-            f"'stall:<rank>'"
-        )
-    return _FAULT_MODES[mode] * 1000 + int(rank)
-
-
 def watchdog_ms() -> int:
     """config.WATCHDOG_S as the executor's attribute: milliseconds, 0 for off."""
     if config.WATCHDOG_S < 0:
@@ -237,7 +218,7 @@ def operand_layouts(count: int, fp8: bool):
     return [None, (0, 1)] + [None] * (count - 2) if fp8 else None
 
 
-def _lowering(ctx, *operands, op, axis_name, axis_size, op_id, schedule, timeout_ms, watchdog_ms, site, fault,
+def _lowering(ctx, *operands, op, axis_name, axis_size, op_id, schedule, timeout_ms, watchdog_ms, site,
               skip_own_rows=False, out_dtype=None):
     group = groups.group_attrs(ctx, op, axis_name, axis_size)
     if schedule.transfer == "push" and group["ipc_job"] != 0:
@@ -261,7 +242,6 @@ def _lowering(ctx, *operands, op, axis_name, axis_size, op_id, schedule, timeout
         timeout_ms=np.int64(timeout_ms),
         watchdog_ms=np.int64(watchdog_ms),
         site=site,
-        fault=np.int64(fault),
         skip_own_rows=np.int64(int(skip_own_rows)),
         transfer=np.int64({"pull": 0, "push": 1}[schedule.transfer]),
     )
@@ -302,5 +282,5 @@ def bind(op: str, operands, axis_name: str, axis_size: int, schedule: Schedule, 
     return _PRIMITIVES[op].bind(
         *operands, op=op, axis_name=axis_name, axis_size=axis_size, op_id=next_op_id(), schedule=schedule,
         timeout_ms=int(round(config.RENDEZVOUS_TIMEOUT_S * 1000)), watchdog_ms=watchdog_ms(), site=current_site(),
-        fault=fault_code(), skip_own_rows=skip_own_rows, out_dtype=out_dtype,
+        skip_own_rows=skip_own_rows, out_dtype=out_dtype,
     )

@@ -1,0 +1,121 @@
+#include "testing/faults.h"
+
+#include <charconv>
+#include <utility>
+
+namespace ficco {
+namespace {
+
+const char* ModeName(InjectedFault::Mode mode) {
+  switch (mode) {
+    case InjectedFault::Mode::kSkip: return "skip";
+    case InjectedFault::Mode::kFail: return "fail";
+    case InjectedFault::Mode::kStall: return "stall";
+  }
+  return "?";
+}
+
+// The armed rank's backend: forwards everything to the real one, except where the fault strikes.
+class FaultyBackend final : public Backend {
+ public:
+  FaultyBackend(std::unique_ptr<Backend> inner, InjectedFault fault, const OpConfig& config)
+      : inner_(std::move(inner)), fault_(fault), config_(config) {}
+
+  ffi::Error Prepare(int copy_streams, const std::vector<int>& group) override {
+    if (fault_.mode == InjectedFault::Mode::kSkip) return Injected();
+    if (fault_.mode == InjectedFault::Mode::kStall && config_.cross_process()) {
+      return MakeInvalid(config_.ctx, "the stall fault applies to groups inside one process");
+    }
+    return inner_->Prepare(copy_streams, group);
+  }
+  ffi::Error Record(int stream, Event* event) override {
+    if (fault_.mode == InjectedFault::Mode::kStall && stream == kCompute) {
+      if (never_ == nullptr) FICCO_RETURN_IF_ERROR(inner_->RecordNever(&never_));
+      *event = never_;
+      return ffi::Error::Success();
+    }
+    FICCO_RETURN_IF_ERROR(FailFirstTransfer(stream));
+    return inner_->Record(stream, event);
+  }
+  ffi::Error Wait(int stream, Event event) override {
+    FICCO_RETURN_IF_ERROR(FailFirstTransfer(stream));
+    return inner_->Wait(stream, event);
+  }
+  ffi::Error Copy(int stream, void* dst, const void* src, size_t bytes) override {
+    FICCO_RETURN_IF_ERROR(FailFirstTransfer(stream));
+    return inner_->Copy(stream, dst, src, bytes);
+  }
+  ffi::Error RecordMark(Event* event) override { return inner_->RecordMark(event); }
+  ffi::Error RecordNever(Event* event) override { return inner_->RecordNever(event); }
+  ffi::Error Gemm(const GemmProblem& problem) override { return inner_->Gemm(problem); }
+  ffi::Error Reduce(const ReduceProblem& problem) override { return inner_->Reduce(problem); }
+  void ReleaseEvents() override { inner_->ReleaseEvents(); }
+  std::vector<Event> TakeReusable() override { return inner_->TakeReusable(); }
+  EventPool& Pool() override { return inner_->Pool(); }
+
+ private:
+  ffi::Error Injected() const {
+    return MakeError(config_.ctx, std::string("injected fault '") + ModeName(fault_.mode) + "' on rank " +
+                                      std::to_string(config_.rank) + " (ficco_jax._ffi.testing.inject_fault)");
+  }
+  // The transfers are the copy streams' work; the staging stream (kStaging) copies within the device.
+  ffi::Error FailFirstTransfer(int stream) {
+    if (fault_.mode != InjectedFault::Mode::kFail || failed_ || stream < 0 || stream >= kMaxCopyStreams) {
+      return ffi::Error::Success();
+    }
+    failed_ = true;
+    return Injected();
+  }
+
+  std::unique_ptr<Backend> inner_;
+  const InjectedFault fault_;
+  const OpConfig& config_;
+  Event never_ = nullptr;  // stall: this call's one event that never completes
+  bool failed_ = false;    // fail: the first transfer has failed; the cleanup after it runs as usual
+};
+
+}  // namespace
+
+bool ParseFault(std::string_view spec, std::optional<InjectedFault>* fault) {
+  if (spec.empty()) {
+    fault->reset();
+    return true;
+  }
+  const size_t colon = spec.find(':');
+  if (colon == std::string_view::npos) return false;
+  const std::string_view mode = spec.substr(0, colon), rank = spec.substr(colon + 1);
+  InjectedFault parsed{};
+  if (mode == "skip") {
+    parsed.mode = InjectedFault::Mode::kSkip;
+  } else if (mode == "fail") {
+    parsed.mode = InjectedFault::Mode::kFail;
+  } else if (mode == "stall") {
+    parsed.mode = InjectedFault::Mode::kStall;
+  } else {
+    return false;
+  }
+  const auto [end, status] = std::from_chars(rank.data(), rank.data() + rank.size(), parsed.rank);
+  if (rank.empty() || status != std::errc() || end != rank.data() + rank.size() || parsed.rank < 0) return false;
+  *fault = parsed;
+  return true;
+}
+
+void FaultPlan::Arm(std::optional<InjectedFault> fault) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (fault) fault_ = *fault;
+  armed_.store(fault.has_value(), std::memory_order_release);
+}
+
+std::unique_ptr<Backend> FaultPlan::Apply(std::unique_ptr<Backend> backend, const OpConfig& config) const {
+  if (!armed_.load(std::memory_order_acquire)) return backend;
+  InjectedFault fault;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!armed_.load(std::memory_order_relaxed)) return backend;
+    fault = fault_;
+  }
+  if (fault.rank != config.rank) return backend;
+  return std::make_unique<FaultyBackend>(std::move(backend), fault, config);
+}
+
+}  // namespace ficco

@@ -1,0 +1,53 @@
+// Faults injected by tests, never by the library: the plan a test arms for the whole process
+// (ficco_jax._ffi.testing.inject_fault, testing/module_testing.cc) and the Backend that carries it
+// out on the armed rank. A call consults the plan once, when its handler makes its backend
+// (ffi/handler.h); the executor and the call session know nothing of faults.
+//
+//   skip:<rank>   that rank of every group fails before it meets its peers (its backend's Prepare);
+//   fail:<rank>   it joins the exchange, then fails at its first transfer (its first operation on
+//                 a copy stream); the cleanup that follows runs as after any failed transfer;
+//   stall:<rank>  everything it records on XLA's stream is one event that never completes, as if its
+//                 device never reached the call: the events it posts never complete, its peers'
+//                 streams wait for ever and only the watchdog ends the process. In-process groups
+//                 only (a "never" event cannot be exported to other processes).
+#ifndef FICCO_JAX_XLA_FFI_TESTING_FAULTS_H_
+#define FICCO_JAX_XLA_FFI_TESTING_FAULTS_H_
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "device/backend.h"
+#include "runtime/op_config.h"
+
+namespace ficco {
+
+struct InjectedFault {
+  enum class Mode : int { kSkip, kFail, kStall };
+  Mode mode;
+  int rank;  // the rank of every group it applies to
+};
+
+// "skip:<rank>", "fail:<rank>" or "stall:<rank>"; "" is no fault. False for anything else.
+bool ParseFault(std::string_view spec, std::optional<InjectedFault>* fault);
+
+// The fault armed for the whole process, if any; the registry holds the one plan.
+class FaultPlan {
+ public:
+  void Arm(std::optional<InjectedFault> fault);
+  // `backend`, or, where a fault is armed for this call's rank, the backend that injects it into
+  // this call. One atomic load when nothing is armed.
+  std::unique_ptr<Backend> Apply(std::unique_ptr<Backend> backend, const OpConfig& config) const;
+
+ private:
+  std::atomic<bool> armed_{false};
+  mutable std::mutex mu_;
+  InjectedFault fault_{};
+};
+
+}  // namespace ficco
+
+#endif  // FICCO_JAX_XLA_FFI_TESTING_FAULTS_H_

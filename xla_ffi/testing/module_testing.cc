@@ -1,0 +1,79 @@
+// `ficco_jax._ffi.testing`: the extension's test-only entry points, which the library never calls.
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "nanobind/nanobind.h"
+#include "nanobind/stl/string.h"
+#include "nanobind/stl/tuple.h"
+#include "nanobind/stl/vector.h"
+#include "runtime/ipc_mailbox.h"
+#include "runtime/registry.h"
+#include "testing/faults.h"
+
+namespace ficco {
+namespace {
+
+namespace nb = nanobind;
+
+void InjectFault(const std::string& spec) {
+  std::optional<InjectedFault> fault;
+  if (!ParseFault(spec, &fault)) {
+    throw std::invalid_argument("inject_fault('" + spec +
+                                "'): expected '' (no fault), 'skip:<rank>', 'fail:<rank>' or 'stall:<rank>'");
+  }
+  Registry::Get().faults().Arm(fault);
+}
+
+// The host mailbox's exchange with plain integers, for tests of its protocol across processes
+// (tests/test_ipc_mailbox.py): every rank calls it once per post; returns every rank's
+// (op_id, signature, buffer_export, buffer_offset, event_ids) or raises RuntimeError.
+using WireTuple = std::tuple<int64_t, std::vector<int64_t>, int64_t, int64_t, std::vector<int32_t>>;
+std::vector<WireTuple> MailboxExchange(int64_t job, std::vector<int> members, int rank, int64_t op_id,
+                                       std::vector<int64_t> signature, int64_t buffer_export, int64_t buffer_offset,
+                                       std::vector<int32_t> event_ids, double timeout_s) {
+  CallContext ctx{"mailbox_test", op_id, rank};
+  WirePost mine;
+  mine.op_id = op_id;
+  mine.signature = std::move(signature);
+  mine.buffer_export = buffer_export;
+  mine.buffer_offset = buffer_offset;
+  mine.event_ids = std::move(event_ids);
+  mine.raw_events.assign(mine.event_ids.size(), 0);
+  std::vector<WirePost> posts;
+  ffi::Error error = ffi::Error::Success();
+  {
+    nb::gil_scoped_release release;
+    HostMailbox* mailbox = nullptr;
+    error = Registry::Get().Mailbox(ctx, job, &mailbox);
+    if (error.success()) {
+      MailboxArrival who{&ctx, &members, rank, "test", timeout_s};
+      error = mailbox->Exchange(who, mine, &posts);
+    }
+  }
+  if (error.failure()) throw std::runtime_error(error.message());
+  std::vector<WireTuple> out;
+  for (const WirePost& p : posts) {
+    out.emplace_back(p.op_id, p.signature, p.buffer_export, p.buffer_offset, p.event_ids);
+  }
+  return out;
+}
+
+}  // namespace
+
+void DefineTestingModule(nb::module_& m) {
+  nb::module_ testing = m.def_submodule("testing", "Test-only entry points; the library never calls them.");
+  testing.def("inject_fault", &InjectFault, nb::arg("spec"),
+              "Arms a fault for every later copy-engine call of this process until the next call of this "
+              "function: 'skip:<rank>' (that rank of every group fails before it meets its peers), "
+              "'fail:<rank>' (it joins the exchange, then fails at its first transfer), 'stall:<rank>' (the "
+              "events it records on XLA's stream never complete; only the watchdog ends the process), or '' "
+              "(none). xla_ffi/testing/faults.h.");
+  testing.def("mailbox_exchange", &MailboxExchange,
+              "One post through the host mailbox (groups across processes) with plain integers; returns every "
+              "rank's (op_id, signature, buffer_export, buffer_offset, event_ids).");
+}
+
+}  // namespace ficco
