@@ -1,4 +1,10 @@
-"""Every test runs on 8 virtual CPU devices (set before JAX is imported), or on the GPUs there are."""
+"""Every test runs on 8 virtual CPU devices (set before JAX is imported), or on the GPUs there are.
+
+The suite needs the compiled extension `ficco_jax._ffi` with its CPU executor (the README's install
+command builds it): without it, the session stops with an error before any test runs, instead of the
+extension's tests skipping. For an install made without the extension on purpose, set
+FICCO_TESTS_WITHOUT_EXTENSION=1: its tests then skip, each saying why.
+"""
 import os
 import zlib
 
@@ -14,6 +20,37 @@ import pytest  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+#: Set to 1 to run the suite on an install without the compiled extension (its tests skip).
+WITHOUT_EXTENSION = "FICCO_TESTS_WITHOUT_EXTENSION"
+
+
+def extension_problem() -> str | None:
+    """None where `ficco_jax._ffi` is built, current and serves every FFI target on CPU; else what is wrong."""
+    from ficco_jax.runtime import extension
+
+    try:
+        extension.ensure_loaded()
+    except ImportError as exc:
+        return str(exc)
+    from ficco_jax import _ffi
+
+    targets = {name: set(platforms) for name, platforms in _ffi.registrations().items()}
+    without_cpu = sorted(name for name, platforms in targets.items() if "cpu" not in platforms)
+    if not targets or without_cpu:
+        return (f"ficco_jax: the compiled extension lacks the CPU executor the tests run on: FFI targets "
+                f"without a 'cpu' handler: {without_cpu or 'no target registered at all'}")
+    return None
+
+
+def pytest_sessionstart(session):
+    if os.environ.get(WITHOUT_EXTENSION, "") not in ("", "0"):
+        return
+    problem = extension_problem()
+    if problem:
+        pytest.exit(f"{problem}\nThe tests need it: install with `pip install -e \".[test]\"` (it builds the "
+                    f"extension), or set {WITHOUT_EXTENSION}=1 to run without it (its tests skip).",
+                    returncode=pytest.ExitCode.USAGE_ERROR)
 
 
 @pytest.fixture(scope="session")
