@@ -2,11 +2,14 @@
 
   api.py      ag_matmul / matmul_rs / a2a_matmul / matmul_a2a and their references
   measure.py  running one op on local devices to time it (autotune, the benchmark tools)
-  table.py    one record per pair of ops (reference, lowering per comm, backward), their forms
-  tangents.py the tangent maps of a pair: forward mode runs the op, reverse mode its transpose
-  resolve.py  one schedule resolution for every op, topology-aware
+  scaled.py   the FP8 forms of the tensor-parallel ops (a custom VJP)
+  run.py      an op by name: checks, schedule resolution, its positional form
+  tangents.py the tangent maps of a pair and the positional forms binding them: forward mode
+              runs the op, reverse mode its transpose
   linear.py   the primitive carrying a tangent map (evaluation, transpose, jvp, batching)
-  core.py     axis, operand checks, the generic custom-JVP forms
+  table.py    one class per pair of ops: reference, lowering per comm, transpose, weight gradients
+  resolve.py  one schedule resolution for every op, topology-aware
+  core.py     axis, operand checks, cotangents shaped like their primals
 """
 from __future__ import annotations
 

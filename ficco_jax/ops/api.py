@@ -6,8 +6,8 @@
     matmul_a2a(y, w, "ep")  == all_to_all(einsum("pecf,efd->pecd", y, w), "ep", 0, 0, tiled=True)
 
 Each checks its operands, resolves its `schedule` (ops/resolve.py; "autotune" times candidates with
-ops/measure.py) and runs the positional form of the op table (ops/table.py). Every op is
-differentiable in both modes: forward mode (jax.jvp, jax.jacfwd) runs the op itself on the
+ops/measure.py) and runs the positional form of its pair of the op table (ops/run.py, ops/table.py).
+Every op is differentiable in both modes: forward mode (jax.jvp, jax.jacfwd) runs the op itself on the
 tangents with the same schedule, reverse mode (jax.grad, jax.vjp) runs the other op of its pair,
 so the backward pass is overlapped too; the two compose (Hessian-vector products, grad of grad).
 """
@@ -19,7 +19,8 @@ from jax import lax
 from . import scaled
 from .core import ScheduleArg
 from .measure import time_op
-from .table import call, reference
+from .run import call
+from .table import reference
 
 
 def ag_matmul_ref(x, w, axis_name, *, out_dtype=None, x_scale=None, w_scale=None):

@@ -1,13 +1,12 @@
-"""What every op shares: its axis, its operand checks, the generic custom-JVP forms (with an
-optional side output), and how cotangents are made to look like their primals under shard_map."""
+"""What every op shares: its axis, its operand checks, and how cotangents are made to look like their
+primals under shard_map."""
 from __future__ import annotations
 
-from typing import Callable, Union
+from typing import Union
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.custom_derivatives import SymbolicZero
 
 from .. import config
 from ..schedule import Schedule
@@ -70,79 +69,6 @@ def check_operands(op: str, a, w) -> None:
             f"{op}: {names[0]} and w must have the same dtype, found {a.dtype} and {w.dtype}; "
             f"cast one of them (e.g. w.astype({names[0]}.dtype))"
         )
-
-
-def _present(t):
-    """A tangent, or None where it is a symbolic zero."""
-    return None if isinstance(t, SymbolicZero) else t
-
-
-def _zero_where_none(t, like):
-    return SymbolicZero(jax.typeof(like).to_tangent_aval()) if t is None else t
-
-
-def custom_jvp_pair(impl: Callable, tangent: Callable, name: str, name_with_side: str):
-    """Two positional forms (x, w, axis_name, sched, out_dtype) of a gather op whose
-    `impl(x, w, axis_name, sched, out_dtype, side_needed=True)` returns (out, side); with
-    side_needed=False the side output may be left incomplete. `name` returns out only (its primal
-    passes side_needed=False; differentiated, its forward computes the side in full, the weight's
-    tangent and gradient read it); `name_with_side` returns both.
-
-    Both are custom JVPs: `tangent(static, (x, w), (out, side), (dx, dw), with_side)` returns the
-    tangent of out (and of side when with_side; None = zero) as one transposable equation
-    (ops/linear.py), so the forms are differentiable in forward and in reverse mode; dx or dw is
-    None where it is zero; `static` is (axis_name, sched, out_dtype)."""
-
-    def only_out(x, w, axis_name, sched, out_dtype):  # the primal alone: nobody reads the side output
-        return impl(x, w, axis_name, sched, out_dtype, side_needed=False)[0]
-
-    def both(x, w, axis_name, sched, out_dtype):
-        return impl(x, w, axis_name, sched, out_dtype)
-
-    only_out.__name__ = only_out.__qualname__ = name
-    both.__name__ = both.__qualname__ = name_with_side
-    only_out = jax.custom_jvp(only_out, nondiff_argnums=_STATIC)
-    both = jax.custom_jvp(both, nondiff_argnums=_STATIC)
-
-    def rule(with_side: bool):
-        def jvp(axis_name, sched, out_dtype, primals, tangents):
-            x, w = primals
-            dx, dw = map(_present, tangents)
-            # Differentiated, the forward delivers the side output in full, as a residual would be.
-            out, side = both(x, w, axis_name, sched, out_dtype)
-            t_out, t_side = tangent((axis_name, sched, out_dtype), (x, w), (out, side), (dx, dw), with_side)
-            if with_side:
-                return (out, side), (_zero_where_none(t_out, out), _zero_where_none(t_side, side))
-            return out, _zero_where_none(t_out, out)
-        return jvp
-
-    only_out.defjvp(rule(False), symbolic_zeros=True)
-    both.defjvp(rule(True), symbolic_zeros=True)
-    return only_out, both
-
-
-def custom_jvp_plain(impl: Callable, tangent: Callable, name: str):
-    """The positional form (y, w, axis_name, sched, out_dtype) of an op without a side output:
-    `impl(y, w, axis_name, sched, out_dtype)` -> out, `tangent(static, (y, w), out, (dy, dw))` ->
-    the tangent of out as one transposable equation (dy or dw None where it is zero)."""
-
-    def primal(y, w, axis_name, sched, out_dtype):
-        return impl(y, w, axis_name, sched, out_dtype)
-
-    primal.__name__ = primal.__qualname__ = name
-    primal = jax.custom_jvp(primal, nondiff_argnums=_STATIC)
-
-    def jvp(axis_name, sched, out_dtype, primals, tangents):
-        out = primal(*primals, axis_name, sched, out_dtype)
-        t_out = tangent((axis_name, sched, out_dtype), primals, out, tuple(map(_present, tangents)))
-        return out, _zero_where_none(t_out, out)
-
-    primal.defjvp(jvp, symbolic_zeros=True)
-    return primal
-
-
-# The static arguments of every positional form: axis_name, sched, out_dtype.
-_STATIC = (2, 3, 4)
 
 
 def varying_axes(v) -> frozenset:

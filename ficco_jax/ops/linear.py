@@ -25,8 +25,7 @@ transpose, which is what this primitive is.
 """
 from __future__ import annotations
 
-import dataclasses
-from typing import Callable
+import abc
 
 import jax.numpy as jnp
 from jax import lax
@@ -37,20 +36,25 @@ from ..lowering.dma.registry import current_site, site_label
 from .core import like_aval
 
 
-@dataclasses.dataclass(frozen=True)
-class LinearMap:
-    """The parts of a tangent map that differ per op; `static` is its hashable configuration
-    (axis name, schedule, flags), absent operands (zero tangents, unneeded residuals) are None.
+class LinearMap(abc.ABC):
+    """The parts of a tangent map that differ per op. `static` is its hashable configuration (axis
+    name, schedule, flags); absent operands (zero tangents, unneeded residuals) are None. A map is
+    a parameter of its equations: hashable, and equal only to a map with the same rules."""
 
-    apply(static, res, lin) -> tuple of outputs (None: zero)
-    transpose(static, res, cts, wanted) -> cotangent per linear operand (None: not wanted / zero)
-    res_jvp(static, res, lin, res_tangents, outs) -> per output the tangent contributed by the
-        residuals' tangents (None: zero); must itself be linear in res_tangents and transposable
-    """
     name: str
-    apply: Callable
-    transpose: Callable
-    res_jvp: Callable
+
+    @abc.abstractmethod
+    def apply(self, static, res: tuple, lin: tuple) -> tuple:
+        """The map's outputs (None: zero)."""
+
+    @abc.abstractmethod
+    def transpose(self, static, res: tuple, cts: tuple, wanted: tuple) -> tuple:
+        """The cotangent of each linear operand (None: not wanted, or zero)."""
+
+    @abc.abstractmethod
+    def res_jvp(self, static, res: tuple, lin: tuple, t_res: tuple, outs: tuple) -> tuple:
+        """Per output the tangent contributed by the residuals' tangents (None: zero); linear in
+        `t_res` and transposable."""
 
 
 linear_p = Primitive("ficco_linear")

@@ -10,7 +10,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ..schedule import A2A_OPS
 from ..tuning import timing
-from .table import call, reference
+from .run import call
+from .table import reference
 
 #: The mesh axis every measured op runs over.
 AXIS = "tp"

@@ -36,7 +36,8 @@ from jax import lax
 from .. import config
 from .core import axis_size, like_primal, varying_axes
 from .resolve import resolve_schedule, transposed_schedule
-from .table import TENSOR_PARALLEL, gather_impl, run_scheduled, scatter_impl
+from .run import run_scheduled
+from .table import TENSOR_PARALLEL
 
 #: The result dtypes of an FP8 matmul.
 OUT_DTYPES = ("bfloat16", "float16", "float32")
@@ -89,11 +90,11 @@ def call(op: str, a, w, axis_name: str, schedule, scales, out_dtype, *, with_sid
 # forward
 # ------------------------------------------------------------------------------------------------
 def _ag_forward(x, w, sx, sw, axis_name, sched, out_dtype, side_needed):
-    return gather_impl(TENSOR_PARALLEL, x, w, axis_name, sched, out_dtype, side_needed, scales=(sx, sw))
+    return TENSOR_PARALLEL.gather_impl(x, w, axis_name, sched, out_dtype, side_needed, scales=(sx, sw))
 
 
 def _rs_forward(y, w, sy, sw, axis_name, sched, out_dtype):
-    return scatter_impl(TENSOR_PARALLEL, y, w, axis_name, sched, out_dtype, scales=(sy, sw))
+    return TENSOR_PARALLEL.scatter_impl(y, w, axis_name, sched, out_dtype, scales=(sy, sw))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))

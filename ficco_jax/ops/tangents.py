@@ -1,5 +1,5 @@
-"""The tangent maps of one pair of ops, as `LinearMap`s (ops/linear.py). Each op is bilinear in
-(a, w), so its tangent is op(da, w) + op(a, dw):
+"""The tangent maps of a pair of ops (ops/table.py), as `LinearMap`s (ops/linear.py), and the
+positional forms that bind them. Each op is bilinear in (a, w), so its tangent is op(da, w) + op(a, dw):
 
   gather op:  (dx, dw) -> gather(dx, w) + local(side, dw)      side = what the collective delivered
               (and, with the side output, the tangent of side: the collective of dx)
@@ -13,21 +13,26 @@ local weight-gradient product, the backward of the scatter op the gather op, who
 feeds the weight gradient.
 
 The op itself is the same map with its input as the linear operand (gather(x, w) is the gather
-map at lin (x, -), res (w, -)): the forms evaluate it as such an equation, so the op keeps its
-rules wherever JAX inlines the custom JVP around it.
+map at lin (x, -), res (w, -)): the positional forms below evaluate it as such an equation, so the
+op keeps its rules wherever JAX inlines the custom JVP around it. The forms are custom JVPs whose
+tangent is one equation of the map, so they are differentiable in forward and in reverse mode; a
+map's transpose calls the forms of the other op, so the backward is differentiable again.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+import functools
+from typing import ClassVar, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 
 from ..schedule import Schedule
 from .core import axis_size
 from .linear import LinearMap, bind
 from .resolve import transposed_schedule
+from .table import OpPair, OutDtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,62 +66,75 @@ def _backward_schedule(op: str, static: Static, ct, w_t) -> Schedule:
     return transposed_schedule(op, static.sched, (ct.shape, w_t.shape), ct.dtype, n, static.out_dtype)
 
 
-def gather_map(pair, gather_impl: Callable, forms: Callable) -> LinearMap:
-    """res (w, side), lin (dx, dw). `gather_impl` is the op's schedule runner, `forms()` the pair's
-    differentiable positional forms (the backward calls them, so it is differentiable again)."""
+# ------------------------------------------------------------------------------------------------
+# The maps
+# ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _PairMap(LinearMap):
+    """The map of one op (`role`: "gather" or "scatter") of `pair`."""
+    pair: OpPair
+    role: ClassVar[str]
 
-    def apply(static, res, lin):
+    @property
+    def name(self) -> str:
+        return f"{getattr(self.pair, self.role)}_tangent"
+
+
+class GatherMap(_PairMap):
+    """res (w, side), lin (dx, dw) -> (out,) or (out, side) with `Static.with_side`."""
+    role = "gather"
+
+    def apply(self, static, res, lin):
         (w, side), (dx, dw) = res, lin
         out = side_t = None
         if dx is not None:
-            out, side_t = gather_impl(dx, w, static.axis_name, static.sched, static.out_dtype,
-                                      side_needed=static.with_side)
+            out, side_t = self.pair.gather_impl(dx, w, static.axis_name, static.sched, static.out_dtype,
+                                                side_needed=static.with_side)
         if dw is not None:
-            out = _add(out, pair.gather_local(side, dw, static.out_dtype))
+            out = _add(out, self.pair.gather_local(side, dw, static.out_dtype))
         return (out, side_t) if static.with_side else (out,)
 
-    def transpose(static, res, cts, wanted):
-        (w, side), ct_out = res, _operand_dtype(cts[0], _present_one(res))
+    def transpose(self, static, res, cts, wanted):
+        pair, (w, side), ct_out = self.pair, res, _operand_dtype(cts[0], _present_one(res))
         ct_side = cts[1] if static.with_side else None
         dx = dw = None
         if wanted[0] and ct_out is not None:
             # d x = collective(g_out @ w^T): the scatter op, its collective riding on the matmuls.
             w_t = pair.transpose_w(w)
-            dx = forms().scatter(ct_out, w_t, static.axis_name, _backward_schedule(pair.scatter, static, ct_out, w_t),
-                                 static.out_dtype)
+            dx = scatter_op(pair, ct_out, w_t, static.axis_name, _backward_schedule(pair.scatter, static, ct_out, w_t),
+                            static.out_dtype)
         if wanted[0] and ct_side is not None:
-            dx = _add(dx, pair.side_collective(ct_side, static.axis_name))
+            dx = _add(dx, pair.scatter_collective(ct_side, static.axis_name))
         if wanted[1] and ct_out is not None:
             dw = pair.gather_dw(side, ct_out, static.out_dtype)
         return dx, dw
 
-    def res_jvp(static, res, lin, t_res, outs):
+    def res_jvp(self, static, res, lin, t_res, outs):
         (dx, dw), (tw, tside) = lin, t_res
         t = None
         if tw is not None and dx is not None:  # gather(dx, tw) = local(collective(dx), tw)
-            delivered = outs[1] if static.with_side else pair.gather_collective(dx, static.axis_name)
-            t = pair.gather_local(delivered, tw, static.out_dtype)
+            delivered = outs[1] if static.with_side else self.pair.gather_collective(dx, static.axis_name)
+            t = self.pair.gather_local(delivered, tw, static.out_dtype)
         if tside is not None and dw is not None:
-            t = _add(t, pair.gather_local(tside, dw, static.out_dtype))
+            t = _add(t, self.pair.gather_local(tside, dw, static.out_dtype))
         return (t, None) if static.with_side else (t,)
 
-    return LinearMap(f"{pair.gather}_tangent", apply, transpose, res_jvp)
 
+class ScatterMap(_PairMap):
+    """res (y, w), lin (dy, dw) -> (out,); symmetric: map((y, w), (dy, dw)) = map((dy, dw), (y, w))."""
+    role = "scatter"
 
-def scatter_map(pair, scatter_impl: Callable, forms: Callable) -> LinearMap:
-    """res (y, w), lin (dy, dw); the map is symmetric: map((y, w), (dy, dw)) = map((dy, dw), (y, w))."""
-    a_axis, w_axis = pair.contraction
-
-    def apply(static, res, lin):
+    def apply(self, static, res, lin):
         (y, w), (dy, dw) = res, lin
+        a_axis, w_axis = self.pair.contraction
         if dy is not None and dw is not None:
             a, b = jnp.concatenate([dy, y], axis=a_axis), jnp.concatenate([w, dw], axis=w_axis)
         else:
             a, b = (dy, w) if dy is not None else (y, dw)
-        return (scatter_impl(a, b, static.axis_name, static.sched, static.out_dtype),)
+        return (self.pair.scatter_impl(a, b, static.axis_name, static.sched, static.out_dtype),)
 
-    def transpose(static, res, cts, wanted):
-        (y, w), ct = res, _operand_dtype(cts[0], _present_one(res))
+    def transpose(self, static, res, cts, wanted):
+        pair, (y, w), ct = self.pair, res, _operand_dtype(cts[0], _present_one(res))
         dy = dw = None
         if ct is None:
             return dy, dw
@@ -124,70 +142,105 @@ def scatter_map(pair, scatter_impl: Callable, forms: Callable) -> LinearMap:
             w_t = pair.transpose_w(w)
             bwd = _backward_schedule(pair.gather, static, ct, w_t)
             if wanted[1]:  # d y = gather op of g with w^T; its side output (g delivered) feeds d w
-                dy, delivered = forms().gather_with_side(ct, w_t, static.axis_name, bwd, static.out_dtype)
+                dy, delivered = gather_op_with_side(pair, ct, w_t, static.axis_name, bwd, static.out_dtype)
                 dw = pair.scatter_dw(y, delivered, static.out_dtype)
             else:
-                dy = forms().gather(ct, w_t, static.axis_name, bwd, static.out_dtype)
+                dy = gather_op(pair, ct, w_t, static.axis_name, bwd, static.out_dtype)
         elif wanted[1]:
             dw = pair.scatter_dw(y, pair.gather_collective(ct, static.axis_name), static.out_dtype)
         return dy, dw
 
-    def res_jvp(static, res, lin, t_res, outs):
+    def res_jvp(self, static, res, lin, t_res, outs):
         (dy, dw), (ty, tw) = lin, t_res
         ty = ty if dw is not None else None  # scatter(ty, dw)
         tw = tw if dy is not None else None  # scatter(dy, tw)
         if ty is None and tw is None:
             return (None,)
         swapped = (dy if tw is not None else None, dw if ty is not None else None)
-        return tuple(bind(lmap, static, swapped, (ty, tw), [jax.typeof(o) for o in outs]))
+        return tuple(bind(self, static, swapped, (ty, tw), [jax.typeof(o) for o in outs]))
 
-    lmap = LinearMap(f"{pair.scatter}_tangent", apply, transpose, res_jvp)
-    return lmap
+
+# ------------------------------------------------------------------------------------------------
+# The positional forms (pair, a, w, axis_name, sched, out_dtype): the ops bound as equations
+# ------------------------------------------------------------------------------------------------
+def _out_avals(impl, a, w, *static):
+    return jax.make_jaxpr(lambda a, w: impl(a, w, *static))(a, w).out_avals
+
+
+def _gather_equation(pair: OpPair, x, w, axis_name: str, sched: Schedule, out_dtype: OutDtype,
+                     side_needed: bool) -> Tuple[jax.Array, Optional[jax.Array]]:
+    """The gather op as one equation of its own map (x the linear operand, w the residual)."""
+    avals = _out_avals(pair.gather_impl, x, w, axis_name, sched, out_dtype, side_needed)[:2 if side_needed else 1]
+    outs = bind(GatherMap(pair), Static(axis_name, sched, out_dtype, side_needed), (w, None), (x, None), avals)
+    return outs[0], (outs[1] if side_needed else None)
+
+
+def _scatter_equation(pair: OpPair, y, w, axis_name: str, sched: Schedule, out_dtype: OutDtype) -> jax.Array:
+    """The scatter op as one equation of its own map (y linear, w residual)."""
+    avals = _out_avals(pair.scatter_impl, y, w, axis_name, sched, out_dtype)
+    return bind(ScatterMap(pair), Static(axis_name, sched, out_dtype), (None, w), (y, None), avals)[0]
+
+
+_STATIC = (0, 3, 4, 5)  # pair, axis_name, sched, out_dtype
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=_STATIC)
+def gather_op(pair: OpPair, x, w, axis_name: str, sched: Schedule, out_dtype: OutDtype) -> jax.Array:
+    """The gather op's output alone: nobody reads the side output, so it may be left incomplete
+    (differentiated, the forward computes it in full: the weight's tangent and gradient read it)."""
+    return _gather_equation(pair, x, w, axis_name, sched, out_dtype, side_needed=False)[0]
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=_STATIC)
+def gather_op_with_side(pair: OpPair, x, w, axis_name: str, sched: Schedule,
+                        out_dtype: OutDtype) -> Tuple[jax.Array, jax.Array]:
+    """The gather op's (out, side)."""
+    return _gather_equation(pair, x, w, axis_name, sched, out_dtype, side_needed=True)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=_STATIC)
+def scatter_op(pair: OpPair, y, w, axis_name: str, sched: Schedule, out_dtype: OutDtype) -> jax.Array:
+    """The scatter op's output."""
+    return _scatter_equation(pair, y, w, axis_name, sched, out_dtype)
+
+
+def _present(t):
+    """A tangent, or None where it is a symbolic zero."""
+    return None if isinstance(t, SymbolicZero) else t
+
+
+def _zero_where_none(t, like):
+    return SymbolicZero(jax.typeof(like).to_tangent_aval()) if t is None else t
 
 
 def _tangent_aval(v):
     return jax.typeof(v).to_tangent_aval()
 
 
-def gather_tangent(lmap: LinearMap):
-    """The `tangent` callable of core.custom_jvp_pair for a gather op's map."""
-    def tangent(static, primals, outs, lin, with_side):
-        w, (out, side), (dx, dw) = primals[1], outs, lin
+def _gather_jvp(with_side: bool):
+    def jvp(pair, axis_name, sched, out_dtype, primals, tangents):
+        (x, w), (dx, dw) = primals, tuple(map(_present, tangents))
+        # Differentiated, the forward delivers the side output in full, as a residual would be.
+        out, side = gather_op_with_side(pair, x, w, axis_name, sched, out_dtype)
         side_out = with_side and dx is not None
         avals = [_tangent_aval(out)] + ([_tangent_aval(side)] if side_out else [])
         res = (w if dx is not None else None, side if dw is not None else None)
-        t = bind(lmap, Static(*static, with_side=side_out), res, lin, avals)
-        return t[0], (t[1] if side_out else None)
-    return tangent
+        t = bind(GatherMap(pair), Static(axis_name, sched, out_dtype, side_out), res, (dx, dw), avals)
+        t_out, t_side = t[0], (t[1] if side_out else None)
+        if with_side:
+            return (out, side), (_zero_where_none(t_out, out), _zero_where_none(t_side, side))
+        return out, _zero_where_none(t_out, out)
+    return jvp
 
 
-def scatter_tangent(lmap: LinearMap):
-    """The `tangent` callable of core.custom_jvp_plain for a scatter op's map."""
-    def tangent(static, primals, out, lin):
-        (y, w), (dy, dw) = primals, lin
-        res = (y if dw is not None else None, w if dy is not None else None)
-        return bind(lmap, Static(*static), res, lin, [_tangent_aval(out)])[0]
-    return tangent
+def _scatter_jvp(pair, axis_name, sched, out_dtype, primals, tangents):
+    (y, w), (dy, dw) = primals, tuple(map(_present, tangents))
+    out = scatter_op(pair, y, w, axis_name, sched, out_dtype)
+    res = (y if dw is not None else None, w if dy is not None else None)
+    t_out = bind(ScatterMap(pair), Static(axis_name, sched, out_dtype), res, (dy, dw), [_tangent_aval(out)])[0]
+    return out, _zero_where_none(t_out, out)
 
 
-def _out_avals(impl: Callable, a, w, *static):
-    return jax.make_jaxpr(lambda a, w: impl(a, w, *static))(a, w).out_avals
-
-
-def gather_primal(lmap: LinearMap, gather_impl: Callable):
-    """The gather op as one equation of its own map (x the linear operand, w the residual): what
-    the forms evaluate, so that where JAX inlines a custom JVP (the known part of a scan's
-    linearization) the op stays differentiable."""
-    def primal(x, w, axis_name, sched, out_dtype, side_needed=True):
-        avals = _out_avals(gather_impl, x, w, axis_name, sched, out_dtype, side_needed)[:2 if side_needed else 1]
-        outs = bind(lmap, Static(axis_name, sched, out_dtype, side_needed), (w, None), (x, None), avals)
-        return outs[0], (outs[1] if side_needed else None)
-    return primal
-
-
-def scatter_primal(lmap: LinearMap, scatter_impl: Callable):
-    """The scatter op as one equation of its own map (y linear, w residual), as `gather_primal`."""
-    def primal(y, w, axis_name, sched, out_dtype):
-        avals = _out_avals(scatter_impl, y, w, axis_name, sched, out_dtype)
-        return bind(lmap, Static(axis_name, sched, out_dtype), (None, w), (y, None), avals)[0]
-    return primal
+gather_op.defjvp(_gather_jvp(with_side=False), symbolic_zeros=True)
+gather_op_with_side.defjvp(_gather_jvp(with_side=True), symbolic_zeros=True)
+scatter_op.defjvp(_scatter_jvp, symbolic_zeros=True)
