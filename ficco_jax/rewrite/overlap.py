@@ -36,8 +36,8 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.extend.core as jex
-from jax._src import mesh as mesh_lib
 
+from ..runtime import topology
 from ..schedule import Schedule
 from .arguments import CallArgs
 from .effects import Effects, replaced_leaves, write_back
@@ -208,11 +208,8 @@ def _run(plan: _Plan, jaxpr, consts, args) -> list:
 
 def _bind(eqn, invals, params):
     # What jax.core.eval_jaxpr does per equation: get_bind_params turns sub-jaxpr params back
-    # into the callables `bind` expects (it returned (subfuns, params) in older jax).
+    # into the callables `bind` expects.
     bind_params = eqn.primitive.get_bind_params(params)
-    if isinstance(bind_params, tuple):
-        subfuns, bind_params = bind_params
-        invals = [*subfuns, *invals]
     with eqn.ctx.manager:
         return eqn.primitive.bind(*invals, **bind_params)
 
@@ -221,11 +218,10 @@ def _bind_shard_map(eqn, child: _Plan, invals) -> list:
     """Re-issue a shard_map through the public API with the rewritten body."""
     params = eqn.params
     body, consts = open_jaxpr(params["jaxpr"])
-    manual = params.get("newly_manual_axes", params.get("manual_axes", params.get("axis_names")))
-    check = params.get("check_vma", params.get("check_rep", True))
+    manual = params["newly_manual_axes"] if "newly_manual_axes" in params else params["manual_axes"]  # jax 0.11 / 0.10
     fn = jax.shard_map(lambda *args: tuple(_run(child, body, consts, args)), mesh=params["mesh"],
                        in_specs=tuple(params["in_specs"]), out_specs=tuple(params["out_specs"]),
-                       axis_names=frozenset(manual or ()), check_vma=check)
+                       axis_names=frozenset(manual), check_vma=params["check_vma"])
     return list(fn(*invals))
 
 
@@ -353,16 +349,13 @@ class Overlapped:
         return _Traced(rewritten, out_trees[0], report, found[0])
 
 
-_TRACER = getattr(jax.core, "Tracer", ())  # a traced argument has no concrete sharding to read
-
-
 def _concrete_mesh(leaves) -> jax.sharding.Mesh | None:
     """The mesh global-view sites run their shard_maps over: the jax.set_mesh context's, else the
     first argument's (copy-engine schedules find their peers in it when lowered)."""
-    context = mesh_lib.get_concrete_mesh()  # the set_mesh context, also under jit; no public getter there
-    if isinstance(context, jax.sharding.Mesh) and not context.empty:
+    context = topology.context_mesh()  # also under jit
+    if context is not None:
         return context
-    arrays = (leaf for leaf in leaves if isinstance(leaf, jax.Array) and not isinstance(leaf, _TRACER))
+    arrays = (leaf for leaf in leaves if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer))
     meshes = (getattr(leaf.sharding, "mesh", None) for leaf in arrays)
     return next((m for m in meshes if isinstance(m, jax.sharding.Mesh) and not m.empty), None)
 

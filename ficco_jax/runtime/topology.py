@@ -30,6 +30,7 @@ from typing import Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
+from jax._src import mesh as _jax_mesh
 
 from .. import config
 
@@ -154,6 +155,21 @@ def describe_groups(rows: Sequence[Sequence[jax.Device]], axis_name: str | None 
     return SiteTopology(axis_name, groups, "mesh")
 
 
+def context_mesh() -> jax.sharding.Mesh | None:
+    """The concrete mesh of the enclosing ``jax.set_mesh`` context; None outside one.
+
+    ``jax.sharding.get_mesh()`` answers outside tracing (and while a program is lowered), but
+    refuses while a function is traced, pointing at the abstract mesh, which has no devices. A
+    site's topology is made of devices, so while tracing this reads the same context through the
+    getter it wraps (``jax._src.mesh.get_concrete_mesh``, in jax 0.10 and 0.11 alike).
+    """
+    try:
+        mesh = jax.sharding.get_mesh()
+    except ValueError:  # inside a trace
+        mesh = _jax_mesh.get_concrete_mesh()
+    return mesh if isinstance(mesh, jax.sharding.Mesh) and not mesh.empty else None
+
+
 def for_axis(axis_name: str | None, mesh: jax.sharding.Mesh | None = None) -> SiteTopology:
     """The topology of `axis_name` as far as it can be known at trace time.
 
@@ -164,9 +180,7 @@ def for_axis(axis_name: str | None, mesh: jax.sharding.Mesh | None = None) -> Si
     if jax.process_count() == 1:
         return SiteTopology(axis_name, (), "single process")
     if mesh is None:
-        from jax._src import mesh as mesh_lib  # the set_mesh context; no public getter in jax 0.10
-
-        mesh = mesh_lib.get_concrete_mesh()
+        mesh = context_mesh()
     if axis_name is None:
         why = "the op's mesh axis is not known here"
     elif not isinstance(mesh, jax.sharding.Mesh) or mesh.empty:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-from jax._src import mesh as mesh_lib
 
 from ...runtime import ipc, topology
 
@@ -28,8 +27,8 @@ def _concrete_mesh(ctx, op: str):
     mesh = getattr(axis_context, "mesh", None)
     if isinstance(mesh, jax.sharding.Mesh):
         return mesh
-    mesh = mesh_lib.get_concrete_mesh()
-    if isinstance(mesh, jax.sharding.Mesh) and not mesh.empty:
+    mesh = topology.context_mesh()  # jax.set_mesh's
+    if mesh is not None:
         return mesh
     raise ValueError(
         f"{op}: comm='dma' needs a concrete jax.sharding.Mesh when it is lowered: call it inside "
