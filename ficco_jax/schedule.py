@@ -35,7 +35,7 @@ from typing import Iterator, Sequence
 from . import config
 
 OPS = ("ag_matmul", "matmul_rs", "a2a_matmul", "matmul_a2a")
-#: The expert-parallel ops: 4-D per-peer blocks [n, E_local, C, d] (ficco_jax/a2a.py).
+#: The expert-parallel ops: 4-D per-peer blocks [n, E_local, C, d] (ops/api.py: a2a_matmul, matmul_a2a).
 A2A_OPS = ("a2a_matmul", "matmul_a2a")
 COMMS = ("none", "xla", "dma")
 ORDERS = ("ring", "bidirectional", "direct")

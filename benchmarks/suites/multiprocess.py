@@ -2,7 +2,7 @@
 
 One process of an N-process job on one host, one device each (benchmarks/suites/multiprocess_launch.sh
 starts them; it is the way to run this; the steps are in multiprocess_steps.py). The mesh's one axis "tp" spans every process, so every
-comm="dma" call goes through the host mailbox and CUDA IPC (xla_ffi/ipc.h).
+comm="dma" call goes through the host mailbox and CUDA IPC (xla_ffi/runtime/ipc.h).
 
   1. setup      jax.distributed on localhost; the site's topology; on GPUs the staging buffer
                 every device exports to its peers (ipc.staging_info: size, legacy-IPC capable,

@@ -201,7 +201,7 @@ class Run:
 
     # -- setup -------------------------------------------------------------------------------
     def check_staging(self):
-        """The staging buffer peers in other processes read (xla_ffi/ipc.h): allocated here, so that
+        """The staging buffer peers in other processes read (xla_ffi/runtime/ipc.h): allocated here, so that
         a failure shows before any op runs, and reported with its size and exportability."""
         x = collective_inputs(self.mesh, 8, 8, seed=0)
         info, error = self.attempt(lambda: ipc.describe_pointer(x.addressable_shards[0].data))

@@ -3,7 +3,7 @@ cause, measured on this machine, and a machine profile fitted to them for the co
 
 (a) decomposition loss: c chunk matmuls [M/c, K] @ [K, N] against one [M, K] @ [K, N];
 (b) contention: a matmul's slowdown while an all-gather of the same group runs beside it, with
-    NCCL (XLA's async all-gather, SM-based) and with copy engines (dma_probe: the executor's
+    NCCL (XLA's async all-gather, SM-based) and with copy engines (lowering/dma/probe.py: the executor's
     matmuls with and without its copy streams pulling every peer's shard in the same call, since
     a ficco call joins XLA's stream before it returns and so never runs beside another matmul);
 (c) transfer cost: all-gather time by shard size for copy engines (1..k streams) and NCCL,
@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .. import dma
-from ..lowering.dma import probe as dma_probe
+from ..lowering.dma import probe
 from ..schedule import Schedule
 from ..tuning import select, timing
 from ..tuning.fitting import nccl_contention
@@ -159,10 +159,10 @@ def _ppermute_gather(n: int):
 
 def _dma_contention(a, w, x, mesh, specs, progress, repeats: int = 4) -> dict:
     """The executor's matmuls with and without copy engines pulling every peer's x meanwhile
-    (dma_probe: one custom call, so the copies really run beside the matmuls)."""
+    (lowering/dma/probe.py: one custom call, so the copies really run beside the matmuls)."""
 
     def timed(pull):
-        body = lambda a, w, x: dma_probe.matmuls_beside_pulls(a, w, x, "tp", repeats=repeats, pull=pull)
+        body = lambda a, w, x: probe.matmuls_beside_pulls(a, w, x, "tp", repeats=repeats, pull=pull)
         make = lambda r: jax.jit(jax.shard_map(timing.chain(body, r), mesh=mesh, in_specs=specs, out_specs=specs[0]))
         return harness.device_time(make, (a, w, x))["median_s"] * 1e3 / repeats
 

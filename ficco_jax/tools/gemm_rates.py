@@ -26,7 +26,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from ..lowering.dma import probe as dma_probe
+from ..lowering.dma import probe
 from ..runtime import extension
 from ..tuning import timing
 from . import harness
@@ -76,7 +76,7 @@ def _probe_body(repeats: int):
     mesh = Mesh(np.array(jax.local_devices()[:1]), ("tp",))
 
     def body(a, w, x):
-        return dma_probe.matmuls_beside_pulls(a, w, x, "tp", repeats=repeats, pull=False, out_dtype=BF16)
+        return probe.matmuls_beside_pulls(a, w, x, "tp", repeats=repeats, pull=False, out_dtype=BF16)
 
     def make(chain_repeats: int | None):
         step = body if chain_repeats is None else timing.chain(body, chain_repeats)

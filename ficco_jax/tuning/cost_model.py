@@ -65,7 +65,7 @@ def default_profile() -> dict:
 
 
 def load_profile(name_or_path: str) -> dict:
-    """A profile by file path or by name in ficco_jax/profiles (e.g. "h200x4"); "default" is the
+    """A profile by file path or by name in ficco_jax/tuning/profiles (e.g. "h200x4"); "default" is the
     conservative one."""
     if name_or_path == "default" and not os.path.exists(name_or_path):
         return default_profile()
