@@ -26,6 +26,11 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import shapes  # noqa: E402
 
+# NVLink multicast stays off (as benchmarks/run.py sets for every suite), also when this script is
+# started on its own: on GPUs that others share, a program using it can put them out of service.
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
 NAME = "torch_tp"
 METHOD = ("CUDA events around ITERS back-to-back calls after WARMUP calls; median of ROUNDS rounds; "
           "the slowest rank's time (all_reduce MAX)")

@@ -33,9 +33,10 @@ PYTHON=${FICCO_PYTHON:-python3}
 mkdir -p "$OUT"
 START=$(date +%s)
 
-# NVLink SHARP (multicast) stays off on these machines (KINDS.md); NCCL only carries the
-# reference collectives and JAX sequential here.
-export NCCL_NVLS_ENABLE=0
+# NVLink SHARP (multicast) stays off, as in every step of benchmarks/run.py: on GPUs that others
+# share, a program using it can put the host's GPUs out of service. NCCL only carries the
+# reference collectives and JAX sequential here, so nothing is lost.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # The cross-process copy-engine path is opt-in (config.CROSS_PROCESS_DMA): this script is its check.
 export FICCO_CROSS_PROCESS_DMA=1
 # Processes reach a call's rendezvous after compiling it on their own; give slow compiles room.
