@@ -7,6 +7,9 @@ import subprocess
 import sys
 
 import conftest
+import pytest
+
+from ficco_jax.runtime import extension
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # pytest, in a process where `from ficco_jax import _ffi` fails as it does when the build left no module
@@ -20,6 +23,8 @@ def _pytest_without_ffi(**env):
                           text=True, timeout=300)
 
 
+@pytest.mark.skipif(os.environ.get(conftest.WITHOUT_EXTENSION, "") not in ("", "0") and not extension.available(),
+                    reason="an install made without the extension (FICCO_TESTS_WITHOUT_EXTENSION)")
 def test_this_session_has_the_extension_with_its_cpu_executor():
     assert conftest.extension_problem() is None
 
