@@ -1,4 +1,4 @@
-// The IPC functions of `ficco_jax._ffi` (ficco_jax/ipc.py): the host mailbox's name and teardown,
+// The IPC functions of `ficco_jax._ffi` (ficco_jax/runtime/ipc.py): the host mailbox's name and teardown,
 // and diagnostics of the staging buffers and of XLA's allocations as CUDA IPC sees them.
 #include <stdexcept>
 #include <string>

@@ -25,7 +25,7 @@ config.RENDEZVOUS_TIMEOUT_S and written into the program when it is traced. Each
 skip:1, runs the case, disarms, runs the next calls; then the same with fail:<n-1>.
 
 One more child launches a group of n devices on only n/2 of them (a direct FFI call, as in
-tests/test_executor_faults.py, with the attributes dma.py itself writes for the whole group) and
+tests/test_executor_faults.py, with the attributes lowering/dma/registry.py itself writes for the whole group) and
 checks the waiting ranks' message: op, group and "missing ranks [n/2 .. n-1]", arriving no sooner
 than the timeout.
 
@@ -199,7 +199,7 @@ def child_op(op, timeout_s, margin_s) -> None:
 
 
 def _library_attributes(mesh, x) -> dict:
-    """The FFI attributes dma.py gives a healthy all_gather over the whole of `mesh` (spied on
+    """The FFI attributes lowering/dma/registry.py gives a healthy all_gather over the whole of `mesh` (spied on
     jax.ffi.ffi_lowering while it lowers), so the direct call below follows the attribute set the
     executor expects now, whatever it is, instead of a copy of it."""
     import jax

@@ -124,7 +124,7 @@ std::vector<int> Registry::Ordinals() {
 ffi::Error Registry::Mailbox(const CallContext& ctx, int64_t job, HostMailbox** out) {
   std::lock_guard<std::mutex> lock(mu_);
   if (mailbox_closed_) {
-    return MakeError(ctx, "the host mailbox of this process was closed (ficco_jax.ipc.close()); copy-engine "
+    return MakeError(ctx, "the host mailbox of this process was closed (ficco_jax.runtime.ipc.close()); copy-engine "
                           "ops across processes cannot run after it");
   }
   if (!mailbox_) {
