@@ -11,6 +11,7 @@ import pytest
 
 import ficco_jax
 from ficco_jax import Schedule
+from ficco_jax.ops import table
 from helpers import (TOLERANCE, ag_specs, global_shapes, lowered_text, prefer_copy_engines, random, rel_err,
                      rs_specs, run_sharded)
 
@@ -112,6 +113,28 @@ def test_auto_schedule_matches_reference(monkeypatch, mesh1d, rng, op):
     got = run_sharded(mesh1d, lambda a, w: fn(a, w, "tp"), specs(mesh1d), a, w)
     want = run_sharded(mesh1d, lambda a, w: ref(a, w, "tp"), specs(mesh1d), a, w)
     assert rel_err(got, want) < TOLERANCE["float32"]
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_forward_traces_its_lowering_once(monkeypatch, mesh2d, rng, op):
+    """A forward call traces its schedule's steps once, when it is lowered: the op's equation takes
+    its results' abstract values from the op's shapes, not from a trace of the steps."""
+    pair = table.PAIRS[op]
+    lowering = "gather_xla" if op == pair.gather else "scatter_xla"
+    traced = []
+
+    def counted(*args, **kwargs):
+        traced.append(op)
+        return getattr(type(pair), lowering)(pair, *args, **kwargs)
+
+    monkeypatch.setattr(pair, lowering, counted)
+    fn, ref, specs = OPS[op]
+    a_shape, w_shape = global_shapes(op, mesh2d, M_ROWS, K, N_COLS)
+    a, w = random(rng, a_shape, "float32"), random(rng, w_shape, "float32")
+    body = lambda a, w: fn(a, w, "tp", schedule="xla/ring/c2")  # noqa: E731
+    got = run_sharded(mesh2d, body, specs(mesh2d), a, w)
+    assert traced == [op]
+    assert rel_err(got, run_sharded(mesh2d, lambda a, w: ref(a, w, "tp"), specs(mesh2d), a, w)) < TOLERANCE["float32"]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from .core import axis_size
 Scales = Tuple[jax.Array, jax.Array]
 #: The matmuls' result dtype; None for the operands' (ops/core.check_out_dtype).
 OutDtype = Optional[jnp.dtype]
+Shape = Tuple[int, ...]
 
 
 class OpPair(abc.ABC):
@@ -71,6 +72,15 @@ class OpPair(abc.ABC):
     def scatter_ref(self, y: jax.Array, w: jax.Array, axis_name: str, out_dtype: OutDtype = None) -> jax.Array:
         """The meaning of the scatter op."""
         return self.scatter_collective(self.scatter_local(y, w, out_dtype), axis_name)
+
+    # --- shapes: the equations' abstract values, read without tracing a lowering -----------------
+    @abc.abstractmethod
+    def gather_shapes(self, x_shape: Shape, w_shape: Shape, n: int) -> Tuple[Shape, Shape]:
+        """The shapes of the gather op's (out, side) over `n` devices."""
+
+    @abc.abstractmethod
+    def scatter_shape(self, y_shape: Shape, w_shape: Shape, n: int) -> Shape:
+        """The shape of the scatter op's output over `n` devices."""
 
     # --- lowering: comm="none" / "xla", plain JAX (lowering/xla.py) ------------------------------
     @abc.abstractmethod
@@ -142,6 +152,13 @@ class TensorParallel(OpPair):
     def scatter_local(self, y, w, out_dtype=None):
         return xla.product(y, w, out_dtype)
 
+    def gather_shapes(self, x_shape, w_shape, n):
+        rows = n * x_shape[0]
+        return (rows, w_shape[1]), (rows, x_shape[1])
+
+    def scatter_shape(self, y_shape, w_shape, n):
+        return (y_shape[0] // n, w_shape[1])
+
     def gather_xla(self, x, w, axis_name, sched, n, out_dtype, scales=None):
         return xla.ag_matmul(x, w, axis_name, sched, n, out_dtype, scales)
 
@@ -182,6 +199,12 @@ class ExpertParallel(OpPair):
 
     def scatter_local(self, y, w, out_dtype=None):
         return xla.einsum("pecf,efd->pecd", y, w, out_dtype)
+
+    def gather_shapes(self, x_shape, w_shape, n):
+        return (*x_shape[:3], w_shape[2]), tuple(x_shape)
+
+    def scatter_shape(self, y_shape, w_shape, n):
+        return (*y_shape[:3], w_shape[2])
 
     def gather_xla(self, x, w, axis_name, sched, n, out_dtype, scales=None):
         _no_scales(self.gather, scales)

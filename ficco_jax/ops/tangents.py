@@ -26,10 +26,12 @@ from typing import ClassVar, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
+from ..lowering.dma.registry import aval
 from ..schedule import Schedule
-from .core import axis_size
+from .core import axis_size, varying_axes
 from .linear import LinearMap, bind
 from .resolve import transposed_schedule
 from .table import OpPair, OutDtype
@@ -163,22 +165,31 @@ class ScatterMap(_PairMap):
 # ------------------------------------------------------------------------------------------------
 # The positional forms (pair, a, w, axis_name, sched, out_dtype): the ops bound as equations
 # ------------------------------------------------------------------------------------------------
-def _out_avals(impl, a, w, *static):
-    return jax.make_jaxpr(lambda a, w: impl(a, w, *static))(a, w).out_avals
+def _varying_together(a, w, axis_name: str):
+    """(a, w), each made to vary over every manual axis the other varies over and over the op's
+    axis: what the op's results vary over, so that their abstract values are a's with other
+    shapes (no lowering traced to find them)."""
+    axes = varying_axes(a) | varying_axes(w) | {axis_name}
+    return [v if axes <= varying_axes(v) else lax.pcast(v, tuple(sorted(axes - varying_axes(v))), to="varying")
+            for v in (a, w)]
 
 
 def _gather_equation(pair: OpPair, x, w, axis_name: str, sched: Schedule, out_dtype: OutDtype,
                      side_needed: bool) -> Tuple[jax.Array, Optional[jax.Array]]:
     """The gather op as one equation of its own map (x the linear operand, w the residual)."""
-    avals = _out_avals(pair.gather_impl, x, w, axis_name, sched, out_dtype, side_needed)[:2 if side_needed else 1]
+    x, w = _varying_together(x, w, axis_name)
+    out_shape, side_shape = pair.gather_shapes(x.shape, w.shape, axis_size(axis_name, pair.gather))
+    avals = [aval(jax.typeof(x), out_shape, out_dtype)] + ([aval(jax.typeof(x), side_shape)] if side_needed else [])
     outs = bind(GatherMap(pair), Static(axis_name, sched, out_dtype, side_needed), (w, None), (x, None), avals)
     return outs[0], (outs[1] if side_needed else None)
 
 
 def _scatter_equation(pair: OpPair, y, w, axis_name: str, sched: Schedule, out_dtype: OutDtype) -> jax.Array:
     """The scatter op as one equation of its own map (y linear, w residual)."""
-    avals = _out_avals(pair.scatter_impl, y, w, axis_name, sched, out_dtype)
-    return bind(ScatterMap(pair), Static(axis_name, sched, out_dtype), (None, w), (y, None), avals)[0]
+    y, w = _varying_together(y, w, axis_name)
+    out_shape = pair.scatter_shape(y.shape, w.shape, axis_size(axis_name, pair.scatter))
+    return bind(ScatterMap(pair), Static(axis_name, sched, out_dtype), (None, w), (y, None),
+                [aval(jax.typeof(y), out_shape, out_dtype)])[0]
 
 
 _STATIC = (0, 3, 4, 5)  # pair, axis_name, sched, out_dtype
