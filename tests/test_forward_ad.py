@@ -273,17 +273,70 @@ def test_layers_in_remat_scan(mesh2d, rng, sched):
     _assert_close(hvp(got)[1], hvp(want)[1], rtol=5 * RTOL)
 
 
+def _vmapped(mesh, op, body, in_axes):
+    """jit(shard_map(vmap(body))) of a batch of 2 in dimension `in_axes[0]` of a (and of w where
+    in_axes[1] is 0), the batch leading in the result."""
+    (a_spec, w_spec), out_spec = OPS[op][2](mesh)
+
+    def batched(spec, axis):
+        return spec if axis is None else P(*[*spec][:axis], None, *[*spec][axis:])
+
+    return jax.jit(jax.shard_map(jax.vmap(body, in_axes=in_axes), mesh=mesh,
+                                 in_specs=(batched(a_spec, in_axes[0]), batched(w_spec, in_axes[1])),
+                                 out_specs=P(None, *out_spec)))
+
+
+def _batched_operands(mesh, op, rng, in_axes):
+    a_shape, w_shape = OPS[op][3](op, mesh)
+    a_shape = (*a_shape[:in_axes[0]], 2, *a_shape[in_axes[0]:])
+    w_shape = w_shape if in_axes[1] is None else (2, *w_shape)
+    return random(rng, a_shape, "float32"), random(rng, w_shape, "float32")
+
+
 @pytest.mark.parametrize("op,sched", list(_cases(comms=("xla", "dma"), first_only=True)))
 def test_vmap_matches_reference(mesh2d, rng, op, sched):
-    """A batch of inputs against one weight: the op runs once per batch element (jacfwd's path)."""
-    fn, ref, specs, shapes = OPS[op]
-    (a_spec, w_spec), out_spec = specs(mesh2d)
-    a = random(rng, (2, *shapes(op, mesh2d)[0]), "float32")
-    w = random(rng, shapes(op, mesh2d)[1], "float32")
+    """A batch of inputs against one weight: the batch folds into the rows of one call of the op
+    (no loop in the program), its results reordered."""
+    fn, ref = OPS[op][:2]
+    a, w = _batched_operands(mesh2d, op, rng, (0, None))
 
     def program(body):
-        return jax.jit(jax.shard_map(jax.vmap(body, in_axes=(0, None)), mesh=mesh2d, in_specs=(P(None, *a_spec), w_spec),
-                                     out_specs=P(None, *out_spec)))
+        return _vmapped(mesh2d, op, body, (0, None))
 
     got = program(lambda a, w: fn(a, w, "tp", schedule=sched))(a, w)
     _assert_close(got, program(lambda a, w: ref(a, w, "tp"))(a, w))
+    assert "stablehlo.while" not in program(lambda a, w: fn(a, w, "tp", schedule=sched)).lower(a, w).as_text()
+
+
+@pytest.mark.parametrize("in_axes", [(1, None), (0, 0)], ids=["batch-not-leading", "batched-weights"])
+@pytest.mark.parametrize("op,sched", list(_cases(comms=("xla", "dma"), first_only=True)))
+def test_vmap_folds_or_loops(mesh2d, rng, op, sched, in_axes):
+    """A batch in another dimension of the input still folds into one call; a batch of weights
+    cannot (each element has its own matmul weight) and runs the op once per element, in a loop."""
+    fn, ref = OPS[op][:2]
+    a, w = _batched_operands(mesh2d, op, rng, in_axes)
+    got_fn = _vmapped(mesh2d, op, lambda a, w: fn(a, w, "tp", schedule=sched), in_axes)
+    _assert_close(got_fn(a, w), _vmapped(mesh2d, op, lambda a, w: ref(a, w, "tp"), in_axes)(a, w))
+    loops = "stablehlo.while" in got_fn.lower(a, w).as_text()
+    assert loops == (in_axes[1] is not None)
+
+
+@pytest.mark.parametrize("op", ["ag_matmul", "a2a_matmul"])
+def test_vmap_of_side_outputs(mesh2d, rng, op):
+    """return_gathered / return_received under vmap: both results folded and reordered."""
+    fn, _, specs, _ = OPS[op]
+    flag = "return_gathered" if op == "ag_matmul" else "return_received"
+    collective = ((lambda x: jax.lax.all_gather(x, "tp", axis=0, tiled=True)) if op == "ag_matmul"
+                  else (lambda x: jax.lax.all_to_all(x, "tp", 0, 0, tiled=True)))
+    local = (lambda s, w: s @ w) if op == "ag_matmul" else (lambda s, w: jnp.einsum("pecd,edf->pecf", s, w))
+    (a_spec, w_spec), out_spec = specs(mesh2d)
+    side_spec = P(("dp", "tp"), None) if op == "ag_matmul" else P(("dp", "tp"))
+    a, w = _batched_operands(mesh2d, op, rng, (0, None))
+
+    def program(body):
+        return jax.jit(jax.shard_map(jax.vmap(body, in_axes=(0, None)), mesh=mesh2d, in_specs=(P(None, *a_spec), w_spec),
+                                     out_specs=(P(None, *out_spec), P(None, *side_spec))))
+
+    got = program(lambda a, w: fn(a, w, "tp", schedule="xla/ring/c2", **{flag: True}))
+    _assert_close(got(a, w), program(lambda a, w: (local(collective(a), w), collective(a)))(a, w))
+    assert "stablehlo.while" not in got.lower(a, w).as_text()

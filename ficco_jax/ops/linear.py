@@ -8,7 +8,9 @@ per map is a `LinearMap` record (ops/tangents.py); this module gives every map t
   transpose    map.transpose: the op's overlapped backward (reverse mode: grad, vjp)
   jvp          the map again on the linear operands' tangents, plus map.res_jvp for the
                residuals' tangents (forward over forward, and reverse over forward)
-  batching     the map once per batch element, in a `lax.map` loop (jacfwd vmaps the tangents;
+  batching     one equation where the map folds the batch into its operands (a batch of inputs
+               against one weight: the op on the batch's rows, the results reordered), else the
+               map once per batch element, in a `lax.map` loop (jacfwd vmaps the tangents;
                jax.vmap of an op takes the same path)
 
 The op itself is bilinear, so it is such a map too (linear in its input given its weight); the
@@ -26,13 +28,15 @@ transpose, which is what this primitive is.
 from __future__ import annotations
 
 import abc
+from typing import Callable, NamedTuple, Optional
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from ..lowering.dma.registry import current_site, site_label
+from ..lowering.dma.registry import aval, current_site, site_label
 from .core import like_aval
 
 
@@ -55,6 +59,20 @@ class LinearMap(abc.ABC):
     def res_jvp(self, static, res: tuple, lin: tuple, t_res: tuple, outs: tuple) -> tuple:
         """Per output the tangent contributed by the residuals' tangents (None: zero); linear in
         `t_res` and transposable."""
+
+    def fold_batch(self, static, res: tuple, lin: tuple, batched_res: tuple, batched_lin: tuple) -> Optional[Folded]:
+        """The map on operands with a leading batch dimension (`batched_*`: which have one) as one
+        equation of this map, or None where it has none (the batch then runs in a loop)."""
+        return None
+
+
+class Folded(NamedTuple):
+    """A batch folded into one equation: its operands (absent ones None, as before), the shapes of
+    its results, and how one result gets its batch dimension back (leading)."""
+    res: tuple
+    lin: tuple
+    out_shapes: tuple
+    unfold: Callable[[jax.Array], jax.Array]
 
 
 linear_p = Primitive("ficco_linear")
@@ -128,8 +146,18 @@ def _transpose(cts, *args, lmap, static, res_mask, lin_mask, out_avals, site):
 
 
 def _batch(args, dims, **params):
-    """One map per batch element: the op's schedules take no batch dimension of their own."""
+    """One equation where the map folds the batch into its operands (a batch of inputs against one
+    weight joins the rows), else one equation per batch element, in a loop: the op's schedules take
+    no batch dimension of their own."""
     moved = [a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
+    res, lin = _split(moved, params["res_mask"], params["lin_mask"])
+    batched_res, batched_lin = _split([d is not None for d in dims], params["res_mask"], params["lin_mask"])
+    folded = params["lmap"].fold_batch(params["static"], res, lin, batched_res, batched_lin)
+    if folded is not None:
+        out_avals = tuple(aval(a, shape) for a, shape in zip(params["out_avals"], folded.out_shapes))
+        operands = [r for r in folded.res if r is not None] + [v for v in folded.lin if v is not None]
+        outs = linear_p.bind(*operands, **{**params, "out_avals": out_avals})
+        return [folded.unfold(o) for o in outs], [0] * len(outs)
     batched = [i for i, d in enumerate(dims) if d is not None]
 
     def one(sliced):

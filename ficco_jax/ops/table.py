@@ -82,6 +82,15 @@ class OpPair(abc.ABC):
     def scatter_shape(self, y_shape: Shape, w_shape: Shape, n: int) -> Shape:
         """The shape of the scatter op's output over `n` devices."""
 
+    # --- batching: a batch of inputs against one weight, as one call -----------------------------
+    @abc.abstractmethod
+    def fold_batch(self, op: str, a: jax.Array, n: int) -> jax.Array:
+        """`a` with a leading batch dimension, as one input of `op` whose rows hold the batch."""
+
+    @abc.abstractmethod
+    def unfold_batch(self, op: str, out: jax.Array, batch: int, n: int) -> jax.Array:
+        """A result of `op` on a folded input, with the batch leading again."""
+
     # --- lowering: comm="none" / "xla", plain JAX (lowering/xla.py) ------------------------------
     @abc.abstractmethod
     def gather_xla(self, x: jax.Array, w: jax.Array, axis_name: str, sched: Schedule, n: int, out_dtype: OutDtype,
@@ -159,6 +168,19 @@ class TensorParallel(OpPair):
     def scatter_shape(self, y_shape, w_shape, n):
         return (y_shape[0] // n, w_shape[1])
 
+    def fold_batch(self, op, a, n):
+        if op == self.gather:  # [B, m, K] -> [B*m, K]: this device's rows, batch-major
+            return a.reshape(-1, a.shape[-1])
+        # [B, n*m, N] -> [n*B*m, N]: block r of the scatter holds block r of every batch element
+        batch, rows, cols = a.shape
+        return a.reshape(batch, n, rows // n, cols).swapaxes(0, 1).reshape(-1, cols)
+
+    def unfold_batch(self, op, out, batch, n):
+        rows, cols = out.shape
+        if op == self.gather:  # [n*B*m, X], rank-major, -> [B, n*m, X]
+            return out.reshape(n, batch, rows // (n * batch), cols).swapaxes(0, 1).reshape(batch, -1, cols)
+        return out.reshape(batch, -1, cols)  # [B*m, K] -> [B, m, K]
+
     def gather_xla(self, x, w, axis_name, sched, n, out_dtype, scales=None):
         return xla.ag_matmul(x, w, axis_name, sched, n, out_dtype, scales)
 
@@ -205,6 +227,14 @@ class ExpertParallel(OpPair):
 
     def scatter_shape(self, y_shape, w_shape, n):
         return (*y_shape[:3], w_shape[2])
+
+    def fold_batch(self, op, a, n):  # [B, n, E, C, d] -> [n, E, B*C, d]: the batch joins the capacity
+        moved = jnp.moveaxis(a, 0, 2)
+        return moved.reshape(*moved.shape[:2], -1, moved.shape[-1])
+
+    def unfold_batch(self, op, out, batch, n):  # [n, E, B*C, f] -> [B, n, E, C, f]
+        ranks, experts, capacity, cols = out.shape
+        return jnp.moveaxis(out.reshape(ranks, experts, batch, capacity // batch, cols), 2, 0)
 
     def gather_xla(self, x, w, axis_name, sched, n, out_dtype, scales=None):
         _no_scales(self.gather, scales)

@@ -32,7 +32,7 @@ from jax.custom_derivatives import SymbolicZero
 from ..lowering.dma.registry import aval
 from ..schedule import Schedule
 from .core import axis_size, varying_axes
-from .linear import LinearMap, bind
+from .linear import Folded, LinearMap, bind
 from .resolve import transposed_schedule
 from .table import OpPair, OutDtype
 
@@ -80,6 +80,26 @@ class _PairMap(LinearMap):
     @property
     def name(self) -> str:
         return f"{getattr(self.pair, self.role)}_tangent"
+
+    def fold_batch(self, static, res, lin, batched_res, batched_lin):
+        """The op itself on a batch of inputs against one weight (the input the only batched
+        operand, no weight tangent, the weight the only residual): one call of the op whose rows
+        hold the batch, valid where the schedule still cuts the folded rows."""
+        op, w_at = getattr(self.pair, self.role), (0 if self.role == "gather" else 1)
+        if not (batched_lin == (True, None) and res[1 - w_at] is None and batched_res[w_at] is False):
+            return None
+        w, n = res[w_at], axis_size(static.axis_name, op)
+        a = self.pair.fold_batch(op, lin[0], n)
+        try:
+            static.sched.validate(op, (a.shape, w.shape), n)
+        except (ValueError, TypeError):
+            return None
+        if self.role == "gather":
+            out_shapes = self.pair.gather_shapes(a.shape, w.shape, n)[:2 if static.with_side else 1]
+        else:
+            out_shapes = (self.pair.scatter_shape(a.shape, w.shape, n),)
+        batch = lin[0].shape[0]
+        return Folded(res, (a, None), out_shapes, lambda out: self.pair.unfold_batch(op, out, batch, n))
 
 
 class GatherMap(_PairMap):
