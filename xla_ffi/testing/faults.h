@@ -8,8 +8,9 @@
 //                 a copy stream); the cleanup that follows runs as after any failed transfer;
 //   stall:<rank>  everything it records on XLA's stream is one event that never completes, as if its
 //                 device never reached the call: the events it posts never complete, its peers'
-//                 streams wait for ever and only the watchdog ends the process. In-process groups
-//                 only (a "never" event cannot be exported to other processes).
+//                 streams wait for ever and only the watchdog ends the process. Its own streams do
+//                 not wait for that event, so its handler returns as a stuck device's would.
+//                 In-process groups only (a "never" event cannot be exported to other processes).
 #ifndef FICCO_JAX_XLA_FFI_TESTING_FAULTS_H_
 #define FICCO_JAX_XLA_FFI_TESTING_FAULTS_H_
 
