@@ -1,9 +1,9 @@
 // The CUDA state of one device, created on first use and kept for the life of the process.
 #include "device/cuda_device.h"
 
+#include <chrono>
 #include <string>
-
-#include "device/stall.h"
+#include <thread>
 
 namespace ficco {
 
@@ -84,18 +84,15 @@ void CudaDevice::Release(const std::vector<Event>& events) {
   ReleaseEvents(cuda_events, /*interprocess=*/false);
 }
 
+namespace {
+// Never returns: the stream it is enqueued on stops there (the process ends by abort).
+void CUDART_CB NeverReturn(void*) {
+  for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+}
+}  // namespace
+
 ffi::Error CudaDevice::BlockForever(const CallContext& ctx, cudaStream_t stream) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (never_set_ == nullptr) {
-      FICCO_CHECK_CUDA(cudaSetDevice(ordinal_));
-      FICCO_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&never_set_), sizeof(int), cudaHostAllocMapped));
-      *never_set_ = 0;
-    }
-  }
-  int* flag = nullptr;
-  FICCO_CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&flag), never_set_, 0));
-  FICCO_CHECK_CUDA(LaunchSpinUntilSet(flag, stream));
+  FICCO_CHECK_CUDA(cudaLaunchHostFunc(stream, NeverReturn, nullptr));
   return ffi::Error::Success();
 }
 

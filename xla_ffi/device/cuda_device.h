@@ -72,8 +72,9 @@ class CudaDevice final : public EventPool {
   // EventPool, for the watchdog: the in-process events.
   bool Done(Event event) override;
   void Release(const std::vector<Event>& events) override;
-  // `stream` blocks until the process ends: a kernel spinning on a host flag nothing sets (the
-  // stall fault's peer that never records its event).
+  // `stream` blocks until the process ends (the stall fault's peer that never records its event):
+  // a host function that never returns. Not a kernel: one that never ends holds part of the
+  // device, and on 2 x H100 the stalled rank's own handler then never returned.
   ffi::Error BlockForever(const CallContext& ctx, cudaStream_t stream);
   // The resources Prepare made (nullptr before the first Prepare).
   CudaResources* resources();
@@ -82,7 +83,6 @@ class CudaDevice final : public EventPool {
   const int ordinal_;
   std::mutex mu_;
   CudaResources cuda_;
-  int* never_set_ = nullptr;  // BlockForever's host flag (mapped pinned memory), made on first use
 };
 
 }  // namespace ficco
