@@ -94,3 +94,25 @@ def test_rewrite_modules_share_public_names_only(path):
         assert not any(m.split(".")[0] == "tools" or ".tools" in m for m in modules), f"{path.name} imports tools"
         private = [a.name for a in node.names if a.name.startswith("_") and a.name != "__future__"]
         assert not private, f"{path.name}:{node.lineno} imports private names {private}"
+
+
+def test_a_matmuls_all_reduce_is_reported_with_how_to_overlap_it(mesh1d):
+    """Row-parallel matmul → psum, its sum read on (Megatron's layout without sequence
+    parallelism): explain names it and the reduce-scatter + all-gather form that overlaps; a sum
+    the body only returns (data parallelism's weight gradients) and a psum of no matmul are not
+    matmul sites."""
+    def body(x, w_in, w_out):
+        h = jnp.tanh(x @ w_in)                       # column-parallel: h [M, F/n]
+        y = x + jax.lax.psum(h @ w_out, "tp")        # row-parallel, all-reduced, read on
+        grad_like = jax.lax.psum(x.T @ h, "tp")      # returned only
+        return y, grad_like, jax.lax.psum(jnp.sum(y), "tp")
+
+    f = jax.shard_map(body, mesh=mesh1d, in_specs=(P(), P(None, "tp"), P("tp", None)),
+                      out_specs=(P(), P(), P()))
+    rng = np.random.default_rng(0)
+    x, w_in, w_out = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((16, 8), (8, 32), (32, 8)))
+    report = explain(f, x, w_in, w_out)
+    psums = [r for r in report.near_misses if r.op == "matmul_psum"]
+    assert len(psums) == 1 and not report.sites, str(report)
+    assert psums[0].axis_name == "tp" and "psum_scatter" in psums[0].reason and "all-gather" in psums[0].reason
+    np.testing.assert_allclose(jax.jit(overlap(f))(x, w_in, w_out)[0], f(x, w_in, w_out)[0], rtol=1e-6)

@@ -220,4 +220,29 @@ def _match_scaled_gather(ctx: MatchContext, i: int, shapes: str) -> TensorSite |
 
 
 # The matcher of each collective primitive this family rewrites.
-MATCHERS = {"all_gather": match_gather, "reduce_scatter": match_scatter, "psum_scatter": match_scatter}
+# --------------------------------------------------------------------------------------------
+# A matmul's all-reduce: reported, not rewritten
+# --------------------------------------------------------------------------------------------
+#: The label of a psum of a matmul's product in explain(); no op rewrites it.
+AR = "matmul_psum"
+_AR_WHY = ("a matmul's all-reduce (psum) is not overlapped; its two halves are: reduce-scatter the product "
+           "(psum_scatter, an overlapped matmul_rs) and all-gather it before the matmul that reads it (an "
+           "overlapped ag_matmul), as sequence parallelism does")
+
+
+def match_psum(ctx: MatchContext, i: int) -> SiteRecord | None:
+    """A psum whose operand is a matmul's product and whose sum the body goes on computing with (a
+    row-parallel matmul's all-reduce): a near-miss that says how to overlap it. Not reported: other
+    psums (a loss, a norm), and sums the body only returns, as data parallelism returns its
+    weight gradients."""
+    psum = ctx.eqns[i]
+    if len(psum.invars) != 1 or ctx.producer_name(ctx.producer(psum.invars[0])) != _DOT:
+        return None
+    if not ctx.users.get(psum.outvars[0]):
+        return None
+    v = psum.invars[0]
+    return ctx.miss(AR, i, f"y {fmt(v.aval)} summed", _AR_WHY)
+
+
+MATCHERS = {"all_gather": match_gather, "reduce_scatter": match_scatter, "psum_scatter": match_scatter,
+            "psum": match_psum, "psum_invariant": match_psum}

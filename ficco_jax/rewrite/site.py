@@ -181,7 +181,8 @@ class MatchContext:
         return None
 
     def miss(self, op: str, i: int, shapes: str, reason: str) -> SiteRecord:
-        axis = self.eqns[i].params.get("axis_name")
+        params = self.eqns[i].params
+        axis = params.get("axis_name", params.get("axes"))  # psum names its axes "axes"
         axis = axis[0] if isinstance(axis, (tuple, list)) and len(axis) == 1 else axis
         return SiteRecord(op, f"{self.where}eqn {i}", str(axis), shapes, "", "", reason,
                           source=source_line(self.eqns[i]))
