@@ -323,3 +323,32 @@ def test_expert_ops_refuse_fp8_with_the_way_out(mesh1d, rng):
     w = random(rng, (16, 16, 8), F32).astype(jnp.float8_e4m3fn)
     with pytest.raises(TypeError, match="FP8 operands are taken by ag_matmul and matmul_rs.*dequantize x"):
         run_sharded(mesh1d, lambda x, w: ficco_jax.a2a_matmul(x, w, "tp"), ((P("tp"), P("tp")), P("tp")), x, w)
+
+
+def test_wrap_orders_of_a_mixed_precision_step(mesh1d, rng):
+    """The README's two wrap orders for bf16 weights with f32 accumulation: overlap outside the
+    gradient keeps JAX's backward (its f32 x bf16 matmuls are near-misses) and its gradients bit
+    for bit; overlap inside it overlaps the backward through the ops' gradients, whose bf16
+    cotangents move the gradients by about bf16's rounding."""
+    def mlp(x, w1, w2):
+        h = jnp.dot(jax.lax.all_gather(x, "tp", tiled=True), w1, preferred_element_type=jnp.float32)
+        y = jnp.dot(jax.nn.gelu(h).astype(jnp.bfloat16), w2, preferred_element_type=jnp.float32)
+        return jax.lax.psum_scatter(y, "tp", tiled=True)
+
+    layer = jax.shard_map(mlp, mesh=mesh1d, in_specs=(P("tp"), P(None, "tp"), P("tp", None)), out_specs=P("tp"))
+    loss = lambda x, w1, w2: jnp.sum(layer(x, w1, w2) ** 2)  # noqa: E731
+    x, w1, w2 = (jnp.asarray(rng.standard_normal(s) * c, jnp.bfloat16)
+                 for s, c in (((64, 32), 1.0), ((32, 64), 0.1), ((64, 32), 0.1)))
+    schedule = "xla/ring/c2"
+    plain = jax.value_and_grad(loss, argnums=(1, 2))
+    outside = ficco_jax.overlap(plain, schedule=schedule)
+    inside = jax.value_and_grad(ficco_jax.overlap(loss, schedule=schedule), argnums=(1, 2))
+    report = ficco_jax.explain(plain, x, w1, w2)
+    assert len(report.sites) == 2 and any("dtypes differ" in r.reason for r in report.near_misses), str(report)
+    ref = jax.jit(plain)(x, w1, w2)
+    for got, want in zip(jax.tree.leaves(jax.jit(outside)(x, w1, w2)), jax.tree.leaves(ref)):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    errors = [rel_err(got, want) for got, want in zip(jax.tree.leaves(jax.jit(inside)(x, w1, w2)), jax.tree.leaves(ref))]
+    assert 0 < max(errors) < 2e-2, errors
+    backward_ops = str(jax.make_jaxpr(inside)(x, w1, w2)).count("ficco_linear")
+    assert backward_ops > str(jax.make_jaxpr(outside)(x, w1, w2)).count("ficco_linear"), backward_ops
