@@ -120,9 +120,24 @@ def test_profile_for_prefers_exact_shipped_then_measured_then_nearest(monkeypatc
     assert select.profile_for(2)["name"] == "default"
 
 
-def test_probe_programs_run_inside_a_trace(cache):
+def test_a_profile_that_cannot_be_measured_falls_back_once(cache, capsys):
+    devices, kind = jax.devices()[:2], jax.devices()[0].device_kind
+    calls = []
+
+    def failing(probe, devices):
+        calls.append(probe)
+        raise RuntimeError("out of memory")
+
+    assert first_use.profile(kind, 2, timer=failing, devices=devices) is None
+    assert "could not be measured here (RuntimeError: out of memory)" in capsys.readouterr().err
+    assert first_use.profile(kind, 2, timer=failing, devices=devices) is None and len(calls) == 1
+    assert not list(cache.iterdir())
+
+
+@pytest.mark.parametrize("where", ["jit", "jit under set_mesh", "shard_map under set_mesh"])
+def test_probe_programs_run_inside_a_trace(cache, where):
     """Every kind of probe builds and runs (tiny sizes, CPU devices), also when the first op is
-    resolved while jit traces the user's function."""
+    resolved while jit traces the user's function, under the user's explicit mesh, in a shard_map."""
     small = (first_use.Probe("gemm", (16, 32, 32)), first_use.Probe("gemm", (64, 32, 32)),
              first_use.Probe("nccl", (4096,)), first_use.Probe("nccl", (16384,)), first_use.Probe("dma", (16384,)),
              first_use.Probe("op", (16, 32, 32), "ag_matmul", "none"),
@@ -134,11 +149,19 @@ def test_probe_programs_run_inside_a_trace(cache):
         seen[probe] = first_use.device_seconds(probe, devices)
         return max(seen[probe], 1e-9)
 
-    @jax.jit
     def user_step(x):
         seen["profile"] = first_use.measure(jax.devices()[:2], timer, small)
         return x * 2
 
-    assert float(user_step(jnp.ones(()))) == 2.0
+    mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    if where == "jit":
+        assert float(jax.jit(user_step)(jnp.ones(()))) == 2.0
+    else:
+        spec = jax.sharding.PartitionSpec("dp", "tp")
+        step = jax.jit(user_step if where.startswith("jit") else
+                       jax.shard_map(user_step, mesh=mesh, in_specs=spec, out_specs=spec))
+        with jax.set_mesh(mesh):
+            x = jax.device_put(jnp.ones((8, 8)), jax.sharding.NamedSharding(mesh, spec))
+            assert float(step(x).sum()) == 128.0
     assert len(seen) == len(small) + 1 and all(np.isfinite(seen[p]) for p in small)
     assert np.isfinite(seen["profile"]["peak_tflops"]["bfloat16"])
