@@ -38,7 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .. import config
 from ..lowering import dma
-from ..runtime import topology
+from ..runtime import extension, topology
 from ..schedule import Schedule, local_shapes
 from . import fitting, timing
 
@@ -110,7 +110,7 @@ def profile(device_kind: str, axis_size: int, *, timer: Timer | None = None, dev
 def measure(devices: Sequence, timer: Timer, probes: Sequence[Probe] = PROBES) -> dict:
     """A profile fitted to the probes' times on `devices` (one group), as `calibrate` fits one."""
     n, kind = len(devices), devices[0].device_kind
-    with_dma = dma.available()
+    with_dma = extension.cuda_built() if devices[0].platform == "gpu" else dma.available()
     probes = [p for p in probes if with_dma or not (p.what == "dma" or "dma" in p.schedule)]
     print(f"ficco_jax: no cost profile ships for {n} x {kind}; measuring one ({len(probes)} timings, about "
           f"20 s, once per machine; FICCO_PROFILE_MEASURE=0 skips it) ...", file=sys.stderr, flush=True)
