@@ -406,3 +406,11 @@ def test_ag_matmul_skip_path_under_remat_and_scan_gradients(rng, wrap):
 
     for got, want in zip(grads(True), grads(False)):
         assert _rel_err(got, want) < 1e-4, wrap
+
+
+def test_collective_under_vmap(mesh1d, rng):
+    """vmap of a copy-engine collective runs (one call per batch element) and gathers every element."""
+    x = jnp.asarray(rng.standard_normal((3, 8 * 4, 8)), jnp.float32)
+    gather = jax.vmap(lambda v: dma.all_gather(v, "tp", schedule="dma/direct/c1"))
+    f = jax.jit(jax.shard_map(gather, mesh=mesh1d, in_specs=P(None, "tp"), out_specs=P(None, None), check_vma=False))
+    np.testing.assert_array_equal(np.asarray(f(x)), np.asarray(x))

@@ -352,3 +352,19 @@ def test_wrap_orders_of_a_mixed_precision_step(mesh1d, rng):
     assert 0 < max(errors) < 2e-2, errors
     backward_ops = str(jax.make_jaxpr(inside)(x, w1, w2)).count("ficco_linear")
     assert backward_ops > str(jax.make_jaxpr(outside)(x, w1, w2)).count("ficco_linear"), backward_ops
+
+
+def test_fp8_under_vmap_on_copy_engines(mesh1d, rng):
+    """vmap of an FP8 op on copy engines runs (one call per batch element) and equals the plain path."""
+    x8 = jnp.asarray(rng.standard_normal((3, 16, 32)), jnp.float8_e4m3fn)
+    w8 = jnp.asarray(rng.standard_normal((32, 16)), jnp.float8_e4m3fn)
+    scales = jnp.float32(0.5), jnp.float32(0.25)
+
+    def batched(schedule):
+        one = lambda x, w: ficco_jax.ag_matmul(x, w, "tp", x_scale=scales[0], w_scale=scales[1],  # noqa: E731
+                                               schedule=schedule)
+        return jax.jit(jax.shard_map(jax.vmap(one, in_axes=(0, None)), mesh=mesh1d,
+                                     in_specs=(P(None, "tp"), P(None, "tp")), out_specs=P(None, None, "tp")))
+
+    np.testing.assert_array_equal(np.asarray(batched("dma/direct/c2")(x8, w8), np.float32),
+                                  np.asarray(batched("none")(x8, w8), np.float32))

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import itertools
 import os
 import threading
@@ -41,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
-from jax.interpreters import mlir
+from jax.interpreters import batching, mlir
 
 from ... import config
 from ...runtime import extension
@@ -252,7 +253,19 @@ def _make_primitive(target: str, abstract_eval) -> Primitive:
     prim.multiple_results = True
     prim.def_abstract_eval(abstract_eval)
     mlir.register_lowering(prim, _lowering)
+    batching.primitive_batchers[prim] = functools.partial(_batch_by_loop, prim)
     return prim
+
+
+def _batch_by_loop(prim: Primitive, args, dims, **params):
+    """vmap of a copy-engine call that reaches this layer (the FP8 ops, the standalone
+    collectives): one call per batch element, in a loop (the bf16 ops fold a batch into one call
+    a layer up, ops/tangents.py). Every element's call is the same site executed again, as in any
+    loop: the executor tells the executions apart by their order."""
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    args = tuple(batching.bdim_at_front(a, d, size) for a, d in zip(args, dims))
+    outs = jax.lax.map(lambda xs: tuple(prim.bind(*xs, **params)), args)
+    return list(outs), [0] * len(outs)
 
 
 #: op -> (FFI target, abstract evaluation): every copy-engine target, in one table.
