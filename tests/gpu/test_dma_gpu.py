@@ -167,3 +167,29 @@ def test_back_to_back_calls_gpu(transfer):
     results = [ours(x, w1, w2) for _ in range(200)]
     for i, result in enumerate(results):
         assert _rel_err(result, expected) < BF16_TOL, f"call {i}"
+
+
+def test_collective_and_fp8_op_under_vmap_gpu():
+    """vmap of a copy-engine collective and of an FP8 op (one call per batch element) on GPUs."""
+    import ficco_jax
+
+    mesh = _mesh()
+    rng = np.random.default_rng(7)
+    n = len(GPUS)
+    x = jnp.asarray(rng.standard_normal((3, 64 * n, 128)), jnp.bfloat16)
+    gather = jax.vmap(lambda v: dma.all_gather(v, "tp", schedule="dma/direct/c1"))
+    f = jax.jit(jax.shard_map(gather, mesh=mesh, in_specs=P(None, "tp"), out_specs=P(None, None), check_vma=False))
+    np.testing.assert_array_equal(np.asarray(f(x), np.float32), np.asarray(x, np.float32))
+
+    x8 = jnp.asarray(rng.standard_normal((3, 64 * n, 256)), jnp.float8_e4m3fn)
+    w8 = jnp.asarray(rng.standard_normal((256, 64 * n)), jnp.float8_e4m3fn)
+
+    def batched(schedule):
+        one = lambda a, b: ficco_jax.ag_matmul(a, b, "tp", x_scale=jnp.float32(0.5),  # noqa: E731
+                                               w_scale=jnp.float32(0.25), schedule=schedule)
+        return jax.jit(jax.shard_map(jax.vmap(one, in_axes=(0, None)), mesh=mesh,
+                                     in_specs=(P(None, "tp"), P(None, "tp")), out_specs=P(None, None, "tp")))
+
+    got = batched("dma/direct/c2")(x8, w8)
+    want = batched("none")(x8, w8)
+    assert _rel_err(got, want) < BF16_TOL
