@@ -30,7 +30,6 @@ from typing import Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
-from jax._src import config as _jax_config
 from jax._src import mesh as _jax_mesh
 
 from .. import config
@@ -169,21 +168,6 @@ def context_mesh() -> jax.sharding.Mesh | None:
     except ValueError:  # inside a trace
         mesh = _jax_mesh.get_concrete_mesh()
     return mesh if isinstance(mesh, jax.sharding.Mesh) and not mesh.empty else None
-
-
-@contextlib.contextmanager
-def outside_context_mesh() -> Iterator[None]:
-    """No ``jax.set_mesh`` mesh (concrete or abstract) in force inside the block, also while a
-    function is traced, where ``jax.set_mesh(None)`` refuses: for programs on other devices than
-    the context's (the cost profile's probes, measured when the first op is resolved). It swaps
-    the thread-local values ``jax.set_mesh`` itself swaps (jax 0.10 and 0.11 alike)."""
-    prev_abstract = _jax_config.abstract_mesh_context_manager.swap_local(_jax_mesh.empty_abstract_mesh)
-    prev_concrete = _jax_config.device_context.swap_local(_jax_mesh.empty_concrete_mesh)
-    try:
-        yield
-    finally:
-        _jax_config.abstract_mesh_context_manager.set_local(prev_abstract)
-        _jax_config.device_context.set_local(prev_concrete)
 
 
 def for_axis(axis_name: str | None, mesh: jax.sharding.Mesh | None = None) -> SiteTopology:

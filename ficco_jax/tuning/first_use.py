@@ -20,6 +20,7 @@ the shipped profiles apply (a cached profile measured by a one-process run is no
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import datetime
 import json
@@ -38,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .. import config
 from ..lowering import dma
-from ..runtime import extension, topology
+from ..runtime import extension
 from ..schedule import Schedule, local_shapes
 from . import fitting, timing
 
@@ -156,13 +157,22 @@ def fit(device_kind: str, n: int, seconds: dict[Probe, float]) -> dict:
 
 
 def device_seconds(probe: Probe, devices: Sequence) -> float:
-    """Seconds per run of the probe's program on `devices` (timing.device_time), outside the
-    user's `jax.set_mesh` mesh, which is often current when the first op is resolved."""
+    """Seconds per run of the probe's program on `devices` (timing.device_time).
+
+    The first op is often resolved while the user's function is traced, under its `jax.set_mesh`
+    mesh; the probes are programs of their own, on their own mesh. They run in a thread of their
+    own, which starts outside every trace and context mesh (jax keeps both per thread), so no
+    private jax state is swapped.
+    """
     devices = devices[:1] if probe.what == "gemm" else devices
     mesh = Mesh(np.array(devices), (_AXIS,))
-    with topology.outside_context_mesh():
+
+    def measure() -> float:
         make, args = _program(probe, mesh)
         return timing.device_time(make, args)["median_s"]
+
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ficco-profile") as pool:
+        return pool.submit(measure).result()
 
 
 def _program(probe: Probe, mesh: Mesh):
