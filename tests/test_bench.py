@@ -57,6 +57,19 @@ def test_device_time_differencing_sees_repeats():
     assert t["median_s"] > 0 and t["repeats"] >= 4
 
 
+def test_the_timing_chain_keeps_every_chunk_of_the_output():
+    """A step made of chunks whose fed-back element needs only the first: every chunk's matmul is
+    still computed (XLA would otherwise drop the others, and a decomposed schedule would time as
+    faster than its own matmuls)."""
+    import jax
+    import jax.numpy as jnp
+
+    a, w = jnp.ones((256, 128)), jnp.ones((128, 512))
+    step = lambda a, w: jnp.concatenate([a[:64] @ w, a[64:128] @ w, a[128:] @ w])  # noqa: E731
+    compiled = jax.jit(timing.chain(step, 3)).lower(a, w).compile().as_text()
+    assert sum(" dot(" in line for line in compiled.splitlines()) == 3
+
+
 def test_cli_rejects_bad_shape():
     out = subprocess.run([sys.executable, "-m", "ficco_jax", "bench", "--shape", "1,2"], capture_output=True, text=True,
                          env={**os.environ, "JAX_PLATFORMS": "cpu"})

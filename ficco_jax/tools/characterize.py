@@ -45,10 +45,9 @@ def _rand(shape, dtype, seed=0, device=None):
 
 
 def chunk_matmuls(c: int):
-    """a @ w as c matmuls of a's row chunks, for timing. The products are not concatenated: the
-    timing chain feeds back one corner element, and XLA would slice through a concatenate and
-    drop every chunk but the first (it did: 4xH200 showed c chunks c times faster). Each chunk's
-    corner is added in, so all c stay live."""
+    """a @ w as c matmuls of a's row chunks, for timing. The products are not concatenated (a copy
+    the decomposition does not make); each chunk's corner is added into the first, and the timing
+    chain keeps every product live (timing.chain)."""
     def step(a, w):
         q = a.shape[0] // c
         ys = [a[j * q:(j + 1) * q] @ w for j in range(c)]
@@ -149,8 +148,7 @@ def contention(dtype, progress, rows=4096, k=8192, n_cols=7168, shard_mib=64) ->
 
 def _ppermute_gather(n: int):
     """x's shard from every peer by n-1 independent ppermutes (NCCL send/recv on GPUs). Not
-    concatenated: the probe reads one corner of the result, and XLA would slice through a
-    concatenate and drop the transfers; every received shard's corner is added in instead."""
+    concatenated (a copy an all-gather does not make): every received shard's corner is added in."""
     def gather(v):
         got = [jax.lax.ppermute(v, "tp", [(i, (i + d) % n) for i in range(n)]) for d in range(1, n)]
         return v.at[0, 0].add(sum(g[0, 0] for g in got)) if got else v
