@@ -53,6 +53,25 @@ def test_orderings_that_must_hold():
     assert predict("ag_matmul", none, profile=fast) == predict("ag_matmul", none)
 
 
+@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs"])
+def test_where_xla_serializes_its_collectives_an_xla_schedule_costs_its_parts_in_sequence(op):
+    """With `xla_overlaps` off (what every characterized machine showed), an xla schedule's time is
+    its matmuls plus its transfers, so it never ranks above the plain path it decomposes; with it
+    on, the simulation overlaps them."""
+    serial = {**PROFILE, "xla_overlaps": False}
+    overlapping = {**PROFILE, "xla_overlaps": True}
+    for M, K, N in ((1024, 4096, 4096), (8192, 8192, 28672)):
+        xla = [s for s in Schedule.enumerate(op, 4, ("none", "xla")) if s.comm == "xla"]
+        for s in xla:
+            assert predict(op, s, M, K, N, profile=serial) >= predict(op, Schedule(comm="none"), M, K, N,
+                                                                      profile=serial), s
+    big = [s for s in Schedule.enumerate(op, 4, ("none", "xla")) if s.comm == "xla"]
+    assert min(predict(op, s, profile=overlapping) for s in big) < min(predict(op, s, profile=serial) for s in big)
+    small = shapes(op, 1024, 4096, 4096, 2)
+    assert select.select_schedule(op, small, "bfloat16", 2, profile=serial, comms=("none", "xla")) == \
+        Schedule(comm="none")
+
+
 def test_predict_rejects_invalid_schedules():
     with pytest.raises(ValueError, match="valid chunk counts"):
         cost_model.predict("ag_matmul", Schedule(comm="xla", chunks=8), ((12, 16), (16, 16)), "float32", 4)
@@ -113,7 +132,8 @@ def test_autotune_of_a_group_larger_than_this_process_uses_the_model(tmp_path, m
     ("NVIDIA H200", 3, "h200x4"),    # no 3-GPU profile: the nearest group size of the same GPU (4/3 < 3/2)
     ("NVIDIA H200", 16, "h200x8"),
     ("NVIDIA H200", 6, "h200x8"),    # 8/6 is nearer than 6/4
-    ("NVIDIA H100 80GB HBM3", 4, None), ("cpu", 8, None), ("NVIDIA H200", 0, None),
+    ("NVIDIA H100 80GB HBM3", 2, "h100x2"), ("NVIDIA H100 80GB HBM3", 4, "h100x2"),
+    ("NVIDIA H100 PCIe", 2, None), ("cpu", 8, None), ("NVIDIA H200", 0, None),
 ])
 def test_profile_name_for_falls_back_to_the_same_gpu_then_to_none(kind, n, expected):
     assert select.profile_name_for(kind, n) == expected

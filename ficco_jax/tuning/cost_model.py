@@ -12,6 +12,9 @@ The model replays a schedule as a small event simulation on one device:
   under-fill the GPU); `calibrate` fits it from measured chunk-matmul times;
 - contention: a matmul running beside transfers is slowed by `contention_dma` (copy engines
   steal no SMs: a few %) or `contention_xla` (NCCL kernels take SMs);
+- `xla_overlaps`: whether XLA runs its collectives beside its matmuls at all on this machine
+  (`characterize`'s contention probe). Where it ran them one after the other, an `xla` schedule
+  costs its chunk matmuls plus its transfers, one after the other;
 - the executor's chunk matmuls (cuBLASLt) run `executor_gemm_slowdown` times slower than XLA's
   own autotuned GEMMs, which the `none` and `xla` schedules use (alone they are as fast, 2026-11-22 on H200:
   what the fit puts here is the slowdown inside a copy-engine call, e.g. from copies beside them);
@@ -57,6 +60,9 @@ DEFAULT_PROFILE = {
     "collective_latency_us": 25.0,
     "contention_dma": 0.03,
     "contention_xla": 0.12,
+    # Every machine characterized so far (2, 4 and 8 x H200, 2 x H100; jax 0.11.2) ran XLA's
+    # matmul and NCCL transfers one after the other.
+    "xla_overlaps": False,
 }
 
 
@@ -132,12 +138,13 @@ def predict(op: str, schedule: Schedule, shapes: Sequence[Sequence[int]], dtype,
         # and a local copy (about 16 us on one H100, 2026-11-24), so the plain path ranks first.
         extra = profile["dma_call_us"] * 1e-6 if schedule.comm == "dma" else 0.0
         return gemm_time(m, k, cols, dtype, profile) + extra
+    coll = profile["collective_latency_us"] * 1e-6 + (n - 1) * m * moved_cols * itemsize / (profile["xla_ingress_gbps"] * 1e9)
+    plain = coll + gemm_time(n * m, k, cols, dtype, profile)
     if schedule.comm == "none":
-        coll = profile["collective_latency_us"] * 1e-6 + (n - 1) * m * moved_cols * itemsize / (profile["xla_ingress_gbps"] * 1e9)
-        return coll + gemm_time(n * m, k, cols, dtype, profile)
+        return plain
     device_time = _simulate(op, schedule, m, k, cols, moved_cols * itemsize, n, dtype, profile)
-    if schedule.comm != "dma":
-        return device_time
+    if schedule.comm == "xla":  # run one after the other, its parts cost at least the plain path's
+        return device_time if profile["xla_overlaps"] else max(device_time, plain)
     copies = (n - 1) * schedule.chunks  # each enqueued with its event on the host
     host = profile["dma_host_us"] + profile.get("dma_host_copy_us", 0.0) * copies
     return max(device_time + profile["dma_call_us"] * 1e-6, host * 1e-6)
@@ -158,6 +165,10 @@ def _simulate(op, s: Schedule, m, k, cols, row_bytes, n, dtype, profile) -> floa
     stream_free = [0.0] * streams
     arrival = {}
     per_item = _transfer_time(chunk_bytes, streams, s.comm, profile)
+    if s.comm == "xla" and not profile["xla_overlaps"]:
+        matmuls = gemm_time(m, k, cols, dtype, profile) + (n - 1) * (c // group_of(s)) * gemm_time(
+            q * group_of(s), k, cols, dtype, profile)
+        return matmuls + -(-len(items) // streams) * per_item
     if op == "matmul_rs":
         return _simulate_rs(s, m, q, k, cols, n, dtype, profile, contention, streams, per_item, ex, row_bytes // cols)
     for i, (step, j) in enumerate(items):
@@ -167,7 +178,7 @@ def _simulate(op, s: Schedule, m, k, cols, row_bytes, n, dtype, profile) -> floa
         arrival[(step, j)] = stream_free[lane]
     # Matmuls: own shard first (no wait), then peers in order.
     t = gemm_time(m, k, cols, dtype, profile, ex) * contention
-    group = c if s.gemm == "grouped" else 1
+    group = group_of(s)
     for step in range(1, n):
         for j0 in range(0, c, group):
             ready = max(arrival[(step, j)] for j in range(j0, j0 + group))
@@ -175,9 +186,14 @@ def _simulate(op, s: Schedule, m, k, cols, row_bytes, n, dtype, profile) -> floa
     return t
 
 
+def group_of(s: Schedule) -> int:
+    """Chunks per matmul: all of a peer's (gemm=grouped) or one."""
+    return s.chunks if s.gemm == "grouped" else 1
+
+
 def _simulate_rs(s, m, q, k, cols, n, dtype, profile, contention, streams, per_item, ex, itemsize) -> float:
     c = s.chunks
-    group = c if s.gemm == "grouped" else 1
+    group = group_of(s)
     t = 0.0
     produced = {}
     for step in range(1, n):  # partials for peers first, in distance order

@@ -54,6 +54,7 @@ def fit_profile(char: dict) -> dict:
     c = char["contention"]
     if c.get("matmul_ms", 0) > 0:
         slowdown, _ = nccl_contention(c)
+        profile["xla_overlaps"] = slowdown is not None
         if slowdown is not None:
             profile["contention_xla"] = float(slowdown)
     if c.get("executor_matmul_ms", 0) > 0:

@@ -18,7 +18,8 @@ from . import cost_model, first_use
 log = logging.getLogger("ficco_jax")
 
 #: Profiles shipped for known machines: (device-kind substring, axis size) -> profile name.
-_KNOWN_PROFILES = {("H200", 2): "h200x2", ("H200", 4): "h200x4", ("H200", 8): "h200x8"}
+_KNOWN_PROFILES = {("H200", 2): "h200x2", ("H200", 4): "h200x4", ("H200", 8): "h200x8",
+                   ("H100 80GB HBM3", 2): "h100x2"}
 
 def available_comms(platform: str | None = None, topology=None) -> tuple[str, ...]:
     """The comm kinds that can run on `platform` (default: JAX's default backend) for an op site
