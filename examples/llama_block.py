@@ -42,6 +42,7 @@ class Config:
     remat: bool = False
     overlap: bool = True
     schedule: str = "auto"  # handed to ficco_jax.overlap
+    overlap_ops: tuple[str, ...] | None = None  # the site kinds ficco_jax.overlap rewrites (None: every kind)
     attention: str = "xla"  # jax.nn.dot_product_attention implementation: "xla" or "cudnn"
     # Layers as a lax.scan over stacked parameters (True) or a Python loop (False). None: scan, except
     # with cuDNN attention and no remat, whose gradient in a scan body crashes XLA's compiler on 2+ GPUs

@@ -146,7 +146,8 @@ def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
     cfg.validate(mesh.shape["tp"])
     grad_fn = jax.value_and_grad(make_loss(cfg, mesh))
     if cfg.overlap and not cfg.comm_free:  # nothing to overlap without the collectives
-        grad_fn = ficco_jax.overlap(grad_fn, schedule=cfg.schedule)
+        only = {} if cfg.overlap_ops is None else {"ops": cfg.overlap_ops}
+        grad_fn = ficco_jax.overlap(grad_fn, schedule=cfg.schedule, **only)
 
     def train_step(params, opt_state, inputs, targets):
         loss, grads = grad_fn(params, inputs, targets)
@@ -259,6 +260,46 @@ def print_comparison(plain: dict, over: dict, speedups: bool = True) -> None:
           f"overlap {t1 * 1e3:.2f} ms ({tokens / t1:,.0f} tokens/s), speedup {ratio(t0, t1, 3)}")
 
 
+#: The site kinds of the model, each overlapped alone by --per-site-kind.
+SITE_KINDS = ("ag_matmul", "matmul_rs")
+
+
+def print_site_kinds(results: dict, plot: str | None, title: str) -> None:
+    """Step time with no overlap, each site kind overlapped alone, every kind, and the comm-free bound
+    where it was run; a bar chart in `plot` (PNG) if asked."""
+    rows = [("no overlap", results[False])] + [(f"{kind} only", results[kind]) for kind in SITE_KINDS] + \
+        [("every site kind", results[True])] + ([("communication-free bound", results["comm-free"])]
+                                                if "comm-free" in results else [])
+    plain = steady_step_s(results[False]["step_s"])
+    print("\noverlapped            ms/step   tokens/s   vs no overlap")
+    for name, res in rows:
+        t = steady_step_s(res["step_s"])
+        print(f"{name:24s} {t * 1e3:8.2f} {res['tokens_per_step'] / t:10,.0f}   {plain / t:.3f}x")
+    if jax.default_backend() == "cpu":
+        print("(CPU times mean nothing)")
+    if plot:
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print(f"--plot {plot}: matplotlib is not installed (pip install matplotlib); the table above has the "
+                  "same numbers")
+            return
+        fig, ax = plt.subplots(figsize=(7, 3.2))
+        names = [name for name, _ in rows]
+        times = [steady_step_s(res["step_s"]) * 1e3 for _, res in rows]
+        ax.barh(names[::-1], times[::-1], color="tab:blue")
+        for y, t in enumerate(times[::-1]):
+            ax.text(t, y, f" {t:.1f}", va="center", fontsize=8)
+        ax.set_xlabel("ms per training step (median, first step excluded)")
+        ax.set_title(title, fontsize=9)
+        ax.set_xlim(0, max(times) * 1.15)
+        fig.tight_layout()
+        fig.savefig(plot, dpi=120)
+        print(f"plot written to {plot}")
+
+
 # ------------------------------------------------------------------------------------------------
 # Command line
 # ------------------------------------------------------------------------------------------------
@@ -268,6 +309,11 @@ def parse_config(argv=None) -> tuple[Config, argparse.Namespace]:
     parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                         help="rewrite the step with ficco_jax.overlap (default: on)")
     parser.add_argument("--compare", action="store_true", help="run without, then with overlap; print a table")
+    parser.add_argument("--per-site-kind", action="store_true",
+                        help="also run with each site kind overlapped alone (all-gather -> matmul, matmul -> "
+                             "reduce-scatter) and print step times per kind")
+    parser.add_argument("--plot", metavar="PNG", help="with --per-site-kind: a bar chart of the step times "
+                                                     "(needs matplotlib)")
     parser.add_argument("--remat", action=argparse.BooleanOptionalAction, default=None, help="jax.checkpoint per layer")
     parser.add_argument("--bound", action=argparse.BooleanOptionalAction, default=True,
                         help="print the matmul-only bound (measures one GEMM)")
@@ -316,8 +362,13 @@ def main(argv=None) -> None:
           f"mesh dp={dp} x tp={tp} on "
           f"{jax.device_count()} x {jax.devices()[0].device_kind}")
     print("timing: wall time per training step, block_until_ready after each (dispatch included)")
-    modes = (False, True) if args.compare else (cfg.overlap,)
+    if args.plot and not args.per_site_kind:
+        raise SystemExit("--plot draws the --per-site-kind step times: add --per-site-kind")
+    modes = (False, True) if args.compare or args.per_site_kind else (cfg.overlap,)
     results = {mode: train(dataclasses.replace(cfg, overlap=mode), mesh) for mode in modes}
+    if args.per_site_kind:
+        for kind in SITE_KINDS:
+            results[kind] = train(dataclasses.replace(cfg, overlap=True, overlap_ops=(kind,)), mesh)
     if args.comm_free_bound:
         # The global view writes no collective to remove: its bound is the shard_map view's step with
         # the communication taken out, the same matmuls, attention and optimizer.
@@ -325,7 +376,7 @@ def main(argv=None) -> None:
         results["comm-free"] = train(free, make_mesh(free) if cfg.global_view else mesh)
     for mode, res in results.items():
         t = steady_step_s(res["step_s"])
-        name = {True: "overlap", False: "no-overlap", "comm-free": "comm-free bound"}[mode]
+        name = {True: "overlap", False: "no-overlap", "comm-free": "comm-free bound"}.get(mode, f"overlap {mode} only")
         print(f"{name}: {t * 1e3:.2f} ms/step, {res['tokens_per_step'] / t:,.0f} tokens/s "
               f"(median step, first step excluded); {describe_memory(res['memory'])}")
     if "comm-free" in results and False in results:
@@ -345,6 +396,9 @@ def main(argv=None) -> None:
               + ("; CPU times mean nothing" if jax.default_backend() == "cpu" else ""))
     if args.compare:
         print_comparison(results[False], results[True], speedups=jax.default_backend() != "cpu" and tp > 1)
+    if args.per_site_kind:
+        print_site_kinds(results, args.plot, title=f"{args.preset}, tp={tp}, {jax.device_count()} x "
+                                                   f"{jax.devices()[0].device_kind}")
 
 
 if __name__ == "__main__":

@@ -178,3 +178,18 @@ def test_global_view_reports_the_communication_free_bound():
     for name in ("no-overlap", "overlap", "comm-free bound"):
         assert f"\n{name}: " in done.stdout and "tokens/s" in done.stdout.split(f"\n{name}: ")[1].splitlines()[0], name
     assert "communication-free step" in done.stdout
+
+
+def test_per_site_kind_overlaps_each_kind_alone(capsys):
+    """--per-site-kind trains with each site kind overlapped alone: that run rewrites only its kind."""
+    cfg = dataclasses.replace(tp_transformer.PRESETS["tiny"], steps=2, dtype="float32", schedule=OVERLAP_SCHEDULE,
+                              overlap_ops=("matmul_rs",))
+    report = str(tp_transformer.train(cfg, log=lambda *_: None)["report"])
+    rewritten = [line.split()[1] for line in report.splitlines() if line.startswith("ok ")]
+    assert rewritten and set(rewritten) == {"matmul_rs"}, report
+    tp_transformer.main(["--per-site-kind", "--steps", "2", "--no-bound", "--schedule", OVERLAP_SCHEDULE])
+    out = capsys.readouterr().out
+    for row in ("no overlap", "ag_matmul only", "matmul_rs only", "every site kind"):
+        assert f"\n{row} " in out and "x" in out.split(f"\n{row} ")[1].splitlines()[0], row
+    with pytest.raises(SystemExit, match="--per-site-kind"):
+        tp_transformer.main(["--plot", "steps.png"])
