@@ -39,6 +39,12 @@ def _scaled_inputs(rng, op, mesh, dtypes=("float8_e4m3fn", "float8_e4m3fn")):
     return a.astype(dtypes[0]), w.astype(dtypes[1]), scales
 
 
+def same_bits(got, want) -> float:
+    """The fraction of elements of `got` equal to `want`'s (same dtype) bit for bit."""
+    assert got.dtype == want.dtype, (got.dtype, want.dtype)
+    return float(np.mean(np.asarray(got.astype(F32)) == np.asarray(want.astype(F32))))
+
+
 def _fp8_specs(op, mesh):
     (a_spec, w_spec), out_spec = OPS[op][2](mesh)
     return (a_spec, w_spec, P(), P()), out_spec
@@ -70,10 +76,17 @@ def test_mixed_precision_gradients(mesh2d, rng, op, sched):
 
     got = jax.grad(functools.partial(loss, lambda a, w: fn(a, w, "tp", schedule=sched, out_dtype=F32)), (0, 1))(a, w)
     want = jax.grad(functools.partial(loss, lambda a, w: ref(a, w, "tp", out_dtype=F32)), (0, 1))(a, w)
-    for g, r in zip(got, want):
+    # As in JAX's backward, the gradient matmuls take the f32 cotangent (the bf16 operand widened)
+    # and each gradient is rounded to bf16 once: bit for bit JAX's but where sums run in another
+    # order. ag_matmul's input gradient is a reduce-scatter of bf16 partials; a ring sums them hop
+    # by hop in bf16 (as NCCL's ring does), XLA's CPU collective in f32.
+    ring_sum_of_bf16 = op == "ag_matmul" and "/ring/" in sched
+    for name, g, r in zip(("input", "weight"), got, want):
         assert g.dtype == jnp.bfloat16
-        # The gradient matmuls take the cotangent in bf16 (the recipe); JAX's keeps it in f32.
-        assert rel_err(g, r) < TOLERANCE["bfloat16"]
+        if name == "input" and ring_sum_of_bf16:
+            assert rel_err(g, r) < TOLERANCE["bfloat16"]
+        else:
+            assert same_bits(g, r) > 0.99 and rel_err(g, r) < 1e-3, (name, same_bits(g, r), rel_err(g, r))
 
 
 def test_mixed_precision_forward_mode(mesh2d, rng):
@@ -328,8 +341,8 @@ def test_expert_ops_refuse_fp8_with_the_way_out(mesh1d, rng):
 def test_wrap_orders_of_a_mixed_precision_step(mesh1d, rng):
     """The README's two wrap orders for bf16 weights with f32 accumulation: overlap outside the
     gradient keeps JAX's backward (its f32 x bf16 matmuls are near-misses) and its gradients bit
-    for bit; overlap inside it overlaps the backward through the ops' gradients, whose bf16
-    cotangents move the gradients by about bf16's rounding."""
+    for bit; overlap inside it overlaps the backward through the ops' gradients, which keep the
+    f32 cotangent as JAX's backward does: the same gradients."""
     def mlp(x, w1, w2):
         h = jnp.dot(jax.lax.all_gather(x, "tp", tiled=True), w1, preferred_element_type=jnp.float32)
         y = jnp.dot(jax.nn.gelu(h).astype(jnp.bfloat16), w2, preferred_element_type=jnp.float32)
@@ -348,8 +361,8 @@ def test_wrap_orders_of_a_mixed_precision_step(mesh1d, rng):
     ref = jax.jit(plain)(x, w1, w2)
     for got, want in zip(jax.tree.leaves(jax.jit(outside)(x, w1, w2)), jax.tree.leaves(ref)):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-    errors = [rel_err(got, want) for got, want in zip(jax.tree.leaves(jax.jit(inside)(x, w1, w2)), jax.tree.leaves(ref))]
-    assert 0 < max(errors) < 2e-2, errors
+    for got, want in zip(jax.tree.leaves(jax.jit(inside)(x, w1, w2)), jax.tree.leaves(ref)):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     backward_ops = str(jax.make_jaxpr(inside)(x, w1, w2)).count("ficco_linear")
     assert backward_ops > str(jax.make_jaxpr(outside)(x, w1, w2)).count("ficco_linear"), backward_ops
 

@@ -85,11 +85,12 @@ def _aval_axes(aval) -> frozenset:
 
 def like_primal(ct, dtype, primal_axes: frozenset):
     """Cast a cotangent to its primal's dtype and sum it over mesh axes the primal was
-    replicated on: what JAX's own AD does when a replicated operand meets a varying one."""
+    replicated on: what JAX's own AD does when a replicated operand meets a varying one, in its
+    order (the cast is the matmul's transpose, the sum the transpose of the broadcast before it,
+    so a bf16 weight's f32 gradient is summed in bf16)."""
     extra = tuple(sorted(varying_axes(ct) - primal_axes))
-    if extra:
-        ct = lax.psum(ct, extra)
-    return ct.astype(dtype)
+    ct = ct.astype(dtype)
+    return lax.psum(ct, extra) if extra else ct
 
 
 def like_aval(ct, aval):

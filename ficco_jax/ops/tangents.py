@@ -52,20 +52,30 @@ def _present_one(res):
     return res[0] if res[0] is not None else res[1]
 
 
-def _operand_dtype(ct, w):
-    """A cotangent of the op's result, in the operands' dtype: with mixed precision (f32 results of
-    bf16 operands) the gradient matmuls take bf16 operands and accumulate into f32, as the forward
-    does, and the collective still moves f32 partials."""
-    return ct if ct is None or ct.dtype == w.dtype else ct.astype(w.dtype)
+def _backward_numerics(static: Static, operand_dtype):
+    """(dtype of the gradient matmuls' operands, result dtype of the backward scatter op) as JAX's
+    transpose of ``dot_general(a, w, preferred_element_type=out)`` has them: each gradient is
+    ``dot_general(ct, other operand, preferred_element_type=out)``, whose operands JAX converts to
+    `out` (f32 with mixed precision: the f32 cotangent is never rounded to bf16), then converted to
+    its primal's dtype; where that conversion comes before the backward's reduce-scatter, the
+    partials that move and are summed are rounded to the primal's dtype (bf16), as JAX's are."""
+    out = static.out_dtype
+    if out is None:
+        return None, None
+    return out, operand_dtype
+
+
+def _in(v, dtype):
+    return v if dtype is None or v is None or v.dtype == dtype else v.astype(dtype)
 
 
 def _add(a, b):
     return b if a is None else a if b is None else a + b
 
 
-def _backward_schedule(op: str, static: Static, ct, w_t) -> Schedule:
+def _backward_schedule(op: str, static: Static, ct, w_t, out_dtype) -> Schedule:
     n = axis_size(static.axis_name, op)
-    return transposed_schedule(op, static.sched, (ct.shape, w_t.shape), ct.dtype, n, static.out_dtype)
+    return transposed_schedule(op, static.sched, (ct.shape, w_t.shape), ct.dtype, n, out_dtype)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -117,18 +127,20 @@ class GatherMap(_PairMap):
         return (out, side_t) if static.with_side else (out,)
 
     def transpose(self, static, res, cts, wanted):
-        pair, (w, side), ct_out = self.pair, res, _operand_dtype(cts[0], _present_one(res))
+        pair, (w, side), ct_out = self.pair, res, cts[0]
+        compute, partials = _backward_numerics(static, _present_one(res).dtype)
+        ct_out = _in(ct_out, compute)
         ct_side = cts[1] if static.with_side else None
         dx = dw = None
         if wanted[0] and ct_out is not None:
             # d x = collective(g_out @ w^T): the scatter op, its collective riding on the matmuls.
-            w_t = pair.transpose_w(w)
-            dx = scatter_op(pair, ct_out, w_t, static.axis_name, _backward_schedule(pair.scatter, static, ct_out, w_t),
-                            static.out_dtype)
+            w_t = _in(pair.transpose_w(w), compute)
+            dx = scatter_op(pair, ct_out, w_t, static.axis_name,
+                            _backward_schedule(pair.scatter, static, ct_out, w_t, partials), partials)
         if wanted[0] and ct_side is not None:
             dx = _add(dx, pair.scatter_collective(ct_side, static.axis_name))
         if wanted[1] and ct_out is not None:
-            dw = pair.gather_dw(side, ct_out, static.out_dtype)
+            dw = pair.gather_dw(_in(side, compute), ct_out, None)
         return dx, dw
 
     def res_jvp(self, static, res, lin, t_res, outs):
@@ -156,20 +168,22 @@ class ScatterMap(_PairMap):
         return (self.pair.scatter_impl(a, b, static.axis_name, static.sched, static.out_dtype),)
 
     def transpose(self, static, res, cts, wanted):
-        pair, (y, w), ct = self.pair, res, _operand_dtype(cts[0], _present_one(res))
+        pair, (y, w), ct = self.pair, res, cts[0]
+        compute, _ = _backward_numerics(static, _present_one(res).dtype)
+        ct = _in(ct, compute)
         dy = dw = None
         if ct is None:
             return dy, dw
         if wanted[0]:
-            w_t = pair.transpose_w(w)
-            bwd = _backward_schedule(pair.gather, static, ct, w_t)
+            w_t = _in(pair.transpose_w(w), compute)
+            bwd = _backward_schedule(pair.gather, static, ct, w_t, None)
             if wanted[1]:  # d y = gather op of g with w^T; its side output (g delivered) feeds d w
-                dy, delivered = gather_op_with_side(pair, ct, w_t, static.axis_name, bwd, static.out_dtype)
-                dw = pair.scatter_dw(y, delivered, static.out_dtype)
+                dy, delivered = gather_op_with_side(pair, ct, w_t, static.axis_name, bwd, None)
+                dw = pair.scatter_dw(_in(y, compute), delivered, None)
             else:
-                dy = gather_op(pair, ct, w_t, static.axis_name, bwd, static.out_dtype)
+                dy = gather_op(pair, ct, w_t, static.axis_name, bwd, None)
         elif wanted[1]:
-            dw = pair.scatter_dw(y, pair.gather_collective(ct, static.axis_name), static.out_dtype)
+            dw = pair.scatter_dw(_in(y, compute), pair.gather_collective(ct, static.axis_name), None)
         return dy, dw
 
     def res_jvp(self, static, res, lin, t_res, outs):
