@@ -79,7 +79,7 @@ def dma_results(operand_dtype) -> tuple[str, ...]:
     name = np.dtype(operand_dtype).name
     if is_fp8(name):
         return DMA_DTYPES
-    return (name, "float32") if name in DMA_DTYPES else ()
+    return tuple(dict.fromkeys((name, "float32"))) if name in DMA_DTYPES else ()
 
 #: This process's host id in a multi-process run (topology.py): processes with equal ids share a
 #: host. Default (""): socket.gethostname(). Set it where host names do not identify machines
