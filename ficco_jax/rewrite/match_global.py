@@ -36,7 +36,7 @@ from typing import Callable
 
 import jax
 
-from .. import config
+from .. import config, ops
 from . import dequant, match_tp
 from .jaxpr_util import fmt, fmt_shapes, open_jaxpr, source_line
 from .shardings import (axes_of, batched, contracted, free, gathered_axis, is_explicit, is_gspmd, mesh_of, out_dim,
@@ -99,7 +99,10 @@ class GlobalSite(Site):
 
         fn = jax.shard_map(body, mesh=self._shard_map_mesh(), in_specs=self.in_specs, out_specs=self.out_specs,
                            check_vma=self.check_vma)
-        for var, value in zip(self.writes, fn(*[read(v) for v in self.reads])):
+        # Differentiated, the op's backward sums and then casts, as the partitioner does this program's.
+        with ops.partitioner_numerics():
+            results = fn(*[read(v) for v in self.reads])
+        for var, value in zip(self.writes, results):
             write(var, value if self.cast_after is None else value.astype(self.cast_after))
 
     def _shard_map_mesh(self):
