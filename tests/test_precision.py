@@ -420,6 +420,53 @@ def test_wrap_orders_of_a_mixed_precision_step(mesh1d, rng, schedule):
             assert same_bits(g, r) > 0.99, same_bits(g, r)
 
 
+def _moe_layer(mesh, widened: bool):
+    """Dispatch, expert matmuls and combine with bf16 weights and f32 accumulation; `widened`:
+    the same numerics with the operands widened to f32 (XLA's CPU backend has no batched bf16 x
+    bf16 -> f32 dot, so the plain program runs only in that form there)."""
+    def matmul(spec, a, w):
+        if widened:
+            return jnp.einsum(spec, a.astype(F32), w.astype(F32))
+        return jnp.einsum(spec, a, w, preferred_element_type=F32)
+
+    def body(x, w_in, w_out):
+        received = jax.lax.all_to_all(x, "tp", 0, 0, tiled=True)
+        h = jax.nn.relu(matmul("pecd,edf->pecf", received, w_in)).astype(jnp.bfloat16)
+        return jax.lax.all_to_all(matmul("pecf,efd->pecd", h, w_out), "tp", 0, 0, tiled=True)
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(P("tp"),) * 3, out_specs=P("tp"))
+
+
+@pytest.mark.parametrize("schedule", ["xla/direct/c2"] + (["dma/direct/c1"] if extension.available() else []))
+def test_wrap_orders_of_a_mixed_precision_moe_step(mesh1d, rng, schedule):
+    """The expert-parallel ops likewise: JAX's backward of a bf16 MoE layer with f32 accumulation
+    multiplies the exchanged f32 cotangent by a bf16 expert weight (a dispatch site) and rounds a
+    product to bf16 before an all_to_all (a combine site, out of the layout the combine matcher
+    takes here); both wrap orders give JAX's gradients bit for bit."""
+    n, e, c, d, f = 8, 2, 4, 16, 8
+    x = random(rng, (n * n, e, c, d), jnp.bfloat16)
+    w_in, w_out = random(rng, (n * e, d, f), F32) * 0.2, random(rng, (n * e, f, d), F32) * 0.2
+    w_in, w_out = w_in.astype(jnp.bfloat16), w_out.astype(jnp.bfloat16)
+
+    def loss(layer):
+        return lambda *a: jnp.sum(layer(*a) ** 2)
+
+    mixed = jax.value_and_grad(loss(_moe_layer(mesh1d, widened=False)), argnums=(0, 1, 2))
+    outside = ficco_jax.overlap(mixed, schedule=schedule)
+    inside = jax.value_and_grad(ficco_jax.overlap(loss(_moe_layer(mesh1d, widened=False)), schedule=schedule),
+                                argnums=(0, 1, 2))
+    report = ficco_jax.explain(outside, x, w_in, w_out)
+    assert [r.op for r in report.sites] == ["a2a_matmul", "matmul_a2a", "a2a_matmul"], str(report)
+    assert "float32[8,2,4,16] all_to_all · w bfloat16" in report.sites[2].shapes, str(report)
+    value_ref, grads_ref = jax.jit(jax.value_and_grad(loss(_moe_layer(mesh1d, widened=True)), argnums=(0, 1, 2)))(
+        x, w_in, w_out)
+    for fn in (outside, inside):
+        value, grads = jax.jit(fn)(x, w_in, w_out)
+        assert rel_err(value, value_ref) < TOLERANCE["float32"]
+        for g, r in zip(grads, grads_ref):
+            assert g.dtype == jnp.bfloat16 and same_bits(g, r) > 0.99, same_bits(g, r)
+
+
 def test_mixed_precision_sites_overlap_cannot_take_say_why(mesh1d, rng):
     """A gathered bf16 tensor times an f32 weight (JAX converts both to f32 after the gather: the
     op would gather f32) and a bf16 product cast up before its reduce-scatter stay as written,
