@@ -21,7 +21,12 @@ FP8, as JAX recipes write it: ``all_gather(x8) → convert → multiply by a sca
 the other operand dequantized the same way (``convert(w8) * w_scale``) becomes the FP8 ag_matmul of
 x8 and w8 with their scales (the gather moves FP8 bytes); ``dot(dequantized y8, dequantized w8) →
 psum_scatter`` the FP8 matmul_rs. The result dtype is the dot's. Mixed precision (bf16 operands,
-``preferred_element_type=jnp.float32``) passes `out_dtype` to the op.
+``preferred_element_type=jnp.float32``) passes `out_dtype` to the op. JAX's backward of such a
+matmul multiplies the f32 cotangent by the bf16 weight, a dot of two dtypes that JAX computes on
+both converted to its result dtype: the site converts them so too (the gathered operand must
+already have that dtype, or the op would move other bytes than the program); and it rounds the
+product to bf16 before the reduce-scatter (``dot → convert_element_type → psum_scatter``): the
+op's result dtype, so its partials are rounded and summed as the program's are.
 
 Everything not matched is reported as a near-miss with the reason, and left as written.
 """
