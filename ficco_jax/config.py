@@ -70,6 +70,17 @@ def is_fp8(dtype) -> bool:
     """Whether `dtype` (a dtype, its name, or a scalar type) is one of FP8_DTYPES."""
     return np.dtype(dtype).name in FP8_DTYPES
 
+
+def dma_results(operand_dtype) -> tuple[str, ...]:
+    """The result dtypes the DMA executor's matmuls compute from operands of `operand_dtype`: FP8
+    into any of DMA_DTYPES; bf16 / f16 into themselves or f32 (mixed precision); f32 into f32. A
+    result narrower than its operands (f32 products rounded to bf16, JAX's backward of a
+    mixed-precision matmul) is computed by `comm="xla"` / `"none"` only."""
+    name = np.dtype(operand_dtype).name
+    if is_fp8(name):
+        return DMA_DTYPES
+    return tuple(dict.fromkeys((name, "float32"))) if name in DMA_DTYPES else ()
+
 #: This process's host id in a multi-process run (topology.py): processes with equal ids share a
 #: host. Default (""): socket.gethostname(). Set it where host names do not identify machines
 #: (containers with generated names on one machine, or one name reused across machines).

@@ -116,6 +116,41 @@ def test_block_forward_and_gradients_equal(mesh, block, make_args, schedule, dty
     _assert_same(grad(fused)(*args), grad(block)(*args), dtype)
 
 
+def mixed_precision_mlp(x, w_up, w_down):
+    """megatron_mlp with bf16 values and f32 accumulation (preferred_element_type)."""
+    g = reshard(x, P("dp", None, None))
+    h = jax.nn.gelu(jnp.einsum("bsd,df->bsf", g, w_up, preferred_element_type=jnp.float32)).astype(jnp.bfloat16)
+    return jnp.einsum("bsf,fd->bsd", h, w_down, out_sharding=SEQ_PARALLEL, preferred_element_type=jnp.float32)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_mixed_precision_backward_sites_as_the_partitioner_computes_them(mesh, schedule):
+    """overlap(value_and_grad(loss)) of a bf16 block with f32 accumulation: the backward's f32 x
+    bf16 gather site and its scatter site, whose f32 sum the program casts to bf16, become ops
+    (the scatter sums f32 partials and casts after, as the partitioner does); the gradients are
+    JAX's bit for bit but where a sum runs in another order, as are those of
+    value_and_grad(overlap(loss))."""
+    args = _mlp_args(mesh, jnp.bfloat16)
+    loss = lambda *a: jnp.sum(mixed_precision_mlp(*a) ** 2)  # noqa: E731
+    plain = jax.value_and_grad(loss, argnums=(0, 1, 2))
+    fused = overlap(plain, schedule=schedule)
+    report = explain(fused, *args)
+    assert _ops(report) == ["ag_matmul", "matmul_rs"] * 2, str(report)
+    assert "x float32" in report.sites[2].shapes and "w bfloat16" in report.sites[2].shapes, str(report)
+    assert report.sites[3].shapes.endswith("-> bfloat16[4@dp,16@tp,32]"), str(report)
+    # Left: the weight gradient's sum over the data-parallel axis, an all-reduce.
+    assert [r.axis_name for r in report.near_misses] == ["dp"], str(report)
+    value_ref, grads_ref = jax.jit(plain)(*args)
+    # overlap inside the gradient: the ops' backward sums, then casts, as the partitioner does.
+    for fn in (fused, jax.value_and_grad(overlap(loss, schedule=schedule), argnums=(0, 1, 2))):
+        value, grads = jax.jit(fn)(*args)
+        assert abs(float(value) - float(value_ref)) <= 1e-5 * abs(float(value_ref))
+        for g, r in zip(grads, grads_ref, strict=True):
+            assert jax.typeof(g) == jax.typeof(r), (jax.typeof(g), jax.typeof(r))
+            same = np.mean(np.asarray(g, np.float32) == np.asarray(r, np.float32))
+            assert same > 0.99, same
+
+
 def test_sites_report_the_global_and_the_local_shapes(mesh):
     report = explain(overlap(megatron_mlp, schedule=XLA), *_mlp_args(mesh))
     gather, scatter = report.sites

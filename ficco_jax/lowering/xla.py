@@ -58,14 +58,25 @@ def _shift_perm(n: int, shift: int) -> list[tuple[int, int]]:
     return [(j, (j + shift) % n) for j in range(n)]
 
 
+def narrowing(operand_dtype, out_dtype) -> bool:
+    """Whether `out_dtype` has fewer bits than the operands' dtype (f32 operands, a bf16 result):
+    the matmul then runs in the operands' dtype and its result is rounded, ``(a @ w).astype(out)``,
+    which is what ``convert_element_type(dot_general(...))`` computes in JAX's program."""
+    return out_dtype is not None and jnp.finfo(out_dtype).bits < jnp.finfo(operand_dtype).bits
+
+
 def product(a: jax.Array, w: jax.Array, out_dtype=None, scales=None) -> jax.Array:
     """The matmul of every TP schedule: ``a @ w`` with its result in `out_dtype` (None: the
-    operands' dtype; f32 for bf16 operands is mixed precision). With `scales` = (a_scale, w_scale)
+    operands' dtype; f32 for bf16 operands is mixed precision: f32 accumulation; a narrower dtype,
+    bf16 from f32 operands, is the product in the operands' dtype rounded, as JAX's backward of a
+    mixed-precision matmul computes it, see `narrowing`). With `scales` = (a_scale, w_scale)
     the operands are FP8 and the result is ``(a.astype(f32) * a_scale) @ (w.astype(f32) * w_scale)``
     in `out_dtype` (bf16 by default): on GPUs one FP8 dot (XLA's cuBLASLt FP8 matmul, f32
     accumulation) with both scales applied to its result; XLA's CPU backend has no FP8 dot, so
     there the operands are widened first."""
     if scales is None:
+        if narrowing(a.dtype, out_dtype):
+            return jnp.matmul(a, w).astype(out_dtype)
         return jnp.matmul(a, w, preferred_element_type=out_dtype)
     out, f32 = jnp.dtype(out_dtype or jnp.bfloat16), jnp.float32
     scale = scales[0].astype(f32) * scales[1].astype(f32)
@@ -224,10 +235,13 @@ def _cut(a: jax.Array, chunks: int, axis: int) -> list[jax.Array]:
 
 
 def einsum(spec: str, a: jax.Array, b: jax.Array, out_dtype=None) -> jax.Array:
-    """``jnp.einsum(spec, a, b)`` with its result in `out_dtype` (None: the operands'). XLA's CPU
-    backend has no batched bf16 x bf16 -> f32 dot, so there the operands are widened first."""
+    """``jnp.einsum(spec, a, b)`` with its result in `out_dtype` (None: the operands'; a narrower
+    dtype rounds the result, as `product`). XLA's CPU backend has no batched bf16 x bf16 -> f32
+    dot, so there the operands are widened first."""
     if out_dtype is None or jnp.dtype(out_dtype) == a.dtype:
         return jnp.einsum(spec, a, b)
+    if narrowing(a.dtype, out_dtype):
+        return jnp.einsum(spec, a, b).astype(out_dtype)
     return lax.platform_dependent(
         a, b, cpu=lambda a, b: jnp.einsum(spec, a.astype(out_dtype), b.astype(out_dtype)),
         default=lambda a, b: jnp.einsum(spec, a, b, preferred_element_type=out_dtype))

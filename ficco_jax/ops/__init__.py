@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from .api import (a2a_matmul, a2a_matmul_ref, ag_matmul, ag_matmul_ref, matmul_a2a, matmul_a2a_ref, matmul_rs,
                   matmul_rs_ref)
-from .resolve import resolve_schedule
+from .core import partitioner_numerics
+from .resolve import on_xla, resolve_schedule
 
 __all__ = ["ag_matmul", "matmul_rs", "a2a_matmul", "matmul_a2a", "ag_matmul_ref", "matmul_rs_ref",
-           "a2a_matmul_ref", "matmul_a2a_ref", "resolve_schedule"]
+           "a2a_matmul_ref", "matmul_a2a_ref", "on_xla", "partitioner_numerics", "resolve_schedule"]

@@ -69,8 +69,11 @@ def ag_matmul(x, w, axis_name: str, *, schedule: ScheduleArg = "auto", return_ga
 
     `out_dtype` is the matmul's result dtype, as `preferred_element_type` of `jnp.matmul`: None
     (the operands'), or f32 for bf16/f16 operands (mixed precision: f32 accumulation and result).
-    With mixed precision the gradient matmuls take the cotangent in the operands' dtype and
-    accumulate into f32 as the forward does (the usual recipe); their collectives move f32.
+    With mixed precision the backward is JAX's: the gradient matmuls take the f32 cotangent and the
+    bf16 operand widened to f32, and each gradient is rounded to bf16 once, so the input gradient's
+    reduce-scatter moves and sums bf16 partials (that op runs on XLA's collectives: copy engines do
+    not round f32 products to bf16). A narrower `out_dtype` than the operands' (bf16 from f32)
+    rounds the f32 product, ``(a @ w).astype(out_dtype)``; comm="xla" or "none" only.
 
     FP8: x and w ``float8_e4m3fn`` / ``float8_e5m2`` (not both e5m2) with per-tensor f32 scales
     `x_scale`, `w_scale` compute ``((all_gather(x).astype(f32) * x_scale) @ (w.astype(f32) *

@@ -2,6 +2,8 @@
 primals under shard_map."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Union
 
 import jax
@@ -83,15 +85,41 @@ def _aval_axes(aval) -> frozenset:
     return frozenset(vma)
 
 
-def like_primal(ct, dtype, primal_axes: frozenset):
+def like_primal(ct, dtype, primal_axes: frozenset, *, sum_first: bool = True):
     """Cast a cotangent to its primal's dtype and sum it over mesh axes the primal was
-    replicated on: what JAX's own AD does when a replicated operand meets a varying one."""
+    replicated on: what JAX's own AD does when a replicated operand meets a varying one. The
+    order matters where the cast rounds (an f32 gradient of a bf16 weight): a shard_map body's
+    AD casts first (the cast is the matmul's transpose, the sum the transpose of the broadcast
+    before it), the partitioner of global-view code sums first (`sum_first`)."""
     extra = tuple(sorted(varying_axes(ct) - primal_axes))
-    if extra:
-        ct = lax.psum(ct, extra)
-    return ct.astype(dtype)
+    if not extra:
+        return ct.astype(dtype)
+    return lax.psum(ct, extra).astype(dtype) if sum_first else lax.psum(ct.astype(dtype), extra)
 
 
-def like_aval(ct, aval):
+def like_aval(ct, aval, *, sum_first: bool = True):
     """`like_primal` for an operand known by its abstract value (a transpose rule's view)."""
-    return like_primal(ct, aval.dtype, _aval_axes(aval))
+    return like_primal(ct, aval.dtype, _aval_axes(aval), sum_first=sum_first)
+
+
+#: Set while overlap() binds the op of a global-view site: the program it replaces is partitioned
+#: by JAX, which sums a mixed-precision backward's f32 partials and then casts the sum, where the
+#: AD of a shard_map body casts each partial and sums the casts. The op's backward follows the
+#: program it replaces (ops/run.py reads this when the op is called, and it is a static argument of
+#: the op from there on).
+_PARTITIONER_NUMERICS = contextvars.ContextVar("ficco_partitioner_numerics", default=False)
+
+
+@contextlib.contextmanager
+def partitioner_numerics():
+    """Ops bound inside have the backward numerics of JAX's partitioner (sum, then cast)."""
+    token = _PARTITIONER_NUMERICS.set(True)
+    try:
+        yield
+    finally:
+        _PARTITIONER_NUMERICS.reset(token)
+
+
+def sums_before_cast() -> bool:
+    """Whether an op bound here sums its backward's partials before casting them."""
+    return _PARTITIONER_NUMERICS.get()

@@ -60,6 +60,11 @@ class LinearMap(abc.ABC):
         """Per output the tangent contributed by the residuals' tangents (None: zero); linear in
         `t_res` and transposable."""
 
+    def sums_before_cast(self, static) -> bool:
+        """Whether a cotangent summed over the mesh axes its primal is replicated on is summed
+        before the cast to the primal's dtype (global-view code) or after (a shard_map body)."""
+        return False
+
     def fold_batch(self, static, res: tuple, lin: tuple, batched_res: tuple, batched_lin: tuple) -> Optional[Folded]:
         """The map on operands with a leading batch dimension (`batched_*`: which have one) as one
         equation of this map, or None where it has none (the batch then runs in a loop)."""
@@ -141,7 +146,8 @@ def _transpose(cts, *args, lmap, static, res_mask, lin_mask, out_avals, site):
     out = [None] * sum(res_mask)
     for v, want, ct in zip(lin, wanted, lin_cts):
         if v is not None:
-            out.append(like_aval(ct, v.aval) if want and ct is not None else None)
+            out.append(like_aval(ct, v.aval, sum_first=lmap.sums_before_cast(static)) if want and ct is not None
+                       else None)
     return out
 
 

@@ -44,13 +44,23 @@ def resolve_schedule(op: str, schedule: ScheduleArg, shapes, dtype, axis_size: i
     return schedule
 
 
+def on_xla(sched: Schedule) -> Schedule:
+    """The steps of copy-engine schedule `sched` as XLA's collectives run them (comm="xla"): for a
+    call whose numerics the executor lacks (f32 products rounded to bf16 partials)."""
+    return sched.replace(comm="xla", copy_streams=1, transfer="pull")
+
+
 def transposed_schedule(op: str, sched: Schedule, shapes, dtype, n: int, out_dtype=None) -> Schedule:
     """The schedule of a backward op: the forward's where that point is valid for it (both ops of a
     pair share one design space), else auto. matmul_rs on copy engines is direct-only: there a
-    ring schedule keeps its copy engines and changes its order."""
+    ring schedule keeps its copy engines and changes its order. A backward whose numerics copy
+    engines lack (the bf16 partials of a mixed-precision backward) runs the same steps on XLA's
+    collectives."""
     candidates = [sched]
     if sched.comm == "dma" and op == "matmul_rs":
         candidates.append(sched.replace(order="direct"))
+    if sched.comm == "dma":
+        candidates.append(on_xla(sched))
     for candidate in candidates:
         try:
             return resolve_schedule(op, candidate, shapes, dtype, n, out_dtype=out_dtype)

@@ -5,7 +5,7 @@ from typing import Callable
 
 import numpy as np
 
-from .core import ScheduleArg, axis_size, check_operands, check_out_dtype
+from .core import ScheduleArg, axis_size, check_operands, check_out_dtype, sums_before_cast
 from .resolve import resolve_schedule
 from .table import PAIRS
 from .tangents import gather_op, gather_op_with_side, scatter_op
@@ -14,10 +14,10 @@ from .tangents import gather_op, gather_op_with_side, scatter_op
 def run_scheduled(op: str, a, w, axis_name: str, sched, *, with_side: bool = False, out_dtype=None):
     """`op` (a name of the table) with a resolved schedule: out, or (out, side) for a gather op
     with `with_side`; the matmuls' results in `out_dtype` (None: the operands' dtype)."""
-    pair = PAIRS[op]
+    pair, sum_first = PAIRS[op], sums_before_cast()
     if op == pair.scatter:
-        return scatter_op(pair, a, w, axis_name, sched, out_dtype)
-    return (gather_op_with_side if with_side else gather_op)(pair, a, w, axis_name, sched, out_dtype)
+        return scatter_op(pair, a, w, axis_name, sched, out_dtype, sum_first)
+    return (gather_op_with_side if with_side else gather_op)(pair, a, w, axis_name, sched, out_dtype, sum_first)
 
 
 def call(op: str, a, w, axis_name: str, schedule: ScheduleArg, *, with_side=False, side_flag: str = "",

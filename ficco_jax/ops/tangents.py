@@ -40,11 +40,13 @@ from .table import OpPair, OutDtype
 @dataclasses.dataclass(frozen=True)
 class Static:
     """The configuration of one tangent equation; `out_dtype` the op's result dtype (None: the
-    operands'); `with_side`: a gather map also returns the tangent of the side output."""
+    operands'); `with_side`: a gather map also returns the tangent of the side output;
+    `sum_first`: the backward sums before it casts (core.partitioner_numerics)."""
     axis_name: str
     sched: Schedule
     out_dtype: object = None
     with_side: bool = False
+    sum_first: bool = False
 
 
 def _present_one(res):
@@ -52,20 +54,32 @@ def _present_one(res):
     return res[0] if res[0] is not None else res[1]
 
 
-def _operand_dtype(ct, w):
-    """A cotangent of the op's result, in the operands' dtype: with mixed precision (f32 results of
-    bf16 operands) the gradient matmuls take bf16 operands and accumulate into f32, as the forward
-    does, and the collective still moves f32 partials."""
-    return ct if ct is None or ct.dtype == w.dtype else ct.astype(w.dtype)
+def _backward_numerics(static: Static, operand_dtype):
+    """(dtype of the gradient matmuls' operands, result dtype of the backward scatter op) as JAX's
+    transpose of ``dot_general(a, w, preferred_element_type=out)`` has them: each gradient is
+    ``dot_general(ct, other operand, preferred_element_type=out)``, whose operands JAX converts to
+    `out` (f32 with mixed precision: the f32 cotangent is never rounded to bf16), then converted to
+    its primal's dtype; where that conversion comes before the backward's reduce-scatter, the
+    partials that move and are summed are rounded to the primal's dtype (bf16), as JAX's are in a
+    shard_map body. The partitioner of global-view code sums the f32 partials and casts the sum
+    (`Static.sum_first`): there they move in f32."""
+    out = static.out_dtype
+    if out is None:
+        return None, None
+    return out, (None if static.sum_first else operand_dtype)
+
+
+def _in(v, dtype):
+    return v if dtype is None or v is None or v.dtype == dtype else v.astype(dtype)
 
 
 def _add(a, b):
     return b if a is None else a if b is None else a + b
 
 
-def _backward_schedule(op: str, static: Static, ct, w_t) -> Schedule:
+def _backward_schedule(op: str, static: Static, ct, w_t, out_dtype) -> Schedule:
     n = axis_size(static.axis_name, op)
-    return transposed_schedule(op, static.sched, (ct.shape, w_t.shape), ct.dtype, n, static.out_dtype)
+    return transposed_schedule(op, static.sched, (ct.shape, w_t.shape), ct.dtype, n, out_dtype)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -76,6 +90,9 @@ class _PairMap(LinearMap):
     """The map of one op (`role`: "gather" or "scatter") of `pair`."""
     pair: OpPair
     role: ClassVar[str]
+
+    def sums_before_cast(self, static) -> bool:
+        return static.sum_first
 
     @property
     def name(self) -> str:
@@ -117,18 +134,20 @@ class GatherMap(_PairMap):
         return (out, side_t) if static.with_side else (out,)
 
     def transpose(self, static, res, cts, wanted):
-        pair, (w, side), ct_out = self.pair, res, _operand_dtype(cts[0], _present_one(res))
+        pair, (w, side), ct_out = self.pair, res, cts[0]
+        compute, partials = _backward_numerics(static, _present_one(res).dtype)
+        ct_out = _in(ct_out, compute)
         ct_side = cts[1] if static.with_side else None
         dx = dw = None
         if wanted[0] and ct_out is not None:
             # d x = collective(g_out @ w^T): the scatter op, its collective riding on the matmuls.
-            w_t = pair.transpose_w(w)
-            dx = scatter_op(pair, ct_out, w_t, static.axis_name, _backward_schedule(pair.scatter, static, ct_out, w_t),
-                            static.out_dtype)
+            w_t = _in(pair.transpose_w(w), compute)
+            dx = scatter_op(pair, ct_out, w_t, static.axis_name,
+                            _backward_schedule(pair.scatter, static, ct_out, w_t, partials), partials, static.sum_first)
         if wanted[0] and ct_side is not None:
             dx = _add(dx, pair.scatter_collective(ct_side, static.axis_name))
         if wanted[1] and ct_out is not None:
-            dw = pair.gather_dw(side, ct_out, static.out_dtype)
+            dw = pair.gather_dw(_in(side, compute), ct_out, None)
         return dx, dw
 
     def res_jvp(self, static, res, lin, t_res, outs):
@@ -156,20 +175,22 @@ class ScatterMap(_PairMap):
         return (self.pair.scatter_impl(a, b, static.axis_name, static.sched, static.out_dtype),)
 
     def transpose(self, static, res, cts, wanted):
-        pair, (y, w), ct = self.pair, res, _operand_dtype(cts[0], _present_one(res))
+        pair, (y, w), ct = self.pair, res, cts[0]
+        compute, _ = _backward_numerics(static, _present_one(res).dtype)
+        ct = _in(ct, compute)
         dy = dw = None
         if ct is None:
             return dy, dw
         if wanted[0]:
-            w_t = pair.transpose_w(w)
-            bwd = _backward_schedule(pair.gather, static, ct, w_t)
+            w_t = _in(pair.transpose_w(w), compute)
+            bwd = _backward_schedule(pair.gather, static, ct, w_t, None)
             if wanted[1]:  # d y = gather op of g with w^T; its side output (g delivered) feeds d w
-                dy, delivered = gather_op_with_side(pair, ct, w_t, static.axis_name, bwd, static.out_dtype)
-                dw = pair.scatter_dw(y, delivered, static.out_dtype)
+                dy, delivered = gather_op_with_side(pair, ct, w_t, static.axis_name, bwd, None, static.sum_first)
+                dw = pair.scatter_dw(_in(y, compute), delivered, None)
             else:
-                dy = gather_op(pair, ct, w_t, static.axis_name, bwd, static.out_dtype)
+                dy = gather_op(pair, ct, w_t, static.axis_name, bwd, None, static.sum_first)
         elif wanted[1]:
-            dw = pair.scatter_dw(y, pair.gather_collective(ct, static.axis_name), static.out_dtype)
+            dw = pair.scatter_dw(_in(y, compute), pair.gather_collective(ct, static.axis_name), None)
         return dy, dw
 
     def res_jvp(self, static, res, lin, t_res, outs):
@@ -183,7 +204,8 @@ class ScatterMap(_PairMap):
 
 
 # ------------------------------------------------------------------------------------------------
-# The positional forms (pair, a, w, axis_name, sched, out_dtype): the ops bound as equations
+# The positional forms (pair, a, w, axis_name, sched, out_dtype, sum_first): the ops bound as
+# equations; `sum_first` as in `Static`
 # ------------------------------------------------------------------------------------------------
 def _varying_together(a, w, axis_name: str):
     """(a, w), each made to vary over every manual axis the other varies over and over the op's
@@ -194,45 +216,49 @@ def _varying_together(a, w, axis_name: str):
             for v in (a, w)]
 
 
-def _gather_equation(pair: OpPair, x, w, axis_name: str, sched: Schedule, out_dtype: OutDtype,
+def _gather_equation(pair: OpPair, x, w, axis_name: str, sched: Schedule, out_dtype: OutDtype, sum_first: bool,
                      side_needed: bool) -> Tuple[jax.Array, Optional[jax.Array]]:
     """The gather op as one equation of its own map (x the linear operand, w the residual)."""
     x, w = _varying_together(x, w, axis_name)
     out_shape, side_shape = pair.gather_shapes(x.shape, w.shape, axis_size(axis_name, pair.gather))
     avals = [aval(jax.typeof(x), out_shape, out_dtype)] + ([aval(jax.typeof(x), side_shape)] if side_needed else [])
-    outs = bind(GatherMap(pair), Static(axis_name, sched, out_dtype, side_needed), (w, None), (x, None), avals)
+    outs = bind(GatherMap(pair), Static(axis_name, sched, out_dtype, side_needed, sum_first), (w, None), (x, None),
+                avals)
     return outs[0], (outs[1] if side_needed else None)
 
 
-def _scatter_equation(pair: OpPair, y, w, axis_name: str, sched: Schedule, out_dtype: OutDtype) -> jax.Array:
+def _scatter_equation(pair: OpPair, y, w, axis_name: str, sched: Schedule, out_dtype: OutDtype,
+                      sum_first: bool) -> jax.Array:
     """The scatter op as one equation of its own map (y linear, w residual)."""
     y, w = _varying_together(y, w, axis_name)
     out_shape = pair.scatter_shape(y.shape, w.shape, axis_size(axis_name, pair.scatter))
-    return bind(ScatterMap(pair), Static(axis_name, sched, out_dtype), (None, w), (y, None),
+    return bind(ScatterMap(pair), Static(axis_name, sched, out_dtype, sum_first=sum_first), (None, w), (y, None),
                 [aval(jax.typeof(y), out_shape, out_dtype)])[0]
 
 
-_STATIC = (0, 3, 4, 5)  # pair, axis_name, sched, out_dtype
+_STATIC = (0, 3, 4, 5, 6)  # pair, axis_name, sched, out_dtype, sum_first
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=_STATIC)
-def gather_op(pair: OpPair, x, w, axis_name: str, sched: Schedule, out_dtype: OutDtype) -> jax.Array:
+def gather_op(pair: OpPair, x, w, axis_name: str, sched: Schedule, out_dtype: OutDtype,
+              sum_first: bool = False) -> jax.Array:
     """The gather op's output alone: nobody reads the side output, so it may be left incomplete
     (differentiated, the forward computes it in full: the weight's tangent and gradient read it)."""
-    return _gather_equation(pair, x, w, axis_name, sched, out_dtype, side_needed=False)[0]
+    return _gather_equation(pair, x, w, axis_name, sched, out_dtype, sum_first, side_needed=False)[0]
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=_STATIC)
-def gather_op_with_side(pair: OpPair, x, w, axis_name: str, sched: Schedule,
-                        out_dtype: OutDtype) -> Tuple[jax.Array, jax.Array]:
+def gather_op_with_side(pair: OpPair, x, w, axis_name: str, sched: Schedule, out_dtype: OutDtype,
+                        sum_first: bool = False) -> Tuple[jax.Array, jax.Array]:
     """The gather op's (out, side)."""
-    return _gather_equation(pair, x, w, axis_name, sched, out_dtype, side_needed=True)
+    return _gather_equation(pair, x, w, axis_name, sched, out_dtype, sum_first, side_needed=True)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=_STATIC)
-def scatter_op(pair: OpPair, y, w, axis_name: str, sched: Schedule, out_dtype: OutDtype) -> jax.Array:
+def scatter_op(pair: OpPair, y, w, axis_name: str, sched: Schedule, out_dtype: OutDtype,
+               sum_first: bool = False) -> jax.Array:
     """The scatter op's output."""
-    return _scatter_equation(pair, y, w, axis_name, sched, out_dtype)
+    return _scatter_equation(pair, y, w, axis_name, sched, out_dtype, sum_first)
 
 
 def _present(t):
@@ -249,14 +275,14 @@ def _tangent_aval(v):
 
 
 def _gather_jvp(with_side: bool):
-    def jvp(pair, axis_name, sched, out_dtype, primals, tangents):
+    def jvp(pair, axis_name, sched, out_dtype, sum_first, primals, tangents):
         (x, w), (dx, dw) = primals, tuple(map(_present, tangents))
         # Differentiated, the forward delivers the side output in full, as a residual would be.
-        out, side = gather_op_with_side(pair, x, w, axis_name, sched, out_dtype)
+        out, side = gather_op_with_side(pair, x, w, axis_name, sched, out_dtype, sum_first)
         side_out = with_side and dx is not None
         avals = [_tangent_aval(out)] + ([_tangent_aval(side)] if side_out else [])
         res = (w if dx is not None else None, side if dw is not None else None)
-        t = bind(GatherMap(pair), Static(axis_name, sched, out_dtype, side_out), res, (dx, dw), avals)
+        t = bind(GatherMap(pair), Static(axis_name, sched, out_dtype, side_out, sum_first), res, (dx, dw), avals)
         t_out, t_side = t[0], (t[1] if side_out else None)
         if with_side:
             return (out, side), (_zero_where_none(t_out, out), _zero_where_none(t_side, side))
@@ -264,11 +290,12 @@ def _gather_jvp(with_side: bool):
     return jvp
 
 
-def _scatter_jvp(pair, axis_name, sched, out_dtype, primals, tangents):
+def _scatter_jvp(pair, axis_name, sched, out_dtype, sum_first, primals, tangents):
     (y, w), (dy, dw) = primals, tuple(map(_present, tangents))
-    out = scatter_op(pair, y, w, axis_name, sched, out_dtype)
+    out = scatter_op(pair, y, w, axis_name, sched, out_dtype, sum_first)
     res = (y if dw is not None else None, w if dy is not None else None)
-    t_out = bind(ScatterMap(pair), Static(axis_name, sched, out_dtype), res, (dy, dw), [_tangent_aval(out)])[0]
+    t_out = bind(ScatterMap(pair), Static(axis_name, sched, out_dtype, sum_first=sum_first), res, (dy, dw),
+                 [_tangent_aval(out)])[0]
     return out, _zero_where_none(t_out, out)
 
 

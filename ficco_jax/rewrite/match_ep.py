@@ -12,19 +12,26 @@ Two patterns, in the 4-D form a MoE layer under expert parallelism is written in
 
 The site writes the dot's own output layout (dispatch) or the all_to_all's output (combine), so
 the transposes jnp.einsum adds around its dot_general stay as they were.
+
+Mixed precision as JAX's backward writes it, as in match_tp.py: a matmul of the exchanged f32
+cotangent and a bf16 weight takes both operands converted to f32 (the received tokens must
+already be f32), and a cast rounding the product to bf16 before the combine's all_to_all is the
+op's result dtype.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Callable
 
+import jax.numpy as jnp
+
 from .. import ops
 from .jaxpr_util import fmt, is_var, transpose
-from .site import MatchContext, Site, SiteRecord, collective_problem, dot_dtype_problem
+from .site import MatchContext, Site, SiteRecord, collective_problem, converted_operands, dot_dtype_problem
 
 A2A_MM, MM_A2A = "a2a_matmul", "matmul_a2a"
 OPS = (A2A_MM, MM_A2A)
-_DOT, _TRANSPOSE = "dot_general", "transpose"
+_DOT, _TRANSPOSE, _CONVERT = "dot_general", "transpose", "convert_element_type"
 _TOKENS = ("p", "e", "c", "d")  # the all_to_all's layout [n, E, C, d]: peer, expert, capacity, features
 _OP_OUT = ["p", "e", "c", "f"]  # the ops' output layout [n, E, C, f]
 
@@ -120,8 +127,19 @@ def _expert_dot(dot, tokens_pos: int, labels=_TOKENS) -> tuple[tuple[int, int, i
         return None, f"the weight is {len(w_aval.shape)}-D; expected one [E, d, f] matrix per local expert"
     wb, wc = batch[1 - tokens_pos][0], contract[1 - tokens_pos][0]
     wf = next(d for d in range(3) if d not in (wb, wc))
-    problem = dot_dtype_problem(dot)
+    problem = dot_dtype_problem(dot, convert_operands=True)
     return (None, problem) if problem else ((wb, wc, wf), None)
+
+
+def _received_dtype_problem(dot, tokens_pos: int) -> str | None:
+    """Why received tokens of another dtype than the weight cannot be the op's: JAX converts both
+    to the result's dtype after the all_to_all, and the op would exchange that dtype."""
+    to, tokens, w = converted_operands(dot), dot.invars[tokens_pos].aval.dtype, dot.invars[1 - tokens_pos].aval.dtype
+    if to is None or tokens == to:
+        return None
+    return (f"the {tokens} tokens meet a {w} weight and JAX converts both to {to} after the all_to_all; the op "
+            f"would exchange {to}: give both operands one dtype (e.g. the weight in {tokens}, with "
+            f"preferred_element_type={to})")
 
 
 def _match_dispatch(ctx: MatchContext, i: int) -> ExpertSite | SiteRecord:
@@ -142,7 +160,7 @@ def _match_dispatch(ctx: MatchContext, i: int) -> ExpertSite | SiteRecord:
         w = dot.invars[1 - pos]
         if problem is None and j in ctx.taken_dots:
             problem = "the matmul is already part of another site"
-        problem = problem or ctx.weight_problem(w, first_use, "received tokens'")
+        problem = problem or ctx.weight_problem(w, first_use, "received tokens'") or _received_dtype_problem(dot, pos)
         if problem:
             reasons.append(f"eqn {j}: {problem}")
             continue
@@ -150,7 +168,7 @@ def _match_dispatch(ctx: MatchContext, i: int) -> ExpertSite | SiteRecord:
         # received tokens, so the op returns them.
         site = ExpertSite(op=A2A_MM, **ctx.axis(a2a), exec_index=first_use, skip=tuple(sorted({i, j})), dot=dot,
                           collective=a2a, tokens_side=pos, w_dims=w_dims, tokens_labels=tuple(labels),
-                          returns_collective=ctx.read_elsewhere(r) or through)
+                          returns_collective=ctx.read_elsewhere(r) or through, operand_dtype=converted_operands(dot))
         also = " (received tokens also used elsewhere)" if site.returns_collective else ""
         return ctx.found(site, i, f"{shapes} · w {fmt(w.aval)} -> {fmt(dot.outvars[0].aval)}{also}")
     if reasons:
@@ -175,14 +193,27 @@ def _dot_users(ctx: MatchContext, r):
 
 def _combine_chain(ctx: MatchContext, i: int):
     """(equations from the all_to_all back to its matmul, the transpose's permutation or None,
-    the matmul's index or -1): the all_to_all's input, through at most one transpose."""
-    chain, perm = [i], None
+    the narrowing convert_element_type's index or None, the matmul's index or -1): the all_to_all's
+    input, through at most one transpose and one cast that rounds the product (JAX's backward of a
+    mixed-precision matmul casts its f32 product to bf16)."""
+    chain, perm, cast = [i], None, None
     k = ctx.producer(ctx.eqns[i].invars[0])
-    if k >= 0 and ctx.eqns[k].primitive.name == _TRANSPOSE:
-        perm = tuple(ctx.eqns[k].params["permutation"])
+    for _ in range(2):
+        name = ctx.producer_name(k)
+        if name == _TRANSPOSE and perm is None:
+            perm = tuple(ctx.eqns[k].params["permutation"])
+        elif name == _CONVERT and cast is None and _narrows(ctx.eqns[k]):
+            cast = k
+        else:
+            break
         chain.append(k)
         k = ctx.producer(ctx.eqns[k].invars[0])
-    return chain, perm, k
+    return chain, perm, cast, k
+
+
+def _narrows(convert) -> bool:
+    src, dst = convert.invars[0].aval.dtype, convert.outvars[0].aval.dtype
+    return all(jnp.issubdtype(d, jnp.floating) for d in (src, dst)) and jnp.finfo(dst).bits < jnp.finfo(src).bits
 
 
 def _match_combine(ctx: MatchContext, i: int) -> ExpertSite | SiteRecord:
@@ -192,7 +223,7 @@ def _match_combine(ctx: MatchContext, i: int) -> ExpertSite | SiteRecord:
     problem = _a2a_problem(ctx, MM_A2A, a2a)
     if problem:
         return ctx.miss(MM_A2A, i, shapes, problem)
-    chain, perm, k = _combine_chain(ctx, i)
+    chain, perm, cast, k = _combine_chain(ctx, i)
     if k < 0 or ctx.eqns[k].primitive.name != _DOT:
         return ctx.miss(MM_A2A, i, shapes, f"the all_to_all input comes from {ctx.producer_name(k)}, not from a matmul")
     dot = ctx.eqns[k]
@@ -209,7 +240,9 @@ def _match_combine(ctx: MatchContext, i: int) -> ExpertSite | SiteRecord:
             reasons.append(problem)
             continue
         site = ExpertSite(op=MM_A2A, **ctx.axis(a2a), exec_index=k, skip=tuple(sorted(chain + [k])), dot=dot,
-                          collective=a2a, tokens_side=pos, w_dims=w_dims, tokens_labels=_TOKENS)
+                          collective=a2a, tokens_side=pos, w_dims=w_dims, tokens_labels=_TOKENS,
+                          operand_dtype=converted_operands(dot),
+                          rounded_to=None if cast is None else ctx.eqns[cast].outvars[0].aval.dtype)
         layout = site.dot_labels()
         layout = [layout[p] for p in perm] if perm is not None else layout
         if layout != _OP_OUT:

@@ -36,7 +36,7 @@ from typing import Callable
 
 import jax
 
-from .. import config
+from .. import config, ops
 from . import dequant, match_tp
 from .jaxpr_util import fmt, fmt_shapes, open_jaxpr, source_line
 from .shardings import (axes_of, batched, contracted, free, gathered_axis, is_explicit, is_gspmd, mesh_of, out_dim,
@@ -80,6 +80,10 @@ class GlobalSite(Site):
     # every device of its axis while its type says it varies, so an output computed from it (or
     # the gathered rows the op also returns) has a replication that is asserted, not inferred.
     check_vma: bool = True
+    # The dtype the program casts the scattered product to after its reduction (a mixed-precision
+    # backward rounds the f32 sum to bf16): the op sums f32 partials, as the partitioner does,
+    # and its result is cast after the shard_map.
+    cast_after: object = None
 
     def op_shapes(self):
         return self.local.op_shapes()
@@ -95,8 +99,11 @@ class GlobalSite(Site):
 
         fn = jax.shard_map(body, mesh=self._shard_map_mesh(), in_specs=self.in_specs, out_specs=self.out_specs,
                            check_vma=self.check_vma)
-        for var, value in zip(self.writes, fn(*[read(v) for v in self.reads])):
-            write(var, value)
+        # Differentiated, the op's backward sums and then casts, as the partitioner does this program's.
+        with ops.partitioner_numerics():
+            results = fn(*[read(v) for v in self.reads])
+        for var, value in zip(self.writes, results):
+            write(var, value if self.cast_after is None else value.astype(self.cast_after))
 
     def _shard_map_mesh(self):
         # The concrete mesh where it is known (copy-engine schedules find their peers from it when
@@ -126,9 +133,10 @@ def _replication_inferred(mesh, local_fn: Callable, reads, writes) -> bool:
     return True
 
 
-def _local_site(mesh, local_fn: Callable, reads, writes, where: str) -> tuple[Site, tuple, tuple] | str:
+def _local_site(mesh, local_fn: Callable, reads, writes, where: str,
+                cast_after=None) -> tuple[Site, tuple, tuple] | str:
     """(the site match_tp.py finds in the shard_map body `local_fn` is, the body's inputs, its
-    outputs), or why it finds none."""
+    outputs), or why it finds none; `cast_after`: the dtype its results are cast to after it."""
     # Traced without the replication check, which would insert pvary casts between the body's
     # inputs and the site's matmul.
     try:
@@ -137,7 +145,7 @@ def _local_site(mesh, local_fn: Callable, reads, writes, where: str) -> tuple[Si
         return f"its per-device form does not trace ({type(err).__name__}: {str(err).splitlines()[0]})"
     # The shard_map's results are read as the program's values: a body whose blocks do not make
     # them up (shapes, dtypes) is no form of this site.
-    if [(a.shape, a.dtype) for a in traced.out_avals] != [(v.aval.shape, v.aval.dtype) for v in writes]:
+    if [(a.shape, cast_after or a.dtype) for a in traced.out_avals] != [(v.aval.shape, v.aval.dtype) for v in writes]:
         return (f"its per-device form gives {', '.join(fmt(a) for a in traced.out_avals)}, not "
                 f"{', '.join(typed(v) for v in writes)}")
     (eqn,) = traced.jaxpr.eqns
@@ -160,11 +168,13 @@ def _local_dot(dot, x, w, side: int):
     return jax.lax.dot_general(lhs, rhs, **params)
 
 
-def _global_site(ctx: MatchContext, local_fn: Callable, reads: tuple, writes: tuple, **site) -> GlobalSite | str:
+def _global_site(ctx: MatchContext, local_fn: Callable, reads: tuple, writes: tuple, cast_after=None,
+                 **site) -> GlobalSite | str:
     """The GlobalSite running the site found in `local_fn` (a shard_map body reading the blocks of
-    `reads`, returning those of `writes`) over the mesh of `reads[0]`, or why there is none."""
+    `reads`, returning those of `writes`, before a cast to `cast_after` where given) over the mesh
+    of `reads[0]`, or why there is none."""
     mesh = mesh_of(reads[0].aval)
-    found = _local_site(mesh, local_fn, reads, writes, ctx.where)
+    found = _local_site(mesh, local_fn, reads, writes, ctx.where, cast_after)
     if isinstance(found, str):
         return found
     local, local_in, local_out = found
@@ -178,7 +188,8 @@ def _global_site(ctx: MatchContext, local_fn: Callable, reads: tuple, writes: tu
                 "convert → multiply by a scalar scale, with the scale")
     return GlobalSite(axis_size=int(mesh.shape[site["axis_name"]]), local=local, shard_mesh=mesh, reads=reads,
                       in_specs=_specs(reads), writes=writes, out_specs=_specs(writes), local_in=local_in,
-                      local_out=local_out, check_vma=_replication_inferred(mesh, local_fn, reads, writes), **fp8, **site)
+                      local_out=local_out, check_vma=_replication_inferred(mesh, local_fn, reads, writes),
+                      cast_after=cast_after, **fp8, **site)
 
 
 # --------------------------------------------------------------------------------------------
@@ -318,22 +329,31 @@ def _sharded_contraction(dot) -> str | None:
 
 
 def _scatter_target(ctx: MatchContext, j: int, axis: str):
-    """(the variable holding the scattered result, its dims, the reshard equation or None)."""
+    """(the variable holding the scattered result, its dims, the reshard equation or None, the
+    convert_element_type between the product and that reshard or None)."""
     dot = ctx.eqns[j]
     y = dot.outvars[0]
     y_dims = axes_of(y.aval)
     if any(axis in d for d in y_dims):
-        return y, y_dims, None
-    users = ctx.users.get(y, [])
-    reshard = ctx.eqns[users[0][0]] if len(users) == 1 and y not in ctx.outputs else None
-    if reshard is not None and reshard.primitive.name in _RESHARD and axes_of(reshard.outvars[0].aval) is not None:
-        return reshard.outvars[0], axes_of(reshard.outvars[0].aval), reshard
-    return y, y_dims, None
+        return y, y_dims, None, None
+    after, cast = _sole_reader(ctx, y), None
+    if after is not None and after.primitive.name == "convert_element_type":
+        # JAX's backward of a mixed-precision matmul casts the summed f32 product to bf16.
+        after, cast = _sole_reader(ctx, after.outvars[0]), after
+    if after is not None and after.primitive.name in _RESHARD and axes_of(after.outvars[0].aval) is not None:
+        return after.outvars[0], axes_of(after.outvars[0].aval), after, cast
+    return y, y_dims, None, None
+
+
+def _sole_reader(ctx: MatchContext, v):
+    """The one equation reading `v`, or None where it has several readers or is an output."""
+    users = ctx.users.get(v, [])
+    return ctx.eqns[users[0][0]] if len(users) == 1 and v not in ctx.outputs else None
 
 
 def _scatter(ctx: MatchContext, j: int, axis: str) -> Site | SiteRecord:
     dot = ctx.eqns[j]
-    target, target_dims, reshard = _scatter_target(ctx, j, axis)
+    target, target_dims, reshard, cast = _scatter_target(ctx, j, axis)
     shapes = f"{typed(dot.invars[0])} · {typed(dot.invars[1])} -> {typed(target)}"
     scattered = scattered_dim(product_axes(dot), target_dims, axis)
     if isinstance(scattered, str):
@@ -351,9 +371,10 @@ def _scatter(ctx: MatchContext, j: int, axis: str) -> Site | SiteRecord:
         y = _local_dot(dot, lhs(*blocks[:len(lhs_reads)]), rhs(*blocks[len(lhs_reads):]), 0)
         return (jax.lax.psum_scatter(y, axis, scatter_dimension=scattered, tiled=True),)
 
-    skip = (j,) if reshard is None else (j, ctx.eqns.index(reshard))
+    skip = (j,) if reshard is None else tuple(ctx.eqns.index(e) for e in (dot, cast, reshard) if e is not None)
     site = _global_site(ctx, local_fn, lhs_reads + rhs_reads, (target,), op=RS, axis_name=axis, exec_index=j,
-                        skip=skip, dot=dot, collective=reshard or dot)
+                        skip=skip, dot=dot, collective=reshard or dot,
+                        cast_after=None if cast is None else target.aval.dtype)
     if isinstance(site, str):
         return _miss(ctx, RS, j, axis, shapes, site)
     if fp8:

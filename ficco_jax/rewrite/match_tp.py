@@ -21,7 +21,12 @@ FP8, as JAX recipes write it: ``all_gather(x8) → convert → multiply by a sca
 the other operand dequantized the same way (``convert(w8) * w_scale``) becomes the FP8 ag_matmul of
 x8 and w8 with their scales (the gather moves FP8 bytes); ``dot(dequantized y8, dequantized w8) →
 psum_scatter`` the FP8 matmul_rs. The result dtype is the dot's. Mixed precision (bf16 operands,
-``preferred_element_type=jnp.float32``) passes `out_dtype` to the op.
+``preferred_element_type=jnp.float32``) passes `out_dtype` to the op. JAX's backward of such a
+matmul multiplies the f32 cotangent by the bf16 weight, a dot of two dtypes that JAX computes on
+both converted to its result dtype: the site converts them so too (the gathered operand must
+already have that dtype, or the op would move other bytes than the program); and it rounds the
+product to bf16 before the reduce-scatter (``dot → convert_element_type → psum_scatter``): the
+op's result dtype, so its partials are rounded and summed as the program's are.
 
 Everything not matched is reported as a near-miss with the reason, and left as written.
 """
@@ -31,16 +36,18 @@ import dataclasses
 import math
 from typing import Callable
 
+import jax.numpy as jnp
 import numpy as np
 
 from .. import config, ops
 from . import dequant
 from .jaxpr_util import fmt, free_dims, is_var, reshape, transpose
-from .site import MatchContext, Site, SiteRecord, collective_problem, dot_dtype_problem
+from .site import MatchContext, Site, SiteRecord, collective_problem, converted_operands, dot_dtype_problem
 
 AG, RS = "ag_matmul", "matmul_rs"
 OPS = (AG, RS)
 _DOT = "dot_general"
+_CONVERT = "convert_element_type"
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -102,7 +109,7 @@ def _dot_problem(dot) -> str | None:
     (_, _), (lb, rb) = dot.params["dimension_numbers"]
     if lb or rb:
         return "matmul has batch dimensions (e.g. per-head weights); the ops take 2-D weights"
-    problem = dot_dtype_problem(dot)
+    problem = dot_dtype_problem(dot, convert_operands=True)
     if problem is None and dot.invars[0] is dot.invars[1]:
         problem = "both matmul operands are the same tensor"
     return problem
@@ -132,15 +139,16 @@ def match_gather(ctx: MatchContext, i: int) -> TensorSite | SiteRecord:
         if problem is None and axis in (lc, rc)[pos]:
             problem = "the matmul contracts over the gathered dimension (a weight-gradient matmul)"
         w, first_use = dot.invars[1 - pos], min(k for k, _ in uses)
-        problem = problem or ctx.weight_problem(w, first_use, "gathered tensor's")
+        problem = problem or ctx.weight_problem(w, first_use, "gathered tensor's") or _gathered_dtype_problem(dot, pos)
         if problem:
             dot_reasons.append(f"eqn {j}: {problem}")
             continue
         site = TensorSite(op=AG, **ctx.axis(gather), exec_index=first_use, skip=tuple(sorted({i, j})), dot=dot,
-                          collective=gather, act_side=pos, act_dim=axis, returns_collective=ctx.read_elsewhere(g))
+                          collective=gather, act_side=pos, act_dim=axis, returns_collective=ctx.read_elsewhere(g),
+                          operand_dtype=converted_operands(dot))
         more = len(uses) - 1 + (g in ctx.outputs)
         also = f" (gathered x also used by {more} more)" if site.returns_collective else ""
-        return ctx.found(site, i, f"{shapes} · w {fmt(w.aval)} -> {fmt(dot.outvars[0].aval)}{also}")
+        return ctx.found(site, i, f"{shapes} · w {fmt(w.aval)}{_numerics(site)} -> {fmt(dot.outvars[0].aval)}{also}")
     if dot_reasons:
         return ctx.miss(AG, i, shapes, "; ".join(dot_reasons))
     return ctx.miss(AG, i, shapes, f"the gathered tensor feeds no matmul directly ({ctx.readers_text(g)})")
@@ -150,8 +158,11 @@ def match_scatter(ctx: MatchContext, i: int) -> TensorSite | SiteRecord:
     scatter = ctx.eqns[i]
     dim, v = scatter.params["scatter_dimension"], scatter.invars[0]
     shapes = f"y {fmt(v.aval)} scattered dim {dim}"
-    j = ctx.producer(v)
-    problem = ctx.not_enabled(RS) or collective_problem(scatter.params) or _scatter_source_problem(ctx, j)
+    j, rounding = ctx.producer(v), None
+    if ctx.producer_name(j) == _CONVERT and ctx.producer_name(ctx.producer(ctx.eqns[j].invars[0])) == _DOT:
+        rounding, j = j, ctx.producer(ctx.eqns[j].invars[0])
+    problem = (ctx.not_enabled(RS) or collective_problem(scatter.params) or _scatter_source_problem(ctx, j)
+               or _rounding_problem(ctx, rounding))
     if problem is None and ctx.read_elsewhere(v):
         problem = "the matmul's full product has other users, so it is computed anyway"
     if problem is None and j in ctx.taken_dots:
@@ -168,11 +179,53 @@ def match_scatter(ctx: MatchContext, i: int) -> TensorSite | SiteRecord:
     if not is_var(w) or not is_var(dot.invars[side]):
         return ctx.miss(RS, i, shapes, "a matmul operand is a literal")
     fp8 = dequant.scaled_operands(ctx, dot.invars[side], w)
-    site = TensorSite(op=RS, **ctx.axis(scatter), exec_index=j, skip=(j, i), dot=dot, collective=scatter,
-                      act_side=side, act_dim=act_dim, **fp8)
+    skip = (j, i) if rounding is None else (j, rounding, i)
+    site = TensorSite(op=RS, **ctx.axis(scatter), exec_index=j, skip=skip, dot=dot, collective=scatter,
+                      act_side=side, act_dim=act_dim, operand_dtype=converted_operands(dot),
+                      rounded_to=None if rounding is None else v.aval.dtype, **fp8)
     y, w = (fp8["fp8_act"], fp8["fp8_weight"]) if fp8 else (dot.invars[side], w)
     return ctx.found(site, i, f"y {fmt(y.aval)} scattered dim {act_dim} · w {fmt(w.aval)}{' (FP8, scaled)' if fp8 else ''}"
-                              f" -> {fmt(scatter.outvars[0].aval)}")
+                              f"{_numerics(site)} -> {fmt(scatter.outvars[0].aval)}")
+
+
+def _numerics(site: TensorSite) -> str:
+    """What explain() says of a site's conversions: operands widened, partials rounded."""
+    notes = []
+    if site.operand_dtype is not None:
+        notes.append(f"operands in {np.dtype(site.operand_dtype).name}, as JAX converts them")
+    if site.rounded_to is not None:
+        notes.append(f"partials rounded to {np.dtype(site.rounded_to).name} before the sum")
+    return f" ({'; '.join(notes)})" if notes else ""
+
+
+def _gathered_dtype_problem(dot, pos: int) -> str | None:
+    """Why a dot of operands of two dtypes cannot take its gathered operand as the op: JAX
+    converts both to the result's dtype after the gather, and the op gathers that dtype, so the
+    gathered tensor must already have it (the weight alone is converted)."""
+    to = converted_operands(dot)
+    gathered, weight = (np.dtype(dot.invars[k].aval.dtype) for k in (pos, 1 - pos))
+    if to is None or gathered == to:
+        return None
+    return (f"the gathered {gathered.name} tensor meets a {weight.name} weight and JAX converts both to "
+            f"{to.name} after the gather; the op would gather {to.name}, not the {gathered.name} this program "
+            f"moves: give both operands one dtype (e.g. the weight in {gathered.name}, with "
+            f"preferred_element_type={to.name})")
+
+
+def _rounding_problem(ctx: MatchContext, c: int | None) -> str | None:
+    """Why the convert_element_type at equation `c` between a matmul and its reduce-scatter cannot
+    become the op's result dtype: only a narrowing cast of a product nobody else reads (the
+    partials rounded, as JAX's backward of a mixed-precision matmul rounds them) is one."""
+    if c is None:
+        return None
+    src, dst = (np.dtype(a.aval.dtype) for a in (ctx.eqns[c].invars[0], ctx.eqns[c].outvars[0]))
+    if ctx.read_elsewhere(ctx.eqns[c].invars[0]):
+        return "the matmul's product is cast before the reduce-scatter and also read elsewhere"
+    if not (jnp.issubdtype(dst, jnp.floating) and jnp.finfo(dst).bits < jnp.finfo(src).bits):
+        return (f"the {src.name} product is cast to {dst.name} before the reduce-scatter; the ops take a cast "
+                f"that rounds the product to fewer bits only: compute it in {dst.name} "
+                f"(preferred_element_type={dst.name}) instead of casting")
+    return None
 
 
 def _scatter_source_problem(ctx: MatchContext, j: int) -> str | None:

@@ -89,6 +89,14 @@ class Options:
             try:
                 chosen = ops.resolve_schedule(site.op, self.schedule, *args, **where)
                 return chosen, str(self.schedule), plain_path_note(site, chosen, how="given")
+            except TypeError as err:
+                # Numerics the executor lacks (bf16 partials rounded from f32 products): the same
+                # steps on XLA's collectives.
+                if self.schedule.comm != "dma":
+                    raise
+                chosen = ops.resolve_schedule(site.op, ops.on_xla(self.schedule), *args, **where)
+                why = str(err).split(": ", 1)[-1].split(";")[0]
+                return chosen, f"{chosen} (given {self.schedule}; {why})", ""
             except ValueError as err:
                 logger.info("ficco_jax.overlap: %s at %s: using 'auto' instead (%s)",
                             self.schedule, site.record.where, err)

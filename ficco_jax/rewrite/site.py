@@ -15,6 +15,7 @@ from typing import Any, Callable, ClassVar
 import jax.numpy as jnp
 import numpy as np
 
+from .. import config
 from ..lowering.dma.registry import site_label
 from .jaxpr_util import default_precision, fmt_shapes, is_var, single_axis, source_line
 
@@ -65,6 +66,12 @@ class Site:
     fp8_act: Any = None
     fp8_weight: Any = None
     scales: tuple | None = None
+    # A dot of operands of two dtypes (the f32 cotangent times a bf16 weight in JAX's backward):
+    # the dtype JAX converts both to (its result's), which the op's operands are converted to.
+    operand_dtype: Any = None
+    # matmul_rs: the dtype a convert_element_type rounds the product to before the reduce-scatter
+    # (bf16 in JAX's backward of a mixed-precision matmul): the op's partials have it.
+    rounded_to: Any = None
 
     def op_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(operand shape, weight shape) as the op takes them."""
@@ -80,13 +87,17 @@ class Site:
 
     @property
     def dtype(self):
-        """The op's operand dtype: the FP8 one of an FP8 site, else the dot's operands'."""
+        """The op's operand dtype: the FP8 one of an FP8 site, the one a mixed-dtype dot converts
+        its operands to, else the dot's operands'."""
+        if self.operand_dtype is not None:
+            return np.dtype(self.operand_dtype)
         return (self.fp8_weight if self.fp8_weight is not None else self.dot.invars[1]).aval.dtype
 
     @property
     def out_dtype(self):
-        """The op's result dtype where it differs from its operands' (mixed precision, FP8), else None."""
-        out = self.dot.outvars[0].aval.dtype
+        """The op's result dtype where it differs from its operands' (mixed precision, FP8, a
+        product rounded before its reduce-scatter), else None."""
+        out = self.rounded_to if self.rounded_to is not None else self.dot.outvars[0].aval.dtype
         return None if out == self.dtype else np.dtype(out)
 
     def run(self, read: Callable, write: Callable) -> None:
@@ -94,9 +105,12 @@ class Site:
         numerics = {"out_dtype": self.out_dtype} if self.out_dtype is not None else {}
         if self.scales is not None:
             numerics.update(x_scale=_scalar(read(self.scales[0])), w_scale=_scalar(read(self.scales[1])))
+        operands = self.operands(read)
+        if self.operand_dtype is not None:  # exact: the narrower operand is widened, as JAX's dot does
+            operands = [v.astype(self.operand_dtype) for v in operands]
         # The op's executor calls name the user's line of the collective they replace.
         with site_label(self.record.source or f"overlap site {self.record.where}"):
-            result = self.call_op(*self.operands(read), **numerics)
+            result = self.call_op(*operands, **numerics)
         out, collective_out = result if self.returns_collective else (result, None)
         self.write_outputs(out, collective_out, write)
 
@@ -208,10 +222,21 @@ def collective_problem(params) -> str | None:
     return None
 
 
-def dot_dtype_problem(dot) -> str | None:
+def converted_operands(dot):
+    """The dtype JAX converts the operands of `dot` to where they have two floating-point dtypes
+    (the f32 cotangent times a bf16 weight in the backward of a mixed-precision matmul): its
+    result's, on CPU and GPU; None where the operands agree, or are FP8 (kept as they are)."""
+    lhs, rhs = (v.aval.dtype for v in dot.invars)
+    if lhs == rhs or not all(jnp.issubdtype(d, jnp.floating) and not config.is_fp8(d) for d in (lhs, rhs)):
+        return None
+    return np.dtype(dot.outvars[0].aval.dtype)
+
+
+def dot_dtype_problem(dot, convert_operands: bool = False) -> str | None:
     """Why the ops' matmuls would not compute what `dot` computes: dtypes or precision. Operands
     of one dtype with a result of that dtype, or f32 from bf16 / f16 operands (mixed precision,
-    `preferred_element_type=jnp.float32`), are served."""
+    `preferred_element_type=jnp.float32`), are served; with `convert_operands`, so are operands of
+    two dtypes, which the site converts to the result's dtype as JAX does (`converted_operands`)."""
     lhs, rhs = (v.aval for v in dot.invars)
     out = dot.outvars[0].aval
     for aval in (lhs, rhs):
@@ -219,7 +244,8 @@ def dot_dtype_problem(dot) -> str | None:
             return (f"{np.dtype(aval.dtype).name} matmul; the ops compute floating-point matmuls only, so it "
                     f"stays as written")
     mixed = out.dtype == jnp.float32 and lhs.dtype in (jnp.bfloat16, jnp.float16)
-    if lhs.dtype != rhs.dtype or (out.dtype != lhs.dtype and not mixed):
+    converted = convert_operands and converted_operands(dot) is not None
+    if not converted and (lhs.dtype != rhs.dtype or (out.dtype != lhs.dtype and not mixed)):
         return (f"operand/result dtypes differ ({np.dtype(lhs.dtype).name} x {np.dtype(rhs.dtype).name}"
                 f" -> {np.dtype(out.dtype).name}); the ops take operands of one dtype and return it, or f32 "
                 f"from bf16/f16 operands")

@@ -45,7 +45,7 @@ def choose(op: str, shapes, dtype, axis_size: int, *, autotune: bool = False, to
     """
     if plain_path_reason(axis_size):
         return Schedule(comm="none")
-    comms, why_not_dma = allowed_comms(dtype, topology)
+    comms, why_not_dma = allowed_comms(dtype, topology, out_dtype)
     if autotune and op in A2A_OPS:
         log.info("%s: schedule='autotune' is not implemented for the expert-parallel ops; using 'auto'", op)
         autotune = False
@@ -57,9 +57,10 @@ def choose(op: str, shapes, dtype, axis_size: int, *, autotune: bool = False, to
     return chosen
 
 
-def allowed_comms(dtype, topology=None) -> tuple[tuple[str, ...], str]:
-    """(comm kinds that can run a call of `dtype` whose peers are `topology`, why dma is not among
-    them or "" when it is, or when the extension is simply not built)."""
+def allowed_comms(dtype, topology=None, out_dtype=None) -> tuple[tuple[str, ...], str]:
+    """(comm kinds that can run a call of `dtype` operands with `out_dtype` results (None: `dtype`)
+    whose peers are `topology`, why dma is not among them or "" when it is, or when the extension
+    is simply not built)."""
     comms = available_comms(topology=topology)
     if not dma_reaches(topology):
         return comms, f"{topology.why_not_in_process()}; comm='dma' cannot reach every peer from here"
@@ -69,4 +70,8 @@ def allowed_comms(dtype, topology=None) -> tuple[tuple[str, ...], str]:
         return tuple(c for c in comms if c != "dma"), f"comm='dma' handles dtypes {handled}, not {name}"
     if "dma" in comms and config.is_fp8(name) and not extension.fp8_matmuls_supported():
         return tuple(c for c in comms if c != "dma"), "these GPUs have no FP8 tensor cores for the executor's matmuls"
+    out = np.dtype(out_dtype or dtype).name
+    if "dma" in comms and out not in config.dma_results(name):
+        return (tuple(c for c in comms if c != "dma"),
+                f"comm='dma' computes {name} operands into {config.dma_results(name)}, not {out}")
     return comms, ""

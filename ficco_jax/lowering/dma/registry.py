@@ -79,9 +79,9 @@ def check_supported(op: str, dtype, out_dtype=None) -> None:
             raise TypeError(f"{op}: comm='dma' with FP8 operands needs GPUs with FP8 tensor cores (compute "
                             f"capability {'.'.join(map(str, extension.FP8_MIN_CAPABILITY))}+: Ada, Hopper); "
                             f"use comm='xla' or 'none' here")
-        outs = config.DMA_DTYPES
+        outs = config.dma_results(name)
     elif name in config.DMA_DTYPES:
-        outs = (name, "float32")
+        outs = config.dma_results(name)
     else:
         handled = config.DMA_DTYPES + (config.FP8_DTYPES if fp8_ok else ())
         raise TypeError(f"{op}: comm='dma' handles dtypes {handled}, found {name}; cast the operands or use comm='xla'")
