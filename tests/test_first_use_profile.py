@@ -109,14 +109,14 @@ def test_not_measured(cache, monkeypatch, why):
 def test_profile_for_prefers_exact_shipped_then_measured_then_nearest(monkeypatch):
     measured = {"name": "measured here", "peak_tflops": {"bfloat16": 1.0}}
     asked = []
-    monkeypatch.setattr(first_use, "profile", lambda kind, n: asked.append((kind, n)) or measured)
+    monkeypatch.setattr(first_use, "profile", lambda kind, n, with_dma: asked.append((kind, n, with_dma)) or measured)
     assert select.profile_for(2, "NVIDIA H200")["name"] == "h200x2"  # shipped for exactly 2
     assert select.profile_for(3, "NVIDIA H200")["name"] == "h200x4"  # another machine's kind: nearest shipped
     assert asked == []
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert select.profile_for(2)["name"] == "measured here"  # this machine, no profile for its kind
-    assert asked == [(jax.devices()[0].device_kind, 2)]
-    monkeypatch.setattr(first_use, "profile", lambda kind, n: None)  # measuring off
+    assert asked == [(jax.devices()[0].device_kind, 2, "dma" in select.available_comms())]
+    monkeypatch.setattr(first_use, "profile", lambda kind, n, with_dma: None)  # measuring off
     assert select.profile_for(2)["name"] == "default"
 
 

@@ -39,7 +39,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .. import config
 from ..lowering import dma
-from ..runtime import extension
 from ..schedule import Schedule, local_shapes
 from . import fitting, timing
 
@@ -59,7 +58,7 @@ class Probe:
     schedule: str = ""
 
 
-#: The probes, in the order they run (dma probes are left out where the extension is missing).
+#: The probes, in the order they run (dma probes are left out where copy engines cannot run).
 PROBES = (
     Probe("gemm", (1024, _INNER, _INNER)), Probe("gemm", (8192, _INNER, _INNER)),
     Probe("nccl", (2 << 20,)), Probe("nccl", (32 << 20,)), Probe("dma", (32 << 20,)),
@@ -79,9 +78,11 @@ def cache_path(device_kind: str, axis_size: int) -> str:
 _memo: dict[tuple[str, int], dict | None] = {}
 
 
-def profile(device_kind: str, axis_size: int, *, timer: Timer | None = None, devices=None) -> dict | None:
+def profile(device_kind: str, axis_size: int, *, with_dma: bool = True, timer: Timer | None = None,
+            devices=None) -> dict | None:
     """The measured profile of `axis_size` devices of `device_kind`: from the cache, else measured
-    now on `devices` (default: this process's first `axis_size` devices) and cached. None where
+    now on `devices` (default: this process's first `axis_size` devices) and cached; the copy-engine
+    probes only `with_dma` (the caller knows whether copy engines can run here). None where
     measuring is off (config.PROFILE_MEASURE), for a group of one, where several processes run the
     program, or where this process has fewer than `axis_size` such devices."""
     key = (device_kind, axis_size)
@@ -96,7 +97,7 @@ def profile(device_kind: str, axis_size: int, *, timer: Timer | None = None, dev
         if len(devices) < axis_size or any(d.device_kind != device_kind for d in devices):
             return None
         try:
-            found = measure(devices, timer or device_seconds)
+            found = measure(devices, timer or device_seconds, with_dma=with_dma)
         except Exception as exc:  # noqa: BLE001 - a profile that cannot be measured here is not an error of the op
             print(f"ficco_jax: the cost profile could not be measured here ({type(exc).__name__}: {exc}); "
                   f"auto uses a shipped or the default profile in this process", file=sys.stderr)
@@ -108,10 +109,10 @@ def profile(device_kind: str, axis_size: int, *, timer: Timer | None = None, dev
     return found
 
 
-def measure(devices: Sequence, timer: Timer, probes: Sequence[Probe] = PROBES) -> dict:
-    """A profile fitted to the probes' times on `devices` (one group), as `calibrate` fits one."""
+def measure(devices: Sequence, timer: Timer, probes: Sequence[Probe] = PROBES, *, with_dma: bool = True) -> dict:
+    """A profile fitted to the probes' times on `devices` (one group), as `calibrate` fits one; the
+    copy-engine probes only `with_dma`."""
     n, kind = len(devices), devices[0].device_kind
-    with_dma = extension.cuda_built() if devices[0].platform == "gpu" else dma.available()
     probes = [p for p in probes if with_dma or not (p.what == "dma" or "dma" in p.schedule)]
     print(f"ficco_jax: no cost profile ships for {n} x {kind}; measuring one ({len(probes)} timings, about "
           f"20 s, once per machine; FICCO_PROFILE_MEASURE=0 skips it) ...", file=sys.stderr, flush=True)

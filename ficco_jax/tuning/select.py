@@ -85,7 +85,7 @@ def profile_for(axis_size: int, device_kind: str | None = None) -> dict:
     if shipped is not None and shipped.get("axis_size", axis_size) == axis_size:
         return shipped
     if here and jax.default_backend() == "gpu":
-        measured = first_use.profile(kind, axis_size)
+        measured = first_use.profile(kind, axis_size, with_dma="dma" in available_comms())
         if measured is not None:
             return {**cost_model.DEFAULT_PROFILE, **measured}
     if shipped is not None:
