@@ -1,6 +1,6 @@
 """The public ops and their machinery, top to bottom:
 
-  api.py      ag_matmul / matmul_rs / a2a_matmul / matmul_a2a and their references
+  api.py      ag_matmul / matmul_rs / matmul_psum / a2a_matmul / matmul_a2a and their references
   measure.py  running one op on local devices to time it (autotune, the benchmark tools)
   scaled.py   the FP8 forms of the tensor-parallel ops (a custom VJP)
   run.py      an op by name: checks, schedule resolution, its positional form
@@ -13,9 +13,9 @@
 """
 from __future__ import annotations
 
-from .api import (a2a_matmul, a2a_matmul_ref, ag_matmul, ag_matmul_ref, matmul_a2a, matmul_a2a_ref, matmul_rs,
-                  matmul_rs_ref)
+from .api import (a2a_matmul, a2a_matmul_ref, ag_matmul, ag_matmul_ref, matmul_a2a, matmul_a2a_ref, matmul_psum,
+                  matmul_psum_ref, matmul_rs, matmul_rs_ref)
 from .resolve import resolve_schedule
 
-__all__ = ["ag_matmul", "matmul_rs", "a2a_matmul", "matmul_a2a", "ag_matmul_ref", "matmul_rs_ref",
-           "a2a_matmul_ref", "matmul_a2a_ref", "resolve_schedule"]
+__all__ = ["ag_matmul", "matmul_rs", "matmul_psum", "a2a_matmul", "matmul_a2a", "ag_matmul_ref", "matmul_rs_ref",
+           "matmul_psum_ref", "a2a_matmul_ref", "matmul_a2a_ref", "resolve_schedule"]
