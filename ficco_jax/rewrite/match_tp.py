@@ -232,10 +232,17 @@ def match_psum(ctx: MatchContext, i: int) -> TensorSite | SiteRecord | None:
     """A psum whose operand is a matmul's product and whose sum the body goes on computing with (a
     row-parallel matmul's all-reduce): a matmul_psum site. Not reported: other psums (a loss, a
     norm), and sums the body only returns, as data parallelism returns its weight gradients."""
+    if not ctx.users.get(ctx.eqns[i].outvars[0]):
+        return None
+    return match_all_reduce(ctx, i)
+
+
+def match_all_reduce(ctx: MatchContext, i: int) -> TensorSite | SiteRecord | None:
+    """The psum at `i` of a matmul's product as a matmul_psum site, or why it is none; None where
+    the psum sums no matmul's product. Whether the sum is read on is the caller's question (the
+    global view asks it of the program, not of the per-device body it traces)."""
     psum = ctx.eqns[i]
     if len(psum.invars) != 1 or ctx.producer_name(ctx.producer(psum.invars[0])) != _DOT:
-        return None
-    if not ctx.users.get(psum.outvars[0]):
         return None
     v, j = psum.invars[0], ctx.producer(psum.invars[0])
     shapes = f"y {fmt(v.aval)} summed"
