@@ -3,8 +3,9 @@
 Inside `jax.shard_map`, `ag_matmul`, `matmul_rs` and `matmul_psum` equal `all_gather -> matmul`,
 `matmul -> psum_scatter` and `matmul -> psum` (`a2a_matmul` / `matmul_a2a` the expert-parallel
 all-to-all forms), run as FiCCO schedules: the collective is cut into sub-shard chunks that move
-(on the GPU's copy engines with `comm="dma"`) while the chunk matmuls run. `overlap(fn)` rewrites those patterns in existing
-code; `explain(fn, *args)` says what it would rewrite. See README.md and docs/design.md.
+(on the GPU's copy engines with `comm="dma"`) while the chunk matmuls run. `overlap(fn)` rewrites
+those patterns in existing code; `explain(fn, *args)` says what it would rewrite. See README.md
+and docs/design.md.
 """
 from __future__ import annotations
 

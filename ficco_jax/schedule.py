@@ -37,8 +37,6 @@ from typing import Iterator, Sequence
 from . import config
 
 OPS = ("ag_matmul", "matmul_rs", "a2a_matmul", "matmul_a2a", "matmul_psum")
-#: The ops whose input is y [M, N] against w [N, K], reduced over the axis (scatter, all-reduce).
-REDUCING_OPS = ("matmul_rs", "matmul_psum")
 #: The expert-parallel ops: 4-D per-peer blocks [n, E_local, C, d] (ops/api.py: a2a_matmul, matmul_a2a).
 A2A_OPS = ("a2a_matmul", "matmul_a2a")
 COMMS = ("none", "xla", "dma")
@@ -108,9 +106,9 @@ class Schedule:
                 raise ValueError(f"{op}: schedule {self} is not valid: {problem}")
         if rows % self.chunks:
             valid = valid_chunks(op, shapes, axis_size)
-            what = {"ag_matmul": "rows per device"}.get(op, "capacity per peer block (dimension 2, C)")
-            if op in REDUCING_OPS:
-                what = f"rows per reduce-scatter block (M / {axis_size})"
+            block = f"rows per reduce-scatter block (M / {axis_size})"
+            what = {"ag_matmul": "rows per device", "matmul_rs": block, "matmul_psum": block}.get(
+                op, "capacity per peer block (dimension 2, C)")
             raise ValueError(
                 f"{op}: {what} = {rows} (from shape {tuple(shapes[0])}) must divide by "
                 f"schedule.chunks={self.chunks}; valid chunk counts for this shape: {valid}"
@@ -248,7 +246,7 @@ def check_shapes(op: str, shapes: Sequence[Sequence[int]], axis_size: int) -> in
     _check_contraction(op, names[0], a, w, 1, 0)
     if op == "ag_matmul":
         return a[0]
-    if op == "matmul_psum":  # the plain psum takes any row count; overlap_shape_problem says when a schedule can't
+    if op == "matmul_psum":  # the plain psum sums any rows; overlap_shape_problem says where a schedule can't
         return max(a[0] // axis_size, 1)
     if a[0] % axis_size:
         raise ValueError(

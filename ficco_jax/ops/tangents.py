@@ -258,11 +258,17 @@ def _scatter_equation(pair: OpPair, y, w, axis_name: str, sched: Schedule, out_d
                 [aval(jax.typeof(y), out_shape, out_dtype)])[0]
 
 
+def _all_reduce_static(y, w, axis_name: str, sched: Schedule, out_dtype: OutDtype):
+    """(y, w, static) of a matmul_psum equation: the operands made to vary together, and whether
+    this shard_map checks varying axes (only then does the cast leave the axis in their types)."""
+    y, w = _varying_together(y, w, axis_name)
+    return y, w, Static(axis_name, sched, out_dtype, vma_checked=axis_name in varying_axes(y))
+
+
 def _all_reduce_equation(y, w, axis_name: str, sched: Schedule, out_dtype: OutDtype) -> jax.Array:
     """matmul_psum as one equation of its own map (y linear, w residual); its result varies over
     what the operands vary over but the summed axis, as psum's does."""
-    y, w = _varying_together(y, w, axis_name)
-    static = Static(axis_name, sched, out_dtype, vma_checked=axis_name in varying_axes(y))
+    y, w, static = _all_reduce_static(y, w, axis_name, sched, out_dtype)
     out_shape = ALL_REDUCE.shape(y.shape, w.shape, axis_size(axis_name, ALL_REDUCE.name))
     out_aval = without_varying(aval(jax.typeof(y), out_shape, out_dtype), axis_name)
     return bind(AllReduceMap(ALL_REDUCE.pair), static, (None, w), (y, None), [out_aval])[0]
@@ -337,9 +343,8 @@ def _scatter_jvp(pair, axis_name, sched, out_dtype, primals, tangents):
 def _all_reduce_jvp(axis_name, sched, out_dtype, primals, tangents):
     (y, w), (dy, dw) = primals, tuple(map(_present, tangents))
     out = all_reduce_op(y, w, axis_name, sched, out_dtype)
-    y_v, w_v = _varying_together(y, w, axis_name)
-    static = Static(axis_name, sched, out_dtype, vma_checked=axis_name in varying_axes(y_v))
-    res = (y_v if dw is not None else None, w_v if dy is not None else None)
+    y, w, static = _all_reduce_static(y, w, axis_name, sched, out_dtype)
+    res = (y if dw is not None else None, w if dy is not None else None)
     t_out = bind(AllReduceMap(ALL_REDUCE.pair), static, res, (dy, dw), [_tangent_aval(out)])[0]
     return out, _zero_where_none(t_out, out)
 

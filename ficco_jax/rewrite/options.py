@@ -38,7 +38,8 @@ def plain_path_note(site: Site, chosen: Schedule, how: str = "auto") -> str:
     if how == "given":
         return "plain path: schedule comm='none' was given"
     # Shapes no overlapped schedule can take come first: forcing a schedule would not change them.
-    reason = overlap_shape_problem(site.op, site.op_shapes(), site.axis_size) or policy.plain_path_reason(site.axis_size)
+    reason = (overlap_shape_problem(site.op, site.op_shapes(), site.axis_size)
+              or policy.plain_path_reason(site.axis_size))
     if reason:
         return f"plain path: {reason}"
     if how == "autotune":
