@@ -145,6 +145,21 @@ def test_a_matmuls_all_reduce_is_rewritten_with_a_given_schedule(mesh1d, schedul
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-4)
 
 
+def test_an_all_reduce_whose_rows_come_from_the_right_operand(mesh1d):
+    """``psum(w^T h^T)``: the rhs has the most free elements, so its rows are the op's; the result
+    is transposed back into the dot's own order."""
+    def body(x, w_in, w_out):
+        h = jnp.tanh(x @ w_in)
+        return x.T + 1.5 * jax.lax.psum(w_out.T @ h.T, "tp")  # [8, 4] · [4, 16] -> [8, 16]
+
+    f = jax.shard_map(body, mesh=mesh1d, in_specs=(P(), P(None, "tp"), P("tp", None)), out_specs=P())
+    _, args = _row_parallel(mesh1d)
+    fused = overlap(f, schedule="xla/ring/c2")
+    site, = explain(fused, *args).sites
+    assert site.op == "matmul_psum" and site.matmul_2d == "[16,4]·[4,8]"
+    np.testing.assert_allclose(np.asarray(jax.jit(fused)(*args)), np.asarray(jax.jit(f)(*args)), rtol=1e-5, atol=1e-5)
+
+
 def test_rows_an_all_reduce_cannot_split_keep_the_plain_path_and_say_why(mesh1d):
     f, args = _row_parallel(mesh1d, rows=12)  # 12 rows cannot be reduce-scattered over 8 devices
     fused = overlap(f, schedule="xla/ring/c2")
