@@ -106,8 +106,8 @@ class Schedule:
                 raise ValueError(f"{op}: schedule {self} is not valid: {problem}")
         if rows % self.chunks:
             valid = valid_chunks(op, shapes, axis_size)
-            block = f"rows per reduce-scatter block (M / {axis_size})"
-            what = {"ag_matmul": "rows per device", "matmul_rs": block, "matmul_psum": block}.get(
+            what = {"ag_matmul": "rows per device", "matmul_rs": f"rows per output block (M / {axis_size})",
+                    "matmul_psum": f"rows per reduce-scatter block (M / {axis_size})"}.get(
                 op, "capacity per peer block (dimension 2, C)")
             raise ValueError(
                 f"{op}: {what} = {rows} (from shape {tuple(shapes[0])}) must divide by "

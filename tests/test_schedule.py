@@ -62,6 +62,12 @@ def test_matmul_psum_rows_not_dividing_by_the_axis_say_how_to_fix(sched):
         Schedule.parse(sched).validate("matmul_psum", ((10, 4), (4, 3)), 4)
 
 
+def test_matmul_psum_chunks_cut_the_reduce_scatter_blocks():
+    with pytest.raises(ValueError, match=r"matmul_psum: rows per reduce-scatter block \(M / 4\) = 6 .*chunks=4.*"
+                                         r"valid chunk counts for this shape: \[1, 2\]"):
+        Schedule.parse("xla/ring/c4").validate("matmul_psum", ((24, 4), (4, 3)), 4)
+
+
 def test_matmul_rs_dma_ring_is_not_in_the_space():
     with pytest.raises(ValueError, match=r"valid orders: \('direct',\)"):
         Schedule(comm="dma", order="ring").validate("matmul_rs", ((16, 4), (4, 4)), 4)
