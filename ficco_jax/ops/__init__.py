@@ -7,7 +7,8 @@
   tangents.py the tangent maps of a pair and the positional forms binding them: forward mode
               runs the op, reverse mode its transpose
   linear.py   the primitive carrying a tangent map (evaluation, transpose, jvp, batching)
-  table.py    one class per pair of ops: reference, lowering per comm, transpose, weight gradients
+  table.py    one class per pair of ops: reference, lowering per comm, transpose, weight gradients;
+              matmul_psum's record, composed from the tensor-parallel pair
   resolve.py  one schedule resolution for every op, topology-aware
   core.py     axis, operand checks, cotangents shaped like their primals
 """
