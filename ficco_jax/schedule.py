@@ -1,7 +1,9 @@
 """The FiCCO design space: one `Schedule` per way of overlapping a collective with its matmul.
 
 A schedule says how the communication of `ag_matmul` (all-gather then matmul) or `matmul_rs`
-(matmul then reduce-scatter) is cut and overlapped with the matmul:
+(matmul then reduce-scatter) is cut and overlapped with the matmul; `matmul_psum` (matmul then
+all-reduce) runs its schedule as a `matmul_rs` followed by the all-gather of the reduced rows, so it
+takes exactly `matmul_rs`'s schedules:
 
 - ``comm``: who moves the data. ``"none"``: the plain collective, then the matmul (no overlap);
   ``"xla"``: chunked ``ppermute`` steps lowered by XLA (NCCL on GPUs; the multi-host path);
@@ -34,7 +36,7 @@ from typing import Iterator, Sequence
 
 from . import config
 
-OPS = ("ag_matmul", "matmul_rs", "a2a_matmul", "matmul_a2a")
+OPS = ("ag_matmul", "matmul_rs", "a2a_matmul", "matmul_a2a", "matmul_psum")
 #: The expert-parallel ops: 4-D per-peer blocks [n, E_local, C, d] (ops/api.py: a2a_matmul, matmul_a2a).
 A2A_OPS = ("a2a_matmul", "matmul_a2a")
 COMMS = ("none", "xla", "dma")
@@ -48,6 +50,8 @@ _ORDERS_FOR = {
     ("matmul_rs", "xla"): ("ring", "bidirectional", "direct"),
     ("ag_matmul", "dma"): ("ring", "direct"),
     ("matmul_rs", "dma"): ("direct",),
+    ("matmul_psum", "xla"): ("ring", "bidirectional", "direct"),
+    ("matmul_psum", "dma"): ("direct",),
     ("a2a_matmul", "xla"): ("ring", "direct"),
     ("matmul_a2a", "xla"): ("ring", "direct"),
     ("a2a_matmul", "dma"): ("ring", "direct"),
@@ -96,9 +100,14 @@ class Schedule:
         if problem is not None:
             raise ValueError(f"{op}: schedule {self} is not valid: {problem}")
         rows = check_shapes(op, shapes, axis_size)
+        if self.comm != "none":
+            problem = overlap_shape_problem(op, shapes, axis_size)
+            if problem is not None:
+                raise ValueError(f"{op}: schedule {self} is not valid: {problem}")
         if rows % self.chunks:
             valid = valid_chunks(op, shapes, axis_size)
-            what = {"ag_matmul": "rows per device", "matmul_rs": f"rows per output block (M / {axis_size})"}.get(
+            what = {"ag_matmul": "rows per device", "matmul_rs": f"rows per output block (M / {axis_size})",
+                    "matmul_psum": f"rows per reduce-scatter block (M / {axis_size})"}.get(
                 op, "capacity per peer block (dimension 2, C)")
             raise ValueError(
                 f"{op}: {what} = {rows} (from shape {tuple(shapes[0])}) must divide by "
@@ -237,11 +246,28 @@ def check_shapes(op: str, shapes: Sequence[Sequence[int]], axis_size: int) -> in
     _check_contraction(op, names[0], a, w, 1, 0)
     if op == "ag_matmul":
         return a[0]
+    if op == "matmul_psum":  # the plain psum sums any rows; overlap_shape_problem says where a schedule can't
+        return max(a[0] // axis_size, 1)
     if a[0] % axis_size:
         raise ValueError(
             f"matmul_rs: y.shape[0]={a[0]} rows must divide by the axis size {axis_size} to be scattered"
         )
     return a[0] // axis_size
+
+
+def overlap_shape_problem(op: str, shapes: Sequence[Sequence[int]], axis_size: int) -> str | None:
+    """Why no overlapped schedule (comm "xla" or "dma") can run `op` on these shapes, whatever its
+    chunks; None where one can. Only `matmul_psum` has such shapes: its plain path sums any rows,
+    its overlapped schedules reduce-scatter them into one block per device first."""
+    if op != "matmul_psum":
+        return None
+    rows = int(shapes[0][0])
+    if rows % axis_size:
+        padded = -(-rows // axis_size) * axis_size
+        return (f"y.shape[0]={rows} rows must divide by the axis size {axis_size}: the overlapped all-reduce "
+                f"reduce-scatters the rows into {axis_size} blocks, then all-gathers them; pad y to {padded} rows "
+                f"(and slice the result) or use schedule='none' (the plain psum)")
+    return None
 
 
 def _check_contraction(op: str, name: str, a, w, a_dim: int, w_dim: int, where: str = "") -> None:
@@ -285,7 +311,7 @@ def valid_chunks(op: str, shapes: Sequence[Sequence[int]], axis_size: int) -> li
 
 def local_shapes(op: str, M: int, K: int, N: int, n: int):
     """Per-device (input, weight) shapes of a tensor-parallel layer (M tokens, K, N) over n devices:
-    ag_matmul x [M/n, K] @ w [K, N/n]; matmul_rs y [M, N/n] @ w [N/n, K]."""
+    ag_matmul x [M/n, K] @ w [K, N/n]; matmul_rs and matmul_psum y [M, N/n] @ w [N/n, K]."""
     if M % n or N % n:
         raise ValueError(f"bench: M={M} and N={N} must divide by the {n} devices")
     return ((M // n, K), (K, N // n)) if op == "ag_matmul" else ((M, N // n), (N // n, K))

@@ -27,6 +27,12 @@ def rs_specs(mesh):
     return (P(b, "tp"), P("tp", None)), rows_spec(mesh)
 
 
+def psum_specs(mesh):
+    """matmul_psum: y and w as matmul_rs takes them; the sum replicated over tp (rows split over dp)."""
+    b = batch_axes(mesh) or None
+    return (P(b, "tp"), P("tp", None)), P(b, None)
+
+
 def _jitted(mesh, body, specs, args):
     """(jit of shard_map(body), args placed by their in_specs)."""
     in_specs, out_specs = specs
@@ -52,7 +58,8 @@ def rel_err(got, want):
 
 
 def global_shapes(op, mesh, m, k, n_cols):
-    """Global (input, weight) shapes giving per-device x [m, K], w [K, N] (ag) or y [M=n*m, N], w [N, K] (rs)."""
+    """Global (input, weight) shapes giving per-device x [m, K], w [K, N] (ag) or y [M=n*m, N], w [N, K]
+    (rs, psum)."""
     tp = mesh.shape["tp"]
     dp = int(np.prod([mesh.shape[a] for a in batch_axes(mesh)])) if batch_axes(mesh) else 1
     if op == "ag_matmul":

@@ -70,6 +70,22 @@ def test_the_timing_chain_keeps_every_chunk_of_the_output():
     assert sum(" dot(" in line for line in compiled.splitlines()) == 3
 
 
+def test_cli_benches_the_all_reduced_matmul_against_matmul_plus_psum(tmp_path):
+    """The command that measures matmul_psum on GPUs, on CPU devices with a tiny shape: every variant
+    verified, JAX's matmul + psum and the all-reduce alone beside it, no windowed-einsum row."""
+    out = subprocess.run([sys.executable, "-m", "ficco_jax", "bench", "--op", "matmul_psum", "--shape", "64,32,64",
+                          "--dtype", "f32", "--schedules", "xla/ring/c2,dma/direct/c2", "--out", str(tmp_path)],
+                         capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "bench.json").read_text())["rows"]}
+    assert {r["op"] for r in rows.values()} == {"matmul_psum"}
+    assert {"jax_seq", "ficco:xla/ring/c2", "ficco:dma/direct/c2", "collective_alone", "ideal"} <= set(rows)
+    assert "xla_windowed_einsum" not in rows
+    for label in ("jax_seq", "ficco:xla/ring/c2", "ficco:dma/direct/c2"):
+        assert rows[label]["verified"] is True and rows[label]["rel_err"] < harness.TOLERANCE["float32"], rows[label]
+    assert "| matmul_psum |" in (tmp_path / "bench.md").read_text()
+
+
 def test_cli_rejects_bad_shape():
     out = subprocess.run([sys.executable, "-m", "ficco_jax", "bench", "--shape", "1,2"], capture_output=True, text=True,
                          env={**os.environ, "JAX_PLATFORMS": "cpu"})

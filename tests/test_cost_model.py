@@ -18,7 +18,7 @@ def predict(op, sched, M=8192, K=8192, N=28672, n=4, profile=PROFILE):
     return cost_model.predict(op, sched, shapes(op, M, K, N, n), "bfloat16", n, profile)
 
 
-@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs"])
+@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs", "matmul_psum"])
 def test_tiny_operations_choose_no_overlap(op):
     chosen = select.select_schedule(op, shapes(op, 512, 1024, 1024), "bfloat16", 4, profile=PROFILE,
                                         comms=("none", "xla", "dma"))
@@ -31,6 +31,32 @@ def test_large_operations_choose_copy_engine_overlap(op):
                                         comms=("none", "xla", "dma"))
     assert chosen.comm == "dma"
     assert predict(op, chosen) < predict(op, Schedule(comm="none"))
+
+
+@pytest.mark.parametrize("profile", ["h200x2", "h200x4"])
+def test_large_all_reduced_matmuls_choose_copy_engine_overlap(profile):
+    profile = cost_model.load_profile(profile)
+    n = profile["axis_size"]
+    chosen = select.select_schedule("matmul_psum", shapes("matmul_psum", 8192, 8192, 28672, n), "bfloat16", n,
+                                    profile=profile, comms=("none", "xla", "dma"))
+    assert chosen.comm == "dma"
+    assert predict("matmul_psum", chosen, n=n, profile=profile) < predict("matmul_psum", Schedule(comm="none"), n=n,
+                                                                          profile=profile)
+
+
+@pytest.mark.parametrize("sched", ["dma/direct/c4/s2", "xla/ring/c2", "xla/bidirectional/c8/grouped"])
+def test_an_all_reduced_matmul_costs_its_reduce_scatter_plus_the_all_gather(sched):
+    """matmul_psum runs its schedule's matmul_rs, then gathers the reduced rows on the same comm."""
+    sched = Schedule.parse(sched)
+    M, N, K, n = 8192, 28672, 8192, 4
+    gather = cost_model.all_gather_time(M * K * 2 / n, n, sched.comm, PROFILE)
+    assert gather > 0
+    assert predict("matmul_psum", sched) == pytest.approx(predict("matmul_rs", sched) + gather)
+    # The plain path all-reduces: twice the reduce-scatter's traffic after the same matmul.
+    none = Schedule(comm="none")
+    traffic = predict("matmul_rs", none) - cost_model.gemm_time(M, N // n, K, "bfloat16", PROFILE)
+    extra = predict("matmul_psum", none) - predict("matmul_rs", none)
+    assert extra == pytest.approx(traffic - PROFILE["collective_latency_us"] * 1e-6)
 
 
 def test_orderings_that_must_hold():
@@ -147,6 +173,7 @@ def test_shipped_profiles_load_and_name_their_group_size():
 
 @pytest.mark.parametrize("op,shapes", [
     ("ag_matmul", ((8192, 8192), (8192, 10240))), ("matmul_rs", ((8192, 10240), (10240, 8192))),
+    ("matmul_psum", ((8192, 10240), (10240, 8192))),
     ("ag_matmul", ((256, 4096), (4096, 4096))), ("matmul_rs", ((256, 4096), (4096, 4096))),
 ])
 def test_a_group_of_one_device_ranks_the_plain_path_first(op, shapes):
@@ -157,16 +184,24 @@ def test_a_group_of_one_device_ranks_the_plain_path_first(op, shapes):
         assert ranked[0][1] == Schedule(comm="none"), (name, ranked[:3])
 
 
-@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs", "a2a_matmul", "matmul_a2a"])
+@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs", "matmul_psum", "a2a_matmul", "matmul_a2a"])
 def test_auto_keeps_the_plain_path_on_a_group_of_one_device(monkeypatch, op):
     from ficco_jax.tuning import policy
 
     monkeypatch.setattr(policy, "MODEL_ON_CPU", True)  # decide as on a GPU
-    shapes = ((8192, 8192), (8192, 10240)) if op in ("ag_matmul", "matmul_rs") else ((1, 2, 64, 32), (2, 32, 48))
+    shapes = ((1, 2, 64, 32), (2, 32, 48)) if op in ("a2a_matmul", "matmul_a2a") else ((8192, 8192), (8192, 10240))
     assert policy.choose(op, shapes, "bfloat16", 1) == Schedule(comm="none")
 
 
-@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs"])
+def test_auto_keeps_the_plain_path_on_cpu():
+    from ficco_jax.tuning import policy
+
+    assert jax.default_backend() == "cpu"
+    shapes = ((8192, 10240), (10240, 8192))
+    assert policy.choose("matmul_psum", shapes, "bfloat16", 4) == Schedule(comm="none")
+
+
+@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs", "matmul_psum"])
 def test_explain_cli_chooses_none_for_one_device(op):
     import subprocess
     import sys

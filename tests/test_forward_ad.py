@@ -1,4 +1,4 @@
-"""Forward-mode differentiation of the four ops (jvp, jacfwd, linearize), its compositions with
+"""Forward-mode differentiation of the five ops (jvp, jacfwd, linearize), its compositions with
 reverse mode (Hessian-vector products, grad of grad, grad of jvp, inside a remat'd scan),
 overlap() under jvp, and jax.vmap of the ops.
 
@@ -14,13 +14,15 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ficco_jax
 from ficco_jax import Schedule
-from helpers import TOLERANCE, ag_specs, global_shapes, random, rel_err, rs_specs
+from helpers import TOLERANCE, ag_specs, global_shapes, psum_specs, random, rel_err, rs_specs
 
 RTOL = TOLERANCE["float32"]
 M_ROWS, K, N_COLS = 4, 6, 2       # tensor parallel, per device: x [4, 6], w [6, 2]
 E, C, D, F = 2, 2, 4, 3           # expert parallel, per device: x [n, 2, 2, 4], w [2, 4, 3]
 TRANSPOSE = {"ag_matmul": "matmul_rs", "matmul_rs": "ag_matmul", "a2a_matmul": "matmul_a2a",
-             "matmul_a2a": "a2a_matmul"}
+             "matmul_a2a": "a2a_matmul", "matmul_psum": None}  # matmul_psum's backward: local matmuls
+#: The executor's targets an op's copy-engine schedule calls, where they are not the op's own.
+TARGETS = {"matmul_psum": ("matmul_rs", "all_gather")}
 SCHEDULES = ["none", "xla/ring/c2", "xla/bidirectional/c2", "xla/direct/c2", "dma/direct/c2", "dma/ring/c2",
              "dma/direct/c1/push"]
 
@@ -43,11 +45,13 @@ OPS = {  # op -> (fn, reference, specs(mesh), global shapes(op, mesh))
                   lambda op, mesh: global_shapes(op, mesh, M_ROWS, K, N_COLS)),
     "a2a_matmul": (ficco_jax.a2a_matmul, ficco_jax.a2a_matmul_ref, _ep_specs, _ep_shapes),
     "matmul_a2a": (ficco_jax.matmul_a2a, ficco_jax.matmul_a2a_ref, _ep_specs, _ep_shapes),
+    "matmul_psum": (ficco_jax.matmul_psum, ficco_jax.matmul_psum_ref, psum_specs,
+                    lambda op, mesh: global_shapes(op, mesh, M_ROWS, K, N_COLS)),
 }
 
 
 def _local_shapes(op, tp=4):
-    if op in ("ag_matmul", "matmul_rs"):
+    if op in ("ag_matmul", "matmul_rs", "matmul_psum"):
         return ((M_ROWS, K), (K, N_COLS)) if op == "ag_matmul" else ((tp * M_ROWS, N_COLS), (N_COLS, K))
     inner, w_in, w_out = (D, D, F) if op == "a2a_matmul" else (F, F, D)
     return (tp, E, C, inner), (E, w_in, w_out)
@@ -183,8 +187,10 @@ def test_both_modes_stay_on_copy_engines(mesh2d, rng, op):
     got_fn, _ = _pair(mesh2d, op, "dma/direct/c2")
     jvp_text = jax.jit(lambda a, w, da, dw: jax.jvp(got_fn, (a, w), (da, dw))).lower(a, w, da, dw).as_text()
     grad_text = jax.jit(jax.grad(_loss(got_fn), argnums=(0, 1))).lower(a, w).as_text()
-    assert jvp_text.count(f"ficco_{op}") >= 2  # the primal and the tangent
-    assert f"ficco_{TRANSPOSE[op]}" in grad_text  # the backward is the transposed op, overlapped
+    for target in TARGETS.get(op, (op,)):
+        assert jvp_text.count(f"ficco_{target}") >= 2  # the primal and the tangent
+    if TRANSPOSE[op] is not None:
+        assert f"ficco_{TRANSPOSE[op]}" in grad_text  # the backward is the transposed op, overlapped
     for text in (jvp_text, grad_text):
         assert not [c for c in PLAIN_COLLECTIVES if c in text]
 

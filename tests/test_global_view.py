@@ -135,11 +135,13 @@ def test_mixed_precision_backward_sites_as_the_partitioner_computes_them(mesh, s
     plain = jax.value_and_grad(loss, argnums=(0, 1, 2))
     fused = overlap(plain, schedule=schedule)
     report = explain(fused, *args)
-    assert _ops(report) == ["ag_matmul", "matmul_rs"] * 2, str(report)
+    # The weight gradient's sum over the data-parallel axis, read by the loss's caller here, is an
+    # all-reduce site of its own (f32 x bf16, the bf16 operand widened).
+    assert _ops(report) == ["ag_matmul", "matmul_rs", "ag_matmul", "matmul_psum", "matmul_rs"], str(report)
     assert "x float32" in report.sites[2].shapes and "w bfloat16" in report.sites[2].shapes, str(report)
-    assert report.sites[3].shapes.endswith("-> bfloat16[4@dp,16@tp,32]"), str(report)
-    # Left: the weight gradient's sum over the data-parallel axis, an all-reduce.
-    assert [r.axis_name for r in report.near_misses] == ["dp"], str(report)
+    assert report.sites[3].axis_name == "dp", str(report)
+    assert report.sites[4].shapes.endswith("-> bfloat16[4@dp,16@tp,32]"), str(report)
+    assert not report.near_misses, str(report)
     value_ref, grads_ref = jax.jit(plain)(*args)
     # overlap inside the gradient: the ops' backward sums, then casts, as the partitioner does.
     for fn in (fused, jax.value_and_grad(overlap(loss, schedule=schedule), argnums=(0, 1, 2))):
@@ -170,9 +172,11 @@ def test_dp_tp_training_step_equal(mesh):
 
     fused = overlap(step, schedule=XLA)
     # forward: gather (also returning the gathered rows, read by a weight gradient) and scatter;
-    # backward: the hidden gradient's gather (x is not differentiated: no scatter behind it)
+    # backward: the hidden gradient's gather (x is not differentiated: no scatter behind it), and
+    # w_down's gradient all-reduced over dp, read by the update
     report = explain(fused, (w_up, w_down), x)
-    assert sorted(_ops(report)) == ["ag_matmul", "ag_matmul", "matmul_rs"], str(report)
+    assert sorted(_ops(report)) == ["ag_matmul", "ag_matmul", "matmul_psum", "matmul_rs"], str(report)
+    assert [r.axis_name for r in report.sites if r.op == "matmul_psum"] == ["dp"], str(report)
     assert "also used by" in report.sites[0].shapes, str(report)
     _assert_same(jax.jit(fused)((w_up, w_down), x), jax.jit(step)((w_up, w_down), x))
 
@@ -181,10 +185,45 @@ def test_overlap_of_the_gradient_rewrites_backward_sites(mesh):
     args = _mlp_args(mesh)
     grad = jax.grad(_loss(megatron_mlp), argnums=(0, 1, 2))
     report = explain(overlap(grad, schedule=XLA), *args)
-    assert sorted(_ops(report)) == ["ag_matmul", "ag_matmul", "matmul_rs", "matmul_rs"], str(report)
-    # the data-parallel weight-gradient reduction stays an all-reduce, and says so
+    # w_down's data-parallel gradient is all-reduced over dp and read on (transposed): matmul_psum
+    assert sorted(_ops(report)) == ["ag_matmul", "ag_matmul", "matmul_psum", "matmul_rs", "matmul_rs"], str(report)
+    assert [r.axis_name for r in report.sites if r.op == "matmul_psum"] == ["dp"], str(report)
     assert all("all-reduce" in r.reason and r.axis_name == "dp" for r in report.near_misses), str(report)
     _assert_same(jax.jit(overlap(grad, schedule=XLA))(*args), jax.jit(grad)(*args))
+
+
+def tensor_parallel_mlp(x, w_up, w_down):
+    """Megatron's MLP without sequence parallelism: x replicated over tp, column- then row-parallel
+    matmul whose product is all-reduced (a result replicated over tp) and added to x."""
+    h = jax.nn.gelu(jnp.einsum("bsd,df->bsf", x, w_up))
+    return x + jnp.einsum("bsf,fd->bsd", h, w_down, out_sharding=P("dp", None, None))
+
+
+def _tp_mlp_args(mesh, dtype=jnp.float32):
+    return _random(mesh, [(P("dp", None, None), (B, S, D)), (P(None, "tp"), (D, F)), (P("tp", None), (F, D))], dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_all_reduced_matmul_forward_and_gradients_equal(mesh, schedule, dtype):
+    args = _tp_mlp_args(mesh, dtype)
+    fused = overlap(tensor_parallel_mlp, schedule=schedule)
+    report = explain(fused, *args)
+    assert _ops(report) == ["matmul_psum"] and not report.near_misses, str(report)
+    site = report.sites[0]
+    assert site.axis_name == "tp" and site.schedule == schedule
+    assert site.matmul_2d == f"[{B // 2 * S},{F // 4}]·[{F // 4},{D}]"  # local rows (b, s), local contraction
+    _assert_same(jax.jit(fused)(*args), jax.jit(tensor_parallel_mlp)(*args), dtype)
+    grad = lambda f: jax.jit(jax.grad(_loss(f), argnums=(0, 1, 2)))  # noqa: E731
+    _assert_same(grad(fused)(*args), grad(tensor_parallel_mlp)(*args), dtype)
+
+
+def test_all_reduced_matmul_auto_keeps_the_plain_path_on_cpu(mesh):
+    args = _tp_mlp_args(mesh)
+    site, = explain(overlap(tensor_parallel_mlp), *args).sites
+    assert site.op == "matmul_psum" and site.schedule == "none (auto)" and "plain path: CPU" in site.note
+    np.testing.assert_array_equal(np.asarray(jax.jit(overlap(tensor_parallel_mlp))(*args)),
+                                  np.asarray(jax.jit(tensor_parallel_mlp)(*args)))
 
 
 def test_gathered_tensor_read_twice_is_returned_by_the_op(mesh):
@@ -425,13 +464,14 @@ def test_one_device_mesh_keeps_the_plain_path():
 def test_near_misses_say_why(mesh):
     x, w_up, w_down = _mlp_args(mesh)
 
-    def all_reduced(x, w_up, w_down):  # row-parallel matmul with a replicated result
+    def all_reduced(x, w_up, w_down):  # row-parallel matmul with a replicated result, only returned
         h = jnp.einsum("bsd,df->bsf", reshard(x, P("dp", None, None)), w_up)
         return jnp.einsum("bsf,fd->bsd", h, w_down, out_sharding=P("dp", None, None))
 
     report = explain(overlap(all_reduced, schedule=XLA), x, w_up, w_down)
     assert _ops(report) == ["ag_matmul"] and len(report.near_misses) == 1, str(report)
-    assert report.near_misses[0].op == "matmul_rs" and "all-reduce" in report.near_misses[0].reason
+    assert report.near_misses[0].op == "matmul_psum" and "all-reduce" in report.near_misses[0].reason
+    assert "only returns" in report.near_misses[0].reason
     report = explain(overlap(megatron_mlp, ops=("matmul_rs",)), x, w_up, w_down)
     assert "ag_matmul is not in ops=" in report.near_misses[0].reason, str(report)
 

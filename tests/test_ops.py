@@ -1,4 +1,5 @@
-"""ag_matmul / matmul_rs: every none/xla schedule against the plain-JAX reference, with gradients.
+"""ag_matmul / matmul_rs / matmul_psum: every none/xla schedule against the plain-JAX reference, with
+gradients.
 
 (`comm="dma"` schedules run the extension's executor and are covered by test_dma.py.)
 """
@@ -12,13 +13,16 @@ import pytest
 import ficco_jax
 from ficco_jax import Schedule
 from ficco_jax.ops import table
-from helpers import (TOLERANCE, ag_specs, global_shapes, lowered_text, prefer_copy_engines, random, rel_err,
-                     rs_specs, run_sharded)
+from helpers import (TOLERANCE, ag_specs, global_shapes, lowered_text, prefer_copy_engines, psum_specs, random,
+                     rel_err, rs_specs, run_sharded)
 
 OPS = {
     "ag_matmul": (ficco_jax.ag_matmul, ficco_jax.ag_matmul_ref, ag_specs),
     "matmul_rs": (ficco_jax.matmul_rs, ficco_jax.matmul_rs_ref, rs_specs),
+    "matmul_psum": (ficco_jax.matmul_psum, ficco_jax.matmul_psum_ref, psum_specs),
 }
+#: The executor's calls an op's copy-engine schedule makes, where they are not one of its own name.
+TARGETS = {"matmul_psum": ("matmul_rs", "all_gather")}
 # Rows per device chosen so every enumerated chunk count divides them.
 M_ROWS, K, N_COLS = 16, 24, 8
 
@@ -108,8 +112,8 @@ def test_auto_schedule_matches_reference(monkeypatch, mesh1d, rng, op):
     a, w = random(rng, a_shape, "float32"), random(rng, w_shape, "float32")
     text = lowered_text(mesh1d, lambda a, w: fn(a, w, "tp"), specs(mesh1d), a, w)
     assert asked and asked[-1][0] == op
-    if ficco_jax.dma.available():  # the stand-in took copy engines: the executor's call is in the program
-        assert f"ficco_{op}" in text
+    if ficco_jax.dma.available():  # the stand-in took copy engines: the executor's calls are in the program
+        assert all(f"ficco_{target}" in text for target in TARGETS.get(op, (op,)))
     got = run_sharded(mesh1d, lambda a, w: fn(a, w, "tp"), specs(mesh1d), a, w)
     want = run_sharded(mesh1d, lambda a, w: ref(a, w, "tp"), specs(mesh1d), a, w)
     assert rel_err(got, want) < TOLERANCE["float32"]
@@ -119,8 +123,8 @@ def test_auto_schedule_matches_reference(monkeypatch, mesh1d, rng, op):
 def test_forward_traces_its_lowering_once(monkeypatch, mesh2d, rng, op):
     """A forward call traces its schedule's steps once, when it is lowered: the op's equation takes
     its results' abstract values from the op's shapes, not from a trace of the steps."""
-    pair = table.PAIRS[op]
-    lowering = "gather_xla" if op == pair.gather else "scatter_xla"
+    pair = table.ALL_REDUCE.pair if op == table.ALL_REDUCE.name else table.PAIRS[op]
+    lowering = "gather_xla" if op == pair.gather else "scatter_xla"  # matmul_psum: its reduce-scatter
     traced = []
 
     def counted(*args, **kwargs):

@@ -1,6 +1,7 @@
 """The rewrite layer's one site protocol: every matcher family behind `find_sites`, one `Site`
 record per op, and modules that share only public names (8 CPU devices)."""
 import ast
+import functools
 import os
 import pathlib
 
@@ -96,23 +97,95 @@ def test_rewrite_modules_share_public_names_only(path):
         assert not private, f"{path.name}:{node.lineno} imports private names {private}"
 
 
-def test_a_matmuls_all_reduce_is_reported_with_how_to_overlap_it(mesh1d):
-    """Row-parallel matmul → psum, its sum read on (Megatron's layout without sequence
-    parallelism): explain names it and the reduce-scatter + all-gather form that overlaps; a sum
-    the body only returns (data parallelism's weight gradients) and a psum of no matmul are not
-    matmul sites."""
-    def body(x, w_in, w_out):
-        h = jnp.tanh(x @ w_in)                       # column-parallel: h [M, F/n]
-        y = x + jax.lax.psum(h @ w_out, "tp")        # row-parallel, all-reduced, read on
-        grad_like = jax.lax.psum(x.T @ h, "tp")      # returned only
-        return y, grad_like, jax.lax.psum(jnp.sum(y), "tp")
+def row_parallel_body(x, w_in, w_out):
+    """Megatron's MLP without sequence parallelism: a column-parallel matmul, then a row-parallel
+    one whose product is all-reduced and read on; a sum the body only returns (data parallelism's
+    weight gradients) and a psum of no matmul are not matmul sites."""
+    h = jnp.tanh(x @ w_in)                       # column-parallel: h [M, F/n]
+    y = x + jax.lax.psum(h @ w_out, "tp")        # row-parallel, all-reduced, read on
+    grad_like = jax.lax.psum(x.T @ h, "tp")      # returned only
+    return y, grad_like, jax.lax.psum(jnp.sum(y), "tp")
 
-    f = jax.shard_map(body, mesh=mesh1d, in_specs=(P(), P(None, "tp"), P("tp", None)),
-                      out_specs=(P(), P(), P()))
+
+def _row_parallel(mesh1d, rows=16, check_vma=True):
+    f = jax.shard_map(row_parallel_body, mesh=mesh1d, in_specs=(P(), P(None, "tp"), P("tp", None)),
+                      out_specs=(P(), P(), P()), check_vma=check_vma)
     rng = np.random.default_rng(0)
-    x, w_in, w_out = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((16, 8), (8, 32), (32, 8)))
-    report = explain(f, x, w_in, w_out)
-    psums = [r for r in report.near_misses if r.op == "matmul_psum"]
-    assert len(psums) == 1 and not report.sites, str(report)
-    assert psums[0].axis_name == "tp" and "psum_scatter" in psums[0].reason and "all-gather" in psums[0].reason
-    np.testing.assert_allclose(jax.jit(overlap(f))(x, w_in, w_out)[0], f(x, w_in, w_out)[0], rtol=1e-6)
+    return f, [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((rows, 8), (8, 4 * N), (4 * N, 8))]
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_a_matmuls_all_reduce_is_a_site_and_auto_keeps_it_plain_on_cpu(mesh1d, check_vma):
+    f, args = _row_parallel(mesh1d, check_vma=check_vma)
+    report = explain(f, *args)
+    assert [r.op for r in report.sites] == ["matmul_psum"] and not report.near_misses, str(report)
+    site = report.sites[0]
+    assert site.axis_name == "tp" and site.matmul_2d == "[16,4]·[4,8]"
+    assert site.schedule == "none (auto)" and "plain path: CPU" in site.note
+    for got, want in zip(jax.jit(overlap(f))(*args), jax.jit(f)(*args), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("schedule", ["xla/ring/c2", "xla/bidirectional/c2", "dma/direct/c1/s2"])
+def test_a_matmuls_all_reduce_is_rewritten_with_a_given_schedule(mesh1d, schedule, check_vma):
+    f, args = _row_parallel(mesh1d, check_vma=check_vma)
+    fused = overlap(f, schedule=schedule)
+    assert [(r.op, r.schedule, r.note) for r in explain(fused, *args).sites] == [("matmul_psum", schedule, "")]
+    for got, want in zip(jax.jit(fused)(*args), jax.jit(f)(*args), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
+
+    def loss(fn, *args):
+        y, grad_like, total = fn(*args)
+        return jnp.sum(jnp.sin(y)) + jnp.sum(grad_like ** 2) + total
+
+    got = jax.jit(jax.grad(functools.partial(loss, fused), argnums=(0, 1, 2)))(*args)
+    want = jax.jit(jax.grad(functools.partial(loss, f), argnums=(0, 1, 2)))(*args)
+    for g, r in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-4)
+
+
+def test_an_all_reduce_whose_rows_come_from_the_right_operand(mesh1d):
+    """``psum(w^T h^T)``: the rhs has the most free elements, so its rows are the op's; the result
+    is transposed back into the dot's own order."""
+    def body(x, w_in, w_out):
+        h = jnp.tanh(x @ w_in)
+        return x.T + 1.5 * jax.lax.psum(w_out.T @ h.T, "tp")  # [8, 4] · [4, 16] -> [8, 16]
+
+    f = jax.shard_map(body, mesh=mesh1d, in_specs=(P(), P(None, "tp"), P("tp", None)), out_specs=P())
+    _, args = _row_parallel(mesh1d)
+    fused = overlap(f, schedule="xla/ring/c2")
+    site, = explain(fused, *args).sites
+    assert site.op == "matmul_psum" and site.matmul_2d == "[16,4]·[4,8]"
+    np.testing.assert_allclose(np.asarray(jax.jit(fused)(*args)), np.asarray(jax.jit(f)(*args)), rtol=1e-5, atol=1e-5)
+
+
+def test_rows_an_all_reduce_cannot_split_keep_the_plain_path_and_say_why(mesh1d):
+    f, args = _row_parallel(mesh1d, rows=12)  # 12 rows cannot be reduce-scattered over 8 devices
+    fused = overlap(f, schedule="xla/ring/c2")
+    site, = explain(fused, *args).sites
+    assert site.schedule == "none (auto)"
+    assert "y.shape[0]=12 rows must divide by the axis size 8" in site.note and "pad y to 16 rows" in site.note
+    for got, want in zip(jax.jit(fused)(*args), jax.jit(f)(*args), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_all_reduces_it_cannot_take_stay_near_misses_with_their_reason(mesh2d):
+    """A product read besides its sum, a sum over two axes, and ops= without matmul_psum."""
+    def body(x, w):
+        p = x @ w
+        return jax.lax.psum(p, "tp") * 2, p, jax.lax.psum(x @ (2 * w), ("dp", "tp")) + 1
+
+    f = jax.shard_map(body, mesh=mesh2d, in_specs=(P(None, ("dp", "tp")), P(("dp", "tp"), None)),
+                      out_specs=(P(), P(None, None), P()), check_vma=False)
+    rng = np.random.default_rng(1)
+    x, w = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((16, 8 * 3), (8 * 3, 5)))
+    report = explain(f, x, w)
+    reasons = sorted(r.reason for r in report.near_misses if r.op == "matmul_psum")
+    assert not report.sites and len(reasons) == 2, str(report)
+    assert any("other users" in r for r in reasons) and any("several mesh axes" in r for r in reasons)
+    body_only = lambda x, w: jax.lax.psum(x @ w, "tp") * 2  # noqa: E731
+    g = jax.shard_map(body_only, mesh=mesh2d, in_specs=(P(None, ("dp", "tp")), P(("dp", "tp"), None)), out_specs=P(),
+                      check_vma=False)
+    miss, = explain(overlap(g, ops=("matmul_rs",)), x, w).near_misses
+    assert miss.op == "matmul_psum" and miss.reason.endswith("is not in ops=")

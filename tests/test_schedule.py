@@ -13,6 +13,7 @@ def test_enumeration_is_valid_unique_and_complete(op, n):
     assert len(set(points)) == len(points)
     assert {p.comm for p in points} == {"none", "xla", "dma"}
     shapes = {"ag_matmul": ((8, 16), (16, 8)), "matmul_rs": ((8 * n, 16), (16, 8)),
+              "matmul_psum": ((8 * n, 16), (16, 8)),
               "a2a_matmul": ((n, 2, 8, 16), (2, 16, 8)), "matmul_a2a": ((n, 2, 8, 16), (2, 16, 8))}[op]
     for p in points:
         p.validate(op, shapes, n)
@@ -46,6 +47,25 @@ def test_bad_fields_rejected_at_construction(kwargs, match):
 def test_invalid_points_explain_themselves(sched, match):
     with pytest.raises(ValueError, match=match):
         sched.validate("ag_matmul", ((12, 4), (4, 4)), 4)
+
+
+def test_matmul_psum_takes_matmul_rs_schedules():
+    assert Schedule.enumerate("matmul_psum", 4) == Schedule.enumerate("matmul_rs", 4)
+
+
+@pytest.mark.parametrize("sched", ["xla/ring/c1", "dma/direct/c1"])
+def test_matmul_psum_rows_not_dividing_by_the_axis_say_how_to_fix(sched):
+    """The plain psum sums any rows; an overlapped schedule reduce-scatters them first."""
+    Schedule.parse("none").validate("matmul_psum", ((10, 4), (4, 3)), 4)
+    with pytest.raises(ValueError, match=r"y.shape\[0\]=10 rows must divide by the axis size 4.*pad y to 12 "
+                                         r"rows.*schedule='none'"):
+        Schedule.parse(sched).validate("matmul_psum", ((10, 4), (4, 3)), 4)
+
+
+def test_matmul_psum_chunks_cut_the_reduce_scatter_blocks():
+    with pytest.raises(ValueError, match=r"matmul_psum: rows per reduce-scatter block \(M / 4\) = 6 .*chunks=4.*"
+                                         r"valid chunk counts for this shape: \[1, 2\]"):
+        Schedule.parse("xla/ring/c4").validate("matmul_psum", ((24, 4), (4, 3)), 4)
 
 
 def test_matmul_rs_dma_ring_is_not_in_the_space():

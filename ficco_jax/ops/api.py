@@ -2,6 +2,7 @@
 
     ag_matmul(x, w, "tp")   == all_gather(x, "tp", axis=0, tiled=True) @ w
     matmul_rs(y, w, "tp")   == psum_scatter(y @ w, "tp", scatter_dimension=0, tiled=True)
+    matmul_psum(y, w, "tp") == psum(y @ w, "tp")
     a2a_matmul(x, w, "ep")  == einsum("pecd,edf->pecf", all_to_all(x, "ep", 0, 0, tiled=True), w)
     matmul_a2a(y, w, "ep")  == all_to_all(einsum("pecf,efd->pecd", y, w), "ep", 0, 0, tiled=True)
 
@@ -9,7 +10,8 @@ Each checks its operands, resolves its `schedule` (ops/resolve.py; "autotune" ti
 ops/measure.py) and runs the positional form of its pair of the op table (ops/run.py, ops/table.py).
 Every op is differentiable in both modes: forward mode (jax.jvp, jax.jacfwd) runs the op itself on the
 tangents with the same schedule, reverse mode (jax.grad, jax.vjp) runs the other op of its pair,
-so the backward pass is overlapped too; the two compose (Hessian-vector products, grad of grad).
+so the backward pass is overlapped too (matmul_psum's backward is two local matmuls: the
+cotangent of a sum is every device's); the two compose (Hessian-vector products, grad of grad).
 """
 from __future__ import annotations
 
@@ -38,6 +40,11 @@ def matmul_rs_ref(y, w, axis_name, *, out_dtype=None, x_scale=None, w_scale=None
         return lax.psum_scatter(_dequantized_dot(y, w, x_scale, w_scale, out_dtype), axis_name, scatter_dimension=0,
                                 tiled=True)
     return reference("matmul_rs")(y, w, axis_name, out_dtype)
+
+
+def matmul_psum_ref(y, w, axis_name, *, out_dtype=None):
+    """The meaning of `matmul_psum`: ``psum(y @ w, axis_name)`` (result in `out_dtype`)."""
+    return reference("matmul_psum")(y, w, axis_name, out_dtype)
 
 
 def _dequantized_dot(a, w, a_scale, w_scale, out_dtype):
@@ -100,6 +107,24 @@ def matmul_rs(y, w, axis_name: str, *, schedule: ScheduleArg = "auto", out_dtype
     if scaled.wanted(y, x_scale, w_scale):
         return scaled.call("matmul_rs", y, w, axis_name, schedule, (x_scale, w_scale), out_dtype, measure=time_op)
     return call("matmul_rs", y, w, axis_name, schedule, measure=time_op, out_dtype=out_dtype)
+
+
+def matmul_psum(y, w, axis_name: str, *, schedule: ScheduleArg = "auto", out_dtype=None):
+    """`psum(y @ w, axis_name)`, the row-parallel matmul's all-reduce, overlapped by a FiCCO schedule.
+
+    Per device: y [M, N], w [N, K] -> [M, K], the same on every device (n = size of `axis_name`).
+    A schedule runs as `matmul_rs` with that schedule (the partial products reduce-scattered
+    behind the chunk matmuls) followed by the all-gather of the reduced [M/n, K] rows on the same
+    comm (copy engines for "dma", XLA's all-gather for "xla"); "none" is the plain psum of the
+    product. `schedule` takes what `matmul_rs` takes. The overlapped schedules need M to divide by
+    n (a ValueError says so and how to pad; "auto" keeps the plain path for such M).
+
+    Differentiable in both modes, with JAX's transpose of psum: the cotangent of the sum is every
+    device's, so the backward is dy = ct @ w^T and dw = y^T @ ct on each device, no collective
+    (under ``shard_map(check_vma=False)`` JAX sums the cotangent first, and so does this op).
+    `out_dtype` as in `ag_matmul`: with f32 for bf16 operands the partials that move are f32.
+    """
+    return call("matmul_psum", y, w, axis_name, schedule, measure=time_op, out_dtype=out_dtype)
 
 
 def a2a_matmul(x, w, axis_name: str, *, schedule: ScheduleArg = "auto", return_received: bool = False,

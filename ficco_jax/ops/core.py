@@ -16,7 +16,8 @@ from ..schedule import Schedule
 ScheduleArg = Union[str, Schedule]
 
 #: The operand names of each op, as its signature and its error messages say them.
-OPERAND_NAMES = {"ag_matmul": ("x", "w"), "matmul_rs": ("y", "w"), "a2a_matmul": ("x", "w"), "matmul_a2a": ("y", "w")}
+OPERAND_NAMES = {"ag_matmul": ("x", "w"), "matmul_rs": ("y", "w"), "a2a_matmul": ("x", "w"), "matmul_a2a": ("y", "w"),
+                 "matmul_psum": ("y", "w")}
 
 
 def axis_size(axis_name, op: str) -> int:
@@ -83,6 +84,15 @@ def _aval_axes(aval) -> frozenset:
     if vma is None:
         vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
     return frozenset(vma)
+
+
+def without_varying(aval, axis_name: str):
+    """`aval` no longer varying over `axis_name` (a sum over it): what psum's result is typed."""
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None and hasattr(mat, "varying"):
+        return aval.update(manual_axis_type=mat.update(varying=frozenset(mat.varying) - {axis_name}))
+    vma = getattr(aval, "vma", None)  # jax < 0.10
+    return aval if vma is None else aval.update(vma=frozenset(vma) - {axis_name})
 
 
 def like_primal(ct, dtype, primal_axes: frozenset, *, sum_first: bool = True):

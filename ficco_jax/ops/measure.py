@@ -23,6 +23,8 @@ def specs(op: str):
         return (P(AXIS, None), P(None, AXIS)), P(None, AXIS)
     if op == "matmul_rs":
         return (P(None, AXIS), P(AXIS, None)), P(AXIS, None)
+    if op == "matmul_psum":
+        return (P(None, AXIS), P(AXIS, None)), P(None, None)
     if op in A2A_OPS:
         return (P(AXIS), P(AXIS)), P(AXIS)
     raise ValueError(f"measure: unknown op {op!r}")

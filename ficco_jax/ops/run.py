@@ -7,13 +7,15 @@ import numpy as np
 
 from .core import ScheduleArg, axis_size, check_operands, check_out_dtype, sums_before_cast
 from .resolve import resolve_schedule
-from .table import PAIRS
-from .tangents import gather_op, gather_op_with_side, scatter_op
+from .table import ALL_REDUCE, PAIRS
+from .tangents import all_reduce_op, gather_op, gather_op_with_side, scatter_op
 
 
 def run_scheduled(op: str, a, w, axis_name: str, sched, *, with_side: bool = False, out_dtype=None):
     """`op` (a name of the table) with a resolved schedule: out, or (out, side) for a gather op
     with `with_side`; the matmuls' results in `out_dtype` (None: the operands' dtype)."""
+    if op == ALL_REDUCE.name:
+        return all_reduce_op(a, w, axis_name, sched, out_dtype)
     pair, sum_first = PAIRS[op], sums_before_cast()
     if op == pair.scatter:
         return scatter_op(pair, a, w, axis_name, sched, out_dtype, sum_first)

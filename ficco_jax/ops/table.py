@@ -9,6 +9,9 @@ and a *scatter* op (matmul -> collective):
                       matmul_a2a(y, w) == all_to_all(einsum("pecf,efd->pecd", y, w))
 
 with all_gather / psum_scatter / all_to_all tiled along dimension 0 (all_to_all split 0, concat 0).
+One op is no pair's: `matmul_psum(y, w) == psum(y @ w)` (`AllReduce`), the tensor-parallel scatter
+op followed by an all-gather of the reduced rows; its sum is every device's, so its transpose is
+two local products and takes no op of a pair.
 Each is the other's transpose, so both backward passes are overlapped: the input gradient of the
 gather op is the scatter op of the output gradient with w transposed, and its weight gradient a
 local product with the side output; the input gradient of the scatter op is the gather op of the
@@ -262,6 +265,42 @@ class ExpertParallel(OpPair):
         return xla.einsum("pecf,pecd->efd", y, g_side, out_dtype)
 
 
+class AllReduce:
+    """matmul_psum, ``psum(y @ w, axis)``, composed from a tensor-parallel pair: its scatter op by
+    the schedule (the partial products reduce-scattered behind the chunk matmuls), then one
+    all-gather of the reduced rows by the same comm (copy engines: `dma.all_gather`, direct, one
+    chunk; xla: XLA's all-gather, typed invariant as psum's result is). comm "none" is the psum."""
+
+    name: ClassVar[str] = "matmul_psum"
+
+    def __init__(self, pair: TensorParallel):
+        self.pair = pair
+
+    def reference(self, y: jax.Array, w: jax.Array, axis_name: str, out_dtype: OutDtype = None) -> jax.Array:
+        """The meaning of matmul_psum."""
+        return lax.psum(self.pair.scatter_local(y, w, out_dtype), axis_name)
+
+    def shape(self, y_shape: Shape, w_shape: Shape, n: int) -> Shape:
+        return (y_shape[0], w_shape[1])
+
+    def impl(self, y: jax.Array, w: jax.Array, axis_name: str, sched: Schedule, out_dtype: OutDtype) -> jax.Array:
+        """matmul_psum run by `sched`."""
+        if sched.comm == "none":
+            return self.reference(y, w, axis_name, out_dtype)
+        reduced = self.pair.scatter_impl(y, w, axis_name, sched, out_dtype)
+        if sched.comm == "dma":
+            return dma.all_gather(reduced, axis_name)
+        return lax.all_gather(reduced, axis_name, axis=0, tiled=True, to="invarying")
+
+    def dy(self, ct: jax.Array, w: jax.Array, out_dtype: OutDtype) -> jax.Array:
+        """The input gradient from the (replicated) cotangent of the sum: ``ct @ w^T``, local."""
+        return self.pair.scatter_local(ct, self.pair.transpose_w(w), out_dtype)
+
+    def dw(self, y: jax.Array, ct: jax.Array, out_dtype: OutDtype) -> jax.Array:
+        """The weight gradient: ``y^T @ ct``, local."""
+        return self.pair.scatter_dw(y, ct, out_dtype)
+
+
 def _no_scales(op: str, scales) -> None:
     if scales is not None:
         raise TypeError(f"{op}: has no FP8 form; dequantize the operands first (e.g. x.astype(jnp.bfloat16) * scale)")
@@ -270,6 +309,8 @@ def _no_scales(op: str, scales) -> None:
 TENSOR_PARALLEL = TensorParallel()
 EXPERT_PARALLEL = ExpertParallel()
 
+ALL_REDUCE = AllReduce(TENSOR_PARALLEL)
+
 #: op name -> its pair.
 PAIRS: dict[str, OpPair] = {name: pair for pair in (TENSOR_PARALLEL, EXPERT_PARALLEL)
                             for name in (pair.gather, pair.scatter)}
@@ -277,5 +318,7 @@ PAIRS: dict[str, OpPair] = {name: pair for pair in (TENSOR_PARALLEL, EXPERT_PARA
 
 def reference(op: str):
     """The plain-JAX meaning of `op`: a function (a, w, axis_name, out_dtype=None) -> out."""
+    if op == ALL_REDUCE.name:
+        return ALL_REDUCE.reference
     pair = PAIRS[op]
     return pair.gather_ref if op == pair.gather else pair.scatter_ref

@@ -5,6 +5,8 @@ positional forms that bind them. Each op is bilinear in (a, w), so its tangent i
               (and, with the side output, the tangent of side: the collective of dx)
   scatter op: (dy, dw) -> scatter(dy, w) + scatter(y, dw)      = scatter([dy | y], [w ; dw]): one
               collective for both terms, the operands joined along the contraction
+  matmul_psum: the same join, one all-reduce for both terms (table.AllReduce); transposed, two local
+              products of the cotangent of the sum, which every device holds (below)
 
 Evaluated (forward mode), each runs the op with the forward's schedule. Transposed (reverse mode),
 each is the other op of the pair with w transposed, on the forward's schedule where that is valid
@@ -31,10 +33,10 @@ from jax.custom_derivatives import SymbolicZero
 
 from ..lowering.dma.registry import aval
 from ..schedule import Schedule
-from .core import axis_size, varying_axes
+from .core import axis_size, varying_axes, without_varying
 from .linear import Folded, LinearMap, bind
 from .resolve import transposed_schedule
-from .table import OpPair, OutDtype
+from .table import ALL_REDUCE, OpPair, OutDtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +49,9 @@ class Static:
     out_dtype: object = None
     with_side: bool = False
     sum_first: bool = False
+    #: Whether the shard_map where the op was bound checks varying manual axes (check_vma): only
+    #: then is a sum typed invariant, and JAX transposes psum to no collective; without it, to psum.
+    vma_checked: bool = True
 
 
 def _present_one(res):
@@ -172,7 +177,11 @@ class ScatterMap(_PairMap):
             a, b = jnp.concatenate([dy, y], axis=a_axis), jnp.concatenate([w, dw], axis=w_axis)
         else:
             a, b = (dy, w) if dy is not None else (y, dw)
-        return (self.pair.scatter_impl(a, b, static.axis_name, static.sched, static.out_dtype),)
+        return (self.run(a, b, static),)
+
+    def run(self, a, b, static):
+        """The op on operands joined along the contraction."""
+        return self.pair.scatter_impl(a, b, static.axis_name, static.sched, static.out_dtype)
 
     def transpose(self, static, res, cts, wanted):
         pair, (y, w), ct = self.pair, res, cts[0]
@@ -201,6 +210,45 @@ class ScatterMap(_PairMap):
             return (None,)
         swapped = (dy if tw is not None else None, dw if ty is not None else None)
         return tuple(bind(self, static, swapped, (ty, tw), [jax.typeof(o) for o in outs]))
+
+
+class AllReduceMap(ScatterMap):
+    """matmul_psum's map: res (y, w), lin (dy, dw) -> (out,), joined as the scatter map's.
+
+    Its transpose is JAX's transpose of ``psum(y @ w)``: with check_vma the sum is typed invariant
+    and psum transposes to no collective (pvary), so dy = ct @ w^T and dw = y^T @ ct on each device;
+    without check_vma JAX transposes psum to psum, and so does this map (the cotangent summed first)."""
+
+    @property
+    def name(self) -> str:
+        return f"{ALL_REDUCE.name}_tangent"
+
+    def run(self, a, b, static):
+        return ALL_REDUCE.impl(a, b, static.axis_name, static.sched, static.out_dtype)
+
+    def fold_batch(self, static, res, lin, batched_res, batched_lin):
+        """A batch of inputs against one weight as the rows of one call (the sum is row-wise)."""
+        if not (batched_lin == (True, None) and res[0] is None and batched_res[1] is False):
+            return None
+        w, (batch, rows, cols) = res[1], lin[0].shape
+        a = lin[0].reshape(batch * rows, cols)
+        try:
+            static.sched.validate(ALL_REDUCE.name, (a.shape, w.shape), axis_size(static.axis_name, ALL_REDUCE.name))
+        except (ValueError, TypeError):
+            return None
+        return Folded(res, (a, None), ((batch * rows, w.shape[1]),), lambda out: out.reshape(batch, rows, -1))
+
+    def transpose(self, static, res, cts, wanted):
+        (y, w), ct = res, cts[0]
+        compute, _ = _backward_numerics(static, _present_one(res).dtype)
+        ct = _in(ct, compute)
+        if ct is None:
+            return None, None
+        if not static.vma_checked:
+            ct = lax.psum(ct, static.axis_name)
+        dy = ALL_REDUCE.dy(ct, _in(w, compute), None) if wanted[0] else None
+        dw = ALL_REDUCE.dw(_in(y, compute), ct, None) if wanted[1] else None
+        return dy, dw
 
 
 # ------------------------------------------------------------------------------------------------
@@ -236,6 +284,22 @@ def _scatter_equation(pair: OpPair, y, w, axis_name: str, sched: Schedule, out_d
                 [aval(jax.typeof(y), out_shape, out_dtype)])[0]
 
 
+def _all_reduce_static(y, w, axis_name: str, sched: Schedule, out_dtype: OutDtype):
+    """(y, w, static) of a matmul_psum equation: the operands made to vary together, and whether
+    this shard_map checks varying axes (only then does the cast leave the axis in their types)."""
+    y, w = _varying_together(y, w, axis_name)
+    return y, w, Static(axis_name, sched, out_dtype, vma_checked=axis_name in varying_axes(y))
+
+
+def _all_reduce_equation(y, w, axis_name: str, sched: Schedule, out_dtype: OutDtype) -> jax.Array:
+    """matmul_psum as one equation of its own map (y linear, w residual); its result varies over
+    what the operands vary over but the summed axis, as psum's does."""
+    y, w, static = _all_reduce_static(y, w, axis_name, sched, out_dtype)
+    out_shape = ALL_REDUCE.shape(y.shape, w.shape, axis_size(axis_name, ALL_REDUCE.name))
+    out_aval = without_varying(aval(jax.typeof(y), out_shape, out_dtype), axis_name)
+    return bind(AllReduceMap(ALL_REDUCE.pair), static, (None, w), (y, None), [out_aval])[0]
+
+
 _STATIC = (0, 3, 4, 5, 6)  # pair, axis_name, sched, out_dtype, sum_first
 
 
@@ -259,6 +323,12 @@ def scatter_op(pair: OpPair, y, w, axis_name: str, sched: Schedule, out_dtype: O
                sum_first: bool = False) -> jax.Array:
     """The scatter op's output."""
     return _scatter_equation(pair, y, w, axis_name, sched, out_dtype, sum_first)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))
+def all_reduce_op(y, w, axis_name: str, sched: Schedule, out_dtype: OutDtype) -> jax.Array:
+    """matmul_psum's output."""
+    return _all_reduce_equation(y, w, axis_name, sched, out_dtype)
 
 
 def _present(t):
@@ -299,6 +369,16 @@ def _scatter_jvp(pair, axis_name, sched, out_dtype, sum_first, primals, tangents
     return out, _zero_where_none(t_out, out)
 
 
+def _all_reduce_jvp(axis_name, sched, out_dtype, primals, tangents):
+    (y, w), (dy, dw) = primals, tuple(map(_present, tangents))
+    out = all_reduce_op(y, w, axis_name, sched, out_dtype)
+    y, w, static = _all_reduce_static(y, w, axis_name, sched, out_dtype)
+    res = (y if dw is not None else None, w if dy is not None else None)
+    t_out = bind(AllReduceMap(ALL_REDUCE.pair), static, res, (dy, dw), [_tangent_aval(out)])[0]
+    return out, _zero_where_none(t_out, out)
+
+
 gather_op.defjvp(_gather_jvp(with_side=False), symbolic_zeros=True)
 gather_op_with_side.defjvp(_gather_jvp(with_side=True), symbolic_zeros=True)
 scatter_op.defjvp(_scatter_jvp, symbolic_zeros=True)
+all_reduce_op.defjvp(_all_reduce_jvp, symbolic_zeros=True)

@@ -41,8 +41,8 @@ def is_var(atom) -> bool:
 
 
 def single_axis(params) -> str | None:
-    """The one mesh axis a collective runs over, or None when it names several."""
-    names = params["axis_name"]
+    """The one mesh axis a collective runs over, or None when it names several (psum names them "axes")."""
+    names = params["axis_name"] if "axis_name" in params else params["axes"]
     names = tuple(names) if isinstance(names, (tuple, list)) else (names,)
     return names[0] if len(names) == 1 else None
 

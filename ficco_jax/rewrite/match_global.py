@@ -11,6 +11,9 @@ arrays tells where the partitioner communicates:
 - matmul → reduce-scatter: a ``dot_general`` whose contracted dimensions are sharded on A in
   both operands, with a result sharded on A along a free dimension (its ``out_sharding``, or a
   ``reshard`` of the replicated product right after it). Becomes ``matmul_rs``.
+- matmul → all-reduce: the same dot with a result replicated over A and otherwise sharded as its
+  operands' free dimensions are, the sum read on by the program. Becomes ``matmul_psum``; a sum
+  the program only returns (a data-parallel weight gradient) is a near-miss saying so.
 - FP8, as JAX recipes write it: the resharded tensor is FP8 and reaches the matmul as
   ``convert → multiply by a scalar scale`` while the weight is ``convert(w8) * w_scale``; or the
   scattering matmul multiplies two such dequantized tensors. Become the FP8 ops, which gather FP8
@@ -43,7 +46,10 @@ from .shardings import (axes_of, batched, contracted, free, gathered_axis, is_ex
                         product_axes, scattered_dim, spec_of, spec_of_axes, split_axes, typed)
 from .site import MatchContext, Site, SiteRecord
 
-AG, RS = match_tp.AG, match_tp.RS
+AG, RS, AR = match_tp.AG, match_tp.RS, match_tp.AR
+# The per-device body of a global site is matched as a shard_map body, except that a sum it
+# returns is read on by the program (match_global decides that on the program itself).
+_LOCAL_MATCHERS = {**match_tp.MATCHERS, "psum": match_tp.match_all_reduce, "psum_invariant": match_tp.match_all_reduce}
 _DOT = "dot_general"
 _LOCAL_EQN = re.compile(r"(^|; )eqn \d+: ")
 # jax 0.10 and 0.11 name the explicit-mode resharding primitive "reshard"; a rename is one more entry.
@@ -150,9 +156,9 @@ def _local_site(mesh, local_fn: Callable, reads, writes, where: str,
                 f"{', '.join(typed(v) for v in writes)}")
     (eqn,) = traced.jaxpr.eqns
     body, _ = open_jaxpr(eqn.params["jaxpr"])
-    ctx = MatchContext.of(body, dict(mesh.shape), where, (AG, RS))
+    ctx = MatchContext.of(body, dict(mesh.shape), where, (AG, RS, AR))
     for i, inner in enumerate(body.eqns):
-        match = match_tp.MATCHERS.get(inner.primitive.name)
+        match = _LOCAL_MATCHERS.get(inner.primitive.name)
         if match is not None:
             found = match(ctx, i)
             if isinstance(found, Site):
@@ -359,6 +365,8 @@ def _scatter(ctx: MatchContext, j: int, axis: str) -> Site | SiteRecord:
     if isinstance(scattered, str):
         if mesh_of(dot.invars[0].aval).shape[axis] == 1:
             return None  # an axis of one device reduces nothing
+        if reshard is None and target_dims == product_axes(dot):
+            return _all_reduce(ctx, j, axis, shapes)
         return _miss(ctx, RS, j, axis, shapes, scattered)
     problem = ctx.not_enabled(RS)
     if problem:
@@ -380,6 +388,30 @@ def _scatter(ctx: MatchContext, j: int, axis: str) -> Site | SiteRecord:
     if fp8:
         y8, w8 = site.fp8_act, site.fp8_weight
         shapes = f"{typed(y8)} · {typed(w8)} (FP8, scaled) -> {typed(target)}"
+    return _found(ctx, site, j, shapes)
+
+
+def _all_reduce(ctx: MatchContext, j: int, axis: str, shapes: str) -> Site | SiteRecord:
+    """The matmul_psum site of dot `j`, whose contraction is split over `axis` and whose result is
+    replicated over it (an all-reduce), or why it is none."""
+    dot = ctx.eqns[j]
+    y = dot.outvars[0]
+    if not ctx.users.get(y):
+        return _miss(ctx, AR, j, axis, shapes,
+                     f"an all-reduce over {axis!r} of a sum the program only returns (e.g. a data-parallel weight "
+                     f"gradient): nothing reads it here to overlap it with; an out_sharding= with {axis!r} on a row "
+                     f"dimension makes it matmul_rs")
+    problem = ctx.not_enabled(AR)
+    if problem:
+        return _miss(ctx, AR, j, axis, shapes, problem)
+
+    def local_fn(lhs, rhs):
+        return (jax.lax.psum(_local_dot(dot, lhs, rhs, 0), axis),)
+
+    site = _global_site(ctx, local_fn, tuple(dot.invars), (y,), op=AR, axis_name=axis, exec_index=j, skip=(j,),
+                        dot=dot, collective=dot)
+    if isinstance(site, str):
+        return _miss(ctx, AR, j, axis, shapes, site)
     return _found(ctx, site, j, shapes)
 
 

@@ -1,6 +1,7 @@
-"""The tensor-parallel patterns of a `shard_map` body: all_gather → matmul and matmul → psum_scatter.
+"""The tensor-parallel patterns of a `shard_map` body: all_gather → matmul, matmul → psum_scatter
+and matmul → psum.
 
-Two patterns are recognised in a body's jaxpr (the body of a `shard_map`, or a scan / cond /
+Three patterns are recognised in a body's jaxpr (the body of a `shard_map`, or a scan / cond /
 while / jit / checkpoint body nested inside one):
 
 - ``all_gather(x, tiled) → dot_general`` where the gathered dimension is a free (row) dimension of
@@ -8,6 +9,10 @@ while / jit / checkpoint body nested inside one):
   residuals of a backward pass), the op also returns it, so nothing is gathered twice.
 - ``dot_general → psum_scatter(tiled)`` where the scattered dimension is a free dimension of one
   operand and the product has no other user: becomes ``matmul_rs``.
+- ``dot_general → psum`` over one axis, the product read by nobody else and the sum read on (a
+  row-parallel matmul's all-reduce): becomes ``matmul_psum``. The activation is the operand with
+  more free elements (the lhs on a tie); a sum the body only returns (data parallelism's weight
+  gradients) and a psum of anything but a matmul are not sites.
 
 The ops take 2-D operands, so each site is canonicalised: the activation's gathered (scattered)
 dimension goes first, its other free dimensions are flattened into rows after it, its contracted
@@ -41,29 +46,29 @@ import numpy as np
 
 from .. import config, ops
 from . import dequant
-from .jaxpr_util import fmt, free_dims, is_var, reshape, transpose
+from .jaxpr_util import fmt, free_dims, is_var, reshape, single_axis, transpose
 from .site import MatchContext, Site, SiteRecord, collective_problem, converted_operands, dot_dtype_problem
 
-AG, RS = "ag_matmul", "matmul_rs"
-OPS = (AG, RS)
+AG, RS, AR = "ag_matmul", "matmul_rs", "matmul_psum"
+OPS = (AG, RS, AR)
 _DOT = "dot_general"
 _CONVERT = "convert_element_type"
 
 
 @dataclasses.dataclass(kw_only=True)
 class TensorSite(Site):
-    """An ag_matmul or matmul_rs site: the dot's operands as the op's 2-D [rows, K] · [K, N]."""
+    """An ag_matmul, matmul_rs or matmul_psum site: the dot's operands as the op's 2-D [rows, K] · [K, N]."""
 
-    op_calls = {AG: (ops.ag_matmul, "return_gathered"), RS: (ops.matmul_rs, None)}
+    op_calls = {AG: (ops.ag_matmul, "return_gathered"), RS: (ops.matmul_rs, None), AR: (ops.matmul_psum, None)}
 
     act_side: int  # which dot operand is the activation (0 lhs, 1 rhs)
-    act_dim: int  # gathered / scattered dimension of the activation
+    act_dim: int  # gathered / scattered dimension of the activation; matmul_psum: its first free one
 
     def _layout(self):
         """Shapes of activation and weight, their contracted dims, and their other free dims."""
         (lc, rc), _ = self.dot.params["dimension_numbers"]
         contract = (tuple(lc), tuple(rc))
-        act_aval = self.dot.invars[self.act_side].aval if self.op == RS else self.collective.invars[0].aval
+        act_aval = self.collective.invars[0].aval if self.op == AG else self.dot.invars[self.act_side].aval
         w_aval = self.dot.invars[1 - self.act_side].aval
         ca, cw = contract[self.act_side], contract[1 - self.act_side]
         fa = [d for d in free_dims(len(act_aval.shape), ca) if d != self.act_dim]
@@ -87,7 +92,8 @@ class TensorSite(Site):
 
     def write_outputs(self, out, collective_out, write: Callable) -> None:
         a_shape, w_shape, ca, _, fa, fw = self._layout()
-        lead = a_shape[self.act_dim] * self.axis_size if self.op == AG else a_shape[self.act_dim] // self.axis_size
+        lead = {AG: a_shape[self.act_dim] * self.axis_size, RS: a_shape[self.act_dim] // self.axis_size}.get(
+            self.op, a_shape[self.act_dim])
         rest = [a_shape[d] for d in fa] + [w_shape[d] for d in fw]
         out = transpose(reshape(out, (lead, *rest)), self._out_perm(fa, fw))
         write((self.dot if self.op == AG else self.collective).outvars[0], out)
@@ -272,30 +278,70 @@ def _match_scaled_gather(ctx: MatchContext, i: int, shapes: str) -> TensorSite |
                                    f"scale → dot ({ctx.readers_text(g)})")
 
 
-# The matcher of each collective primitive this family rewrites.
 # --------------------------------------------------------------------------------------------
-# A matmul's all-reduce: reported, not rewritten
+# A matmul's all-reduce
 # --------------------------------------------------------------------------------------------
-#: The label of a psum of a matmul's product in explain(); no op rewrites it.
-AR = "matmul_psum"
-_AR_WHY = ("a matmul's all-reduce (psum) is not overlapped; its two halves are: reduce-scatter the product "
-           "(psum_scatter, an overlapped matmul_rs) and all-gather it before the matmul that reads it (an "
-           "overlapped ag_matmul), as sequence parallelism does")
-
-
-def match_psum(ctx: MatchContext, i: int) -> SiteRecord | None:
+def match_psum(ctx: MatchContext, i: int) -> TensorSite | SiteRecord | None:
     """A psum whose operand is a matmul's product and whose sum the body goes on computing with (a
-    row-parallel matmul's all-reduce): a near-miss that says how to overlap it. Not reported: other
-    psums (a loss, a norm), and sums the body only returns, as data parallelism returns its
-    weight gradients."""
+    row-parallel matmul's all-reduce): a matmul_psum site. Not reported: other psums (a loss, a
+    norm), and sums the body only returns, as data parallelism returns its weight gradients."""
+    if not ctx.users.get(ctx.eqns[i].outvars[0]):
+        return None
+    return match_all_reduce(ctx, i)
+
+
+def match_all_reduce(ctx: MatchContext, i: int) -> TensorSite | SiteRecord | None:
+    """The psum at `i` of a matmul's product as a matmul_psum site, or why it is none; None where
+    the psum sums no matmul's product. Whether the sum is read on is the caller's question (the
+    global view asks it of the program, not of the per-device body it traces)."""
     psum = ctx.eqns[i]
     if len(psum.invars) != 1 or ctx.producer_name(ctx.producer(psum.invars[0])) != _DOT:
         return None
-    if not ctx.users.get(psum.outvars[0]):
+    v, j = psum.invars[0], ctx.producer(psum.invars[0])
+    shapes = f"y {fmt(v.aval)} summed"
+    problem = ctx.not_enabled(AR) or _psum_problem(psum.params)
+    if problem is None and ctx.read_elsewhere(v):
+        problem = "the matmul's full product has other users, so it is computed anyway"
+    if problem is None and j in ctx.taken_dots:
+        problem = "the matmul already consumes an ag_matmul site (all_gather→matmul→all-reduce)"
+    dot = ctx.eqns[j]
+    problem = problem or _dot_problem(dot)
+    if problem is None and not all(is_var(a) for a in dot.invars):
+        problem = "a matmul operand is a literal"
+    side = _activation_side(dot)
+    if problem is None and side is None:
+        problem = "the matmul has no free dimension on either operand (a dot of vectors); the op takes rows"
+    if problem:
+        return ctx.miss(AR, i, shapes, problem)
+    (lc, rc), _ = dot.params["dimension_numbers"]
+    act_dim = free_dims(len(dot.invars[side].aval.shape), (lc, rc)[side])[0]
+    site = TensorSite(op=AR, **ctx.axis(psum), exec_index=j, skip=(j, i), dot=dot, collective=psum,
+                      act_side=side, act_dim=act_dim, operand_dtype=converted_operands(dot))
+    y, w = dot.invars[side], dot.invars[1 - side]
+    return ctx.found(site, i, f"y {fmt(y.aval)} · w {fmt(w.aval)}{_numerics(site)} summed -> "
+                              f"{fmt(psum.outvars[0].aval)}")
+
+
+def _psum_problem(params) -> str | None:
+    """Why a psum cannot become matmul_psum, whatever its matmul."""
+    if params.get("axis_index_groups") is not None:
+        return "axis_index_groups is set; the ops work on a whole mesh axis"
+    if single_axis(params) is None:
+        return f"psum over several mesh axes {params['axes']}; the ops take one axis"
+    return None
+
+
+def _activation_side(dot) -> int | None:
+    """The operand whose free dimensions become the op's rows: the one with more free elements (the
+    lhs on a tie); None where neither has a free dimension."""
+    (lc, rc), _ = dot.params["dimension_numbers"]
+    free = [math.prod(v.aval.shape[d] for d in free_dims(len(v.aval.shape), c)) if free_dims(len(v.aval.shape), c)
+            else 0 for v, c in zip(dot.invars, (lc, rc))]
+    if not any(free):
         return None
-    v = psum.invars[0]
-    return ctx.miss(AR, i, f"y {fmt(v.aval)} summed", _AR_WHY)
+    return 0 if free[0] >= free[1] else 1
 
 
+# The matcher of each collective primitive this family rewrites.
 MATCHERS = {"all_gather": match_gather, "reduce_scatter": match_scatter, "psum_scatter": match_scatter,
             "psum": match_psum, "psum_invariant": match_psum}

@@ -10,7 +10,7 @@ from typing import Any, Callable, Sequence
 
 from .. import ops
 from ..ops.measure import time_op
-from ..schedule import Schedule
+from ..schedule import Schedule, overlap_shape_problem
 from ..tuning import policy
 from .matchers import ALL_OPS
 from .site import Site
@@ -37,7 +37,9 @@ def plain_path_note(site: Site, chosen: Schedule, how: str = "auto") -> str:
         return ""
     if how == "given":
         return "plain path: schedule comm='none' was given"
-    reason = policy.plain_path_reason(site.axis_size)
+    # Shapes no overlapped schedule can take come first: forcing a schedule would not change them.
+    reason = (overlap_shape_problem(site.op, site.op_shapes(), site.axis_size)
+              or policy.plain_path_reason(site.axis_size))
     if reason:
         return f"plain path: {reason}"
     if how == "autotune":

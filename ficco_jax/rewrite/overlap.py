@@ -2,14 +2,15 @@
 
 ``overlap(fn)(*args)`` computes exactly ``fn(*args)``. It traces `fn` to a jaxpr once per argument
 signature (Python options such as bools, strings and callables are static, as jax.jit's static
-arguments; see arguments.py), finds ``all_gather → matmul`` and ``matmul → psum_scatter`` sites inside each
-`shard_map` body (also inside scan / cond / while / jit / checkpoint bodies nested there; see
-match_tp.py for the matching rules), and evaluates the jaxpr again with each site replaced by
-``ag_matmul`` / ``matmul_rs`` and everything else bound as it was written. The expert-parallel
+arguments; see arguments.py), finds ``all_gather → matmul``, ``matmul → psum_scatter`` and
+``matmul → psum`` sites inside each `shard_map` body (also inside scan / cond / while / jit /
+checkpoint bodies nested there; see match_tp.py for the matching rules), and evaluates the jaxpr
+again with each site replaced by ``ag_matmul`` / ``matmul_rs`` / ``matmul_psum`` and everything
+else bound as it was written. The expert-parallel
 forms ``all_to_all → expert matmul`` and ``expert matmul → all_to_all`` (4-D per-peer blocks,
 match_ep.py) become ``a2a_matmul`` / ``matmul_a2a`` the same way. Outside every shard_map, code
 written on global arrays with explicit shardings (``AxisType.Explicit`` mesh axes) has the same
-two tensor-parallel sites, implied by its ``reshard`` / ``out_sharding``; each becomes its op inside
+tensor-parallel sites, implied by its ``reshard`` / ``out_sharding``; each becomes its op inside
 a shard_map over the mesh (match_global.py). Every site is a `site.Site`; `matchers.find_sites`
 finds them, and this module only resolves schedules and re-binds.
 

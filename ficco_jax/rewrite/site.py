@@ -1,6 +1,6 @@
 """The one site protocol: a collective next to a matmul that `overlap()` turns into a ficco_jax op.
 
-Every pattern family (match_tp.py: all_gather / psum_scatter; match_ep.py: all_to_all) subclasses
+Every pattern family (match_tp.py: all_gather / psum_scatter / psum; match_ep.py: all_to_all) subclasses
 `Site` with the layout of its pattern: which operands the op takes and how its outputs map back
 onto the variables of the jaxpr. The interpreter in overlap.py uses only what `Site` declares,
 so a new family adds a subclass and its matchers, and nothing else changes. `MatchContext` is
@@ -26,7 +26,7 @@ logger = logging.getLogger("ficco_jax")
 class SiteRecord:
     """One collective next to a matmul: rewritten (``reason == ""``) or a near-miss."""
 
-    op: str  # "ag_matmul" | "matmul_rs" | "a2a_matmul" | "matmul_a2a"
+    op: str  # "ag_matmul" | "matmul_rs" | "matmul_psum" | "a2a_matmul" | "matmul_a2a"
     where: str  # path of the equation: "shard_map@0/scan@2/eqn 5"
     axis_name: str
     shapes: str  # the site as written: "x float32[2,16,32] gathered dim 1 · w float32[32,16]"

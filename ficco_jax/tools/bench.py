@@ -5,6 +5,8 @@ ficco_jax schedule, JAX sequential (the plain collective then the matmul), JAX's
 ring (`ppermute`), XLA's windowed einsum (GPU only, in a child process with its flags), the GEMM
 alone, the collective alone and the ideal bound max(GEMM, collective). Every variant's result is
 checked against the reference before it is timed. Times: see `harness.method()` (tuning/timing.py).
+`matmul_psum` (the row-parallel matmul's all-reduce) is timed against JAX's matmul + psum; XLA's
+windowed einsum has no all-reduce form, so it has no such row.
 """
 from __future__ import annotations
 
@@ -90,6 +92,9 @@ def _bounds(op, name, M, K, N, dtype, mesh, progress) -> list[Row]:
     if op == "ag_matmul":  # all-gathers x [M/n, K] per device into [M, K]
         full_a, coll_shape, coll_dtype = (M, K), (M, K), dtype
         collective = lambda x: jax.lax.all_gather(x, "tp", axis=0, tiled=True)  # noqa: E731
+    elif op == "matmul_psum":  # all-reduces every device's [M, K] product
+        full_a, coll_shape, coll_dtype = (M, N // n), (M * n, K), dtype
+        collective = lambda y: jax.lax.psum(y, "tp")  # noqa: E731
     else:  # reduce-scatters every device's [M, K] product (an FP8 matmul's partials are bf16)
         full_a, coll_shape, coll_dtype = (M, N // n), (M * n, K), "bfloat16" if fp8 else dtype
         collective = lambda y: jax.lax.psum_scatter(y, "tp", scatter_dimension=0, tiled=True)  # noqa: E731
@@ -263,7 +268,7 @@ def provenance(n: int, dtype) -> dict:
 
 
 def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=True, moe_shapes=None) -> dict:
-    """Bench `ops_to_run` on all local devices: ag_matmul/matmul_rs on `shapes` {name: (M, K, N)},
+    """Bench `ops_to_run` on all local devices: ag_matmul/matmul_rs/matmul_psum on `shapes` {name: (M, K, N)},
     a2a_matmul/matmul_a2a on `moe_shapes` {name: (T, d, f, E, k)} (see bench_moe.py). FP8 `dtype`:
     each shape also in bf16 (rows of shape "<name>/bf16"), so the table holds both."""
     n = len(jax.local_devices())
@@ -286,7 +291,7 @@ def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=
             tp_plan += [(op, label, M, K, N, fits, case_dtype) for label, case_dtype in case_dtypes(name, dtype)]
     windowed = windowed and not on_cpu
     total = sum(len(variants(op, local_shapes(op, M, K, N, n), cd, n, scheds)[0]) + BOUND_STEPS
-                + (windowed and not config.is_fp8(cd)) for op, name, M, K, N, scheds, cd in tp_plan)
+                + has_windowed(windowed, op, cd) for op, name, M, K, N, scheds, cd in tp_plan)
     total += sum(len(bench_moe.variants(op, bench_moe.local_shapes(op, *dims, n), dtype, n, scheds)[0]) + BOUND_STEPS
                  for op, name, dims, scheds in moe_plan)
     progress = progress_printer(total)
@@ -302,7 +307,7 @@ def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=
     children = WindowedChildren()
     for op, name, M, K, N, scheds, case_dtype in tp_plan:
         case = bench_shape(op, name, M, K, N, case_dtype, mesh, scheds, progress)
-        if windowed and not config.is_fp8(case_dtype):
+        if has_windowed(windowed, op, case_dtype):
             progress(f"{op} {name} xla_windowed_einsum")
             case.append(children.row(op, name, M, K, N, case_dtype))
         if case_dtype != dtype:  # a row of another dtype than the run's says so (calibrate reads it)
@@ -321,6 +326,12 @@ def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=
         plot_speedups(result, out_dir)
     print(table)
     return result
+
+
+def has_windowed(windowed: bool, op: str, dtype) -> bool:
+    """Whether a case gets an xla_windowed_einsum row: asked for, not FP8, and an op XLA's windowed
+    einsum decomposes (an all-gather or reduce-scatter beside the matmul; no all-reduce)."""
+    return windowed and not config.is_fp8(dtype) and op != "matmul_psum"
 
 
 def case_dtypes(name: str, dtype) -> list[tuple[str, str]]:

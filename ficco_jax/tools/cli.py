@@ -54,8 +54,9 @@ def _load_profile(name: str | None, flag: str):
 
 def _add_bench(sub):
     p = sub.add_parser("bench", help="ficco_jax vs JAX sequential, ring, windowed einsum and the ideal bound")
-    p.add_argument("--op", choices=["ag_matmul", "matmul_rs", "all", "a2a_matmul", "matmul_a2a", "moe"], default="all",
-                   help="all = ag_matmul + matmul_rs; moe = a2a_matmul + matmul_a2a")
+    p.add_argument("--op", choices=["ag_matmul", "matmul_rs", "matmul_psum", "all", "a2a_matmul", "matmul_a2a", "moe"],
+                   default="all", help="all = ag_matmul + matmul_rs; moe = a2a_matmul + matmul_a2a; matmul_psum: the "
+                                       "row-parallel matmul's all-reduce against JAX's matmul + psum")
     p.add_argument("--shape", action="append", help="M,K,N, a shape name or a set: anchors, llama405b (repeatable); default: the anchor shapes (GPU) or a tiny one (CPU)")
     p.add_argument("--moe-shape", action="append",
                    help="T,d,f,E,k for the moe ops (repeatable); default: Mixtral-8x7B-like on GPU, tiny on CPU")
@@ -114,7 +115,8 @@ RANK_HELP = ("the cost model's predicted time of every candidate schedule of one
 
 def _add_rank(sub):
     p = sub.add_parser("rank", aliases=["explain"], help=RANK_HELP, description=RANK_HELP)
-    p.add_argument("--op", choices=["ag_matmul", "matmul_rs"], required=True, help="the op to rank schedules for")
+    p.add_argument("--op", choices=["ag_matmul", "matmul_rs", "matmul_psum"], required=True,
+                   help="the op to rank schedules for")
     p.add_argument("--shape", required=True, help="M,K,N of the whole layer, or a shape name")
     p.add_argument("--axis-size", type=int, default=4, help="devices in the group (default 4)")
     p.add_argument("--dtype", default="bf16", help=f"operand dtype, one of {', '.join(sorted(DTYPES))} (default bf16)")

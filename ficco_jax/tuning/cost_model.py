@@ -24,6 +24,11 @@ The model replays a schedule as a small event simulation on one device:
   GPU work, so it only bounds the time from below — what makes copy-engine overlap lose on
   small operations.
 
+`matmul_psum` is priced as what it runs: its schedule's `matmul_rs`, then the all-gather of the
+reduced rows (one copy-engine call, one stream, for comm="dma"; XLA's all-gather for "xla"),
+which nothing overlaps; its plain path is the matmul and XLA's all-reduce, a reduce-scatter's
+and an all-gather's worth of traffic.
+
 A profile is a dict (see `profiles/*.json`); `default_profile()` is conservative for unknown
 machines, `load_profile(name_or_path)` reads a calibrated one.
 """
@@ -125,6 +130,8 @@ def predict(op: str, schedule: Schedule, shapes: Sequence[Sequence[int]], dtype,
     profile = profile or DEFAULT_PROFILE
     dtype = np.dtype(dtype).name
     schedule.validate(op, shapes, axis_size)
+    if op == "matmul_psum":
+        return _predict_all_reduce(schedule, shapes, dtype, axis_size, profile, out_dtype)
     (a0, a1), (_, w1) = shapes
     n = axis_size
     moved_dtype = dtype if op == "ag_matmul" or out_dtype is None else np.dtype(out_dtype).name
@@ -148,6 +155,34 @@ def predict(op: str, schedule: Schedule, shapes: Sequence[Sequence[int]], dtype,
     copies = (n - 1) * schedule.chunks  # each enqueued with its event on the host
     host = profile["dma_host_us"] + profile.get("dma_host_copy_us", 0.0) * copies
     return max(device_time + profile["dma_call_us"] * 1e-6, host * 1e-6)
+
+
+def _predict_all_reduce(schedule: Schedule, shapes, dtype: str, n: int, profile: Mapping, out_dtype) -> float:
+    """matmul_psum: the plain matmul + all-reduce, or its matmul_rs schedule + the all-gather."""
+    (rows, k), (_, cols) = shapes
+    itemsize = np.dtype(out_dtype or dtype).itemsize
+    block_bytes = rows * cols * itemsize / n  # what each device holds of the sum after the reduce-scatter
+    if schedule.comm == "none":
+        # A ring all-reduce moves a reduce-scatter's and an all-gather's worth.
+        traffic = 2 * (n - 1) * block_bytes / (profile["xla_ingress_gbps"] * 1e9) if n > 1 else 0.0
+        latency = profile["collective_latency_us"] * 1e-6 if n > 1 else 0.0
+        return gemm_time(rows, k, cols, dtype, profile) + latency + traffic
+    scattered = predict("matmul_rs", schedule, shapes, dtype, n, profile, out_dtype)
+    return scattered + all_gather_time(block_bytes, n, schedule.comm, profile)
+
+
+def all_gather_time(block_bytes: float, n: int, comm: str, profile: Mapping) -> float:
+    """Seconds of an all-gather of `block_bytes` per device over `n` devices: on copy engines one
+    call pulling the n - 1 blocks on one copy stream (dma.all_gather's default), bounded below by
+    its host work; else XLA's all-gather. A group of one moves nothing (a copy-engine call still
+    costs its own launch, as in `predict`)."""
+    if n == 1:
+        return profile["dma_call_us"] * 1e-6 if comm == "dma" else 0.0
+    if comm == "dma":
+        device = profile["dma_call_us"] * 1e-6 + (n - 1) * _transfer_time(block_bytes, 1, "dma", profile)
+        host = (profile["dma_host_us"] + profile.get("dma_host_copy_us", 0.0) * (n - 1)) * 1e-6
+        return max(device, host)
+    return profile["collective_latency_us"] * 1e-6 + (n - 1) * block_bytes / (profile["xla_ingress_gbps"] * 1e9)
 
 
 def _simulate(op, s: Schedule, m, k, cols, row_bytes, n, dtype, profile) -> float:

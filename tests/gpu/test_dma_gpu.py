@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
+import ficco_jax
 from ficco_jax import dma
 from ficco_jax.schedule import Schedule
 from gpu_common import GPU_MARKS, GPUS
@@ -101,6 +102,29 @@ def test_matmul_rs_gpu(shape, sched):
     out = _rs(mesh, sched)(y, w)
     out_ref = _rs_ref(mesh)(y, w)
     assert _rel_err(out, out_ref) < BF16_TOL
+
+
+def _psum_fn(mesh, body):
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)), out_specs=P()))
+
+
+@pytest.mark.parametrize("shape,sched", list(_cases("matmul_psum")))
+def test_matmul_psum_gpu(shape, sched):
+    """The public op: its matmul_rs on copy engines, then dma.all_gather of the reduced rows; and
+    its gradient, against matmul + psum."""
+    mesh, n = _mesh(), len(GPUS)
+    m, k, cols = SHAPES[shape]  # y [n*m, k] per device, w [k, cols]
+    rng = np.random.default_rng(zlib.crc32(f"psum{shape}{sched}".encode()))
+    y = jnp.asarray(rng.standard_normal((n * m, n * k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((n * k, cols)) / np.sqrt(n * k), jnp.bfloat16)
+    op = _psum_fn(mesh, lambda y, w: ficco_jax.matmul_psum(y, w, "tp", schedule=sched, out_dtype=jnp.float32))
+    ref = _psum_fn(mesh, lambda y, w: ficco_jax.matmul_psum_ref(y, w, "tp", out_dtype=jnp.float32))
+    _poison_gpus()
+    assert _rel_err(op(y, w), ref(y, w)) < BF16_TOL
+    ct = jnp.asarray(rng.standard_normal((n * m, cols)), jnp.float32)
+    got, want = (jax.vjp(f, y, w)[1](ct) for f in (op, ref))
+    for g, r in zip(got, want):
+        assert _rel_err(g, r) < BF16_TOL
 
 
 @pytest.mark.parametrize("axis", [0, 1])
