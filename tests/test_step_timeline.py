@@ -206,6 +206,37 @@ def test_steps_split_by_the_device_idle_gaps_when_clocks_disagree():
     assert ta.analyze_step(per_step[1])["exposed_us"] == 90
 
 
+def load_step_timeline():
+    if "step_timeline" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("step_timeline", SUITES / "step_timeline.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["step_timeline"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["step_timeline"]
+
+
+def test_a_gpu_trace_through_the_analysis_to_the_tables(tmp_path):
+    st = load_step_timeline()
+    results = {}
+    for mode, shift in (("no-overlap", 0.0), ("overlap", 0.0)):
+        folder = tmp_path / f"trace_{mode}" / "plugins" / "profile" / "2026_01_01_00_00_00"
+        folder.mkdir(parents=True)
+        with gzip.open(folder / "perfetto_trace.json.gz", "wt") as fh:
+            json.dump({"traceEvents": gpu_trace(shift), "displayTimeUnit": "ns"}, fh)
+        analysis, first = st.analyze_trace(str(tmp_path / f"trace_{mode}"))
+        results[mode] = {"wall_ms": [0.4, 0.4], "trace_dir": str(folder), "analysis": analysis}
+        assert len(first[0]) == 4 and analysis["verdict"].startswith("2 device(s), steps split by host")
+    result = st.write_results(str(tmp_path), ["--preset", "tiny"], results, comm_free_ms=0.2)
+    row = result["summary"]["modes"]["overlap"]
+    assert row["span_us"] == 250 and row["exposed_us"] == 90 and row["hidden_fraction"] == pytest.approx(50 / 140)
+    assert result["summary"]["overlap_share"] == 0.0  # the same step in both modes
+    text = (tmp_path / "step_timeline.md").read_text()
+    assert "| copy | `custom-call.2` | 1 |" in text and "| nccl | `reduce-scatter.3` | 1 |" in text
+    assert "left out 2 events on thread 'GPU:0 CUPTI overhead'" in text
+    assert "hides 36% of 0.14 ms communication" in result["verdict"]
+    assert json.loads((tmp_path / "step_timeline.json").read_text())["summary"]["modes"]["no-overlap"]["comm_us"] == 140
+
+
 def test_the_picture_or_a_clear_word_why_not(tmp_path):
     devices, _ = ta.device_activities(gpu_trace())
     said = timeline_report.plot({"overlap": devices[0][:4]}, {"overlap": [(150, 170)]}, str(tmp_path / "p.png"), "t")
