@@ -158,7 +158,8 @@ def test_a_step_without_communication_has_no_hidden_fraction():
 # ------------------------------------------------------------------------------------------------
 def gpu_trace(device_shift_us=0.0):
     """Two traced steps on two GPUs: per step a GEMM of 100 us with a copy half under it, and an NCCL
-    kernel after it; a CUPTI overhead thread to leave out; the host annotations around the steps."""
+    kernel after it; threads that are not streams (CUPTI overhead, XLA Ops) to leave out; the host
+    annotations around the steps."""
     meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
             {"ph": "M", "name": "thread_name", "pid": 1, "tid": 5, "args": {"name": "python3"}}]
     events = []
@@ -167,14 +168,16 @@ def gpu_trace(device_shift_us=0.0):
     for device in (0, 1):
         pid = 100 + device
         meta.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"/device:GPU:{device}"}})
-        for tid, lane in ((7, COMPUTE_STREAM), (21, COPY_STREAM), (15, NCCL_STREAM), (99, "CUPTI overhead")):
+        for tid, lane in ((7, COMPUTE_STREAM), (21, COPY_STREAM), (15, NCCL_STREAM), (99, "CUPTI overhead"),
+                          (10000, "XLA Ops")):
             meta.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": lane}})
         for t in (1000.0 + device_shift_us, 20000.0 + device_shift_us):
             x = lambda tid, start, dur, name, op: {"ph": "X", "pid": pid, "tid": tid, "ts": t + start, "dur": dur,  # noqa: E731
                                                   "name": name, "args": {"hlo_op": op}}
             events += [x(7, 20, 100, GEMM, "dot.1"), x(21, 70, 100, "MemcpyP2P", "custom-call.2"),
                        x(15, 200, 40, "ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL", "reduce-scatter.3"),
-                       x(7, 240, 30, "loop_add_fusion", "fusion.4"), x(99, 10, 5, "overhead", "")]
+                       x(7, 240, 30, "loop_add_fusion", "fusion.4"), x(99, 10, 5, "overhead", ""),
+                       x(10000, 20, 100, "dot.1", "")]  # a line derived from the streams: not counted twice
     return meta + events
 
 
@@ -190,7 +193,9 @@ def check_gpu_steps(devices):
 def test_device_activities_of_a_gpu_trace():
     devices, notes = ta.device_activities(gpu_trace())
     assert notes == ["left out 2 events on thread 'GPU:0 CUPTI overhead' (not a stream)",
-                     "left out 2 events on thread 'GPU:1 CUPTI overhead' (not a stream)"]
+                     "left out 2 events on thread 'GPU:0 XLA Ops' (not a stream)",
+                     "left out 2 events on thread 'GPU:1 CUPTI overhead' (not a stream)",
+                     "left out 2 events on thread 'GPU:1 XLA Ops' (not a stream)"]
     check_gpu_steps({d: sorted(acts, key=lambda e: e.start) for d, acts in devices.items()})
     windows = ta.step_windows(gpu_trace(), STEP_MARK)
     assert windows == [(2, 1000.0, 1400.0), (3, 20000.0, 20400.0)]

@@ -115,7 +115,10 @@ def analyze_trace(trace_dir: str) -> tuple[dict, dict]:
     host = [{"step": s, "wall_us": hi - lo} for s, lo, hi in windows]
     devices, notes = ta.device_activities(events)
     if not devices:
-        return {"verdict": "no device events: the trace has no GPU stream (a CPU run); host step times only",
+        why = ("a CPU run" if jax.default_backend() == "cpu" else
+               f"the backend is {jax.default_backend()}, yet the profiler recorded no device activity: see its "
+               "messages in the log")
+        return {"verdict": f"no device events: the trace has no GPU stream ({why}); host step times only",
                 "host_steps": host, "devices": {}}, {}
     result = {"verdict": "", "host_steps": host, "notes": notes, "devices": {}}
     steps_of_device0 = {}
@@ -148,8 +151,10 @@ def summarize(modes: dict, comm_free_ms: float | None) -> dict:
         row["wall_ms"] = sum(res["wall_ms"]) / len(res["wall_ms"])
         row["hidden_fraction"] = (1 - row["exposed_us"] / row["comm_us"]) if row["comm_us"] else None
         rows[mode] = row
-    summary = {"modes": rows, "comm_free_step_ms": comm_free_ms, "overlap_share": None}
-    step_ms = lambda mode: (rows[mode]["span_us"] / 1e3 if rows[mode]["span_us"] else rows[mode]["wall_ms"])  # noqa: E731
+    on_device = all(row["span_us"] for row in rows.values())
+    summary = {"modes": rows, "comm_free_step_ms": comm_free_ms, "overlap_share": None,
+               "step_time": "device span" if on_device else "host wall time (no device lane; CPU times mean nothing)"}
+    step_ms = lambda mode: rows[mode]["span_us"] / 1e3 if on_device else rows[mode]["wall_ms"]  # noqa: E731
     if "comm-free" in rows:
         summary["comm_free_step_ms"] = step_ms("comm-free")
     free = summary["comm_free_step_ms"]
@@ -162,7 +167,7 @@ def verdict(summary: dict, modes: dict) -> str:
     done = {mode: res for mode, res in modes.items() if "error" not in res}
     failed = [f"{mode} failed ({res['error']})" for mode, res in modes.items() if "error" in res]
     if not any(res["analysis"]["devices"] for res in done.values()):
-        parts = ["no device events (CPU run): host step times only; the files say so"] if done else []
+        parts = [next(iter(done.values()))["analysis"]["verdict"]] if done else []
     else:
         parts = [f"{mode} hides {fmt(r['hidden_fraction'], pct=True)} of {fmt(r['comm_us'], 1e3)} ms communication"
                  for mode, r in summary["modes"].items() if mode != "comm-free"]
@@ -221,11 +226,17 @@ def main(argv=None) -> int:
             traceback.print_exc()
             results[mode] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         result = write_results(args.out, options, results, args.comm_free_ms)  # after each mode: a cut run keeps some
+    head = result["provenance"]
+    title = (f"examples/tp_transformer.py {' '.join(options)}: {head['n_devices']} x {head['device']}, {head['date']}, "
+             f"commit {head['commit']}; device time from JAX's profiler")
     print(timeline_report.plot(first_steps, exposed_of_first_steps(results), os.path.join(args.out, "step_timeline.png"),
-                               f"examples/tp_transformer.py {' '.join(options)}"))
+                               title))
     print(f"files: {args.out}/step_timeline.json, step_timeline.md, trace_<mode>/")
-    print("\n".join(["", result["verdict"], timeline_report.share_line(result["summary"])]
-                    + timeline_report.summary_table(result["summary"])))
+    exposed = timeline_report.most_exposed(result)
+    if exposed:
+        print("\n".join(["", "most exposed collectives (device 0, first traced step):", *exposed]))
+    print("\n".join(["", result["verdict"], timeline_report.share_line(result["summary"]),
+                     *timeline_report.summary_table(result["summary"])]))
     return 1 if any("error" in res for res in results.values()) else 0
 
 

@@ -2,8 +2,9 @@
 
 `markdown(result)` gives step_timeline.md: the summary (device 0, mean of the traced steps), every
 device's steps, then for device 0's first traced step of each mode the longest idle gaps of
-compute, one row per collective (NCCL kernel or group of copies) with its hidden share, and the
-event names no pattern classed, with their total time. `plot(...)` draws one step per mode, one
+compute, the collectives summed per HLO op (most exposed first), one row per collective (NCCL
+kernel or group of copies) with its hidden share, and the event names no pattern classed, with
+their total time. `plot(...)` draws one step per mode, one
 lane per stream, colored by class, exposed communication in red on a lane of its own (matplotlib).
 """
 from __future__ import annotations
@@ -38,7 +39,7 @@ def share_line(summary: dict) -> str:
         return ("overlap share: no communication-free step given (--comm-free-ms, or --comm-free-bound after --)"
                 if free is None else f"overlap share: - (the no-overlap step is not slower than {free:.2f} ms)")
     return (f"overlap share (no-overlap step - overlap step) / (no-overlap step - communication-free step "
-            f"{free:.2f} ms): {share:.0%}")
+            f"{free:.2f} ms): {share:.0%}; step times: {summary['step_time']}")
 
 
 def step_rows(result: dict) -> list[str]:
@@ -62,6 +63,10 @@ def detail_sections(mode: str, device: int, dev: dict) -> list[str]:
              "| at ms | us | after | before |", "|---|---|---|---|"]
     lines += [f"| {g['at_us'] / 1e3:.3f} | {g['us']:.1f} | `{g['after']}` | `{g['before']}` |"
               for g in step.get("longest_idle", [])]
+    lines += ["", "Collectives by HLO op, most exposed first:", "",
+              "| kind | HLO op / name | rows | busy us | exposed us | hidden |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['kind']} | `{r['label'][:70]}` | {r['rows']} | {r['busy_us']:.1f} | {r['exposed_us']:.1f} | "
+              f"{fmt(r['hidden_fraction'], pct=True)} |" for r in by_op(step.get("collectives", []))]
     lines += ["", "Collectives (NCCL kernels; copies grouped by HLO op and gaps under "
               f"{ta.COPY_GROUP_GAP_US:.0f} us):", "",
               "| kind | HLO op / name | events | start ms | span us | busy us | hidden us | hidden |",
@@ -72,6 +77,34 @@ def detail_sections(mode: str, device: int, dev: dict) -> list[str]:
     lines += ["", "Events classed by default (no name pattern matched), whole trace:", "",
               "| class: name | count | total us |", "|---|---|---|"]
     lines += [f"| `{name}` | {n} | {t:.1f} |" for name, n, t in dev["unclassified"]]
+    return lines
+
+
+def by_op(rows: list[dict]) -> list[dict]:
+    """The collective rows of a step summed per (kind, HLO op), the most exposed first."""
+    ops: dict[tuple, dict] = {}
+    for r in rows:
+        op = ops.setdefault((r["kind"], r["label"]), {"kind": r["kind"], "label": r["label"], "rows": 0,
+                                                      "busy_us": 0.0, "hidden_us": 0.0})
+        op["rows"] += 1
+        op["busy_us"] += r["busy_us"]
+        op["hidden_us"] += r["hidden_us"]
+    for op in ops.values():
+        op["exposed_us"] = op["busy_us"] - op["hidden_us"]
+        op["hidden_fraction"] = op["hidden_us"] / op["busy_us"] if op["busy_us"] else None
+    return sorted(ops.values(), key=lambda op: -op["exposed_us"])
+
+
+def most_exposed(result: dict, count: int = 5) -> list[str]:
+    """For the log: each mode's most exposed collectives (device 0, first traced step)."""
+    lines = []
+    for mode, res in result["modes"].items():
+        devices = res.get("analysis", {}).get("devices")
+        if not devices or not devices[min(devices)]["steps"]:
+            continue
+        for op in by_op(devices[min(devices)]["steps"][0].get("collectives", []))[:count]:
+            lines.append(f"{mode:>10}: {op['kind']:4} {op['label'][:60]:60} exposed {op['exposed_us']:9.1f} us of "
+                         f"{op['busy_us']:9.1f} us")
     return lines
 
 
@@ -102,24 +135,28 @@ def plot(steps_by_mode: dict, exposed_by_mode: dict, path: str, title: str) -> s
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
     except ImportError:
         return "no picture: matplotlib is not installed (pip install matplotlib); the tables have the numbers"
     shown = {mode: acts for mode, acts in steps_by_mode.items() if acts}
     if not shown:
         return "no picture: no device events to draw"
-    fig, axes = plt.subplots(len(shown), 1, figsize=(14, 1.2 + 0.45 * max(_lane_count(a) for a in shown.values())
-                                                      * len(shown)), squeeze=False)
-    for ax, (mode, acts) in zip(axes[:, 0], shown.items()):
-        _draw_step(ax, acts, exposed_by_mode.get(mode, []))
-        ax.set_title(f"{mode}: device 0, first traced step", fontsize=9, loc="left")
-    handles = [matplotlib.patches.Patch(color=c, label=k) for k, c in COLORS.items()]
-    handles.append(matplotlib.patches.Patch(color=EXPOSED_COLOR, label="exposed communication"))
-    fig.legend(handles=handles, loc="upper right", ncol=len(handles), fontsize=8)
-    fig.suptitle(title, fontsize=9, x=0.01, ha="left")
-    axes[-1, 0].set_xlabel("ms from the step's first device event")
-    fig.tight_layout(rect=(0, 0, 1, 0.95))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        fig, axes = plt.subplots(len(shown), 1, squeeze=False,
+                                 figsize=(14, 1.5 + 0.4 * sum(len(_lanes(a)) + 2 for a in shown.values())))
+        for ax, (mode, acts) in zip(axes[:, 0], shown.items()):
+            _draw_step(ax, acts, exposed_by_mode.get(mode, []))
+            ax.set_title(f"{mode}: device 0, first traced step", fontsize=9, loc="left")
+        handles = [Patch(color=c, label=k) for k, c in COLORS.items()]
+        fig.legend(handles=handles + [Patch(color=EXPOSED_COLOR, label="exposed communication")],
+                   loc="lower center", ncol=len(handles) + 1, fontsize=8)
+        fig.suptitle(title, fontsize=9, x=0.01, ha="left")
+        axes[-1, 0].set_xlabel("ms from the step's first device event")
+        fig.tight_layout(rect=(0, 0.05, 1, 0.96))
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+    except Exception as exc:  # noqa: BLE001 - the picture is optional; the tables are written already
+        return f"no picture: drawing failed with {type(exc).__name__}: {exc}"
     return f"picture written to {path}"
 
 
@@ -130,10 +167,6 @@ def _lanes(acts) -> list[str]:
         order = {"gemm": 0, "compute": 0, "nccl": 1, "copy": 2}.get(e.cls, 3)
         rank[e.lane] = min(rank.get(e.lane, 3), order)
     return sorted(rank, key=lambda lane: (rank[lane], lane))
-
-
-def _lane_count(acts) -> int:
-    return len(_lanes(acts)) + 1
 
 
 def _draw_step(ax, acts, exposed) -> None:
