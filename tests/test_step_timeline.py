@@ -229,7 +229,7 @@ def test_a_gpu_trace_through_the_analysis_to_the_tables(tmp_path):
         with gzip.open(folder / "perfetto_trace.json.gz", "wt") as fh:
             json.dump({"traceEvents": gpu_trace(shift), "displayTimeUnit": "ns"}, fh)
         analysis, first = st.analyze_trace(str(tmp_path / f"trace_{mode}"))
-        results[mode] = {"wall_ms": [0.4, 0.4], "trace_dir": str(folder), "analysis": analysis}
+        results[mode] = {"wall_ms": [0.4, 0.4], "untraced_wall_ms": 0.3, "trace_dir": str(folder), "analysis": analysis}
         assert len(first[0]) == 4 and analysis["verdict"].startswith("2 device(s), steps split by host")
     result = st.write_results(str(tmp_path), ["--preset", "tiny"], results, comm_free_ms=0.2)
     row = result["summary"]["modes"]["overlap"]

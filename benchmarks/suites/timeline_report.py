@@ -23,10 +23,11 @@ def fmt(value, scale=1.0, digits=2, pct=False) -> str:
 
 
 def summary_table(summary: dict) -> list[str]:
-    lines = ["| mode | step ms (device) | wall ms | compute ms | GEMM ms | comm ms | NCCL ms | copy ms | exposed ms "
-             "| hidden | idle gaps > 20 us (ms) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| mode | step ms (device) | wall ms traced / untraced | compute ms | GEMM ms | comm ms | NCCL ms "
+             "| copy ms | exposed ms | hidden | idle gaps > 20 us (ms) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for mode, r in summary["modes"].items():
-        lines.append(f"| {mode} | {fmt(r['span_us'], 1e3)} | {fmt(r['wall_ms'])} | {fmt(r['compute_us'], 1e3)} | "
+        lines.append(f"| {mode} | {fmt(r['span_us'], 1e3)} | {fmt(r['wall_ms'])} / {fmt(r.get('untraced_wall_ms'))} | "
+                     f"{fmt(r['compute_us'], 1e3)} | "
                      f"{fmt(r['gemm_us'], 1e3)} | {fmt(r['comm_us'], 1e3)} | {fmt(r['nccl_us'], 1e3)} | "
                      f"{fmt(r['copy_us'], 1e3)} | {fmt(r['exposed_us'], 1e3)} | {fmt(r['hidden_fraction'], pct=True)} | "
                      f"{fmt(r['idle_gaps'], digits=0)} ({fmt(r['idle_us'], 1e3)}) |")
