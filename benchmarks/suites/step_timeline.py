@@ -243,9 +243,12 @@ def main(argv=None) -> int:
     print(timeline_report.plot(first_steps, exposed_of_first_steps(results), os.path.join(args.out, "step_timeline.png"),
                                title))
     print(f"files: {args.out}/step_timeline.json, step_timeline.md, trace_<mode>/")
-    exposed = timeline_report.most_exposed(result)
-    if exposed:
-        print("\n".join(["", "most exposed collectives (device 0, first traced step):", *exposed]))
+    for heading, lines in (("events classed by default, by time (device 0; all in step_timeline.md):",
+                            timeline_report.default_classed(result)),
+                           ("most exposed collectives (device 0, first traced step):",
+                            timeline_report.most_exposed(result))):
+        if lines:
+            print("\n".join(["", heading, *lines]))
     print("\n".join(["", result["verdict"], timeline_report.share_line(result["summary"]),
                      *timeline_report.summary_table(result["summary"])]))
     return 1 if any("error" in res for res in results.values()) else 0

@@ -109,6 +109,16 @@ def most_exposed(result: dict, count: int = 5) -> list[str]:
     return lines
 
 
+def default_classed(result: dict, count: int = 6) -> list[str]:
+    """For the log: each mode's event names that no pattern named (device 0, whole trace), by time."""
+    lines = []
+    for mode, res in result["modes"].items():
+        devices = res.get("analysis", {}).get("devices")
+        for name, n, us in (devices[min(devices)]["unclassified"][:count] if devices else []):
+            lines.append(f"{mode:>10}: {us / 1e3:8.2f} ms in {n:5d} x {name[:90]}")
+    return lines
+
+
 def markdown(result: dict) -> str:
     head = result["provenance"]
     lines = [f"# Step timeline: examples/tp_transformer.py {' '.join(result['example_options'])}", "",
