@@ -34,8 +34,9 @@ COPY_GROUP_GAP_US = 20.0
 #: Stream threads of a device process; other threads (e.g. "CUPTI overhead") are left out.
 STREAM_THREAD = re.compile(r"^Stream\b", re.I)
 
-_NCCL = re.compile(r"nccl|all[-_]?reduce|all[-_]?gather|reduce[-_]?scatter|all[-_]?to[-_]?all|"
-                   r"collective[-_]?permute", re.I)
+# XLA's own collective kernels by their op's name at a word's start ("small_reduce_fusion" is not one).
+_NCCL = re.compile(r"nccl|(?<![a-z])(all[-_]?reduce|all[-_]?gather|reduce[-_]?scatter|all[-_]?to[-_]?all|"
+                   r"collective[-_]?permute)", re.I)
 _MEMCPY = re.compile(r"memcpy|memcopy", re.I)
 _HOST_COPY = re.compile(r"h2d|d2h|htod|dtoh|host", re.I)
 _LOCAL_COPY = re.compile(r"d2d|dtod", re.I)
