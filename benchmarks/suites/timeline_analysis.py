@@ -7,7 +7,7 @@ their (demangled) names, copies as `MemcpyP2P`, `MemcpyD2D`, `MemcpyH2D`, ... Ea
 classed by its name:
 
     nccl     kernels of NCCL (and XLA's own collective kernels): communication on the SMs
-    copy     peer and device-to-device memcpys on streams that run no kernel: the copy engines
+    copy     peer memcpys, and device-to-device ones off XLA's kernel streams: the copy engines
     gemm     matmul kernels (cuBLAS / cuBLASLt / CUTLASS / nvjet)
     compute  every other kernel
     other    memsets, host<->device copies, and device-to-device copies on a stream that runs
@@ -23,7 +23,6 @@ import bisect
 import dataclasses
 import re
 
-CLASSES = ("gemm", "compute", "nccl", "copy", "other")
 COMPUTE = ("gemm", "compute")
 COMM = ("nccl", "copy")
 #: Gaps in the union of compute intervals longer than this are reported as idle (where XLA's
@@ -158,13 +157,13 @@ def collective_rows(events: list[Activity], compute) -> list[dict]:
     t0 = min((e.start for e in events), default=0.0)
     groups: list[list[Activity]] = [[e] for e in events if e.cls == "nccl"]
     current: list[Activity] = []
-    current_end = float("-inf")
+    current_end = 0.0
     for e in sorted((e for e in events if e.cls == "copy"), key=lambda e: e.start):
         if current and (e.start > current_end + COPY_GROUP_GAP_US or e.label != current[0].label):
             groups.append(current)
             current = []
+        current_end = max(current_end, e.end) if current else e.end
         current.append(e)
-        current_end = max(current_end, e.end) if len(current) > 1 else e.end
     if current:
         groups.append(current)
     rows = []

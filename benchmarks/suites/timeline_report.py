@@ -44,15 +44,16 @@ def share_line(summary: dict) -> str:
 
 
 def step_rows(result: dict) -> list[str]:
-    lines = ["| mode | device | step | events | span ms | compute ms | comm ms | exposed ms | hidden | idle gaps (ms) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| mode | device | step | events | span ms | compute ms | comm ms | exposed ms | hidden | compute idle gaps "
+             "(ms) | device idle gaps (ms) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for mode, res in result["modes"].items():
         for device, dev in res.get("analysis", {}).get("devices", {}).items():
             for i, s in enumerate(dev["steps"]):
                 lines.append(f"| {mode} | {device} | {i} | {s['events']} | {fmt(s.get('span_us'), 1e3)} | "
                              f"{fmt(s.get('compute_us'), 1e3)} | {fmt(s.get('comm_us'), 1e3)} | "
                              f"{fmt(s.get('exposed_us'), 1e3)} | {fmt(s.get('hidden_fraction'), pct=True)} | "
-                             f"{s.get('idle_gaps', '-')} ({fmt(s.get('idle_us'), 1e3)}) |")
+                             f"{s.get('idle_gaps', '-')} ({fmt(s.get('idle_us'), 1e3)}) | "
+                             f"{s.get('bare_gaps', '-')} ({fmt(s.get('bare_us'), 1e3)}) |")
     return lines
 
 
@@ -124,7 +125,9 @@ def markdown(result: dict) -> str:
     lines = [f"# Step timeline: examples/tp_transformer.py {' '.join(result['example_options'])}", "",
              f"{head['date']}, {head['n_devices']} x {head['device']}, jax {head['jax']}, commit {head['commit']}. "
              f"{result['method']}", "", result["verdict"], "", "## Summary (device 0, mean of the traced steps)", ""]
-    lines += summary_table(result["summary"]) + ["", share_line(result["summary"]), "", "## Every step", ""]
+    lines += summary_table(result["summary"]) + ["", share_line(result["summary"]), "", "## Every step", "",
+                                                 f"Idle gaps: longer than {ta.IDLE_GAP_US:.0f} us; compute: no compute "
+                                                 "kernel runs; device: nothing runs.", ""]
     lines += step_rows(result)
     for mode, res in result["modes"].items():
         if "error" in res:
