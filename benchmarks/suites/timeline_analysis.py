@@ -234,16 +234,17 @@ def device_activities(trace_events: list[dict]) -> tuple[dict[int, list[Activity
     """Each GPU's stream events, classed, by device ordinal; and notes on what was left out (events
     on threads that are not streams). Empty on a trace with no GPU process (CPU runs)."""
     meta = [e for e in trace_events if e.get("ph") == "M"]
-    gpus = {e["pid"]: int(m.group(1)) for e in meta if e.get("name") == "process_name"
-            and (m := _GPU_PROCESS.search(str(e["args"].get("name", ""))))}
-    threads = {(e["pid"], e["tid"]): str(e["args"].get("name", e["tid"])) for e in meta
+    named = lambda e: str((e.get("args") or {}).get("name", ""))  # noqa: E731
+    gpus = {e.get("pid"): int(m.group(1)) for e in meta if e.get("name") == "process_name"
+            and (m := _GPU_PROCESS.search(named(e)))}
+    threads = {(e.get("pid"), e.get("tid")): named(e) for e in meta
                if e.get("name") == "thread_name" and e.get("pid") in gpus}
     by_device: dict[int, list[Activity]] = {}
     left_out: dict[str, int] = {}
     for e in trace_events:
         if e.get("ph") != "X" or e.get("pid") not in gpus:
             continue
-        lane = threads.get((e["pid"], e["tid"]), str(e["tid"]))
+        lane = threads.get((e["pid"], e.get("tid")), str(e.get("tid")))
         by_device.setdefault(gpus[e["pid"]], []).append(Activity(
             float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), str(e.get("name", "")), lane,
             str((e.get("args") or {}).get("hlo_op", ""))))
