@@ -204,15 +204,17 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if "--" in argv:
         at = argv.index("--")
         argv, options = argv[:at], argv[at + 1:]
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog="Options after -- go to examples/tp_transformer.py, e.g. "
+                                            "-- --preset llama70b-layer --attention cudnn --global-view")
     parser.add_argument("--out", required=True, help="folder for the traces, step_timeline.json/.md/.png")
     parser.add_argument("--warmup-steps", type=int, default=2, help="steps run before tracing (default 2)")
     parser.add_argument("--traced-steps", type=int, default=2, help="steps traced per mode (default 2)")
     parser.add_argument("--comm-free-ms", type=float, help="a communication-free step time, for the overlap share")
     args = parser.parse_args(argv)
     if args.warmup_steps < 1 or args.traced_steps < 1:
-        parser.error(f"--warmup-steps and --traced-steps must be >= 1 (the first step allocates); "
-                     f"found {args.warmup_steps} and {args.traced_steps}")
+        parser.error(f"--warmup-steps must be >= 1 (the first step allocates and sets up communication) and "
+                     f"--traced-steps >= 1; found {args.warmup_steps} and {args.traced_steps}")
     return args, options
 
 
