@@ -64,7 +64,7 @@ def _build(ctx):
 
 CPU_SIDE_TESTS = ["tests/test_benchmarks_entry.py", "tests/test_gpu_faults_script.py",
                   "tests/test_a2a_vs_nccl_script.py", "tests/test_mp_gpu_script.py", "tests/test_probe.py",
-                  "tests/test_hang_suite.py"]
+                  "tests/test_hang_suite.py", "tests/test_step_timeline.py"]
 
 
 def _tests(ctx):
@@ -219,6 +219,20 @@ def _trace(ctx):
             Step("cleanup", ["rm", "-f", f"{where}.nsys-rep", f"{where}.sqlite"])]  # large; the CSV holds the events
 
 
+def _timeline(ctx):
+    """Training steps of the flagship example traced with and without overlap (GPUs: the Llama-70B
+    layer with cuDNN attention in the shard_map view; CPU: the tiny preset, host step times only)."""
+    example = list(ctx.options) or (["--preset", "llama70b-layer", "--attention", "cudnn"] if ctx.gpus
+                                    else ["--preset", "tiny"])
+    return [Step("step_timeline", _py(ctx, f"{SUITES_DIR}/step_timeline.py", "--out", ctx.out, "--", *example))]
+
+
+def _timeline_result(out: str) -> str:
+    """The verdict of step_timeline.json: each mode's hidden share of its communication."""
+    with open(os.path.join(out, "step_timeline.json")) as fh:
+        return json.load(fh)["verdict"]
+
+
 SUITES = {s.name: s for s in [
     Suite("build", "editable install with the CUDA backend (FICCO_CUDA=ON on GPUs) and the extension's build info",
           "any (CUDA toolkit on GPUs)", 0, 600, _build, r"\{.*\}"),
@@ -252,4 +266,8 @@ SUITES = {s.name: s for s in [
           _fp8, _fp8_result, takes_options=True),
     Suite("trace", "a GPU timeline of one op (nsys, else JAX's profiler): OP SCHEDULE M K N [ITERS] after --",
           "any; 1+ GPU for a GPU timeline", 0, 240, _trace, r"^\d+ .*events (of|on) ", takes_options=True),
+    Suite("timeline", "a device timeline of the flagship example's training steps with and without overlap: "
+          "exposed communication, idle gaps, every collective's hidden share (example options after --)",
+          "any; 1+ GPU for device lanes, 2+ for collectives (CPU: the tiny preset, host step times)", 0, 300,
+          _timeline, _timeline_result, takes_options=True),
 ]}

@@ -2,6 +2,7 @@
 one clearly, skips GPU suites without GPUs, stops a suite at its time limit, and runs a cheap suite
 end to end with the summary table last. The peer scripts: the PyTorch one says why it skips
 where it cannot run, the JAX one runs every variant on CPU devices (its times mean nothing there)."""
+import dataclasses
 import json
 import os
 import pathlib
@@ -16,7 +17,7 @@ from ficco_jax.runtime import extension
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RUN = REPO / "benchmarks" / "run.py"
 SUITES = ["build", "tests", "demo", "bench", "peers", "accuracy", "e2e", "hang", "faults", "soak", "load",
-          "multiprocess", "characterize", "fp8", "trace"]
+          "multiprocess", "characterize", "fp8", "trace", "timeline"]
 
 
 def _run(*args, timeout=120):
@@ -98,6 +99,34 @@ def test_the_trace_suite_runs_on_cpu(tmp_path):
     assert (tmp_path / "trace" / "record.log").exists() and (tmp_path / "trace" / "timeline.log").exists()
     last = done.stdout.strip().splitlines()[-1]
     assert last.startswith("| trace | 0 |") and "events" in last, done.stdout[-2000:]
+
+
+def test_the_timeline_suite_traces_the_llama_layer_on_gpus_unless_options_replace_it(tmp_path):
+    run = _entry_module()
+    suite = run.catalog.SUITES["timeline"]
+    ctx = run.catalog.Context(python=sys.executable, out=str(tmp_path), gpus=2, limit_s=suite.limit_s)
+    step, = suite.steps(ctx)
+    assert step.argv[1:] == ["benchmarks/suites/step_timeline.py", "--out", str(tmp_path), "--",
+                             "--preset", "llama70b-layer", "--attention", "cudnn"]
+    step, = suite.steps(dataclasses.replace(ctx, options=("--preset", "tiny", "--global-view")))
+    assert step.argv[-3:] == ["--preset", "tiny", "--global-view"] and "llama70b-layer" not in step.argv
+
+
+def test_the_timeline_suite_runs_on_cpu_and_says_there_is_no_device_lane(tmp_path):
+    done = _run("timeline", "--cpu", "--out", str(tmp_path), timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    out = tmp_path / "timeline"
+    result = json.loads((out / "step_timeline.json").read_text())
+    assert list(result["modes"]) == ["no-overlap", "overlap"] and result["example_options"] == ["--preset", "tiny"]
+    for name, mode in result["modes"].items():
+        assert mode["analysis"]["devices"] == {} and len(mode["analysis"]["host_steps"]) == 2
+        assert len(mode["wall_ms"]) == 2 and list((out / f"trace_{name}").rglob("perfetto_trace.json.gz"))
+    assert "no device events" in (out / "step_timeline.md").read_text()
+    log = (out / "step_timeline.log").read_text()
+    assert "no picture: matplotlib is not installed" in log or "picture written to" in log
+    assert log.strip().splitlines()[-1].startswith("| overlap | - |"), log[-1500:]
+    last = done.stdout.strip().splitlines()[-1]
+    assert last.startswith("| timeline | 0 |") and "no device events" in last, done.stdout[-2000:]
 
 
 def test_the_torch_peer_says_why_it_skips(tmp_path):
