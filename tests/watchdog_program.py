@@ -1,7 +1,7 @@
 """A program with one copy-engine op, for the watchdog's tests (tests/test_watchdog.py on CPU,
 tests/gpu/test_watchdog_gpu.py on GPUs): run it in a child process with FICCO_WATCHDOG_S set; with
---fault it arms that fault (the extension's test-only inject_fault) before the op. It prints
-"calling" before the op and "result <sum>" after it.
+--fault it arms that fault (the extension's test-only inject_fault) before the op (a stall after
+one healthy call). It prints "calling" before the op and "result <sum>" after it.
 
     python tests/watchdog_program.py OP SCHEDULE [--fault SPEC] [--devices N] [--calls K] [--cpu]
 """
@@ -31,7 +31,6 @@ def main() -> int:
     import ficco_jax
     from ficco_jax.runtime import extension
 
-    extension.testing().inject_fault(args.fault)
     n = args.devices
     mesh = Mesh(np.array(jax.devices()[:n]), ("tp",))
     key_x, key_w = jax.random.split(jax.random.PRNGKey(0))
@@ -55,6 +54,12 @@ def main() -> int:
         x, w = jax.random.normal(key_x, (16 * n, 64)), jax.random.normal(key_w, (64, 8 * n))
     f = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_spec, check_vma=False)
     f = jax.jit(ficco_jax.overlap(f, schedule=args.schedule) if args.op == "overlap" else f)
+    if args.fault.startswith("stall"):
+        # A device that stalls mid-run does so after its first calls. On GPUs the first call of a
+        # shape also times its matmul plan and waits for that on the host, behind the stalled
+        # stream: both handlers would then wait on the host and the report could name no event.
+        jax.block_until_ready(f(x, w))
+    extension.testing().inject_fault(args.fault)
     print("calling", flush=True)
     out = None
     for _ in range(args.calls):
