@@ -33,25 +33,20 @@ too, as expert-parallel layers become the ops only when written in a shard_map.
 """
 from __future__ import annotations
 
-import dataclasses
-import re
 from typing import Callable
 
 import jax
 
-from .. import config, ops
+from .. import config
 from . import dequant, match_tp
-from .jaxpr_util import fmt, fmt_shapes, open_jaxpr, source_line
+from .global_site import GlobalSite, global_site, local_dot
+from .jaxpr_util import fmt, fmt_shapes, source_line
 from .shardings import (axes_of, batched, contracted, free, gathered_axis, is_explicit, is_gspmd, mesh_of, out_dim,
                         product_axes, scattered_dim, spec_of, spec_of_axes, split_axes, typed)
 from .site import MatchContext, Site, SiteRecord
 
 AG, RS, AR = match_tp.AG, match_tp.RS, match_tp.AR
-# The per-device body of a global site is matched as a shard_map body, except that a sum it
-# returns is read on by the program (match_global decides that on the program itself).
-_LOCAL_MATCHERS = {**match_tp.MATCHERS, "psum": match_tp.match_all_reduce, "psum_invariant": match_tp.match_all_reduce}
 _DOT = "dot_general"
-_LOCAL_EQN = re.compile(r"(^|; )eqn \d+: ")
 # jax 0.10 and 0.11 name the explicit-mode resharding primitive "reshard"; a rename is one more entry.
 _RESHARD = ("reshard",)
 # How near-misses of GSPMD programs name the op: which of the two applies depends on shardings
@@ -60,142 +55,6 @@ _EITHER = f"{AG}/{RS}"
 GSPMD_FIX = ("the mesh axes are AxisType.Auto, so the shardings are chosen by GSPMD at compile time and "
              "are not in the program; make the mesh with axis_types=(AxisType.Explicit, ...) and state "
              "shardings with jax.sharding.reshard / out_sharding=, or write the layer in a jax.shard_map")
-
-
-# --------------------------------------------------------------------------------------------
-# The site
-# --------------------------------------------------------------------------------------------
-@dataclasses.dataclass(kw_only=True)
-class GlobalSite(Site):
-    """A global-view site: its op runs on the local blocks inside a shard_map over the mesh.
-
-    `local` is the same site as match_tp.py finds it in the shard_map body; this site moves the
-    global operands into that body and the results out of it.
-    """
-
-    local: Site
-    shard_mesh: object  # the mesh the shard_map is over (the types' abstract mesh)
-    reads: tuple  # global variables handed to the shard_map, with their in_specs
-    in_specs: tuple
-    writes: tuple  # global variables it defines, with their out_specs
-    out_specs: tuple
-    local_in: tuple  # the body's inputs and outputs, in the order of reads / writes
-    local_out: tuple
-    # Whether jax can infer the replication the out_specs state. The out_specs are the program's
-    # own types, which the matcher checked the body computes; but a gathered operand is equal on
-    # every device of its axis while its type says it varies, so an output computed from it (or
-    # the gathered rows the op also returns) has a replication that is asserted, not inferred.
-    check_vma: bool = True
-    # The dtype the program casts the scattered product to after its reduction (a mixed-precision
-    # backward rounds the f32 sum to bf16): the op sums f32 partials, as the partitioner does,
-    # and its result is cast after the shard_map.
-    cast_after: object = None
-
-    def op_shapes(self):
-        return self.local.op_shapes()
-
-    def run(self, read: Callable, write: Callable) -> None:
-        """Run the local site in a shard_map; the outputs have exactly the global types written."""
-        self.local.schedule, self.local.record = self.schedule, self.record
-
-        def body(*blocks):
-            env, out = dict(zip(self.local_in, blocks)), {}
-            self.local.run(env.__getitem__, out.__setitem__)
-            return tuple(out[v] for v in self.local_out)
-
-        fn = jax.shard_map(body, mesh=self._shard_map_mesh(), in_specs=self.in_specs, out_specs=self.out_specs,
-                           check_vma=self.check_vma)
-        # Differentiated, the op's backward sums and then casts, as the partitioner does this program's.
-        with ops.partitioner_numerics():
-            results = fn(*[read(v) for v in self.reads])
-        for var, value in zip(self.writes, results):
-            write(var, value if self.cast_after is None else value.astype(self.cast_after))
-
-    def _shard_map_mesh(self):
-        # The concrete mesh where it is known (copy-engine schedules find their peers from it when
-        # lowered), else the types' abstract mesh, which serves every other schedule.
-        concrete = self.mesh
-        if isinstance(concrete, jax.sharding.Mesh) and concrete.abstract_mesh == self.shard_mesh:
-            return concrete
-        return self.shard_mesh
-
-
-def _specs(values) -> tuple:
-    return tuple(spec_of(v.aval) for v in values)
-
-
-def _trace_local(mesh, local_fn: Callable, reads, writes, check_vma: bool):
-    """The jaxpr of a shard_map of `local_fn` over `mesh`, from the blocks of `reads` to those of `writes`."""
-    return jax.make_jaxpr(jax.shard_map(local_fn, mesh=mesh, in_specs=_specs(reads), out_specs=_specs(writes),
-                                        check_vma=check_vma))(*[v.aval for v in reads])
-
-
-def _replication_inferred(mesh, local_fn: Callable, reads, writes) -> bool:
-    """Whether jax infers the replication the types of `writes` state of `local_fn`'s results."""
-    try:
-        _trace_local(mesh, local_fn, reads, writes, check_vma=True)
-    except Exception:  # noqa: BLE001 - jax's replication check refuses it; the body traced without it
-        return False
-    return True
-
-
-def _local_site(mesh, local_fn: Callable, reads, writes, where: str,
-                cast_after=None) -> tuple[Site, tuple, tuple] | str:
-    """(the site match_tp.py finds in the shard_map body `local_fn` is, the body's inputs, its
-    outputs), or why it finds none; `cast_after`: the dtype its results are cast to after it."""
-    # Traced without the replication check, which would insert pvary casts between the body's
-    # inputs and the site's matmul.
-    try:
-        traced = _trace_local(mesh, local_fn, reads, writes, check_vma=False)
-    except Exception as err:  # noqa: BLE001 - a site jax cannot express per device stays as written
-        return f"its per-device form does not trace ({type(err).__name__}: {str(err).splitlines()[0]})"
-    # The shard_map's results are read as the program's values: a body whose blocks do not make
-    # them up (shapes, dtypes) is no form of this site.
-    if [(a.shape, cast_after or a.dtype) for a in traced.out_avals] != [(v.aval.shape, v.aval.dtype) for v in writes]:
-        return (f"its per-device form gives {', '.join(fmt(a) for a in traced.out_avals)}, not "
-                f"{', '.join(typed(v) for v in writes)}")
-    (eqn,) = traced.jaxpr.eqns
-    body, _ = open_jaxpr(eqn.params["jaxpr"])
-    ctx = MatchContext.of(body, dict(mesh.shape), where, (AG, RS, AR))
-    for i, inner in enumerate(body.eqns):
-        match = _LOCAL_MATCHERS.get(inner.primitive.name)
-        if match is not None:
-            found = match(ctx, i)
-            if isinstance(found, Site):
-                return found, tuple(body.invars), tuple(body.outvars)
-            return _LOCAL_EQN.sub(r"\1", found.reason)  # the body's equation numbers mean nothing in the program
-    return "the local body has no collective"  # pragma: no cover - local_fn always writes one
-
-
-def _local_dot(dot, x, w, side: int):
-    """`dot`'s dot_general on local blocks, `x` on `side`, without the global out_sharding."""
-    params = {k: v for k, v in dot.params.items() if k in ("dimension_numbers", "precision", "preferred_element_type")}
-    lhs, rhs = (x, w) if side == 0 else (w, x)
-    return jax.lax.dot_general(lhs, rhs, **params)
-
-
-def _global_site(ctx: MatchContext, local_fn: Callable, reads: tuple, writes: tuple, cast_after=None,
-                 **site) -> GlobalSite | str:
-    """The GlobalSite running the site found in `local_fn` (a shard_map body reading the blocks of
-    `reads`, returning those of `writes`, before a cast to `cast_after` where given) over the mesh
-    of `reads[0]`, or why there is none."""
-    mesh = mesh_of(reads[0].aval)
-    found = _local_site(mesh, local_fn, reads, writes, ctx.where, cast_after)
-    if isinstance(found, str):
-        return found
-    local, local_in, local_out = found
-    fp8 = {}
-    if local.scales is not None:  # the global values the local site's FP8 operands and scales are blocks of
-        outer = dict(zip(local_in, reads))
-        fp8 = {"fp8_act": outer.get(local.fp8_act), "fp8_weight": outer[local.fp8_weight],
-               "scales": tuple(outer[s] for s in local.scales)}
-    elif any(config.is_fp8(v.aval.dtype) for v in reads):
-        return ("the matmul multiplies FP8 tensors as they are; the FP8 ops take them dequantized as "
-                "convert → multiply by a scalar scale, with the scale")
-    return GlobalSite(axis_size=int(mesh.shape[site["axis_name"]]), local=local, shard_mesh=mesh, reads=reads,
-                      in_specs=_specs(reads), writes=writes, out_specs=_specs(writes), local_in=local_in,
-                      local_out=local_out, check_vma=_replication_inferred(mesh, local_fn, reads, writes),
-                      cast_after=cast_after, **fp8, **site)
 
 
 # --------------------------------------------------------------------------------------------
@@ -258,11 +117,11 @@ def _gather_site(ctx: MatchContext, i: int, j: int, side: int, dim: int, axis: s
     def local_fn(x, *rest):
         g = jax.lax.all_gather(x, axis, axis=dim, tiled=True)
         x_rest, w_blocks = rest[:len(x_reads) - 1], rest[len(x_reads) - 1:]
-        out = _local_dot(dot, dequantize_x(g, *x_rest), rebuild_w(*w_blocks), side)
+        out = local_dot(dot, dequantize_x(g, *x_rest), rebuild_w(*w_blocks), side)
         return (out, g) if also else (out,)
 
     skip = {i, j} | set(deq.eqns if deq is not None else ())
-    site = _global_site(ctx, local_fn, x_reads + w_reads, writes, op=AG, axis_name=axis, exec_index=min(uses),
+    site = global_site(ctx, local_fn, x_reads + w_reads, writes, op=AG, axis_name=axis, exec_index=min(uses),
                         skip=tuple(sorted(skip)), dot=dot, collective=reshard or dot, returns_collective=also)
     if isinstance(site, str):
         return site
@@ -376,11 +235,11 @@ def _scatter(ctx: MatchContext, j: int, axis: str) -> Site | SiteRecord:
     (lhs_reads, lhs), (rhs_reads, rhs) = (_operand(dequant.dequantized(ctx, v) if fp8 else None, v) for v in dot.invars)
 
     def local_fn(*blocks):
-        y = _local_dot(dot, lhs(*blocks[:len(lhs_reads)]), rhs(*blocks[len(lhs_reads):]), 0)
+        y = local_dot(dot, lhs(*blocks[:len(lhs_reads)]), rhs(*blocks[len(lhs_reads):]), 0)
         return (jax.lax.psum_scatter(y, axis, scatter_dimension=scattered, tiled=True),)
 
     skip = (j,) if reshard is None else tuple(ctx.eqns.index(e) for e in (dot, cast, reshard) if e is not None)
-    site = _global_site(ctx, local_fn, lhs_reads + rhs_reads, (target,), op=RS, axis_name=axis, exec_index=j,
+    site = global_site(ctx, local_fn, lhs_reads + rhs_reads, (target,), op=RS, axis_name=axis, exec_index=j,
                         skip=skip, dot=dot, collective=reshard or dot,
                         cast_after=None if cast is None else target.aval.dtype)
     if isinstance(site, str):
@@ -406,9 +265,9 @@ def _all_reduce(ctx: MatchContext, j: int, axis: str, shapes: str) -> Site | Sit
         return _miss(ctx, AR, j, axis, shapes, problem)
 
     def local_fn(lhs, rhs):
-        return (jax.lax.psum(_local_dot(dot, lhs, rhs, 0), axis),)
+        return (jax.lax.psum(local_dot(dot, lhs, rhs, 0), axis),)
 
-    site = _global_site(ctx, local_fn, tuple(dot.invars), (y,), op=AR, axis_name=axis, exec_index=j, skip=(j,),
+    site = global_site(ctx, local_fn, tuple(dot.invars), (y,), op=AR, axis_name=axis, exec_index=j, skip=(j,),
                         dot=dot, collective=dot)
     if isinstance(site, str):
         return _miss(ctx, AR, j, axis, shapes, site)
