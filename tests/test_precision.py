@@ -133,6 +133,24 @@ def test_products_rounded_to_fewer_bits_run_on_xla(monkeypatch, mesh2d, rng):
     assert got.dtype == jnp.bfloat16 and rel_err(got, want) < TOLERANCE["bfloat16"]
 
 
+def test_auto_keeps_float32_matmuls_off_copy_engines_where_xla_uses_tf32(monkeypatch):
+    """On GPUs XLA computes float32 dots with TF32 under jax's default matmul precision, the
+    executor in full float32: 'auto' leaves copy engines out for float32 operands there, saying
+    why and how to allow them, and keeps them where the program asks for float32 dots."""
+    from ficco_jax.tuning import policy
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(policy, "available_comms", lambda topology=None: ("none", "xla", "dma"))
+    with jax.default_matmul_precision(None):  # jax's default (the test suite runs with "highest")
+        comms, why = policy.allowed_comms("float32")
+    assert comms == ("none", "xla") and "TF32" in why and "jax_default_matmul_precision" in why, why
+    assert policy.allowed_comms("bfloat16") == (("none", "xla", "dma"), "")
+    assert policy.allowed_comms("bfloat16", out_dtype=jnp.float32) == (("none", "xla", "dma"), "")
+    for precision in ("float32", "highest"):
+        with jax.default_matmul_precision(precision):
+            assert policy.allowed_comms("float32") == (("none", "xla", "dma"), ""), precision
+
+
 @pytest.mark.parametrize("out_dtype,match", [(jnp.int32, "floating-point"), ("nonsense", "must be a dtype")])
 def test_bad_out_dtype_is_a_clear_error(mesh2d, rng, out_dtype, match):
     a_shape, w_shape = global_shapes("ag_matmul", mesh2d, M_ROWS, K, N_COLS)

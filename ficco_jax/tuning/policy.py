@@ -74,4 +74,16 @@ def allowed_comms(dtype, topology=None, out_dtype=None) -> tuple[tuple[str, ...]
     if "dma" in comms and out not in config.dma_results(name):
         return (tuple(c for c in comms if c != "dma"),
                 f"comm='dma' computes {name} operands into {config.dma_results(name)}, not {out}")
+    if "dma" in comms and name == "float32" and jax.default_backend() == "gpu" and not _f32_dots_in_f32():
+        return (tuple(c for c in comms if c != "dma"),
+                "under jax's default matmul precision XLA computes float32 dots with TF32 tensor cores, the "
+                "copy-engine executor in full float32 (several times slower); "
+                "jax.config.update('jax_default_matmul_precision', 'float32') lets auto use copy engines here")
     return comms, ""
+
+
+def _f32_dots_in_f32() -> bool:
+    """Whether XLA computes this program's float32 dots in full float32, as the executor's matmuls do
+    (jax_default_matmul_precision 'highest' / 'float32'); by default it uses TF32 on GPUs."""
+    precision = str(jax.config.jax_default_matmul_precision or "").lower()
+    return precision in ("highest", "float32", "f32_f32_f32", "precision.highest")
