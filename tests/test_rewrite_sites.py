@@ -189,3 +189,30 @@ def test_all_reduces_it_cannot_take_stay_near_misses_with_their_reason(mesh2d):
                       check_vma=False)
     miss, = explain(overlap(g, ops=("matmul_rs",)), x, w).near_misses
     assert miss.op == "matmul_psum" and miss.reason.endswith("is not in ops=")
+
+
+def _transposes(jaxpr) -> int:
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name == "transpose"
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    count += _transposes(inner)
+    return count
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_batch_of_one_sequence_reaches_the_op_without_a_transpose(mesh1d, batch):
+    """Gathering the tokens of [batch, tokens, features]: the op's rows are (tokens, batch), a
+    transpose for a batch of two, a reshape (no copy) for a batch of one; the results agree."""
+    def mlp(x, w):
+        return jax.lax.all_gather(x, "tp", axis=1, tiled=True) @ w
+
+    f = jax.shard_map(mlp, mesh=mesh1d, in_specs=(P(None, "tp"), P()), out_specs=P(), check_vma=False)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((batch, 4 * N, D)), jnp.float32)
+    w = jnp.asarray(np.random.default_rng(1).standard_normal((D, F)), jnp.float32)
+    fused = overlap(f, schedule="xla/ring/c2")
+    assert _transposes(jax.make_jaxpr(fused)(x, w).jaxpr) == (0 if batch == 1 else 2)
+    np.testing.assert_allclose(np.asarray(jax.jit(fused)(x, w)), np.asarray(jax.jit(f)(x, w)), rtol=1e-5, atol=1e-5)

@@ -58,9 +58,16 @@ def default_precision():
 
 
 def transpose(x, perm):
-    """`jax.lax.transpose`, binding nothing for the identity so untouched layouts stay as written."""
+    """`jax.lax.transpose`, binding nothing for the identity so untouched layouts stay as written,
+    and a reshape where it only moves dimensions of size one (a batch of one sequence before its
+    tokens): the same values in the same order, which XLA reads as a bitcast instead of a copy."""
     perm = tuple(int(p) for p in perm)
-    return x if perm == tuple(range(len(perm))) else jax.lax.transpose(x, perm)
+    if perm == tuple(range(len(perm))):
+        return x
+    moved = [d for d in perm if x.shape[d] != 1]
+    if moved == sorted(moved):
+        return jax.lax.reshape(x, tuple(x.shape[d] for d in perm))
+    return jax.lax.transpose(x, perm)
 
 
 def reshape(x, shape):
