@@ -132,7 +132,8 @@ def test_default_tp_fits_the_device_count():
 
 def test_global_view_trains_alike_with_and_without_overlap():
     """The same model on global arrays with explicit shardings: overlap finds each block's sequence
-    gathers and scatters (forward and backward) in the layer scan, and the losses are unchanged."""
+    gathers and scatters (forward and backward) in the layer scan, and the data-parallel sums of two
+    weight gradients the scan reads on, and the losses are unchanged."""
     cfg = dataclasses.replace(tp_transformer.PRESETS["tiny"], steps=2, dtype="float32", schedule=OVERLAP_SCHEDULE,
                               global_view=True)
     mesh = tp_transformer.make_mesh(cfg)
@@ -141,7 +142,9 @@ def test_global_view_trains_alike_with_and_without_overlap():
     assert len(set(runs[False]["losses"])) == 2
     np.testing.assert_allclose(runs[True]["losses"], runs[False]["losses"], rtol=1e-5)
     in_layers = [r for r in runs[True]["report"].sites if "scan@" in r.where]
-    assert sorted(r.op for r in in_layers) == ["ag_matmul"] * 4 + ["matmul_rs"] * 4, str(runs[True]["report"])
+    assert sorted(r.op for r in in_layers) == ["ag_matmul"] * 4 + ["matmul_psum"] * 2 + ["matmul_rs"] * 4, \
+        str(runs[True]["report"])
+    assert {r.axis_name for r in in_layers if r.op == "matmul_psum"} == {"dp"}
     assert all(r.schedule == OVERLAP_SCHEDULE for r in in_layers)
 
 
