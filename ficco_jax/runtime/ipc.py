@@ -6,7 +6,8 @@ cannot be exported (cuMemCreate ranges, not legacy-IPC capable), so each device 
 peers read into a staging buffer the extension allocates (cudaMalloc) and exports once per size;
 the devices meet per call in a POSIX shared-memory mailbox on the host, and the peers' copy
 engines pull from the staging buffers into their own XLA buffers. Opt-in
-(`config.CROSS_PROCESS_DMA`), not yet run on GPUs. This module is the Python side of it:
+(`config.CROSS_PROCESS_DMA`); the multiprocess suite checks it on GPUs (docs/multiprocess.md).
+This module is the Python side of it:
 
   * `supported()`: whether this build and platform have the IPC path (CUDA build, GPU backend);
   * `job_id()`: the id of this ``jax.distributed`` job, agreed once through its key-value store
