@@ -14,9 +14,10 @@ from .tangents import all_reduce_op, gather_op, gather_op_with_side, scatter_op
 def run_scheduled(op: str, a, w, axis_name: str, sched, *, with_side: bool = False, out_dtype=None):
     """`op` (a name of the table) with a resolved schedule: out, or (out, side) for a gather op
     with `with_side`; the matmuls' results in `out_dtype` (None: the operands' dtype)."""
+    sum_first = sums_before_cast()
     if op == ALL_REDUCE.name:
-        return all_reduce_op(a, w, axis_name, sched, out_dtype)
-    pair, sum_first = PAIRS[op], sums_before_cast()
+        return all_reduce_op(a, w, axis_name, sched, out_dtype, sum_first)
+    pair = PAIRS[op]
     if op == pair.scatter:
         return scatter_op(pair, a, w, axis_name, sched, out_dtype, sum_first)
     return (gather_op_with_side if with_side else gather_op)(pair, a, w, axis_name, sched, out_dtype, sum_first)

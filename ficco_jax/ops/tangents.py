@@ -284,17 +284,17 @@ def _scatter_equation(pair: OpPair, y, w, axis_name: str, sched: Schedule, out_d
                 [aval(jax.typeof(y), out_shape, out_dtype)])[0]
 
 
-def _all_reduce_static(y, w, axis_name: str, sched: Schedule, out_dtype: OutDtype):
+def _all_reduce_static(y, w, axis_name: str, sched: Schedule, out_dtype: OutDtype, sum_first: bool):
     """(y, w, static) of a matmul_psum equation: the operands made to vary together, and whether
     this shard_map checks varying axes (only then does the cast leave the axis in their types)."""
     y, w = _varying_together(y, w, axis_name)
-    return y, w, Static(axis_name, sched, out_dtype, vma_checked=axis_name in varying_axes(y))
+    return y, w, Static(axis_name, sched, out_dtype, sum_first=sum_first, vma_checked=axis_name in varying_axes(y))
 
 
-def _all_reduce_equation(y, w, axis_name: str, sched: Schedule, out_dtype: OutDtype) -> jax.Array:
+def _all_reduce_equation(y, w, axis_name: str, sched: Schedule, out_dtype: OutDtype, sum_first: bool) -> jax.Array:
     """matmul_psum as one equation of its own map (y linear, w residual); its result varies over
     what the operands vary over but the summed axis, as psum's does."""
-    y, w, static = _all_reduce_static(y, w, axis_name, sched, out_dtype)
+    y, w, static = _all_reduce_static(y, w, axis_name, sched, out_dtype, sum_first)
     out_shape = ALL_REDUCE.shape(y.shape, w.shape, axis_size(axis_name, ALL_REDUCE.name))
     out_aval = without_varying(aval(jax.typeof(y), out_shape, out_dtype), axis_name)
     return bind(AllReduceMap(ALL_REDUCE.pair), static, (None, w), (y, None), [out_aval])[0]
@@ -325,10 +325,10 @@ def scatter_op(pair: OpPair, y, w, axis_name: str, sched: Schedule, out_dtype: O
     return _scatter_equation(pair, y, w, axis_name, sched, out_dtype, sum_first)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))
-def all_reduce_op(y, w, axis_name: str, sched: Schedule, out_dtype: OutDtype) -> jax.Array:
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4, 5))
+def all_reduce_op(y, w, axis_name: str, sched: Schedule, out_dtype: OutDtype, sum_first: bool = False) -> jax.Array:
     """matmul_psum's output."""
-    return _all_reduce_equation(y, w, axis_name, sched, out_dtype)
+    return _all_reduce_equation(y, w, axis_name, sched, out_dtype, sum_first)
 
 
 def _present(t):
@@ -369,10 +369,10 @@ def _scatter_jvp(pair, axis_name, sched, out_dtype, sum_first, primals, tangents
     return out, _zero_where_none(t_out, out)
 
 
-def _all_reduce_jvp(axis_name, sched, out_dtype, primals, tangents):
+def _all_reduce_jvp(axis_name, sched, out_dtype, sum_first, primals, tangents):
     (y, w), (dy, dw) = primals, tuple(map(_present, tangents))
-    out = all_reduce_op(y, w, axis_name, sched, out_dtype)
-    y, w, static = _all_reduce_static(y, w, axis_name, sched, out_dtype)
+    out = all_reduce_op(y, w, axis_name, sched, out_dtype, sum_first)
+    y, w, static = _all_reduce_static(y, w, axis_name, sched, out_dtype, sum_first)
     res = (y if dw is not None else None, w if dy is not None else None)
     t_out = bind(AllReduceMap(ALL_REDUCE.pair), static, res, (dy, dw), [_tangent_aval(out)])[0]
     return out, _zero_where_none(t_out, out)
