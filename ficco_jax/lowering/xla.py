@@ -59,10 +59,12 @@ def _shift_perm(n: int, shift: int) -> list[tuple[int, int]]:
 
 
 def narrowing(operand_dtype, out_dtype) -> bool:
-    """Whether `out_dtype` has fewer bits than the operands' dtype (f32 operands, a bf16 result):
-    the matmul then runs in the operands' dtype and its result is rounded, ``(a @ w).astype(out)``,
-    which is what ``convert_element_type(dot_general(...))`` computes in JAX's program."""
-    return out_dtype is not None and jnp.finfo(out_dtype).bits < jnp.finfo(operand_dtype).bits
+    """Whether `out_dtype` is a floating dtype with fewer bits than the floating operands' dtype
+    (f32 operands, a bf16 result): the matmul then runs in the operands' dtype and its result is
+    rounded, ``(a @ w).astype(out)``, which is what ``convert_element_type(dot_general(...))``
+    computes in JAX's program."""
+    return (out_dtype is not None and all(jnp.issubdtype(d, jnp.floating) for d in (operand_dtype, out_dtype))
+            and jnp.finfo(out_dtype).bits < jnp.finfo(operand_dtype).bits)
 
 
 def product(a: jax.Array, w: jax.Array, out_dtype=None, scales=None) -> jax.Array:

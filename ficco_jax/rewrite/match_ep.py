@@ -23,9 +23,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-import jax.numpy as jnp
-
 from .. import ops
+from ..lowering.xla import narrowing
 from .jaxpr_util import fmt, is_var, transpose
 from .site import MatchContext, Site, SiteRecord, collective_problem, converted_operands, dot_dtype_problem
 
@@ -202,7 +201,8 @@ def _combine_chain(ctx: MatchContext, i: int):
         name = ctx.producer_name(k)
         if name == _TRANSPOSE and perm is None:
             perm = tuple(ctx.eqns[k].params["permutation"])
-        elif name == _CONVERT and cast is None and _narrows(ctx.eqns[k]):
+        elif name == _CONVERT and cast is None and narrowing(ctx.eqns[k].invars[0].aval.dtype,
+                                                              ctx.eqns[k].outvars[0].aval.dtype):
             cast = k
         else:
             break
@@ -210,10 +210,6 @@ def _combine_chain(ctx: MatchContext, i: int):
         k = ctx.producer(ctx.eqns[k].invars[0])
     return chain, perm, cast, k
 
-
-def _narrows(convert) -> bool:
-    src, dst = convert.invars[0].aval.dtype, convert.outvars[0].aval.dtype
-    return all(jnp.issubdtype(d, jnp.floating) for d in (src, dst)) and jnp.finfo(dst).bits < jnp.finfo(src).bits
 
 
 def _match_combine(ctx: MatchContext, i: int) -> ExpertSite | SiteRecord:

@@ -41,10 +41,10 @@ import dataclasses
 import math
 from typing import Callable
 
-import jax.numpy as jnp
 import numpy as np
 
 from .. import config, ops
+from ..lowering.xla import narrowing
 from . import dequant
 from .jaxpr_util import fmt, free_dims, is_var, reshape, single_axis, transpose
 from .site import MatchContext, Site, SiteRecord, collective_problem, converted_operands, dot_dtype_problem
@@ -227,7 +227,7 @@ def _rounding_problem(ctx: MatchContext, c: int | None) -> str | None:
     src, dst = (np.dtype(a.aval.dtype) for a in (ctx.eqns[c].invars[0], ctx.eqns[c].outvars[0]))
     if ctx.read_elsewhere(ctx.eqns[c].invars[0]):
         return "the matmul's product is cast before the reduce-scatter and also read elsewhere"
-    if not (jnp.issubdtype(dst, jnp.floating) and jnp.finfo(dst).bits < jnp.finfo(src).bits):
+    if not narrowing(src, dst):
         return (f"the {src.name} product is cast to {dst.name} before the reduce-scatter; the ops take a cast "
                 f"that rounds the product to fewer bits only: compute it in {dst.name} "
                 f"(preferred_element_type={dst.name}) instead of casting")
