@@ -26,7 +26,8 @@ from typing import Callable
 from .. import ops
 from ..lowering.xla import narrowing
 from .jaxpr_util import fmt, is_var, transpose
-from .site import MatchContext, Site, SiteRecord, collective_problem, converted_operands, dot_dtype_problem
+from .site import (MatchContext, Site, SiteRecord, collective_problem, converted_operands, dot_dtype_problem,
+                   moved_dtype_problem)
 
 A2A_MM, MM_A2A = "a2a_matmul", "matmul_a2a"
 OPS = (A2A_MM, MM_A2A)
@@ -130,17 +131,6 @@ def _expert_dot(dot, tokens_pos: int, labels=_TOKENS) -> tuple[tuple[int, int, i
     return (None, problem) if problem else ((wb, wc, wf), None)
 
 
-def _received_dtype_problem(dot, tokens_pos: int) -> str | None:
-    """Why received tokens of another dtype than the weight cannot be the op's: JAX converts both
-    to the result's dtype after the all_to_all, and the op would exchange that dtype."""
-    to, tokens, w = converted_operands(dot), dot.invars[tokens_pos].aval.dtype, dot.invars[1 - tokens_pos].aval.dtype
-    if to is None or tokens == to:
-        return None
-    return (f"the {tokens} tokens meet a {w} weight and JAX converts both to {to} after the all_to_all; the op "
-            f"would exchange {to}: give both operands one dtype (e.g. the weight in {tokens}, with "
-            f"preferred_element_type={to})")
-
-
 def _match_dispatch(ctx: MatchContext, i: int) -> ExpertSite | SiteRecord:
     a2a = ctx.eqns[i]
     x, r = a2a.invars[0], a2a.outvars[0]
@@ -159,7 +149,8 @@ def _match_dispatch(ctx: MatchContext, i: int) -> ExpertSite | SiteRecord:
         w = dot.invars[1 - pos]
         if problem is None and j in ctx.taken_dots:
             problem = "the matmul is already part of another site"
-        problem = problem or ctx.weight_problem(w, first_use, "received tokens'") or _received_dtype_problem(dot, pos)
+        problem = (problem or ctx.weight_problem(w, first_use, "received tokens'")
+                   or moved_dtype_problem(dot, pos, "received tokens", "all_to_all", "exchange"))
         if problem:
             reasons.append(f"eqn {j}: {problem}")
             continue

@@ -47,7 +47,8 @@ from .. import config, ops
 from ..lowering.xla import narrowing
 from . import dequant
 from .jaxpr_util import fmt, free_dims, is_var, reshape, single_axis, transpose
-from .site import MatchContext, Site, SiteRecord, collective_problem, converted_operands, dot_dtype_problem
+from .site import (MatchContext, Site, SiteRecord, collective_problem, converted_operands, dot_dtype_problem,
+                   moved_dtype_problem)
 
 AG, RS, AR = "ag_matmul", "matmul_rs", "matmul_psum"
 OPS = (AG, RS, AR)
@@ -145,7 +146,8 @@ def match_gather(ctx: MatchContext, i: int) -> TensorSite | SiteRecord:
         if problem is None and axis in (lc, rc)[pos]:
             problem = "the matmul contracts over the gathered dimension (a weight-gradient matmul)"
         w, first_use = dot.invars[1 - pos], min(k for k, _ in uses)
-        problem = problem or ctx.weight_problem(w, first_use, "gathered tensor's") or _gathered_dtype_problem(dot, pos)
+        problem = (problem or ctx.weight_problem(w, first_use, "gathered tensor's")
+                   or moved_dtype_problem(dot, pos, "gathered tensor", "gather", "gather"))
         if problem:
             dot_reasons.append(f"eqn {j}: {problem}")
             continue
@@ -202,20 +204,6 @@ def _numerics(site: TensorSite) -> str:
     if site.rounded_to is not None:
         notes.append(f"partials rounded to {np.dtype(site.rounded_to).name} before the sum")
     return f" ({'; '.join(notes)})" if notes else ""
-
-
-def _gathered_dtype_problem(dot, pos: int) -> str | None:
-    """Why a dot of operands of two dtypes cannot take its gathered operand as the op: JAX
-    converts both to the result's dtype after the gather, and the op gathers that dtype, so the
-    gathered tensor must already have it (the weight alone is converted)."""
-    to = converted_operands(dot)
-    gathered, weight = (np.dtype(dot.invars[k].aval.dtype) for k in (pos, 1 - pos))
-    if to is None or gathered == to:
-        return None
-    return (f"the gathered {gathered.name} tensor meets a {weight.name} weight and JAX converts both to "
-            f"{to.name} after the gather; the op would gather {to.name}, not the {gathered.name} this program "
-            f"moves: give both operands one dtype (e.g. the weight in {gathered.name}, with "
-            f"preferred_element_type={to.name})")
 
 
 def _rounding_problem(ctx: MatchContext, c: int | None) -> str | None:

@@ -232,6 +232,20 @@ def converted_operands(dot):
     return np.dtype(dot.outvars[0].aval.dtype)
 
 
+def moved_dtype_problem(dot, pos: int, moved: str, collective: str, verb: str) -> str | None:
+    """Why a dot of operands of two dtypes cannot take operand `pos`, the one its collective moved
+    (`moved`: "gathered tensor", "received tokens"), as the op's: JAX converts both operands to the
+    result's dtype after the `collective`, and the op would `verb` that dtype, so the moved operand
+    must already have it (the weight alone is converted)."""
+    to = converted_operands(dot)
+    have, weight = (np.dtype(dot.invars[k].aval.dtype) for k in (pos, 1 - pos))
+    if to is None or have == to:
+        return None
+    return (f"JAX converts the {moved} ({have.name}) and the {weight.name} weight to {to.name} after the "
+            f"{collective}; the op would {verb} {to.name}, not the {have.name} this program moves: give both "
+            f"operands one dtype (e.g. the weight in {have.name}, with preferred_element_type={to.name})")
+
+
 def dot_dtype_problem(dot, convert_operands: bool = False) -> str | None:
     """Why the ops' matmuls would not compute what `dot` computes: dtypes or precision. Operands
     of one dtype with a result of that dtype, or f32 from bf16 / f16 operands (mixed precision,
