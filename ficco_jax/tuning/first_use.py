@@ -117,10 +117,12 @@ def measure(devices: Sequence, timer: Timer, probes: Sequence[Probe] = PROBES, *
     print(f"ficco_jax: no cost profile ships for {n} x {kind}; measuring one ({len(probes)} timings, about "
           f"20 s, once per machine; FICCO_PROFILE_MEASURE=0 skips it) ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
-    seconds = {}
-    with jax.ensure_compile_time_eval():  # runs now, also when the first op is resolved inside a trace
-        for probe in probes:
-            seconds[probe] = timer(probe, devices)
+    # The first op is often resolved while the user's function is traced, under its `jax.set_mesh`
+    # mesh; the probes are programs of their own, on their own meshes. They run in a thread of their
+    # own, which starts outside every trace and context mesh (jax keeps both per thread), so no
+    # private jax state is swapped.
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ficco-profile") as pool:
+        seconds = pool.submit(lambda: {probe: timer(probe, devices) for probe in probes}).result()
     fitted = fit(kind, n, seconds)
     print(f"ficco_jax: measured in {time.perf_counter() - start:.1f} s: matmul "
           f"{fitted['peak_tflops']['bfloat16']:.0f} TFLOP/s, NCCL {fitted['xla_ingress_gbps']:.0f} GB/s, "
@@ -158,22 +160,11 @@ def fit(device_kind: str, n: int, seconds: dict[Probe, float]) -> dict:
 
 
 def device_seconds(probe: Probe, devices: Sequence) -> float:
-    """Seconds per run of the probe's program on `devices` (timing.device_time).
-
-    The first op is often resolved while the user's function is traced, under its `jax.set_mesh`
-    mesh; the probes are programs of their own, on their own mesh. They run in a thread of their
-    own, which starts outside every trace and context mesh (jax keeps both per thread), so no
-    private jax state is swapped.
-    """
+    """Seconds per run of the probe's program on `devices` (timing.device_time), on a mesh of its
+    own (one device for a matmul); `measure` calls it outside the caller's trace."""
     devices = devices[:1] if probe.what == "gemm" else devices
-    mesh = Mesh(np.array(devices), (_AXIS,))
-
-    def measure() -> float:
-        make, args = _program(probe, mesh)
-        return timing.device_time(make, args)["median_s"]
-
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ficco-profile") as pool:
-        return pool.submit(measure).result()
+    make, args = _program(probe, Mesh(np.array(devices), (_AXIS,)))
+    return timing.device_time(make, args)["median_s"]
 
 
 def _program(probe: Probe, mesh: Mesh):
