@@ -260,14 +260,17 @@ def print_comparison(plain: dict, over: dict, speedups: bool = True) -> None:
           f"overlap {t1 * 1e3:.2f} ms ({tokens / t1:,.0f} tokens/s), speedup {ratio(t0, t1, 3)}")
 
 
-#: The site kinds of the model, each overlapped alone by --per-site-kind.
-SITE_KINDS = ("ag_matmul", "matmul_rs")
+def site_kinds(result: dict) -> list[str]:
+    """The kinds of the sites an overlapped run rewrote (its explain report), each run alone by
+    --per-site-kind."""
+    return sorted({site.op for site in result["report"].sites})
 
 
 def print_site_kinds(results: dict, plot: str | None, title: str) -> None:
     """Step time with no overlap, each site kind overlapped alone, every kind, and the comm-free bound
     where it was run; a bar chart in `plot` (PNG) if asked."""
-    rows = [("no overlap", results[False])] + [(f"{kind} only", results[kind]) for kind in SITE_KINDS] + \
+    kinds = site_kinds(results[True])
+    rows = [("no overlap", results[False])] + [(f"{kind} only", results[kind]) for kind in kinds] + \
         [("every site kind", results[True])] + ([("communication-free bound", results["comm-free"])]
                                                 if "comm-free" in results else [])
     plain = steady_step_s(results[False]["step_s"])
@@ -310,8 +313,8 @@ def parse_config(argv=None) -> tuple[Config, argparse.Namespace]:
                         help="rewrite the step with ficco_jax.overlap (default: on)")
     parser.add_argument("--compare", action="store_true", help="run without, then with overlap; print a table")
     parser.add_argument("--per-site-kind", action="store_true",
-                        help="also run with each site kind overlapped alone (all-gather -> matmul, matmul -> "
-                             "reduce-scatter) and print step times per kind")
+                        help="also run with each kind of site the overlapped run rewrote (e.g. all-gather -> "
+                             "matmul, matmul -> reduce-scatter) overlapped alone and print step times per kind")
     parser.add_argument("--plot", metavar="PNG", help="with --per-site-kind: a bar chart of the step times "
                                                      "(needs matplotlib)")
     parser.add_argument("--remat", action=argparse.BooleanOptionalAction, default=None, help="jax.checkpoint per layer")
@@ -367,7 +370,7 @@ def main(argv=None) -> None:
     modes = (False, True) if args.compare or args.per_site_kind else (cfg.overlap,)
     results = {mode: train(dataclasses.replace(cfg, overlap=mode), mesh) for mode in modes}
     if args.per_site_kind:
-        for kind in SITE_KINDS:
+        for kind in site_kinds(results[True]):
             results[kind] = train(dataclasses.replace(cfg, overlap=True, overlap_ops=(kind,)), mesh)
     if args.comm_free_bound:
         # The global view writes no collective to remove: its bound is the shard_map view's step with
