@@ -100,6 +100,12 @@ PRESETS = {
     # The vocabulary is Llama-2's 32000, kept small so that the blocks, not the LM head, fill the step.
     "llama70b-layer": Config(vocab=32000, hidden=8192, ffn=28672, heads=64, kv_heads=8, layers=4, seq=8192,
                              batch=1, tp=4, lr=1e-4, rope_theta=500000.0),
+    # One Llama-3-8B decoder layer's shapes, 8 deep. Against the 70B layer, half the hidden size and
+    # half the FFN width for the same sequence: the matmuls that hide a sequence gather or scatter are
+    # half as long per byte moved, so communication is a larger share of the step (the harder case
+    # for overlap). Per layer and device at tp=2: 109M parameters.
+    "llama8b-layer": Config(vocab=32000, hidden=4096, ffn=14336, heads=32, kv_heads=8, layers=8, seq=8192,
+                            batch=1, tp=2, lr=1e-4, rope_theta=500000.0),
 }
 
 

@@ -4,6 +4,7 @@ Usage:
     python examples/tp_transformer.py                        # tiny preset, 8 virtual CPU devices, overlap on
     python examples/tp_transformer.py --compare --steps 5    # both modes, same init and data, side by side
     python examples/tp_transformer.py --preset llama70b-layer --layers 6 --compare   # 4 x H200
+    python examples/tp_transformer.py --preset llama8b-layer --attention cudnn --compare --comm-free-bound  # 2 GPUs
     python examples/tp_transformer.py --compare --comm-free-bound   # + the step with no communication at all
     python examples/tp_transformer.py --global-view --compare       # the model in global view, no shard_map
 

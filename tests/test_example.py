@@ -72,6 +72,18 @@ def test_llama70b_layer_preset_shapes_without_allocating():
     assert per_layer == pytest.approx(856e6, rel=0.01)  # one Llama-70B decoder layer
 
 
+def test_llama8b_layer_preset_shapes_without_allocating():
+    cfg, _ = tp_transformer.parse_config(["--preset", "llama8b-layer"])
+    cfg.validate(cfg.tp)
+    assert (cfg.hidden, cfg.ffn, cfg.heads, cfg.kv_heads, cfg.seq, cfg.tp) == (4096, 14336, 32, 8, 8192, 2)
+    params = jax.eval_shape(lambda k: tp_transformer.init_params(cfg, k), jax.random.PRNGKey(0))
+    layers = params["layers"]
+    assert layers["wqkv"].shape == (cfg.layers, 4096, 8, 6, 128)  # 4 q heads + k + v per kv head
+    assert layers["w_gate_up"].shape == (cfg.layers, 4096, 2, 14336)
+    per_layer = sum(math.prod(a.shape[1:]) for a in jax.tree.leaves(layers))
+    assert per_layer == pytest.approx(218e6, rel=0.01)  # one Llama-3-8B decoder layer
+
+
 def test_command_line_overrides():
     cfg, args = tp_transformer.parse_config(["--layers", "3", "--no-overlap", "--remat", "--compare"])
     assert (cfg.layers, cfg.overlap, cfg.remat, args.compare) == (3, False, True, True)
