@@ -47,6 +47,7 @@ from jax.interpreters import batching, mlir
 from ... import config
 from ...runtime import extension
 from ...schedule import Schedule
+from ..batching import fold_rows, unfold_rows
 from . import groups
 
 # ------------------------------------------------------------------------------------------------
@@ -253,19 +254,59 @@ def _make_primitive(target: str, abstract_eval) -> Primitive:
     prim.multiple_results = True
     prim.def_abstract_eval(abstract_eval)
     mlir.register_lowering(prim, _lowering)
-    batching.primitive_batchers[prim] = functools.partial(_batch_by_loop, prim)
+    batching.primitive_batchers[prim] = functools.partial(_batch, prim)
     return prim
 
 
-def _batch_by_loop(prim: Primitive, args, dims, **params):
-    """vmap of a copy-engine call that reaches this layer (the FP8 ops, the standalone
-    collectives): one call per batch element, in a loop (the bf16 ops fold a batch into one call
-    a layer up, ops/tangents.py). Every element's call is the same site executed again, as in any
-    loop: the executor tells the executions apart by their order."""
+def _batch(prim: Primitive, args, dims, **params):
+    """vmap of a copy-engine call (the FP8 ops and the standalone collectives reach this layer; the
+    bf16 ops fold their batch a layer up, ops/linear.py, with the same row fold): one call on
+    the batch folded into its operand (`_fold_batch`), else one call per batch element in a loop
+    (a batched weight or scale: each element has its own matmul). Every element's call in the loop
+    is the same site executed again, as in any loop: the executor tells the executions apart by
+    their order."""
+    folded = _fold_batch(params["op"], args, dims, params["axis_size"])
+    if folded is not None:
+        operands, unfold = folded
+        return unfold(prim.bind(*operands, **params))
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     args = tuple(batching.bdim_at_front(a, d, size) for a, d in zip(args, dims))
     outs = jax.lax.map(lambda xs: tuple(prim.bind(*xs, **params)), args)
     return list(outs), [0] * len(outs)
+
+
+#: The collective of each target whose batch folds into its rows (lowering/batching.py).
+_ROW_ROLES = {"all_gather": "gather", "ag_matmul": "gather", "reduce_scatter": "scatter", "matmul_rs": "scatter"}
+
+
+def _fold_batch(op: str, args, dims, n: int):
+    """(operands, unfold) of one call on a batch of `op`'s first operand (unfold: the call's results
+    -> (results, their batch dimensions)), or None where the batch cannot fold. A collective
+    moves bytes, so a batch in a dimension it neither exchanges nor cuts into chunks stays there
+    (all_gather, reduce_scatter: after the rows; all_to_all: after the blocks' first dimension);
+    elsewhere the batch joins the rows (lowering/batching.py), reordered after the call. The
+    expert-parallel matmuls fold a layer up only (ops/table.ExpertParallel)."""
+    (x, d), base = (args[0], dims[0]), op.removesuffix("_scaled")
+    if d is None or any(e is not None for e in dims[1:]):
+        return None
+    if base == "all_to_all":  # [n, rows, ...]: blocks exchanged, rows cut into chunks
+        return [jnp.moveaxis(x, d, 2) if d < 2 else x], lambda outs: (outs, [max(d, 2)])
+    if base in ("all_gather", "reduce_scatter") and d >= 1:  # results: [rows, ...], scratch [n-1, rows, ...]
+        return [x], lambda outs: (outs, [d] + [d + 1] * (len(outs) - 1))
+    role = _ROW_ROLES.get(base)
+    if role is None:
+        return None
+    batch = x.shape[d]
+    folded = fold_rows(role, jnp.moveaxis(x, d, 0), n)
+
+    def unfold(outs):
+        if role == "gather":  # every result is gathered rows
+            return [unfold_rows(role, o, batch, n) for o in outs], [0] * len(outs)
+        out, *scratch = outs  # the scratch blocks [n-1, B*m, ...]: per element, blocks of m rows
+        return ([unfold_rows(role, out, batch, n)] + [s.reshape(s.shape[0], batch, -1, *s.shape[2:])
+                                                           for s in scratch], [0] + [1] * len(scratch))
+
+    return [folded, *args[1:]], unfold
 
 
 #: op -> (FFI target, abstract evaluation): every copy-engine target, in one table.
