@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
-from jax.interpreters import batching, mlir
+from jax.interpreters import ad, batching, mlir
 
 from ... import config
 from ...runtime import extension
@@ -258,6 +258,35 @@ def _make_primitive(target: str, abstract_eval) -> Primitive:
     return prim
 
 
+# ------------------------------------------------------------------------------------------------
+# Differentiation: the collectives are linear, each one's transpose another of them
+# ------------------------------------------------------------------------------------------------
+#: collective -> its transpose: all_gather and reduce_scatter are each other's; an exchange of
+#: blocks (block p to rank p) is its own.
+_TRANSPOSES = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_to_all": "all_to_all"}
+
+
+def _again(op: str, x, params):
+    """`op` on `x` with `params` as one more call: a site of its own (a fresh op id)."""
+    return _PRIMITIVES[op].bind(x, **{**params, "op": op, "op_id": next_op_id(), "out_dtype": np.dtype(x.dtype)})
+
+
+def _linear_jvp(primals, tangents, **params):
+    """Forward mode of a linear call: the call again, on the tangent."""
+    outs = _PRIMITIVES[params["op"]].bind(*primals, **params)
+    if type(tangents[0]) is ad.Zero:
+        return outs, [ad.Zero.from_primal_value(o) for o in outs]
+    return outs, _again(params["op"], tangents[0], params)
+
+
+def _linear_transpose(cts, x, **params):
+    """Reverse mode of a linear call: its transpose on the cotangent of its result (the other
+    results are the executor's scratch blocks, which nobody reads)."""
+    if type(cts[0]) is ad.Zero:
+        return [None]
+    return [_again(_TRANSPOSES[params["op"]], cts[0], params)[0]]
+
+
 def _batch(prim: Primitive, args, dims, **params):
     """vmap of a copy-engine call (the FP8 ops and the standalone collectives reach this layer; the
     bf16 ops fold their batch a layer up, ops/linear.py, with the same row fold): one call on
@@ -324,6 +353,9 @@ _TARGETS = {
 }
 _SCALED = ("ag_matmul_scaled", "matmul_rs_scaled")
 _PRIMITIVES = {op: _make_primitive(target, abstract) for op, (target, abstract) in _TARGETS.items()}
+for _op in _TRANSPOSES:
+    ad.primitive_jvps[_PRIMITIVES[_op]] = _linear_jvp
+    ad.primitive_transposes[_PRIMITIVES[_op]] = _linear_transpose
 
 
 def bind(op: str, operands, axis_name: str, axis_size: int, schedule: Schedule, *, skip_own_rows: bool = False,
