@@ -288,12 +288,12 @@ def _linear_transpose(cts, x, **params):
 
 
 def _batch(prim: Primitive, args, dims, **params):
-    """vmap of a copy-engine call (the FP8 ops and the standalone collectives reach this layer; the
-    bf16 ops fold their batch a layer up, ops/linear.py, with the same row fold): one call on
-    the batch folded into its operand (`_fold_batch`), else one call per batch element in a loop
-    (a batched weight or scale: each element has its own matmul). Every element's call in the loop
-    is the same site executed again, as in any loop: the executor tells the executions apart by
-    their order."""
+    """vmap of a copy-engine call (the standalone collectives and the raw matmuls of
+    ficco_jax.dma reach this layer; the public ops fold their batch a layer up, ops/linear.py,
+    with the same row fold): one call on the batch folded into its operand (`_fold_batch`), else
+    one call per batch element in a loop (a batched weight or scale: each element has its own
+    matmul). Every element's call in the loop is the same site executed again, as in any loop:
+    the executor tells the executions apart by their order."""
     folded = _fold_batch(params["op"], args, dims, params["axis_size"])
     if folded is not None:
         operands, unfold = folded
