@@ -267,7 +267,9 @@ _TRANSPOSES = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "
 
 
 def _again(op: str, x, params):
-    """`op` on `x` with `params` as one more call: a site of its own (a fresh op id)."""
+    """`op` on `x` with `params` as one more call: a site of its own (a fresh op id); a dtype the
+    executor cannot sum (the cotangent of an FP8 all_gather) is a TypeError that says so."""
+    check_supported(op, x.dtype)
     return _PRIMITIVES[op].bind(x, **{**params, "op": op, "op_id": next_op_id(), "out_dtype": np.dtype(x.dtype)})
 
 
