@@ -342,10 +342,12 @@ def present(t):
 
 
 def zero_where_none(t, like):
+    """A tangent of `like`, a symbolic zero where it is None."""
     return SymbolicZero(jax.typeof(like).to_tangent_aval()) if t is None else t
 
 
 def tangent_aval(v):
+    """The abstract value of a tangent of `v`."""
     return jax.typeof(v).to_tangent_aval()
 
 
