@@ -485,3 +485,29 @@ def test_collective_forward_mode(name, rng):
 
     assert _rel_err(program(ours)(x, t), program(ref)(x, t)) < TOLERANCE[jnp.float32]
     assert ffi_calls(program(ours).lower(x, t).compile().as_text()) == 2
+
+
+@pytest.mark.parametrize("in_axis", [0, 1])
+def test_raw_matmuls_under_vmap_fold_into_rows(in_axis, rng):
+    """vmap of the raw tensor-parallel matmuls (no ficco_jax.ops above them to fold the batch): the
+    batch joins the rows of one call, the results reordered; equal to jax.lax's."""
+    mesh, sched = MESHES["1d"], Schedule(comm="dma", order="direct", chunks=2)
+    x, w = rng.standard_normal((BATCH, 8 * 4, 6)), rng.standard_normal((6, 8 * 2))
+    y, w2 = rng.standard_normal((BATCH, 8 * 4, 8 * 2)), rng.standard_normal((8 * 2, 6))
+    x, w, y, w2 = (jnp.asarray(v, jnp.float32) for v in (x, w, y, w2))
+    x_spec = P(None, "tp") if in_axis == 0 else P("tp")
+    cases = [  # (ours, reference, operands, in_specs, out_specs)
+        (lambda a, b: dma.ag_matmul_dma(a, b, "tp", sched),
+         lambda a, b: (jax.lax.all_gather(a, "tp", tiled=True) @ b, jax.lax.all_gather(a, "tp", tiled=True)),
+         (jnp.moveaxis(x, 0, in_axis), w), (x_spec, P(None, "tp")), (P(None, None, "tp"), P())),
+        (lambda a, b: dma.matmul_rs_dma(a, b, "tp", sched),
+         lambda a, b: jax.lax.psum_scatter(a @ b, "tp", tiled=True),
+         (jnp.moveaxis(y, 0, in_axis), w2), (P(None, None, "tp"), P("tp")), P(None, "tp")),
+    ]
+    for ours, ref, operands, in_specs, out_specs in cases:
+        def program(body):
+            return jax.jit(jax.shard_map(jax.vmap(body, in_axes=(in_axis, None)), mesh=mesh, in_specs=in_specs,
+                                         out_specs=out_specs, check_vma=False))
+        for got, want in zip(jax.tree.leaves(program(ours)(*operands)), jax.tree.leaves(program(ref)(*operands))):
+            assert _rel_err(got, want) < TOLERANCE[jnp.float32]
+        assert ffi_calls(program(ours).lower(*operands).compile().as_text()) == 1
