@@ -1,4 +1,6 @@
 """Shared test helpers: shard_map wrappers for the ops on 1-D and 2-D meshes, and error metrics."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -91,3 +93,35 @@ def lowered_text(mesh, body, specs, *args) -> str:
     """The StableHLO text run_sharded would compile (to check which custom calls a program holds)."""
     f, placed = _jitted(mesh, body, specs, args)
     return f.lower(*placed).as_text()
+
+
+def ffi_calls(compiled_hlo: str) -> int:
+    """The executor calls one run of a compiled program makes: its ficco custom calls, each counted
+    once per iteration of every while loop around it (XLA's known trip count), so that a loop of
+    one call per batch element counts as many calls as elements (every branch of a conditional
+    counted)."""
+    bodies, name, entry = {}, None, None
+    for line in compiled_hlo.splitlines():
+        head = re.match(r"(ENTRY )?%([\w.\-]+) .*\{$", line)
+        if head:
+            name, bodies[head.group(2)] = head.group(2), []
+            entry = name if head.group(1) else entry
+        elif name is not None:
+            bodies[name].append(line)
+
+    def calls(computation: str) -> int:
+        total = 0
+        for line in bodies[computation]:
+            total += 'custom_call_target="ficco_' in line
+            trips = 1
+            if " while(" in line:
+                found = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+                assert found, f"a while loop without a known trip count: {line[:200]}"
+                trips = int(found.group(1))
+            callees = re.findall(r"(?:body|calls|to_apply)=%([\w.\-]+)", line)
+            for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
+                callees += re.findall(r"%([\w.\-]+)", group)
+            total += trips * sum(calls(c) for c in callees)
+        return total
+
+    return calls(entry)

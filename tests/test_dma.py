@@ -16,9 +16,10 @@ import pytest  # noqa: E402
 from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
 from ficco_jax import dma  # noqa: E402
-from ficco_jax.lowering.dma import groups  # noqa: E402
+from ficco_jax.lowering.dma import groups, registry  # noqa: E402
 from ficco_jax.runtime import extension as _ext  # noqa: E402
 from ficco_jax.schedule import Schedule  # noqa: E402
+from helpers import ffi_calls  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not _ext.available(), reason="ficco_jax._ffi is not built")
 
@@ -408,9 +409,105 @@ def test_ag_matmul_skip_path_under_remat_and_scan_gradients(rng, wrap):
         assert _rel_err(got, want) < 1e-4, wrap
 
 
-def test_collective_under_vmap(mesh1d, rng):
-    """vmap of a copy-engine collective runs (one call per batch element) and gathers every element."""
-    x = jnp.asarray(rng.standard_normal((3, 8 * 4, 8)), jnp.float32)
-    gather = jax.vmap(lambda v: dma.all_gather(v, "tp", schedule="dma/direct/c1"))
-    f = jax.jit(jax.shard_map(gather, mesh=mesh1d, in_specs=P(None, "tp"), out_specs=P(None, None), check_vma=False))
-    np.testing.assert_array_equal(np.asarray(f(x)), np.asarray(x))
+# ------------------------------------------------------------------------------------------------
+# vmap and forward mode of the collectives
+# ------------------------------------------------------------------------------------------------
+#: collective -> (copy engines, jax.lax), on a per-device element [n, n] (every dimension divides by n).
+COLLECTIVES = {
+    "all_gather": (lambda v: dma.all_gather(v, "tp", axis=1), lambda v: jax.lax.all_gather(v, "tp", axis=1, tiled=True)),
+    "reduce_scatter": (lambda v: dma.reduce_scatter(v, "tp"), lambda v: jax.lax.psum_scatter(v, "tp", tiled=True)),
+    "all_to_all": (lambda v: dma.all_to_all(v, "tp", 0, 1), lambda v: jax.lax.all_to_all(v, "tp", 0, 1, tiled=True)),
+}
+BATCH = 3
+
+
+def _batched_program(body, in_axis):
+    """jit(shard_map(body)) on the 2-D mesh of x [devices*n, n] per element with a batch of BATCH
+    in dimension `in_axis`; results batch-leading, concatenated over the devices in dimension 1
+    (the element's rows moved next to the batch: same values per element whatever in_axis is)."""
+    mesh, devices = MESHES["2d"], _all_axes(MESHES["2d"])
+    spec = P(*[None if d == in_axis else (devices if d == (1 if in_axis == 0 else 0) else None) for d in range(3)])
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=P(None, devices), check_vma=True))
+
+
+def _batched_input(rng, in_axis):
+    n, devices = MESHES["2d"].shape["tp"], MESHES["2d"].devices.size
+    return jnp.moveaxis(jnp.asarray(rng.standard_normal((BATCH, devices * n, n)) + 2.0, jnp.float32), 0, in_axis)
+
+
+def _per_element(fn, in_axis):
+    """fn once per batch element (BATCH separate calls), stacked: the reference of vmap(fn)."""
+    return lambda xb: jnp.stack([fn(jnp.take(xb, i, axis=in_axis)) for i in range(BATCH)])
+
+
+def _grad_of(fn):
+    def loss(v):
+        y = fn(v)
+        return jnp.sum(jnp.sin(y) * y)
+    return jax.grad(loss)
+
+
+@pytest.mark.parametrize("in_axis", [0, 1, 2])
+@pytest.mark.parametrize("name", list(COLLECTIVES))
+def test_collective_under_vmap_is_one_call(name, in_axis, rng):
+    """vmap of a collective, the batch in any dimension: one executor call on the whole batch (its
+    gradient: one more, the transpose), equal to the collective run per element and to jax.lax's."""
+    ours, ref = COLLECTIVES[name]
+    xb = _batched_input(rng, in_axis)
+    for transform in (lambda f: f, _grad_of):
+        got = _batched_program(jax.vmap(transform(ours), in_axes=in_axis), in_axis)
+        per_element = _batched_program(_per_element(transform(ours), in_axis), in_axis)(xb)
+        want = _batched_program(jax.vmap(transform(ref), in_axes=in_axis), in_axis)(xb)
+        assert _rel_err(got(xb), per_element) < 1e-6 and _rel_err(got(xb), want) < TOLERANCE[jnp.float32]
+        expected = 1 if transform is not _grad_of else 2
+        assert ffi_calls(got.lower(xb).compile().as_text()) == expected
+
+
+def test_a_loop_of_calls_is_counted(monkeypatch, rng):
+    """The count of the test above sees a loop: with the batch left unfolded, one call per element."""
+    monkeypatch.setattr(registry, "_fold_batch", lambda *args: None)
+    xb = _batched_input(rng, 0)
+    f = _batched_program(jax.vmap(COLLECTIVES["all_gather"][0]), 0)
+    assert ffi_calls(f.lower(xb).compile().as_text()) == BATCH
+    assert _rel_err(f(xb), _batched_program(jax.vmap(COLLECTIVES["all_gather"][1]), 0)(xb)) < 1e-6
+
+
+@pytest.mark.parametrize("name", list(COLLECTIVES))
+def test_collective_forward_mode(name, rng):
+    """jax.jvp of a collective: the collective on the tangent too (two calls), equal to jax.lax's."""
+    ours, ref = COLLECTIVES[name]
+    x, t = (jnp.take(_batched_input(rng, 0), 0, axis=0) for _ in range(2))
+
+    def program(fn):
+        body = lambda v, dv: jnp.stack(jax.jvp(fn, (v,), (dv,)))  # noqa: E731
+        return jax.jit(jax.shard_map(body, mesh=MESHES["2d"], in_specs=(P(_all_axes(MESHES["2d"])),) * 2,
+                                     out_specs=P(None, _all_axes(MESHES["2d"]))))
+
+    assert _rel_err(program(ours)(x, t), program(ref)(x, t)) < TOLERANCE[jnp.float32]
+    assert ffi_calls(program(ours).lower(x, t).compile().as_text()) == 2
+
+
+@pytest.mark.parametrize("in_axis", [0, 1])
+def test_raw_matmuls_under_vmap_fold_into_rows(in_axis, rng):
+    """vmap of the raw tensor-parallel matmuls (no ficco_jax.ops above them to fold the batch): the
+    batch joins the rows of one call, the results reordered; equal to jax.lax's."""
+    mesh, sched = MESHES["1d"], Schedule(comm="dma", order="direct", chunks=2)
+    x, w = rng.standard_normal((BATCH, 8 * 4, 6)), rng.standard_normal((6, 8 * 2))
+    y, w2 = rng.standard_normal((BATCH, 8 * 4, 8 * 2)), rng.standard_normal((8 * 2, 6))
+    x, w, y, w2 = (jnp.asarray(v, jnp.float32) for v in (x, w, y, w2))
+    x_spec = P(None, "tp") if in_axis == 0 else P("tp")
+    cases = [  # (ours, reference, operands, in_specs, out_specs)
+        (lambda a, b: dma.ag_matmul_dma(a, b, "tp", sched),
+         lambda a, b: (jax.lax.all_gather(a, "tp", tiled=True) @ b, jax.lax.all_gather(a, "tp", tiled=True)),
+         (jnp.moveaxis(x, 0, in_axis), w), (x_spec, P(None, "tp")), (P(None, None, "tp"), P())),
+        (lambda a, b: dma.matmul_rs_dma(a, b, "tp", sched),
+         lambda a, b: jax.lax.psum_scatter(a @ b, "tp", tiled=True),
+         (jnp.moveaxis(y, 0, in_axis), w2), (P(None, None, "tp"), P("tp")), P(None, "tp")),
+    ]
+    for ours, ref, operands, in_specs, out_specs in cases:
+        def program(body):
+            return jax.jit(jax.shard_map(jax.vmap(body, in_axes=(in_axis, None)), mesh=mesh, in_specs=in_specs,
+                                         out_specs=out_specs, check_vma=False))
+        for got, want in zip(jax.tree.leaves(program(ours)(*operands)), jax.tree.leaves(program(ref)(*operands))):
+            assert _rel_err(got, want) < TOLERANCE[jnp.float32]
+        assert ffi_calls(program(ours).lower(*operands).compile().as_text()) == 1

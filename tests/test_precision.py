@@ -11,7 +11,8 @@ from jax.sharding import PartitionSpec as P
 import ficco_jax
 from ficco_jax import Schedule
 from ficco_jax.runtime import extension
-from helpers import TOLERANCE, ag_specs, global_shapes, random, rel_err, rs_specs, run_sharded
+from ficco_jax.ops import table
+from helpers import TOLERANCE, ag_specs, ffi_calls, global_shapes, random, rel_err, rs_specs, run_sharded
 
 OPS = {
     "ag_matmul": (ficco_jax.ag_matmul, ficco_jax.ag_matmul_ref, ag_specs),
@@ -506,17 +507,147 @@ def test_mixed_precision_sites_overlap_cannot_take_say_why(mesh1d, rng):
     assert "preferred_element_type=float32" in scatter.reason
 
 
-def test_fp8_under_vmap_on_copy_engines(mesh1d, rng):
-    """vmap of an FP8 op on copy engines runs (one call per batch element) and equals the plain path."""
-    x8 = jnp.asarray(rng.standard_normal((3, 16, 32)), jnp.float8_e4m3fn)
-    w8 = jnp.asarray(rng.standard_normal((32, 16)), jnp.float8_e4m3fn)
-    scales = jnp.float32(0.5), jnp.float32(0.25)
+# ------------------------------------------------------------------------------------------------
+# FP8: vmap, forward mode, second derivatives
+# ------------------------------------------------------------------------------------------------
+BATCH = 2
 
-    def batched(schedule):
-        one = lambda x, w: ficco_jax.ag_matmul(x, w, "tp", x_scale=scales[0], w_scale=scales[1],  # noqa: E731
-                                               schedule=schedule)
-        return jax.jit(jax.shard_map(jax.vmap(one, in_axes=(0, None)), mesh=mesh1d,
-                                     in_specs=(P(None, "tp"), P(None, "tp")), out_specs=P(None, None, "tp")))
 
-    np.testing.assert_array_equal(np.asarray(batched("dma/direct/c2")(x8, w8), np.float32),
-                                  np.asarray(batched("none")(x8, w8), np.float32))
+def _batched_spec(spec, axis):
+    return spec if axis is None else P(*[*spec][:axis], None, *[*spec][axis:])
+
+
+def _fp8_batched_program(mesh, op, body, in_axes, out_specs):
+    """jit(shard_map(body)) of (a, w, sa, sw), a batch of BATCH in dimension in_axes[0] of a (and 0 of
+    w where in_axes[1] is 0)."""
+    (a_spec, w_spec, s_spec, _), _ = _fp8_specs(op, mesh)
+    in_specs = (_batched_spec(a_spec, in_axes[0]), _batched_spec(w_spec, in_axes[1]), s_spec, s_spec)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+
+
+def _fp8_batched_inputs(rng, op, mesh, in_axes):
+    elements = [_scaled_inputs(rng, op, mesh) for _ in range(BATCH)]
+    a = jnp.stack([e[0] for e in elements], axis=in_axes[0])
+    w = elements[0][1] if in_axes[1] is None else jnp.stack([e[1] for e in elements])
+    return a, w, elements[0][2]
+
+
+def _fp8_sin_grads(call):
+    """The gradients of sum(sin(op)) in (a, w, sa, sw)."""
+    return jax.grad(lambda *v: jnp.sum(jnp.sin(call(*v).astype(F32))), argnums=(0, 1, 2, 3))
+
+
+@pytest.mark.parametrize("in_axes", [(0, None), (1, None), (0, 0)], ids=["batch-0", "batch-1", "batched-weights"])
+@pytest.mark.parametrize("op", list(OPS))
+def test_fp8_under_vmap(mesh2d, rng, op, in_axes):
+    """vmap of an FP8 op on copy engines and of its gradient: a batch of inputs against one weight
+    is one executor call per op (the backward's op included); a batch of weights runs one call per
+    element. Equal to the op run per element, and to the reference."""
+    a, w, scales = _fp8_batched_inputs(rng, op, mesh2d, in_axes)
+    axes = (*in_axes, None, None)
+    (a_spec, w_spec, _, _), out_spec = _fp8_specs(op, mesh2d)
+    ours, ref = _fp8_call(op, "dma/direct/c2", F32), _fp8_reference_f32(op, F32)
+
+    def per_element(fn):
+        def run(a, w, sa, sw):
+            one = [fn(jnp.take(a, i, axis=in_axes[0]), w if in_axes[1] is None else w[i], sa, sw) for i in range(BATCH)]
+            return jax.tree.map(lambda *r: jnp.stack(r), *one)
+        return run
+
+    out_specs = P(None, *out_spec)
+    got = _fp8_batched_program(mesh2d, op, jax.vmap(ours, in_axes=axes), in_axes, out_specs)
+    assert rel_err(got(a, w, *scales), _fp8_batched_program(mesh2d, op, per_element(ours), in_axes, out_specs)(
+        a, w, *scales)) < TOLERANCE["float32"]
+    want = _fp8_batched_program(mesh2d, op, jax.vmap(ref, in_axes=axes), in_axes, out_specs)(
+        a.astype(F32), w.astype(F32), *scales)
+    assert rel_err(got(a, w, *scales), want) < TOLERANCE["float32"]
+    calls = 1 if in_axes[1] is None else BATCH
+    assert ffi_calls(got.lower(a, w, *scales).compile().as_text()) == calls
+
+    grad_specs = (P(None, *a_spec), P(None, *w_spec), P(None), P(None))  # batch-leading
+    got = _fp8_batched_program(mesh2d, op, jax.vmap(_fp8_sin_grads(ours), in_axes=axes), in_axes, grad_specs)
+    each = _fp8_batched_program(mesh2d, op, per_element(_fp8_sin_grads(ours)), in_axes, grad_specs)(a, w, *scales)
+    want = _fp8_batched_program(mesh2d, op, jax.vmap(_fp8_sin_grads(ref), in_axes=axes), in_axes, grad_specs)(
+        a.astype(F32), w.astype(F32), *scales)
+    for g, e, r in zip(got(a, w, *scales), each, want):
+        if g.dtype == F32:  # the scales': sums over every element of both operands, in another order
+            assert rel_err(g, e) < TOLERANCE["float32"] and rel_err(g, r) < 10 * TOLERANCE["float32"]
+        else:  # the FP8 operands': the f32 reference's rounded once to FP8
+            assert same_bits(g, e) > 0.99 and same_bits(g, r.astype(g.dtype)) > 0.99
+    assert ffi_calls(got.lower(a, w, *scales).compile().as_text()) == 2 * calls
+
+
+@pytest.mark.parametrize("sched", ["dma/direct/c2", "xla/ring/c2"])
+@pytest.mark.parametrize("op", list(OPS))
+def test_fp8_forward_mode(mesh2d, rng, op, sched):
+    """jax.jvp of an FP8 op with tangents on both FP8 operands and both scales equals JAX's jvp of
+    the reference, and runs the op on copy engines for the tangent too."""
+    a, w, scales = _scaled_inputs(rng, op, mesh2d)
+    da, dw, _ = _scaled_inputs(rng, op, mesh2d)
+    d_scales = (jnp.float32(0.3), jnp.float32(-0.7))
+    specs, out_spec = _fp8_specs(op, mesh2d)
+
+    def program(call):
+        body = lambda *v: jax.jvp(call, v[:4], v[4:])  # noqa: E731
+        return jax.jit(jax.shard_map(body, mesh=mesh2d, in_specs=specs * 2, out_specs=(out_spec, out_spec)))
+
+    got = program(_fp8_call(op, sched, F32))(a, w, *scales, da, dw, *d_scales)
+    f32 = [v.astype(F32) for v in (a, w)] + list(scales) + [v.astype(F32) for v in (da, dw)] + list(d_scales)
+    want = program(_fp8_reference_f32(op, F32))(*f32)
+    for g, r in zip(got, want):
+        assert rel_err(g, r) < TOLERANCE["float32"]
+    if sched.startswith("dma"):
+        assert ffi_calls(program(_fp8_call(op, sched, F32)).lower(a, w, *scales, da, dw, *d_scales)
+                         .compile().as_text()) >= 2
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_fp8_second_derivatives(mesh2d, rng, op):
+    """Forward over reverse (a Hessian-vector product in the scales, tangents on every operand) and
+    reverse over reverse equal JAX's on the reference."""
+    a, w, scales = _scaled_inputs(rng, op, mesh2d)
+    da, dw, _ = _scaled_inputs(rng, op, mesh2d)
+    d_scales = (jnp.float32(0.3), jnp.float32(-0.7))
+    specs, _ = _fp8_specs(op, mesh2d)
+
+    def loss(call):
+        return lambda *v: jax.lax.psum(jnp.sum(jnp.sin(call(*v).astype(F32))), ("dp", "tp"))
+
+    def hvp(call):
+        body = lambda *v: jax.jvp(jax.grad(loss(call), argnums=(2, 3)), v[:4], v[4:])[1]  # noqa: E731
+        return jax.jit(jax.shard_map(body, mesh=mesh2d, in_specs=specs * 2, out_specs=P()))
+
+    def grad_grad(call):
+        body = jax.grad(lambda *v: jax.grad(loss(call), argnums=2)(*v), argnums=(2, 3))
+        return jax.jit(jax.shard_map(body, mesh=mesh2d, in_specs=specs, out_specs=P()))
+
+    f32 = [v.astype(F32) for v in (a, w)] + list(scales)
+    for got, want in [(hvp(_fp8_call(op, "dma/direct/c1", F32))(a, w, *scales, da, dw, *d_scales),
+                       hvp(_fp8_reference_f32(op, F32))(*f32, da.astype(F32), dw.astype(F32), *d_scales)),
+                      (grad_grad(_fp8_call(op, "dma/direct/c1", F32))(a, w, *scales),
+                       grad_grad(_fp8_reference_f32(op, F32))(*f32))]:
+        for g, r in zip(got, want):  # second derivatives of sin summed over every element: f32 order, amplified
+            assert abs(float(g) - float(r)) <= 10 * TOLERANCE["float32"] * abs(float(r)) + 1e-6
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_fp8_traces_its_lowering_once(monkeypatch, mesh2d, rng, op):
+    """A forward FP8 call traces its schedule's steps once; differentiated, the forward is still
+    traced once (its equation's results are typed from the op's shapes), and the transpose (the
+    other op of the pair) once."""
+    pair, traced = table.TENSOR_PARALLEL, []
+    for lowering in ("gather_xla", "scatter_xla"):
+        def counted(*args, _lowering=lowering, **kwargs):
+            traced.append(_lowering)
+            return getattr(type(pair), _lowering)(pair, *args, **kwargs)
+        monkeypatch.setattr(pair, lowering, counted)
+    a, w, scales = _scaled_inputs(rng, op, mesh2d)
+    specs, out_spec = _fp8_specs(op, mesh2d)
+    own, other = ("gather_xla", "scatter_xla") if op == "ag_matmul" else ("scatter_xla", "gather_xla")
+    run_sharded(mesh2d, _fp8_call(op, "xla/ring/c2", F32), (specs, out_spec), a, w, *scales)
+    assert traced == [own]
+    traced.clear()
+    grads = jax.grad(lambda a, w: jnp.sum(run_sharded(mesh2d, _fp8_call(op, "xla/ring/c2", F32), (specs, out_spec),
+                                                      a, w, *scales)), argnums=(0, 1))
+    grads(a, w)
+    assert traced == [own, other]

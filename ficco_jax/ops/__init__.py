@@ -2,7 +2,7 @@
 
   api.py      ag_matmul / matmul_rs / matmul_psum / a2a_matmul / matmul_a2a and their references
   measure.py  running one op on local devices to time it (autotune, the benchmark tools)
-  scaled.py   the FP8 forms of the tensor-parallel ops (a custom VJP)
+  scaled.py   the FP8 forms of the tensor-parallel ops: their tangent maps and positional forms
   run.py      an op by name: checks, schedule resolution, its positional form
   tangents.py the tangent maps of a pair and the positional forms binding them: forward mode
               runs the op, reverse mode its transpose

@@ -85,7 +85,7 @@ def ag_matmul(x, w, axis_name: str, *, schedule: ScheduleArg = "auto", return_ga
     FP8: x and w ``float8_e4m3fn`` / ``float8_e5m2`` (not both e5m2) with per-tensor f32 scales
     `x_scale`, `w_scale` compute ``((all_gather(x).astype(f32) * x_scale) @ (w.astype(f32) *
     w_scale)).astype(out_dtype)`` (out_dtype bf16 by default, or f16, f32): the gather moves FP8
-    bytes, the matmuls are FP8. Reverse-mode differentiable with an overlapped backward whose
+    bytes, the matmuls are FP8. Differentiable in both modes, with an overlapped backward whose
     precision ops/scaled.py states; scales may be traced (delayed scaling updates them).
     """
     if scaled.wanted(x, x_scale, w_scale):

@@ -14,7 +14,8 @@ per map is a `LinearMap` record (ops/tangents.py); this module gives every map t
                jax.vmap of an op takes the same path)
 
 The op itself is bilinear, so it is such a map too (linear in its input given its weight); the
-positional forms evaluate it as one of these equations (ops/tangents.gather_primal).
+positional forms evaluate it as one of these equations (ops/tangents.py; the FP8 forms, linear in
+each of their operands and scales given the others, ops/scaled.py).
 
 Each equation carries where the op was written (`site`, read when it is bound: the user's line, or
 the line of the collective `overlap()` replaced), because its executor calls are bound only when

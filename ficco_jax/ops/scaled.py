@@ -7,12 +7,25 @@
 
 The all-gather moves FP8 bytes (half of bf16's); matmul_rs moves and sums `out_dtype` partials.
 The matmuls are FP8: cuBLASLt's, with the scales as device pointers and Hopper's fast
-accumulation (as TransformerEngine's forward GEMMs), on the copy-engine path (`comm="dma"`); on `comm="none"` / `"xla"` XLA's own FP8 dot with the scales applied to its f32
-result (lowering/xla.product).
+accumulation (as TransformerEngine's forward GEMMs), on the copy-engine path (`comm="dma"`); on `comm="none"` / `"xla"` XLA's own
+FP8 dot with the scales applied to its f32 result (lowering/xla.product).
 
-Backward (a custom VJP, itself overlapped): the gradient matmuls take operands in the cotangent's
-dtype (`out_dtype`) — the FP8 values converted exactly (every e4m3 and e5m2 value is a bf16, f16
-and f32 value), the scales applied to their f32 results — and accumulate into f32:
+Differentiation and batching: each FP8 op is one equation of its tangent map (ops/linear.py, the
+primitive of the bf16 ops), because the op is linear in each of its four operands given the others:
+
+    d op = op(da, w; sa, sw) + op(a, dw; sa, sw) + (dsa * sw + sa * dsw) * op(a, w; 1, 1)
+
+(a the input, x or y; sa its scale). Forward mode (jax.jvp, jacfwd) evaluates this map: FP8
+matmuls of the FP8 tangents (JAX's tangent of an FP8 array is FP8) with the forward's schedule,
+summed in f32 and rounded once to `out_dtype`, as JAX's differentiation of the reference rounds.
+The map's own derivative in its residuals (second derivatives: jacfwd of grad, jvp of jvp) is
+plain f32 products of the FP8 values. jax.vmap of a batch of inputs against one weight and one
+pair of scales runs the op once on the batch folded into its rows (ops/table.TensorParallel); a
+batch of weights or scales runs one op per element, in a loop.
+
+Reverse mode is the map's transpose, itself overlapped: the gradient matmuls take operands in the
+cotangent's dtype (`out_dtype`) — the FP8 values converted exactly (every e4m3 and e5m2 value is a
+bf16, f16 and f32 value), the scales applied to their f32 results — and accumulate into f32:
 
     d x  = sx * sw * matmul_rs(g, w^T)        (ag_matmul; f32 partials reduce-scattered)
     d w  = sx * sw * all_gather(x)^T @ g      (the gathered FP8 x kept from the forward)
@@ -22,8 +35,7 @@ gradients: an e5m2 gradient needs its own scale, which comes from amax statistic
 (delayed or current scaling); with the cotangent's dtype the gradients are those of the
 reference up to f32 summation order. The gradients of the FP8 operands are then rounded to their
 dtype, exactly as JAX's own differentiation of the reference does; the scales get their true
-gradients (summed over the devices that share them). Forward-mode differentiation of the FP8
-forms is not offered (a quantized matmul is a step function of its FP8 inputs).
+gradients (summed over the devices that share them).
 """
 from __future__ import annotations
 
@@ -34,10 +46,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from .. import config
-from .core import axis_size, like_primal, varying_axes
+from ..lowering import xla
+from ..lowering.dma.registry import aval
+from .core import axis_size
+from .linear import LinearMap, bind
 from .resolve import resolve_schedule, transposed_schedule
 from .run import run_scheduled
 from .table import TENSOR_PARALLEL
+from .tangents import Static, fold_input_batch, present, tangent_aval, varying_together, zero_where_none
 
 #: The result dtypes of an FP8 matmul.
 OUT_DTYPES = ("bfloat16", "float16", "float32")
@@ -75,98 +91,246 @@ def check(op: str, a, w, scales, out_dtype):
 
 
 def call(op: str, a, w, axis_name: str, schedule, scales, out_dtype, *, with_side: bool = False, measure=None):
-    """The FP8 `op` as the public functions run it (ops/api.py): checks, schedule, the custom VJP."""
+    """The FP8 `op` as the public functions run it (ops/api.py): checks, schedule, its positional form."""
     n = axis_size(axis_name, op)
     scales, out = check(op, a, w, scales, out_dtype)
     sched = resolve_schedule(op, schedule, (a.shape, w.shape), a.dtype, n, axis_name=axis_name, measure=measure,
                              out_dtype=out)
     if op == "ag_matmul":
-        result = _ag_matmul(a, w, *scales, axis_name, sched, out, bool(with_side))
-        return result if with_side else result[0]
+        return _ag_matmul(a, w, *scales, axis_name, sched, out, bool(with_side))
     return _matmul_rs(a, w, *scales, axis_name, sched, out)
 
 
 # ------------------------------------------------------------------------------------------------
-# forward
+# The maps: res (a, w, sa, sw[, side]), lin (da, dw, dsa, dsw)
 # ------------------------------------------------------------------------------------------------
-def _ag_forward(x, w, sx, sw, axis_name, sched, out_dtype, side_needed):
-    return TENSOR_PARALLEL.gather_impl(x, w, axis_name, sched, out_dtype, side_needed, scales=(sx, sw))
+class _ScaledMap(LinearMap):
+    """The tangent map of an FP8 op, which is linear in each of its four operands given the others:
+
+        d op = op(da, w; sa, sw) + op(a, dw; sa, sw) + (dsa * sw + sa * dsw) * op(a, w; 1, 1)
+
+    Its primal is the map at lin (a, -, -, -), res (-, w, sa, sw): the op itself. Evaluated
+    (forward mode), the terms are FP8 matmuls summed in f32; transposed (reverse mode), the
+    backward of the module docstring; its cotangents are summed over the mesh axes, then rounded
+    to the FP8 dtypes."""
+
+    op: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.op}_fp8_tangent"
+
+    def sums_before_cast(self, static) -> bool:
+        return True
+
+    def fold_batch(self, static, res, lin, batched_res, batched_lin):
+        return fold_input_batch(TENSOR_PARALLEL, self.op, static, res, lin, batched_res, batched_lin, res[1])
 
 
-def _rs_forward(y, w, sy, sw, axis_name, sched, out_dtype):
-    return TENSOR_PARALLEL.scatter_impl(y, w, axis_name, sched, out_dtype, scales=(sy, sw))
+class _Gather(_ScaledMap):
+    """ag_matmul's: res (x, w, sx, sw, gathered x), lin (dx, dw, dsx, dsw) -> (out,), or (out,
+    gathered dx) with `Static.with_side`."""
+    op = "ag_matmul"
+
+    def apply(self, static, res, lin):
+        (_x, w, sx, sw, side), (dx, dw, dsx, dsw) = res, lin
+        acc = _accumulator(static, sum(v is not None for v in (dx, dw)) + (dsx is not None or dsw is not None))
+        out = side_t = None
+        if dx is not None:
+            out, side_t = TENSOR_PARALLEL.gather_impl(dx, w, static.axis_name, static.sched, acc,
+                                                      side_needed=static.with_side, scales=(sx, sw))
+        if dw is not None:
+            out = _add(out, xla.product(side, dw, acc, scales=(sx, sw)))
+        if dsx is not None or dsw is not None:
+            out = _add(out, xla.product(side, w, acc, scales=(_scale_tangent(sx, sw, dsx, dsw), jnp.float32(1))))
+        out = out.astype(static.out_dtype)
+        return (out, side_t) if static.with_side else (out,)
+
+    def res_jvp(self, static, res, lin, t_res, outs):
+        (_x, w, sx, sw, side), (dx, dw, dsx, dsw), (_tx, tw, tsx, tsw, tside) = res, lin, t_res
+        gathered_dx = None
+        if dx is not None and (tw is not None or tsx is not None or tsw is not None):
+            gathered_dx = outs[1] if static.with_side else lax.all_gather(dx, static.axis_name, axis=0, tiled=True)
+        t = _product_tangent(gathered_dx, side, tside, w, dw, tw, (sx, sw), (dsx, dsw), (tsx, tsw))
+        t = None if t is None else t.astype(static.out_dtype)
+        return (t, None) if static.with_side else (t,)
+
+    def transpose(self, static, res, cts, wanted):
+        (x, w, sx, sw, side), g = res, cts[0]
+        g_side = cts[1] if static.with_side else None
+        dx_deq = dw_deq = None
+        if g is not None and (wanted[0] or wanted[2]):  # d (x sx) = sw * matmul_rs(g, w^T)
+            gd, w_t = g.dtype, w.astype(g.dtype).T
+            n = axis_size(static.axis_name, self.op)
+            bwd = transposed_schedule("matmul_rs", static.sched, (g.shape, w_t.shape), gd, n, _f32_if_narrower(gd))
+            dx_deq = sw * run_scheduled("matmul_rs", g, w_t, static.axis_name, bwd, out_dtype=_f32_if_narrower(gd))
+        if g is not None and (wanted[1] or wanted[3]):  # d (w sw) = sx * gathered^T @ g
+            dw_deq = sx * jnp.matmul(side.astype(g.dtype).T, g, preferred_element_type=jnp.float32)
+        direct = None
+        if g_side is not None and wanted[0]:  # the gathered x itself: its cotangent reduce-scattered onto x
+            direct = lax.psum_scatter(g_side.astype(jnp.float32), static.axis_name, scatter_dimension=0, tiled=True)
+        return _operand_cts(wanted, x, w, sx, sw, dx_deq, dw_deq, direct)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+class _Scatter(_ScaledMap):
+    """matmul_rs's: res (y, w, sy, sw), lin (dy, dw, dsy, dsw) -> (out,); the first two terms are
+    one call on the operands joined along the contraction, [dy | y] @ [w ; dw] (one scale each)."""
+    op = "matmul_rs"
+
+    def apply(self, static, res, lin):
+        (y, w, sy, sw), (dy, dw, dsy, dsw) = res, lin
+        scale_terms = dsy is not None or dsw is not None
+        acc = _accumulator(static, (dy is not None or dw is not None) + scale_terms)
+        out = None
+        if dy is not None or dw is not None:
+            if dy is not None and dw is not None:
+                a, b = jnp.concatenate([dy, y], axis=1), jnp.concatenate([w, dw], axis=0)
+            else:
+                a, b = (dy, w) if dy is not None else (y, dw)
+            out = TENSOR_PARALLEL.scatter_impl(a, b, static.axis_name, static.sched, acc, scales=(sy, sw))
+        if scale_terms:
+            out = _add(out, TENSOR_PARALLEL.scatter_impl(y, w, static.axis_name, static.sched, acc,
+                                                         scales=(_scale_tangent(sy, sw, dsy, dsw), jnp.float32(1))))
+        return (out.astype(static.out_dtype),)
+
+    def res_jvp(self, static, res, lin, t_res, outs):
+        (y, w, sy, sw), (dy, dw, dsy, dsw), (ty, tw, tsy, tsw) = res, lin, t_res
+        t = _product_tangent(dy, y, ty, w, dw, tw, (sy, sw), (dsy, dsw), (tsy, tsw))
+        if t is None:
+            return (None,)
+        return (lax.psum_scatter(t, static.axis_name, scatter_dimension=0, tiled=True).astype(static.out_dtype),)
+
+    def transpose(self, static, res, cts, wanted):
+        (y, w, sy, sw), g = res, cts[0]
+        if g is None:
+            return (None,) * 4
+        gd, w_t = g.dtype, w.astype(g.dtype).T
+        n = axis_size(static.axis_name, self.op)
+        bwd = transposed_schedule("ag_matmul", static.sched, (g.shape, w_t.shape), gd, n, _f32_if_narrower(gd))
+        dy, g_gathered = run_scheduled("ag_matmul", g, w_t, static.axis_name, bwd, with_side=True,
+                                       out_dtype=_f32_if_narrower(gd))
+        dw_deq = sy * jnp.matmul(y.astype(gd).T, g_gathered, preferred_element_type=jnp.float32) if (
+            wanted[1] or wanted[3]) else None
+        return _operand_cts(wanted, y, w, sy, sw, sw * dy, dw_deq)
+
+
+GATHER, SCATTER = _Gather(), _Scatter()
+
+
+# ------------------------------------------------------------------------------------------------
+# The positional forms (a, w, sa, sw, axis_name, sched, out_dtype[, with_side]): one equation each
+# ------------------------------------------------------------------------------------------------
+def _equation(lmap: _ScaledMap, a, w, sa, sw, axis_name: str, sched, out_dtype, with_side: bool = False):
+    """The FP8 op as one equation of its map (a linear, the rest residuals): out, or (out, side)."""
+    a, w, sa, sw = varying_together(axis_name, a, w, sa, sw)
+    n = axis_size(axis_name, lmap.op)
+    like = jax.typeof(a)
+    if lmap is GATHER:
+        out_shape, side_shape = TENSOR_PARALLEL.gather_shapes(a.shape, w.shape, n)
+        avals = [aval(like, out_shape, out_dtype)] + ([aval(like, side_shape)] if with_side else [])
+        res = (None, w, sa, sw, None)
+    else:
+        avals, res = [aval(like, TENSOR_PARALLEL.scatter_shape(a.shape, w.shape, n), out_dtype)], (None, w, sa, sw)
+    outs = bind(lmap, Static(axis_name, sched, out_dtype, with_side), res, (a, None, None, None), avals)
+    return tuple(outs) if with_side else outs[0]
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5, 6, 7))
 def _ag_matmul(x, w, sx, sw, axis_name, sched, out_dtype, with_side):
-    return _ag_forward(x, w, sx, sw, axis_name, sched, out_dtype, with_side)
+    return _equation(GATHER, x, w, sx, sw, axis_name, sched, out_dtype, with_side)
 
 
-def _ag_fwd(x, w, sx, sw, axis_name, sched, out_dtype, with_side):
-    out, gathered = _ag_forward(x, w, sx, sw, axis_name, sched, out_dtype, True)
-    return (out, gathered), (x, w, sx, sw, gathered)
-
-
-def _ag_bwd(axis_name, sched, out_dtype, with_side, res, cts):
-    x, w, sx, sw, gathered = res
-    g, g_side = cts
-    gd = g.dtype
-    n = axis_size(axis_name, "ag_matmul")
-    w_t = w.astype(gd).T
-    bwd = transposed_schedule("matmul_rs", sched, (g.shape, w_t.shape), gd, n, _f32_if_narrower(gd))
-    # Gradients of the dequantized operands x * sx and w * sw, in f32.
-    dx_deq = sw * run_scheduled("matmul_rs", g, w_t, axis_name, bwd, out_dtype=_f32_if_narrower(gd))
-    dw_deq = sx * jnp.matmul(gathered.astype(gd).T, g, preferred_element_type=jnp.float32)
-    side = None
-    if with_side:  # the gathered FP8 x itself: its cotangent reduce-scattered back onto x
-        side = lax.psum_scatter(g_side.astype(jnp.float32), axis_name, scatter_dimension=0, tiled=True)
-    return _operand_grads(x, w, sx, sw, dx_deq, dw_deq, side)
-
-
-_ag_matmul.defvjp(_ag_fwd, _ag_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5, 6))
 def _matmul_rs(y, w, sy, sw, axis_name, sched, out_dtype):
-    return _rs_forward(y, w, sy, sw, axis_name, sched, out_dtype)
+    return _equation(SCATTER, y, w, sy, sw, axis_name, sched, out_dtype)
 
 
-def _rs_fwd(y, w, sy, sw, axis_name, sched, out_dtype):
-    return _rs_forward(y, w, sy, sw, axis_name, sched, out_dtype), (y, w, sy, sw)
+def _ag_jvp(axis_name, sched, out_dtype, with_side, primals, tangents):
+    x, w, sx, sw = primals
+    lin = tuple(map(present, tangents))
+    # Differentiated, the forward delivers the gathered x in full: the tangent and the gradients read it.
+    out, side = _equation(GATHER, x, w, sx, sw, axis_name, sched, out_dtype, with_side=True)
+    side_out = with_side and lin[0] is not None
+    avals = [tangent_aval(out)] + ([tangent_aval(side)] if side_out else [])
+    t = bind(GATHER, Static(axis_name, sched, out_dtype, side_out), (x, w, sx, sw, side), lin, avals)
+    t_out = zero_where_none(t[0], out)
+    if with_side:
+        return (out, side), (t_out, zero_where_none(t[1] if side_out else None, side))
+    return out, t_out
 
 
-def _rs_bwd(axis_name, sched, out_dtype, res, g):
-    y, w, sy, sw = res
-    gd = g.dtype
-    n = axis_size(axis_name, "matmul_rs")
-    w_t = w.astype(gd).T
-    bwd = transposed_schedule("ag_matmul", sched, (g.shape, w_t.shape), gd, n, _f32_if_narrower(gd))
-    dy, g_gathered = run_scheduled("ag_matmul", g, w_t, axis_name, bwd, with_side=True,
-                                   out_dtype=_f32_if_narrower(gd))
-    dy_deq = sw * dy
-    dw_deq = sy * jnp.matmul(y.astype(gd).T, g_gathered, preferred_element_type=jnp.float32)
-    return _operand_grads(y, w, sy, sw, dy_deq, dw_deq)
+def _rs_jvp(axis_name, sched, out_dtype, primals, tangents):
+    y, w, sy, sw = primals
+    out = _equation(SCATTER, y, w, sy, sw, axis_name, sched, out_dtype)
+    t = bind(SCATTER, Static(axis_name, sched, out_dtype), (y, w, sy, sw), tuple(map(present, tangents)),
+             [tangent_aval(out)])[0]
+    return out, zero_where_none(t, out)
 
 
-_matmul_rs.defvjp(_rs_fwd, _rs_bwd)
+_ag_matmul.defjvp(_ag_jvp, symbolic_zeros=True)
+_matmul_rs.defjvp(_rs_jvp, symbolic_zeros=True)
 
 
 # ------------------------------------------------------------------------------------------------
-# backward helpers
+# helpers
 # ------------------------------------------------------------------------------------------------
 def _f32_if_narrower(dtype):
     """The gradient matmuls' result dtype: f32 (None where the operands already are f32)."""
     return None if jnp.dtype(dtype) == jnp.float32 else jnp.dtype(jnp.float32)
 
 
-def _operand_grads(a, w, sa, sw, da_deq, dw_deq, da_direct=None):
-    """Cotangents of (a, w, sa, sw) from those of the dequantized operands a * sa and w * sw (and
-    `da_direct`, one of `a` itself): the operands' rounded to their FP8 dtype (as JAX's
-    differentiation of the reference does), the scales' summed over the local elements and over
-    the devices that share the scale."""
-    da_deq, dw_deq = da_deq.astype(jnp.float32), dw_deq.astype(jnp.float32)
-    d_sa = jnp.sum(da_deq * a.astype(jnp.float32))
-    d_sw = jnp.sum(dw_deq * w.astype(jnp.float32))
-    da = da_deq * sa if da_direct is None else da_deq * sa + da_direct
-    return (like_primal(da, a.dtype, varying_axes(a)), like_primal(dw_deq * sw, w.dtype, varying_axes(w)),
-            like_primal(d_sa, jnp.float32, varying_axes(sa)), like_primal(d_sw, jnp.float32, varying_axes(sw)))
+def _accumulator(static: Static, terms: int):
+    """The dtype the map's terms are computed in: the op's own for one term, f32 to sum several."""
+    return static.out_dtype if terms <= 1 else jnp.dtype(jnp.float32)
+
+
+def _add(a, b):
+    return b if a is None else a + b.astype(a.dtype)
+
+
+def _scale_tangent(sa, sw, dsa, dsw):
+    """dsa * sw + sa * dsw: the product's scale differentiated (None: zero)."""
+    terms = [u * v for u, v in ((dsa, sw), (sa, dsw)) if u is not None and v is not None]
+    return None if not terms else terms[0] if len(terms) == 1 else terms[0] + terms[1]
+
+
+def _product_tangent(da, a, ta, w, dw, tw, scales, d_scales, t_scales):
+    """The tangent in the residuals (ta, tw, t_scales) of the map's local product, in f32:
+
+        map = sa sw (da @ w + a @ dw) + (dsa sw + sa dsw) (a @ w)
+
+    (for ag_matmul: da the gathered dx, a the gathered x; for matmul_rs before its reduce-scatter);
+    plain products of the FP8 values converted to f32, linear in the residuals' tangents."""
+    f32 = jnp.float32
+
+    def mm(u, v):
+        return None if u is None or v is None else jnp.matmul(u.astype(f32), v.astype(f32), preferred_element_type=f32)
+
+    def times(c, v):
+        return None if c is None or v is None else c * v
+
+    terms = [times(_scale_tangent(*scales, *t_scales), _sum(mm(da, w), mm(a, dw))),
+             times(scales[0] * scales[1], _sum(mm(da, tw), mm(ta, dw))),
+             times(_scale_tangent(*t_scales, *d_scales), mm(a, w)),
+             times(_scale_tangent(*scales, *d_scales), _sum(mm(ta, w), mm(a, tw)))]
+    return _sum(*terms)
+
+
+def _sum(*terms):
+    present_terms = [t for t in terms if t is not None]
+    return None if not present_terms else functools.reduce(lambda u, v: u + v, present_terms)
+
+
+def _operand_cts(wanted, a, w, sa, sw, da_deq, dw_deq, da_direct=None):
+    """Cotangents of (a, w, sa, sw), in f32, from those of the dequantized operands a * sa and
+    w * sw (and `da_direct`, one of `a` itself); the scales' summed over the local elements
+    (linear.py then sums them over the devices that share a scale and rounds the operands' to
+    their FP8 dtype, as JAX's differentiation of the reference does)."""
+    f32 = jnp.float32
+    da = None if da_deq is None else da_deq.astype(f32) * sa
+    if da_direct is not None:
+        da = da_direct if da is None else da + da_direct
+    return (da if wanted[0] else None,
+            dw_deq.astype(f32) * sw if wanted[1] and dw_deq is not None else None,
+            jnp.sum(da_deq.astype(f32) * a.astype(f32)) if wanted[2] and da_deq is not None else None,
+            jnp.sum(dw_deq.astype(f32) * w.astype(f32)) if wanted[3] and dw_deq is not None else None)

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..lowering import dma, xla
+from ..lowering import batching, dma, xla
 from ..schedule import Schedule
 from .core import axis_size
 
@@ -171,18 +171,11 @@ class TensorParallel(OpPair):
     def scatter_shape(self, y_shape, w_shape, n):
         return (y_shape[0] // n, w_shape[1])
 
-    def fold_batch(self, op, a, n):
-        if op == self.gather:  # [B, m, K] -> [B*m, K]: this device's rows, batch-major
-            return a.reshape(-1, a.shape[-1])
-        # [B, n*m, N] -> [n*B*m, N]: block r of the scatter holds block r of every batch element
-        batch, rows, cols = a.shape
-        return a.reshape(batch, n, rows // n, cols).swapaxes(0, 1).reshape(-1, cols)
+    def fold_batch(self, op, a, n):  # the rows hold the batch (lowering/batching.py)
+        return batching.fold_rows("gather" if op == self.gather else "scatter", a, n)
 
     def unfold_batch(self, op, out, batch, n):
-        rows, cols = out.shape
-        if op == self.gather:  # [n*B*m, X], rank-major, -> [B, n*m, X]
-            return out.reshape(n, batch, rows // (n * batch), cols).swapaxes(0, 1).reshape(batch, -1, cols)
-        return out.reshape(batch, -1, cols)  # [B*m, K] -> [B, m, K]
+        return batching.unfold_rows("gather" if op == self.gather else "scatter", out, batch, n)
 
     def gather_xla(self, x, w, axis_name, sched, n, out_dtype, scales=None):
         return xla.ag_matmul(x, w, axis_name, sched, n, out_dtype, scales)

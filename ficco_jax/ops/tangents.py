@@ -104,24 +104,29 @@ class _PairMap(LinearMap):
         return f"{getattr(self.pair, self.role)}_tangent"
 
     def fold_batch(self, static, res, lin, batched_res, batched_lin):
-        """The op itself on a batch of inputs against one weight (the input the only batched
-        operand, no weight tangent, the weight the only residual): one call of the op whose rows
-        hold the batch, valid where the schedule still cuts the folded rows."""
-        op, w_at = getattr(self.pair, self.role), (0 if self.role == "gather" else 1)
-        if not (batched_lin == (True, None) and res[1 - w_at] is None and batched_res[w_at] is False):
-            return None
-        w, n = res[w_at], axis_size(static.axis_name, op)
-        a = self.pair.fold_batch(op, lin[0], n)
-        try:
-            static.sched.validate(op, (a.shape, w.shape), n)
-        except (ValueError, TypeError):
-            return None
-        if self.role == "gather":
-            out_shapes = self.pair.gather_shapes(a.shape, w.shape, n)[:2 if static.with_side else 1]
-        else:
-            out_shapes = (self.pair.scatter_shape(a.shape, w.shape, n),)
-        batch = lin[0].shape[0]
-        return Folded(res, (a, None), out_shapes, lambda out: self.pair.unfold_batch(op, out, batch, n))
+        w = res[0] if self.role == "gather" else res[1]
+        return fold_input_batch(self.pair, getattr(self.pair, self.role), static, res, lin, batched_res, batched_lin, w)
+
+
+def fold_input_batch(pair: OpPair, op: str, static: Static, res, lin, batched_res, batched_lin, w) -> Optional[Folded]:
+    """An equation of `op`'s map on a batch of its input against one weight (the input the only
+    linear operand and the only batched operand; `w` the weight among the residuals) as one
+    equation of the map whose input rows hold the batch (pair.fold_batch), valid where the schedule
+    still cuts the folded rows; None otherwise (the batch then runs in a loop)."""
+    if not (batched_lin[0] and all(b is None for b in batched_lin[1:]) and not any(batched_res)):
+        return None
+    n = axis_size(static.axis_name, op)
+    a = pair.fold_batch(op, lin[0], n)
+    try:
+        static.sched.validate(op, (a.shape, w.shape), n)
+    except (ValueError, TypeError):
+        return None
+    if op == pair.gather:
+        out_shapes = pair.gather_shapes(a.shape, w.shape, n)[:2 if static.with_side else 1]
+    else:
+        out_shapes = (pair.scatter_shape(a.shape, w.shape, n),)
+    batch = lin[0].shape[0]
+    return Folded(res, (a,) + (None,) * (len(lin) - 1), out_shapes, lambda out: pair.unfold_batch(op, out, batch, n))
 
 
 class GatherMap(_PairMap):
@@ -255,19 +260,19 @@ class AllReduceMap(ScatterMap):
 # The positional forms (pair, a, w, axis_name, sched, out_dtype, sum_first): the ops bound as
 # equations; `sum_first` as in `Static`
 # ------------------------------------------------------------------------------------------------
-def _varying_together(a, w, axis_name: str):
-    """(a, w), each made to vary over every manual axis the other varies over and over the op's
-    axis: what the op's results vary over, so that their abstract values are a's with other
-    shapes (no lowering traced to find them)."""
-    axes = varying_axes(a) | varying_axes(w) | {axis_name}
+def varying_together(axis_name: str, *values):
+    """`values`, each made to vary over every manual axis another varies over and over the op's
+    axis: what the op's results vary over, so that their abstract values are the first operand's
+    with other shapes (no lowering traced to find them)."""
+    axes = frozenset({axis_name}).union(*(varying_axes(v) for v in values))
     return [v if axes <= varying_axes(v) else lax.pcast(v, tuple(sorted(axes - varying_axes(v))), to="varying")
-            for v in (a, w)]
+            for v in values]
 
 
 def _gather_equation(pair: OpPair, x, w, axis_name: str, sched: Schedule, out_dtype: OutDtype, sum_first: bool,
                      side_needed: bool) -> Tuple[jax.Array, Optional[jax.Array]]:
     """The gather op as one equation of its own map (x the linear operand, w the residual)."""
-    x, w = _varying_together(x, w, axis_name)
+    x, w = varying_together(axis_name, x, w)
     out_shape, side_shape = pair.gather_shapes(x.shape, w.shape, axis_size(axis_name, pair.gather))
     avals = [aval(jax.typeof(x), out_shape, out_dtype)] + ([aval(jax.typeof(x), side_shape)] if side_needed else [])
     outs = bind(GatherMap(pair), Static(axis_name, sched, out_dtype, side_needed, sum_first), (w, None), (x, None),
@@ -278,7 +283,7 @@ def _gather_equation(pair: OpPair, x, w, axis_name: str, sched: Schedule, out_dt
 def _scatter_equation(pair: OpPair, y, w, axis_name: str, sched: Schedule, out_dtype: OutDtype,
                       sum_first: bool) -> jax.Array:
     """The scatter op as one equation of its own map (y linear, w residual)."""
-    y, w = _varying_together(y, w, axis_name)
+    y, w = varying_together(axis_name, y, w)
     out_shape = pair.scatter_shape(y.shape, w.shape, axis_size(axis_name, pair.scatter))
     return bind(ScatterMap(pair), Static(axis_name, sched, out_dtype, sum_first=sum_first), (None, w), (y, None),
                 [aval(jax.typeof(y), out_shape, out_dtype)])[0]
@@ -287,7 +292,7 @@ def _scatter_equation(pair: OpPair, y, w, axis_name: str, sched: Schedule, out_d
 def _all_reduce_static(y, w, axis_name: str, sched: Schedule, out_dtype: OutDtype, sum_first: bool):
     """(y, w, static) of a matmul_psum equation: the operands made to vary together, and whether
     this shard_map checks varying axes (only then does the cast leave the axis in their types)."""
-    y, w = _varying_together(y, w, axis_name)
+    y, w = varying_together(axis_name, y, w)
     return y, w, Static(axis_name, sched, out_dtype, sum_first=sum_first, vma_checked=axis_name in varying_axes(y))
 
 
@@ -331,51 +336,53 @@ def all_reduce_op(y, w, axis_name: str, sched: Schedule, out_dtype: OutDtype, su
     return _all_reduce_equation(y, w, axis_name, sched, out_dtype, sum_first)
 
 
-def _present(t):
+def present(t):
     """A tangent, or None where it is a symbolic zero."""
     return None if isinstance(t, SymbolicZero) else t
 
 
-def _zero_where_none(t, like):
+def zero_where_none(t, like):
+    """A tangent of `like`, a symbolic zero where it is None."""
     return SymbolicZero(jax.typeof(like).to_tangent_aval()) if t is None else t
 
 
-def _tangent_aval(v):
+def tangent_aval(v):
+    """The abstract value of a tangent of `v`."""
     return jax.typeof(v).to_tangent_aval()
 
 
 def _gather_jvp(with_side: bool):
     def jvp(pair, axis_name, sched, out_dtype, sum_first, primals, tangents):
-        (x, w), (dx, dw) = primals, tuple(map(_present, tangents))
+        (x, w), (dx, dw) = primals, tuple(map(present, tangents))
         # Differentiated, the forward delivers the side output in full, as a residual would be.
         out, side = gather_op_with_side(pair, x, w, axis_name, sched, out_dtype, sum_first)
         side_out = with_side and dx is not None
-        avals = [_tangent_aval(out)] + ([_tangent_aval(side)] if side_out else [])
+        avals = [tangent_aval(out)] + ([tangent_aval(side)] if side_out else [])
         res = (w if dx is not None else None, side if dw is not None else None)
         t = bind(GatherMap(pair), Static(axis_name, sched, out_dtype, side_out, sum_first), res, (dx, dw), avals)
         t_out, t_side = t[0], (t[1] if side_out else None)
         if with_side:
-            return (out, side), (_zero_where_none(t_out, out), _zero_where_none(t_side, side))
-        return out, _zero_where_none(t_out, out)
+            return (out, side), (zero_where_none(t_out, out), zero_where_none(t_side, side))
+        return out, zero_where_none(t_out, out)
     return jvp
 
 
 def _scatter_jvp(pair, axis_name, sched, out_dtype, sum_first, primals, tangents):
-    (y, w), (dy, dw) = primals, tuple(map(_present, tangents))
+    (y, w), (dy, dw) = primals, tuple(map(present, tangents))
     out = scatter_op(pair, y, w, axis_name, sched, out_dtype, sum_first)
     res = (y if dw is not None else None, w if dy is not None else None)
     t_out = bind(ScatterMap(pair), Static(axis_name, sched, out_dtype, sum_first=sum_first), res, (dy, dw),
-                 [_tangent_aval(out)])[0]
-    return out, _zero_where_none(t_out, out)
+                 [tangent_aval(out)])[0]
+    return out, zero_where_none(t_out, out)
 
 
 def _all_reduce_jvp(axis_name, sched, out_dtype, sum_first, primals, tangents):
-    (y, w), (dy, dw) = primals, tuple(map(_present, tangents))
+    (y, w), (dy, dw) = primals, tuple(map(present, tangents))
     out = all_reduce_op(y, w, axis_name, sched, out_dtype, sum_first)
     y, w, static = _all_reduce_static(y, w, axis_name, sched, out_dtype, sum_first)
     res = (y if dw is not None else None, w if dy is not None else None)
-    t_out = bind(AllReduceMap(ALL_REDUCE.pair), static, res, (dy, dw), [_tangent_aval(out)])[0]
-    return out, _zero_where_none(t_out, out)
+    t_out = bind(AllReduceMap(ALL_REDUCE.pair), static, res, (dy, dw), [tangent_aval(out)])[0]
+    return out, zero_where_none(t_out, out)
 
 
 gather_op.defjvp(_gather_jvp(with_side=False), symbolic_zeros=True)

@@ -21,7 +21,7 @@ program and written back into the caller's objects on each call (effects.py). A 
 is updated by the program itself.
 
 Composition: the result is an ordinary traceable function, so ``jit(overlap(f))``,
-``grad(overlap(f))`` (the ops' custom VJPs overlap the backward pass) and ``overlap(grad(f))``
+``grad(overlap(f))`` (the ops' transposes overlap the backward pass) and ``overlap(grad(f))``
 (the backward collectives are in the traced jaxpr and are rewritten too) all work. Functions
 with no site are called unchanged.
 
@@ -267,7 +267,7 @@ class _Traced:
         def overlapped(*flat):
             return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *flat)
 
-        # Always staged: the ops' custom VJPs need a traced shard_map, and eager evaluation
+        # Always staged: the ops' equations need a traced shard_map, and eager evaluation
         # would re-issue each shard_map per call.
         self.call = jax.jit(overlapped)
 

@@ -16,6 +16,7 @@ import ficco_jax
 from ficco_jax import dma
 from ficco_jax.schedule import Schedule
 from gpu_common import GPU_MARKS, GPUS
+from helpers import ffi_calls
 
 
 pytestmark = GPU_MARKS
@@ -194,7 +195,8 @@ def test_back_to_back_calls_gpu(transfer):
 
 
 def test_collective_and_fp8_op_under_vmap_gpu():
-    """vmap of a copy-engine collective and of an FP8 op (one call per batch element) on GPUs."""
+    """vmap of a copy-engine collective and of an FP8 op on GPUs: one executor call on the whole
+    batch (the batch joins a dimension the collective does not exchange, or the FP8 op's rows)."""
     import ficco_jax
 
     mesh = _mesh()
@@ -204,6 +206,7 @@ def test_collective_and_fp8_op_under_vmap_gpu():
     gather = jax.vmap(lambda v: dma.all_gather(v, "tp", schedule="dma/direct/c1"))
     f = jax.jit(jax.shard_map(gather, mesh=mesh, in_specs=P(None, "tp"), out_specs=P(None, None), check_vma=False))
     np.testing.assert_array_equal(np.asarray(f(x), np.float32), np.asarray(x, np.float32))
+    assert ffi_calls(f.lower(x).compile().as_text()) == 1
 
     x8 = jnp.asarray(rng.standard_normal((3, 64 * n, 256)), jnp.float8_e4m3fn)
     w8 = jnp.asarray(rng.standard_normal((256, 64 * n)), jnp.float8_e4m3fn)
@@ -217,3 +220,4 @@ def test_collective_and_fp8_op_under_vmap_gpu():
     got = batched("dma/direct/c2")(x8, w8)
     want = batched("none")(x8, w8)
     assert _rel_err(got, want) < BF16_TOL
+    assert ffi_calls(batched("dma/direct/c2").lower(x8, w8).compile().as_text()) == 1

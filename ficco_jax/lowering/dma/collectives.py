@@ -10,14 +10,15 @@ groups inside this process whose per-peer block is at least config.DMA_COLLECTIV
 `jax.lax`'s collective elsewhere. The default stays None because a caller of ficco_jax.dma asked for
 copy engines by name; "auto" is the choice for code that only wants the faster of the two.
 
-Each moves the collective's axis to the front and makes one FFI call per device (registry.bind);
-each is differentiable, its transpose being another of the three on copy engines. all_to_all cuts
+Each moves the collective's axis to the front and makes one FFI call per device (registry.bind).
+Each is linear, and its primitive says so (registry.py): forward mode (jax.jvp, jacfwd) runs the
+collective on the tangent, reverse mode (jax.grad, vjp) its transpose, another of the three on
+copy engines (all_gather <-> reduce_scatter, all_to_all <-> the all_to_all with the two axes
+swapped); jax.vmap runs one call on the batch (registry.py, `_fold_batch`). all_to_all cuts
 the split axis into n blocks moved to the front; the executor exchanges blocks (block p to rank p,
 chunk by chunk), and the received blocks are concatenated along the concat axis in rank order.
 """
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +40,8 @@ def reduce_scatter_ref(x, axis_name, *, scatter_dimension=0, tiled=True):
 def all_gather(x, axis_name, *, axis=0, tiled=True, schedule=None):
     """``jax.lax.all_gather(x, axis_name, axis=axis, tiled=True)``, moved by copy engines.
 
-    Any dtype (rows of bytes). Differentiable: the transpose is `reduce_scatter` on copy engines.
+    Any dtype (rows of bytes). Differentiable in both modes: the transpose is `reduce_scatter` on copy
+    engines.
     `schedule`: a comm="dma" Schedule (or its string) for the transfers; default direct, one chunk.
     """
     axis, n = _checked("all_gather", "all_gather", x, axis_name, tiled, axis)
@@ -52,7 +54,7 @@ def all_gather(x, axis_name, *, axis=0, tiled=True, schedule=None):
 def reduce_scatter(x, axis_name, *, scatter_dimension=0, tiled=True, schedule=None):
     """``jax.lax.psum_scatter(x, axis_name, scatter_dimension=..., tiled=True)`` on copy engines.
 
-    bf16/f16/f32, summed with f32 accumulation (one rounding). Differentiable: the transpose is
+    bf16/f16/f32, summed with f32 accumulation (one rounding). Differentiable in both modes: the transpose is
     `all_gather` on copy engines.
     """
     axis, n = _checked("reduce_scatter", "psum_scatter", x, axis_name, tiled, scatter_dimension)
@@ -111,16 +113,11 @@ def _along_front(op: str):
         return jnp.moveaxis(out, 0, axis)
 
     run.__name__ = run.__qualname__ = f"_{op}"
-    return jax.custom_vjp(run, nondiff_argnums=(1, 2, 3))
+    return run
 
 
-# all_gather and reduce_scatter are each other's transpose, on copy engines both ways.
 _all_gather = _along_front("all_gather")
 _reduce_scatter = _along_front("reduce_scatter")
-_all_gather.defvjp(lambda x, axis_name, axis, sched: (_all_gather(x, axis_name, axis, sched), None),
-                   lambda axis_name, axis, sched, _, g: (_reduce_scatter(g, axis_name, axis, sched),))
-_reduce_scatter.defvjp(lambda x, axis_name, axis, sched: (_reduce_scatter(x, axis_name, axis, sched), None),
-                       lambda axis_name, axis, sched, _, g: (_all_gather(g, axis_name, axis, sched),))
 
 
 def _collective_schedule(op: str, schedule, n: int, rows: int) -> Schedule:
@@ -155,7 +152,7 @@ def all_to_all(x, axis_name, split_axis, concat_axis, *, tiled=True, schedule=No
 
     x.shape[split_axis] is cut into n blocks; block p goes to rank p, and the blocks received
     are concatenated along `concat_axis` in rank order. Any dtype (bytes are moved).
-    Differentiable: the transpose is the all_to_all with the two axes swapped.
+    Differentiable in both modes: the transpose is the all_to_all with the two axes swapped.
     `schedule`: a comm="dma" Schedule (or its string); its chunks cut the first dimension of a
     block after the split axis is moved to the front (for split_axis=0: x.shape[1]). Default:
     direct, one chunk, as many copy streams as useful.
@@ -189,23 +186,7 @@ def _from_blocks(blocks, concat_axis: int):
     return moved.reshape(shape[:concat_axis] + (shape[concat_axis] * shape[concat_axis + 1],) + shape[concat_axis + 2:])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
 def _all_to_all(x, axis_name, split_axis, concat_axis, sched):
     n = axis_size_of(axis_name)
     (received,) = bind("all_to_all", (_to_blocks(x, n, split_axis),), axis_name, n, sched)
     return _from_blocks(received, concat_axis)
-
-
-def _all_to_all_fwd(x, axis_name, split_axis, concat_axis, sched):
-    return _all_to_all(x, axis_name, split_axis, concat_axis, sched), None
-
-
-def _all_to_all_bwd(axis_name, split_axis, concat_axis, sched, _, g):
-    # all_to_all is a permutation of blocks; its transpose swaps the split and concat axes.
-    n = axis_size_of(axis_name)
-    if _block_rows(g.shape, concat_axis, n) % sched.chunks:
-        sched = sched.replace(chunks=1)
-    return (_all_to_all(g, axis_name, concat_axis, split_axis, sched),)
-
-
-_all_to_all.defvjp(_all_to_all_fwd, _all_to_all_bwd)

@@ -42,11 +42,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
-from jax.interpreters import batching, mlir
+from jax.interpreters import ad, batching, mlir
 
 from ... import config
 from ...runtime import extension
 from ...schedule import Schedule
+from ..batching import fold_rows, unfold_rows
 from . import groups
 
 # ------------------------------------------------------------------------------------------------
@@ -253,19 +254,90 @@ def _make_primitive(target: str, abstract_eval) -> Primitive:
     prim.multiple_results = True
     prim.def_abstract_eval(abstract_eval)
     mlir.register_lowering(prim, _lowering)
-    batching.primitive_batchers[prim] = functools.partial(_batch_by_loop, prim)
+    batching.primitive_batchers[prim] = functools.partial(_batch, prim)
     return prim
 
 
-def _batch_by_loop(prim: Primitive, args, dims, **params):
-    """vmap of a copy-engine call that reaches this layer (the FP8 ops, the standalone
-    collectives): one call per batch element, in a loop (the bf16 ops fold a batch into one call
-    a layer up, ops/tangents.py). Every element's call is the same site executed again, as in any
-    loop: the executor tells the executions apart by their order."""
+# ------------------------------------------------------------------------------------------------
+# Differentiation: the collectives are linear, each one's transpose another of them
+# ------------------------------------------------------------------------------------------------
+#: collective -> its transpose: all_gather and reduce_scatter are each other's; an exchange of
+#: blocks (block p to rank p) is its own.
+_TRANSPOSES = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_to_all": "all_to_all"}
+
+
+def _again(op: str, x, params):
+    """`op` on `x` with `params` as one more call: a site of its own (a fresh op id); a dtype the
+    executor cannot sum (the cotangent of an FP8 all_gather) is a TypeError that says so."""
+    check_supported(op, x.dtype)
+    return _PRIMITIVES[op].bind(x, **{**params, "op": op, "op_id": next_op_id(), "out_dtype": np.dtype(x.dtype)})
+
+
+def _linear_jvp(primals, tangents, **params):
+    """Forward mode of a linear call: the call again, on the tangent."""
+    outs = _PRIMITIVES[params["op"]].bind(*primals, **params)
+    if type(tangents[0]) is ad.Zero:
+        return outs, [ad.Zero.from_primal_value(o) for o in outs]
+    return outs, _again(params["op"], tangents[0], params)
+
+
+def _linear_transpose(cts, x, **params):
+    """Reverse mode of a linear call: its transpose on the cotangent of its result (the other
+    results are the executor's scratch blocks, which nobody reads)."""
+    if type(cts[0]) is ad.Zero:
+        return [None]
+    return [_again(_TRANSPOSES[params["op"]], cts[0], params)[0]]
+
+
+def _batch(prim: Primitive, args, dims, **params):
+    """vmap of a copy-engine call (the standalone collectives and the raw matmuls of
+    ficco_jax.dma reach this layer; the public ops fold their batch a layer up, ops/linear.py,
+    with the same row fold): one call on the batch folded into its operand (`_fold_batch`), else
+    one call per batch element in a loop (a batched weight or scale: each element has its own
+    matmul). Every element's call in the loop is the same site executed again, as in any loop:
+    the executor tells the executions apart by their order."""
+    folded = _fold_batch(params["op"], args, dims, params["axis_size"])
+    if folded is not None:
+        operands, unfold = folded
+        return unfold(prim.bind(*operands, **params))
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     args = tuple(batching.bdim_at_front(a, d, size) for a, d in zip(args, dims))
     outs = jax.lax.map(lambda xs: tuple(prim.bind(*xs, **params)), args)
     return list(outs), [0] * len(outs)
+
+
+#: The collective of each target whose batch folds into its rows (lowering/batching.py).
+_ROW_ROLES = {"all_gather": "gather", "ag_matmul": "gather", "reduce_scatter": "scatter", "matmul_rs": "scatter"}
+
+
+def _fold_batch(op: str, args, dims, n: int):
+    """(operands, unfold) of one call on a batch of `op`'s first operand (unfold: the call's results
+    -> (results, their batch dimensions)), or None where the batch cannot fold. A collective
+    moves bytes, so a batch in a dimension it neither exchanges nor cuts into chunks stays there
+    (all_gather, reduce_scatter: after the rows; all_to_all: after the blocks' first dimension);
+    elsewhere the batch joins the rows (lowering/batching.py), reordered after the call. The
+    expert-parallel matmuls fold a layer up only (ops/table.ExpertParallel)."""
+    (x, d), base = (args[0], dims[0]), op.removesuffix("_scaled")
+    if d is None or any(e is not None for e in dims[1:]):
+        return None
+    if base == "all_to_all":  # [n, rows, ...]: blocks exchanged, rows cut into chunks
+        return [jnp.moveaxis(x, d, 2) if d < 2 else x], lambda outs: (outs, [max(d, 2)])
+    if base in ("all_gather", "reduce_scatter") and d >= 1:  # results: [rows, ...], scratch [n-1, rows, ...]
+        return [x], lambda outs: (outs, [d] + [d + 1] * (len(outs) - 1))
+    role = _ROW_ROLES.get(base)
+    if role is None:
+        return None
+    batch = x.shape[d]
+    folded = fold_rows(role, jnp.moveaxis(x, d, 0), n)
+
+    def unfold(outs):
+        if role == "gather":  # every result is gathered rows
+            return [unfold_rows(role, o, batch, n) for o in outs], [0] * len(outs)
+        out, *scratch = outs  # the scratch blocks [n-1, B*m, ...]: per element, blocks of m rows
+        return ([unfold_rows(role, out, batch, n)] + [s.reshape(s.shape[0], batch, -1, *s.shape[2:])
+                                                           for s in scratch], [0] + [1] * len(scratch))
+
+    return [folded, *args[1:]], unfold
 
 
 #: op -> (FFI target, abstract evaluation): every copy-engine target, in one table.
@@ -283,6 +355,9 @@ _TARGETS = {
 }
 _SCALED = ("ag_matmul_scaled", "matmul_rs_scaled")
 _PRIMITIVES = {op: _make_primitive(target, abstract) for op, (target, abstract) in _TARGETS.items()}
+for _op in _TRANSPOSES:
+    ad.primitive_jvps[_PRIMITIVES[_op]] = _linear_jvp
+    ad.primitive_transposes[_PRIMITIVES[_op]] = _linear_transpose
 
 
 def bind(op: str, operands, axis_name: str, axis_size: int, schedule: Schedule, *, skip_own_rows: bool = False,
