@@ -283,8 +283,7 @@ def _direct_all_gather(groups, x):
     return call(x, op_id=np.int64(10**9), groups=flat, local_ordinals=flat, ipc_job=np.int64(0), group_size=np.int64(n),
                 chunks=np.int64(2), order=np.int64(1), gemm=np.int64(0), copy_streams=np.int64(2),
                 timeout_ms=np.int64(5000), watchdog_ms=np.int64(0), site="test_dma.py",
-                skip_own_rows=np.int64(0),
-                transfer=np.int64(0))
+                skip_own_rows=np.int64(0), transfer=np.int64(0), w_col_major=np.int64(0))
 
 
 def test_direct_ffi_target():

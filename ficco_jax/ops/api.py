@@ -65,7 +65,7 @@ def matmul_a2a_ref(y, w, axis_name, *, out_dtype=None):
 
 
 def ag_matmul(x, w, axis_name: str, *, schedule: ScheduleArg = "auto", return_gathered: bool = False,
-              out_dtype=None, x_scale=None, w_scale=None):
+              out_dtype=None, x_scale=None, w_scale=None, w_col_major: bool = False):
     """`all_gather(x, axis_name, axis=0, tiled=True) @ w`, overlapped by a FiCCO schedule.
 
     Per device: x [m, K], w [K, N] -> [n*m, N] (n = size of `axis_name`). With
@@ -87,15 +87,22 @@ def ag_matmul(x, w, axis_name: str, *, schedule: ScheduleArg = "auto", return_ga
     w_scale)).astype(out_dtype)`` (out_dtype bf16 by default, or f16, f32): the gather moves FP8
     bytes, the matmuls are FP8. Differentiable in both modes, with an overlapped backward whose
     precision ops/scaled.py states; scales may be traced (delayed scaling updates them).
+
+    `w_col_major=True` has the copy-engine matmuls (`comm="dma"`) read w column-major: pass it where
+    w is the transpose of a stored array (``v.T``, as in ``x @ v.T``), whose buffer XLA then hands
+    over as it is instead of writing the transpose out first. The result is the same either way;
+    XLA's own dots (`comm="xla"`, `"none"`) read any layout, and FP8 matmuls always read w so.
+    The backward reads w^T in the other layout, which is w's own.
     """
     if scaled.wanted(x, x_scale, w_scale):
         return scaled.call("ag_matmul", x, w, axis_name, schedule, (x_scale, w_scale), out_dtype,
                            with_side=return_gathered, measure=time_op)
     return call("ag_matmul", x, w, axis_name, schedule, with_side=return_gathered, side_flag="return_gathered",
-                measure=time_op, out_dtype=out_dtype)
+                measure=time_op, out_dtype=out_dtype, w_col_major=w_col_major)
 
 
-def matmul_rs(y, w, axis_name: str, *, schedule: ScheduleArg = "auto", out_dtype=None, x_scale=None, w_scale=None):
+def matmul_rs(y, w, axis_name: str, *, schedule: ScheduleArg = "auto", out_dtype=None, x_scale=None, w_scale=None,
+              w_col_major: bool = False):
     """`psum_scatter(y @ w, axis_name, scatter_dimension=0, tiled=True)`, overlapped by a FiCCO schedule.
 
     Per device: y [M, N], w [N, K] -> [M/n, K] (n = size of `axis_name`; M must divide by n).
@@ -103,13 +110,14 @@ def matmul_rs(y, w, axis_name: str, *, schedule: ScheduleArg = "auto", out_dtype
     `out_dtype` as in `ag_matmul`: with f32 for bf16 operands the partial sums that move and are
     summed are f32, and so is the result. FP8 y and w take `x_scale` (y's scale) and `w_scale` as
     in `ag_matmul`; the partials that move and are summed have `out_dtype` (bf16 by default).
+    `w_col_major` as in `ag_matmul`.
     """
     if scaled.wanted(y, x_scale, w_scale):
         return scaled.call("matmul_rs", y, w, axis_name, schedule, (x_scale, w_scale), out_dtype, measure=time_op)
-    return call("matmul_rs", y, w, axis_name, schedule, measure=time_op, out_dtype=out_dtype)
+    return call("matmul_rs", y, w, axis_name, schedule, measure=time_op, out_dtype=out_dtype, w_col_major=w_col_major)
 
 
-def matmul_psum(y, w, axis_name: str, *, schedule: ScheduleArg = "auto", out_dtype=None):
+def matmul_psum(y, w, axis_name: str, *, schedule: ScheduleArg = "auto", out_dtype=None, w_col_major: bool = False):
     """`psum(y @ w, axis_name)`, the row-parallel matmul's all-reduce, overlapped by a FiCCO schedule.
 
     Per device: y [M, N], w [N, K] -> [M, K], the same on every device (n = size of `axis_name`).
@@ -123,12 +131,14 @@ def matmul_psum(y, w, axis_name: str, *, schedule: ScheduleArg = "auto", out_dty
     device's, so the backward is dy = ct @ w^T and dw = y^T @ ct on each device, no collective
     (under ``shard_map(check_vma=False)`` JAX sums the cotangent first, and so does this op).
     `out_dtype` as in `ag_matmul`: with f32 for bf16 operands the partials that move are f32.
+    `w_col_major` as in `ag_matmul`.
     """
-    return call("matmul_psum", y, w, axis_name, schedule, measure=time_op, out_dtype=out_dtype)
+    return call("matmul_psum", y, w, axis_name, schedule, measure=time_op, out_dtype=out_dtype,
+                w_col_major=w_col_major)
 
 
 def a2a_matmul(x, w, axis_name: str, *, schedule: ScheduleArg = "auto", return_received: bool = False,
-               out_dtype=None):
+               out_dtype=None, w_col_major: bool = False):
     """``einsum("pecd,edf->pecf", all_to_all(x, axis_name, 0, 0, tiled=True), w)``, overlapped.
 
     Per device: x [n, E_local, C, d], w [E_local, d, f] -> [n, E_local, C, f] (n = size of
@@ -136,17 +146,18 @@ def a2a_matmul(x, w, axis_name: str, *, schedule: ScheduleArg = "auto", return_r
     (the tokens this device's experts received), so a caller that needs it moves nothing twice.
     `schedule`: "auto", a `Schedule` or its string ("xla/direct/c2", "dma/ring/c4/grouped").
     Differentiable in both modes; the backward pass is itself overlapped. `comm="dma"` takes bf16,
-    f16, f32. `out_dtype` as in `ag_matmul`.
+    f16, f32. `out_dtype` as in `ag_matmul`. `w_col_major` as in `ag_matmul`, per expert: each
+    [d, f] matrix of w column-major, as ``jnp.swapaxes(v, 1, 2)`` of a stored [E, f, d] array is.
     """
     return call("a2a_matmul", x, w, axis_name, schedule, with_side=return_received, side_flag="return_received",
-                measure=time_op, out_dtype=out_dtype)
+                measure=time_op, out_dtype=out_dtype, w_col_major=w_col_major)
 
 
-def matmul_a2a(y, w, axis_name: str, *, schedule: ScheduleArg = "auto", out_dtype=None):
+def matmul_a2a(y, w, axis_name: str, *, schedule: ScheduleArg = "auto", out_dtype=None, w_col_major: bool = False):
     """``all_to_all(einsum("pecf,efd->pecd", y, w), axis_name, 0, 0, tiled=True)``, overlapped.
 
     Per device: y [n, E_local, C, f], w [E_local, f, d] -> [n, E_local, C, d]. `schedule` as in
     `a2a_matmul`. Differentiable in both modes; the backward pass is itself overlapped. `out_dtype`
-    as in `ag_matmul` (the results that move have it).
+    as in `ag_matmul` (the results that move have it). `w_col_major` as in `a2a_matmul`.
     """
-    return call("matmul_a2a", y, w, axis_name, schedule, measure=time_op, out_dtype=out_dtype)
+    return call("matmul_a2a", y, w, axis_name, schedule, measure=time_op, out_dtype=out_dtype, w_col_major=w_col_major)

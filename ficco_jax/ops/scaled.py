@@ -30,7 +30,8 @@ bf16, f16 and f32 value), the scales applied to their f32 results — and accumu
     d x  = sx * sw * matmul_rs(g, w^T)        (ag_matmul; f32 partials reduce-scattered)
     d w  = sx * sw * all_gather(x)^T @ g      (the gathered FP8 x kept from the forward)
 
-and the transposes for matmul_rs (ag_matmul of g, whose gathered g feeds d w). Why not FP8
+and the transposes for matmul_rs (ag_matmul of g, whose gathered g feeds d w); those read w^T
+column-major, which is w's own layout (no transpose written). Why not FP8
 gradients: an e5m2 gradient needs its own scale, which comes from amax statistics a recipe owns
 (delayed or current scaling); with the cotangent's dtype the gradients are those of the
 reference up to f32 summation order. The gradients of the FP8 operands are then rounded to their
@@ -163,7 +164,8 @@ class _Gather(_ScaledMap):
             gd, w_t = g.dtype, w.astype(g.dtype).T
             n = axis_size(static.axis_name, self.op)
             bwd = transposed_schedule("matmul_rs", static.sched, (g.shape, w_t.shape), gd, n, _f32_if_narrower(gd))
-            dx_deq = sw * run_scheduled("matmul_rs", g, w_t, static.axis_name, bwd, out_dtype=_f32_if_narrower(gd))
+            dx_deq = sw * run_scheduled("matmul_rs", g, w_t, static.axis_name, bwd, out_dtype=_f32_if_narrower(gd),
+                                        w_col_major=True)
         if g is not None and (wanted[1] or wanted[3]):  # d (w sw) = sx * gathered^T @ g
             dw_deq = sx * jnp.matmul(side.astype(g.dtype).T, g, preferred_element_type=jnp.float32)
         direct = None
@@ -208,7 +210,7 @@ class _Scatter(_ScaledMap):
         n = axis_size(static.axis_name, self.op)
         bwd = transposed_schedule("ag_matmul", static.sched, (g.shape, w_t.shape), gd, n, _f32_if_narrower(gd))
         dy, g_gathered = run_scheduled("ag_matmul", g, w_t, static.axis_name, bwd, with_side=True,
-                                       out_dtype=_f32_if_narrower(gd))
+                                       out_dtype=_f32_if_narrower(gd), w_col_major=True)
         dw_deq = sy * jnp.matmul(y.astype(gd).T, g_gathered, preferred_element_type=jnp.float32) if (
             wanted[1] or wanted[3]) else None
         return _operand_cts(wanted, y, w, sy, sw, sw * dy, dw_deq)

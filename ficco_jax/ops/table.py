@@ -106,21 +106,26 @@ class OpPair(abc.ABC):
         """The scatter op by the steps of `sched` over `n` devices."""
 
     # --- lowering: comm="dma", copy engines (lowering/dma/matmul.py) -----------------------------
+    # `w_col_major`: the executor reads w column-major (per expert), as a transpose of a stored
+    # array is laid out, so XLA hands that array over instead of writing the transpose first.
     @abc.abstractmethod
     def gather_dma(self, x: jax.Array, w: jax.Array, axis_name: str, sched: Schedule, side_needed: bool,
-                   out_dtype: OutDtype, scales: Optional[Scales] = None) -> Tuple[jax.Array, jax.Array]:
+                   out_dtype: OutDtype, scales: Optional[Scales] = None,
+                   w_col_major: bool = False) -> Tuple[jax.Array, jax.Array]:
         """(out, side) of the gather op on copy engines; with `side_needed=False` side may be incomplete."""
 
     @abc.abstractmethod
     def scatter_dma(self, y: jax.Array, w: jax.Array, axis_name: str, sched: Schedule, out_dtype: OutDtype,
-                    scales: Optional[Scales] = None) -> jax.Array:
+                    scales: Optional[Scales] = None, w_col_major: bool = False) -> jax.Array:
         """The scatter op on copy engines."""
 
     # --- transpose and weight gradients ----------------------------------------------------------
     @abc.abstractmethod
     def transpose_w(self, w: jax.Array) -> jax.Array:
         """The weight of the transposed op: the gather op's input gradient is the scatter op of
-        the output gradient with this weight, and the other way round."""
+        the output gradient with this weight, and the other way round. Its layout is w's with the
+        matrix dimensions swapped: the transposed op reads it column-major where w is row-major
+        (and row-major where w is itself a transpose), so it is never written out."""
 
     @abc.abstractmethod
     def gather_dw(self, side: jax.Array, g_out: jax.Array, out_dtype: OutDtype) -> jax.Array:
@@ -133,17 +138,19 @@ class OpPair(abc.ABC):
 
     # --- the one comm dispatch -------------------------------------------------------------------
     def gather_impl(self, x: jax.Array, w: jax.Array, axis_name: str, sched: Schedule, out_dtype: OutDtype,
-                    side_needed: bool = True, scales: Optional[Scales] = None) -> Tuple[jax.Array, jax.Array]:
-        """(out, side) of the gather op run by `sched`, on copy engines or in plain JAX."""
+                    side_needed: bool = True, scales: Optional[Scales] = None,
+                    w_col_major: bool = False) -> Tuple[jax.Array, jax.Array]:
+        """(out, side) of the gather op run by `sched`, on copy engines or in plain JAX (whose dots
+        take w in any layout: `w_col_major` is the copy engines' alone)."""
         if sched.comm == "dma":
-            return self.gather_dma(x, w, axis_name, sched, side_needed, out_dtype, scales)
+            return self.gather_dma(x, w, axis_name, sched, side_needed, out_dtype, scales, w_col_major)
         return self.gather_xla(x, w, axis_name, sched, axis_size(axis_name, self.gather), out_dtype, scales)
 
     def scatter_impl(self, y: jax.Array, w: jax.Array, axis_name: str, sched: Schedule, out_dtype: OutDtype,
-                     scales: Optional[Scales] = None) -> jax.Array:
+                     scales: Optional[Scales] = None, w_col_major: bool = False) -> jax.Array:
         """The scatter op run by `sched`, as `gather_impl`."""
         if sched.comm == "dma":
-            return self.scatter_dma(y, w, axis_name, sched, out_dtype, scales)
+            return self.scatter_dma(y, w, axis_name, sched, out_dtype, scales, w_col_major)
         return self.scatter_xla(y, w, axis_name, sched, axis_size(axis_name, self.scatter), out_dtype, scales)
 
 
@@ -183,12 +190,12 @@ class TensorParallel(OpPair):
     def scatter_xla(self, y, w, axis_name, sched, n, out_dtype, scales=None):
         return xla.matmul_rs(y, w, axis_name, sched, n, out_dtype, scales)
 
-    def gather_dma(self, x, w, axis_name, sched, side_needed, out_dtype, scales=None):
+    def gather_dma(self, x, w, axis_name, sched, side_needed, out_dtype, scales=None, w_col_major=False):
         return dma.ag_matmul_dma(x, w, axis_name, sched, gathered_needed=side_needed, out_dtype=out_dtype,
-                                 scales=scales)
+                                 scales=scales, w_col_major=w_col_major)
 
-    def scatter_dma(self, y, w, axis_name, sched, out_dtype, scales=None):
-        return dma.matmul_rs_dma(y, w, axis_name, sched, out_dtype=out_dtype, scales=scales)
+    def scatter_dma(self, y, w, axis_name, sched, out_dtype, scales=None, w_col_major=False):
+        return dma.matmul_rs_dma(y, w, axis_name, sched, out_dtype=out_dtype, scales=scales, w_col_major=w_col_major)
 
     def transpose_w(self, w):
         return w.T
@@ -240,13 +247,14 @@ class ExpertParallel(OpPair):
         _no_scales(self.scatter, scales)
         return xla.matmul_a2a(y, w, axis_name, sched, n, out_dtype)
 
-    def gather_dma(self, x, w, axis_name, sched, side_needed, out_dtype, scales=None):
+    def gather_dma(self, x, w, axis_name, sched, side_needed, out_dtype, scales=None, w_col_major=False):
         _no_scales(self.gather, scales)
-        return dma.a2a_matmul_dma(x, w, axis_name, sched, received_needed=side_needed, out_dtype=out_dtype)
+        return dma.a2a_matmul_dma(x, w, axis_name, sched, received_needed=side_needed, out_dtype=out_dtype,
+                                  w_col_major=w_col_major)
 
-    def scatter_dma(self, y, w, axis_name, sched, out_dtype, scales=None):
+    def scatter_dma(self, y, w, axis_name, sched, out_dtype, scales=None, w_col_major=False):
         _no_scales(self.scatter, scales)
-        return dma.matmul_a2a_dma(y, w, axis_name, sched, out_dtype=out_dtype)
+        return dma.matmul_a2a_dma(y, w, axis_name, sched, out_dtype=out_dtype, w_col_major=w_col_major)
 
     def transpose_w(self, w):
         return jnp.swapaxes(w, 1, 2)
@@ -276,11 +284,12 @@ class AllReduce:
     def shape(self, y_shape: Shape, w_shape: Shape, n: int) -> Shape:
         return (y_shape[0], w_shape[1])
 
-    def impl(self, y: jax.Array, w: jax.Array, axis_name: str, sched: Schedule, out_dtype: OutDtype) -> jax.Array:
-        """matmul_psum run by `sched`."""
+    def impl(self, y: jax.Array, w: jax.Array, axis_name: str, sched: Schedule, out_dtype: OutDtype,
+             w_col_major: bool = False) -> jax.Array:
+        """matmul_psum run by `sched` (`w_col_major` as in `OpPair.gather_dma`)."""
         if sched.comm == "none":
             return self.reference(y, w, axis_name, out_dtype)
-        reduced = self.pair.scatter_impl(y, w, axis_name, sched, out_dtype)
+        reduced = self.pair.scatter_impl(y, w, axis_name, sched, out_dtype, w_col_major=w_col_major)
         if sched.comm == "dma":
             return dma.all_gather(reduced, axis_name)
         return lax.all_gather(reduced, axis_name, axis=0, tiled=True, to="invarying")

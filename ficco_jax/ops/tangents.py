@@ -12,7 +12,8 @@ Evaluated (forward mode), each runs the op with the forward's schedule. Transpos
 each is the other op of the pair with w transposed, on the forward's schedule where that is valid
 for it (ops/resolve.transposed_schedule): the backward of the gather op is the scatter op plus a
 local weight-gradient product, the backward of the scatter op the gather op, whose side output
-feeds the weight gradient.
+feeds the weight gradient. The transposed w is read in the other layout than w (`w_col_major`
+flipped): the bytes of w as they are, so no transpose of the weight is written out.
 
 The op itself is the same map with its input as the linear operand (gather(x, w) is the gather
 map at lin (x, -), res (w, -)): the positional forms below evaluate it as such an equation, so the
@@ -43,7 +44,8 @@ from .table import ALL_REDUCE, OpPair, OutDtype
 class Static:
     """The configuration of one tangent equation; `out_dtype` the op's result dtype (None: the
     operands'); `with_side`: a gather map also returns the tangent of the side output;
-    `sum_first`: the backward sums before it casts (core.partitioner_numerics)."""
+    `sum_first`: the backward sums before it casts (core.partitioner_numerics); `w_col_major`:
+    copy-engine calls read w column-major (lowering/dma/registry.py)."""
     axis_name: str
     sched: Schedule
     out_dtype: object = None
@@ -52,6 +54,7 @@ class Static:
     #: Whether the shard_map where the op was bound checks varying manual axes (check_vma): only
     #: then is a sum typed invariant, and JAX transposes psum to no collective; without it, to psum.
     vma_checked: bool = True
+    w_col_major: bool = False
 
 
 def _present_one(res):
@@ -138,7 +141,7 @@ class GatherMap(_PairMap):
         out = side_t = None
         if dx is not None:
             out, side_t = self.pair.gather_impl(dx, w, static.axis_name, static.sched, static.out_dtype,
-                                                side_needed=static.with_side)
+                                                side_needed=static.with_side, w_col_major=static.w_col_major)
         if dw is not None:
             out = _add(out, self.pair.gather_local(side, dw, static.out_dtype))
         return (out, side_t) if static.with_side else (out,)
@@ -153,7 +156,8 @@ class GatherMap(_PairMap):
             # d x = collective(g_out @ w^T): the scatter op, its collective riding on the matmuls.
             w_t = _in(pair.transpose_w(w), compute)
             dx = scatter_op(pair, ct_out, w_t, static.axis_name,
-                            _backward_schedule(pair.scatter, static, ct_out, w_t, partials), partials, static.sum_first)
+                            _backward_schedule(pair.scatter, static, ct_out, w_t, partials), partials, static.sum_first,
+                            not static.w_col_major)
         if wanted[0] and ct_side is not None:
             dx = _add(dx, pair.scatter_collective(ct_side, static.axis_name))
         if wanted[1] and ct_out is not None:
@@ -186,7 +190,8 @@ class ScatterMap(_PairMap):
 
     def run(self, a, b, static):
         """The op on operands joined along the contraction."""
-        return self.pair.scatter_impl(a, b, static.axis_name, static.sched, static.out_dtype)
+        return self.pair.scatter_impl(a, b, static.axis_name, static.sched, static.out_dtype,
+                                      w_col_major=static.w_col_major)
 
     def transpose(self, static, res, cts, wanted):
         pair, (y, w), ct = self.pair, res, cts[0]
@@ -199,10 +204,11 @@ class ScatterMap(_PairMap):
             w_t = _in(pair.transpose_w(w), compute)
             bwd = _backward_schedule(pair.gather, static, ct, w_t, None)
             if wanted[1]:  # d y = gather op of g with w^T; its side output (g delivered) feeds d w
-                dy, delivered = gather_op_with_side(pair, ct, w_t, static.axis_name, bwd, None, static.sum_first)
+                dy, delivered = gather_op_with_side(pair, ct, w_t, static.axis_name, bwd, None, static.sum_first,
+                                                    not static.w_col_major)
                 dw = pair.scatter_dw(_in(y, compute), delivered, None)
             else:
-                dy = gather_op(pair, ct, w_t, static.axis_name, bwd, None, static.sum_first)
+                dy = gather_op(pair, ct, w_t, static.axis_name, bwd, None, static.sum_first, not static.w_col_major)
         elif wanted[1]:
             dw = pair.scatter_dw(_in(y, compute), pair.gather_collective(ct, static.axis_name), None)
         return dy, dw
@@ -229,7 +235,7 @@ class AllReduceMap(ScatterMap):
         return f"{ALL_REDUCE.name}_tangent"
 
     def run(self, a, b, static):
-        return ALL_REDUCE.impl(a, b, static.axis_name, static.sched, static.out_dtype)
+        return ALL_REDUCE.impl(a, b, static.axis_name, static.sched, static.out_dtype, static.w_col_major)
 
     def fold_batch(self, static, res, lin, batched_res, batched_lin):
         """A batch of inputs against one weight as the rows of one call (the sum is row-wise)."""
@@ -257,8 +263,8 @@ class AllReduceMap(ScatterMap):
 
 
 # ------------------------------------------------------------------------------------------------
-# The positional forms (pair, a, w, axis_name, sched, out_dtype, sum_first): the ops bound as
-# equations; `sum_first` as in `Static`
+# The positional forms (pair, a, w, axis_name, sched, out_dtype, sum_first, w_col_major): the ops
+# bound as equations; `sum_first` and `w_col_major` as in `Static`
 # ------------------------------------------------------------------------------------------------
 def varying_together(axis_name: str, *values):
     """`values`, each made to vary over every manual axis another varies over and over the op's
@@ -270,70 +276,74 @@ def varying_together(axis_name: str, *values):
 
 
 def _gather_equation(pair: OpPair, x, w, axis_name: str, sched: Schedule, out_dtype: OutDtype, sum_first: bool,
-                     side_needed: bool) -> Tuple[jax.Array, Optional[jax.Array]]:
+                     w_col_major: bool, side_needed: bool) -> Tuple[jax.Array, Optional[jax.Array]]:
     """The gather op as one equation of its own map (x the linear operand, w the residual)."""
     x, w = varying_together(axis_name, x, w)
     out_shape, side_shape = pair.gather_shapes(x.shape, w.shape, axis_size(axis_name, pair.gather))
     avals = [aval(jax.typeof(x), out_shape, out_dtype)] + ([aval(jax.typeof(x), side_shape)] if side_needed else [])
-    outs = bind(GatherMap(pair), Static(axis_name, sched, out_dtype, side_needed, sum_first), (w, None), (x, None),
-                avals)
+    outs = bind(GatherMap(pair), Static(axis_name, sched, out_dtype, side_needed, sum_first, w_col_major=w_col_major),
+                (w, None), (x, None), avals)
     return outs[0], (outs[1] if side_needed else None)
 
 
 def _scatter_equation(pair: OpPair, y, w, axis_name: str, sched: Schedule, out_dtype: OutDtype,
-                      sum_first: bool) -> jax.Array:
+                      sum_first: bool, w_col_major: bool) -> jax.Array:
     """The scatter op as one equation of its own map (y linear, w residual)."""
     y, w = varying_together(axis_name, y, w)
     out_shape = pair.scatter_shape(y.shape, w.shape, axis_size(axis_name, pair.scatter))
-    return bind(ScatterMap(pair), Static(axis_name, sched, out_dtype, sum_first=sum_first), (None, w), (y, None),
-                [aval(jax.typeof(y), out_shape, out_dtype)])[0]
+    static = Static(axis_name, sched, out_dtype, sum_first=sum_first, w_col_major=w_col_major)
+    return bind(ScatterMap(pair), static, (None, w), (y, None), [aval(jax.typeof(y), out_shape, out_dtype)])[0]
 
 
-def _all_reduce_static(y, w, axis_name: str, sched: Schedule, out_dtype: OutDtype, sum_first: bool):
+def _all_reduce_static(y, w, axis_name: str, sched: Schedule, out_dtype: OutDtype, sum_first: bool,
+                       w_col_major: bool):
     """(y, w, static) of a matmul_psum equation: the operands made to vary together, and whether
     this shard_map checks varying axes (only then does the cast leave the axis in their types)."""
     y, w = varying_together(axis_name, y, w)
-    return y, w, Static(axis_name, sched, out_dtype, sum_first=sum_first, vma_checked=axis_name in varying_axes(y))
+    return y, w, Static(axis_name, sched, out_dtype, sum_first=sum_first, vma_checked=axis_name in varying_axes(y),
+                        w_col_major=w_col_major)
 
 
-def _all_reduce_equation(y, w, axis_name: str, sched: Schedule, out_dtype: OutDtype, sum_first: bool) -> jax.Array:
+def _all_reduce_equation(y, w, axis_name: str, sched: Schedule, out_dtype: OutDtype, sum_first: bool,
+                         w_col_major: bool) -> jax.Array:
     """matmul_psum as one equation of its own map (y linear, w residual); its result varies over
     what the operands vary over but the summed axis, as psum's does."""
-    y, w, static = _all_reduce_static(y, w, axis_name, sched, out_dtype, sum_first)
+    y, w, static = _all_reduce_static(y, w, axis_name, sched, out_dtype, sum_first, w_col_major)
     out_shape = ALL_REDUCE.shape(y.shape, w.shape, axis_size(axis_name, ALL_REDUCE.name))
     out_aval = without_varying(aval(jax.typeof(y), out_shape, out_dtype), axis_name)
     return bind(AllReduceMap(ALL_REDUCE.pair), static, (None, w), (y, None), [out_aval])[0]
 
 
-_STATIC = (0, 3, 4, 5, 6)  # pair, axis_name, sched, out_dtype, sum_first
+_STATIC = (0, 3, 4, 5, 6, 7)  # pair, axis_name, sched, out_dtype, sum_first, w_col_major
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=_STATIC)
 def gather_op(pair: OpPair, x, w, axis_name: str, sched: Schedule, out_dtype: OutDtype,
-              sum_first: bool = False) -> jax.Array:
+              sum_first: bool = False, w_col_major: bool = False) -> jax.Array:
     """The gather op's output alone: nobody reads the side output, so it may be left incomplete
     (differentiated, the forward computes it in full: the weight's tangent and gradient read it)."""
-    return _gather_equation(pair, x, w, axis_name, sched, out_dtype, sum_first, side_needed=False)[0]
+    return _gather_equation(pair, x, w, axis_name, sched, out_dtype, sum_first, w_col_major, side_needed=False)[0]
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=_STATIC)
 def gather_op_with_side(pair: OpPair, x, w, axis_name: str, sched: Schedule, out_dtype: OutDtype,
-                        sum_first: bool = False) -> Tuple[jax.Array, jax.Array]:
+                        sum_first: bool = False, w_col_major: bool = False) -> Tuple[jax.Array, jax.Array]:
     """The gather op's (out, side)."""
-    return _gather_equation(pair, x, w, axis_name, sched, out_dtype, sum_first, side_needed=True)
+    return _gather_equation(pair, x, w, axis_name, sched, out_dtype, sum_first, w_col_major, side_needed=True)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=_STATIC)
 def scatter_op(pair: OpPair, y, w, axis_name: str, sched: Schedule, out_dtype: OutDtype,
-               sum_first: bool = False) -> jax.Array:
+               sum_first: bool = False, w_col_major: bool = False) -> jax.Array:
     """The scatter op's output."""
-    return _scatter_equation(pair, y, w, axis_name, sched, out_dtype, sum_first)
+    return _scatter_equation(pair, y, w, axis_name, sched, out_dtype, sum_first, w_col_major)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4, 5))
-def all_reduce_op(y, w, axis_name: str, sched: Schedule, out_dtype: OutDtype, sum_first: bool = False) -> jax.Array:
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4, 5, 6))
+def all_reduce_op(y, w, axis_name: str, sched: Schedule, out_dtype: OutDtype, sum_first: bool = False,
+                  w_col_major: bool = False) -> jax.Array:
     """matmul_psum's output."""
-    return _all_reduce_equation(y, w, axis_name, sched, out_dtype, sum_first)
+    return _all_reduce_equation(y, w, axis_name, sched, out_dtype, sum_first, w_col_major)
 
 
 def present(t):
@@ -352,14 +362,15 @@ def tangent_aval(v):
 
 
 def _gather_jvp(with_side: bool):
-    def jvp(pair, axis_name, sched, out_dtype, sum_first, primals, tangents):
+    def jvp(pair, axis_name, sched, out_dtype, sum_first, w_col_major, primals, tangents):
         (x, w), (dx, dw) = primals, tuple(map(present, tangents))
         # Differentiated, the forward delivers the side output in full, as a residual would be.
-        out, side = gather_op_with_side(pair, x, w, axis_name, sched, out_dtype, sum_first)
+        out, side = gather_op_with_side(pair, x, w, axis_name, sched, out_dtype, sum_first, w_col_major)
         side_out = with_side and dx is not None
         avals = [tangent_aval(out)] + ([tangent_aval(side)] if side_out else [])
         res = (w if dx is not None else None, side if dw is not None else None)
-        t = bind(GatherMap(pair), Static(axis_name, sched, out_dtype, side_out, sum_first), res, (dx, dw), avals)
+        static = Static(axis_name, sched, out_dtype, side_out, sum_first, w_col_major=w_col_major)
+        t = bind(GatherMap(pair), static, res, (dx, dw), avals)
         t_out, t_side = t[0], (t[1] if side_out else None)
         if with_side:
             return (out, side), (zero_where_none(t_out, out), zero_where_none(t_side, side))
@@ -367,19 +378,19 @@ def _gather_jvp(with_side: bool):
     return jvp
 
 
-def _scatter_jvp(pair, axis_name, sched, out_dtype, sum_first, primals, tangents):
+def _scatter_jvp(pair, axis_name, sched, out_dtype, sum_first, w_col_major, primals, tangents):
     (y, w), (dy, dw) = primals, tuple(map(present, tangents))
-    out = scatter_op(pair, y, w, axis_name, sched, out_dtype, sum_first)
+    out = scatter_op(pair, y, w, axis_name, sched, out_dtype, sum_first, w_col_major)
     res = (y if dw is not None else None, w if dy is not None else None)
-    t_out = bind(ScatterMap(pair), Static(axis_name, sched, out_dtype, sum_first=sum_first), res, (dy, dw),
-                 [tangent_aval(out)])[0]
+    static = Static(axis_name, sched, out_dtype, sum_first=sum_first, w_col_major=w_col_major)
+    t_out = bind(ScatterMap(pair), static, res, (dy, dw), [tangent_aval(out)])[0]
     return out, zero_where_none(t_out, out)
 
 
-def _all_reduce_jvp(axis_name, sched, out_dtype, sum_first, primals, tangents):
+def _all_reduce_jvp(axis_name, sched, out_dtype, sum_first, w_col_major, primals, tangents):
     (y, w), (dy, dw) = primals, tuple(map(present, tangents))
-    out = all_reduce_op(y, w, axis_name, sched, out_dtype, sum_first)
-    y, w, static = _all_reduce_static(y, w, axis_name, sched, out_dtype, sum_first)
+    out = all_reduce_op(y, w, axis_name, sched, out_dtype, sum_first, w_col_major)
+    y, w, static = _all_reduce_static(y, w, axis_name, sched, out_dtype, sum_first, w_col_major)
     res = (y if dw is not None else None, w if dy is not None else None)
     t_out = bind(AllReduceMap(ALL_REDUCE.pair), static, res, (dy, dw), [tangent_aval(out)])[0]
     return out, zero_where_none(t_out, out)

@@ -155,8 +155,9 @@ cublasStatus_t SetScales(const GemmProblem& p, cublasLtMatmulDesc_t op) {
 // cuBLASLt is column-major. A row-major [rows, cols] matrix is the column-major [cols, rows]
 // matrix with the same bytes, so row-major C = A @ B is computed as column-major
 // C^T[cols, rows] = B^T[cols, inner] @ A^T[inner, rows]: pass b as cuBLASLt's "A" and a as its
-// "B", no transposes, leading dimensions cols, inner and cols. A transposed b ([cols, inner],
-// FP8) is column-major [inner, cols]: cuBLASLt's "A" with op T, leading dimension inner.
+// "B", no transposes, leading dimensions cols, inner and cols. A transposed b ([cols, inner]: FP8,
+// or a weight taken column-major) is column-major [inner, cols]: cuBLASLt's "A" with op T, leading
+// dimension inner.
 //
 // The layouts of `p` as cuBLASLt sees it (see MakePlan), then up to kAlgoCandidates algorithms
 // the heuristic proposes for them, within the workspace and the operands' alignments.

@@ -17,8 +17,9 @@ namespace ficco {
 // The element types of one op's matmuls. Operands share a half or f32 dtype and the result is
 // that dtype or f32 (mixed precision: bf16 operands, f32 result); or the operands are FP8 (not
 // both e5m2), each with a per-tensor f32 scale on the device, and the result bf16, f16 or f32.
-// FP8 on cuBLASLt needs the "TN" layout, so an FP8 b is stored transposed: [cols, inner]; FP8
-// matmuls accumulate in Hopper's fast mode (gemm.cc says why).
+// b is row-major [inner, cols], or stored transposed, [cols, inner] (b_transposed: column-major,
+// as the transpose of a row-major array is laid out), which FP8 on cuBLASLt needs (the "TN"
+// layout); FP8 matmuls accumulate in Hopper's fast mode (gemm.cc says why).
 struct MatmulTypes {
   Dtype a = Dtype::kF32, b = Dtype::kF32, c = Dtype::kF32;
   const float* a_scale = nullptr;  // device scalars; nullptr: 1

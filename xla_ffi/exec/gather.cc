@@ -6,6 +6,7 @@
 
 namespace ficco {
 
+// w's layout (types.b_transposed) is left out: each rank multiplies by its own w, which no peer reads.
 std::vector<int64_t> ScheduleSignature(const OpConfig& config, SignatureKind kind, const MatmulTypes& types,
                                        std::initializer_list<int64_t> shape) {
   std::vector<int64_t> signature{static_cast<int64_t>(kind), static_cast<int64_t>(types.a),

@@ -32,6 +32,9 @@ struct OpAttrs {
   // the peers' rows still land there.
   int64_t skip_own_rows;
   int64_t transfer;               // 0 pull (the receiver's copy streams read), 1 push (the sender's write)
+  // 1: the matmul's w is column-major ([N, K] in memory for w [K, N]; per expert for [E, K, N]), as
+  // a transpose of a row-major array is laid out; always for FP8. 0 for the collectives.
+  int64_t w_col_major;
 };
 
 // The contention probe's attributes (ficco_jax/lowering/dma/probe.py writes them).
@@ -43,14 +46,16 @@ struct ProbeAttrs {
   int64_t watchdog_ms;
   int64_t repeats;  // matmuls on the compute stream
   int64_t pull;     // 1: pull every peer's x meanwhile; 0: matmuls alone
+  int64_t w_col_major;  // as OpAttrs: 1 for FP8 operands
 };
 
 // The schedule part of a target's attributes, as every target's config decodes it.
 inline const OpAttrs& ScheduleAttrs(const OpAttrs& attrs) { return attrs; }
-// The probe: one copy stream, direct, one chunk. In-process groups only (probe.py refuses
-// groups across processes): ordinals are local.
+// The probe: one copy stream, direct, one chunk, w's layout as given. In-process groups only
+// (probe.py refuses groups across processes): ordinals are local.
 inline OpAttrs ScheduleAttrs(const ProbeAttrs& p) {
-  return OpAttrs{p.op_id, p.groups, p.groups, 0, p.group_size, 1, 1, 0, 1, p.timeout_ms, p.watchdog_ms, "probe", 0, 0};
+  return OpAttrs{p.op_id, p.groups, p.groups, 0, p.group_size, 1, 1, 0, 1, p.timeout_ms, p.watchdog_ms, "probe", 0, 0,
+                 p.w_col_major};
 }
 
 ffi::Error DecodeConfig(const OpAttrs& attrs, const char* target, int32_t device_ordinal, int64_t run_id,
@@ -69,13 +74,13 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::xla::ffi::StructMember<int64_t>("copy_streams"), ::xla::ffi::StructMember<int64_t>("timeout_ms"),
     ::xla::ffi::StructMember<int64_t>("watchdog_ms"), ::xla::ffi::StructMember<std::string_view>("site"),
     ::xla::ffi::StructMember<int64_t>("skip_own_rows"),
-    ::xla::ffi::StructMember<int64_t>("transfer"));
+    ::xla::ffi::StructMember<int64_t>("transfer"), ::xla::ffi::StructMember<int64_t>("w_col_major"));
 
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ficco::ProbeAttrs, ::xla::ffi::StructMember<int64_t>("op_id"),
     ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("groups"),
     ::xla::ffi::StructMember<int64_t>("group_size"), ::xla::ffi::StructMember<int64_t>("timeout_ms"),
     ::xla::ffi::StructMember<int64_t>("watchdog_ms"), ::xla::ffi::StructMember<int64_t>("repeats"),
-    ::xla::ffi::StructMember<int64_t>("pull"));
+    ::xla::ffi::StructMember<int64_t>("pull"), ::xla::ffi::StructMember<int64_t>("w_col_major"));
 
 #endif  // FICCO_JAX_XLA_FFI_FFI_ATTRS_H_

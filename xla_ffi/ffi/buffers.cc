@@ -41,8 +41,10 @@ ffi::Error SameDtype(const CallContext& ctx, std::initializer_list<ffi::AnyBuffe
   return ToDtype(ctx, first, dtype);
 }
 
-ffi::Error MatmulDtypes(const CallContext& ctx, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer c, bool fp8,
+ffi::Error MatmulDtypes(const OpConfig& config, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer c, bool fp8,
                         const ffi::AnyBuffer* scales, MatmulTypes* types) {
+  const CallContext& ctx = config.ctx;
+  types->b_transposed = config.w_col_major;
   FICCO_RETURN_IF_ERROR(ToDtype(ctx, a.element_type(), &types->a, fp8));
   FICCO_RETURN_IF_ERROR(ToDtype(ctx, b.element_type(), &types->b, fp8));
   FICCO_RETURN_IF_ERROR(ToDtype(ctx, c.element_type(), &types->c));
@@ -55,11 +57,14 @@ ffi::Error MatmulDtypes(const CallContext& ctx, ffi::AnyBuffer a, ffi::AnyBuffer
     if (types->a == Dtype::kF8E5M2 && types->b == Dtype::kF8E5M2) {
       return MakeInvalid(ctx, "float8_e5m2 x float8_e5m2 matmuls are not supported; make one operand float8_e4m3fn");
     }
+    if (!types->b_transposed) {
+      return MakeInvalid(ctx, "an FP8 matmul takes w column-major (cuBLASLt's FP8 matmuls need the \"TN\" form), "
+                              "found w_col_major=0; lower it with w_col_major=1 (ficco_jax/lowering/dma/registry.py)");
+    }
     if (scales != nullptr) {
       types->a_scale = static_cast<const float*>(scales[0].untyped_data());
       types->b_scale = static_cast<const float*>(scales[1].untyped_data());
     }
-    types->b_transposed = true;  // FP8 targets take w column-major (ficco_jax/lowering/dma/registry.py)
     return ffi::Error::Success();
   }
   if (types->a != types->b || (types->c != types->a && types->c != Dtype::kF32)) {

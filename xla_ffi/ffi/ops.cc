@@ -25,7 +25,7 @@ static ffi::Error AgMatmul(Backend& backend, const OpConfig& config, Buffer x, B
                            Buffer out, Buffer gathered) {
   const CallContext& ctx = config.ctx;
   MatmulTypes types;
-  FICCO_RETURN_IF_ERROR(MatmulDtypes(ctx, x, w, out, scales != nullptr, scales, &types));
+  FICCO_RETURN_IF_ERROR(MatmulDtypes(config, x, w, out, scales != nullptr, scales, &types));
   if (gathered.element_type() != x.element_type()) return MakeInvalid(ctx, "gathered must have x's dtype");
   if (x.dimensions().size() != 2 || w.dimensions().size() != 2 || x.dimensions()[1] != w.dimensions()[0]) {
     return MakeInvalid(ctx, "ag_matmul needs x [m, K] and w [K, N]; found x " + Shape(x) + ", w " + Shape(w));
@@ -82,7 +82,7 @@ ffi::Error AllToAllImpl(Backend& backend, const OpConfig& config, Buffer x, Buff
 ffi::Error A2aMatmulImpl(Backend& backend, const OpConfig& config, Buffer x, Buffer w, Buffer out, Buffer received) {
   const CallContext& ctx = config.ctx;
   MatmulTypes types;
-  FICCO_RETURN_IF_ERROR(MatmulDtypes(ctx, x, w, out, false, nullptr, &types));
+  FICCO_RETURN_IF_ERROR(MatmulDtypes(config, x, w, out, false, nullptr, &types));
   if (received.element_type() != x.element_type()) return MakeInvalid(ctx, "received must have x's dtype");
   const int64_t n = config.n();
   auto xd = x.dimensions();
@@ -109,7 +109,7 @@ static ffi::Error MatmulRs(Backend& backend, const OpConfig& config, Buffer y, B
                            Buffer out, Buffer send, Buffer recv) {
   const CallContext& ctx = config.ctx;
   MatmulTypes types;
-  FICCO_RETURN_IF_ERROR(MatmulDtypes(ctx, y, w, out, scales != nullptr, scales, &types));
+  FICCO_RETURN_IF_ERROR(MatmulDtypes(config, y, w, out, scales != nullptr, scales, &types));
   if (send.element_type() != out.element_type() || recv.element_type() != out.element_type()) {
     return MakeInvalid(ctx, "send and recv must have out's dtype");
   }
@@ -164,7 +164,7 @@ ffi::Error ReduceScatterImpl(Backend& backend, const OpConfig& config, Buffer x,
 ffi::Error MatmulA2aImpl(Backend& backend, const OpConfig& config, Buffer y, Buffer w, Buffer out, Buffer send) {
   const CallContext& ctx = config.ctx;
   MatmulTypes types;
-  FICCO_RETURN_IF_ERROR(MatmulDtypes(ctx, y, w, out, false, nullptr, &types));
+  FICCO_RETURN_IF_ERROR(MatmulDtypes(config, y, w, out, false, nullptr, &types));
   if (send.element_type() != out.element_type()) return MakeInvalid(ctx, "send must have out's dtype");
   const int64_t n = config.n();
   auto yd = y.dimensions();
@@ -187,10 +187,10 @@ ffi::Error MatmulA2aImpl(Backend& backend, const OpConfig& config, Buffer y, Buf
 ffi::Error ContentionProbeImpl(Backend& backend, const OpConfig& config, const ProbeAttrs& attrs, Buffer a, Buffer w,
                                Buffer x, Buffer out, Buffer gathered) {
   const CallContext& ctx = config.ctx;
-  // FP8 operands unscaled (w column-major, as the ops pass it): the matmul rate is what is measured.
+  // FP8 operands unscaled (w column-major, as the ops pass it: w_col_major): the matmul rate is what is measured.
   MatmulTypes types;
   const bool fp8 = a.element_type() == ffi::DataType::F8E4M3FN || a.element_type() == ffi::DataType::F8E5M2;
-  FICCO_RETURN_IF_ERROR(MatmulDtypes(ctx, a, w, out, fp8, nullptr, &types));
+  FICCO_RETURN_IF_ERROR(MatmulDtypes(config, a, w, out, fp8, nullptr, &types));
   const int64_t n = config.n();
   if (a.dimensions().size() != 2 || w.dimensions().size() != 2 || a.dimensions()[1] != w.dimensions()[0] ||
       x.dimensions().size() < 1 || attrs.repeats < 1) {

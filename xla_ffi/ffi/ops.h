@@ -26,7 +26,8 @@ using Buffer = ffi::AnyBuffer;
 ffi::Error AgMatmulImpl(Backend& backend, const OpConfig& config, Buffer x, Buffer w, Buffer out, Buffer gathered);
 ffi::Error MatmulRsImpl(Backend& backend, const OpConfig& config, Buffer y, Buffer w, Buffer out, Buffer send,
                         Buffer recv);
-// FP8 operands with per-tensor f32 scales; w column-major ([N, K] in memory for w [K, N]).
+// FP8 operands with per-tensor f32 scales; w column-major ([N, K] in memory for w [K, N]: w_col_major,
+// which the other matmul targets take per call).
 ffi::Error AgMatmulScaledImpl(Backend& backend, const OpConfig& config, Buffer x, Buffer w, Buffer x_scale,
                               Buffer w_scale, Buffer out, Buffer gathered);
 ffi::Error MatmulRsScaledImpl(Backend& backend, const OpConfig& config, Buffer y, Buffer w, Buffer y_scale,

@@ -4,7 +4,8 @@
 //   ficco_ag_matmul        x [m, K], w [K, N]           -> out [n*m, N], gathered [n*m, K]
 //   ficco_matmul_rs        y [n*m, N], w [N, K]         -> out [m, K], send [n-1, m, K], recv [n-1, m, K]
 //   ficco_*_scaled         the two above with FP8 operands: + the f32 scales of both operands after w
-//                          (w column-major), results in bf16, f16 or f32
+//                          (w always column-major), results in bf16, f16 or f32
+//   every matmul target's w is column-major (per expert for [E, ., .]) where attribute w_col_major is 1
 //   ficco_all_gather       x [m, ...]                   -> out [n*m, ...]
 //   ficco_reduce_scatter   x [n*m, ...]                 -> out [m, ...], recv [n-1, m, ...]
 //   ficco_all_to_all       x [n, ...]                   -> out [n, ...]

@@ -39,6 +39,9 @@ struct OpConfig {
   double spin_s = 0.0;  // rendezvous spin before sleeping (set by the CUDA bindings)
   bool skip_own_rows = false;  // ag_matmul / a2a_matmul whose gathered / received output nobody reads
   bool push = false;  // transfer=push: senders write into their peers' buffers (exec/executor.h)
+  // The matmul's w is column-major (MatmulTypes::b_transposed); a layout of this device's own
+  // operand, which no peer reads, so it is not part of the rendezvous signature.
+  bool w_col_major = false;
 
   int n() const { return static_cast<int>(group.size()); }
   bool cross_process() const { return ipc_job != 0; }

@@ -9,7 +9,9 @@ adds both). Each is one FFI call per device (registry.bind).
 `out_dtype` is the matmuls' result dtype (None: the operands'; f32 for bf16 or f16 operands is
 mixed precision: f32 results, and matmul_rs moves and sums f32 partials). `scales` = (x_scale,
 w_scale) makes the TP ops FP8 matmuls: FP8 operands, per-tensor f32 scales, a bf16, f16 or f32
-result (registry: the scaled targets).
+result (registry: the scaled targets). `w_col_major` asks XLA for w column-major (per expert for
+the expert ops): where w is the transpose of a stored array, that array's buffer is read as it is
+(registry, "w_col_major"); FP8 targets always take w so.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ def _operands(op: str, a, w, scales):
 
 
 def ag_matmul_dma(x, w, axis_name, schedule: Schedule, *, gathered_needed: bool = True, out_dtype=None,
-                  scales=None):
+                  scales=None, w_col_major: bool = False):
     """``(all_gather(x, axis_name, tiled=True) @ w, all_gather(x, axis_name, tiled=True))`` on copy engines.
 
     x [m, K], w [K, N] per device -> out [n*m, N], gathered [n*m, K]. With `gathered_needed=False`
@@ -40,11 +42,11 @@ def ag_matmul_dma(x, w, axis_name, schedule: Schedule, *, gathered_needed: bool 
     _check("ag_matmul", x, w, axis_name, "x and w", scales)
     target, operands = _operands("ag_matmul", x, w, scales)
     out, gathered = registry.bind(target, operands, axis_name, registry.axis_size_of(axis_name), schedule,
-                                  skip_own_rows=not gathered_needed, out_dtype=out_dtype)
+                                  skip_own_rows=not gathered_needed, out_dtype=out_dtype, w_col_major=w_col_major)
     return out, gathered
 
 
-def matmul_rs_dma(y, w, axis_name, schedule: Schedule, *, out_dtype=None, scales=None):
+def matmul_rs_dma(y, w, axis_name, schedule: Schedule, *, out_dtype=None, scales=None, w_col_major: bool = False):
     """``psum_scatter(y @ w, axis_name, scatter_dimension=0, tiled=True)`` on copy engines.
 
     y [M, N], w [N, K] per device -> [M/n, K].
@@ -52,11 +54,12 @@ def matmul_rs_dma(y, w, axis_name, schedule: Schedule, *, out_dtype=None, scales
     _check("matmul_rs", y, w, axis_name, "y and w", scales)
     target, operands = _operands("matmul_rs", y, w, scales)
     out, _send, _recv = registry.bind(target, operands, axis_name, registry.axis_size_of(axis_name), schedule,
-                                      out_dtype=out_dtype)
+                                      out_dtype=out_dtype, w_col_major=w_col_major)
     return out
 
 
-def a2a_matmul_dma(x, w, axis_name, schedule: Schedule, *, received_needed: bool = True, out_dtype=None):
+def a2a_matmul_dma(x, w, axis_name, schedule: Schedule, *, received_needed: bool = True, out_dtype=None,
+                   w_col_major: bool = False):
     """``(einsum("pecd,edf->pecf", all_to_all(x), w), all_to_all(x))`` on copy engines.
 
     x [n, E, C, d], w [E, d, f] per device (all_to_all: split 0, concat 0, tiled). With
@@ -65,13 +68,13 @@ def a2a_matmul_dma(x, w, axis_name, schedule: Schedule, *, received_needed: bool
     """
     _check("a2a_matmul", x, w, axis_name, "both operands")
     out, received = registry.bind("a2a_matmul", (x, w), axis_name, registry.axis_size_of(axis_name), schedule,
-                                  skip_own_rows=not received_needed, out_dtype=out_dtype)
+                                  skip_own_rows=not received_needed, out_dtype=out_dtype, w_col_major=w_col_major)
     return out, received
 
 
-def matmul_a2a_dma(y, w, axis_name, schedule: Schedule, *, out_dtype=None):
+def matmul_a2a_dma(y, w, axis_name, schedule: Schedule, *, out_dtype=None, w_col_major: bool = False):
     """``all_to_all(einsum("pecf,efd->pecd", y, w))`` on copy engines. y [n, E, C, f], w [E, f, d]."""
     _check("matmul_a2a", y, w, axis_name, "both operands")
     out, _send = registry.bind("matmul_a2a", (y, w), axis_name, registry.axis_size_of(axis_name), schedule,
-                               out_dtype=out_dtype)
+                               out_dtype=out_dtype, w_col_major=w_col_major)
     return out

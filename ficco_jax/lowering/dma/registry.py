@@ -10,13 +10,19 @@ Attributes of every FFI target (one struct per op in xla_ffi/ffi/):
   order (0 ring, 1 direct),
   gemm (0 per_chunk, 1 grouped), copy_streams, timeout_ms (config.RENDEZVOUS_TIMEOUT_S),
   watchdog_ms (config.WATCHDOG_S), site (where the op was written: `site_label`),
-  skip_own_rows, transfer (0 pull, 1 push: senders write into their peers, in-process groups only).
+  skip_own_rows, transfer (0 pull, 1 push: senders write into their peers, in-process groups only),
+  w_col_major (1: the matmul's w, operand 1, is column-major; 0 for the collectives).
 
   * op_id: a process-wide counter drawn when the op is traced (bound), unique per call site, so
     two ops of one program never share a rendezvous.
   * occurrence: counted by the executor per device and launch (RunId): the same call site run
     many times in one launch (lax.scan, fori_loop) meets its peers once per execution.
   * groups: see groups.py.
+  * w_col_major: w's layout, chosen per call. Row-major is how XLA keeps an array; column-major
+    (per expert for the expert ops' [E, inner, cols] w) is what a transpose of a row-major array
+    is, byte for byte: where w is such a transpose (an op's backward multiplies by w^T, a site
+    of `overlap()` by `v.T`), XLA hands over v's buffer (a bitcast) instead of writing w^T first.
+    FP8 targets always take it: cuBLASLt's FP8 matmuls need the "TN" form.
 
 Transfer order: rank r pulls from r-1 first, then r-2, ... (ring distance 1, 2, ...). ``direct``
 spreads the peers over ``copy_streams`` copy streams (peer slot s on stream s % copy_streams);
@@ -213,15 +219,20 @@ def _abstract_matmul_a2a(y, w, *, axis_size, out_dtype, **_):
     return [aval(y, (n, e, c, w.shape[2]), out_dtype), aval(y, (max(axis_size - 1, 1), e, c, w.shape[2]), out_dtype)]
 
 
-def operand_layouts(count: int, fp8: bool):
-    """The operand layouts of a custom call with `count` operands: row-major (None), except that an
-    FP8 matmul's w (operand 1) is column-major, the "TN" form cuBLASLt's FP8 matmuls need; XLA
-    transposes w where it is not produced so (minor-to-major (0, 1): K, the rows of w, is minor)."""
-    return [None, (0, 1)] + [None] * (count - 2) if fp8 else None
+def operand_layouts(avals, w_col_major: bool):
+    """The layouts the custom call asks of its operands (`avals`, w at position 1): row-major
+    (None), except w where `w_col_major`: its two matrix dimensions swapped, K (the rows of w) the
+    minor one: minor-to-major (0, 1) for [K, N], (1, 2, 0) per expert for [E, K, N]. XLA lays out
+    the producer of w so (a transpose becomes a bitcast), or inserts one transpose."""
+    if not w_col_major:
+        return None
+    rank = len(avals[1].shape)
+    w_layout = (rank - 2, rank - 1, *range(rank - 3, -1, -1))
+    return [None, w_layout] + [None] * (len(avals) - 2)
 
 
 def _lowering(ctx, *operands, op, axis_name, axis_size, op_id, schedule, timeout_ms, watchdog_ms, site,
-              skip_own_rows=False, out_dtype=None):
+              skip_own_rows=False, out_dtype=None, w_col_major=False):
     group = groups.group_attrs(ctx, op, axis_name, axis_size)
     if schedule.transfer == "push" and group["ipc_job"] != 0:
         raise ValueError(
@@ -229,7 +240,7 @@ def _lowering(ctx, *operands, op, axis_name, axis_size, op_id, schedule, timeout
             f"spans processes, whose XLA buffers cannot be opened from here; use transfer='pull' "
             f"(e.g. {str(schedule.replace(transfer='pull'))!r})"
         )
-    rule = jax.ffi.ffi_lowering(_TARGETS[op][0], operand_layouts=operand_layouts(len(operands), op in _SCALED))
+    rule = jax.ffi.ffi_lowering(_TARGETS[op][0], operand_layouts=operand_layouts(ctx.avals_in, w_col_major))
     return rule(
         ctx, *operands,
         op_id=np.int64(op_id),
@@ -246,6 +257,7 @@ def _lowering(ctx, *operands, op, axis_name, axis_size, op_id, schedule, timeout
         site=site,
         skip_own_rows=np.int64(int(skip_own_rows)),
         transfer=np.int64({"pull": 0, "push": 1}[schedule.transfer]),
+        w_col_major=np.int64(int(w_col_major)),
     )
 
 
@@ -354,6 +366,8 @@ _TARGETS = {
     "matmul_rs_scaled": ("ficco_matmul_rs_scaled", _abstract_matmul_rs),
 }
 _SCALED = ("ag_matmul_scaled", "matmul_rs_scaled")
+#: The targets with a matmul, whose operand 1 is its weight w.
+_MATMULS = ("ag_matmul", "matmul_rs", "a2a_matmul", "matmul_a2a", *_SCALED)
 _PRIMITIVES = {op: _make_primitive(target, abstract) for op, (target, abstract) in _TARGETS.items()}
 for _op in _TRANSPOSES:
     ad.primitive_jvps[_PRIMITIVES[_op]] = _linear_jvp
@@ -361,14 +375,17 @@ for _op in _TRANSPOSES:
 
 
 def bind(op: str, operands, axis_name: str, axis_size: int, schedule: Schedule, *, skip_own_rows: bool = False,
-         out_dtype=None):
+         out_dtype=None, w_col_major: bool = False):
     """`op` on `operands` (the scaled ops: x, w, x_scale, w_scale); `out_dtype` is the matmul
-    result's dtype (None: the operands')."""
+    result's dtype (None: the operands'); `w_col_major`: ask XLA for the matmul's w column-major
+    (always for the FP8 targets)."""
     check_supported(op, operands[0].dtype, out_dtype)
+    if op not in _MATMULS and w_col_major:
+        raise ValueError(f"{op}: w_col_major is the layout of a matmul's weight; {op} has none")
     operands = match_varying(*operands)
     out_dtype = np.dtype(out_dtype or operands[0].dtype)
     return _PRIMITIVES[op].bind(
         *operands, op=op, axis_name=axis_name, axis_size=axis_size, op_id=next_op_id(), schedule=schedule,
         timeout_ms=int(round(config.RENDEZVOUS_TIMEOUT_S * 1000)), watchdog_ms=watchdog_ms(), site=current_site(),
-        skip_own_rows=skip_own_rows, out_dtype=out_dtype,
+        skip_own_rows=skip_own_rows, out_dtype=out_dtype, w_col_major=bool(w_col_major) or op in _SCALED,
     )
