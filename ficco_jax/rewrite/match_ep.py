@@ -57,9 +57,16 @@ class ExpertSite(Site):
         tokens_free, w_free = [label for label in self.tokens_labels if label in ("p", "c")], ["f"]
         return ["e"] + (tokens_free + w_free if self.tokens_side == 0 else w_free + tokens_free)
 
+    def weight_atom(self):
+        return self.dot.invars[1 - self.tokens_side]
+
+    def weight_layout(self):
+        """[E, d, f] from the weight's (expert, contracted, free) dims; column-major per expert: [E, f, d]."""
+        return tuple(self.w_dims), (0, 2, 1)
+
     def operands(self, read: Callable):
         tokens = self.collective.invars[0] if self.op == A2A_MM else self.dot.invars[self.tokens_side]
-        return read(tokens), transpose(read(self.dot.invars[1 - self.tokens_side]), self.w_dims)
+        return read(tokens), transpose(read(self.weight_atom()), self.w_dims)
 
     def write_outputs(self, out, collective_out, write: Callable) -> None:
         if self.op == MM_A2A:

@@ -82,11 +82,22 @@ class TensorSite(Site):
         k = math.prod(a_shape[d] for d in ca)
         return (rows, k), (k, math.prod(w_shape[d] for d in fw))
 
+    def weight_atom(self):
+        return self.fp8_weight if self.fp8_weight is not None else self.dot.invars[1 - self.act_side]
+
+    def weight_layout(self):
+        """[K, N] from the weight's contracted then free dims; column-major: the free ones major."""
+        _, _, _, cw, _, fw = self._layout()
+        return tuple(cw + fw), tuple(range(len(cw), len(cw) + len(fw))) + tuple(range(len(cw)))
+
     def operands(self, read: Callable):
         _, _, ca, cw, fa, fw = self._layout()
         (rows, k), (_, n_cols) = self.op_shapes()
-        w_atom = self.fp8_weight if self.fp8_weight is not None else self.dot.invars[1 - self.act_side]
-        weight = reshape(transpose(read(w_atom), cw + fw), (k, n_cols))
+        w = read(self.weight_atom())
+        if self.w_col_major:  # [N, K] as stored (a bitcast), then one 2-D transpose, which XLA reads as a bitcast
+            weight = transpose(reshape(transpose(w, fw + cw), (n_cols, k)), (1, 0))
+        else:
+            weight = reshape(transpose(w, cw + fw), (k, n_cols))
         act_atom = self.fp8_act if self.fp8_act is not None else self.dot.invars[self.act_side]
         act = read(self.collective.invars[0] if self.op == AG else act_atom)
         return reshape(transpose(act, [self.act_dim] + fa + ca), (rows, k)), weight

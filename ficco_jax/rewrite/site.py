@@ -72,10 +72,34 @@ class Site:
     # matmul_rs: the dtype a convert_element_type rounds the product to before the reduce-scatter
     # (bf16 in JAX's backward of a mixed-precision matmul): the op's partials have it.
     rounded_to: Any = None
+    # The dimensions of the stored array the weight atom is a transpose of, in the weight atom's
+    # order (MatchContext.stored_dims; the identity where no transpose produced it here).
+    weight_stored_dims: tuple[int, ...] | None = None
 
     def op_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(operand shape, weight shape) as the op takes them."""
         raise NotImplementedError
+
+    def weight_atom(self):
+        """The jaxpr atom the op's weight is read from."""
+        raise NotImplementedError
+
+    def weight_layout(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(perm, col_major): the permutation `operands` applies to the weight atom (before any
+        reshape), and the dimensions of its result from major to minor as the ops read a
+        column-major weight."""
+        raise NotImplementedError
+
+    @property
+    def w_col_major(self) -> bool:
+        """Whether the op reads its weight column-major: where that is the byte order of the array
+        the weight is a transpose of (`x @ v.T`; JAX's input gradient `ct @ w^T`), which XLA then
+        hands over as it is; row-major would make it write the transpose out."""
+        perm, col_major = self.weight_layout()
+        stored = self.weight_stored_dims or tuple(range(len(perm)))
+        dims = [stored[p] for p in perm]  # the stored array's dimension behind each of the op's
+        identity = list(range(len(dims)))
+        return dims != identity and [dims[d] for d in col_major] == identity
 
     def operands(self, read: Callable) -> tuple[Any, Any]:
         """The op's (operand, weight), brought from the jaxpr's layout into the op's."""
@@ -103,6 +127,8 @@ class Site:
     def run(self, read: Callable, write: Callable) -> None:
         """Compute this site's outputs from the interpreter's environment and write them into it."""
         numerics = {"out_dtype": self.out_dtype} if self.out_dtype is not None else {}
+        if self.w_col_major:
+            numerics["w_col_major"] = True
         if self.scales is not None:
             numerics.update(x_scale=_scalar(read(self.scales[0])), w_scale=_scalar(read(self.scales[1])))
         operands = self.operands(read)
@@ -205,7 +231,21 @@ class MatchContext:
         """`site`, with the record of the collective at equation `i` that it rewrites."""
         site.record = SiteRecord(site.op, f"{self.where}eqn {i}", site.axis_name, shapes,
                                  fmt_shapes(site.op_shapes()), "", source=source_line(self.eqns[i]))
+        site.weight_stored_dims = self.stored_dims(site.weight_atom())
         return site
+
+    def stored_dims(self, atom) -> tuple[int, ...]:
+        """For each dimension of `atom`, the dimension of the array it was transposed from in this
+        jaxpr: through the transposes and casts (which keep a layout) that produced it."""
+        dims = tuple(range(len(atom.aval.shape)))
+        j = self.producer(atom)
+        while j >= 0 and self.eqns[j].primitive.name in ("transpose", "convert_element_type"):
+            eqn = self.eqns[j]
+            if eqn.primitive.name == "transpose":
+                perm = eqn.params["permutation"]
+                dims = tuple(perm[d] for d in dims)
+            j = self.producer(eqn.invars[0])
+        return dims
 
 
 # --------------------------------------------------------------------------------------------
