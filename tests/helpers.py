@@ -1,4 +1,5 @@
-"""Shared test helpers: shard_map wrappers for the ops on 1-D and 2-D meshes, and error metrics."""
+"""Shared test helpers: shard_map wrappers for the ops on 1-D and 2-D meshes, error metrics, and what
+a compiled program holds (executor calls, what writes a copy-engine matmul's weight)."""
 import re
 
 import jax
@@ -125,3 +126,65 @@ def ffi_calls(compiled_hlo: str) -> int:
         return total
 
     return calls(entry)
+
+
+# ------------------------------------------------------------------------------------------------
+# A compiled module's text: what writes each copy-engine matmul's w
+# ------------------------------------------------------------------------------------------------
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(?P<name>[\w.\-]+) = (?P<type>.+?) (?P<op>[a-z][\w\-]*)\((?P<args>[^)]*)\)")
+
+
+def _computations(hlo: str) -> dict:
+    """computation name -> {instruction name: (match, line)} of an HLO module's text."""
+    comps, current = {}, None
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%([\w.\-]+) \(", line)
+        if head:
+            current = comps.setdefault(head.group(1), {})
+        elif line.startswith("}"):
+            current = None
+        elif current is not None and (m := _INSTRUCTION.match(line)):
+            current[m["name"]] = (m, line)
+    return comps
+
+
+def _layout(type_text: str) -> list[int]:
+    return [int(d) for d in re.search(r"\{([\d,]*)\}", type_text).group(1).split(",") if d]
+
+
+def _moves_bytes(m, line, comp) -> bool:
+    """A copy, or a transpose whose result is not its operand's bytes in another order of dimensions."""
+    if m["op"] == "copy":
+        return True
+    if m["op"] != "transpose":
+        return False
+    perm = [int(d) for d in re.search(r"dimensions=\{([\d,]*)\}", line).group(1).split(",")]
+    source = comp[re.match(r"%([\w.\-]+)", m["args"]).group(1)][0]
+    return [perm[d] for d in _layout(m["type"])] != _layout(source["type"])
+
+
+def weight_writers(hlo: str) -> dict:
+    """{(call, w_col_major): the lines that move bytes to write its w} for every copy-engine matmul
+    call of a compiled module: its w operand followed back through bitcasts; a fusion that produces
+    it contributes its copies and byte-moving transposes. [] where w is an argument (or a bitcast of
+    one), as XLA's own dots read it."""
+    comps = _computations(hlo)
+    found = {}
+    for comp in comps.values():
+        for name, (m, line) in comp.items():
+            target = re.search(r'custom_call_target="(ficco_\w*matmul\w*)"', line)
+            if m["op"] != "custom-call" or not target:
+                continue
+            col_major = re.search(r"w_col_major = (\d)", line)
+            col_major = int(col_major.group(1)) if col_major else 0
+            w = re.findall(r"%([\w.\-]+)", m["args"])[1]
+            while comp[w][0]["op"] == "bitcast":
+                w = re.match(r"%([\w.\-]+)", comp[w][0]["args"]).group(1)
+            wm, wline = comp[w]
+            if wm["op"] == "fusion":
+                body = comps[re.search(r"calls=%([\w.\-]+)", wline).group(1)]
+                moves = [ln.strip() for fm, ln in body.values() if _moves_bytes(fm, ln, body)]
+            else:
+                moves = [wline.strip()] if _moves_bytes(wm, wline, comp) else []
+            found[(f"{target.group(1)} {name}", col_major)] = moves
+    return found

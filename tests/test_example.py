@@ -13,6 +13,7 @@ import pytest
 _PATH = pathlib.Path(__file__).resolve().parents[1] / "examples" / "tp_transformer.py"
 sys.path.insert(0, str(_PATH.parent))  # as running the script does: it imports its model, llama_block
 import llama_block  # noqa: E402
+from helpers import weight_writers  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("tp_transformer", _PATH)
 tp_transformer = importlib.util.module_from_spec(_spec)
@@ -208,3 +209,17 @@ def test_per_site_kind_overlaps_each_kind_alone(capsys):
         assert f"\n{row} " in out and "x" in out.split(f"\n{row} ")[1].splitlines()[0], row
     with pytest.raises(SystemExit, match="--per-site-kind"):
         tp_transformer.main(["--plot", "steps.png"])
+
+
+@pytest.mark.parametrize("global_view", [False, True], ids=["shard_map", "global"])
+def test_overlapped_step_writes_no_weight_transpose(global_view):
+    """Every copy-engine matmul of the overlapped step reads its weight as the layer scan's slice
+    of the stacked weights: the backward's input gradients take w^T column-major instead of XLA
+    writing it out before the call (four per layer otherwise)."""
+    cfg = dataclasses.replace(tp_transformer.PRESETS["tiny"], dtype="float32", schedule=OVERLAP_SCHEDULE, overlap=True,
+                              global_view=global_view)
+    mesh = tp_transformer.make_mesh(cfg)
+    with tp_transformer.mesh_context(cfg, mesh):
+        writers = weight_writers(tp_transformer.build_trainer(cfg, mesh).step_fn.as_text())
+    assert [col for _, col in writers].count(1) >= 4, writers  # the backward's four input gradients per layer
+    assert all(not moves for moves in writers.values()), writers
