@@ -73,3 +73,16 @@ def test_the_script_times_all_gather_and_reduce_scatter_pulled_and_pushed(tmp_pa
 
     bad = subprocess.run(cmd + ["--overlap-sizes", "0.0625"], env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--overlap-sizes is for all_to_all only" in bad.stdout + bad.stderr
+
+
+@pytest.mark.parametrize("n, streams", [(2, []), (3, [2]), (4, [2, 3]), (8, [2, 7])])
+def test_default_variants_are_valid_for_the_group(n, streams):
+    # A schedule may not have more copy streams than peers: on 2 devices the default list is the
+    # default schedule alone (a listed s2 there was an error row at every size).
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("collectives_vs_nccl", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    variants = script.dma_variants("", n)
+    assert variants == ["default"] + [f"dma/direct/c1/s{s}" for s in streams]
+    assert all(script.Schedule.parse(v).copy_streams <= n - 1 for v in variants[1:])

@@ -298,9 +298,11 @@ def resolved(variant, n, collective="all_to_all") -> str:
 
 def dma_variants(arg: str, n: int) -> list[str]:
     """The dma schedules to time: the default (one copy stream; dma's ring order is the same
-    program), then two streams and every peer on its own stream; the ones that resolve to the same
+    program), then two streams and every peer on its own stream where there are that many peers
+    (a schedule may not have more copy streams than peers); the ones that resolve to the same
     schedule as an earlier one are dropped."""
-    listed = arg.split(",") if arg else ["default", "dma/direct/c1/s2", f"dma/direct/c1/s{max(n - 1, 1)}"]
+    streams = sorted({s for s in (2, n - 1) if 2 <= s <= n - 1})
+    listed = arg.split(",") if arg else ["default"] + [f"dma/direct/c1/s{s}" for s in streams]
     out, seen = [], set()
     for v in listed:
         key = resolved(v, n).replace(" (default)", "")
