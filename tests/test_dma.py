@@ -486,6 +486,33 @@ def test_collective_forward_mode(name, rng):
     assert ffi_calls(program(ours).lower(x, t).compile().as_text()) == 2
 
 
+
+@pytest.mark.parametrize("name", list(COLLECTIVES))
+def test_collective_under_vmap_over_one_device(name, rng):
+    """An axis of size 1 is a legal group: the batch folds into the rows as on n devices, although
+    the scatter side's scratch blocks are empty (n - 1 = 0); values and gradients equal jax.lax's."""
+    ours, ref = COLLECTIVES[name]
+    mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
+    xb = jnp.asarray(rng.standard_normal((BATCH, 4, 2)) + 2.0, jnp.float32)
+    for transform in (lambda f: f, _grad_of):
+        def program(fn):
+            return jax.jit(jax.shard_map(jax.vmap(transform(fn)), mesh=mesh, in_specs=P(), out_specs=P(),
+                                         check_vma=False))
+        assert _rel_err(program(ours)(xb), program(ref)(xb)) < TOLERANCE[jnp.float32]
+
+
+def test_matmul_rs_under_vmap_over_one_device(rng):
+    """As above for the raw matmul_rs, whose send and recv blocks are empty over one device."""
+    mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
+    y, w = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((BATCH, 4, 6), (6, 5)))
+    sched = Schedule(comm="dma", order="direct", chunks=2)
+    got, want = (jax.jit(jax.shard_map(jax.vmap(body, in_axes=(0, None)), mesh=mesh, in_specs=(P(), P()),
+                                       out_specs=P(), check_vma=False))(y, w)
+                 for body in (lambda a, b: dma.matmul_rs_dma(a, b, "tp", sched),
+                              lambda a, b: jax.lax.psum_scatter(a @ b, "tp", tiled=True)))
+    assert _rel_err(got, want) < TOLERANCE[jnp.float32]
+
+
 @pytest.mark.parametrize("in_axis", [0, 1])
 def test_raw_matmuls_under_vmap_fold_into_rows(in_axis, rng):
     """vmap of the raw tensor-parallel matmuls (no ficco_jax.ops above them to fold the batch): the

@@ -345,8 +345,10 @@ def _fold_batch(op: str, args, dims, n: int):
     def unfold(outs):
         if role == "gather":  # every result is gathered rows
             return [unfold_rows(role, o, batch, n) for o in outs], [0] * len(outs)
-        out, *scratch = outs  # the scratch blocks [n-1, B*m, ...]: per element, blocks of m rows
-        return ([unfold_rows(role, out, batch, n)] + [s.reshape(s.shape[0], batch, -1, *s.shape[2:])
+        # The scratch blocks [n-1, B*m, ...]: per element, blocks of m rows. Sizes spelled out: over
+        # one device there are no blocks (n-1 = 0), and -1 cannot be inferred from an empty array.
+        out, *scratch = outs
+        return ([unfold_rows(role, out, batch, n)] + [s.reshape(s.shape[0], batch, s.shape[1] // batch, *s.shape[2:])
                                                            for s in scratch], [0] + [1] * len(scratch))
 
     return [folded, *args[1:]], unfold
