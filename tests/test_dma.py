@@ -487,6 +487,26 @@ def test_collective_forward_mode(name, rng):
 
 
 
+
+@pytest.mark.parametrize("name", list(COLLECTIVES))
+def test_collective_of_a_replicated_input(name, rng):
+    """An input the same on every device of the axis (in_specs without it, check_vma=True): the
+    result still varies over the axis, as jax.lax's does, so that JAX neither returns one device's
+    result for all nor transposes it as replicated: values and gradients equal jax.lax's."""
+    ours, ref = COLLECTIVES[name]
+    mesh = MESHES["2d"]
+    x = jnp.asarray(rng.standard_normal((2 * 4, 4)) + 2.0, jnp.float32)  # per device [4, 4]: varies over dp only
+
+    def program(fn):
+        def body(v):
+            loss = lambda u: jnp.sum(jnp.sin(fn(u)) * (1.0 + jax.lax.axis_index("tp")))  # noqa: E731
+            return fn(v)[None], jax.grad(loss)(v)
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("dp"), out_specs=(P(("dp", "tp")), P("dp")),
+                                     check_vma=True))
+
+    for got, want in zip(program(ours)(x), program(ref)(x)):
+        assert _rel_err(got, want) < TOLERANCE[jnp.float32]
+
 @pytest.mark.parametrize("name", list(COLLECTIVES))
 def test_collective_under_vmap_over_one_device(name, rng):
     """An axis of size 1 is a legal group: the batch folds into the rows as on n devices, although

@@ -163,14 +163,18 @@ def watchdog_ms() -> int:
     return int(round(config.WATCHDOG_S * 1000))
 
 
-def match_varying(*values):
-    """Make every operand vary over the union of the operands' manual axes (check_vma)."""
+def match_varying(*values, axis_name=None):
+    """Make every operand vary over the union of the operands' manual axes (check_vma), and over
+    `axis_name` where given: a collective's result differs per device of its axis even where its
+    input is the same on every one (as jax.lax's collectives make theirs vary), so that JAX neither
+    takes it for replicated nor transposes it as if it were."""
     def varying(v):
         aval = jax.typeof(v)
         mat = getattr(aval, "mat", None)
         return frozenset(getattr(mat, "varying", ()) or getattr(aval, "vma", ()) or ())
 
-    union = frozenset().union(*(varying(v) for v in values))
+    own = frozenset() if axis_name is None else frozenset(axis_name if isinstance(axis_name, tuple) else (axis_name,))
+    union = own.union(*(varying(v) for v in values))
     out = []
     for v in values:
         missing = tuple(sorted(union - varying(v), key=str))
@@ -384,7 +388,7 @@ def bind(op: str, operands, axis_name: str, axis_size: int, schedule: Schedule, 
     check_supported(op, operands[0].dtype, out_dtype)
     if op not in _MATMULS and w_col_major:
         raise ValueError(f"{op}: w_col_major is the layout of a matmul's weight; {op} has none")
-    operands = match_varying(*operands)
+    operands = match_varying(*operands, axis_name=axis_name)
     out_dtype = np.dtype(out_dtype or operands[0].dtype)
     return _PRIMITIVES[op].bind(
         *operands, op=op, axis_name=axis_name, axis_size=axis_size, op_id=next_op_id(), schedule=schedule,
