@@ -330,6 +330,27 @@ def test_vmap_folds_or_loops(mesh2d, rng, op, sched, in_axes):
     assert loops == (in_axes[1] is not None)
 
 
+@pytest.mark.parametrize("op,sched", list(_cases(comms=("xla", "dma"), first_only=True)))
+def test_grad_of_vmap_folds(mesh2d, rng, op, sched):
+    """grad of vmap, a batch of inputs against one weight: the tangent map, whose residuals (the
+    input's rows, the delivered side output) are batched with the input while the weight's tangent
+    is not, folds as well: no loop, and the weight's gradient is one product over the batch, as
+    the reference's (a loop summed one gradient per element in the weight's dtype)."""
+    fn, ref = OPS[op][:2]
+    a, w = _batched_operands(mesh2d, op, rng, (0, None))
+    (a_spec, w_spec), _ = OPS[op][2](mesh2d)
+
+    def program(body):
+        loss = lambda a, w: jnp.sum(jnp.sin(jax.vmap(body, in_axes=(0, None))(a, w)))  # noqa: E731
+        return jax.jit(jax.shard_map(jax.grad(loss, argnums=(0, 1)), mesh=mesh2d,
+                                     in_specs=(P(None, *a_spec), w_spec), out_specs=(P(None, *a_spec), w_spec)))
+
+    got = program(lambda a, w: fn(a, w, "tp", schedule=sched))
+    for g, r in zip(got(a, w), program(lambda a, w: ref(a, w, "tp"))(a, w)):
+        _assert_close(g, r)
+    assert "stablehlo.while" not in got.lower(a, w).as_text()
+
+
 @pytest.mark.parametrize("op", ["ag_matmul", "a2a_matmul"])
 def test_vmap_of_side_outputs(mesh2d, rng, op):
     """return_gathered / return_received under vmap: both results folded and reordered."""

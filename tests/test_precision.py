@@ -577,6 +577,30 @@ def test_fp8_under_vmap(mesh2d, rng, op, in_axes):
     assert ffi_calls(got.lower(a, w, *scales).compile().as_text()) == 2 * calls
 
 
+@pytest.mark.parametrize("op", list(OPS))
+def test_fp8_grad_of_vmap(mesh2d, rng, op):
+    """grad of vmap of an FP8 op (a batch of inputs against one weight and one pair of scales):
+    one executor call per op and direction, no loop, and the FP8 weight's gradient is the
+    reference's rounded once to FP8 (a loop rounded one per element and summed them in FP8)."""
+    a, w, scales = _fp8_batched_inputs(rng, op, mesh2d, (0, None))
+    (a_spec, w_spec, _, _), _ = _fp8_specs(op, mesh2d)
+    grad_specs = (P(None, *a_spec), w_spec, P(), P())
+
+    def program(call):
+        loss = lambda *v: jnp.sum(jnp.sin(jax.vmap(call, in_axes=(0, None, None, None))(*v).astype(F32)))  # noqa: E731
+        return _fp8_batched_program(mesh2d, op, jax.grad(loss, argnums=(0, 1, 2, 3)), (0, None), grad_specs)
+
+    got = program(_fp8_call(op, "dma/direct/c2", F32))
+    want = program(_fp8_reference_f32(op, F32))(a.astype(F32), w.astype(F32), *scales)
+    for g, r in zip(got(a, w, *scales), want):
+        if g.dtype == F32:
+            assert rel_err(g, r) < 10 * TOLERANCE["float32"]
+        else:
+            assert same_bits(g, r.astype(g.dtype)) > 0.99
+    text = got.lower(a, w, *scales).compile().as_text()
+    assert "while" not in got.lower(a, w, *scales).as_text() and ffi_calls(text) == 2
+
+
 @pytest.mark.parametrize("sched", ["dma/direct/c2", "xla/ring/c2"])
 @pytest.mark.parametrize("op", list(OPS))
 def test_fp8_forward_mode(mesh2d, rng, op, sched):

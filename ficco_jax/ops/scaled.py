@@ -124,14 +124,19 @@ class _ScaledMap(LinearMap):
     def sums_before_cast(self, static) -> bool:
         return True
 
+    #: The residuals that hold rows (ops/tangents.fold_input_batch): the input a, and ag_matmul's gathered a.
+    rows: dict = {}
+
     def fold_batch(self, static, res, lin, batched_res, batched_lin):
-        return fold_input_batch(TENSOR_PARALLEL, self.op, static, res, lin, batched_res, batched_lin, res[1])
+        return fold_input_batch(TENSOR_PARALLEL, self.op, static, res, lin, batched_res, batched_lin, res[1],
+                                self.rows)
 
 
 class _Gather(_ScaledMap):
     """ag_matmul's: res (x, w, sx, sw, gathered x), lin (dx, dw, dsx, dsw) -> (out,), or (out,
     gathered dx) with `Static.with_side`."""
     op = "ag_matmul"
+    rows = {0: "input", 4: "side"}
 
     def apply(self, static, res, lin):
         (_x, w, sx, sw, side), (dx, dw, dsx, dsw) = res, lin
@@ -178,6 +183,7 @@ class _Scatter(_ScaledMap):
     """matmul_rs's: res (y, w, sy, sw), lin (dy, dw, dsy, dsw) -> (out,); the first two terms are
     one call on the operands joined along the contraction, [dy | y] @ [w ; dw] (one scale each)."""
     op = "matmul_rs"
+    rows = {0: "input"}
 
     def apply(self, static, res, lin):
         (y, w, sy, sw), (dy, dw, dsy, dsw) = res, lin

@@ -94,6 +94,11 @@ class OpPair(abc.ABC):
     def unfold_batch(self, op: str, out: jax.Array, batch: int, n: int) -> jax.Array:
         """A result of `op` on a folded input, with the batch leading again."""
 
+    @abc.abstractmethod
+    def fold_side(self, side: jax.Array, n: int) -> jax.Array:
+        """The gather op's side output with a leading batch dimension, laid out as the op on a
+        folded input delivers it (the inverse of `unfold_batch` of the gather op)."""
+
     # --- lowering: comm="none" / "xla", plain JAX (lowering/xla.py) ------------------------------
     @abc.abstractmethod
     def gather_xla(self, x: jax.Array, w: jax.Array, axis_name: str, sched: Schedule, n: int, out_dtype: OutDtype,
@@ -184,6 +189,9 @@ class TensorParallel(OpPair):
     def unfold_batch(self, op, out, batch, n):
         return batching.unfold_rows("gather" if op == self.gather else "scatter", out, batch, n)
 
+    def fold_side(self, side, n):  # [B, n*m, K] -> rank-major [n*B*m, K]: as a scatter input is folded
+        return batching.fold_rows("scatter", side, n)
+
     def gather_xla(self, x, w, axis_name, sched, n, out_dtype, scales=None):
         return xla.ag_matmul(x, w, axis_name, sched, n, out_dtype, scales)
 
@@ -238,6 +246,9 @@ class ExpertParallel(OpPair):
     def unfold_batch(self, op, out, batch, n):  # [n, E, B*C, f] -> [B, n, E, C, f]
         ranks, experts, capacity, cols = out.shape
         return jnp.moveaxis(out.reshape(ranks, experts, batch, capacity // batch, cols), 2, 0)
+
+    def fold_side(self, side, n):  # received tokens: the batch joins the capacity, as for the input
+        return self.fold_batch(self.gather, side, n)
 
     def gather_xla(self, x, w, axis_name, sched, n, out_dtype, scales=None):
         _no_scales(self.gather, scales)

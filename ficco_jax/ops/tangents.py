@@ -107,29 +107,52 @@ class _PairMap(LinearMap):
         return f"{getattr(self.pair, self.role)}_tangent"
 
     def fold_batch(self, static, res, lin, batched_res, batched_lin):
-        w = res[0] if self.role == "gather" else res[1]
-        return fold_input_batch(self.pair, getattr(self.pair, self.role), static, res, lin, batched_res, batched_lin, w)
+        if self.role == "gather":  # res (w, side)
+            return fold_input_batch(self.pair, self.pair.gather, static, res, lin, batched_res, batched_lin, res[0],
+                                    {1: "side"})
+        return fold_input_batch(self.pair, self.pair.scatter, static, res, lin, batched_res, batched_lin, res[1],
+                                {0: "input"})
 
 
-def fold_input_batch(pair: OpPair, op: str, static: Static, res, lin, batched_res, batched_lin, w) -> Optional[Folded]:
-    """An equation of `op`'s map on a batch of its input against one weight (the input the only
-    linear operand and the only batched operand; `w` the weight among the residuals) as one
-    equation of the map whose input rows hold the batch (pair.fold_batch), valid where the schedule
-    still cuts the folded rows; None otherwise (the batch then runs in a loop)."""
-    if not (batched_lin[0] and all(b is None for b in batched_lin[1:]) and not any(batched_res)):
+def fold_input_batch(pair: OpPair, op: str, static: Static, res, lin, batched_res, batched_lin, w,
+                     rows: dict) -> Optional[Folded]:
+    """An equation of `op`'s map on a batch of its input against one weight (the input, lin[0],
+    batched; `w` the weight among the residuals) as one equation of the map whose input rows hold
+    the batch (pair.fold_batch), valid where the schedule still cuts the folded rows; None
+    otherwise (the batch then runs in a loop).
+
+    `rows`: residual index -> "input" or "side", the residuals that hold rows of the input or of
+    the gather op's side output (a tangent's primal: the map is row-wise in them). Under grad of
+    vmap they are batched with the input while the weight's tangent is not; folded with it, the
+    weight's cotangent is one product over the whole batch, rounded once, as JAX's own for the
+    reference, instead of one per element summed in the weight's dtype. Every other operand must
+    be unbatched: a batched weight or scale gives each element its own matmul."""
+    if not batched_lin[0] or any(batched_lin[1:]):
+        return None
+    if any(b and i not in rows for i, b in enumerate(batched_res)):
         return None
     n = axis_size(static.axis_name, op)
-    a = pair.fold_batch(op, lin[0], n)
+    a, batch = pair.fold_batch(op, lin[0], n), lin[0].shape[0]
     try:
         static.sched.validate(op, (a.shape, w.shape), n)
     except (ValueError, TypeError):
         return None
+    # An unbatched row residual is the same rows for every element: broadcast where a term reads
+    # it (a weight's or a scale's tangent), else left as it is (jacfwd's tangents of the input alone).
+    terms_read_rows = any(v is not None for v in lin[1:])
+    folded_res = list(res)
+    for i, kind in rows.items():
+        r = res[i]
+        if r is None or not (batched_res[i] or terms_read_rows):
+            continue
+        if not batched_res[i]:
+            r = jnp.broadcast_to(r[None], (batch, *r.shape))
+        folded_res[i] = pair.fold_batch(op, r, n) if kind == "input" else pair.fold_side(r, n)
     if op == pair.gather:
         out_shapes = pair.gather_shapes(a.shape, w.shape, n)[:2 if static.with_side else 1]
     else:
         out_shapes = (pair.scatter_shape(a.shape, w.shape, n),)
-    batch = lin[0].shape[0]
-    return Folded(res, (a,) + (None,) * (len(lin) - 1), out_shapes, lambda out: pair.unfold_batch(op, out, batch, n))
+    return Folded(tuple(folded_res), (a,) + tuple(lin[1:]), out_shapes, lambda out: pair.unfold_batch(op, out, batch, n))
 
 
 class GatherMap(_PairMap):
@@ -238,16 +261,19 @@ class AllReduceMap(ScatterMap):
         return ALL_REDUCE.impl(a, b, static.axis_name, static.sched, static.out_dtype, static.w_col_major)
 
     def fold_batch(self, static, res, lin, batched_res, batched_lin):
-        """A batch of inputs against one weight as the rows of one call (the sum is row-wise)."""
-        if not (batched_lin == (True, None) and res[0] is None and batched_res[1] is False):
+        """A batch of inputs against one weight as the rows of one call (the sum is row-wise); y, a
+        tangent's primal, folds with them (fold_input_batch says why)."""
+        if not batched_lin[0] or any(batched_lin[1:]) or batched_res[1]:
             return None
-        w, (batch, rows, cols) = res[1], lin[0].shape
+        (y, w), (batch, rows, cols) = res, lin[0].shape
         a = lin[0].reshape(batch * rows, cols)
         try:
             static.sched.validate(ALL_REDUCE.name, (a.shape, w.shape), axis_size(static.axis_name, ALL_REDUCE.name))
         except (ValueError, TypeError):
             return None
-        return Folded(res, (a, None), ((batch * rows, w.shape[1]),), lambda out: out.reshape(batch, rows, -1))
+        if y is not None and (batched_res[0] or lin[1] is not None):  # as fold_input_batch's row residuals
+            y = (y if batched_res[0] else jnp.broadcast_to(y[None], lin[0].shape)).reshape(batch * rows, cols)
+        return Folded((y, w), (a, lin[1]), ((batch * rows, w.shape[1]),), lambda out: out.reshape(batch, rows, -1))
 
     def transpose(self, static, res, cts, wanted):
         (y, w), ct = res, cts[0]
