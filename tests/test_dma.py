@@ -521,6 +521,19 @@ def test_collective_under_vmap_over_one_device(name, rng):
         assert _rel_err(program(ours)(xb), program(ref)(xb)) < TOLERANCE[jnp.float32]
 
 
+@pytest.mark.parametrize("name", list(COLLECTIVES))
+def test_collective_under_vmap_of_an_empty_batch(name):
+    """vmap over a batch of 0 elements: empty results of jax.lax's shapes, no call."""
+    ours, ref = COLLECTIVES[name]
+    mesh = MESHES["1d"]
+    xb = jnp.ones((0, 8 * 8, 8), jnp.float32)
+
+    def program(fn):
+        return jax.jit(jax.shard_map(jax.vmap(fn), mesh=mesh, in_specs=P(None, "tp"), out_specs=P(None, "tp")))
+
+    assert program(ours)(xb).shape == program(ref)(xb).shape
+
+
 def test_matmul_rs_under_vmap_over_one_device(rng):
     """As above for the raw matmul_rs, whose send and recv blocks are empty over one device."""
     mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))

@@ -336,6 +336,8 @@ def _fold_batch(op: str, args, dims, n: int):
     (x, d), base = (args[0], dims[0]), op.removesuffix("_scaled")
     if d is None or any(e is not None for e in dims[1:]):
         return None
+    if x.shape[d] == 0:  # an empty batch: the loop makes no call (a fold would reshape no rows into -1 of them)
+        return None
     if base == "all_to_all":  # [n, rows, ...]: blocks exchanged, rows cut into chunks
         return [jnp.moveaxis(x, d, 2) if d < 2 else x], lambda outs: (outs, [max(d, 2)])
     if base in ("all_gather", "reduce_scatter") and d >= 1:  # results: [rows, ...], scratch [n-1, rows, ...]
