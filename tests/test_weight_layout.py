@@ -18,7 +18,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import ficco_jax
 from ficco_jax import dma
-from helpers import TOLERANCE, random, rel_err, weight_writers
+from helpers import TOLERANCE, ffi_calls, random, rel_err, weight_writers
 
 pytestmark = pytest.mark.skipif(not dma.available(), reason="the ficco_jax extension is not built")
 
@@ -256,3 +256,49 @@ def test_fp8_targets_are_lowered_column_major(monkeypatch, mesh):
                                  out_specs=P(None, "tp"))).lower(x, w).as_text()
     call = next(line for line in text.splitlines() if "ficco_ag_matmul_scaled" in line)
     assert "w_col_major = 1" in call and "dense<[0, 1]>" in call, call
+
+
+# ------------------------------------------------------------------------------------------------
+# overlap(): weights that are transposes of other shapes and rank
+# ------------------------------------------------------------------------------------------------
+def _gathered(x):
+    return jax.lax.all_gather(x, "tp", axis=0, tiled=True)
+
+
+#: name -> (body(x, v), (x spec, v spec), (x shape, v shape)) per program: a site whose weight is v
+#: transposed, of a square v (a layout read the wrong way round would give x @ v, silently), of a
+#: 4-D v whose dimensions move both across and within the contracted and free groups, reshaped
+#: after the transpose, and transposed outside a remat and jit body that holds the site.
+_TRANSPOSED_WEIGHTS = {
+    "square": (lambda x, v: _gathered(x) @ v.T, (P("tp", None), P("tp", None)), ((TP * 4, 16), (16, 16))),
+    "4d-moved-across-groups": (
+        lambda x, v: jnp.einsum("sd,dbac->sbac", _gathered(x), jnp.transpose(v, (3, 1, 0, 2))).reshape(TP * 4, -1),
+        (P("tp", None), P(None, "tp", None, None)), ((TP * 4, 8), (3, TP, 2, 8))),
+    "transposed-then-reshaped": (
+        lambda x, v: jnp.einsum("sd,dtf->stf", _gathered(x), v.T.reshape(8, 2, -1)).reshape(TP * 4, -1),
+        (P("tp", None), P("tp", None)), ((TP * 4, 8), (2 * TP * 4, 8))),
+    "outside-remat-and-jit": (
+        lambda x, v: jax.checkpoint(jax.jit(lambda x, w: _gathered(x) @ w))(x, v.T),
+        (P("tp", None), P("tp", None)), ((TP * 4, 16), (16, 16))),
+}
+
+
+@pytest.mark.parametrize("wrap", ["overlap(grad)", "grad(overlap)"])
+@pytest.mark.parametrize("name", list(_TRANSPOSED_WEIGHTS))
+def test_overlap_of_transposed_weights_matches_the_plain_program(mesh, rng, name, wrap):
+    """Whatever layout a site asks for its weight, values and gradients are the plain program's
+    (with every weight taken row-major while the executor reads it column-major, each case fails)."""
+    body, specs, shapes = _TRANSPOSED_WEIGHTS[name]
+    f = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(None, "tp"))
+    loss = lambda x, v: jnp.sum(jnp.sin(f(x, v)))  # noqa: E731
+    args = [random(rng, shape, "float32") for shape in shapes]
+    plain = jax.value_and_grad(loss, argnums=(0, 1))
+    if wrap == "overlap(grad)":
+        step = ficco_jax.overlap(plain, schedule=SCHEDULE)
+    else:
+        step = jax.value_and_grad(ficco_jax.overlap(loss, schedule=SCHEDULE), argnums=(0, 1))
+    assert ffi_calls(_compiled(step, *args)) >= 2  # the site and its backward run on copy engines
+    got, want = jax.jit(step)(*args), jax.jit(plain)(*args)
+    assert rel_err(got[0], want[0]) < TOLERANCE["float32"]
+    for g, r in zip(got[1], want[1]):
+        assert rel_err(g, r) < TOLERANCE["float32"]
