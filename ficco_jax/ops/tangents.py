@@ -152,7 +152,8 @@ def fold_input_batch(pair: OpPair, op: str, static: Static, res, lin, batched_re
         out_shapes = pair.gather_shapes(a.shape, w.shape, n)[:2 if static.with_side else 1]
     else:
         out_shapes = (pair.scatter_shape(a.shape, w.shape, n),)
-    return Folded(tuple(folded_res), (a,) + tuple(lin[1:]), out_shapes, lambda out: pair.unfold_batch(op, out, batch, n))
+    return Folded(tuple(folded_res), (a,) + tuple(lin[1:]), out_shapes,
+                  lambda out: pair.unfold_batch(op, out, batch, n))
 
 
 class GatherMap(_PairMap):
