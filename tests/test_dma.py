@@ -570,3 +570,37 @@ def test_raw_matmuls_under_vmap_fold_into_rows(in_axis, rng):
         for got, want in zip(jax.tree.leaves(program(ours)(*operands)), jax.tree.leaves(program(ref)(*operands))):
             assert _rel_err(got, want) < TOLERANCE[jnp.float32]
         assert ffi_calls(program(ours).lower(*operands).compile().as_text()) == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# The host's part of a call
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("sched", ["dma/direct/c2", "dma/direct/c2/push"])
+def test_a_call_meets_its_group_twice_and_gives_its_events_back(sched):
+    """In one process a call waits for its group on the host twice (exchange, then done or pushed):
+    the release of its events is an announcement nobody waits for. Run after run, the events go
+    back to the pool once every rank has announced, so the pool stops growing."""
+    testing = _ext.testing()
+    mesh = MESHES["1d"]
+    n = mesh.shape["tp"]
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((n * 4, 3)), jnp.float32)
+    spec = P("tp")
+    f = jax.jit(jax.shard_map(lambda a: dma.all_gather(a, "tp", schedule=sched), mesh=mesh, in_specs=spec,
+                              out_specs=spec, check_vma=True))
+    ref = np.asarray(jax.jit(jax.shard_map(lambda a: jax.lax.all_gather(a, "tp", tiled=True), mesh=mesh,
+                                           in_specs=spec, out_specs=spec))(x))
+    np.testing.assert_array_equal(np.asarray(f(x)), ref)  # compiled, first plans made
+
+    before = testing.host_meetings()
+    np.testing.assert_array_equal(np.asarray(f(x)), ref)
+    assert testing.host_meetings() - before == 2 * n
+
+    made = [testing.events_made()]
+    for _ in range(100):
+        np.testing.assert_array_equal(np.asarray(f(x)), ref)
+    made.append(testing.events_made())
+    # Each run records at least one event per device and peer chunk, plus one to start: kept out of
+    # the pool, 100 runs would add 100 times that. The watchdog gives them back within milliseconds
+    # of the last announcement, so the pool holds the events of the few runs in flight at most.
+    per_run = n * ((n - 1) * 2 + 1)
+    assert made[1] - made[0] < 20 * per_run, made

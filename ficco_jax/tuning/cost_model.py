@@ -19,7 +19,7 @@ The model replays a schedule as a small event simulation on one device:
   own autotuned GEMMs, which the `none` and `xla` schedules use (alone they are as fast, 2026-11-22 on H200:
   what the fit puts here is the slowdown inside a copy-engine call, e.g. from copies beside them);
 - a fixed cost per copy-engine call on the GPU, `dma_call_us` (event waits, the join), and its
-  host time, `dma_host_us` (three host rendezvous) plus `dma_host_copy_us` per enqueued copy
+  host time, `dma_host_us` (two host rendezvous) plus `dma_host_copy_us` per enqueued copy
   ((n - 1) x chunks of them): the host work overlaps earlier
   GPU work, so it only bounds the time from below — what makes copy-engine overlap lose on
   small operations.

@@ -30,6 +30,9 @@ class EventPool {
   // there is nothing left to wait for).
   virtual bool Done(Event event) = 0;
   virtual void Release(const std::vector<Event>& events) = 0;
+  // How many events the pool has made so far (it makes one whenever none is free): stays bounded
+  // while calls give their events back.
+  virtual int64_t Made() = 0;
 };
 
 // Copy streams of one device: 0 .. kMaxCopyStreams-1 carry a schedule's transfers; one more,
@@ -67,11 +70,12 @@ class Backend {
   virtual ffi::Error Gemm(const GemmProblem& problem) = 0;       // on the compute stream
   virtual ffi::Error Reduce(const ReduceProblem& problem) = 0;   // on the compute stream
   // This call's events may be re-recorded once its device work is done. Called only after the
-  // "release" rendezvous (JoinAndRelease() in runtime/call_session.cc says why that makes a re-record
+  // "release" step (JoinAndRelease() in runtime/call_session.cc says why that makes a re-record
   // safe). Interprocess events go back to their pool at once (every one a peer waits on is exported
   // once, into a bounded table: ipc_mailbox.h); the others are handed to the watchdog with
-  // TakeReusable(), which returns them once the call's work is done, so that no event a stuck call
-  // waits for is re-recorded before the watchdog has read it.
+  // TakeReusable(), which returns them once the call's work is done and every rank of the group has
+  // announced "release", so that no event a stuck call waits for is re-recorded before the watchdog
+  // has read it.
   virtual void ReleaseEvents() = 0;
   // The events ReleaseEvents() left for the watchdog (none if it was not called: a failed call's
   // events stay out of the pool, since a peer may still wait on them).

@@ -46,6 +46,11 @@ class HostEventPool final : public EventPool {
     for (Event event : events) free_.push_back(static_cast<HostEvent*>(event));
   }
 
+  int64_t Made() override {
+    std::lock_guard<std::mutex> lock(owned_mu_);
+    return static_cast<int64_t>(owned_.size());
+  }
+
  private:
   std::mutex mu_;
   std::vector<HostEvent*> free_;

@@ -63,6 +63,7 @@ ffi::Error CudaDevice::AcquireEvent(const CallContext& ctx, cudaEvent_t* event, 
   FICCO_CHECK_CUDA(cudaSetDevice(ordinal_));
   FICCO_CHECK_CUDA(cudaEventCreateWithFlags(
       event, interprocess ? (cudaEventDisableTiming | cudaEventInterprocess) : cudaEventDisableTiming));
+  made_.fetch_add(1, std::memory_order_relaxed);
   return ffi::Error::Success();
 }
 

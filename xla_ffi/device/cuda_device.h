@@ -6,6 +6,7 @@
 
 #ifdef FICCO_WITH_CUDA
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -72,6 +73,7 @@ class CudaDevice final : public EventPool {
   // EventPool, for the watchdog: the in-process events.
   bool Done(Event event) override;
   void Release(const std::vector<Event>& events) override;
+  int64_t Made() override { return made_.load(std::memory_order_relaxed); }
   // `stream` blocks until the process ends (the stall fault's peer that never records its event):
   // a host function that never returns. Not a kernel: one that never ends holds part of the
   // device, and on 2 x H100 the stalled rank's own handler then never returned.
@@ -81,6 +83,7 @@ class CudaDevice final : public EventPool {
 
  private:
   const int ordinal_;
+  std::atomic<int64_t> made_{0};  // events created, both pools
   std::mutex mu_;
   CudaResources cuda_;
 };

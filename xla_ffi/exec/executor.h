@@ -30,7 +30,8 @@
 //             meeting (kPushed) hands those events to the receivers; slot s writes to rank r+1+s.
 // The join: XLA's stream waits for this device's copy streams (now writing peers) and, through
 // the kPushed events, for every peer's push into it, before the handler returns; so a push call
-// meets three times (exchange, pushed, release) like a pull call (exchange, done, release).
+// meets twice (exchange, pushed) like a pull call (exchange, done), then announces "release"
+// (call_session.cc, JoinAndRelease).
 // Why push: on 2 x H200 with both GPUs receiving at once, copy-engine ingress was 339 (push) vs
 // 311 (pull) GB/s at 40 MiB blocks and 262 vs 162 at 8 MiB (PyTorch streams). Through this
 // executor, at the same group size, pushes then timed level with pulls (36 op/schedule pairs,

@@ -170,6 +170,13 @@ ffi::Error CallSession::Meet(Phase phase, const void* buffer, std::vector<Event>
   return ffi::Error::Success();
 }
 
+ffi::Error CallSession::Announce(Phase phase, Announcement* all) {
+  if (config_.cross_process()) return MakeInvalid(config_.ctx, "an announcement across processes (a bug)");
+  RendezvousKey key{config_.run_id, config_.ctx.op_id, occurrence_, phase, config_.group_index};
+  Arrival who{&config_.ctx, &config_.group, config_.rank, config_.timeout_s, config_.spin_s};
+  return Registry::Get().rendezvous().Announce(key, who, all);
+}
+
 namespace {
 // kPushed posts carry no buffer; a rank whose pushes did not all happen posts this marker instead.
 const char kPushFailed = 0;
@@ -298,10 +305,17 @@ int CopyStreamsUsed(const OpConfig& config) {
 // Event reuse: events come from a per-device pool and are re-recorded by later calls. A
 // cudaStreamWaitEvent uses the record that is current when the wait is *enqueued*, so an event
 // may be re-recorded only after every peer has enqueued its waits on it. Peers enqueue their
-// waits on our ready/chunk events before arriving at "done", and on our pulls_done events right
-// after "done"; the "release" phase therefore comes after all of them, and only then do we
-// return our events to the pool. (On errors the events are not returned: a peer may still
-// wait on them.)
+// waits on our ready/chunk events before arriving at "done" (or "pushed"), and on our pulls_done
+// events right after "done"; the "release" phase comes after all of them, and only from there may
+// our events go back to the pool. (On errors they are not returned: a peer may still wait on them.)
+//
+// In one process nobody waits at "release": each rank announces that it got there and returns
+// (Rendezvous::Announce), and the watchdog gives the call's events back once its device work is
+// done *and* every rank of the group has announced (watchdog.h). A rank that re-records an event
+// of this call before a peer waited on it would make that peer wait for a later record — on 2 GPUs,
+// for work behind the peer's own next call: a deadlock — and the announcement rules that out as the
+// meeting did, without the third host meeting per call. Across processes the events are exported
+// into a bounded table (ipc_mailbox.h) and go back at a release meeting, as before.
 ffi::Error JoinAndRelease(Backend& backend, const OpConfig& config, CallSession& session) {
   std::vector<Event> pulls_done(CopyStreamsUsed(config));
   for (int stream = 0; stream < static_cast<int>(pulls_done.size()); ++stream) {
@@ -321,8 +335,15 @@ ffi::Error JoinAndRelease(Backend& backend, const OpConfig& config, CallSession&
     }
     FICCO_RETURN_IF_ERROR(session.ProtectStaging(backend, posts));
   }
-  FICCO_RETURN_IF_ERROR(session.Meet(Phase::kRelease, nullptr, {}, &posts));
+  if (config.cross_process()) {
+    FICCO_RETURN_IF_ERROR(session.Meet(Phase::kRelease, nullptr, {}, &posts));
+    backend.ReleaseEvents();
+    return ffi::Error::Success();
+  }
+  Announcement released;
+  FICCO_RETURN_IF_ERROR(session.Announce(Phase::kRelease, &released));
   backend.ReleaseEvents();
+  if (config.watch != nullptr) config.watch->ReleaseAfter(std::move(released));
   return ffi::Error::Success();
 }
 

@@ -60,6 +60,9 @@ class CallSession {
   // Posts (buffer, events) and returns every rank's post once all have arrived. A peer whose
   // shapes or schedule differ from ours is an error, not a wrong answer.
   ffi::Error Meet(Phase phase, const void* buffer, std::vector<Event> events, std::vector<Post>* posts);
+  // In-process groups: notes that this rank reached `phase` without waiting for its peers
+  // (Rendezvous::Announce); `*all` turns true once every rank has.
+  ffi::Error Announce(Phase phase, Announcement* all);
   // transfer=push, from the exchange to the landed events. Posts this device's `destination` (where
   // its peers write) and `entry` (their copies into it wait for it), then calls `push` with every
   // rank's post to enqueue this device's pushes, recording pushed[s][j] once chunk j is written
@@ -101,7 +104,7 @@ int CopyStreamsUsed(const OpConfig& config);
 // The first steps of every op: `rows` (of the chunked dimension, named by `what`) must divide by
 // config.chunks, then the device's copy streams and peers.
 ffi::Error BeginCall(Backend& backend, const OpConfig& config, int64_t rows, const char* what);
-// The join and event release that end every call (see call_session.cc).
+// The join and the release of the call's events that end every call (see call_session.cc).
 ffi::Error JoinAndRelease(Backend& backend, const OpConfig& config, CallSession& session);
 // The senders' loop of every transfer=push op (the `push` of CallSession::Push): send slot s goes to
 // TargetOfSlot(s) on StreamOfSlot(s) after that target's entry event; chunk j after

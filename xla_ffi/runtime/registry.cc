@@ -39,6 +39,7 @@ ffi::Error Rendezvous::TimeoutError(const RendezvousKey& key, const Arrival& who
 ffi::Error Rendezvous::Arrive(const RendezvousKey& key, const Arrival& who, Post post,
                               std::vector<Post>* posts) {
   const int n = static_cast<int>(who.group_ordinals->size());
+  meetings_.fetch_add(1, std::memory_order_relaxed);
   std::unique_lock<std::mutex> lock(mu_);
   std::unique_ptr<Slot>& entry = slots_[key];
   if (!entry) {
@@ -80,6 +81,24 @@ ffi::Error Rendezvous::Arrive(const RendezvousKey& key, const Arrival& who, Post
   }
   *posts = slot.posts;
   if (++slot.departed == n) slots_.erase(key);  // the last one out removes the slot
+  return ffi::Error::Success();
+}
+
+ffi::Error Rendezvous::Announce(const RendezvousKey& key, const Arrival& who, Announcement* all) {
+  const int n = static_cast<int>(who.group_ordinals->size());
+  std::lock_guard<std::mutex> lock(mu_);
+  Announced& entry = announced_[key];
+  if (entry.present.empty()) entry.present.assign(n, false);
+  if (entry.present[who.rank]) {
+    return MakeError(*who.ctx, "rendezvous: rank " + std::to_string(who.rank) + " announced itself twice in phase " +
+                                   PhaseName(key.phase));
+  }
+  entry.present[who.rank] = true;
+  *all = entry.all;
+  if (++entry.count == n) {
+    entry.all->store(true, std::memory_order_release);
+    announced_.erase(key);  // the holders keep the flag
+  }
   return ffi::Error::Success();
 }
 

@@ -65,7 +65,7 @@ struct Arrival {
   double timeout_s;
   // Seconds to spin (yielding) before sleeping on the condition variable. A GPU handler's
   // peers arrive within microseconds; a futex sleep and wake-up costs tens of microseconds per
-  // phase, which is what a small op pays three times per call. CPU handlers use 0.
+  // phase, which is what a small op pays twice per call. CPU handlers use 0.
   double spin_s = 0.0;
 };
 
@@ -75,6 +75,12 @@ class Rendezvous {
   // by rank) in `posts`. Fails with an error naming the missing ranks after `timeout_s`, or at
   // once if the slot was already abandoned by a rank that timed out.
   ffi::Error Arrive(const RendezvousKey& key, const Arrival& who, Post post, std::vector<Post>* posts);
+  // Notes that `who` reached `key` and returns at once: `*all` turns true once every rank of the
+  // group has. Nothing is exchanged and nobody waits, so nothing times out; a key some rank never
+  // reaches (it failed before) stays false and keeps a few bytes for the life of the process.
+  ffi::Error Announce(const RendezvousKey& key, const Arrival& who, Announcement* all);
+  // How many times a rank waited for its group here (Arrive): tests count a call's meetings.
+  int64_t meetings() const { return meetings_.load(std::memory_order_relaxed); }
 
  private:
   struct Slot {
@@ -88,8 +94,16 @@ class Rendezvous {
   static ffi::Error TimeoutError(const RendezvousKey& key, const Arrival& who, const Slot& slot,
                                  bool late);
 
+  struct Announced {
+    std::shared_ptr<std::atomic<bool>> all = std::make_shared<std::atomic<bool>>(false);
+    std::vector<bool> present;
+    int count = 0;
+  };
+
   std::mutex mu_;
   std::map<RendezvousKey, std::unique_ptr<Slot>> slots_;
+  std::map<RendezvousKey, Announced> announced_;
+  std::atomic<int64_t> meetings_{0};
 };
 
 

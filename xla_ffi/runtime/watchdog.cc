@@ -82,6 +82,11 @@ void CallWatch::Finish(Backend& backend) {
   finished_ = true;
 }
 
+void CallWatch::ReleaseAfter(Announcement all) {
+  std::lock_guard<std::mutex> lock(call_->mu);
+  call_->released = std::move(all);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Watchdog
 // ---------------------------------------------------------------------------------------------
@@ -101,7 +106,7 @@ void Watchdog::Watch(std::shared_ptr<WatchedCall> call) {
 void Watchdog::Loop() {
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
-    if (calls_.empty()) {
+    if (calls_.empty()) {  // (pending events wait for the next call: only a call needs them)
       cv_.wait(lock);
     } else {
       cv_.wait_for(lock, kPollInterval);
@@ -109,6 +114,7 @@ void Watchdog::Loop() {
     lock.unlock();
     std::shared_ptr<WatchedCall> stuck = Sweep();
     if (stuck) ReportAndAbort(stuck);
+    ReleasePending();
     lock.lock();
   }
 }
@@ -129,7 +135,12 @@ std::shared_ptr<WatchedCall> Watchdog::Sweep() {
       continue;
     }
     if (call->returned && call->pool->Done(call->finished)) {
-      call->pool->Release(call->reusable);
+      if (call->released != nullptr && !call->released->load(std::memory_order_acquire)) {
+        pending_.push_back({call->pool, std::move(call->reusable), std::move(call->released)});
+      } else {
+        call->pool->Release(call->reusable);
+      }
+      // The marks are this call's own: no peer waits on them.
       call->pool->Release(call->started == nullptr ? std::vector<Event>{call->finished}
                                                    : std::vector<Event>{call->started, call->finished});
       done.push_back(call);
@@ -150,6 +161,17 @@ std::shared_ptr<WatchedCall> Watchdog::Sweep() {
     for (const std::shared_ptr<WatchedCall>& call : done) calls_.remove(call);
   }
   return stuck;
+}
+
+void Watchdog::ReleasePending() {
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    if (it->released->load(std::memory_order_acquire)) {
+      it->pool->Release(it->events);
+      it = pending_.erase(it);
+    } else {
+      ++it;
+    }
+  }
 }
 
 void Watchdog::ReportAndAbort(const std::shared_ptr<WatchedCall>& stuck) {

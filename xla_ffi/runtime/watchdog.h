@@ -5,7 +5,8 @@
 //
 //   handler  : CallWatch(..) [started] ... meetings (peer events noted) ... Finish: [finished]
 //   watchdog : polls `started` and `finished`; once `finished` is done, the call's events go back
-//              to the pool (in-process groups) and the call is forgotten.
+//              to the pool (in-process groups; once the group's ranks have all announced "release":
+//              call_session.cc, JoinAndRelease) and the call is forgotten.
 //
 // A call whose `started` mark is done but whose `finished` mark is not (or whose handler has not
 // returned: on CPU the waits are the handler's own) after its timeout (config.WATCHDOG_S, an
@@ -22,6 +23,7 @@
 #ifndef FICCO_JAX_XLA_FFI_RUNTIME_WATCHDOG_H_
 #define FICCO_JAX_XLA_FFI_RUNTIME_WATCHDOG_H_
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <list>
@@ -38,6 +40,10 @@
 namespace ficco {
 
 enum class Phase : int;
+
+// Turns true once every rank of a group has announced itself at one rendezvous key
+// (Rendezvous::Announce, runtime/registry.h).
+using Announcement = std::shared_ptr<const std::atomic<bool>>;
 
 // One event a call's streams wait on that a peer recorded.
 struct PeerEvent {
@@ -70,6 +76,7 @@ struct WatchedCall {
   Event finished = nullptr;  // recorded when the handler returns; stays null if that failed
   bool returned = false;
   std::vector<Event> reusable;  // the call's events, back to `pool` once `finished` is done
+  Announcement released;        // and, where set, once every rank of the group announced "release"
   std::vector<PeerEvent> waits;
   std::chrono::steady_clock::time_point registered, started_seen;
   bool seen_started = false;
@@ -89,9 +96,21 @@ class Watchdog {
   std::shared_ptr<WatchedCall> Sweep();
   [[noreturn]] void ReportAndAbort(const std::shared_ptr<WatchedCall>& stuck);
 
+  // Finished calls' events that wait for their group's announcement; the watchdog's thread alone
+  // touches them.
+  struct Pending {
+    EventPool* pool;
+    std::vector<Event> events;
+    Announcement released;
+  };
+  // Gives back the pending events whose announcement came. One that never comes (a peer failed
+  // before "release") keeps its events out of the pool for good, as a failed call's are.
+  void ReleasePending();
+
   std::mutex mu_;
   std::condition_variable cv_;
   std::list<std::shared_ptr<WatchedCall>> calls_;
+  std::list<Pending> pending_;
   std::unique_ptr<std::thread> thread_;
 };
 
@@ -118,6 +137,9 @@ class CallWatch {
   }
   // After the call's last enqueue (success or not): the `finished` mark and the events to reuse.
   void Finish(Backend& backend);
+  // The events go back only once `all` is true as well (in-process groups: call_session.cc,
+  // JoinAndRelease, says why).
+  void ReleaseAfter(Announcement all);
 
  private:
   std::shared_ptr<WatchedCall> call_;

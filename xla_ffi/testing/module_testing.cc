@@ -61,6 +61,17 @@ std::vector<WireTuple> MailboxExchange(int64_t job, std::vector<int> members, in
   return out;
 }
 
+// How many events the pool of one device has made: the CPU devices' shared pool (ordinal -1), or
+// a GPU's (CUDA builds).
+int64_t EventsMade(int ordinal) {
+  if (ordinal < 0) return Registry::Get().host_events().Made();
+#ifdef FICCO_WITH_CUDA
+  return Registry::Get().Device(ordinal).cuda().Made();
+#else
+  throw std::invalid_argument("events_made(" + std::to_string(ordinal) + "): this build has no CUDA backend");
+#endif
+}
+
 }  // namespace
 
 void DefineTestingModule(nb::module_& m) {
@@ -71,6 +82,11 @@ void DefineTestingModule(nb::module_& m) {
               "'fail:<rank>' (it joins the exchange, then fails at its first transfer), 'stall:<rank>' (the "
               "events it records on XLA's stream never complete; only the watchdog ends the process), or '' "
               "(none). xla_ffi/testing/faults.h.");
+  testing.def("host_meetings", [] { return Registry::Get().rendezvous().meetings(); },
+              "How many times a rank of an in-process group has waited for its group on the host so far.");
+  testing.def("events_made", &EventsMade, nb::arg("ordinal") = -1,
+              "How many events the pool of a device has made so far: -1 for the CPU devices' shared pool, "
+              "else a GPU's ordinal. It stays bounded while calls give their events back.");
   testing.def("mailbox_exchange", &MailboxExchange,
               "One post through the host mailbox (groups across processes) with plain integers; returns every "
               "rank's (op_id, signature, buffer_export, buffer_offset, event_ids).");
