@@ -48,6 +48,17 @@ def run_sharded(mesh, body, specs, *args):
     return f(*placed)
 
 
+def mixed_precision_mlp(mesh):
+    """shard_map of a bf16 MLP with f32 accumulation over the mesh's "tp" axis, as users write mixed
+    precision: all_gather -> dot(preferred_element_type=f32) -> gelu -> bf16 -> dot -> psum_scatter."""
+    def mlp(x, w1, w2):
+        h = jnp.dot(jax.lax.all_gather(x, "tp", tiled=True), w1, preferred_element_type=jnp.float32)
+        y = jnp.dot(jax.nn.gelu(h).astype(jnp.bfloat16), w2, preferred_element_type=jnp.float32)
+        return jax.lax.psum_scatter(y, "tp", tiled=True)
+
+    return jax.shard_map(mlp, mesh=mesh, in_specs=(P("tp"), P(None, "tp"), P("tp", None)), out_specs=P("tp"))
+
+
 def random(rng, shape, dtype):
     return jnp.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(dtype)
 

@@ -12,7 +12,8 @@ import ficco_jax
 from ficco_jax import Schedule
 from ficco_jax.runtime import extension
 from ficco_jax.ops import table
-from helpers import TOLERANCE, ag_specs, ffi_calls, global_shapes, random, rel_err, rs_specs, run_sharded
+from helpers import (TOLERANCE, ag_specs, ffi_calls, global_shapes, mixed_precision_mlp, random, rel_err, rs_specs,
+                     run_sharded)
 
 OPS = {
     "ag_matmul": (ficco_jax.ag_matmul, ficco_jax.ag_matmul_ref, ag_specs),
@@ -375,15 +376,6 @@ def test_expert_ops_refuse_fp8_with_the_way_out(mesh1d, rng):
         run_sharded(mesh1d, lambda x, w: ficco_jax.a2a_matmul(x, w, "tp"), ((P("tp"), P("tp")), P("tp")), x, w)
 
 
-def _mixed_step_layer(mesh):
-    def mlp(x, w1, w2):
-        h = jnp.dot(jax.lax.all_gather(x, "tp", tiled=True), w1, preferred_element_type=F32)
-        y = jnp.dot(jax.nn.gelu(h).astype(jnp.bfloat16), w2, preferred_element_type=F32)
-        return jax.lax.psum_scatter(y, "tp", tiled=True)
-
-    return jax.shard_map(mlp, mesh=mesh, in_specs=(P("tp"), P(None, "tp"), P("tp", None)), out_specs=P("tp"))
-
-
 WRAP_SCHEDULES = ["xla/ring/c2", "xla/direct/c1"] + (["dma/direct/c1", "dma/direct/c2/grouped"]
                                                      if extension.available() else [])
 
@@ -394,7 +386,7 @@ def test_wrap_orders_of_a_mixed_precision_step(mesh1d, rng, schedule):
     (value_and_grad, then SGD): both overlap the forward and the backward sites, and both compute
     JAX's gradients (the f32 cotangent times the widened bf16 weight, each gradient rounded to
     bf16 once): equal to the plain step's bit for bit but where a sum runs in another order."""
-    layer = _mixed_step_layer(mesh1d)
+    layer = mixed_precision_mlp(mesh1d)
     loss = lambda x, w1, w2: jnp.sum(layer(x, w1, w2) ** 2)  # noqa: E731
     x, w1, w2 = (jnp.asarray(rng.standard_normal(s) * c, jnp.bfloat16)
                  for s, c in (((64, 32), 1.0), ((32, 64), 0.1), ((64, 32), 0.1)))

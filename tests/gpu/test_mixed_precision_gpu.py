@@ -7,10 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
 
 import ficco_jax
 from gpu_common import GPU_MARKS, GPUS
+from helpers import mixed_precision_mlp
 
 pytestmark = GPU_MARKS
 
@@ -18,16 +19,8 @@ F32 = jnp.float32
 ROWS, WIDTH, HIDDEN = 1024, 2048, 4096  # rows per device; the MLP's width and hidden size (split over tp)
 
 
-def _layer(mesh):
-    def mlp(x, w1, w2):
-        h = jnp.dot(jax.lax.all_gather(x, "tp", tiled=True), w1, preferred_element_type=F32)
-        y = jnp.dot(jax.nn.gelu(h).astype(jnp.bfloat16), w2, preferred_element_type=F32)
-        return jax.lax.psum_scatter(y, "tp", tiled=True)
-
-    return jax.shard_map(mlp, mesh=mesh, in_specs=(P("tp"), P(None, "tp"), P("tp", None)), out_specs=P("tp"))
-
-
-def _rel_err(got, want):
+def _max_rel_err(got, want):
+    """max |got - want| / max |want| (helpers.rel_err is the norm-wise one)."""
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30))
 
@@ -35,7 +28,7 @@ def _rel_err(got, want):
 @pytest.mark.parametrize("schedule", ["dma/direct/c1", "dma/direct/c2/grouped", "dma/direct/c4"])
 def test_wrap_orders_of_a_mixed_precision_step_gpu(schedule):
     mesh = Mesh(np.array(GPUS[:2]), ("tp",))
-    layer = _layer(mesh)
+    layer = mixed_precision_mlp(mesh)
     loss = lambda x, w1, w2: jnp.mean(layer(x, w1, w2) ** 2)  # noqa: E731
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((2 * ROWS, WIDTH)), jnp.bfloat16)
@@ -53,7 +46,7 @@ def test_wrap_orders_of_a_mixed_precision_step_gpu(schedule):
         for target in ("ficco_ag_matmul", "ficco_matmul_rs"):
             assert f'custom_call_target="{target}"' in compiled, target
         value, grads = jax.jit(fn)(x, w1, w2)
-        assert value.dtype == F32 and _rel_err(value, want_value) < 1e-3, _rel_err(value, want_value)
+        assert value.dtype == F32 and _max_rel_err(value, want_value) < 1e-3, _max_rel_err(value, want_value)
         for name, got, want in zip(("x", "w1", "w2"), grads, want_grads):
             # bf16 gradients: one rounding each, sums in another order than XLA's
-            assert got.dtype == jnp.bfloat16 and _rel_err(got, want) < 2e-2, (name, _rel_err(got, want))
+            assert got.dtype == jnp.bfloat16 and _max_rel_err(got, want) < 2e-2, (name, _max_rel_err(got, want))
