@@ -153,9 +153,7 @@ ffi::Error CallSession::Meet(Phase phase, const void* buffer, std::vector<Event>
     // Peers in other processes of this host: the host mailbox, buffers and events as IPC handles.
     FICCO_RETURN_IF_ERROR(MeetAcrossProcesses(config_, phase, post, posts));
   } else {
-    RendezvousKey key{config_.run_id, config_.ctx.op_id, occurrence_, phase, config_.group_index};
-    Arrival who{&config_.ctx, &config_.group, config_.rank, config_.timeout_s, config_.spin_s};
-    FICCO_RETURN_IF_ERROR(Registry::Get().rendezvous().Arrive(key, who, std::move(post), posts));
+    FICCO_RETURN_IF_ERROR(Registry::Get().rendezvous().Arrive(KeyOf(phase), Who(), std::move(post), posts));
   }
   for (int rank = 0; rank < config_.n(); ++rank) {
     const Post& peer = (*posts)[rank];
@@ -172,9 +170,15 @@ ffi::Error CallSession::Meet(Phase phase, const void* buffer, std::vector<Event>
 
 ffi::Error CallSession::Announce(Phase phase, Announcement* all) {
   if (config_.cross_process()) return MakeInvalid(config_.ctx, "an announcement across processes (a bug)");
-  RendezvousKey key{config_.run_id, config_.ctx.op_id, occurrence_, phase, config_.group_index};
-  Arrival who{&config_.ctx, &config_.group, config_.rank, config_.timeout_s, config_.spin_s};
-  return Registry::Get().rendezvous().Announce(key, who, all);
+  return Registry::Get().rendezvous().Announce(KeyOf(phase), Who(), all);
+}
+
+RendezvousKey CallSession::KeyOf(Phase phase) const {
+  return {config_.run_id, config_.ctx.op_id, occurrence_, phase, config_.group_index};
+}
+
+Arrival CallSession::Who() const {
+  return {&config_.ctx, &config_.group, config_.rank, config_.timeout_s, config_.spin_s};
 }
 
 namespace {

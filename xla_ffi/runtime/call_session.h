@@ -84,6 +84,9 @@ class CallSession {
   ffi::Error ProtectStaging(Backend& backend, const std::vector<Post>& done_posts);
 
  private:
+  // This call's key and arrival in the in-process rendezvous (Meet and Announce): one key per phase.
+  RendezvousKey KeyOf(Phase phase) const;
+  Arrival Who() const;
   // Exchange's and StageInPlace's shared start: copy-stream limit, staging stream, staging region.
   ffi::Error AcquireStaging(Backend& backend, int64_t bytes, void** region);
 
