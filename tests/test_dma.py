@@ -604,3 +604,43 @@ def test_a_call_meets_its_group_twice_and_gives_its_events_back(sched):
     # of the last announcement, so the pool holds the events of the few runs in flight at most.
     per_run = n * ((n - 1) * 2 + 1)
     assert made[1] - made[0] < 20 * per_run, made
+
+
+def _backend_calls(f, *args):
+    """The CPU backends' records, waits, copies, matmuls and sums of one run of a compiled f."""
+    testing = _ext.testing()
+    jax.block_until_ready(f(*args))  # compiled, plans made
+    before = testing.cpu_backend_calls()
+    jax.block_until_ready(f(*args))
+    after = testing.cpu_backend_calls()
+    return {k: after[k] - before[k] for k in after}
+
+
+@pytest.mark.parametrize("transfer", ["", "/push"])
+@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs"])
+def test_a_consumer_of_whole_slots_is_given_one_event_per_slot(op, transfer, rng):
+    """A slot's chunks land in order on one copy stream, so a consumer that takes each slot whole
+    (gemm=grouped) needs only its last chunk's event: cutting a slot into more chunks adds copies,
+    not events or waits. Per-chunk matmuls need an event per chunk, and get one."""
+    mesh = MESHES["1d"]
+    n, m, inner, k = mesh.shape["tp"], 8, 12, 16
+    spec, wspec = P("tp"), P("tp", None) if op == "matmul_rs" else P()
+    if op == "ag_matmul":
+        x = jnp.asarray(rng.standard_normal((n * m, inner)), jnp.float32)
+        w = jnp.asarray(rng.standard_normal((inner, k)), jnp.float32)
+        body = lambda s: lambda a, b: dma.ag_matmul_dma(a, b, "tp", s)[0]  # noqa: E731
+    else:
+        x = jnp.asarray(rng.standard_normal((n * n * m, inner)), jnp.float32)
+        w = jnp.asarray(rng.standard_normal((inner * n, k)), jnp.float32)
+        body = lambda s: lambda a, b: dma.matmul_rs_dma(a, b, "tp", s)  # noqa: E731
+
+    calls = {}
+    for sched in ("c1/grouped", "c4/grouped", "c1", "c4"):
+        s = Schedule.parse(f"dma/direct/{sched}{transfer}")
+        f = jax.jit(jax.shard_map(body(s), mesh=mesh, in_specs=(spec, wspec), out_specs=spec, check_vma=True))
+        calls[sched] = _backend_calls(f, x, w)
+    peers = n * (n - 1)  # slots, over every device of the group
+    assert calls["c4/grouped"]["copy"] - calls["c1/grouped"]["copy"] == 3 * peers, calls
+    for what in ("record", "wait"):
+        assert calls["c4/grouped"][what] == calls["c1/grouped"][what], (what, calls)
+        assert calls["c4"][what] - calls["c1"][what] >= 3 * peers, (what, calls)

@@ -2,6 +2,7 @@
 #ifndef FICCO_JAX_XLA_FFI_DEVICE_BACKENDS_H_
 #define FICCO_JAX_XLA_FFI_DEVICE_BACKENDS_H_
 
+#include <cstdint>
 #include <memory>
 
 #include "device/backend.h"
@@ -21,6 +22,14 @@ std::unique_ptr<EventPool> MakeHostEventPool();
 
 // Everything runs at once, in issue order; its events come from `pool` (MakeHostEventPool).
 std::unique_ptr<Backend> MakeCpuBackend(const CallContext& ctx, EventPool& pool);
+
+// How many times the CPU backends of this process were asked to record, wait, copy, multiply and
+// sum so far: the host work a call issues, which its CUDA counterpart pays per driver call
+// (tests count it per schedule).
+struct BackendCalls {
+  int64_t record = 0, wait = 0, copy = 0, gemm = 0, reduce = 0;
+};
+BackendCalls CpuBackendCalls();
 
 #ifdef FICCO_WITH_CUDA
 // `compute_stream` is XLA's stream for this call on `device` (ctx.device_ordinal). With

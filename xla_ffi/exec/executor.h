@@ -20,13 +20,14 @@
 //   Owner:  records `ready` (its inputs, or its send partials, are valid) before the exchange;
 //           must not return until every peer's pulls from it are done (the join).
 //   Puller: after the exchange, copy streams wait on the owner's event, pull each chunk into
-//           local memory and record one event per chunk for the compute stream; slot s reads
-//           from rank r-1-s (OpConfig::SourceOfSlot).
+//           local memory and record events for the compute stream (per chunk, or per slot where
+//           the consumer takes a slot whole: LandedEvents); slot s reads from rank r-1-s
+//           (OpConfig::SourceOfSlot).
 // With transfer=push (config.push; groups inside one process) the roles turn round:
 //   Receiver: records `entry` (its destination buffer is XLA's to write from here) and posts
 //             the destination in the exchange (CallSession::Push).
 //   Sender:   its copy streams wait on the target's entry and on its own data's events, write
-//             each chunk into the target's buffer and record one event per chunk; a second
+//             each chunk into the target's buffer and record events as a puller does; a second
 //             meeting (kPushed) hands those events to the receivers; slot s writes to rank r+1+s.
 // The join: XLA's stream waits for this device's copy streams (now writing peers) and, through
 // the kPushed events, for every peer's push into it, before the handler returns; so a push call

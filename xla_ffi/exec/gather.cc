@@ -55,6 +55,10 @@ class Gather {
   ffi::Error Pull(CallSession& session, const Exposure& exposure, Event entry, std::vector<std::vector<Event>>* landed);
   ffi::Error Push(CallSession& session, Event ready, std::vector<std::vector<Event>>* landed);
   ffi::Error Consume(const std::vector<std::vector<Event>>& landed);
+  // Only per-chunk matmuls take a chunk as it lands (call_session.h, LandedEvents).
+  LandedEvents Marks() const {
+    return matmul_ && config_.gemm == GemmMode::kPerChunk ? LandedEvents::kPerChunk : LandedEvents::kPerSlot;
+  }
 
   Backend& backend_;
   const OpConfig& config_;
@@ -103,7 +107,7 @@ ffi::Error Gather::Pull(CallSession& session, const Exposure& exposure, Event en
         return CopyBlockChunk(backend_, config_, a_.layout, stream, post.buffer, SourceBlock(config_.rank),
                               a_.received, peer, j);
       },
-      landed);
+      Marks(), landed);
 }
 
 // Sender: our block for the peer t = r+1+s, chunk by chunk, into block r of its `received`, once t
@@ -115,7 +119,7 @@ ffi::Error Gather::Push(CallSession& session, Event ready, std::vector<std::vect
                         return CopyBlockChunk(backend_, config_, a_.layout, stream, a_.x, SourceBlock(target),
                                               Destination(post, 0), config_.rank, j);
                       },
-                      pushed);
+                      Marks(), pushed);
   };
   return session.Push(backend_, a_.received, ready, push, /*consumed=*/matmul_, landed);
 }
@@ -124,10 +128,11 @@ ffi::Error Gather::Push(CallSession& session, Event ready, std::vector<std::vect
 // peer block once all of its chunks landed).
 ffi::Error Gather::Consume(const std::vector<std::vector<Event>>& landed) {
   const int64_t q = a_.layout.rows / config_.chunks;
+  Event waited = nullptr;
   for (int slot = 0; slot < config_.n() - 1; ++slot) {
     const int peer = config_.SourceOfSlot(slot);
     for (int64_t j = 0; j < config_.chunks; ++j) {
-      FICCO_RETURN_IF_ERROR(backend_.Wait(Backend::kCompute, landed[slot][j]));
+      FICCO_RETURN_IF_ERROR(WaitOnce(backend_, Backend::kCompute, landed[slot][j], &waited));
       if (config_.gemm == GemmMode::kPerChunk) {
         FICCO_RETURN_IF_ERROR(mm_.Run(backend_, a_.received, peer, a_.out, peer, j * q, q));
       }

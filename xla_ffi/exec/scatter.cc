@@ -30,6 +30,12 @@ class Scatter {
   ffi::Error Push(CallSession& session, const void* send, Event entry, const std::vector<Event>& exposed,
                   std::vector<std::vector<Event>>* landed);
   ffi::Error ReduceChunks(const std::vector<std::vector<Event>>& landed);
+  // Only a reduce summing chunk by chunk takes a chunk as it lands (call_session.h, LandedEvents);
+  // matmul_rs with gemm=grouped sums the whole block once.
+  bool SumsWholeBlock() const { return matmul_ && config_.gemm == GemmMode::kGrouped; }
+  LandedEvents Marks() const {
+    return reduce_ && !SumsWholeBlock() ? LandedEvents::kPerChunk : LandedEvents::kPerSlot;
+  }
 
   Backend& backend_;
   const OpConfig& config_;
@@ -112,7 +118,7 @@ ffi::Error Scatter::Pull(CallSession& session, const void* send, Event entry, co
         return CopyBlockChunk(backend_, config_, layout_, stream, post.buffer, matmul_ ? slot : config_.rank,
                               Landing(), LandingBlock(slot, peer), j);
       },
-      landed);
+      Marks(), landed);
 }
 
 // Sender: to the peer t = r+1+s its block — our send slot s, or block t of y — into t's landing
@@ -127,7 +133,7 @@ ffi::Error Scatter::Push(CallSession& session, const void* send, Event entry, co
                                               matmul_ ? slot : target, Destination(post, 0),
                                               LandingBlock(slot, config_.rank), j);
                       },
-                      pushed);
+                      Marks(), pushed);
   };
   // Only a reduce reads what lands here; otherwise XLA's stream waits for it (CallSession::Push).
   return session.Push(backend_, Landing(), entry, push, /*consumed=*/reduce_, landed);
@@ -139,14 +145,14 @@ ffi::Error Scatter::ReduceChunks(const std::vector<std::vector<Event>>& landed) 
   const int64_t esize = static_cast<int64_t>(ByteWidth(a_.types.c));
   const void* own = matmul_ ? static_cast<const void*>(a_.out) : Offset(a_.y, config_.rank * layout_.Block());
   const int64_t block_elems = a_.rows * a_.cols;
-  const bool grouped = config_.gemm == GemmMode::kGrouped && matmul_;
-  const int64_t pieces = grouped ? 1 : config_.chunks;
+  const int64_t pieces = SumsWholeBlock() ? 1 : config_.chunks;
   const int64_t piece_elems = block_elems / pieces;
   const int64_t chunks_per_piece = config_.chunks / pieces;
   for (int64_t piece = 0; piece < pieces; ++piece) {
     for (int slot = 0; slot < config_.n() - 1; ++slot) {
+      Event waited = nullptr;
       for (int64_t j = piece * chunks_per_piece; j < (piece + 1) * chunks_per_piece; ++j) {
-        FICCO_RETURN_IF_ERROR(backend_.Wait(Backend::kCompute, landed[slot][j]));
+        FICCO_RETURN_IF_ERROR(WaitOnce(backend_, Backend::kCompute, landed[slot][j], &waited));
       }
     }
     const int64_t offset = piece * piece_elems * esize;

@@ -215,7 +215,8 @@ ffi::Error WaitForLanded(Backend& backend, const std::vector<std::vector<Event>>
 // The copy loop of both directions. Slot s pairs this device with SourceOfSlot(s) (pull: that owner's
 // data comes here) or TargetOfSlot(s) (push: ours goes there); the slot's copies run on
 // StreamOfSlot(s); chunk j waits for `source_ready(s, j)` (each distinct event once per stream), is
-// enqueued by `copy_chunk`, and its event recorded into recorded[s][j].
+// enqueued by `copy_chunk`, and its event recorded into recorded[s][j] (kPerSlot: after the slot's
+// last chunk, into every recorded[s][j] of it).
 //
 // Before its first copy a stream waits for the entry event of the device it writes: the target's
 // (push) or this device's own (pull, `own_entry`). A copy stream is not XLA's stream: without that
@@ -226,17 +227,25 @@ ffi::Error WaitForLanded(Backend& backend, const std::vector<std::vector<Event>>
 // (docs/design.md, "Copies wait for the device they write").
 ffi::Error CopyChunks(Backend& backend, const OpConfig& config, bool push, const std::vector<Post>& peers,
                       Event own_entry, const ChunkReady& source_ready, const ChunkCopy& copy_chunk,
-                      std::vector<std::vector<Event>>* recorded) {
+                      LandedEvents marks, std::vector<std::vector<Event>>* recorded) {
   std::vector<Event> waited(CopyStreamsUsed(config), nullptr);
   std::vector<Event> entered(CopyStreamsUsed(config), nullptr);
   for (int slot = 0; slot < config.n() - 1; ++slot) {
     const int peer = push ? config.TargetOfSlot(slot) : config.SourceOfSlot(slot);
     const int stream = config.StreamOfSlot(slot);
     FICCO_RETURN_IF_ERROR(WaitOnce(backend, stream, push ? peers[peer].events[0] : own_entry, &entered[stream]));
+    std::vector<Event>& marked = (*recorded)[slot];
     for (int64_t j = 0; j < config.chunks; ++j) {
-      FICCO_RETURN_IF_ERROR(WaitOnce(backend, stream, source_ready(slot, j), &waited[stream]));
-      FICCO_RETURN_IF_ERROR(copy_chunk(stream, peer, peers[peer], slot, j));
-      FICCO_RETURN_IF_ERROR(backend.Record(stream, &(*recorded)[slot][j]));
+      ffi::Error status = WaitOnce(backend, stream, source_ready(slot, j), &waited[stream]);
+      if (status.success()) status = copy_chunk(stream, peer, peers[peer], slot, j);
+      // A failed chunk is marked too: whatever of the slot was enqueued before the failure must
+      // still be waited for by the device it writes (AwaitLanded).
+      if (status.success() && marks == LandedEvents::kPerSlot && j < config.chunks - 1) continue;
+      Event event = nullptr;
+      ffi::Error recorded_status = backend.Record(stream, &event);
+      std::fill(marked.begin() + (marks == LandedEvents::kPerSlot ? 0 : j), marked.begin() + j + 1, event);
+      FICCO_RETURN_IF_ERROR(status);
+      FICCO_RETURN_IF_ERROR(recorded_status);
     }
   }
   return ffi::Error::Success();
@@ -251,15 +260,16 @@ ffi::Error AwaitLanded(Backend& backend, const OpConfig& config, const std::vect
 }
 
 ffi::Error PullChunks(Backend& backend, const OpConfig& config, const std::vector<Post>& owners, Event entry,
-                      const ChunkReady& source_ready, const ChunkCopy& copy_chunk,
+                      const ChunkReady& source_ready, const ChunkCopy& copy_chunk, LandedEvents marks,
                       std::vector<std::vector<Event>>* landed) {
-  return CopyChunks(backend, config, /*push=*/false, owners, entry, source_ready, copy_chunk, landed);
+  return CopyChunks(backend, config, /*push=*/false, owners, entry, source_ready, copy_chunk, marks, landed);
 }
 
 ffi::Error PushChunks(Backend& backend, const OpConfig& config, const std::vector<Post>& targets,
-                      const ChunkReady& source_ready, const ChunkCopy& copy_chunk,
+                      const ChunkReady& source_ready, const ChunkCopy& copy_chunk, LandedEvents marks,
                       std::vector<std::vector<Event>>* pushed) {
-  return CopyChunks(backend, config, /*push=*/true, targets, /*own_entry=*/nullptr, source_ready, copy_chunk, pushed);
+  return CopyChunks(backend, config, /*push=*/true, targets, /*own_entry=*/nullptr, source_ready, copy_chunk, marks,
+                    pushed);
 }
 
 ffi::Error CallSession::Push(Backend& backend, void* destination, Event entry, const PushFn& push, bool consumed,

@@ -109,23 +109,30 @@ int CopyStreamsUsed(const OpConfig& config);
 ffi::Error BeginCall(Backend& backend, const OpConfig& config, int64_t rows, const char* what);
 // The join and the release of the call's events that end every call (see call_session.cc).
 ffi::Error JoinAndRelease(Backend& backend, const OpConfig& config, CallSession& session);
+// How finely the chunk loops below mark what landed: an event per chunk, for a consumer that takes
+// each chunk as it lands (per-chunk matmuls, a reduce-scatter's per-chunk sums), or one per slot,
+// recorded after its last chunk and stored for every chunk of it, for a consumer that takes a slot
+// whole (gemm=grouped) or none at all (the collectives, which only the join waits for). A slot's
+// chunks run in order on one copy stream, so its last chunk's event covers them all; each event
+// recorded costs a call into the driver, and its wait another (c8/grouped on 2 GPUs: 16 of them).
+enum class LandedEvents { kPerChunk, kPerSlot };
 // The senders' loop of every transfer=push op (the `push` of CallSession::Push): send slot s goes to
 // TargetOfSlot(s) on StreamOfSlot(s) after that target's entry event; chunk j after
 // `source_ready(s, j)` (each distinct event waited once per stream; the CPU backend's null events
 // are waited every time), its copies enqueued by `copy_chunk(stream, target, post, s, j)`, then
-// pushed[s][j] recorded.
+// pushed[s][j] recorded (`marks`).
 using ChunkReady = std::function<Event(int slot, int64_t chunk)>;
 using ChunkCopy = std::function<ffi::Error(int stream, int target, const Post& post, int slot, int64_t chunk)>;
 ffi::Error PushChunks(Backend& backend, const OpConfig& config, const std::vector<Post>& targets,
-                      const ChunkReady& source_ready, const ChunkCopy& copy_chunk,
+                      const ChunkReady& source_ready, const ChunkCopy& copy_chunk, LandedEvents marks,
                       std::vector<std::vector<Event>>* pushed);
 // The receivers' loop of every transfer=pull op, its mirror: receive slot s comes from
 // SourceOfSlot(s) on StreamOfSlot(s), after `entry` (this call's start on XLA's stream, which opens
 // this device's buffers to the copies: call_session.cc says why); chunk j after `source_ready(s, j)`
 // (an event of that owner, each distinct one waited once per stream), its copies enqueued by
-// `copy_chunk(stream, owner, post, s, j)`, then landed[s][j] recorded.
+// `copy_chunk(stream, owner, post, s, j)`, then landed[s][j] recorded (`marks`).
 ffi::Error PullChunks(Backend& backend, const OpConfig& config, const std::vector<Post>& owners, Event entry,
-                      const ChunkReady& source_ready, const ChunkCopy& copy_chunk,
+                      const ChunkReady& source_ready, const ChunkCopy& copy_chunk, LandedEvents marks,
                       std::vector<std::vector<Event>>* landed);
 // On an error after transfers were enqueued: XLA's stream waits for every landed chunk (pulled by
 // this device's copy streams or pushed by its peers) and for this device's copy streams, so the

@@ -1,4 +1,5 @@
 // `ficco_jax._ffi.testing`: the extension's test-only entry points, which the library never calls.
+#include <map>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -6,9 +7,11 @@
 #include <vector>
 
 #include "nanobind/nanobind.h"
+#include "nanobind/stl/map.h"
 #include "nanobind/stl/string.h"
 #include "nanobind/stl/tuple.h"
 #include "nanobind/stl/vector.h"
+#include "device/backends.h"
 #include "runtime/ipc_mailbox.h"
 #include "runtime/registry.h"
 #include "testing/faults.h"
@@ -87,6 +90,15 @@ void DefineTestingModule(nb::module_& m) {
   testing.def("events_made", &EventsMade, nb::arg("ordinal") = -1,
               "How many events the pool of a device has made so far: -1 for the CPU devices' shared pool, "
               "else a GPU's ordinal. It stays bounded while calls give their events back.");
+  testing.def("cpu_backend_calls",
+              [] {
+                const BackendCalls c = CpuBackendCalls();
+                return std::map<std::string, int64_t>{
+                    {"record", c.record}, {"wait", c.wait}, {"copy", c.copy}, {"gemm", c.gemm}, {"reduce", c.reduce}};
+              },
+              "How many events the CPU backends of this process recorded and waited for, and how many copies, "
+              "matmuls and sums they ran, so far: the host work of the calls (their CUDA counterpart pays a "
+              "driver call for each).");
   testing.def("mailbox_exchange", &MailboxExchange,
               "One post through the host mailbox (groups across processes) with plain integers; returns every "
               "rank's (op_id, signature, buffer_export, buffer_offset, event_ids).");
