@@ -5,7 +5,8 @@ parallelism, written as a user would write it, with no ficco_jax call inside.
 their Megatron-style shardings (`init_params`, `param_specs`); the blocks (RMSNorm, causal
 attention with RoPE and grouped-query heads, SwiGLU MLP) run in one `jax.shard_map` over a
 (dp, tp) mesh with sequence-parallel activations [batch/dp, seq/tp, hidden] between blocks; and
-the loss (`make_loss`): embedding, final norm, LM head and cross-entropy outside the shard_map.
+the loss (`make_loss`): the embedding outside the shard_map, then in it the blocks, the final norm
+and a vocab-parallel LM head with its cross-entropy (`lm_head_loss`).
 With `Config.global_view` the same blocks are written on global arrays with explicit shardings
 (a mesh of `AxisType.Explicit` axes): `reshard` gathers the sequence and the row-parallel matmuls'
 `out_sharding` scatters it; only attention, which communicates nothing, runs in a shard_map over
@@ -255,18 +256,39 @@ def decoder_stack(cfg: Config, x, layers):
     return x
 
 
+def lm_head_loss(cfg: Config, x, norm, head, targets):
+    """Mean next-token cross-entropy with a vocab-parallel LM head (Megatron's), in the shard_map:
+    x [b, s/tp, D] is normed and its sequence gathered in front of the head matmul, as in front of
+    the blocks' column-parallel matmuls, giving the logits [b, s, V/tp] of this device's slice of
+    the vocabulary; the softmax's max, its normaliser and the target's logit are combined over tp.
+    targets [b, s]: every position's next token."""
+    g = gather_seq(cfg, rms_norm(x, norm))
+    logits = jnp.einsum("bsd,dv->bsv", g, head, preferred_element_type=jnp.float32)
+    v_local = logits.shape[-1]
+    top = jax.lax.pmax(jax.lax.stop_gradient(logits.max(axis=-1)), "tp")  # a shift: no gradient flows
+    shifted = logits - top[..., None]
+    log_normaliser = jnp.log(jax.lax.psum(jnp.exp(shifted).sum(axis=-1), "tp"))
+    local = targets - jax.lax.axis_index("tp") * v_local  # the target's index in this slice
+    mine = (local >= 0) & (local < v_local)
+    picked = jnp.take_along_axis(shifted, jnp.clip(local, 0, v_local - 1)[..., None], axis=-1)[..., 0]
+    target_logit = jax.lax.psum(jnp.where(mine, picked, 0.0), "tp")
+    return jax.lax.pmean(jnp.mean(log_normaliser - target_logit), "dp")
+
+
 def make_loss(cfg: Config, mesh: Mesh):
     if cfg.global_view:
         return _make_global_loss(cfg)
-    stack = jax.shard_map(lambda x, layers: decoder_stack(cfg, x, layers), mesh=mesh,
-                          in_specs=(ACT_SPEC, param_specs()["layers"]), out_specs=ACT_SPEC)
+    specs = param_specs()
+
+    def body(x, layers, norm, head, targets):
+        return lm_head_loss(cfg, decoder_stack(cfg, x, layers), norm, head, targets)
+
+    model = jax.shard_map(body, mesh=mesh, out_specs=P(),
+                          in_specs=(ACT_SPEC, specs["layers"], specs["final_norm"], specs["head"], P("dp", None)))
 
     def loss(params, inputs, targets):
         x = jax.lax.with_sharding_constraint(params["embed"][inputs], NamedSharding(mesh, ACT_SPEC))
-        x = rms_norm(stack(x, params["layers"]), params["final_norm"])
-        logits = jnp.einsum("bsd,dv->bsv", x, params["head"], preferred_element_type=jnp.float32)
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+        return model(x, params["layers"], params["final_norm"], params["head"], targets)
 
     return loss
 

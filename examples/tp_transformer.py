@@ -23,10 +23,15 @@ Q, K and V share one weight [hidden, kv_heads, q_per_kv + 2, head_dim], sharded 
 backward pass the input gradient is one matmul before its reduce-scatter, a site `overlap` can
 rewrite (with separate Q/K/V weights it is a sum of three matmuls, left as written).
 
+The LM head is vocab-parallel (Megatron's) and runs in the same shard_map after the blocks: the
+final norm's output has its sequence gathered in front of the head matmul, each device computes the
+logits of its slice of the vocabulary, and the cross-entropy combines the softmax's max, normaliser
+and target logit over tp (three all-reduces of one number per token). The embedding runs outside
+the shard_map, partitioned by XLA from the shardings given to `jit`.
+
 `--overlap` trains with `jit(ficco_jax.overlap(value_and_grad(loss)))`: the rewrite sees the
 forward and the backward shard_map bodies, so both passes' all_gather->matmul and
-matmul->psum_scatter sites become `ag_matmul` / `matmul_rs`. The embedding, final norm, LM head
-and loss run outside the shard_map, partitioned by XLA from the shardings given to `jit`.
+matmul->psum_scatter sites, the LM head's among them, become `ag_matmul` / `matmul_rs`.
 
 `--global-view` trains the same model written on global arrays with explicit shardings and no
 shard_map (the mesh's axes are `AxisType.Explicit`; the step runs under `jax.set_mesh`): each

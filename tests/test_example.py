@@ -7,6 +7,7 @@ import pathlib
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -46,9 +47,10 @@ def test_tiny_losses_agree_with_and_without_overlap(tiny_runs):
 def test_tiny_overlap_rewrites_forward_and_backward_sites(tiny_runs):
     report = tiny_runs[True]["report"]
     assert tiny_runs[False]["report"] is None
-    # per block, forward: QKV and gate/up (ag_matmul), O and down (matmul_rs); backward: the transposes
-    assert [r.op for r in report.sites].count("ag_matmul") == 4, str(report)
-    assert [r.op for r in report.sites].count("matmul_rs") == 4, str(report)
+    # per block, forward: QKV and gate/up (ag_matmul), O and down (matmul_rs); backward: the transposes;
+    # and the LM head's gather and matmul, forward (ag_matmul) and backward (matmul_rs)
+    assert [r.op for r in report.sites].count("ag_matmul") == 5, str(report)
+    assert [r.op for r in report.sites].count("matmul_rs") == 5, str(report)
     assert all(r.schedule == OVERLAP_SCHEDULE for r in report.sites), str(report)
 
 
@@ -56,6 +58,34 @@ def test_tiny_step_times_reported(tiny_runs):
     for run in tiny_runs.values():
         assert len(run["step_s"]) == 3 and all(t > 0 for t in run["step_s"])
         assert run["tokens_per_step"] == 2 * 2 * 64  # batch per replica x dp x seq
+
+
+def test_vocab_parallel_head_loss_is_the_dense_cross_entropy():
+    """The LM head in the shard_map (each device the logits of its vocabulary slice, the softmax
+    combined over tp) gives the dense cross-entropy and its gradients, targets in every slice."""
+    cfg = dataclasses.replace(tp_transformer.PRESETS["tiny"], dtype="float32")
+    mesh = tp_transformer.make_mesh(cfg)
+    keys = jax.random.split(jax.random.PRNGKey(3), 4)
+    b, s, d, v = cfg.batch * mesh.shape["dp"], cfg.seq, cfg.hidden, cfg.vocab
+    x = jax.random.normal(keys[0], (b, s, d))
+    norm = 1 + 0.1 * jax.random.normal(keys[1], (d,))
+    head = jax.random.normal(keys[2], (d, v)) / np.sqrt(d)
+    targets = jax.random.randint(keys[3], (b, s), 0, v)
+    assert len(set(np.asarray(targets).ravel() // (v // cfg.tp))) == cfg.tp  # every device holds some targets
+    P = tp_transformer.P
+    sharded = jax.shard_map(lambda *a: llama_block.lm_head_loss(cfg, *a), mesh=mesh, out_specs=P(),
+                            in_specs=(llama_block.ACT_SPEC, P(), P(None, "tp"), P("dp", None)))
+
+    def dense(x, norm, head, targets):
+        logits = jnp.einsum("bsd,dv->bsv", llama_block.rms_norm(x, norm), head)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+    ours = jax.jit(jax.value_and_grad(sharded, argnums=(0, 1, 2)))(x, norm, head, targets)
+    ref = jax.jit(jax.value_and_grad(dense, argnums=(0, 1, 2)))(x, norm, head, targets)
+    np.testing.assert_allclose(ours[0], ref[0], rtol=1e-5)
+    for got, want in zip(ours[1], ref[1]):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6 * float(np.max(np.abs(want))))
 
 
 def test_llama70b_layer_preset_shapes_without_allocating():
@@ -126,8 +156,8 @@ def test_unrolled_layers_train_like_the_scan(tiny_runs):
     assert not cfg.scans_layers
     run = tp_transformer.train(cfg, tp_transformer.make_mesh(cfg), log=lambda *_: None)
     np.testing.assert_allclose(run["losses"], tiny_runs[True]["losses"], rtol=1e-5)
-    # the scan body holds one layer's 8 sites; unrolled, every layer has its own
-    assert len(tiny_runs[True]["report"].sites) == 8 and len(run["report"].sites) == 8 * cfg.layers
+    # the scan body holds one layer's 8 sites; unrolled, every layer has its own (and the LM head 2)
+    assert len(tiny_runs[True]["report"].sites) == 8 + 2 and len(run["report"].sites) == 8 * cfg.layers + 2
 
 
 def test_cudnn_attention_unrolls_layers_unless_told():
