@@ -41,3 +41,41 @@ def test_gpu_faults_script_on_cpu(tmp_path):
     partial = cases["partial_group 2 of 4"]
     assert "missing ranks [2, 3]" in partial["message"] and "group [0, 1, 2, 3]" in partial["message"], partial
     assert partial["error_s"] >= 0.9 * TIMEOUT_S
+
+
+class _StuckChild:
+    """A child process that never finishes in time: communicate() times out once, then returns."""
+
+    def __init__(self, *args, **kwargs):
+        self.returncode, self._timed_out = None, False
+
+    def communicate(self, timeout=None):
+        if not self._timed_out:
+            self._timed_out = True
+            raise subprocess.TimeoutExpired("child", timeout)
+        return "", ""
+
+    def kill(self):
+        self.returncode = -9
+
+
+@pytest.mark.parametrize("budget_s,overall", [(8.0, "INCOMPLETE"), (300.0, "FAIL")])
+def test_a_child_the_budget_stops_is_not_judged_a_hang(monkeypatch, budget_s, overall):
+    """A child still running when --budget-s runs out was not given its case timeout: its cases are
+    SKIPPED and the run INCOMPLETE. One still running at its case timeout is a hang: FAIL."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("faults_script", SCRIPT)
+    faults = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(faults)
+    monkeypatch.setattr(faults.subprocess, "Popen", _StuckChild)
+    args = faults.argparse.Namespace(ops="all_gather", partial=False, timeout_s=1.0, margin_s=3.0,
+                                     case_timeout_s=60.0, budget_s=budget_s)
+    result = faults.run(args)
+    assert result["overall"] == overall and not result["all_pass"], result
+    assert len(result["cases"]) == 3
+    for case in result["cases"]:
+        assert not case["pass"] and case.get("skipped", False) == (overall == "INCOMPLETE"), case
+        assert ("a hang" in case["note"]) == (overall == "FAIL"), case["note"]
+    table = faults.table(result)
+    assert f"Overall: {overall}" in table
+    assert ("SKIPPED" in table) == (overall == "INCOMPLETE") and ("give it more time" in table) == (overall == "INCOMPLETE")

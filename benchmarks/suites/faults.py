@@ -30,9 +30,11 @@ checks the waiting ranks' message: op, group and "missing ranks [n/2 .. n-1]", a
 than the timeout.
 
 Every child runs under a subprocess timeout (`--case-timeout-s`) and the run under `--budget-s`,
-so the script cannot hang; a child that dies or times out fails its cases with its exit status
-and the tail of its stderr. Prints a PASS/FAIL table, writes $OUT/gpu_faults.json (OUT defaults
-to out/gpu_faults), exits 0 only if every case passed.
+so the script cannot hang; a child that dies or outlives its case timeout fails its cases with its
+exit status and the tail of its stderr. A child the budget stopped before its case timeout, and a
+child never started for lack of budget, are not judged: their cases are SKIPPED and the run is
+INCOMPLETE, not FAIL. Prints the table (overall PASS, FAIL or INCOMPLETE), writes
+$OUT/gpu_faults.json (OUT defaults to out/gpu_faults), exits 0 only if every case ran and passed.
 """
 from __future__ import annotations
 
@@ -278,8 +280,10 @@ def _emit(record: dict) -> None:
 # ------------------------------------------------------------------------------------------------
 # Parent: one child per op, bounded in time; the table and the JSON
 # ------------------------------------------------------------------------------------------------
-def _run_child(target, args, timeout_s) -> tuple[list[dict], str]:
-    """The child's RESULT records, and a failure note ('' if it exited 0 in time)."""
+def _run_child(target, args, timeout_s, budget_cut) -> tuple[list[dict], str, bool]:
+    """The child's RESULT records, a note ('' if it exited 0 in time), and whether --budget-s stopped
+    it: with `budget_cut`, `timeout_s` is what was left of the budget, shorter than the case timeout,
+    so a child still running then was not given its time and is not judged a hang."""
     env = dict(os.environ, FICCO_RENDEZVOUS_TIMEOUT_S=str(args.timeout_s), PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, os.path.abspath(__file__), "--child", target, "--timeout-s", str(args.timeout_s),
            "--margin-s", str(args.margin_s)]
@@ -290,12 +294,16 @@ def _run_child(target, args, timeout_s) -> tuple[list[dict], str]:
     except subprocess.TimeoutExpired:
         proc.kill()
         stdout, stderr = proc.communicate()
+        if budget_cut:
+            records = [json.loads(line[len(RESULT_TAG):]) for line in stdout.splitlines() if line.startswith(RESULT_TAG)]
+            return records, (f"not judged: stopped after {timeout_s:.0f} s, when --budget-s {args.budget_s:g} was spent "
+                             f"(the case timeout is {args.case_timeout_s:g} s)"), True
         note = f"child still running after {timeout_s:.0f} s: killed (a hang)"
     records = [json.loads(line[len(RESULT_TAG):]) for line in stdout.splitlines() if line.startswith(RESULT_TAG)]
     if note:
         tail = "\n".join(stderr.strip().splitlines()[-8:])
         note += f"; stderr tail:\n{tail}" if tail else "; no stderr"
-    return records, note
+    return records, note, False
 
 
 def _expected_cases(target) -> list[str]:
@@ -314,16 +322,19 @@ def run(args) -> dict:
                          "note": f"skipped: --budget-s {args.budget_s} spent"} for c in _expected_cases(target)]
             continue
         t0 = time.monotonic()
-        got, note = _run_child(target, args, min(args.case_timeout_s, left))
+        got, note, cut = _run_child(target, args, min(args.case_timeout_s, left), left < args.case_timeout_s)
         sys.stderr.write(f"{target}: {len(got)} results in {time.monotonic() - t0:.1f} s{'; ' + note if note else ''}\n")
         missing = len(_expected_cases(target)) - len(got)
         if note or missing > 0:
-            got += [{"case": f"{c} (no result)", "op": target, "pass": False, "note": note or "no result"}
-                    for c in _expected_cases(target)[len(got):]]
+            got += [{"case": f"{c} (budget)" if cut else f"{c} (no result)", "op": target, "pass": False,
+                     "skipped": cut, "note": note or "no result"} for c in _expected_cases(target)[len(got):]]
         records += got
+    failed = [r for r in records if not r["pass"] and not r.get("skipped")]
+    unrun = [r for r in records if r.get("skipped")]
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "timeout_s": args.timeout_s, "margin_s": args.margin_s, "budget_s": args.budget_s,
-            "all_pass": all(r["pass"] for r in records), "cases": records}
+            "all_pass": not failed and not unrun, "overall": "FAIL" if failed else "INCOMPLETE" if unrun else "PASS",
+            "cases": records}
 
 
 def table(result: dict) -> str:
@@ -340,7 +351,9 @@ def table(result: dict) -> str:
         verdict = "PASS" if r["pass"] else ("SKIPPED" if r.get("skipped") else "FAIL")
         note = f" ({r['note'].splitlines()[0]})" if r.get("note") else ""
         lines.append(f"| {r['case']} | {err} | {named} | {nxt} | {verdict}{note} |")
-    lines.append(f"\nOverall: {'PASS' if result['all_pass'] else 'FAIL'}")
+    unrun = sum(1 for r in result["cases"] if r.get("skipped"))
+    lines.append(f"\nOverall: {result['overall']}" + (f" ({unrun} case(s) not run or not judged within --budget-s "
+                                                    f"{result['budget_s']:g}: give it more time)" if unrun else ""))
     return "\n".join(lines)
 
 
