@@ -1,5 +1,6 @@
 """benchmarks/suites/faults.py on 4 virtual CPU devices, a subset of ops, in a subprocess: the script
 the GPU run uses cannot rot. It must finish, pass, and write its JSON."""
+import importlib.util
 import json
 import os
 import pathlib
@@ -63,7 +64,6 @@ class _StuckChild:
 def test_a_child_the_budget_stops_is_not_judged_a_hang(monkeypatch, budget_s, overall):
     """A child still running when --budget-s runs out was not given its case timeout: its cases are
     SKIPPED and the run INCOMPLETE. One still running at its case timeout is a hang: FAIL."""
-    import importlib.util
     spec = importlib.util.spec_from_file_location("faults_script", SCRIPT)
     faults = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(faults)
