@@ -63,6 +63,12 @@ def random(rng, shape, dtype):
     return jnp.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(dtype)
 
 
+def max_rel_err(got, want):
+    """max |got - want| / max |want|, in f32 (rel_err is the norm-wise one)."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30))
+
+
 def rel_err(got, want):
     got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
     want = np.asarray(jnp.asarray(want, jnp.float32), np.float64)

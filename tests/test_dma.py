@@ -19,7 +19,7 @@ from ficco_jax import dma  # noqa: E402
 from ficco_jax.lowering.dma import groups, registry  # noqa: E402
 from ficco_jax.runtime import extension as _ext  # noqa: E402
 from ficco_jax.schedule import Schedule  # noqa: E402
-from helpers import ffi_calls  # noqa: E402
+from helpers import ffi_calls, max_rel_err  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not _ext.available(), reason="ficco_jax._ffi is not built")
 
@@ -52,11 +52,6 @@ def _run(mesh, fn, in_specs, *args):
     spec = P(_all_axes(mesh))
     f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=spec, check_vma=True))
     return jax.tree.map(np.asarray, f(*args))
-
-
-def _rel_err(out, ref):
-    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-    return float(np.max(np.abs(out - ref)) / max(np.max(np.abs(ref)), 1e-30))
 
 
 def _origin_coded(mesh, rows, cols):
@@ -148,7 +143,7 @@ def test_ag_matmul_every_schedule(mesh_name, dtype, sched, rng):
     out_ref, gathered_ref = _run(mesh, ref, (spec, wspec), x, w)
     np.testing.assert_array_equal(gathered, gathered_ref)
     assert out.dtype == jnp.dtype(dtype)
-    assert _rel_err(out, out_ref) < TOLERANCE[dtype], sched
+    assert max_rel_err(out, out_ref) < TOLERANCE[dtype], sched
 
 
 @pytest.mark.parametrize("mesh_name,dtype,sched", list(_cases("matmul_rs", (jnp.float32, jnp.bfloat16))))
@@ -170,7 +165,7 @@ def test_matmul_rs_every_schedule(mesh_name, dtype, sched, rng):
     out = _run(mesh, per_device, (spec, wspec), y, w)
     out_ref = _run(mesh, ref, (spec, wspec), y, w)
     assert out.dtype == jnp.dtype(dtype)
-    assert _rel_err(out, out_ref) < TOLERANCE[dtype], sched
+    assert max_rel_err(out, out_ref) < TOLERANCE[dtype], sched
 
 
 # ------------------------------------------------------------------------------------------------
@@ -190,7 +185,7 @@ def test_collectives_any_axis(mesh_name, axis, sched, rng):
     dim = axis if axis != 0 else 1  # scatter a dimension divisible by n
     rs = _run(mesh, lambda a: dma.reduce_scatter(a, "tp", scatter_dimension=dim, schedule=sched), spec, x)
     rs_ref = _run(mesh, lambda a: jax.lax.psum_scatter(a, "tp", scatter_dimension=dim % 3, tiled=True), spec, x)
-    assert _rel_err(rs, rs_ref) < 1e-6
+    assert max_rel_err(rs, rs_ref) < 1e-6
 
 
 def test_all_gather_int_dtype():
@@ -220,7 +215,7 @@ def test_collective_gradients(mesh_name, sched, rng):
     ref = jax.jit(jax.grad(functools.partial(
         loss, lambda b: jax.lax.all_gather(b, "tp", tiled=True),
         lambda b: jax.lax.psum_scatter(b, "tp", tiled=True))))(x)
-    assert _rel_err(ours, ref) < 1e-5
+    assert max_rel_err(ours, ref) < 1e-5
 
 
 # ------------------------------------------------------------------------------------------------
@@ -249,7 +244,7 @@ def test_ops_inside_scan(rng, transfer):
     ref = _run(mesh, functools.partial(layers, lambda h, w: (jax.lax.all_gather(h, "tp", tiled=True) @ w, None),
                                        lambda h, w: jax.lax.psum_scatter(h @ w, "tp", tiled=True)),
                (spec, *specs_w), x, w1, w2)
-    assert _rel_err(ours, ref) < 1e-5
+    assert max_rel_err(ours, ref) < 1e-5
 
 
 @pytest.mark.parametrize("suffix", ["", "/push"])
@@ -270,7 +265,7 @@ def test_chained_ops_and_buffer_reuse(rng, suffix):
                 P("tp"), x)
     ref = _run(mesh, functools.partial(chain, lambda a: jax.lax.all_gather(a, "tp", tiled=True),
                                        lambda a: jax.lax.psum_scatter(a, "tp", tiled=True)), P("tp"), x)
-    assert _rel_err(ours, ref) < 1e-5
+    assert max_rel_err(ours, ref) < 1e-5
 
 
 # ------------------------------------------------------------------------------------------------
@@ -365,16 +360,16 @@ def test_ag_matmul_skips_its_own_rows_only_when_nobody_reads_gathered(rng):
     want = jax.jit(jax.shard_map(ref, mesh=mesh, in_specs=specs, out_specs=P(None, "tp")))(x, w)
     skip, out = flags(plain, P(None, "tp"))
     assert skip == [1], skip
-    assert _rel_err(out, want) < TOLERANCE[jnp.float32]
+    assert max_rel_err(out, want) < TOLERANCE[jnp.float32]
     skip, (out, gathered) = flags(with_gathered, (P(None, "tp"), P("tp", None)))  # every device's gathered, stacked
     assert skip == [0], skip
     np.testing.assert_array_equal(gathered, np.concatenate([np.asarray(x)] * n))
-    assert _rel_err(out, want) < TOLERANCE[jnp.float32]
+    assert max_rel_err(out, want) < TOLERANCE[jnp.float32]
     skip, dx = flags(grad_x, P("tp", None))
     assert skip and all(s == 0 for s in skip), skip  # the forward keeps its rows (the residual); the rest is matmul_rs
     dx_want = jax.jit(jax.shard_map(lambda a, b: jax.grad(lambda a: jnp.sum(ref(a, b) ** 2))(a), mesh=mesh,
                                     in_specs=specs, out_specs=P("tp", None)))(x, w)
-    assert _rel_err(dx, dx_want) < 1e-4
+    assert max_rel_err(dx, dx_want) < 1e-4
 
 
 @pytest.mark.parametrize("wrap", ["checkpoint", "scan"])
@@ -405,7 +400,7 @@ def test_ag_matmul_skip_path_under_remat_and_scan_gradients(rng, wrap):
         return jax.jit(f)(x, w)
 
     for got, want in zip(grads(True), grads(False)):
-        assert _rel_err(got, want) < 1e-4, wrap
+        assert max_rel_err(got, want) < 1e-4, wrap
 
 
 # ------------------------------------------------------------------------------------------------
@@ -457,7 +452,7 @@ def test_collective_under_vmap_is_one_call(name, in_axis, rng):
         got = _batched_program(jax.vmap(transform(ours), in_axes=in_axis), in_axis)
         per_element = _batched_program(_per_element(transform(ours), in_axis), in_axis)(xb)
         want = _batched_program(jax.vmap(transform(ref), in_axes=in_axis), in_axis)(xb)
-        assert _rel_err(got(xb), per_element) < 1e-6 and _rel_err(got(xb), want) < TOLERANCE[jnp.float32]
+        assert max_rel_err(got(xb), per_element) < 1e-6 and max_rel_err(got(xb), want) < TOLERANCE[jnp.float32]
         expected = 1 if transform is not _grad_of else 2
         assert ffi_calls(got.lower(xb).compile().as_text()) == expected
 
@@ -468,7 +463,7 @@ def test_a_loop_of_calls_is_counted(monkeypatch, rng):
     xb = _batched_input(rng, 0)
     f = _batched_program(jax.vmap(COLLECTIVES["all_gather"][0]), 0)
     assert ffi_calls(f.lower(xb).compile().as_text()) == BATCH
-    assert _rel_err(f(xb), _batched_program(jax.vmap(COLLECTIVES["all_gather"][1]), 0)(xb)) < 1e-6
+    assert max_rel_err(f(xb), _batched_program(jax.vmap(COLLECTIVES["all_gather"][1]), 0)(xb)) < 1e-6
 
 
 @pytest.mark.parametrize("name", list(COLLECTIVES))
@@ -482,7 +477,7 @@ def test_collective_forward_mode(name, rng):
         return jax.jit(jax.shard_map(body, mesh=MESHES["2d"], in_specs=(P(_all_axes(MESHES["2d"])),) * 2,
                                      out_specs=P(None, _all_axes(MESHES["2d"]))))
 
-    assert _rel_err(program(ours)(x, t), program(ref)(x, t)) < TOLERANCE[jnp.float32]
+    assert max_rel_err(program(ours)(x, t), program(ref)(x, t)) < TOLERANCE[jnp.float32]
     assert ffi_calls(program(ours).lower(x, t).compile().as_text()) == 2
 
 
@@ -505,7 +500,7 @@ def test_collective_of_a_replicated_input(name, rng):
                                      check_vma=True))
 
     for got, want in zip(program(ours)(x), program(ref)(x)):
-        assert _rel_err(got, want) < TOLERANCE[jnp.float32]
+        assert max_rel_err(got, want) < TOLERANCE[jnp.float32]
 
 @pytest.mark.parametrize("name", list(COLLECTIVES))
 def test_collective_under_vmap_over_one_device(name, rng):
@@ -518,7 +513,7 @@ def test_collective_under_vmap_over_one_device(name, rng):
         def program(fn):
             return jax.jit(jax.shard_map(jax.vmap(transform(fn)), mesh=mesh, in_specs=P(), out_specs=P(),
                                          check_vma=False))
-        assert _rel_err(program(ours)(xb), program(ref)(xb)) < TOLERANCE[jnp.float32]
+        assert max_rel_err(program(ours)(xb), program(ref)(xb)) < TOLERANCE[jnp.float32]
 
 
 @pytest.mark.parametrize("name", list(COLLECTIVES))
@@ -543,7 +538,7 @@ def test_matmul_rs_under_vmap_over_one_device(rng):
                                        out_specs=P(), check_vma=False))(y, w)
                  for body in (lambda a, b: dma.matmul_rs_dma(a, b, "tp", sched),
                               lambda a, b: jax.lax.psum_scatter(a @ b, "tp", tiled=True)))
-    assert _rel_err(got, want) < TOLERANCE[jnp.float32]
+    assert max_rel_err(got, want) < TOLERANCE[jnp.float32]
 
 
 @pytest.mark.parametrize("in_axis", [0, 1])
@@ -568,7 +563,7 @@ def test_raw_matmuls_under_vmap_fold_into_rows(in_axis, rng):
             return jax.jit(jax.shard_map(jax.vmap(body, in_axes=(in_axis, None)), mesh=mesh, in_specs=in_specs,
                                          out_specs=out_specs, check_vma=False))
         for got, want in zip(jax.tree.leaves(program(ours)(*operands)), jax.tree.leaves(program(ref)(*operands))):
-            assert _rel_err(got, want) < TOLERANCE[jnp.float32]
+            assert max_rel_err(got, want) < TOLERANCE[jnp.float32]
         assert ffi_calls(program(ours).lower(*operands).compile().as_text()) == 1
 
 

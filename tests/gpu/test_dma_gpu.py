@@ -16,7 +16,7 @@ import ficco_jax
 from ficco_jax import dma
 from ficco_jax.schedule import Schedule
 from gpu_common import GPU_MARKS, GPUS
-from helpers import ffi_calls
+from helpers import ffi_calls, max_rel_err
 
 
 pytestmark = GPU_MARKS
@@ -28,11 +28,6 @@ BF16_TOL = 2e-2
 
 def _mesh():
     return Mesh(np.array(GPUS), ("tp",))
-
-
-def _rel_err(out, ref):
-    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-    return float(np.max(np.abs(out - ref)) / max(np.max(np.abs(ref)), 1e-30))
 
 
 def _poison_gpus(nbytes=256 << 20):
@@ -89,7 +84,7 @@ def test_ag_matmul_gpu(shape, sched):
     out, gathered = _ag(mesh, sched)(x, w)
     out_ref, gathered_ref = _ag_ref(mesh)(x, w)
     np.testing.assert_array_equal(np.asarray(gathered), np.asarray(gathered_ref))
-    assert _rel_err(out, out_ref) < BF16_TOL
+    assert max_rel_err(out, out_ref) < BF16_TOL
 
 
 @pytest.mark.parametrize("shape,sched", list(_cases("matmul_rs")))
@@ -102,7 +97,7 @@ def test_matmul_rs_gpu(shape, sched):
     _poison_gpus()
     out = _rs(mesh, sched)(y, w)
     out_ref = _rs_ref(mesh)(y, w)
-    assert _rel_err(out, out_ref) < BF16_TOL
+    assert max_rel_err(out, out_ref) < BF16_TOL
 
 
 def _psum_fn(mesh, body):
@@ -121,11 +116,11 @@ def test_matmul_psum_gpu(shape, sched):
     op = _psum_fn(mesh, lambda y, w: ficco_jax.matmul_psum(y, w, "tp", schedule=sched, out_dtype=jnp.float32))
     ref = _psum_fn(mesh, lambda y, w: ficco_jax.matmul_psum_ref(y, w, "tp", out_dtype=jnp.float32))
     _poison_gpus()
-    assert _rel_err(op(y, w), ref(y, w)) < BF16_TOL
+    assert max_rel_err(op(y, w), ref(y, w)) < BF16_TOL
     ct = jnp.asarray(rng.standard_normal((n * m, cols)), jnp.float32)
     got, want = (jax.vjp(f, y, w)[1](ct) for f in (op, ref))
     for g, r in zip(got, want):
-        assert _rel_err(g, r) < BF16_TOL
+        assert max_rel_err(g, r) < BF16_TOL
 
 
 @pytest.mark.parametrize("axis", [0, 1])
@@ -144,7 +139,7 @@ def test_collectives_gpu(axis, sched):
     rs_ref = jax.jit(jax.shard_map(
         lambda a: jax.lax.psum_scatter(a.astype(jnp.float32), "tp", scatter_dimension=1, tiled=True),
         mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))
-    assert _rel_err(rs(x), rs_ref(x)) < BF16_TOL
+    assert max_rel_err(rs(x), rs_ref(x)) < BF16_TOL
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
@@ -162,7 +157,7 @@ def test_reduce_scatter_sizes_gpu(dtype, rows, cols, schedule):
                                 in_specs=P("tp"), out_specs=P("tp")))
     _poison_gpus(16 << 20)
     tol = 1e-6 if dtype == "float32" else BF16_TOL
-    assert _rel_err(ours(x), ref(x)) < tol
+    assert max_rel_err(ours(x), ref(x)) < tol
 
 
 @pytest.mark.parametrize("transfer", ["pull", "push"])
@@ -191,7 +186,7 @@ def test_back_to_back_calls_gpu(transfer):
     expected = np.asarray(ref(x, w1, w2), np.float32)
     results = [ours(x, w1, w2) for _ in range(200)]
     for i, result in enumerate(results):
-        assert _rel_err(result, expected) < BF16_TOL, f"call {i}"
+        assert max_rel_err(result, expected) < BF16_TOL, f"call {i}"
 
 
 def test_collective_and_fp8_op_under_vmap_gpu():
@@ -219,5 +214,5 @@ def test_collective_and_fp8_op_under_vmap_gpu():
 
     got = batched("dma/direct/c2")(x8, w8)
     want = batched("none")(x8, w8)
-    assert _rel_err(got, want) < BF16_TOL
+    assert max_rel_err(got, want) < BF16_TOL
     assert ffi_calls(batched("dma/direct/c2").lower(x8, w8).compile().as_text()) == 1

@@ -11,18 +11,12 @@ from jax.sharding import Mesh
 
 import ficco_jax
 from gpu_common import GPU_MARKS, GPUS
-from helpers import mixed_precision_mlp
+from helpers import max_rel_err, mixed_precision_mlp
 
 pytestmark = GPU_MARKS
 
 F32 = jnp.float32
 ROWS, WIDTH, HIDDEN = 1024, 2048, 4096  # rows per device; the MLP's width and hidden size (split over tp)
-
-
-def _max_rel_err(got, want):
-    """max |got - want| / max |want| (helpers.rel_err is the norm-wise one)."""
-    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30))
 
 
 @pytest.mark.parametrize("schedule", ["dma/direct/c1", "dma/direct/c2/grouped", "dma/direct/c4"])
@@ -46,7 +40,7 @@ def test_wrap_orders_of_a_mixed_precision_step_gpu(schedule):
         for target in ("ficco_ag_matmul", "ficco_matmul_rs"):
             assert f'custom_call_target="{target}"' in compiled, target
         value, grads = jax.jit(fn)(x, w1, w2)
-        assert value.dtype == F32 and _max_rel_err(value, want_value) < 1e-3, _max_rel_err(value, want_value)
+        assert value.dtype == F32 and max_rel_err(value, want_value) < 1e-3, max_rel_err(value, want_value)
         for name, got, want in zip(("x", "w1", "w2"), grads, want_grads):
             # bf16 gradients: one rounding each, sums in another order than XLA's
-            assert got.dtype == jnp.bfloat16 and _max_rel_err(got, want) < 2e-2, (name, _max_rel_err(got, want))
+            assert got.dtype == jnp.bfloat16 and max_rel_err(got, want) < 2e-2, (name, max_rel_err(got, want))
