@@ -586,9 +586,13 @@ def test_a_call_meets_its_group_twice_and_gives_its_events_back(sched):
                                            in_specs=spec, out_specs=spec))(x))
     np.testing.assert_array_equal(np.asarray(f(x)), ref)  # compiled, first plans made
 
-    before = testing.host_meetings()
+    before, time_before = testing.host_meetings(), testing.host_time()
     np.testing.assert_array_equal(np.asarray(f(x)), ref)
     assert testing.host_meetings() - before == 2 * n
+    # The host-time counters see one handler per device, whose time holds its meetings' time.
+    spent = {k: v - time_before[k] for k, v in testing.host_time().items()}
+    assert spent["calls"] == n, spent
+    assert 0 < spent["meeting_s"] < spent["handler_s"], spent
 
     made = [testing.events_made()]
     for _ in range(100):

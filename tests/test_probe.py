@@ -1,4 +1,11 @@
-"""The contention probe of `characterize` (xla_ffi/exec/probe.cc) on 8 CPU devices."""
+"""The contention probe of `characterize` (xla_ffi/exec/probe.cc) on 8 CPU devices, and the
+scripts that show where a call's time goes: a profiler timeline of one op, and its host time."""
+import json
+import os
+import re
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,18 +38,31 @@ def test_probe_rejects_bad_repeats(mesh1d):
 def test_trace_op_with_jax_profiler_and_its_timeline(tmp_path):
     # The no-nsys route for GPU timelines: trace_op records one run with JAX's profiler, and
     # perfetto_timeline prints that device's (here: the host's) threads and events.
-    import os
-    import subprocess
-    import sys
-
     root = os.path.join(os.path.dirname(__file__), "..")
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
     run = subprocess.run([sys.executable, "benchmarks/suites/trace_op.py", "ag_matmul", "dma/direct/c2", "64", "32", "64", "2",
                           "--jax-profiler", str(tmp_path)], cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
-    shown = subprocess.run([sys.executable, "benchmarks/suites/perfetto_timeline.py", str(tmp_path), "--count", "5"], cwd=root,
-                           capture_output=True, text=True, timeout=120)
+    shown = subprocess.run([sys.executable, "benchmarks/suites/perfetto_timeline.py", str(tmp_path), "--count", "5",
+                            "--by-name", "3"], cwd=root, capture_output=True, text=True, timeout=120)
     assert shown.returncode == 0, shown.stderr[-2000:]
     lines = shown.stdout.splitlines()
     assert lines[0].endswith("events of '/host:CPU'") and int(lines[0].split()[0]) > 0, lines[:3]
     assert any("PjitFunction" in line or "Execute" in line for line in lines), shown.stdout[-1500:]
+    assert any(line.startswith("span ") for line in lines), lines[:12]
+    assert any(re.match(r"\s+\d+ x +[\d.]+ us = +[\d.]+ us ", line) for line in lines), lines[:20]
+
+
+def test_host_time_splits_a_call_into_handler_and_meetings(tmp_path):
+    # benchmarks/suites/host_time.py on 2 CPU devices: every handler counted, meetings inside it.
+    root = os.path.join(os.path.dirname(__file__), "..")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    out = tmp_path / "host_time.json"
+    run = subprocess.run([sys.executable, "benchmarks/suites/host_time.py", "matmul_rs", "dma/direct/c2", "16", "8", "16",
+                          "--iters", "3", "--launches", "2", "--out", str(out)], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["handlers"] == 2 * 3 * 2, result  # devices x iterations x launches
+    assert 0 < result["meeting_us"] < result["handler_us"], result
+    assert "per call and device, handler" in run.stdout

@@ -1,11 +1,12 @@
 """Print a compact timeline of one device from a JAX profiler trace (perfetto_trace.json.gz).
 
-Usage: python benchmarks/suites/perfetto_timeline.py TRACE [--device N] [--first K] [--count C]
+Usage: python benchmarks/suites/perfetto_timeline.py TRACE [--device N] [--first K] [--count C] [--by-name N]
 
 TRACE: the perfetto_trace.json.gz that `jax.profiler.trace(..., create_perfetto_trace=True)` wrote
 (benchmarks/suites/trace_op.py --jax-profiler), or a directory holding one. Shows, for the process whose name
 names device N (GPU:N; the host when there is no GPU), each thread's (stream's) busy time and event
-count, then C events from the K-th on in start order: start (us, relative), duration (us), the gap
+count, the span from the first event to the last end (with --by-name, each thread's N names with the
+most time), then C events from the K-th on in start order: start (us, relative), duration (us), the gap
 since that thread's previous event, the thread and a short name.
 """
 from __future__ import annotations
@@ -45,12 +46,25 @@ def pick_process(events: list[dict], device: int) -> tuple[int, str]:
     raise SystemExit(f"perfetto_timeline: no process for device {device} among {sorted(names.values())}")
 
 
+def print_by_name(spans: list[dict], threads: dict, top: int) -> None:
+    """Per thread, the `top` event names with the most time in it: how many, total us, mean us."""
+    totals: dict = collections.defaultdict(lambda: collections.defaultdict(list))
+    for e in spans:
+        totals[e["tid"]][e.get("name", "")].append(e.get("dur", 0.0))
+    for tid, names in totals.items():
+        print(f"  {threads.get(tid, tid)!s}:")
+        for name, durs in sorted(names.items(), key=lambda kv: -sum(kv[1]))[:top]:
+            print(f"    {len(durs):6d} x {sum(durs) / len(durs):9.1f} us = {sum(durs):10.1f} us  {name[:70]}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("trace")
     parser.add_argument("--device", type=int, default=0)
     parser.add_argument("--first", type=int, default=0)
     parser.add_argument("--count", type=int, default=60)
+    parser.add_argument("--by-name", type=int, default=0, metavar="N",
+                        help="also each thread's N names with the most time: count, total and mean duration")
     args = parser.parse_args(argv)
     events = load(args.trace)
     pid, pname = pick_process(events, args.device)
@@ -67,6 +81,9 @@ def main(argv=None) -> int:
     if not spans:
         return 0
     t0 = spans[0]["ts"]
+    print(f"span {max(e['ts'] + e.get('dur', 0.0) for e in spans) - t0:.1f} us, first event to last end")
+    if args.by_name:
+        print_by_name(spans, threads, args.by_name)
     last_end: dict = {}
     print(f"{'start':>10} {'dur':>8} {'gap':>8}  thread / name")
     for e in spans[args.first:args.first + args.count]:

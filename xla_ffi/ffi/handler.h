@@ -14,6 +14,7 @@
 #ifndef FICCO_JAX_XLA_FFI_FFI_HANDLER_H_
 #define FICCO_JAX_XLA_FFI_FFI_HANDLER_H_
 
+#include <chrono>
 #include <cstdio>
 #include <memory>
 #include <type_traits>
@@ -123,7 +124,8 @@ struct Target {
   template <typename Platform, typename... Buffers>
   static ffi::Error Run(const Platform& platform, int32_t ordinal, ffi::RunId run, const Attrs& attrs,
                         Buffers... buffers) {
-    return Guard(kName, [&]() -> ffi::Error {
+    const auto start = std::chrono::steady_clock::now();
+    ffi::Error outcome = Guard(kName, [&]() -> ffi::Error {
       OpConfig config;
       FICCO_RETURN_IF_ERROR(DecodeConfig(ScheduleAttrs(attrs), kName, ordinal, run.run_id, &config));
       config.spin_s = Platform::kSpinSeconds;
@@ -143,6 +145,9 @@ struct Target {
       if (result.failure()) std::fprintf(stderr, "%s\n", result.message().c_str());
       return result;
     });
+    Registry::Get().host_time().AddHandler(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count());
+    return outcome;
   }
 };
 

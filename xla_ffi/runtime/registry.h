@@ -81,6 +81,8 @@ class Rendezvous {
   ffi::Error Announce(const RendezvousKey& key, const Arrival& who, Announcement* all);
   // How many times a rank waited for its group here (Arrive): tests count a call's meetings.
   int64_t meetings() const { return meetings_.load(std::memory_order_relaxed); }
+  // Host nanoseconds spent in Arrive so far, over every rank: the waiting for peers included.
+  int64_t meeting_ns() const { return meeting_ns_.load(std::memory_order_relaxed); }
 
  private:
   struct Slot {
@@ -104,6 +106,24 @@ class Rendezvous {
   std::map<RendezvousKey, std::unique_ptr<Slot>> slots_;
   std::map<RendezvousKey, Announced> announced_;
   std::atomic<int64_t> meetings_{0};
+  std::atomic<int64_t> meeting_ns_{0};
+};
+
+// Where a call's host time goes, summed over every handler of the process: how many handlers ran,
+// their host time from start to return, and of that the time in host meetings (Rendezvous). A
+// steady_clock read is tens of nanoseconds against the microseconds a handler takes.
+class HostTime {
+ public:
+  void AddHandler(int64_t ns) {
+    calls_.fetch_add(1, std::memory_order_relaxed);
+    handler_ns_.fetch_add(ns, std::memory_order_relaxed);
+  }
+  int64_t calls() const { return calls_.load(std::memory_order_relaxed); }
+  int64_t handler_ns() const { return handler_ns_.load(std::memory_order_relaxed); }
+
+ private:
+  std::atomic<int64_t> calls_{0};
+  std::atomic<int64_t> handler_ns_{0};
 };
 
 
@@ -142,6 +162,7 @@ class Registry {
   Rendezvous& rendezvous() { return rendezvous_; }
   Watchdog& watchdog() { return watchdog_; }
   FaultPlan& faults() { return faults_; }
+  HostTime& host_time() { return host_time_; }
   // The events of every CPU device (device/backends.h).
   EventPool& host_events() { return *host_events_; }
 
@@ -159,6 +180,7 @@ class Registry {
   Rendezvous rendezvous_;
   Watchdog watchdog_;
   FaultPlan faults_;
+  HostTime host_time_;
   std::unique_ptr<EventPool> host_events_ = MakeHostEventPool();
   std::unique_ptr<HostMailbox> mailbox_;
   bool mailbox_closed_ = false;

@@ -87,6 +87,17 @@ void DefineTestingModule(nb::module_& m) {
               "(none). xla_ffi/testing/faults.h.");
   testing.def("host_meetings", [] { return Registry::Get().rendezvous().meetings(); },
               "How many times a rank of an in-process group has waited for its group on the host so far.");
+  testing.def("host_time",
+              [] {
+                HostTime& time = Registry::Get().host_time();
+                return std::map<std::string, double>{
+                    {"calls", static_cast<double>(time.calls())},
+                    {"handler_s", time.handler_ns() * 1e-9},
+                    {"meeting_s", Registry::Get().rendezvous().meeting_ns() * 1e-9}};
+              },
+              "Host time of the copy-engine handlers of this process so far: how many ran ('calls'), their "
+              "seconds from start to return ('handler_s'), and of those the seconds spent in host meetings "
+              "with their peers ('meeting_s', waiting for a late peer included), summed over every device.");
   testing.def("events_made", &EventsMade, nb::arg("ordinal") = -1,
               "How many events the pool of a device has made so far: -1 for the CPU devices' shared pool, "
               "else a GPU's ordinal. It stays bounded while calls give their events back.");

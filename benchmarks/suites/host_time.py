@@ -1,0 +1,72 @@
+"""Where a copy-engine call's host time goes: its handlers' time from start to return, and of that
+the time spent meeting the group's other handlers, per call and device, beside the wall time per
+call of the whole loop.
+
+Usage: python benchmarks/suites/host_time.py OP SCHEDULE M K N [--iters I] [--launches L] [--out F]
+
+The op runs I times in one jitted loop (bench.record_timeline's program); after a warm-up launch,
+L more launches are timed on the host while the extension's counters (`_ffi.testing.host_time`)
+sum the handlers' time. Per call and device: `handler_us` (the host work of one device's handler,
+meetings included) and `meeting_us` (waiting in host meetings, a late peer included). `wall_us`
+is the loop's wall time per call: where it is close to `handler_us`, the device waits for the
+host. On CPU the numbers are the CPU backend's, which runs the device work inside the handler.
+"""
+import argparse
+import json
+import time
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from ficco_jax import _ffi
+from ficco_jax.ops import measure
+from ficco_jax.schedule import Schedule
+from ficco_jax.tools.bench import local_shapes
+
+
+def measure_host_time(op: str, schedule: Schedule, M: int, K: int, N: int, iters: int, launches: int) -> dict:
+    """Per call: host time of one device's handler, of its meetings, and the loop's wall time."""
+    mesh = Mesh(np.array(jax.local_devices()), ("tp",))
+    inputs = measure.make_inputs(op, local_shapes(op, M, K, N, mesh.shape["tp"]), "bfloat16", mesh)
+    fn = measure.sharded(mesh, op, measure.op_body(op, schedule), iters)
+    jax.block_until_ready(fn(*inputs))  # compile and warm up outside the count
+    before = _ffi.testing.host_time()
+    start = time.perf_counter()
+    for _ in range(launches):
+        jax.block_until_ready(fn(*inputs))
+    wall = time.perf_counter() - start
+    after = _ffi.testing.host_time()
+    handlers = after["calls"] - before["calls"]
+    if handlers <= 0:
+        raise SystemExit(f"host_time: no copy-engine handler ran; is {schedule} a comm='dma' schedule?")
+    per_handler = lambda key: (after[key] - before[key]) / handlers * 1e6  # noqa: E731
+    return {"op": op, "schedule": str(schedule), "shape": [M, K, N], "devices": mesh.shape["tp"],
+            "iters": iters, "launches": launches, "handlers": int(handlers),
+            "handler_us": per_handler("handler_s"), "meeting_us": per_handler("meeting_s"),
+            "wall_us": wall / (launches * iters) * 1e6, "device": jax.devices()[0].device_kind}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("op", choices=("ag_matmul", "matmul_rs"))
+    parser.add_argument("schedule")
+    parser.add_argument("M", type=int)
+    parser.add_argument("K", type=int)
+    parser.add_argument("N", type=int)
+    parser.add_argument("--iters", type=int, default=40)
+    parser.add_argument("--launches", type=int, default=20)
+    parser.add_argument("--out", default=None, help="also write the result as JSON here")
+    args = parser.parse_args()
+    result = measure_host_time(args.op, Schedule.parse(args.schedule), args.M, args.K, args.N, args.iters,
+                               args.launches)
+    print(f"{result['op']} {result['schedule']} {args.M},{args.K},{args.N} on {result['devices']} "
+          f"{result['device']}: per call and device, handler {result['handler_us']:.1f} us "
+          f"(meetings {result['meeting_us']:.1f} us); loop wall time {result['wall_us']:.1f} us per call")
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(result, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
