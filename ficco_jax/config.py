@@ -109,6 +109,12 @@ AUTOTUNE_CACHE_DIR: str = os.environ.get(
 PROFILE_MEASURE: bool = os.environ.get("FICCO_PROFILE_MEASURE", "1") != "0"
 PROFILE_CACHE_DIR: str = os.environ.get("FICCO_PROFILE_CACHE", os.path.join(AUTOTUNE_CACHE_DIR, "profiles"))
 
+#: Where the benchmark tools (`bench`, `accuracy`) keep JAX's persistent compilation cache, and in it
+#: XLA's per-fusion autotuning results, so that a GEMM's autotuning (25-60 s for one FP8 dot on an
+#: H100) is paid once per machine rather than once per run. "none" turns it off; `--xla-cache`
+#: overrides it. A cache the user configured in JAX (`jax_compilation_cache_dir`) is kept.
+XLA_CACHE_DIR: str = os.environ.get("FICCO_XLA_CACHE", os.path.join(AUTOTUNE_CACHE_DIR, "xla"))
+
 #: Environment variables the compiled extension (xla_ffi/) reads itself, once, when first needed:
 #: diagnostics, not settings. Python never reads them; they are listed here so that every variable
 #: of ficco_jax is named in one place (a test checks the sources against this table). "Set" means

@@ -72,12 +72,17 @@ def test_the_timing_chain_keeps_every_chunk_of_the_output():
 
 def test_cli_benches_the_all_reduced_matmul_against_matmul_plus_psum(tmp_path):
     """The command that measures matmul_psum on GPUs, on CPU devices with a tiny shape: every variant
-    verified, JAX's matmul + psum and the all-reduce alone beside it, no windowed-einsum row."""
+    verified, JAX's matmul + psum and the all-reduce alone beside it, no windowed-einsum row; the
+    result names the compilation cache it ran with."""
+    cache = tmp_path / "xla"
     out = subprocess.run([sys.executable, "-m", "ficco_jax", "bench", "--op", "matmul_psum", "--shape", "64,32,64",
-                          "--dtype", "f32", "--schedules", "xla/ring/c2,dma/direct/c2", "--out", str(tmp_path)],
+                          "--dtype", "f32", "--schedules", "xla/ring/c2,dma/direct/c2", "--out", str(tmp_path),
+                          "--xla-cache", str(cache)],
                          capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    rows = {r["variant"]: r for r in json.loads((tmp_path / "bench.json").read_text())["rows"]}
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["xla_cache"] == str(cache), result["xla_cache"]
+    rows = {r["variant"]: r for r in result["rows"]}
     assert {r["op"] for r in rows.values()} == {"matmul_psum"}
     assert {"jax_seq", "ficco:xla/ring/c2", "ficco:dma/direct/c2", "collective_alone", "ideal"} <= set(rows)
     assert "xla_windowed_einsum" not in rows

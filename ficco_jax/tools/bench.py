@@ -261,6 +261,7 @@ def provenance(n: int, dtype) -> dict:
     return {
         "device": jax.devices()[0].device_kind, "platform": jax.default_backend(), "n_devices": n,
         "dtype": dtype, "jax": jax.__version__, "commit": git_commit(), "extension": extension_info(),
+        "xla_cache": jax.config.jax_compilation_cache_dir,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "method": harness.method("times are host memcpy/loop times, NOT meaningful"),
         "rows": [],

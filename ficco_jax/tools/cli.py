@@ -13,7 +13,7 @@ from .. import config
 from ..schedule import Schedule, local_shapes
 from ..tuning import cost_model, fitting, select
 from . import accuracy, bench, characterize, demo
-from .harness import DTYPES, listed_schedules
+from .harness import DTYPES, listed_schedules, use_xla_cache
 
 # Without GPUs, run on 8 virtual CPU devices. The flag only affects JAX's CPU platform, so it is
 # harmless on a GPU host; it must be set before JAX's backend starts (the first device query).
@@ -68,7 +68,15 @@ def _add_bench(sub):
     p.add_argument("--out", default="out/bench", help="folder for bench.json and bench.md (default out/bench)")
     p.add_argument("--plot", action="store_true", help="write speedup PNGs (needs matplotlib)")
     p.add_argument("--no-windowed", action="store_true", help="skip XLA's windowed einsum child process")
+    _add_xla_cache(p)
     p.set_defaults(fn=_cmd_bench)
+
+
+def _add_xla_cache(p):
+    p.add_argument("--xla-cache", metavar="DIR", default=None,
+                   help="JAX's persistent compilation cache, with XLA's autotuning results, so that autotuning "
+                        "(FP8 dots: 25-60 s each) is paid once per machine (default: $FICCO_XLA_CACHE or "
+                        "~/.cache/ficco_jax/xla; 'none': off; a cache set in JAX's own config is kept)")
 
 
 def _cmd_bench(args):
@@ -84,6 +92,7 @@ def _cmd_bench(args):
         listed_schedules(ops[0], args.schedules, 1, ("none", "xla", "dma"))  # parse before any compile
     except ValueError as exc:
         raise SystemExit(str(exc))
+    use_xla_cache(args.xla_cache)
     bench.run(ops, _shapes(args.shape, default), dtype, args.schedules, args.out, plot=args.plot,
               windowed=not args.no_windowed, moe_shapes=_moe_shapes(args.moe_shape))
 
@@ -220,6 +229,7 @@ def _add_accuracy(sub):
     p.add_argument("--replay", action="append", metavar="JSON",
                    help="no measuring: re-score the times of a bench.json or accuracy.json (repeatable) with "
                         "--profile, or with the profile auto would use for that run")
+    _add_xla_cache(p)
     p.set_defaults(fn=_cmd_accuracy)
 
 
@@ -242,6 +252,7 @@ def _cmd_accuracy(args):
     rounds = accuracy.CONFIRM_ROUNDS if args.confirm_rounds is None else args.confirm_rounds
     if rounds < 0:
         raise SystemExit(f"accuracy: --confirm-rounds must be >= 0 (0 turns re-timing off), got {rounds}")
+    use_xla_cache(args.xla_cache)
     try:
         accuracy.run(args.out, axis_size=args.axis_size, shapes=shapes, top=args.top, profile=profile,
                      budget_s=args.budget_s, plot=args.plot, confirm_rounds=rounds, resume=resume)

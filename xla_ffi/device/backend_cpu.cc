@@ -11,15 +11,6 @@
 namespace ficco {
 namespace {
 
-struct CallCounters {
-  std::atomic<int64_t> record{0}, wait{0}, copy{0}, gemm{0}, reduce{0};
-};
-CallCounters& Counters() {
-  static CallCounters counters;
-  return counters;
-}
-void Count(std::atomic<int64_t>& counter) { counter.fetch_add(1, std::memory_order_relaxed); }
-
 struct HostEvent {
   std::atomic<bool> done{false};
 };
@@ -73,7 +64,6 @@ class CpuBackend final : public Backend {
 
   ffi::Error Prepare(int, const std::vector<int>&) override { return ffi::Error::Success(); }
   ffi::Error Record(int, Event* event) override {
-    Count(Counters().record);
     *event = pool_.Acquire(/*done=*/true);
     acquired_.push_back(*event);
     return ffi::Error::Success();
@@ -89,22 +79,18 @@ class CpuBackend final : public Backend {
   // Every event is set when recorded, so this returns at once, except for a peer's RecordNever
   // event: then the calling thread waits here until the watchdog ends the process.
   ffi::Error Wait(int, Event event) override {
-    Count(Counters().wait);
     while (!pool_.Done(event)) std::this_thread::sleep_for(std::chrono::microseconds(200));
     return ffi::Error::Success();
   }
   ffi::Error Copy(int, void* dst, const void* src, size_t bytes) override {
-    Count(Counters().copy);
     CopyChunkHost(dst, src, bytes);
     return ffi::Error::Success();
   }
   ffi::Error Gemm(const GemmProblem& problem) override {
-    Count(Counters().gemm);
     GemmHost(problem);
     return ffi::Error::Success();
   }
   ffi::Error Reduce(const ReduceProblem& problem) override {
-    Count(Counters().reduce);
     ReduceSumHost(problem);
     return ffi::Error::Success();
   }
@@ -126,11 +112,6 @@ class CpuBackend final : public Backend {
 }  // namespace
 
 std::unique_ptr<EventPool> MakeHostEventPool() { return std::make_unique<HostEventPool>(); }
-
-BackendCalls CpuBackendCalls() {
-  const CallCounters& c = Counters();
-  return {c.record.load(), c.wait.load(), c.copy.load(), c.gemm.load(), c.reduce.load()};
-}
 
 std::unique_ptr<Backend> MakeCpuBackend(const CallContext& ctx, EventPool& pool) {
   return std::make_unique<CpuBackend>(ctx, pool);

@@ -23,13 +23,17 @@ std::unique_ptr<EventPool> MakeHostEventPool();
 // Everything runs at once, in issue order; its events come from `pool` (MakeHostEventPool).
 std::unique_ptr<Backend> MakeCpuBackend(const CallContext& ctx, EventPool& pool);
 
-// How many times the CPU backends of this process were asked to record, wait, copy, multiply and
-// sum so far: the host work a call issues, which its CUDA counterpart pays per driver call
-// (tests count it per schedule).
+// `backend`, counting each record, wait, copy, matmul and sum it is asked for and the host time it
+// takes (a CUDA backend's driver calls, a CPU backend's whole work), summed over the process in
+// BackendCallTotals(). `mark` counts the watchdog's marks of each call's start and end.
+std::unique_ptr<Backend> CountCalls(std::unique_ptr<Backend> backend);
 struct BackendCalls {
-  int64_t record = 0, wait = 0, copy = 0, gemm = 0, reduce = 0;
+  struct Kind {
+    int64_t calls = 0, ns = 0;
+  };
+  Kind record, mark, wait, copy, gemm, reduce;
 };
-BackendCalls CpuBackendCalls();
+BackendCalls BackendCallTotals();
 
 #ifdef FICCO_WITH_CUDA
 // `compute_stream` is XLA's stream for this call on `device` (ctx.device_ordinal). With

@@ -129,7 +129,7 @@ struct Target {
       OpConfig config;
       FICCO_RETURN_IF_ERROR(DecodeConfig(ScheduleAttrs(attrs), kName, ordinal, run.run_id, &config));
       config.spin_s = Platform::kSpinSeconds;
-      std::unique_ptr<Backend> backend = platform.MakeBackend(config);
+      std::unique_ptr<Backend> backend = CountCalls(platform.MakeBackend(config));
       if constexpr (std::is_same_v<Attrs, OpAttrs>) {  // a test's armed fault (none in a measurement)
         backend = Registry::Get().faults().Apply(std::move(backend), config);
       }

@@ -4,6 +4,7 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "nanobind/nanobind.h"
@@ -101,15 +102,22 @@ void DefineTestingModule(nb::module_& m) {
   testing.def("events_made", &EventsMade, nb::arg("ordinal") = -1,
               "How many events the pool of a device has made so far: -1 for the CPU devices' shared pool, "
               "else a GPU's ordinal. It stays bounded while calls give their events back.");
-  testing.def("cpu_backend_calls",
+  testing.def("backend_calls",
               [] {
-                const BackendCalls c = CpuBackendCalls();
-                return std::map<std::string, int64_t>{
-                    {"record", c.record}, {"wait", c.wait}, {"copy", c.copy}, {"gemm", c.gemm}, {"reduce", c.reduce}};
+                const BackendCalls c = BackendCallTotals();
+                std::map<std::string, double> out;
+                for (const auto& [name, kind] : {std::pair{"record", c.record}, std::pair{"mark", c.mark},
+                                                 std::pair{"wait", c.wait}, std::pair{"copy", c.copy},
+                                                 std::pair{"gemm", c.gemm}, std::pair{"reduce", c.reduce}}) {
+                  out[name] = static_cast<double>(kind.calls);
+                  out[std::string(name) + "_s"] = kind.ns * 1e-9;
+                }
+                return out;
               },
-              "How many events the CPU backends of this process recorded and waited for, and how many copies, "
-              "matmuls and sums they ran, so far: the host work of the calls (their CUDA counterpart pays a "
-              "driver call for each).");
+              "How many events the backends of this process recorded ('record'; 'mark': the watchdog's marks "
+              "of a call's start and end) and waited for, and how many copies, matmuls and sums they issued, "
+              "so far, each with its host seconds ('<name>_s'): on CUDA the driver calls a call makes, on CPU "
+              "the whole work.");
   testing.def("mailbox_exchange", &MailboxExchange,
               "One post through the host mailbox (groups across processes) with plain integers; returns every "
               "rank's (op_id, signature, buffer_export, buffer_offset, event_ids).");
