@@ -52,7 +52,8 @@ def test_dequant_dot_reference_carries_the_scales():
 def test_the_fp8_suite_script_writes_json_and_prints_its_table(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
     done = subprocess.run([sys.executable, "benchmarks/suites/fp8_gemm.py", "--out", str(tmp_path), "--shape",
-                           "32,64,48", "--shape", "16,32,64", "--repeats", "1,3"], cwd=REPO, env=env,
+                           "32,64,48", "--shape", "16,32,64", "--repeats", "1,3", "--xla-cache", "none"],
+                          cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads((tmp_path / "fp8_gemm.json").read_text())

@@ -3,7 +3,7 @@
 dequantize-then-dot, on the per-device anchor shapes; every product verified before it is timed
 (ficco_jax/tools/gemm_rates.py says what each variant is and how it is timed).
 
-    python benchmarks/suites/fp8_gemm.py --out DIR [--shape M,K,N ...] [--repeats R1,R2]
+    python benchmarks/suites/fp8_gemm.py --out DIR [--shape M,K,N ...] [--repeats R1,R2] [--xla-cache DIR]
 
 Writes DIR/fp8_gemm.json (with provenance) and DIR/fp8_gemm.md, and prints the table last. On CPU
 the anchors are divided by 64 and the times mean nothing.
@@ -19,6 +19,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 import jax  # noqa: E402
 
 from ficco_jax.tools import gemm_rates  # noqa: E402
+from ficco_jax.tools.harness import use_xla_cache  # noqa: E402
 from ficco_jax.tools.report import progress_printer  # noqa: E402
 
 
@@ -29,6 +30,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                     "on CPU divided by 64)")
     p.add_argument("--repeats", default=",".join(map(str, gemm_rates.REPEATS)),
                    help="R1,R2: matmuls per probe call of the difference method (default %(default)s)")
+    p.add_argument("--xla-cache", metavar="DIR", default=None,
+                   help="JAX's persistent compilation cache with XLA's autotuning results, so the FP8 dots' "
+                        "autotuning is paid once per machine (default: $FICCO_XLA_CACHE or ~/.cache/ficco_jax/xla; "
+                        "'none': off)")
     args = p.parse_args(argv)
     try:
         args.repeats = tuple(int(v) for v in args.repeats.split(","))
@@ -48,6 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    use_xla_cache(args.xla_cache)
     default = gemm_rates.CPU_GEMMS if jax.default_backend() == "cpu" else gemm_rates.ANCHOR_GEMMS
     shapes = args.shapes or default
     progress = progress_printer(len(shapes) * len(gemm_rates.VARIANTS))
