@@ -643,3 +643,30 @@ def test_a_consumer_of_whole_slots_is_given_one_event_per_slot(op, transfer, rng
     for what in ("record", "wait"):
         assert calls["c4/grouped"][what] == calls["c1/grouped"][what], (what, calls)
         assert calls["c4"][what] - calls["c1"][what] >= 3 * peers, (what, calls)
+
+
+@pytest.mark.parametrize("transfer", ["", "/push"])
+@pytest.mark.parametrize("devices", [2, 4])
+def test_per_chunk_matmul_rs_sums_in_its_own_matmuls(devices, transfer, rng):
+    """matmul_rs with per-chunk matmuls multiplies its own block in two halves after the transfers,
+    each adding the first received partial in the matmul: on 2 devices no sum runs at all, on more
+    one per half adds the other partials. One chunk, and gemm=grouped, keep the sum after the
+    whole-block matmul. Every result equals the plain reduce-scatter's."""
+    mesh = Mesh(np.array(jax.devices()[:devices]), ("tp",))
+    n, m, inner, k = devices, 8, 12, 16
+    y = jnp.asarray(rng.standard_normal((n * m, inner * n)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((inner * n, k)), jnp.float32)
+    want = jax.jit(jax.shard_map(lambda a, b: jax.lax.psum_scatter(a @ b, "tp", tiled=True), mesh=mesh,
+                                 in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp")))(y, w)
+    calls = {}
+    for sched in ("c4", "c1", "c4/grouped"):
+        s = Schedule.parse(f"dma/direct/{sched}{transfer}")
+        f = jax.jit(jax.shard_map(lambda a, b, s=s: dma.matmul_rs_dma(a, b, "tp", s), mesh=mesh,
+                                  in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp"), check_vma=True))
+        assert max_rel_err(f(y, w), want) < 1e-5, sched
+        calls[sched] = _backend_calls(f, y, w)
+    # Per device: n - 1 send blocks of 4 chunks, one matmul per chunk, and our own in two halves.
+    assert calls["c4"]["gemm"] == n * ((n - 1) * 4 + 2), calls
+    assert calls["c4"]["reduce"] == (0 if n == 2 else n * 2), calls
+    assert calls["c1"]["gemm"] == n * n and calls["c1"]["reduce"] == n, calls
+    assert calls["c4/grouped"]["gemm"] == n * n and calls["c4/grouped"]["reduce"] == n, calls

@@ -236,18 +236,35 @@ def _simulate_rs(s, m, q, k, cols, n, dtype, profile, contention, streams, per_i
             t += gemm_time(q * group, k, cols, dtype, profile, ex) * contention
             for j in range(j0, j0 + group):
                 produced[(step, j)] = t
-    own_done = t + gemm_time(m, k, cols, dtype, profile, ex) * contention
     stream_free = [0.0] * streams
-    last_arrival = 0.0
+    arrival = {}
     for i, key in enumerate(sorted(produced, key=produced.get)):
         lane = i % streams
         start = max(stream_free[lane], produced[key])
         stream_free[lane] = start + per_item
-        last_arrival = max(last_arrival, stream_free[lane])
-    # Summing the received partials is memory-bound (n blocks of q rows per chunk); all but the
-    # last chunk's sum hide behind later transfers.
-    last_reduce = n * q * cols * itemsize / (profile["hbm_gbps"] * 1e9) + profile["gemm_launch_us"] * 1e-6
-    return max(own_done, last_arrival) + last_reduce
+        arrival[key] = stream_free[lane]  # by symmetry, also when the peers' chunk `key` lands here
+    last_arrival = max(arrival.values(), default=0.0)
+
+    def sum_time(rows: int, reads: int) -> float:  # memory-bound: `reads` blocks of `rows` rows read
+        return reads * rows * cols * itemsize / (profile["hbm_gbps"] * 1e9) + profile["gemm_launch_us"] * 1e-6
+
+    if ex and s.gemm == "per_chunk" and c > 1 and n > 1:
+        # The executor multiplies our own block after the transfers in two halves, each adding the
+        # first received partial in its epilogue; on more than 2 devices a sum per half adds the
+        # other n - 2 (exec/scatter.cc, SumInMatmuls). Nothing is left after the last matmul.
+        for first, end in ((0, c // 2), (c // 2, c)):
+            rows = (end - first) * q
+            t = max(t, max(arrival[(step, j)] for step in range(1, n) for j in range(first, end)))
+            t += gemm_time(rows, k, cols, dtype, profile, ex) * contention
+            if n > 2:
+                t += sum_time(rows, n - 1)
+        return max(t, last_arrival)
+    own_done = t + gemm_time(m, k, cols, dtype, profile, ex) * contention
+    # Summing the received partials is memory-bound (n blocks read per row). The executor sums the
+    # whole block after its own block's matmul (gemm=grouped, or one chunk); XLA adds each chunk as
+    # it arrives, all but the last chunk's sum hiding behind later transfers.
+    summed_rows = m if ex and s.gemm == "grouped" else q
+    return max(own_done, last_arrival) + sum_time(summed_rows, n)
 
 
 def rank(op: str, shapes, dtype, axis_size: int, candidates: Sequence[Schedule], profile=None, out_dtype=None):

@@ -30,7 +30,10 @@ void GemmHost(const GemmProblem& p) {
       const float* b_k = &b[static_cast<size_t>(k * p.cols)];
       for (int64_t j = 0; j < p.cols; ++j) row[j] += a_ik * b_k[j];
     }
-    for (int64_t j = 0; j < p.cols; ++j) StoreFromFloat(p.c, i * p.cols + j, t.c, scale * row[j]);
+    for (int64_t j = 0; j < p.cols; ++j) {
+      const float added = p.accumulate ? LoadAsFloat(p.accumulate, i * p.cols + j, t.c) : 0.0f;
+      StoreFromFloat(p.c, i * p.cols + j, t.c, scale * row[j] + added);
+    }
   }
 }
 
@@ -82,9 +85,9 @@ struct GemmPlan {
 
 namespace {
 
-// (rows, inner, cols, dtypes of a, b, c and b's layout, alignment of a, b, c): cuBLASLt
-// algorithms depend on alignment.
-using PlanKey = std::tuple<int64_t, int64_t, int64_t, int, uint32_t, uint32_t, uint32_t>;
+// (rows, inner, cols, dtypes of a, b, c and b's layout, alignment of a, b, c, and of the accumulated
+// matrix, 0 for none): cuBLASLt algorithms depend on alignment.
+using PlanKey = std::tuple<int64_t, int64_t, int64_t, int, uint32_t, uint32_t, uint32_t, uint32_t>;
 
 int TypesKey(const MatmulTypes& t) {
   return static_cast<int>(t.a) | static_cast<int>(t.b) << 4 | static_cast<int>(t.c) << 8 |
@@ -100,7 +103,8 @@ uint32_t Alignment(const void* pointer) {
 }
 
 PlanKey KeyOf(const GemmProblem& p) {
-  return PlanKey{p.rows, p.inner, p.cols, TypesKey(p.types), Alignment(p.a), Alignment(p.b), Alignment(p.c)};
+  return PlanKey{p.rows,         p.inner,        p.cols,         TypesKey(p.types),
+                 Alignment(p.a), Alignment(p.b), Alignment(p.c), p.accumulate ? Alignment(p.accumulate) : 0};
 }
 
 // How many of the heuristic's candidates a new plan times on the device (once per shape). XLA's
@@ -115,16 +119,22 @@ constexpr int kFinalists = 4;
 constexpr int kFinalRepeats = 10;
 constexpr int kWarmupRuns = 5;
 
+// One matmul of `p` with `algo`: beta = 1 and C = p.accumulate where it adds one, else beta = 0.
+cublasStatus_t Enqueue(const GemmProblem& p, cublasLtHandle_t handle, const GemmPlan& plan,
+                       const cublasLtMatmulAlgo_t& algo, void* workspace, size_t workspace_bytes,
+                       cudaStream_t stream) {
+  const float alpha = 1.0f, beta = p.accumulate ? 1.0f : 0.0f;
+  const void* c_in = p.accumulate ? p.accumulate : p.c;
+  return cublasLtMatmul(handle, plan.op, &alpha, p.b, plan.a, p.a, plan.b, &beta, c_in, plan.c, p.c, plan.c, &algo,
+                        workspace, workspace_bytes, stream);
+}
+
 // Times `algo` on the problem's own buffers (the output is overwritten by the real run after):
 // milliseconds for `repeats` runs, -1 if it does not run.
 float TimeAlgo(const GemmProblem& p, cublasLtHandle_t handle, const GemmPlan& plan,
                const cublasLtMatmulAlgo_t& algo, void* workspace, size_t workspace_bytes,
                cudaStream_t stream, cudaEvent_t start, cudaEvent_t stop, int repeats) {
-  const float alpha = 1.0f, beta = 0.0f;
-  auto run = [&] {
-    return cublasLtMatmul(handle, plan.op, &alpha, p.b, plan.a, p.a, plan.b, &beta, p.c, plan.c, p.c,
-                          plan.c, &algo, workspace, workspace_bytes, stream);
-  };
+  auto run = [&] { return Enqueue(p, handle, plan, algo, workspace, workspace_bytes, stream); };
   if (run() != CUBLAS_STATUS_SUCCESS) return -1.0f;
   cudaEventRecord(start, stream);
   for (int i = 0; i < repeats; ++i) run();
@@ -187,13 +197,15 @@ cublasStatus_t FindCandidates(const GemmProblem& p, cublasLtHandle_t handle, siz
   }
   cublasLtMatmulPreference_t preference = nullptr;
   FICCO_LT_RETURN_IF_ERROR(cublasLtMatmulPreferenceCreate(&preference));
-  const uint32_t align[3] = {Alignment(p.b), Alignment(p.a), Alignment(p.c)};  // cuBLASLt's A, B, C
-  const cublasLtMatmulPreferenceAttributes_t align_attr[3] = {
+  // cuBLASLt's A, B, C (what is read: the accumulated matrix where there is one) and D.
+  const uint32_t c_align = p.accumulate ? std::min(Alignment(p.accumulate), Alignment(p.c)) : Alignment(p.c);
+  const uint32_t align[4] = {Alignment(p.b), Alignment(p.a), c_align, Alignment(p.c)};
+  const cublasLtMatmulPreferenceAttributes_t align_attr[4] = {
       CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES};
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
   cublasStatus_t status = cublasLtMatmulPreferenceSetAttribute(
       preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes, sizeof(workspace_bytes));
-  for (int i = 0; i < 3 && status == CUBLAS_STATUS_SUCCESS; ++i) {
+  for (int i = 0; i < 4 && status == CUBLAS_STATUS_SUCCESS; ++i) {
     status = cublasLtMatmulPreferenceSetAttribute(preference, align_attr[i], &align[i], sizeof(align[i]));
   }
   candidates->resize(kAlgoCandidates);
@@ -303,9 +315,7 @@ cublasStatus_t GemmPlans::Run(const GemmProblem& p, cublasLtHandle_t handle, voi
   }
   const GemmPlan* plan = slot.get();
   FICCO_LT_RETURN_IF_ERROR(SetScales(p, plan->op));
-  const float alpha = 1.0f, beta = 0.0f;
-  return cublasLtMatmul(handle, plan->op, &alpha, p.b, plan->a, p.a, plan->b, &beta, p.c, plan->c, p.c,
-                        plan->c, &plan->algo, workspace, workspace_bytes, stream);
+  return Enqueue(p, handle, *plan, plan->algo, workspace, workspace_bytes, stream);
 }
 #endif  // FICCO_WITH_CUDA
 

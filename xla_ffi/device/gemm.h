@@ -1,5 +1,6 @@
-// Chunk matmuls: c[rows, cols] = a_scale * b_scale * (a[rows, inner] @ b[inner, cols]), row-major,
-// contiguous, f32 accumulation, one rounding to the output dtype. Pure launchers: no FFI types.
+// Chunk matmuls: c[rows, cols] = a_scale * b_scale * (a[rows, inner] @ b[inner, cols]) (+ accumulate),
+// row-major, contiguous, f32 accumulation, one rounding to the output dtype. Pure launchers: no FFI
+// types.
 #ifndef FICCO_JAX_XLA_FFI_DEVICE_GEMM_H_
 #define FICCO_JAX_XLA_FFI_DEVICE_GEMM_H_
 
@@ -36,6 +37,9 @@ struct GemmProblem {
   int64_t inner;
   int64_t cols;
   MatmulTypes types;
+  // [rows, cols] of c's dtype, added to the product in f32 before the one rounding (cuBLASLt's C
+  // with beta = 1: the sum rides in the matmul's epilogue); nullptr: none. May not alias c.
+  const void* accumulate = nullptr;
 };
 
 // CPU reference loops.

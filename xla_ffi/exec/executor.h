@@ -138,8 +138,11 @@ struct BlockMatmul {
   const void* w;
   int64_t inner, cols;
   MatmulTypes types;
+  // Rows [row, row + count) of block `in_block` of in_base times w into block `out_block` of out_base;
+  // with `add_base`, plus the same rows of its block `add_block` (laid out as the result), added in
+  // the matmul's epilogue.
   ffi::Error Run(Backend& backend, const void* in_base, int64_t in_block, void* out_base, int64_t out_block,
-                 int64_t row, int64_t count) const;
+                 int64_t row, int64_t count, const void* add_base = nullptr, int64_t add_block = 0) const;
 };
 
 }  // namespace ficco

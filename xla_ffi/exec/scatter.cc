@@ -30,9 +30,17 @@ class Scatter {
   ffi::Error Push(CallSession& session, const void* send, Event entry, const std::vector<Event>& exposed,
                   std::vector<std::vector<Event>>* landed);
   ffi::Error ReduceChunks(const std::vector<std::vector<Event>>& landed);
+  ffi::Error SumInMatmuls(const std::vector<std::vector<Event>>& landed);
   // Only a reduce summing chunk by chunk takes a chunk as it lands (call_session.h, LandedEvents);
   // matmul_rs with gemm=grouped sums the whole block once.
   bool SumsWholeBlock() const { return matmul_ && config_.gemm == GemmMode::kGrouped; }
+  // matmul_rs with per-chunk matmuls and more than one chunk: our own block is multiplied after the
+  // transfers, in two halves, each adding the first received partial in its epilogue (SumInMatmuls),
+  // so no sum runs after the last matmul. With one chunk the own matmul would wait for the whole
+  // partial to land, longer than the sum it saves; on one device nothing lands.
+  bool SumsInMatmuls() const {
+    return matmul_ && reduce_ && config_.gemm == GemmMode::kPerChunk && config_.chunks > 1 && config_.n() > 1;
+  }
   LandedEvents Marks() const {
     return reduce_ && !SumsWholeBlock() ? LandedEvents::kPerChunk : LandedEvents::kPerSlot;
   }
@@ -67,7 +75,7 @@ ffi::Error Scatter::Run(CallSession& session) {
   FICCO_RETURN_IF_ERROR(config_.push ? Push(session, send, entry, exposed, &landed)
                                      : Pull(session, send, entry, exposed, &landed));
   if (reduce_) {
-    ffi::Error reduced = ReduceChunks(landed);
+    ffi::Error reduced = SumsInMatmuls() ? SumInMatmuls(landed) : ReduceChunks(landed);
     if (reduced.failure()) return AwaitLanded(backend_, config_, landed, std::move(reduced));
   }
   return JoinAndRelease(backend_, config_, session);
@@ -94,6 +102,7 @@ ffi::Error Scatter::Produce(void* send, std::vector<Event>* written) {
       FICCO_RETURN_IF_ERROR(backend_.Record(Backend::kCompute, &(*written)[slot * config_.chunks + j]));
     }
   }
+  if (SumsInMatmuls()) return ffi::Error::Success();  // our block's matmuls follow the transfers
   // A reduce's `out` is one block; the expert ops' `out` has one per rank.
   return mm_.Run(backend_, a_.y, config_.rank, a_.out, reduce_ ? 0 : config_.rank, 0, a_.rows);
 }
@@ -158,6 +167,35 @@ ffi::Error Scatter::ReduceChunks(const std::vector<std::vector<Event>>& landed) 
     const int64_t offset = piece * piece_elems * esize;
     FICCO_RETURN_IF_ERROR(backend_.Reduce({Offset(a_.out, offset), Offset(own, offset), Offset(a_.recv, offset),
                                            block_elems, config_.n() - 1, piece_elems, a_.types.c}));
+  }
+  return ffi::Error::Success();
+}
+
+// Compute stream after the transfers (SumsInMatmuls): our own block in two matmuls of half its chunks
+// each, out = own + recv[0] with the landed partial of slot 0 added in the epilogue (in f32, rounded
+// once), then, on more than two devices, + the other slots' partials by a sum in place. The first
+// half's partials were sent in the first half of the peers' send matmuls and the second half's by
+// their end, so unless the copies are slower than the matmuls neither waits; two matmuls, not one
+// per chunk, keep the own block's matmuls large.
+ffi::Error Scatter::SumInMatmuls(const std::vector<std::vector<Event>>& landed) {
+  const int64_t q = a_.rows / config_.chunks;
+  const int64_t esize = static_cast<int64_t>(ByteWidth(a_.types.c));
+  const int64_t block_elems = a_.rows * a_.cols;
+  const int64_t bounds[3] = {0, config_.chunks / 2, config_.chunks};
+  for (int half = 0; half < 2; ++half) {
+    const int64_t first = bounds[half], end = bounds[half + 1];
+    for (int slot = 0; slot < config_.n() - 1; ++slot) {
+      Event waited = nullptr;
+      for (int64_t j = first; j < end; ++j) {
+        FICCO_RETURN_IF_ERROR(WaitOnce(backend_, Backend::kCompute, landed[slot][j], &waited));
+      }
+    }
+    FICCO_RETURN_IF_ERROR(mm_.Run(backend_, a_.y, config_.rank, a_.out, 0, first * q, (end - first) * q, a_.recv, 0));
+    if (config_.n() == 2) continue;
+    const int64_t offset = first * q * a_.cols * esize;
+    FICCO_RETURN_IF_ERROR(backend_.Reduce({Offset(a_.out, offset), Offset(a_.out, offset),
+                                           Offset(a_.recv, block_elems * esize + offset), block_elems,
+                                           config_.n() - 2, (end - first) * q * a_.cols, a_.types.c}));
   }
   return ffi::Error::Success();
 }
