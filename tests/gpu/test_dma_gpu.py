@@ -189,6 +189,26 @@ def test_back_to_back_calls_gpu(transfer):
         assert max_rel_err(result, expected) < BF16_TOL, f"call {i}"
 
 
+@pytest.mark.parametrize("sched", ["dma/direct/c1", "dma/direct/c2", "dma/direct/c4", "dma/direct/c4/push",
+                                   "dma/direct/c4/grouped"])
+def test_fp8_matmul_rs_gpu(sched):
+    """FP8 matmul_rs with bf16 results: per-chunk schedules add the received partial in the own block's
+    FP8 matmuls (cuBLASLt's C, bf16), the others sum after; all equal the plain path's."""
+    mesh = _mesh()
+    rng = np.random.default_rng(11)
+    n = len(GPUS)
+    y8 = jnp.asarray(rng.standard_normal((256 * n, 512 * n)), jnp.float8_e4m3fn)
+    w8 = jnp.asarray(rng.standard_normal((512 * n, 384)) / 16, jnp.float8_e4m3fn)
+
+    def run(schedule):
+        one = lambda a, b: ficco_jax.matmul_rs(a, b, "tp", x_scale=jnp.float32(0.5),  # noqa: E731
+                                               w_scale=jnp.float32(0.25), out_dtype=jnp.bfloat16, schedule=schedule)
+        return jax.jit(jax.shard_map(one, mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)),
+                                     out_specs=P("tp")))(y8, w8)
+
+    assert max_rel_err(run(sched), run("none")) < BF16_TOL
+
+
 def test_collective_and_fp8_op_under_vmap_gpu():
     """vmap of a copy-engine collective and of an FP8 op on GPUs: one executor call on the whole
     batch (the batch joins a dimension the collective does not exchange, or the FP8 op's rows)."""
