@@ -85,3 +85,76 @@ def test_the_stand_in_refuses_what_nccl_refuses():
         dist.reduce_scatter_tensor(np.empty((32, 48)), np.empty((64, 32)))  # y [M, N/n], M, K, N = 64, 48, 64
     with pytest.raises(ValueError, match="world_size times input"):
         dist.all_gather_into_tensor(np.empty((32, 32)), np.empty((32, 32)))
+
+
+class FakeArgument:
+    def __init__(self, name, type_="Tensor", default=False):
+        self.name, self.type, self._default = name, type_, default
+
+    def has_default_value(self):
+        return self._default
+
+
+class FakeOp:
+    """A torch op whose schema names `arguments`; calling it returns the keyword arguments it got."""
+
+    def __init__(self, *arguments):
+        self.default = types.SimpleNamespace(_schema=types.SimpleNamespace(arguments=list(arguments)))
+
+    def __call__(self, **kwargs):
+        return kwargs
+
+
+def test_fused_fp8_ops_are_called_by_their_schemas_argument_names():
+    """torch versions name and order the fused FP8 ops' arguments differently: the peer passes what
+    the installed schema names and nothing else, and a required argument it lacks is a clear error."""
+    torch_tp = _torch_tp()
+    newer = FakeOp(FakeArgument("A"), FakeArgument("B"), FakeArgument("reduce_op", "str"),
+                   FakeArgument("orig_scatter_dim", "int"), FakeArgument("output_shape", "Optional[List[int]]"),
+                   FakeArgument("out_dtype", "Optional[ScalarType]", default=True))
+    got = torch_tp.schema_call(newer, A=1, B=2, reduce_op="sum", orig_scatter_dim=0, scatter_dim=0, out_dtype="bf16")
+    assert got == {"A": 1, "B": 2, "reduce_op": "sum", "orig_scatter_dim": 0, "out_dtype": "bf16"}
+    older = FakeOp(FakeArgument("A"), FakeArgument("scatter_dim", "int"), FakeArgument("group_name", "str"))
+    with pytest.raises(TypeError, match=r"needs \['group_name'\]"):
+        torch_tp.schema_call(older, A=1, scatter_dim=0)
+
+
+class FakeTensor(np.ndarray):
+    """What fp8_variants calls on a tensor, on numpy (float32 stands for both bf16 and e4m3)."""
+
+    def to(self, dtype):
+        return self.astype(dtype).view(FakeTensor)
+
+    def t(self):
+        return self.T
+
+    def contiguous(self):
+        return np.ascontiguousarray(self).view(FakeTensor)
+
+
+def fake_fp8_torch():
+    torch = fake_torch()
+    randn = torch.randn
+    torch.randn = lambda *shape, **kw: randn(*shape, **kw).view(FakeTensor)
+    torch.empty = lambda *shape, device, dtype: np.full(shape, np.nan, dtype).view(FakeTensor)
+    torch.float8_e4m3fn, torch.float32, torch.uint8 = np.float32, np.float32, np.uint8
+    torch.tensor = lambda v, device, dtype: np.asarray(v, dtype)
+    torch._scaled_mm = lambda a, b, scale_a, scale_b, out_dtype, use_fast_accum: (a @ b) * scale_a * scale_b
+    return torch
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_every_sequential_fp8_variant_hands_nccl_fitting_tensors(n):
+    """The FP8 variants gather the e4m3 shard (as bytes) and reduce-scatter the bf16 partials, with the
+    sizes NCCL checks; the products have the bf16 variants' shapes."""
+    torch_tp = _torch_tp()
+    M, K, N = 64, 48, 32
+    dist = FakeDist(rank=1, world=n)
+    peer = types.SimpleNamespace(torch=fake_fp8_torch(), dist=dist, world=n, rank=1, group="0")
+    fns = torch_tp.fp8_variants(peer, M, K, N)
+    assert set(fns) == set(torch_tp.COLUMNS)
+    for name in ("gemm_only", "ag_only", "ag_seq", "rs_only", "rs_seq"):
+        fns[name]()
+    assert fns["ag_seq"]().shape == (M, N // n) and fns["rs_seq"]().shape == (M // n, K)
+    gathers = [(out, inp) for call, out, inp in dist.calls if call == "all_gather_into_tensor"]
+    assert gathers[0] == ((M, K * 4), (M // n, K * 4))  # the byte views of the e4m3 stand-in (4 bytes here)

@@ -1,6 +1,7 @@
 """PyTorch peers of ag_matmul and matmul_rs: sequential NCCL + cuBLAS, and async-TP.
 
     python3 -m torch.distributed.run --nproc-per-node=N benchmarks/peers/torch_tp.py [--shape S] [--out DIR]
+        [--dtype bf16|fp8]
 
 One process per GPU. Per shape (M, K, N), bf16, every rank:
   ag_seq        all_gather_into_tensor(x[M/n, K]) then full[M, K] @ w[K, N/n]
@@ -10,6 +11,11 @@ One process per GPU. Per shape (M, K, N), bf16, every rank:
   rs_async_tp   torch.ops.symm_mem.fused_matmul_reduce_scatter
   gemm_only     the full [M, K] @ [K, N/n] alone (the bound of AG+GEMM when the gather hides)
   ag_only / rs_only   the NCCL collective alone
+With --dtype fp8 the operands are e4m3 with per-tensor scales and the results bf16 (FP8 recipes' form):
+the matmuls are torch._scaled_mm (fast accumulation), the gathers move the FP8 shard, the reduce-scatters
+the bf16 partials, and async-TP is torch.ops.symm_mem.fused_all_gather_scaled_matmul and
+fused_scaled_matmul_reduce_scatter (called by their schema's argument names, which differ between torch
+versions); rank 0 writes torch_tp_fp8.{json,md}.
 Each async-TP result is compared with its sequential twin (relative Frobenius error) before it
 is timed. Times: CUDA events around `--iters` back-to-back calls after `--warmup` calls, median of
 `--rounds` such rounds, the slowest rank's (all_reduce MAX). Rank 0 writes DIR/torch_tp.json and
@@ -37,14 +43,15 @@ METHOD = ("CUDA events around ITERS back-to-back calls after WARMUP calls; media
 COLUMNS = ["gemm_only", "ag_only", "ag_seq", "ag_async_tp", "rs_only", "rs_seq", "rs_async_tp"]
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", action="append", help="M,K,N, a shape name, or a set: anchors, llama405b, tiny")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default=os.environ.get("OUT", "out/peers"))
-    return parser.parse_args()
+    parser.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16")
+    return parser.parse_args(argv)
 
 
 def why_not(torch) -> str | None:
@@ -144,9 +151,67 @@ def variants(peer, M, K, N):
     }
 
 
+def schema_call(op, **values):
+    """Call the torch op `op` with the arguments its schema names, taken from `values`: torch versions
+    name, order and default them differently (fused_scaled_matmul_reduce_scatter gained
+    orig_scatter_dim and output_shape). A required argument `values` lacks is a TypeError naming it."""
+    arguments = op.default._schema.arguments
+    optional = lambda a: a.has_default_value() or "Optional" in str(a.type) or str(a.type).endswith("?")  # noqa: E731
+    missing = [a.name for a in arguments if a.name not in values and not optional(a)]
+    if missing:
+        raise TypeError(f"{op}: this torch's schema needs {missing}, which this peer does not pass")
+    return op(**{a.name: values[a.name] for a in arguments if a.name in values})
+
+
+def fp8_variants(peer, M, K, N):
+    """The variants of `variants` with e4m3 operands and per-tensor scales, bf16 results."""
+    torch, dist, n = peer.torch, peer.dist, peer.world
+    shapes = buffer_shapes(M, K, N, n)
+    gen = torch.Generator(device="cuda").manual_seed(1000 + peer.rank)
+    f8, bf16 = torch.float8_e4m3fn, torch.bfloat16
+    rand8 = lambda name: torch.randn(*shapes[name], device="cuda", dtype=bf16, generator=gen).to(f8)  # noqa: E731
+    scale = lambda v: torch.tensor(v, device="cuda", dtype=torch.float32)  # noqa: E731
+    x8, y8 = rand8("x"), rand8("y")
+    w8, w2_8 = rand8("w").t().contiguous().t(), rand8("w2").t().contiguous().t()  # column-major, as _scaled_mm takes
+    one, w_scale, w2_scale = scale(1.0), scale(K ** -0.5), scale((N // n) ** -0.5)
+    gathered8 = torch.empty(*shapes["gathered"], device="cuda", dtype=f8)
+    scattered = torch.empty(*shapes["scattered"], device="cuda", dtype=bf16)
+
+    def mm(a, b, b_scale):
+        return torch._scaled_mm(a, b, scale_a=one, scale_b=b_scale, out_dtype=bf16, use_fast_accum=True)
+
+    partials = mm(y8, w2_8, w2_scale)
+    gather = lambda: dist.all_gather_into_tensor(gathered8.view(torch.uint8), x8.view(torch.uint8))  # noqa: E731
+
+    def ag_seq():
+        gather()
+        return mm(gathered8, w8, w_scale)
+
+    def rs_seq():
+        dist.reduce_scatter_tensor(scattered, mm(y8, w2_8, w2_scale))
+        return scattered
+
+    ops = torch.ops.symm_mem
+    return {
+        "gemm_only": lambda: mm(gathered8, w8, w_scale),
+        "ag_only": gather,
+        "ag_seq": ag_seq,
+        "ag_async_tp": lambda: schema_call(
+            ops.fused_all_gather_scaled_matmul, A=x8, A_shard=x8, Bs=[w8], A_scale=one, B_scales=[w_scale],
+            gather_dim=0, group_name=peer.group, biases=[None], result_scales=[None], out_dtypes=[bf16],
+            use_fast_accum=[True])[1][0],
+        "rs_only": lambda: dist.reduce_scatter_tensor(scattered, partials),
+        "rs_seq": rs_seq,
+        "rs_async_tp": lambda: schema_call(
+            ops.fused_scaled_matmul_reduce_scatter, A=y8, B=w2_8, A_scale=one, B_scale=w2_scale, reduce_op="sum",
+            scatter_dim=0, orig_scatter_dim=0, scatter_dim_after_maybe_reshape=0, group_name=peer.group,
+            output_shape=[M, K], out_dtype=bf16, use_fast_accum=True),
+    }
+
+
 def measure_shape(peer, name, dims, args) -> dict:
     row = {"shape": name, "M": dims[0], "K": dims[1], "N": dims[2], "n": peer.world}
-    fns = variants(peer, *dims)
+    fns = (fp8_variants if args.dtype == "fp8" else variants)(peer, *dims)
     for fused, seq in (("ag_async_tp", "ag_seq"), ("rs_async_tp", "rs_seq")):
         if peer.symm_error:
             row[fused] = None
@@ -168,25 +233,27 @@ def measure_shape(peer, name, dims, args) -> dict:
 
 def main() -> int:
     args = parse_args()
+    name = NAME + ("_fp8" if args.dtype == "fp8" else "")
     try:
         import torch
         import torch.distributed as dist
     except ImportError:
-        return shapes.skipped(args.out, NAME, "torch is not installed")
+        return shapes.skipped(args.out, name, "torch is not installed")
     reason = why_not(torch)
     if reason:
-        return shapes.skipped(args.out, NAME, reason) if int(os.environ.get("RANK", "0")) == 0 else 0
+        return shapes.skipped(args.out, name, reason) if int(os.environ.get("RANK", "0")) == 0 else 0
     peer = Peer(torch, dist)
     wanted = shapes.parse(args.shape)
     rows = [measure_shape(peer, name, dims, args) for name, dims in wanted.items()
             if shapes.divisible(dims, peer.world)]
     if peer.rank == 0:
-        result = {"peer": "pytorch", "torch": torch.__version__, "n": peer.world, "dtype": "bfloat16",
+        dtype = "float8_e4m3fn operands, per-tensor scales, bfloat16 results" if args.dtype == "fp8" else "bfloat16"
+        result = {"peer": "pytorch", "torch": torch.__version__, "n": peer.world, "dtype": dtype,
                   "device": torch.cuda.get_device_name(), "method": METHOD.replace("ITERS", str(args.iters))
                   .replace("WARMUP", str(args.warmup)).replace("ROUNDS", str(args.rounds)),
                   "commit": os.environ.get("FICCO_COMMIT"), "async_tp_error": peer.symm_error, "rows": rows}
-        table = shapes.markdown(rows, COLUMNS, f"PyTorch on {peer.world} x {result['device']}, ms ({NAME})")
-        shapes.write(args.out, NAME, result, table)
+        table = shapes.markdown(rows, COLUMNS, f"PyTorch on {peer.world} x {result['device']}, {args.dtype}, ms ({name})")
+        shapes.write(args.out, name, result, table)
         print(table, flush=True)
     dist.destroy_process_group()
     return 0
