@@ -42,6 +42,18 @@ class FakeDist:
         out[:] = inp.reshape(self.world, *out.shape)[self.rank] * self.world  # every rank's partials: this one's
 
 
+def _run_sequential(variants, torch, n, dims):
+    """`variants` (torch_tp.variants or fp8_variants) of rank 1 of n on `torch`: every column there,
+    the sequential ones run once. Returns (the variants, the stand-in's collectives)."""
+    dist = FakeDist(rank=1, world=n)
+    peer = types.SimpleNamespace(torch=torch, dist=dist, world=n, rank=1, group="0")
+    fns = variants(peer, *dims)
+    assert set(fns) == set(_torch_tp().COLUMNS)
+    for name in ("gemm_only", "ag_only", "ag_seq", "rs_only", "rs_seq"):
+        fns[name]()
+    return fns, dist
+
+
 def fake_torch():
     rng = np.random.default_rng(0)
 
@@ -64,12 +76,7 @@ def fake_torch():
 def test_every_sequential_variant_hands_nccl_fitting_tensors(n, dims):
     torch_tp = _torch_tp()
     M, K, N = dims
-    dist = FakeDist(rank=1, world=n)
-    peer = types.SimpleNamespace(torch=fake_torch(), dist=dist, world=n, rank=1, group="0")
-    fns = torch_tp.variants(peer, M, K, N)
-    assert set(fns) == set(torch_tp.COLUMNS)
-    for name in ("gemm_only", "ag_only", "ag_seq", "rs_only", "rs_seq"):
-        fns[name]()
+    fns, dist = _run_sequential(torch_tp.variants, fake_torch(), n, dims)
     assert {call for call, _, _ in dist.calls} == {"all_gather_into_tensor", "reduce_scatter_tensor"}
     shapes = torch_tp.buffer_shapes(M, K, N, n)
     assert fns["ag_seq"]().shape == (M, N // n)
@@ -147,14 +154,8 @@ def fake_fp8_torch():
 def test_every_sequential_fp8_variant_hands_nccl_fitting_tensors(n):
     """The FP8 variants gather the e4m3 shard (as bytes) and reduce-scatter the bf16 partials, with the
     sizes NCCL checks; the products have the bf16 variants' shapes."""
-    torch_tp = _torch_tp()
     M, K, N = 64, 48, 32
-    dist = FakeDist(rank=1, world=n)
-    peer = types.SimpleNamespace(torch=fake_fp8_torch(), dist=dist, world=n, rank=1, group="0")
-    fns = torch_tp.fp8_variants(peer, M, K, N)
-    assert set(fns) == set(torch_tp.COLUMNS)
-    for name in ("gemm_only", "ag_only", "ag_seq", "rs_only", "rs_seq"):
-        fns[name]()
+    fns, dist = _run_sequential(_torch_tp().fp8_variants, fake_fp8_torch(), n, (M, K, N))
     assert fns["ag_seq"]().shape == (M, N // n) and fns["rs_seq"]().shape == (M // n, K)
     gathers = [(out, inp) for call, out, inp in dist.calls if call == "all_gather_into_tensor"]
     assert gathers[0] == ((M, K * 4), (M // n, K * 4))  # the byte views of the e4m3 stand-in (4 bytes here)

@@ -24,8 +24,8 @@ from jax.sharding import Mesh
 
 from ficco_jax import _ffi
 from ficco_jax.ops import measure
-from ficco_jax.schedule import Schedule
-from ficco_jax.tools.bench import local_shapes
+from ficco_jax.schedule import Schedule, local_shapes
+from ficco_jax.tools.bench import add_case_arguments
 
 
 def measure_host_time(op: str, schedule: Schedule, M: int, K: int, N: int, iters: int, launches: int) -> dict:
@@ -58,11 +58,7 @@ def measure_host_time(op: str, schedule: Schedule, M: int, K: int, N: int, iters
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("op", choices=("ag_matmul", "matmul_rs"))
-    parser.add_argument("schedule")
-    parser.add_argument("M", type=int)
-    parser.add_argument("K", type=int)
-    parser.add_argument("N", type=int)
+    add_case_arguments(parser)
     parser.add_argument("--iters", type=int, default=40)
     parser.add_argument("--launches", type=int, default=20)
     parser.add_argument("--out", default=None, help="also write the result as JSON here")

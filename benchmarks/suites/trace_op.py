@@ -12,15 +12,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from ficco_jax.tools.bench import record_timeline
+from ficco_jax.tools.bench import add_case_arguments, record_timeline
 from ficco_jax.schedule import Schedule
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-parser.add_argument("op", choices=("ag_matmul", "matmul_rs"))
-parser.add_argument("schedule")
-parser.add_argument("M", type=int)
-parser.add_argument("K", type=int)
-parser.add_argument("N", type=int)
+add_case_arguments(parser)
 parser.add_argument("iters", type=int, nargs="?", default=20)
 parser.add_argument("--jax-profiler", metavar="DIR", default=None)
 args = parser.parse_args()

@@ -241,6 +241,15 @@ def _run_child(cmd, env, timeout_s) -> tuple[int | None, str, str]:
 # ------------------------------------------------------------------------------------------------
 # The command
 # ------------------------------------------------------------------------------------------------
+def add_case_arguments(parser) -> None:
+    """The positional arguments of a script that runs one op case: OP SCHEDULE M K N (SCHEDULE: a
+    Schedule string, or "ref" where the script takes the plain-JAX reference)."""
+    parser.add_argument("op", choices=("ag_matmul", "matmul_rs"))
+    parser.add_argument("schedule")
+    for dim in ("M", "K", "N"):
+        parser.add_argument(dim, type=int)
+
+
 def record_timeline(mesh, op: str, schedule, M: int, K: int, N: int, iters: int, out_dir: str | None,
                     dtype: str = "bfloat16", seed: int = 0) -> None:
     """Run `op` under `schedule` ("ref" or a Schedule) `iters` times in one jitted loop, compiled and
