@@ -263,8 +263,10 @@ def _simulate_rs(s, m, q, k, cols, n, dtype, profile, contention, streams, per_i
     # Summing the received partials is memory-bound (n blocks read per row), and priced as one chunk's
     # sum: XLA adds each chunk as it arrives, all but the last chunk's sum hiding behind later
     # transfers. The executor sums the whole block after its own block's matmul (gemm=grouped, or one
-    # chunk); the profiles' fits to measured op times absorb the difference (charging gemm=grouped the
-    # whole sum moved the h200x2 profile's pick off the best on 3 of its 22 held-out cases).
+    # chunk); the profiles' fits to measured op times absorb the difference. Charging gemm=grouped the
+    # whole sum prices it like c1 on two devices, while measured times put the grouped schedules ahead
+    # on some shapes: with it the h200x2 profile's pick (ties broken by name) left the best on 3 of its
+    # 22 held-out cases instead of 1.
     return max(own_done, last_arrival) + sum_time(q, n)
 
 
