@@ -286,6 +286,21 @@ def test_replay_cli_uses_autos_profile_rule_by_default(tmp_path):
     assert bad.returncode != 0 and "no machine profile 'no_such_profile'" in bad.stderr
 
 
+def test_accuracy_measures_only_the_ops_asked_for(tmp_path):
+    """`--op matmul_rs`: the held-out check of one op (after a change to its executor, the other op's
+    cases stay valid); an op it does not know is refused before anything is measured."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    out = tmp_path / "acc"
+    proc = subprocess.run([sys.executable, "-m", "ficco_jax", "accuracy", "--axis-size", "2", "--top", "1",
+                           "--confirm-rounds", "0", "--op", "matmul_rs", "--shape", "64,32,64", "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads((out / "accuracy.json").read_text())
+    assert [c["op"] for c in result["cases"]] == ["matmul_rs"] and result["summary"]["cases"] == 1
+    with pytest.raises(ValueError, match="name one or both of ag_matmul, matmul_rs"):
+        accuracy.run(str(tmp_path / "none"), axis_size=2, shapes={"s": (64, 32, 64)}, ops=("a2a_matmul",))
+
+
 def test_accuracy_resume_measures_only_the_missing_cases(tmp_path):
     """A budget-cut held-out check goes on in a later call: the earlier cases are kept (with their
     commit), only the missing ones are measured, and the summary covers all of them."""

@@ -98,13 +98,19 @@ def candidates(op, shapes, dtype, n, comms, profile, top):
     return chosen, out
 
 
+#: The ops the held-out check measures (both, unless `ops` narrows them).
+OPS = ("ag_matmul", "matmul_rs")
+
+
 def run(out_dir: str, axis_size: int | None = None, shapes: dict | None = None, top: int = 3,
         dtype: str = "bfloat16", profile=None, budget_s: float | None = None, plot: bool = False,
-        confirm_rounds: int = CONFIRM_ROUNDS, resume: dict | None = None) -> dict:
+        confirm_rounds: int = CONFIRM_ROUNDS, resume: dict | None = None, ops=OPS) -> dict:
     """`resume`: the accuracy.json of an earlier run that a time budget cut; its cases are kept and
     only the (op, shape) cases it lacks are measured, so several short device calls add up to one
     held-out check. It must be of the same device kind, group size, dtype and profile (else
-    ValueError), and each case keeps the commit it was measured at."""
+    ValueError), and each case keeps the commit it was measured at. `ops`: the ops to measure (e.g.
+    only `matmul_rs`, after a change to its executor; `accuracy --replay` scores several files
+    together)."""
     mesh = _mesh(axis_size)
     n = mesh.shape["tp"]
     on_cpu = jax.default_backend() == "cpu"
@@ -112,7 +118,10 @@ def run(out_dir: str, axis_size: int | None = None, shapes: dict | None = None, 
         dtype = "float32"
     shapes = shapes or (CPU_SHAPES if on_cpu else HELDOUT_SHAPES)
     profile = profile or select.profile_for(n)
-    plans = plan_cases(shapes, n, dtype, profile, top)
+    unknown = [op for op in ops if op not in OPS]
+    if unknown or not ops:
+        raise ValueError(f"accuracy: ops {list(ops)}: name one or both of {', '.join(OPS)}")
+    plans = plan_cases(shapes, n, dtype, profile, top, ops)
     earlier = []
     if resume is not None:
         earlier = resumed_cases(resume, jax.devices()[0].device_kind, n, dtype, profile.get("name"))
@@ -150,14 +159,14 @@ def _mesh(axis_size: int | None) -> Mesh:
     return Mesh(np.array(devices[:n]), ("tp",))
 
 
-def plan_cases(shapes: dict, n: int, dtype: str, profile, top: int) -> list[tuple]:
-    """[(op, name, M, K, N, auto's pick, [(schedule, predicted s)])], shape-major so that a time
-    budget cuts shapes, not one op of a shape. The model ranks the comms this process offers: its
-    pick over them is what "auto" resolves to on a GPU."""
+def plan_cases(shapes: dict, n: int, dtype: str, profile, top: int, ops=OPS) -> list[tuple]:
+    """[(op, name, M, K, N, auto's pick, [(schedule, predicted s)])] of `ops`, shape-major so that a
+    time budget cuts shapes, not one op of a shape. The model ranks the comms this process offers:
+    its pick over them is what "auto" resolves to on a GPU."""
     comms = select.available_comms()
     plans = []
     for name, (M, K, N) in shapes.items():
-        for op in ("ag_matmul", "matmul_rs"):
+        for op in ops:
             chosen, cands = candidates(op, local_shapes(op, M, K, N, n), dtype, n, comms, profile, top)
             plans.append((op, name, M, K, N, chosen, cands))
     return plans

@@ -218,6 +218,8 @@ def _add_accuracy(sub):
     p.add_argument("--axis-size", type=int, help="devices in the tp group (default: all local devices)")
     p.add_argument("--top", type=int, default=3, help="the model's next candidates measured besides its pick")
     p.add_argument("--shape", action="append", help="M,K,N or a shape name (default: the 20 held-out shapes)")
+    p.add_argument("--op", choices=["ag_matmul", "matmul_rs", "both"], default="both",
+                   help="the op(s) to measure (default both); e.g. matmul_rs alone after a change to its executor")
     p.add_argument("--profile", default=None, help="profile name or JSON path (default: this machine's)")
     p.add_argument("--budget-s", type=float, help="stop starting new cases after this many seconds")
     p.add_argument("--out", default="out/accuracy", help="folder for accuracy.json (default out/accuracy)")
@@ -255,7 +257,8 @@ def _cmd_accuracy(args):
     use_xla_cache(args.xla_cache)
     try:
         accuracy.run(args.out, axis_size=args.axis_size, shapes=shapes, top=args.top, profile=profile,
-                     budget_s=args.budget_s, plot=args.plot, confirm_rounds=rounds, resume=resume)
+                     budget_s=args.budget_s, plot=args.plot, confirm_rounds=rounds, resume=resume,
+                     ops=accuracy.OPS if args.op == "both" else (args.op,))
     except ValueError as exc:  # a device count or shape the run cannot take: say so, no traceback
         raise SystemExit(str(exc))
 
