@@ -1,7 +1,7 @@
 """How often does `schedule="auto"` pick well? The held-out check of the cost model.
 
-`python -m ficco_jax accuracy [--axis-size N] [--top K] [--out DIR]` measures, for every held-out
-shape and both ops, on the first N local devices:
+`python -m ficco_jax accuracy [--axis-size N] [--top K] [--op OP] [--out DIR]` measures, for every
+held-out shape and both ops (or the one `--op` names), on the first N local devices:
 
 - JAX sequential (the plain collective, then the matmul: `comm="none"`),
 - the schedule `auto` picks with this machine's profile (`select.select_schedule`),
