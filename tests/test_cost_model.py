@@ -79,6 +79,25 @@ def test_orderings_that_must_hold():
     assert predict("ag_matmul", none, profile=fast) == predict("ag_matmul", none)
 
 
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_per_chunk_reduce_scatter_pays_no_sum_after_its_matmuls_on_two_devices(n):
+    """The executor adds the received partial in the own block's matmuls for per-chunk schedules of
+    more than one chunk (exec/scatter.cc, SumInMatmuls): on 2 devices no sum is left, so slower memory
+    does not change their price; on more devices a sum of the other partials remains, and the
+    schedules that sum after the matmul (c1, gemm=grouped) pay for it everywhere."""
+    # Large enough that every matmul stays compute-bound at a quarter of the memory bandwidth: only
+    # the sums feel it.
+    slow_memory = {**PROFILE, "hbm_gbps": PROFILE["hbm_gbps"] / 4}
+    for text in ("dma/direct/c2", "dma/direct/c4", "dma/direct/c1", "dma/direct/c4/grouped"):
+        s = Schedule.parse(text)
+        fast, slow = (predict("matmul_rs", s, 16384, 16384, 16384, n=n, profile=p) for p in (PROFILE, slow_memory))
+        sums_in_matmuls = s.gemm == "per_chunk" and s.chunks > 1
+        if sums_in_matmuls and n == 2:
+            assert slow == pytest.approx(fast), text
+        else:
+            assert slow > fast * 1.001, text
+
+
 @pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs"])
 def test_where_xla_serializes_its_collectives_an_xla_schedule_costs_its_parts_in_sequence(op):
     """With `xla_overlaps` off (what every characterized machine showed), an xla schedule's time is
