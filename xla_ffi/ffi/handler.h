@@ -14,13 +14,13 @@
 #ifndef FICCO_JAX_XLA_FFI_FFI_HANDLER_H_
 #define FICCO_JAX_XLA_FFI_FFI_HANDLER_H_
 
-#include <chrono>
 #include <cstdio>
 #include <memory>
 #include <type_traits>
 #include <utility>
 
 #include "base/guard.h"
+#include "base/timed.h"
 #include "device/backends.h"
 #include "ffi/attrs.h"
 #include "runtime/registry.h"
@@ -124,8 +124,8 @@ struct Target {
   template <typename Platform, typename... Buffers>
   static ffi::Error Run(const Platform& platform, int32_t ordinal, ffi::RunId run, const Attrs& attrs,
                         Buffers... buffers) {
-    const auto start = std::chrono::steady_clock::now();
-    ffi::Error outcome = Guard(kName, [&]() -> ffi::Error {
+    const TimeSection timed(Registry::Get().handlers());
+    return Guard(kName, [&]() -> ffi::Error {
       OpConfig config;
       FICCO_RETURN_IF_ERROR(DecodeConfig(ScheduleAttrs(attrs), kName, ordinal, run.run_id, &config));
       config.spin_s = Platform::kSpinSeconds;
@@ -145,9 +145,6 @@ struct Target {
       if (result.failure()) std::fprintf(stderr, "%s\n", result.message().c_str());
       return result;
     });
-    Registry::Get().host_time().AddHandler(
-        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count());
-    return outcome;
   }
 };
 

@@ -39,17 +39,7 @@ ffi::Error Rendezvous::TimeoutError(const RendezvousKey& key, const Arrival& who
 ffi::Error Rendezvous::Arrive(const RendezvousKey& key, const Arrival& who, Post post,
                               std::vector<Post>* posts) {
   const int n = static_cast<int>(who.group_ordinals->size());
-  meetings_.fetch_add(1, std::memory_order_relaxed);
-  const auto arrived_at = std::chrono::steady_clock::now();
-  struct Timed {  // adds the time to meeting_ns_ on every return path
-    std::atomic<int64_t>& total;
-    std::chrono::steady_clock::time_point start;
-    ~Timed() {
-      total.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
-                          .count(),
-                      std::memory_order_relaxed);
-    }
-  } timed{meeting_ns_, arrived_at};
+  const TimeSection timed(meetings_);
   std::unique_lock<std::mutex> lock(mu_);
   std::unique_ptr<Slot>& entry = slots_[key];
   if (!entry) {

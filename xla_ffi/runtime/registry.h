@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "base/errors.h"
+#include "base/timed.h"
 #include "device/backend.h"
 #include "device/backends.h"
 #include "device/cuda_device.h"
@@ -79,10 +80,9 @@ class Rendezvous {
   // group has. Nothing is exchanged and nobody waits, so nothing times out; a key some rank never
   // reaches (it failed before) stays false and keeps a few bytes for the life of the process.
   ffi::Error Announce(const RendezvousKey& key, const Arrival& who, Announcement* all);
-  // How many times a rank waited for its group here (Arrive): tests count a call's meetings.
-  int64_t meetings() const { return meetings_.load(std::memory_order_relaxed); }
-  // Host nanoseconds spent in Arrive so far, over every rank: the waiting for peers included.
-  int64_t meeting_ns() const { return meeting_ns_.load(std::memory_order_relaxed); }
+  // How many times a rank waited for its group here (Arrive), and the host time it spent there, the
+  // waiting for peers included: tests count a call's meetings, benchmarks time them.
+  const TimedCount& meetings() const { return meetings_; }
 
  private:
   struct Slot {
@@ -105,25 +105,7 @@ class Rendezvous {
   std::mutex mu_;
   std::map<RendezvousKey, std::unique_ptr<Slot>> slots_;
   std::map<RendezvousKey, Announced> announced_;
-  std::atomic<int64_t> meetings_{0};
-  std::atomic<int64_t> meeting_ns_{0};
-};
-
-// Where a call's host time goes, summed over every handler of the process: how many handlers ran,
-// their host time from start to return, and of that the time in host meetings (Rendezvous). A
-// steady_clock read is tens of nanoseconds against the microseconds a handler takes.
-class HostTime {
- public:
-  void AddHandler(int64_t ns) {
-    calls_.fetch_add(1, std::memory_order_relaxed);
-    handler_ns_.fetch_add(ns, std::memory_order_relaxed);
-  }
-  int64_t calls() const { return calls_.load(std::memory_order_relaxed); }
-  int64_t handler_ns() const { return handler_ns_.load(std::memory_order_relaxed); }
-
- private:
-  std::atomic<int64_t> calls_{0};
-  std::atomic<int64_t> handler_ns_{0};
+  TimedCount meetings_;
 };
 
 
@@ -162,7 +144,8 @@ class Registry {
   Rendezvous& rendezvous() { return rendezvous_; }
   Watchdog& watchdog() { return watchdog_; }
   FaultPlan& faults() { return faults_; }
-  HostTime& host_time() { return host_time_; }
+  // Every copy-engine handler of the process: how many ran and their host time from start to return.
+  TimedCount& handlers() { return handlers_; }
   // The events of every CPU device (device/backends.h).
   EventPool& host_events() { return *host_events_; }
 
@@ -180,7 +163,7 @@ class Registry {
   Rendezvous rendezvous_;
   Watchdog watchdog_;
   FaultPlan faults_;
-  HostTime host_time_;
+  TimedCount handlers_;
   std::unique_ptr<EventPool> host_events_ = MakeHostEventPool();
   std::unique_ptr<HostMailbox> mailbox_;
   bool mailbox_closed_ = false;

@@ -86,15 +86,15 @@ void DefineTestingModule(nb::module_& m) {
               "'fail:<rank>' (it joins the exchange, then fails at its first transfer), 'stall:<rank>' (the "
               "events it records on XLA's stream never complete; only the watchdog ends the process), or '' "
               "(none). xla_ffi/testing/faults.h.");
-  testing.def("host_meetings", [] { return Registry::Get().rendezvous().meetings(); },
+  testing.def("host_meetings", [] { return Registry::Get().rendezvous().meetings().Calls(); },
               "How many times a rank of an in-process group has waited for its group on the host so far.");
   testing.def("host_time",
               [] {
-                HostTime& time = Registry::Get().host_time();
+                const TimedCount& handlers = Registry::Get().handlers();
                 return std::map<std::string, double>{
-                    {"calls", static_cast<double>(time.calls())},
-                    {"handler_s", time.handler_ns() * 1e-9},
-                    {"meeting_s", Registry::Get().rendezvous().meeting_ns() * 1e-9}};
+                    {"calls", static_cast<double>(handlers.Calls())},
+                    {"handler_s", handlers.Ns() * 1e-9},
+                    {"meeting_s", Registry::Get().rendezvous().meetings().Ns() * 1e-9}};
               },
               "Host time of the copy-engine handlers of this process so far: how many ran ('calls'), their "
               "seconds from start to return ('handler_s'), and of those the seconds spent in host meetings "
