@@ -218,7 +218,7 @@ def _add_accuracy(sub):
     p.add_argument("--axis-size", type=int, help="devices in the tp group (default: all local devices)")
     p.add_argument("--top", type=int, default=3, help="the model's next candidates measured besides its pick")
     p.add_argument("--shape", action="append", help="M,K,N or a shape name (default: the 20 held-out shapes)")
-    p.add_argument("--op", choices=["ag_matmul", "matmul_rs", "both"], default="both",
+    p.add_argument("--op", choices=[*accuracy.OPS, "both"], default="both",
                    help="the op(s) to measure (default both); e.g. matmul_rs alone after a change to its executor")
     p.add_argument("--profile", default=None, help="profile name or JSON path (default: this machine's)")
     p.add_argument("--budget-s", type=float, help="stop starting new cases after this many seconds")

@@ -31,6 +31,8 @@ class Scatter {
                   std::vector<std::vector<Event>>* landed);
   ffi::Error ReduceChunks(const std::vector<std::vector<Event>>& landed);
   ffi::Error SumInMatmuls(const std::vector<std::vector<Event>>& landed);
+  ffi::Error AwaitChunks(const std::vector<std::vector<Event>>& landed, int first_slot, int end_slot, int64_t first,
+                         int64_t end);
   // Only a reduce summing chunk by chunk takes a chunk as it lands (call_session.h, LandedEvents);
   // matmul_rs with gemm=grouped sums the whole block once.
   bool SumsWholeBlock() const { return matmul_ && config_.gemm == GemmMode::kGrouped; }
@@ -148,6 +150,19 @@ ffi::Error Scatter::Push(CallSession& session, const void* send, Event entry, co
   return session.Push(backend_, Landing(), entry, push, /*consumed=*/reduce_, landed);
 }
 
+// XLA's stream waits until chunks [first, end) of receive slots [first_slot, end_slot) have landed
+// (each distinct event once: a slot's chunks may share one, call_session.h).
+ffi::Error Scatter::AwaitChunks(const std::vector<std::vector<Event>>& landed, int first_slot, int end_slot,
+                                int64_t first, int64_t end) {
+  for (int slot = first_slot; slot < end_slot; ++slot) {
+    Event waited = nullptr;
+    for (int64_t j = first; j < end; ++j) {
+      FICCO_RETURN_IF_ERROR(WaitOnce(backend_, Backend::kCompute, landed[slot][j], &waited));
+    }
+  }
+  return ffi::Error::Success();
+}
+
 // Compute stream after the transfers: out[chunk] = own[chunk] + sum over slots of recv[slot][chunk].
 // matmul_rs with gemm=grouped reduces the whole block once after every chunk has landed.
 ffi::Error Scatter::ReduceChunks(const std::vector<std::vector<Event>>& landed) {
@@ -158,12 +173,8 @@ ffi::Error Scatter::ReduceChunks(const std::vector<std::vector<Event>>& landed) 
   const int64_t piece_elems = block_elems / pieces;
   const int64_t chunks_per_piece = config_.chunks / pieces;
   for (int64_t piece = 0; piece < pieces; ++piece) {
-    for (int slot = 0; slot < config_.n() - 1; ++slot) {
-      Event waited = nullptr;
-      for (int64_t j = piece * chunks_per_piece; j < (piece + 1) * chunks_per_piece; ++j) {
-        FICCO_RETURN_IF_ERROR(WaitOnce(backend_, Backend::kCompute, landed[slot][j], &waited));
-      }
-    }
+    FICCO_RETURN_IF_ERROR(AwaitChunks(landed, 0, config_.n() - 1, piece * chunks_per_piece,
+                                      (piece + 1) * chunks_per_piece));
     const int64_t offset = piece * piece_elems * esize;
     FICCO_RETURN_IF_ERROR(backend_.Reduce({Offset(a_.out, offset), Offset(own, offset), Offset(a_.recv, offset),
                                            block_elems, config_.n() - 1, piece_elems, a_.types.c}));
@@ -173,7 +184,8 @@ ffi::Error Scatter::ReduceChunks(const std::vector<std::vector<Event>>& landed) 
 
 // Compute stream after the transfers (SumsInMatmuls): our own block in two matmuls of half its chunks
 // each, out = own + recv[0] with the landed partial of slot 0 added in the epilogue (in f32, rounded
-// once), then, on more than two devices, + the other slots' partials by a sum in place. The first
+// once), then, on more than two devices, + the other slots' partials by a sum in place once they landed
+// (the matmul waits for slot 0 alone). The first
 // half's partials were sent in the first half of the peers' send matmuls and the second half's by
 // their end, so unless the copies are slower than the matmuls neither waits; two matmuls, not one
 // per chunk, keep the own block's matmuls large.
@@ -184,14 +196,10 @@ ffi::Error Scatter::SumInMatmuls(const std::vector<std::vector<Event>>& landed) 
   const int64_t bounds[3] = {0, config_.chunks / 2, config_.chunks};
   for (int half = 0; half < 2; ++half) {
     const int64_t first = bounds[half], end = bounds[half + 1];
-    for (int slot = 0; slot < config_.n() - 1; ++slot) {
-      Event waited = nullptr;
-      for (int64_t j = first; j < end; ++j) {
-        FICCO_RETURN_IF_ERROR(WaitOnce(backend_, Backend::kCompute, landed[slot][j], &waited));
-      }
-    }
+    FICCO_RETURN_IF_ERROR(AwaitChunks(landed, 0, 1, first, end));  // the matmul adds slot 0 only
     FICCO_RETURN_IF_ERROR(mm_.Run(backend_, a_.y, config_.rank, a_.out, 0, first * q, (end - first) * q, a_.recv, 0));
     if (config_.n() == 2) continue;
+    FICCO_RETURN_IF_ERROR(AwaitChunks(landed, 1, config_.n() - 1, first, end));
     const int64_t offset = first * q * a_.cols * esize;
     FICCO_RETURN_IF_ERROR(backend_.Reduce({Offset(a_.out, offset), Offset(a_.out, offset),
                                            Offset(a_.recv, block_elems * esize + offset), block_elems,
