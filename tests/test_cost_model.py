@@ -98,6 +98,35 @@ def test_a_per_chunk_reduce_scatter_pays_no_sum_after_its_matmuls_on_two_devices
             assert slow > fast * 1.001, text
 
 
+def test_the_executors_grouped_reduce_scatter_pays_the_whole_blocks_sum_and_xlas_one_chunks():
+    """The executor sums the whole received block after its own block's matmul (gemm=grouped); XLA
+    adds each chunk as it lands, so only the last chunk's sum is left after the transfers."""
+    def sum_cost(text, hbm_gbps):
+        s = Schedule.parse(text)
+        slow = {**PROFILE, "hbm_gbps": hbm_gbps, "xla_overlaps": True}
+        return predict("matmul_rs", s, 16384, 16384, 16384, n=2, profile=slow)
+    rows, cols = 16384 // 2, 16384  # the reduced block: M / n rows of the product's K columns
+    whole_sum_bytes = 2 * rows * cols * 2  # 2 blocks read, bf16
+    for text, summed_rows in (("dma/direct/c4/grouped", rows), ("dma/direct/c1", rows),
+                              ("xla/direct/c4/grouped", rows // 4)):
+        extra = sum_cost(text, 1500.0) - sum_cost(text, 3000.0)  # what halving the memory bandwidth adds
+        assert extra == pytest.approx(whole_sum_bytes * summed_rows / rows / 3000e9, rel=1e-6), text
+
+
+def test_the_executors_decomposition_loss_is_its_own():
+    """`executor_rows_half` prices the executor's chunk matmuls; XLA's matmuls keep `rows_half`, and a
+    profile without it gives both the same loss."""
+    lossless = {**PROFILE, "rows_half": 512.0, "executor_rows_half": 0.0}
+    same = {**PROFILE, "rows_half": 512.0}
+    none, c4 = Schedule(comm="none"), Schedule.parse("dma/direct/c4")
+    assert predict("matmul_rs", none, profile=lossless) == predict("matmul_rs", none, profile=same)
+    assert predict("matmul_rs", c4, profile=lossless) < predict("matmul_rs", c4, profile=same)
+    assert cost_model.gemm_time(1024, 8192, 8192, "bfloat16", same, executor=True) == \
+        cost_model.gemm_time(1024, 8192, 8192, "bfloat16", same)
+    assert cost_model.gemm_time(1024, 8192, 8192, "bfloat16", lossless, executor=True) < \
+        cost_model.gemm_time(1024, 8192, 8192, "bfloat16", lossless)
+
+
 @pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs"])
 def test_where_xla_serializes_its_collectives_an_xla_schedule_costs_its_parts_in_sequence(op):
     """With `xla_overlaps` off (what every characterized machine showed), an xla schedule's time is

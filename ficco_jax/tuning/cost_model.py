@@ -17,7 +17,9 @@ The model replays a schedule as a small event simulation on one device:
   costs its chunk matmuls plus its transfers, one after the other;
 - the executor's chunk matmuls (cuBLASLt) run `executor_gemm_slowdown` times slower than XLA's
   own autotuned GEMMs, which the `none` and `xla` schedules use (alone they are as fast, 2026-11-22 on H200:
-  what the fit puts here is the slowdown inside a copy-engine call, e.g. from copies beside them);
+  what the fit puts here is the slowdown inside a copy-engine call, e.g. from copies beside them), and
+  lose `executor_rows_half` rows where XLA's lose `rows_half` (profiles without it: the same loss);
+  both are fitted to op times, not to the characterization's XLA dots;
 - a fixed cost per copy-engine call on the GPU, `dma_call_us` (event waits, the join), and its
   host time, `dma_host_us` (two host rendezvous) plus `dma_host_copy_us` per enqueued copy
   ((n - 1) x chunks of them): the host work overlaps earlier
@@ -105,7 +107,8 @@ def gemm_time(rows: int, k: int, n_cols: int, dtype: str, profile: Mapping, exec
     the copy-engine executor's cuBLASLt when `executor`)."""
     peak = _peak_tflops(dtype, profile["peak_tflops"]) * 1e12
     flops = 2.0 * rows * k * n_cols
-    compute = flops * (rows + profile["rows_half"]) / (rows * peak)
+    rows_half = profile.get("executor_rows_half", profile["rows_half"]) if executor else profile["rows_half"]
+    compute = flops * (rows + rows_half) / (rows * peak)
     itemsize = np.dtype(dtype).itemsize if dtype != "bfloat16" else 2
     memory = itemsize * (rows * k + k * n_cols + rows * n_cols) / (profile["hbm_gbps"] * 1e9)
     slowdown = profile["executor_gemm_slowdown"] if executor else 1.0
@@ -260,14 +263,12 @@ def _simulate_rs(s, m, q, k, cols, n, dtype, profile, contention, streams, per_i
                 t += sum_time(rows, n - 1)
         return max(t, last_arrival)
     own_done = t + gemm_time(m, k, cols, dtype, profile, ex) * contention
-    # Summing the received partials is memory-bound (n blocks read per row), and priced as one chunk's
-    # sum: XLA adds each chunk as it arrives, all but the last chunk's sum hiding behind later
-    # transfers. The executor sums the whole block after its own block's matmul (gemm=grouped, or one
-    # chunk); the profiles' fits to measured op times absorb the difference. Charging gemm=grouped the
-    # whole sum prices it like c1 on two devices, while measured times put the grouped schedules ahead
-    # on some shapes: with it the h200x2 profile's pick (ties broken by name) left the best on 3 of its
-    # 22 held-out cases instead of 1.
-    return max(own_done, last_arrival) + sum_time(q, n)
+    # Summing the received partials is memory-bound (n blocks read per row). XLA adds each chunk as it
+    # arrives, all but the last chunk's sum hiding behind later transfers: one chunk's sum is left.
+    # The executor (gemm=grouped, or one chunk) sums the whole block after its own block's matmul: on
+    # 2 x H100 (2026-11-27) that sum was what the reduce-scatter anchors lost to the ideal, 47-65 us
+    # per call after the last matmul.
+    return max(own_done, last_arrival) + sum_time(m if ex else q, n)
 
 
 def rank(op: str, shapes, dtype, axis_size: int, candidates: Sequence[Schedule], profile=None, out_dtype=None):
