@@ -58,11 +58,13 @@ CPU_SHAPES = {"tiny_M256_K128_N256": (256, 128, 256)}
 # ------------------------------------------------------------------------------------------------
 def variants(op, shapes, dtype, n, schedules) -> tuple[list, object]:
     """([(label, schedule)], auto's pick) of one (op, per-device shapes): JAX sequential, the listed
-    schedules, JAX's ring, and the schedule "auto" would pick on a GPU of this machine's profile
-    (on CPU "auto" means no overlap), each once."""
+    schedules, JAX's ring (not in FP8), and the schedule "auto" would pick on a GPU of this machine's
+    profile (on CPU "auto" means no overlap), each once."""
     selected = select.select_schedule(op, shapes, dtype, n)
     out = [("jax_seq", "ref")] + [(f"ficco:{s}", s) for s in schedules]
-    if Schedule(comm="xla", order="ring") not in schedules:
+    # JAX's ring in FP8 would be one more set of FP8 dots for XLA to autotune (about 50 s on an H100),
+    # so FP8 runs time it in their bf16 twin only.
+    if Schedule(comm="xla", order="ring") not in schedules and not config.is_fp8(dtype):
         out.append(("jax_ring", Schedule(comm="xla", order="ring")))
     if selected not in schedules:
         out.append((f"ficco:{selected}", selected))
@@ -98,7 +100,11 @@ def _bounds(op, name, M, K, N, dtype, mesh, progress) -> list[Row]:
     else:  # reduce-scatters every device's [M, K] product (an FP8 matmul's partials are bf16)
         full_a, coll_shape, coll_dtype = (M, N // n), (M * n, K), "bfloat16" if fp8 else dtype
         collective = lambda y: jax.lax.psum_scatter(y, "tp", scatter_dimension=0, tiled=True)  # noqa: E731
-    gemm = (lambda a, w: jnp.dot(a, w, preferred_element_type=jnp.bfloat16)) if fp8 else (lambda a, w: a @ w)
+    if fp8:  # JAX sequential's own scaled FP8 dot, so XLA's autotuning of it is reused, not repeated
+        a_scale, w_scale = fp8_scales(w_shape[0])
+        gemm = lambda a, w: api.dequantized_dot(a, w, a_scale, w_scale)  # noqa: E731
+    else:
+        gemm = lambda a, w: a @ w  # noqa: E731
     return bound_rows(Row(op, name, M, K, N, ""), mesh, dtype, progress, gemm=gemm,
                       gemm_shapes=(full_a, w_shape), collective=collective, collective_shape=coll_shape,
                       spec=P("tp", None), collective_dtype=coll_dtype)
@@ -112,17 +118,22 @@ def fp8_inputs(op, shapes, dtype, mesh, seed: int = 0):
     1/sqrt(K) as a power-of-two scale, so the f32 reference of the FP8 values is exact), and
     bodies calling the op with those scales and bf16 results ("ref": JAX's dequantize-then-dot)."""
     a, w = measure.make_inputs(op, shapes, "float32", mesh, seed=seed)
-    w_scale = 2.0 ** -round(np.log2(np.sqrt(shapes[0][-1])))
-    scales = (1.0, w_scale)
+    scales = fp8_scales(shapes[0][-1])
     args = [a.astype(dtype), (w * (np.sqrt(shapes[0][-1]))).astype(dtype)]
     return args, lambda op, schedule: fp8_body(op, schedule, scales)
+
+
+def fp8_scales(k: int) -> tuple:
+    """(x_scale, w_scale) of the FP8 operands of inner dimension `k`, as f32 scalars: w carries its
+    1/sqrt(k), rounded to a power of two."""
+    return jnp.float32(1.0), jnp.float32(2.0 ** -round(np.log2(np.sqrt(k))))
 
 
 def fp8_body(op: str, schedule, scales):
     """The per-device body of the FP8 `op` under `schedule`; "ref" is the reference in plain JAX
     (the all-gather or reduce-scatter around the dequantize-then-dot, what the op's comm="none"
     schedule runs), in f32 when it is given f32 operands (the check's reference)."""
-    sx, sw = (jnp.float32(s) for s in scales)
+    sx, sw = scales
     if schedule == "ref":
         ref = api.ag_matmul_ref if op == "ag_matmul" else api.matmul_rs_ref
         return lambda a, w: ref(a, w, AXIS, x_scale=sx, w_scale=sw,
