@@ -29,7 +29,7 @@ def ag_matmul_ref(x, w, axis_name, *, out_dtype=None, x_scale=None, w_scale=None
     """The meaning of `ag_matmul`: `all_gather(x, axis_name, axis=0, tiled=True) @ w` (result in
     `out_dtype`); with scales, of FP8 operands dequantized in f32 (ops/scaled.py)."""
     if x_scale is not None or w_scale is not None:
-        return dequantized_dot(lax.all_gather(x, axis_name, axis=0, tiled=True), w, x_scale, w_scale, out_dtype)
+        return _dequantized_dot(lax.all_gather(x, axis_name, axis=0, tiled=True), w, x_scale, w_scale, out_dtype)
     return reference("ag_matmul")(x, w, axis_name, out_dtype)
 
 
@@ -37,7 +37,7 @@ def matmul_rs_ref(y, w, axis_name, *, out_dtype=None, x_scale=None, w_scale=None
     """The meaning of `matmul_rs`: `psum_scatter(y @ w, axis_name, scatter_dimension=0, tiled=True)`;
     with scales, of FP8 operands dequantized in f32, the partials in `out_dtype`."""
     if x_scale is not None or w_scale is not None:
-        return lax.psum_scatter(dequantized_dot(y, w, x_scale, w_scale, out_dtype), axis_name, scatter_dimension=0,
+        return lax.psum_scatter(_dequantized_dot(y, w, x_scale, w_scale, out_dtype), axis_name, scatter_dimension=0,
                                 tiled=True)
     return reference("matmul_rs")(y, w, axis_name, out_dtype)
 
@@ -47,9 +47,8 @@ def matmul_psum_ref(y, w, axis_name, *, out_dtype=None):
     return reference("matmul_psum")(y, w, axis_name, out_dtype)
 
 
-def dequantized_dot(a, w, a_scale, w_scale, out_dtype=None):
-    """``((a.astype(f32) * a_scale) @ (w.astype(f32) * w_scale)).astype(out_dtype)``, out_dtype bf16 by
-    default: the FP8 references' matmul, which XLA rewrites into one scaled FP8 GEMM on GPUs."""
+def _dequantized_dot(a, w, a_scale, w_scale, out_dtype):
+    """``((a.astype(f32) * a_scale) @ (w.astype(f32) * w_scale)).astype(out_dtype)``, out_dtype bf16 by default."""
     f32 = jnp.float32
     out = jnp.matmul(a.astype(f32) * a_scale, w.astype(f32) * w_scale, preferred_element_type=f32)
     return out.astype(out_dtype or jnp.bfloat16)
