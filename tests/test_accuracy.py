@@ -75,7 +75,7 @@ def test_fit_to_ops_recovers_the_profile_that_made_the_times():
                 s = Schedule.parse(text)
                 obs.append((op, s, shapes, "bfloat16", 8, cost_model.predict(op, s, shapes, "bfloat16", 8, truth)))
     start = {**truth, "executor_gemm_slowdown": 1.0, "dma_call_us": 5.0, "dma_host_us": 60.0,
-             "dma_host_copy_us": 0.0, "contention_dma": 0.15, "executor_rows_half": 96.0}
+             "dma_host_copy_us": 0.0, "dma_latency_us": 30.0, "contention_dma": 0.15, "executor_rows_half": 96.0}
     fitted, err = fitting.fit_to_ops(start, obs)
     assert err < 1e-9
     assert fitted["executor_gemm_slowdown"] == 1.08 and fitted["dma_host_copy_us"] == 10.0

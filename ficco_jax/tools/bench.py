@@ -58,13 +58,11 @@ CPU_SHAPES = {"tiny_M256_K128_N256": (256, 128, 256)}
 # ------------------------------------------------------------------------------------------------
 def variants(op, shapes, dtype, n, schedules) -> tuple[list, object]:
     """([(label, schedule)], auto's pick) of one (op, per-device shapes): JAX sequential, the listed
-    schedules, JAX's ring (not in FP8), and the schedule "auto" would pick on a GPU of this machine's
-    profile (on CPU "auto" means no overlap), each once."""
+    schedules, JAX's ring, and the schedule "auto" would pick on a GPU of this machine's profile
+    (on CPU "auto" means no overlap), each once."""
     selected = select.select_schedule(op, shapes, dtype, n)
     out = [("jax_seq", "ref")] + [(f"ficco:{s}", s) for s in schedules]
-    # JAX's ring in FP8 would be one more set of FP8 dots for XLA to autotune (about 50 s on an H100),
-    # so FP8 runs time it in their bf16 twin only.
-    if Schedule(comm="xla", order="ring") not in schedules and not config.is_fp8(dtype):
+    if Schedule(comm="xla", order="ring") not in schedules:
         out.append(("jax_ring", Schedule(comm="xla", order="ring")))
     if selected not in schedules:
         out.append((f"ficco:{selected}", selected))
@@ -118,22 +116,17 @@ def fp8_inputs(op, shapes, dtype, mesh, seed: int = 0):
     1/sqrt(K) as a power-of-two scale, so the f32 reference of the FP8 values is exact), and
     bodies calling the op with those scales and bf16 results ("ref": JAX's dequantize-then-dot)."""
     a, w = measure.make_inputs(op, shapes, "float32", mesh, seed=seed)
-    scales = fp8_scales(shapes[0][-1])
+    w_scale = 2.0 ** -round(np.log2(np.sqrt(shapes[0][-1])))
+    scales = (1.0, w_scale)
     args = [a.astype(dtype), (w * (np.sqrt(shapes[0][-1]))).astype(dtype)]
     return args, lambda op, schedule: fp8_body(op, schedule, scales)
-
-
-def fp8_scales(k: int) -> tuple:
-    """(x_scale, w_scale) of the FP8 operands of inner dimension `k`, as f32 scalars: w carries its
-    1/sqrt(k), rounded to a power of two."""
-    return jnp.float32(1.0), jnp.float32(2.0 ** -round(np.log2(np.sqrt(k))))
 
 
 def fp8_body(op: str, schedule, scales):
     """The per-device body of the FP8 `op` under `schedule`; "ref" is the reference in plain JAX
     (the all-gather or reduce-scatter around the dequantize-then-dot, what the op's comm="none"
     schedule runs), in f32 when it is given f32 operands (the check's reference)."""
-    sx, sw = scales
+    sx, sw = (jnp.float32(s) for s in scales)
     if schedule == "ref":
         ref = api.ag_matmul_ref if op == "ag_matmul" else api.matmul_rs_ref
         return lambda a, w: ref(a, w, AXIS, x_scale=sx, w_scale=sw,

@@ -87,8 +87,9 @@ def nccl_contention(c: dict) -> tuple[float | None, str]:
     return None, "XLA ran the matmul and the NCCL transfers one after the other in both probes"
 
 
-#: What `fit_to_ops` searches: the costs no standalone probe isolates (with EXECUTOR_GEMM_GRID).
+#: What `fit_to_ops` searches: the costs no standalone probe isolates (then EXECUTOR_GEMM_GRID).
 OP_FIT_GRID = {
+    "executor_gemm_slowdown": (1.0, 1.04, 1.08, 1.12),
     "dma_call_us": (5.0, 15.0, 30.0, 60.0, 100.0),
     "dma_host_us": (60.0, 100.0, 150.0, 200.0, 300.0, 400.0),
     "dma_host_copy_us": (0.0, 5.0, 10.0, 20.0),
@@ -96,7 +97,7 @@ OP_FIT_GRID = {
     "contention_dma": (0.0, 0.04, 0.08, 0.15),
 }
 
-#: The executor's cuBLASLt chunk matmuls, searched apart on a finer grid: their slowdown against XLA's
+#: The executor's cuBLASLt chunk matmuls, refined on a finer grid: their slowdown against XLA's
 #: GEMMs and their own decomposition loss (`executor_rows_half`; XLA's `rows_half` comes from the
 #: characterization). Thin chunk matmuls lose less in cuBLASLt than a line through XLA's dot times
 #: says: on 2 x H100 (2026-11-27) two 512-row halves of a reduce-scatter's block took as long as
@@ -145,19 +146,23 @@ def op_observations(bench_result: dict) -> list[tuple]:
 def fit_to_ops(profile: dict, observations, grid=None) -> tuple[dict, float]:
     """Grid-search the profile's op-level costs (executor GEMM slowdown, copy-engine call and host
     cost, per-copy latency, contention) to minimise the RMS log error of the predicted vs measured
-    op times. The executor's matmul costs (its slowdown and decomposition loss, EXECUTOR_GEMM_GRID)
-    are searched on their own finer grid, alternating with the other costs until neither moves.
-    Returns (profile, rms log error); the profile records what it was fitted to."""
+    op times, then refine the executor's matmul costs (its slowdown and decomposition loss) on the
+    finer EXECUTOR_GEMM_GRID; the two searches alternate until neither moves (at most 4 rounds), and
+    the point with the lowest error any of them found is the fit. Returns (profile, rms log error);
+    the profile records what it was fitted to."""
     grid = grid or OP_FIT_GRID
     if not observations:
         raise ValueError("fit_to_ops: no verified op times to fit (a bench JSON with ficco and jax_seq rows)")
-    others = {k: v for k, v in grid.items() if k not in EXECUTOR_GEMM_GRID}
-    keys = [*others, *EXECUTOR_GEMM_GRID]
-    best, best_err, previous = profile, float("inf"), None
-    for _ in range(4):  # from the second round on, each search starts on its grid and only lowers the error
-        best, _ = _grid_search(best, observations, others)
-        best, best_err = _grid_search(best, observations, EXECUTOR_GEMM_GRID)
-        point = tuple(best[k] for k in keys)
+    keys = [*grid, *(k for k in EXECUTOR_GEMM_GRID if k not in grid)]
+    # Without its own, the executor's decomposition loss is XLA's: the same model, the key made explicit.
+    current = {**profile, "executor_rows_half": profile.get("executor_rows_half", profile["rows_half"])}
+    best, best_err, previous = None, float("inf"), None
+    for _ in range(4):
+        for search in (grid, EXECUTOR_GEMM_GRID):
+            current, err = _grid_search(current, observations, search)
+            if err < best_err:
+                best, best_err = current, err
+        point = tuple(current[k] for k in keys)
         if point == previous:
             break
         previous = point
