@@ -27,6 +27,11 @@ def test_bench_writes_verified_json_and_table(tmp_path):
         assert r["verified"] is True and r["rel_err"] < harness.TOLERANCE["float32"], r
         assert r["median_ms"] is not None and r["median_ms"] > 0
     for op in ("ag_matmul", "matmul_rs"):
+        # The plain path is JAX sequential's program: verified, then given that timing, not a second one.
+        seq, plain, ring = (next(r for r in timed if r["op"] == op and r["variant"] == v)
+                            for v in ("jax_seq", "ficco:none", "ficco:xla/ring/c2"))
+        assert plain["median_ms"] == seq["median_ms"] and plain["note"] == "the program of jax_seq: its timing"
+        assert ring["note"] == "" and plain["rel_err"] is not None
         ideal = next(r for r in on_disk["rows"] if r["op"] == op and r["variant"] == "ideal")
         bounds = [r["median_ms"] for r in on_disk["rows"] if r["op"] == op and r["variant"] in ("gemm_alone", "collective_alone")]
         assert ideal["median_ms"] == max(bounds)

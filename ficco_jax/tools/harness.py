@@ -76,13 +76,13 @@ def method(cpu_note: str = "NOT meaningful") -> str:
     return timing.METHOD
 
 
-def verify_then_time(row: Row, make, args, want, dtype) -> Row:
-    """Fill `row`: check `make(None)(*args)` against `want`, and only if it agrees time `make(R)`
-    (R repetitions in one jit, timing.device_time). A failing variant is reported, not fatal."""
+def verify_then_time(row: Row, make, args, want, dtype, time: bool = True) -> Row:
+    """Fill `row`: check `make(None)(*args)` against `want`, and only if it agrees (and `time`) time
+    `make(R)` (R repetitions in one jit, timing.device_time). A failing variant is reported, not fatal."""
     try:
         row.rel_err = rel_err(make(None)(*args), want)
         row.verified = row.rel_err < TOLERANCE[dtype]
-        if row.verified:
+        if row.verified and time:
             t = device_time(make, args)
             row.median_ms, row.spread_ms = t["median_s"] * 1e3, t["spread_s"] * 1e3
         else:
@@ -96,16 +96,35 @@ def verify_then_time_each(variants, mesh, args, dtype, progress, body_of=op_body
     """Measure the `(row, schedule)` pairs of one case (one op, one set of operands `args`): the
     reference is computed once in f32, then each schedule's body (`body_of(op, schedule)`, "ref":
     the plain collective then the matmul) goes through `verify_then_time`, filling its row.
-    Returns {row.variant: make}, so a caller can time a variant again."""
+    Returns {row.variant: make}, so a caller can time a variant again.
+
+    A variant whose program is one already timed (the same lowered text: the plain path is JAX
+    sequential's program) is verified and takes that timing instead of a second one, which would
+    measure only the spread between two timings of one program."""
     op = variants[0][0].op
     want = sharded(mesh, op, body_of(op, "ref"))(*[a.astype(jnp.float32) for a in args])
-    makers = {}
+    makers, timed = {}, {}  # timed: lowered program text -> the row that timed it
     for row, schedule in variants:
         progress(f"{row.op} {row.shape} {row.variant}")
         body = body_of(op, schedule)
         makers[row.variant] = lambda r, body=body: sharded(mesh, op, body, r)
-        verify_then_time(row, makers[row.variant], args, want, dtype)
+        program = _program_text(makers[row.variant], args)
+        earlier = timed.get(program)
+        verify_then_time(row, makers[row.variant], args, want, dtype, time=earlier is None)
+        if earlier is not None and row.verified:
+            row.median_ms, row.spread_ms = earlier.median_ms, earlier.spread_ms
+            row.note = f"the program of {earlier.variant}: its timing"
+        elif row.verified and program is not None:
+            timed[program] = row
     return makers
+
+
+def _program_text(make, args) -> str | None:
+    """The lowered text of `make(None)` on `args`, or None if it does not lower (verify says why)."""
+    try:
+        return make(None).lower(*args).as_text()
+    except Exception:  # noqa: BLE001 - verify_then_time reports the error on the row
+        return None
 
 
 #: How many progress steps `bound_rows` reports (GEMM alone, collective alone; the ideal is computed).
