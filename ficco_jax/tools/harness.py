@@ -3,6 +3,7 @@ against the reference before it is timed); the bound rows (GEMM alone, collectiv
 the dtypes and tolerances; and the schedules a `--schedules` argument names."""
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field, replace
 
@@ -107,7 +108,8 @@ def verify_then_time_each(variants, mesh, args, dtype, progress, body_of=op_body
     for row, schedule in variants:
         progress(f"{row.op} {row.shape} {row.variant}")
         body = body_of(op, schedule)
-        makers[row.variant] = lambda r, body=body: sharded(mesh, op, body, r)
+        # One jitted program per repeat count: the lowering read below and the check then share its trace.
+        makers[row.variant] = functools.cache(lambda r, body=body: sharded(mesh, op, body, r))
         program = _program_text(makers[row.variant], args)
         earlier = timed.get(program)
         verify_then_time(row, makers[row.variant], args, want, dtype, time=earlier is None)
