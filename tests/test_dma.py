@@ -15,7 +15,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
-from ficco_jax import dma  # noqa: E402
+from ficco_jax import config, dma  # noqa: E402
 from ficco_jax.lowering.dma import groups, registry  # noqa: E402
 from ficco_jax.runtime import extension as _ext  # noqa: E402
 from ficco_jax.schedule import Schedule  # noqa: E402
@@ -66,6 +66,9 @@ def _schedules(op, n):
 
 
 def _cases(op, dtypes):
+    """(mesh, dtype, schedule, meets): these small calls pull through their group's channel; every f32
+    point is also pushed, and pulled with host meetings (`meets`: config.CHANNEL_BYTES = 0), the
+    path of calls too large for the channel."""
     for mesh_name, mesh in MESHES.items():
         n = mesh.shape["tp"]
         for dtype in dtypes:
@@ -73,20 +76,32 @@ def _cases(op, dtypes):
                 # bf16 on the 1-D mesh only at c1/c8 to keep the suite fast.
                 if dtype == jnp.bfloat16 and mesh_name == "1d" and sched.chunks not in (1, 8):
                     continue
-                yield pytest.param(mesh_name, dtype, sched, id=f"{mesh_name}-{jnp.dtype(dtype).name}-{sched}")
-                # Every point pushed as well (f32; bf16 changes the rounding, not the indexing).
+                name = f"{mesh_name}-{jnp.dtype(dtype).name}-{sched}"
+                yield pytest.param(mesh_name, dtype, sched, False, id=name)
+                # Every point pushed and met as well (f32; bf16 changes the rounding, not the indexing).
                 if dtype == jnp.float32 and sched.transfer == "pull":
                     push = sched.replace(transfer="push")
-                    yield pytest.param(mesh_name, dtype, push, id=f"{mesh_name}-{jnp.dtype(dtype).name}-{push}")
+                    yield pytest.param(mesh_name, dtype, push, False, id=f"{mesh_name}-{jnp.dtype(dtype).name}-{push}")
+                    yield pytest.param(mesh_name, dtype, sched, True, id=f"{name}-meets")
+
+
+@pytest.fixture
+def meets(request, monkeypatch):
+    """Calls traced in the test meet their peers on the host at every call (no channel) when the
+    test's `meets` parameter is true."""
+    if request.param:
+        monkeypatch.setattr(config, "CHANNEL_BYTES", 0)
+    return request.param
 
 
 # ------------------------------------------------------------------------------------------------
 # Origin-coded, exact
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("meets", [False, True], indirect=True)
 @pytest.mark.parametrize("mesh_name", ["1d", "2d"])
 @pytest.mark.parametrize("sched", ["dma/direct/c1", "dma/ring/c2", "dma/direct/c4/s2", "dma/direct/c8/s4",
                                    "dma/direct/c1/push", "dma/direct/c4/s2/push", "dma/direct/c8/s4/push"])
-def test_all_gather_origin_coded(mesh_name, sched):
+def test_all_gather_origin_coded(mesh_name, sched, meets):
     mesh = MESHES[mesh_name]
     if mesh.shape["tp"] < 8 and "/s4" in sched:
         sched = sched.replace("/s4", "/s2")
@@ -100,10 +115,11 @@ def test_all_gather_origin_coded(mesh_name, sched):
     np.testing.assert_array_equal(out[: 8 * n] // 1000, np.repeat(np.arange(n), 8)[:, None] * np.ones((1, 3)))
 
 
+@pytest.mark.parametrize("meets", [False, True], indirect=True)
 @pytest.mark.parametrize("mesh_name", ["1d", "2d"])
 @pytest.mark.parametrize("sched", ["dma/direct/c1", "dma/direct/c2/grouped/s2", "dma/direct/c4/s2",
                                    "dma/direct/c1/push", "dma/direct/c2/grouped/s2/push", "dma/direct/c4/push"])
-def test_matmuls_origin_coded(mesh_name, sched):
+def test_matmuls_origin_coded(mesh_name, sched, meets):
     """With w = identity both ops are exact in f32: out = gathered rows, and sums of coded blocks."""
     mesh = MESHES[mesh_name]
     n = mesh.shape["tp"]
@@ -126,8 +142,9 @@ def test_matmuls_origin_coded(mesh_name, sched):
 # ------------------------------------------------------------------------------------------------
 # Every dma schedule, random f32 / bf16
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("mesh_name,dtype,sched", list(_cases("ag_matmul", (jnp.float32, jnp.bfloat16))))
-def test_ag_matmul_every_schedule(mesh_name, dtype, sched, rng):
+@pytest.mark.parametrize("mesh_name,dtype,sched,meets", list(_cases("ag_matmul", (jnp.float32, jnp.bfloat16))),
+                         indirect=["meets"])
+def test_ag_matmul_every_schedule(mesh_name, dtype, sched, meets, rng):
     mesh = MESHES[mesh_name]
     n, m, k, cols = mesh.shape["tp"], 16, 24, 8
     x = jnp.asarray(rng.standard_normal((mesh.devices.size * m, k)), dtype)
@@ -146,8 +163,9 @@ def test_ag_matmul_every_schedule(mesh_name, dtype, sched, rng):
     assert max_rel_err(out, out_ref) < TOLERANCE[dtype], sched
 
 
-@pytest.mark.parametrize("mesh_name,dtype,sched", list(_cases("matmul_rs", (jnp.float32, jnp.bfloat16))))
-def test_matmul_rs_every_schedule(mesh_name, dtype, sched, rng):
+@pytest.mark.parametrize("mesh_name,dtype,sched,meets", list(_cases("matmul_rs", (jnp.float32, jnp.bfloat16))),
+                         indirect=["meets"])
+def test_matmul_rs_every_schedule(mesh_name, dtype, sched, meets, rng):
     mesh = MESHES[mesh_name]
     n, m, inner, k = mesh.shape["tp"], 8, 12, 16
     y = jnp.asarray(rng.standard_normal((mesh.devices.size * n * m, inner)), dtype)
@@ -278,7 +296,8 @@ def _direct_all_gather(groups, x):
     return call(x, op_id=np.int64(10**9), groups=flat, local_ordinals=flat, ipc_job=np.int64(0), group_size=np.int64(n),
                 chunks=np.int64(2), order=np.int64(1), gemm=np.int64(0), copy_streams=np.int64(2),
                 timeout_ms=np.int64(5000), watchdog_ms=np.int64(0), site="test_dma.py",
-                skip_own_rows=np.int64(0), transfer=np.int64(0), w_col_major=np.int64(0))
+                skip_own_rows=np.int64(0), transfer=np.int64(0), w_col_major=np.int64(0),
+                channel_bytes=np.int64(1 << 20))
 
 
 def test_direct_ffi_target():
@@ -570,11 +589,12 @@ def test_raw_matmuls_under_vmap_fold_into_rows(in_axis, rng):
 # ------------------------------------------------------------------------------------------------
 # The host's part of a call
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("sched", ["dma/direct/c2", "dma/direct/c2/push"])
-def test_a_call_meets_its_group_twice_and_gives_its_events_back(sched):
-    """In one process a call waits for its group on the host twice (exchange, then done or pushed):
-    the release of its events is an announcement nobody waits for. Run after run, the events go
-    back to the pool once every rank has announced, so the pool stops growing."""
+@pytest.mark.parametrize("sched,meets", [("dma/direct/c2", True), ("dma/direct/c2/push", False)], indirect=["meets"])
+def test_a_call_meets_its_group_twice_and_gives_its_events_back(sched, meets):
+    """In one process a call off its group's channel (a push, or any call with config.CHANNEL_BYTES = 0)
+    waits for its group on the host twice (exchange, then done or pushed): the release of its events
+    is an announcement nobody waits for. Run after run, the events go back to the pool once every
+    rank has announced, so the pool stops growing."""
     testing = _ext.testing()
     mesh = MESHES["1d"]
     n = mesh.shape["tp"]
@@ -603,6 +623,75 @@ def test_a_call_meets_its_group_twice_and_gives_its_events_back(sched):
     # of the last announcement, so the pool holds the events of the few runs in flight at most.
     per_run = n * ((n - 1) * 2 + 1)
     assert made[1] - made[0] < 20 * per_run, made
+
+
+@pytest.mark.parametrize("op", ["all_gather", "reduce_scatter", "all_to_all", "ag_matmul", "matmul_rs"])
+def test_a_channel_call_meets_nobody_after_its_group_set_the_channel_up(op, rng):
+    """A small pull runs on its group's channel: the group meets once, at its first call, to set the
+    channel up; then no call meets, each owner sets its ready words and each reader its done words,
+    and waits for its peers' (runtime/channel.h). The events go back to the pool without any
+    announcement, so it stops growing."""
+    testing = _ext.testing()
+    mesh = Mesh(np.array(jax.devices()[:4]), ("tp",))
+    n, m, k = 4, 8, 6
+    sched = Schedule.parse("dma/direct/c2/s2")
+    x = jnp.asarray(rng.standard_normal((n * n * m, k)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((k * n, 5)), jnp.float32)
+    bodies = {
+        "all_gather": (lambda a, b: dma.all_gather(a, "tp", schedule=sched),
+                       lambda a, b: jax.lax.all_gather(a, "tp", tiled=True)),
+        "reduce_scatter": (lambda a, b: dma.reduce_scatter(a, "tp", schedule=sched),
+                           lambda a, b: jax.lax.psum_scatter(a, "tp", tiled=True)),
+        "all_to_all": (lambda a, b: dma.all_to_all(a, "tp", 0, 0, schedule=sched),
+                       lambda a, b: jax.lax.all_to_all(a, "tp", 0, 0, tiled=True)),
+        "ag_matmul": (lambda a, b: dma.ag_matmul_dma(a, b[:k], "tp", sched)[0],
+                      lambda a, b: jax.lax.all_gather(a, "tp", tiled=True) @ b[:k]),
+        "matmul_rs": (lambda a, b: dma.matmul_rs_dma(a, b, "tp", sched),
+                      lambda a, b: jax.lax.psum_scatter(a @ b, "tp", tiled=True)),
+    }
+    wspec = P("tp", None) if op == "matmul_rs" else P()
+    f, f_ref = (jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), wspec), out_specs=P("tp")))
+                for body in bodies[op])
+    ref = np.asarray(f_ref(x, w))
+    before = testing.host_meetings()
+    assert max_rel_err(f(x, w), ref) < 1e-5
+    # The channel's setup, unless an earlier call of this group made one large enough.
+    assert testing.host_meetings() - before in (0, n)
+    calls_before, before = testing.backend_calls(), testing.host_meetings()
+    made = [testing.events_made()]
+    for _ in range(50):
+        assert max_rel_err(f(x, w), ref) < 1e-5
+    calls = {key: value - calls_before[key] for key, value in testing.backend_calls().items()}
+    made.append(testing.events_made())
+    assert testing.host_meetings() == before
+    # Every reader sets one done word per owner, every owner at least one ready word per reader.
+    assert calls["set_word"] >= 50 * 2 * n * (n - 1), calls
+    assert calls["wait_word"] >= 50 * n * (n - 1), calls
+    assert made[1] - made[0] < 20 * n * ((n - 1) * 2 + 2), made
+
+
+def test_a_larger_call_grows_the_channel_and_every_size_stays_right(rng):
+    """A call whose data outgrows the channel's regions makes a new generation (one meeting of the
+    group); smaller calls then fit it, and one beyond config.CHANNEL_BYTES meets at every call."""
+    testing = _ext.testing()
+    mesh = Mesh(np.array(jax.devices()[4:8]), ("tp",))
+
+    def gather(rows):
+        x = jnp.asarray(rng.standard_normal((4 * rows, 16)), jnp.float32)
+        f = jax.jit(jax.shard_map(lambda a: dma.all_gather(a, "tp", schedule="dma/direct/c1"), mesh=mesh,
+                                  in_specs=P("tp"), out_specs=P("tp")))
+        ref = np.tile(np.asarray(x), (4, 1))
+        before = testing.host_meetings()
+        np.testing.assert_array_equal(np.asarray(f(x)), ref)
+        first = testing.host_meetings() - before
+        np.testing.assert_array_equal(np.asarray(f(x)), ref)
+        return first, testing.host_meetings() - before - first
+
+    assert gather(8) == (4, 0)        # 512 B: the channel is set up
+    assert gather(256) == (4, 0)      # 16 KiB: a larger generation
+    assert gather(8) == (0, 0)        # fits the larger one
+    big = config.CHANNEL_BYTES // (16 * 4) * 2  # rows of twice the channel's limit
+    assert gather(big) == (8, 8)      # meets at every call: exchange and done
 
 
 def _backend_calls(f, *args):

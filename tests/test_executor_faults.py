@@ -180,7 +180,8 @@ def test_a_waiting_rank_names_the_op_group_and_missing_ranks():
                     group_size=np.int64(8), chunks=np.int64(1),
                     order=np.int64(1), gemm=np.int64(0), copy_streams=np.int64(1),
                     timeout_ms=np.int64(int(TIMEOUT_S * 1000)), watchdog_ms=np.int64(0), site="test",
-                    skip_own_rows=np.int64(0), transfer=np.int64(0), w_col_major=np.int64(0))
+                    skip_own_rows=np.int64(0), transfer=np.int64(0), w_col_major=np.int64(0),
+                    channel_bytes=np.int64(0))
 
     f = jax.jit(jax.shard_map(gather, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False))
     x = jnp.zeros((4 * 2, 3), jnp.float32)

@@ -52,10 +52,14 @@ def test_trace_op_with_jax_profiler_and_its_timeline(tmp_path):
     assert any(re.match(r"\s+\d+ x +[\d.]+ us = +[\d.]+ us ", line) for line in lines), lines[:20]
 
 
-def test_host_time_splits_a_call_into_handler_and_meetings(tmp_path):
-    # benchmarks/suites/host_time.py on 2 CPU devices: every handler counted, meetings inside it.
+@pytest.mark.parametrize("channel", [True, False])
+def test_host_time_splits_a_call_into_handler_and_meetings(tmp_path, channel):
+    # benchmarks/suites/host_time.py on 2 CPU devices: every handler counted, meetings inside it; on
+    # the group's channel (the default for a call this small) no meetings, words instead.
     root = os.path.join(os.path.dirname(__file__), "..")
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    if not channel:
+        env["FICCO_CHANNEL_BYTES"] = "0"
     out = tmp_path / "host_time.json"
     run = subprocess.run([sys.executable, "benchmarks/suites/host_time.py", "matmul_rs", "dma/direct/c2", "16", "8", "16",
                           "--iters", "3", "--launches", "2", "--out", str(out)], cwd=root, env=env,
@@ -63,10 +67,17 @@ def test_host_time_splits_a_call_into_handler_and_meetings(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads(out.read_text())
     assert result["handlers"] == 2 * 3 * 2, result  # devices x iterations x launches
-    assert 0 < result["meeting_us"] < result["handler_us"], result
     # c2 on 2 devices, per call and device: a copy per chunk, two send matmuls and the own block's two
     # halves, whose epilogues add the received partial (no sum), the watchdog's two marks.
     calls = {kind: b["calls"] for kind, b in result["backend_us"].items()}
     assert calls["copy"] == 2 and calls["gemm"] == 4 and calls["reduce"] == 0 and calls["mark"] == 2, calls
+    if channel:
+        # Two ready words set as the send chunks are written and waited for by the peer, one done word
+        # set after the pulls, and one waited for before this call writes its region again.
+        assert result["meeting_us"] == 0, result
+        assert calls["set_word"] == 3 and calls["wait_word"] == 3, calls
+    else:
+        assert 0 < result["meeting_us"] < result["handler_us"], result
+        assert calls["set_word"] == 0 and calls["wait_word"] == 0, calls
     assert result["other_us"] > 0, result
     assert "per call and device, handler" in run.stdout and "backend calls per call and device" in run.stdout

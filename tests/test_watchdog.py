@@ -1,5 +1,5 @@
 """The watchdog: a copy-engine call whose wait cannot complete is reported on stderr — op, where it
-was written, schedule, device, rank, and the peer event it waits for — and the process ends; a
+was written, schedule, device, rank, and the peer event or channel word it waits for — and the process ends; a
 healthy program is never reported. The stalls are injected ("stall:<rank>", the extension's
 test-only inject_fault: the events that rank records on XLA's stream never complete) in a child
 process, since the watchdog ends it.
@@ -25,9 +25,12 @@ WATCHDOG_S = 1.0
 DEADLINE_S = 90
 
 
-def run_program(op, schedule, *extra, fault="stall:1", watchdog_s=WATCHDOG_S, devices=4, timeout=DEADLINE_S):
+def run_program(op, schedule, *extra, fault="stall:1", watchdog_s=WATCHDOG_S, devices=4, timeout=DEADLINE_S,
+                channel_bytes=None):
     env = {**os.environ, "FICCO_WATCHDOG_S": str(watchdog_s),
            "FICCO_RENDEZVOUS_TIMEOUT_S": "120"}  # the host meetings must not end the stall first
+    if channel_bytes is not None:
+        env["FICCO_CHANNEL_BYTES"] = str(channel_bytes)
     start = time.monotonic()
     done = subprocess.run([sys.executable, PROGRAM, op, schedule, "--fault", fault, "--cpu", "--devices", str(devices),
                            *extra],
@@ -35,16 +38,18 @@ def run_program(op, schedule, *extra, fault="stall:1", watchdog_s=WATCHDOG_S, de
     return done, time.monotonic() - start
 
 
-@pytest.mark.parametrize("op, schedule, target", [
-    ("ag_matmul", "dma/direct/c2", "ficco_ag_matmul"),
-    ("ag_matmul", "dma/ring/c4/grouped", "ficco_ag_matmul"),
-    ("matmul_rs", "dma/direct/c2/grouped/s2", "ficco_matmul_rs"),
-    ("matmul_rs", "dma/direct/c2/push", "ficco_matmul_rs"),
-    ("all_gather", "dma/direct/c1", "ficco_all_gather"),
-    ("overlap", "dma/direct/c2", "ficco_ag_matmul"),
+@pytest.mark.parametrize("op, schedule, target, channel", [
+    ("ag_matmul", "dma/direct/c2", "ficco_ag_matmul", True),
+    ("ag_matmul", "dma/direct/c2", "ficco_ag_matmul", False),
+    ("ag_matmul", "dma/ring/c4/grouped", "ficco_ag_matmul", True),
+    ("matmul_rs", "dma/direct/c2/grouped/s2", "ficco_matmul_rs", True),
+    ("matmul_rs", "dma/direct/c2/grouped/s2", "ficco_matmul_rs", False),
+    ("matmul_rs", "dma/direct/c2/push", "ficco_matmul_rs", False),  # pushes always meet
+    ("all_gather", "dma/direct/c1", "ficco_all_gather", True),
+    ("overlap", "dma/direct/c2", "ficco_ag_matmul", True),
 ])
-def test_a_stalled_peer_is_reported_and_ends_the_process(op, schedule, target):
-    done, _ = run_program(op, schedule)
+def test_a_stalled_peer_is_reported_and_ends_the_process(op, schedule, target, channel):
+    done, _ = run_program(op, schedule, channel_bytes=None if channel else 0)
     assert done.returncode == -signal.SIGABRT, (done.returncode, done.stderr[-3000:])
     assert "calling" in done.stdout and "result" not in done.stdout
     err = done.stderr
@@ -56,8 +61,13 @@ def test_a_stalled_peer_is_reported_and_ends_the_process(op, schedule, target):
         with open(PROGRAM) as fh:
             line = next(i for i, text in enumerate(fh, 1) if "the site overlap rewrites" in text)
         assert int(head.group(5)) == line, (line, head.group(0))
-    # The stalled rank's event is named, by rank, device and phase, for the ranks that wait on it.
-    assert re.search(r"waits for rank 1 \(device 1\): event \d+ of its 'exchange' post, not complete", err), err
+    # What the ranks wait for of the stalled rank is named: its event, by rank, device and phase, or
+    # on the group's channel its word, with the value awaited and the value it holds.
+    if channel:
+        assert re.search(r"waits for rank 1 \(device 1\): its 'ready' word 0 of the group's channel to reach "
+                         r"(\d+), it holds (\d+)", err), err
+    else:
+        assert re.search(r"waits for rank 1 \(device 1\): event \d+ of its 'exchange' post, not complete", err), err
     assert "ending the process" in err and "FICCO_WATCHDOG_S" in err
 
 

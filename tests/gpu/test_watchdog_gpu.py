@@ -1,6 +1,7 @@
-"""The watchdog on GPUs: a peer whose events never complete (the injected fault "stall:1")
-leaves the other GPU's copy streams waiting; the watchdog names the op, schedule, device, rank and
-that event on stderr and ends the process instead of letting it hang. The same program as
+"""The watchdog on GPUs: a peer whose events never complete and whose channel words are never set
+(the injected fault "stall:1") leaves the other GPU's streams waiting; the watchdog names the op,
+schedule, device, rank and that event or word on stderr and ends the process instead of letting it
+hang. The same program as
 tests/test_watchdog.py, on every visible GPU (one child process each case)."""
 import os
 import re
@@ -27,5 +28,7 @@ def test_a_stalled_peer_is_reported_and_ends_the_process(op, schedule):
     assert "result" not in done.stdout
     assert re.search(rf"ficco_jax watchdog: op \d+ \(ficco_{op}\), {re.escape(schedule)}, on device \d+: rank \d+ "
                      r"of group \[[\d, ]+\], written at watchdog_program\.py:\d+", done.stderr), done.stderr[-3000:]
-    assert re.search(r"waits for rank 1 \(device \d+\): event \d+ of its 'exchange' post, not complete",
-                     done.stderr), done.stderr[-3000:]
+    # The pulls run on their group's channel (a word of the stalled rank), the push meets (its event).
+    waited = (r"event \d+ of its 'exchange' post, not complete" if "push" in schedule
+              else r"its 'ready' word 0 of the group's channel to reach \d+, it holds \d+")
+    assert re.search(r"waits for rank 1 \(device \d+\): " + waited, done.stderr), done.stderr[-3000:]

@@ -67,6 +67,19 @@ class Backend {
   // `stream` waits for `event` (possibly recorded on another device).
   virtual ffi::Error Wait(int stream, Event event) = 0;
   virtual ffi::Error Copy(int stream, void* dst, const void* src, size_t bytes) = 0;
+  // Words: 32-bit counters in host memory that every device of the process reads and writes (the
+  // group channels of runtime/channel.h). `count` of them, zeroed; never freed.
+  virtual ffi::Error AllocateWords(int64_t count, uint32_t** words) = 0;
+  // `bytes` of this device's memory that every device of the process can read; never freed.
+  virtual ffi::Error AllocateRegion(int64_t bytes, void** region) = 0;
+  // `stream` writes `value` into `word` once its earlier work is done, after a fence that makes that
+  // work's writes visible to every device first.
+  virtual ffi::Error SetWord(int stream, uint32_t* word, uint32_t value) = 0;
+  // `stream`'s later work waits until `word` reaches `value` (cyclically: (int32_t)(word - value) >= 0).
+  // On CUDA the device waits, for as long as it takes (the watchdog reports one that never ends); on
+  // CPU the calling thread waits at most the call's timeout, then returns an error whose message is
+  // kWordTimedOut (the executor says whose word it was).
+  virtual ffi::Error WaitWord(int stream, const uint32_t* word, uint32_t value) = 0;
   virtual ffi::Error Gemm(const GemmProblem& problem) = 0;       // on the compute stream
   virtual ffi::Error Reduce(const ReduceProblem& problem) = 0;   // on the compute stream
   // This call's events may be re-recorded once its device work is done. Called only after the
@@ -83,6 +96,15 @@ class Backend {
   // The pool this device's events come from.
   virtual EventPool& Pool() = 0;
 };
+
+// WaitWord's error message when a CPU backend gave up waiting.
+inline constexpr const char* kWordTimedOut = "word wait timed out";
+
+// Whether `word` has reached `value`, as WaitWord compares: cyclically, so that counting past 2^32
+// keeps working.
+inline bool WordReached(uint32_t word, uint32_t value) { return static_cast<int32_t>(word - value) >= 0; }
+// A word as the host reads it while devices write it.
+inline uint32_t ReadWord(const uint32_t* word) { return __atomic_load_n(word, __ATOMIC_ACQUIRE); }
 
 }  // namespace ficco
 

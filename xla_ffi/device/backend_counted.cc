@@ -1,5 +1,5 @@
 // CountCalls (device/backends.h): how often, and for how long on the host, the executor asks a
-// backend to record, wait, copy, multiply and sum.
+// backend to record, wait, copy, multiply, sum, and set and wait for words.
 #include <utility>
 
 #include "base/timed.h"
@@ -9,7 +9,7 @@ namespace ficco {
 namespace {
 
 struct Counters {
-  TimedCount record, mark, wait, copy, gemm, reduce;
+  TimedCount record, mark, wait, copy, gemm, reduce, set_word, wait_word;
 };
 Counters& Totals() {
   static Counters totals;
@@ -40,6 +40,16 @@ class CountedBackend final : public Backend {
     TimeSection timed(Totals().copy);
     return inner_->Copy(stream, dst, src, bytes);
   }
+  ffi::Error AllocateWords(int64_t count, uint32_t** words) override { return inner_->AllocateWords(count, words); }
+  ffi::Error AllocateRegion(int64_t bytes, void** region) override { return inner_->AllocateRegion(bytes, region); }
+  ffi::Error SetWord(int stream, uint32_t* word, uint32_t value) override {
+    TimeSection timed(Totals().set_word);
+    return inner_->SetWord(stream, word, value);
+  }
+  ffi::Error WaitWord(int stream, const uint32_t* word, uint32_t value) override {
+    TimeSection timed(Totals().wait_word);
+    return inner_->WaitWord(stream, word, value);
+  }
   ffi::Error Gemm(const GemmProblem& problem) override {
     TimeSection timed(Totals().gemm);
     return inner_->Gemm(problem);
@@ -66,7 +76,8 @@ std::unique_ptr<Backend> CountCalls(std::unique_ptr<Backend> backend) {
 
 BackendCalls BackendCallTotals() {
   const Counters& c = Totals();
-  return {Read(c.record), Read(c.mark), Read(c.wait), Read(c.copy), Read(c.gemm), Read(c.reduce)};
+  return {Read(c.record), Read(c.mark), Read(c.wait),   Read(c.copy),
+          Read(c.gemm),   Read(c.reduce), Read(c.set_word), Read(c.wait_word)};
 }
 
 }  // namespace ficco

@@ -2,6 +2,8 @@
 #include <chrono>
 #include <memory>
 #include <mutex>
+#include <new>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -60,7 +62,8 @@ class HostEventPool final : public EventPool {
 
 class CpuBackend final : public Backend {
  public:
-  CpuBackend(const CallContext& ctx, EventPool& pool) : ctx_(ctx), pool_(static_cast<HostEventPool&>(pool)) {}
+  CpuBackend(const CallContext& ctx, EventPool& pool, double timeout_s)
+      : ctx_(ctx), pool_(static_cast<HostEventPool&>(pool)), timeout_s_(timeout_s) {}
 
   ffi::Error Prepare(int, const std::vector<int>&) override { return ffi::Error::Success(); }
   ffi::Error Record(int, Event* event) override {
@@ -86,6 +89,29 @@ class CpuBackend final : public Backend {
     CopyChunkHost(dst, src, bytes);
     return ffi::Error::Success();
   }
+  ffi::Error AllocateWords(int64_t count, uint32_t** words) override {
+    *words = new (std::nothrow) uint32_t[count]();
+    if (*words == nullptr) return MakeError(ctx_, "out of host memory for " + std::to_string(count) + " words");
+    return ffi::Error::Success();
+  }
+  ffi::Error AllocateRegion(int64_t bytes, void** region) override {
+    *region = new (std::nothrow) char[bytes];
+    if (*region == nullptr) return MakeError(ctx_, "out of host memory for a region of " + std::to_string(bytes) + " bytes");
+    return ffi::Error::Success();
+  }
+  ffi::Error SetWord(int, uint32_t* word, uint32_t value) override {
+    __atomic_store_n(word, value, __ATOMIC_RELEASE);
+    return ffi::Error::Success();
+  }
+  // The peer that sets the word is another thread: poll, as Wait does, until the timeout.
+  ffi::Error WaitWord(int, const uint32_t* word, uint32_t value) override {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s_);
+    while (!WordReached(ReadWord(word), value)) {
+      if (std::chrono::steady_clock::now() > deadline) return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, kWordTimedOut);
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+    return ffi::Error::Success();
+  }
   ffi::Error Gemm(const GemmProblem& problem) override {
     GemmHost(problem);
     return ffi::Error::Success();
@@ -105,6 +131,7 @@ class CpuBackend final : public Backend {
  private:
   CallContext ctx_;
   HostEventPool& pool_;
+  const double timeout_s_;  // the longest WaitWord waits
   std::vector<Event> acquired_;
   bool reusable_ = false;
 };
@@ -113,8 +140,8 @@ class CpuBackend final : public Backend {
 
 std::unique_ptr<EventPool> MakeHostEventPool() { return std::make_unique<HostEventPool>(); }
 
-std::unique_ptr<Backend> MakeCpuBackend(const CallContext& ctx, EventPool& pool) {
-  return std::make_unique<CpuBackend>(ctx, pool);
+std::unique_ptr<Backend> MakeCpuBackend(const CallContext& ctx, EventPool& pool, double timeout_s) {
+  return std::make_unique<CpuBackend>(ctx, pool, timeout_s);
 }
 
 }  // namespace ficco

@@ -61,6 +61,22 @@ class CudaBackend final : public Backend {
     return ffi::Error::Success();
   }
 
+  ffi::Error AllocateWords(int64_t count, uint32_t** words) override {
+    return CudaDevice::AllocateWords(ctx_, count, words);
+  }
+
+  ffi::Error AllocateRegion(int64_t bytes, void** region) override {
+    return device_.AllocateRegion(ctx_, bytes, region);
+  }
+
+  ffi::Error SetWord(int stream, uint32_t* word, uint32_t value) override {
+    return CudaDevice::SetWord(ctx_, StreamOf(stream), word, value);
+  }
+
+  ffi::Error WaitWord(int stream, const uint32_t* word, uint32_t value) override {
+    return CudaDevice::WaitWord(ctx_, StreamOf(stream), word, value);
+  }
+
   ffi::Error Gemm(const GemmProblem& problem) override {
     const CallContext& ctx = ctx_;
     FICCO_CHECK_CUDA(resources_->gemm_plans->Run(problem, resources_->lt, resources_->workspace,

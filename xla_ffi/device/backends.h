@@ -20,8 +20,9 @@ namespace ficco {
 // every CPU device of the process (the registry owns it).
 std::unique_ptr<EventPool> MakeHostEventPool();
 
-// Everything runs at once, in issue order; its events come from `pool` (MakeHostEventPool).
-std::unique_ptr<Backend> MakeCpuBackend(const CallContext& ctx, EventPool& pool);
+// Everything runs at once, in issue order; its events come from `pool` (MakeHostEventPool). A word
+// wait gives up after `timeout_s`.
+std::unique_ptr<Backend> MakeCpuBackend(const CallContext& ctx, EventPool& pool, double timeout_s);
 
 // `backend`, counting each record, wait, copy, matmul and sum it is asked for and the host time it
 // takes (a CUDA backend's driver calls, a CPU backend's whole work), summed over the process in
@@ -31,7 +32,7 @@ struct BackendCalls {
   struct Kind {
     int64_t calls = 0, ns = 0;
   };
-  Kind record, mark, wait, copy, gemm, reduce;
+  Kind record, mark, wait, copy, gemm, reduce, set_word, wait_word;
 };
 BackendCalls BackendCallTotals();
 

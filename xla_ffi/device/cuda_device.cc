@@ -2,8 +2,12 @@
 #include "device/cuda_device.h"
 
 #include <chrono>
+#include <cstring>
+#include <mutex>
 #include <string>
 #include <thread>
+
+#include <cuda.h>
 
 namespace ficco {
 
@@ -95,6 +99,79 @@ void CUDART_CB NeverReturn(void*) {
 ffi::Error CudaDevice::BlockForever(const CallContext& ctx, cudaStream_t stream) {
   FICCO_CHECK_CUDA(cudaLaunchHostFunc(stream, NeverReturn, nullptr));
   return ffi::Error::Success();
+}
+
+ffi::Error CudaDevice::AllocateRegion(const CallContext& ctx, int64_t bytes, void** region) {
+  std::lock_guard<std::mutex> lock(mu_);
+  FICCO_CHECK_CUDA(cudaSetDevice(ordinal_));
+  FICCO_CHECK_CUDA(cudaMalloc(region, static_cast<size_t>(bytes)));
+  return ffi::Error::Success();
+}
+
+ffi::Error CudaDevice::AllocateWords(const CallContext& ctx, int64_t count, uint32_t** words) {
+  void* host = nullptr;
+  FICCO_CHECK_CUDA(cudaHostAlloc(&host, static_cast<size_t>(count) * sizeof(uint32_t),
+                                 cudaHostAllocPortable | cudaHostAllocMapped));
+  std::memset(host, 0, static_cast<size_t>(count) * sizeof(uint32_t));
+  void* mapped = nullptr;
+  FICCO_CHECK_CUDA(cudaHostGetDevicePointer(&mapped, host, 0));
+  if (mapped != host) {
+    return MakeError(ctx, "pinned host memory is mapped at another address on the device: the group channels need "
+                          "unified addressing (set FICCO_CHANNEL_BYTES=0 to meet on the host instead)");
+  }
+  *words = static_cast<uint32_t*>(host);
+  return ffi::Error::Success();
+}
+
+namespace {
+
+// cuStreamWriteValue32 and cuStreamWaitValue32 from the driver, through the runtime's entry-point
+// query (linking libcuda would stop the extension from loading where there is no driver).
+using StreamValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+struct StreamMemOps {
+  StreamValue32Fn write = nullptr, wait = nullptr;
+  cudaError_t status = cudaSuccess;
+};
+
+const StreamMemOps& MemOps() {
+  static std::once_flag once;
+  static StreamMemOps ops;
+  std::call_once(once, [] {
+    for (auto [name, fn] : {std::pair{"cuStreamWriteValue32", &ops.write}, std::pair{"cuStreamWaitValue32", &ops.wait}}) {
+      void* entry = nullptr;
+      cudaDriverEntryPointQueryResult result;
+      cudaError_t found = cudaGetDriverEntryPointByVersion(name, &entry, 12000, cudaEnableDefault, &result);
+      if (found == cudaSuccess && result != cudaDriverEntryPointSuccess) found = cudaErrorSymbolNotFound;
+      if (found != cudaSuccess) ops.status = found;
+      *fn = reinterpret_cast<StreamValue32Fn>(entry);
+    }
+  });
+  return ops;
+}
+
+ffi::Error MemOpResult(const CallContext& ctx, const char* what, CUresult result) {
+  if (result == CUDA_SUCCESS) return ffi::Error::Success();
+  return MakeError(ctx, std::string(what) + " failed: CUresult " + std::to_string(static_cast<int>(result)));
+}
+
+}  // namespace
+
+ffi::Error CudaDevice::SetWord(const CallContext& ctx, cudaStream_t stream, uint32_t* word, uint32_t value) {
+  const StreamMemOps& ops = MemOps();
+  if (ops.write == nullptr) {
+    return MakeError(ctx, std::string("the driver's stream memory operations are unavailable: ") + cudaGetErrorName(ops.status));
+  }
+  return MemOpResult(ctx, "cuStreamWriteValue32",
+                     ops.write(stream, reinterpret_cast<CUdeviceptr>(word), value, CU_STREAM_WRITE_VALUE_DEFAULT));
+}
+
+ffi::Error CudaDevice::WaitWord(const CallContext& ctx, cudaStream_t stream, const uint32_t* word, uint32_t value) {
+  const StreamMemOps& ops = MemOps();
+  if (ops.wait == nullptr) {
+    return MakeError(ctx, std::string("the driver's stream memory operations are unavailable: ") + cudaGetErrorName(ops.status));
+  }
+  return MemOpResult(ctx, "cuStreamWaitValue32",
+                     ops.wait(stream, reinterpret_cast<CUdeviceptr>(word), value, CU_STREAM_WAIT_VALUE_GEQ));
 }
 
 CudaResources* CudaDevice::resources() {

@@ -80,6 +80,16 @@ class CudaDevice final : public EventPool {
   ffi::Error BlockForever(const CallContext& ctx, cudaStream_t stream);
   // The resources Prepare made (nullptr before the first Prepare).
   CudaResources* resources();
+  // A region of `bytes` of this device's memory, for the group channels (runtime/channel.h).
+  ffi::Error AllocateRegion(const CallContext& ctx, int64_t bytes, void** region);
+
+  // Words (device/backend.h): pinned host memory mapped into every device, at the same address
+  // on host and devices (unified addressing).
+  static ffi::Error AllocateWords(const CallContext& ctx, int64_t count, uint32_t** words);
+  // The stream memory operations of the driver: `stream` writes `value` to `word` after its earlier
+  // work, behind a fence; or waits until (int32_t)(word - value) >= 0.
+  static ffi::Error SetWord(const CallContext& ctx, cudaStream_t stream, uint32_t* word, uint32_t value);
+  static ffi::Error WaitWord(const CallContext& ctx, cudaStream_t stream, const uint32_t* word, uint32_t value);
 
  private:
   const int ordinal_;

@@ -104,7 +104,7 @@ ffi::Error Gather::Pull(CallSession& session, const Exposure& exposure, Event en
   std::vector<Post> posts;
   FICCO_RETURN_IF_ERROR(session.Exchange(backend_, exposure, &posts));
   return PullChunks(
-      backend_, config_, posts, entry, [&](int slot, int64_t) { return posts[config_.SourceOfSlot(slot)].events[0]; },
+      backend_, config_, posts, entry, [&](int slot, int64_t) { return ReadyOf(posts[config_.SourceOfSlot(slot)], 0); },
       [&](int stream, int peer, const Post& post, int, int64_t j) {
         return CopyBlockChunk(backend_, config_, a_.layout, stream, post.buffer, SourceBlock(config_.rank),
                               a_.received, peer, j);
@@ -116,7 +116,7 @@ ffi::Error Gather::Pull(CallSession& session, const Exposure& exposure, Event en
 // entered the call (its `ready` doubles as entry) and x is valid (our `ready`).
 ffi::Error Gather::Push(CallSession& session, Event ready, std::vector<std::vector<Event>>* landed) {
   auto push = [&](const std::vector<Post>& targets, std::vector<std::vector<Event>>* pushed) {
-    return PushChunks(backend_, config_, targets, [&](int, int64_t) { return ready; },
+    return PushChunks(backend_, config_, targets, [&](int, int64_t) { return Ready(ready); },
                       [&](int stream, int target, const Post& post, int, int64_t j) {
                         return CopyBlockChunk(backend_, config_, a_.layout, stream, a_.x, SourceBlock(target),
                                               Destination(post, 0), config_.rank, j);

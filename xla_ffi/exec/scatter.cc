@@ -24,7 +24,7 @@ class Scatter {
   // else our output's block of that rank.
   void* Landing() const { return reduce_ ? a_.recv : a_.out; }
   int64_t LandingBlock(int slot, int peer) const { return reduce_ ? slot : peer; }
-  ffi::Error Produce(void* send, std::vector<Event>* written);
+  ffi::Error Produce(CallSession& session, void* send, std::vector<Event>* written);
   ffi::Error Pull(CallSession& session, const void* send, Event entry, const std::vector<Event>& exposed,
                   std::vector<std::vector<Event>>* landed);
   ffi::Error Push(CallSession& session, const void* send, Event entry, const std::vector<Event>& exposed,
@@ -46,6 +46,10 @@ class Scatter {
   LandedEvents Marks() const {
     return reduce_ && !SumsWholeBlock() ? LandedEvents::kPerChunk : LandedEvents::kPerSlot;
   }
+  // The parts of the send slots as peers read them (staged, or published on a channel): a reduce's
+  // blocks have one group, so each (slot, chunk) is a contiguous piece; an expert block's chunks are
+  // strided rows of every group, so its pieces are whole slots.
+  int64_t SendPieces() const { return reduce_ ? (config_.n() - 1) * config_.chunks : config_.n() - 1; }
 
   Backend& backend_;
   const OpConfig& config_;
@@ -67,9 +71,9 @@ ffi::Error Scatter::Run(CallSession& session) {
   FICCO_RETURN_IF_ERROR(backend_.Record(Backend::kCompute, &entry));
   if (matmul_) {
     void* in_place = nullptr;
-    FICCO_RETURN_IF_ERROR(session.StageInPlace(backend_, (config_.n() - 1) * layout_.Block(), &in_place));
+    FICCO_RETURN_IF_ERROR(session.StageInPlace(backend_, (config_.n() - 1) * layout_.Block(), SendPieces(), &in_place));
     if (in_place != nullptr) send = in_place;
-    FICCO_RETURN_IF_ERROR(Produce(send, &exposed));
+    FICCO_RETURN_IF_ERROR(Produce(session, send, &exposed));
   } else {
     exposed.assign((config_.n() - 1) * config_.chunks, entry);
   }
@@ -86,22 +90,23 @@ ffi::Error Scatter::Run(CallSession& session) {
 // Compute stream, before the exchange: the block for each peer (in the order that peer pulls
 // them) into its send slot, one event per chunk, then our own block straight into `out`.
 // gemm=grouped: one matmul per peer block, one event for all of its chunks (they still move
-// separately).
-ffi::Error Scatter::Produce(void* send, std::vector<Event>* written) {
+// separately). On a channel each send piece is published as soon as it is written.
+ffi::Error Scatter::Produce(CallSession& session, void* send, std::vector<Event>* written) {
   const int64_t q = a_.rows / config_.chunks;
   written->assign((config_.n() - 1) * config_.chunks, nullptr);
   for (int slot = 0; slot < config_.n() - 1; ++slot) {
+    const int64_t chunks_per_piece = (config_.n() - 1) * config_.chunks / SendPieces();
     const int target = config_.TargetOfSlot(slot);
-    if (config_.gemm == GemmMode::kGrouped) {
-      FICCO_RETURN_IF_ERROR(mm_.Run(backend_, a_.y, target, send, slot, 0, a_.rows));
-      Event done;
-      FICCO_RETURN_IF_ERROR(backend_.Record(Backend::kCompute, &done));
-      std::fill_n(written->begin() + slot * config_.chunks, config_.chunks, done);
-      continue;
-    }
+    const bool grouped = config_.gemm == GemmMode::kGrouped;
     for (int64_t j = 0; j < config_.chunks; ++j) {
-      FICCO_RETURN_IF_ERROR(mm_.Run(backend_, a_.y, target, send, slot, j * q, q));
-      FICCO_RETURN_IF_ERROR(backend_.Record(Backend::kCompute, &(*written)[slot * config_.chunks + j]));
+      if (grouped && j > 0) {
+        (*written)[slot * config_.chunks + j] = (*written)[slot * config_.chunks];
+      } else {
+        FICCO_RETURN_IF_ERROR(mm_.Run(backend_, a_.y, target, send, slot, grouped ? 0 : j * q, grouped ? a_.rows : q));
+        FICCO_RETURN_IF_ERROR(backend_.Record(Backend::kCompute, &(*written)[slot * config_.chunks + j]));
+      }
+      const int64_t index = slot * config_.chunks + j;
+      if ((index + 1) % chunks_per_piece == 0) FICCO_RETURN_IF_ERROR(session.Publish(backend_, index / chunks_per_piece, SendPieces()));
     }
   }
   if (SumsInMatmuls()) return ffi::Error::Success();  // our block's matmuls follow the transfers
@@ -113,18 +118,15 @@ ffi::Error Scatter::Produce(void* send, std::vector<Event>* written) {
 // chunk once each is written, into our landing buffer once we entered the call (`entry`).
 ffi::Error Scatter::Pull(CallSession& session, const void* send, Event entry, const std::vector<Event>& exposed,
                          std::vector<std::vector<Event>>* landed) {
-  // Peers read send's n-1 blocks, or y's other blocks. Staging pieces: a reduce's blocks have one
-  // group, so each (slot, chunk) event guards a contiguous piece; an expert block's chunks are
-  // strided rows of every group, so its pieces are whole slots.
+  // Peers read send's n-1 blocks (SendPieces), or y's other blocks.
   const int n = config_.n();
-  const int64_t pieces = reduce_ ? static_cast<int64_t>(exposed.size()) : n - 1;
-  const Exposure exposure = matmul_ ? Exposure{send, (n - 1) * layout_.Block(), pieces, exposed}
+  const Exposure exposure = matmul_ ? Exposure{send, (n - 1) * layout_.Block(), SendPieces(), exposed}
                                     : Exposure{a_.y, n * layout_.Block(), 1, exposed};
   std::vector<Post> posts;
   FICCO_RETURN_IF_ERROR(session.Exchange(backend_, exposure, &posts));
   return PullChunks(
       backend_, config_, posts, entry,
-      [&](int slot, int64_t j) { return posts[config_.SourceOfSlot(slot)].events[slot * config_.chunks + j]; },
+      [&](int slot, int64_t j) { return ReadyOf(posts[config_.SourceOfSlot(slot)], slot * config_.chunks + j); },
       [&](int stream, int peer, const Post& post, int slot, int64_t j) {
         return CopyBlockChunk(backend_, config_, layout_, stream, post.buffer, matmul_ ? slot : config_.rank,
                               Landing(), LandingBlock(slot, peer), j);
@@ -138,7 +140,7 @@ ffi::Error Scatter::Push(CallSession& session, const void* send, Event entry, co
                          std::vector<std::vector<Event>>* landed) {
   auto push = [&](const std::vector<Post>& targets, std::vector<std::vector<Event>>* pushed) {
     return PushChunks(backend_, config_, targets,
-                      [&](int slot, int64_t j) { return exposed[slot * config_.chunks + j]; },
+                      [&](int slot, int64_t j) { return Ready(exposed[slot * config_.chunks + j]); },
                       [&](int stream, int target, const Post& post, int slot, int64_t j) {
                         return CopyBlockChunk(backend_, config_, layout_, stream, matmul_ ? send : a_.y,
                                               matmul_ ? slot : target, Destination(post, 0),

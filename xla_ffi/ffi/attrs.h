@@ -35,6 +35,7 @@ struct OpAttrs {
   // 1: the matmul's w is column-major ([N, K] in memory for w [K, N]; per expert for [E, K, N]), as
   // a transpose of a row-major array is laid out; always for FP8. 0 for the collectives.
   int64_t w_col_major;
+  int64_t channel_bytes;          // config.CHANNEL_BYTES (runtime/channel.h); 0: every call meets its peers
 };
 
 // The contention probe's attributes (ficco_jax/lowering/dma/probe.py writes them).
@@ -51,11 +52,11 @@ struct ProbeAttrs {
 
 // The schedule part of a target's attributes, as every target's config decodes it.
 inline const OpAttrs& ScheduleAttrs(const OpAttrs& attrs) { return attrs; }
-// The probe: one copy stream, direct, one chunk, w's layout as given. In-process groups only
+// The probe: one copy stream, direct, one chunk, w's layout as given, meetings (no channel). In-process groups only
 // (probe.py refuses groups across processes): ordinals are local.
 inline OpAttrs ScheduleAttrs(const ProbeAttrs& p) {
   return OpAttrs{p.op_id, p.groups, p.groups, 0, p.group_size, 1, 1, 0, 1, p.timeout_ms, p.watchdog_ms, "probe", 0, 0,
-                 p.w_col_major};
+                 p.w_col_major, 0};
 }
 
 ffi::Error DecodeConfig(const OpAttrs& attrs, const char* target, int32_t device_ordinal, int64_t run_id,
@@ -74,7 +75,8 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::xla::ffi::StructMember<int64_t>("copy_streams"), ::xla::ffi::StructMember<int64_t>("timeout_ms"),
     ::xla::ffi::StructMember<int64_t>("watchdog_ms"), ::xla::ffi::StructMember<std::string_view>("site"),
     ::xla::ffi::StructMember<int64_t>("skip_own_rows"),
-    ::xla::ffi::StructMember<int64_t>("transfer"), ::xla::ffi::StructMember<int64_t>("w_col_major"));
+    ::xla::ffi::StructMember<int64_t>("transfer"), ::xla::ffi::StructMember<int64_t>("w_col_major"),
+    ::xla::ffi::StructMember<int64_t>("channel_bytes"));
 
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ficco::ProbeAttrs, ::xla::ffi::StructMember<int64_t>("op_id"),

@@ -71,7 +71,7 @@ struct BindSteps {
 struct CpuPlatform {
   static constexpr double kSpinSeconds = 0.0;
   std::unique_ptr<Backend> MakeBackend(const OpConfig& config) const {
-    return MakeCpuBackend(config.ctx, Registry::Get().host_events());
+    return MakeCpuBackend(config.ctx, Registry::Get().host_events(), config.timeout_s);
   }
 };
 
@@ -142,7 +142,13 @@ struct Target {
         result = kImpl(*backend, config, attrs, buffers...);
       }
       watch.Finish(*backend);
-      if (result.failure()) std::fprintf(stderr, "%s\n", result.message().c_str());
+      if (result.failure()) {
+        std::fprintf(stderr, "%s\n", result.message().c_str());
+        // Its peers may wait for words this call never set: the group starts over on a new generation
+        // of its channel (runtime/channel.h).
+        Channel* channel = config.cross_process() ? nullptr : Registry::Get().channels().Find(config.group);
+        if (channel != nullptr) channel->Retire(config.run_id, config.rank, result.message());
+      }
       return result;
     });
   }

@@ -11,6 +11,24 @@
 
 namespace ficco {
 
+namespace {
+// `stream` waits until `word`, set by rank `peer`, reaches `value`. A CPU backend that gave up
+// (device/backend.h) returns an error naming the peer, the word (`what`) and the call.
+ffi::Error WaitPeerWord(Backend& backend, const OpConfig& config, int stream, const uint32_t* word, uint32_t value,
+                        int peer, const char* what) {
+  ffi::Error status = backend.WaitWord(stream, word, value);
+  if (status.success() || status.message() != kWordTimedOut) return status;
+  int64_t run_id = 0;
+  const std::string retired = Registry::Get().channels().Of(config.group).Retired(&run_id);
+  return MakeError(config.ctx, "group [" + JoinNumbers(config.group) + "], rank " + std::to_string(config.rank) +
+                                   ": rank " + std::to_string(peer) + " (device " + std::to_string(config.group[peer]) +
+                                   ") did not set its '" + what + "' word of the group's channel to " +
+                                   std::to_string(value) + " (it holds " + std::to_string(ReadWord(word)) + ") within " +
+                                   ShortNumber(config.timeout_s) + " s: missing ranks [" + std::to_string(peer) + "]" +
+                                   (retired.empty() ? "" : "; the channel was retired: " + retired));
+}
+}  // namespace
+
 std::vector<int> OpConfig::LocalOrdinals() const {
   std::vector<int> local;
   for (int ordinal : group_local) {
@@ -58,7 +76,13 @@ CallSession::~CallSession() {
 // stream ahead of the call's own matmuls (CallSession::Stage says why): 31 us for 64 MiB on an
 // H200.
 ffi::Error CallSession::Exchange(Backend& backend, const Exposure& exposure, std::vector<Post>* posts) {
-  if (!config_.cross_process()) return Meet(Phase::kExchange, exposure.buffer, exposure.events, posts);
+  if (!config_.cross_process()) {
+    FICCO_RETURN_IF_ERROR(EnterChannel(backend, exposure.bytes, exposure.pieces));
+    if (gen_ == nullptr) return Meet(Phase::kExchange, exposure.buffer, exposure.events, posts);
+    // In place, every part was published as it was written; otherwise it is copied in now.
+    if (exposure.buffer != in_place_ && staged_from_ != exposure.buffer) FICCO_RETURN_IF_ERROR(Stage(backend, exposure));
+    return ChannelPosts(exposure, posts);
+  }
   if (exposure.bytes == 0) return Meet(Phase::kExchange, nullptr, exposure.events, posts);
   if (in_place_ != nullptr && exposure.buffer == in_place_) return Meet(Phase::kExchange, in_place_, exposure.events, posts);
   if (staged_from_ != exposure.buffer) FICCO_RETURN_IF_ERROR(Stage(backend, exposure));
@@ -73,8 +97,12 @@ ffi::Error CallSession::Exchange(Backend& backend, const Exposure& exposure, std
 // cudaMemcpyBatchAsync's copy-engine hint or 32 hardware queues), and each peer's pull and
 // matmul waited for it. On XLA's stream it runs first, at full speed, then the matmul; the data
 // it copies was written before it on that stream, so it needs no wait for the exposure's events.
+//
+// On a channel the same copies go into this rank's channel region, after the owner's waits of
+// EnterChannel on XLA's stream, and each part's ready words are set right after its copy.
 ffi::Error CallSession::Stage(Backend& backend, const Exposure& exposure) {
-  if (!config_.cross_process() || exposure.bytes == 0) return ffi::Error::Success();
+  if (!config_.cross_process()) FICCO_RETURN_IF_ERROR(EnterChannel(backend, exposure.bytes, exposure.pieces));
+  if ((!config_.cross_process() && gen_ == nullptr) || exposure.bytes == 0) return ffi::Error::Success();
   if (in_place_ != nullptr && exposure.buffer == in_place_) return ffi::Error::Success();
   const CallContext& ctx = config_.ctx;
   const int64_t num_events = static_cast<int64_t>(exposure.events.size());
@@ -88,18 +116,26 @@ ffi::Error CallSession::Stage(Backend& backend, const Exposure& exposure) {
                                 " events: pieces must divide both (a bug)");
   }
   void* staging = nullptr;
-  FICCO_RETURN_IF_ERROR(AcquireStaging(backend, exposure.bytes, &staging));
-  // As in StageInPlace: the region is written only after the staging stream's waits for the
-  // peers' pulls of earlier calls (ProtectStaging).
-  Event tail;
-  FICCO_RETURN_IF_ERROR(backend.Record(Backend::kStaging, &tail));
-  FICCO_RETURN_IF_ERROR(backend.Wait(Backend::kCompute, tail));
+  if (gen_ != nullptr) {
+    staging = gen_->Region(config_.rank);
+  } else {
+    FICCO_RETURN_IF_ERROR(AcquireStaging(backend, exposure.bytes, &staging));
+    // As in StageInPlace: the region is written only after the staging stream's waits for the
+    // peers' pulls of earlier calls (ProtectStaging).
+    Event tail;
+    FICCO_RETURN_IF_ERROR(backend.Record(Backend::kStaging, &tail));
+    FICCO_RETURN_IF_ERROR(backend.Wait(Backend::kCompute, tail));
+  }
   const int64_t piece_bytes = exposure.bytes / exposure.pieces;
   std::vector<Event> staged(exposure.pieces);
   for (int64_t k = 0; k < exposure.pieces; ++k) {
     FICCO_RETURN_IF_ERROR(backend.Copy(Backend::kCompute, Offset(staging, k * piece_bytes),
                                        Offset(exposure.buffer, k * piece_bytes), piece_bytes));
-    FICCO_RETURN_IF_ERROR(backend.Record(Backend::kCompute, &staged[k]));
+    if (gen_ != nullptr) {
+      FICCO_RETURN_IF_ERROR(SetReady(backend, Backend::kCompute, k, /*reader=*/-1));
+    } else {
+      FICCO_RETURN_IF_ERROR(backend.Record(Backend::kCompute, &staged[k]));
+    }
   }
   staged_events_.assign(num_events, nullptr);
   for (int64_t i = 0; i < num_events; ++i) staged_events_[i] = staged[i * exposure.pieces / num_events];
@@ -127,9 +163,16 @@ ffi::Error CallSession::AcquireStaging(Backend& backend, int64_t bytes, void** r
 // stream's tail, so these writes come after every earlier staging copy and after the waits for
 // the peers' pulls of earlier calls (ProtectStaging) — the same guarantee a staging copy has. The
 // next call's staging copies wait for this call's peers' pulls, which follow these writes.
-ffi::Error CallSession::StageInPlace(Backend& backend, int64_t bytes, void** region) {
+ffi::Error CallSession::StageInPlace(Backend& backend, int64_t bytes, int64_t pieces, void** region) {
   *region = nullptr;
-  if (!config_.cross_process() || bytes <= 0) return ffi::Error::Success();
+  if (!config_.cross_process()) {
+    // On a channel EnterChannel's waits on XLA's stream come before the writes.
+    FICCO_RETURN_IF_ERROR(EnterChannel(backend, bytes, pieces));
+    if (gen_ != nullptr) *region = gen_->Region(config_.rank);
+    in_place_ = *region;
+    return ffi::Error::Success();
+  }
+  if (bytes <= 0) return ffi::Error::Success();
   FICCO_RETURN_IF_ERROR(AcquireStaging(backend, bytes, region));
   in_place_ = *region;
   Event tail;
@@ -148,23 +191,127 @@ ffi::Error CallSession::ProtectStaging(Backend& backend, const std::vector<Post>
 }
 
 ffi::Error CallSession::Meet(Phase phase, const void* buffer, std::vector<Event> events, std::vector<Post>* posts) {
-  Post post{config_.ctx.device_ordinal, signature_, buffer, std::move(events)};
+  return MeetAt(KeyOf(phase), phase, Post{config_.ctx.device_ordinal, signature_, buffer, std::move(events)}, posts);
+}
+
+ffi::Error CallSession::MeetAt(const RendezvousKey& key, Phase phase, Post post, std::vector<Post>* posts) {
+  const std::vector<int64_t> signature = post.signature;
   if (config_.cross_process()) {
     // Peers in other processes of this host: the host mailbox, buffers and events as IPC handles.
     FICCO_RETURN_IF_ERROR(MeetAcrossProcesses(config_, phase, post, posts));
   } else {
-    FICCO_RETURN_IF_ERROR(Registry::Get().rendezvous().Arrive(KeyOf(phase), Who(), std::move(post), posts));
+    FICCO_RETURN_IF_ERROR(Registry::Get().rendezvous().Arrive(key, Who(), std::move(post), posts));
   }
   for (int rank = 0; rank < config_.n(); ++rank) {
     const Post& peer = (*posts)[rank];
-    if (peer.signature != signature_) {
+    if (peer.signature != signature) {
       return MakeInvalid(config_.ctx, "rank " + std::to_string(rank) + " (device " + std::to_string(config_.group[rank]) +
                                           ") runs this op with [" + JoinNumbers(peer.signature) + "] but rank " +
-                                          std::to_string(config_.rank) + " with [" + JoinNumbers(signature_) +
+                                          std::to_string(config_.rank) + " with [" + JoinNumbers(signature) +
                                           "] (shapes, dtype, schedule)");
     }
   }
   if (config_.watch != nullptr) config_.watch->NotePeers(config_, phase, *posts);
+  return ffi::Error::Success();
+}
+
+ffi::Error CallSession::EnterChannel(Backend& backend, int64_t bytes, int64_t pieces) {
+  if (channel_decided_) return ffi::Error::Success();
+  channel_decided_ = true;
+  if (config_.cross_process() || config_.push || config_.n() < 2 || bytes <= 0 || bytes > config_.channel_bytes ||
+      pieces > kChannelMaxPieces) {
+    return ffi::Error::Success();
+  }
+  Channel& channel = Registry::Get().channels().Of(config_.group);
+  std::shared_ptr<ChannelGeneration> gen = channel.Current();
+  int64_t retired_run = 0;
+  const std::string retired = gen != nullptr && gen->retired() ? channel.Retired(&retired_run) : "";
+  if (!retired.empty() && retired_run == config_.run_id) {
+    return MakeError(config_.ctx, "group [" + JoinNumbers(config_.group) + "]: a call of this launch failed on its "
+                                  "channel, so this one cannot run; " + retired);
+  }
+  if (gen == nullptr || gen->retired() || gen->capacity() < bytes) {
+    FICCO_RETURN_IF_ERROR(SetUpChannel(backend, channel, gen == nullptr ? 0 : gen->number() + 1, bytes, &gen));
+  }
+  const uint32_t call = gen->NextCall(config_.rank);
+  const int differs = gen->CheckSignature(config_.rank, call, SignatureHash(signature_));
+  if (differs >= 0) {
+    return MakeInvalid(config_.ctx, "rank " + std::to_string(differs) + " (device " +
+                                        std::to_string(config_.group[differs]) + ") of group [" +
+                                        JoinNumbers(config_.group) + "] ran another op (shapes, dtype or schedule) "
+                                        "at this call of the group's channel: the devices of a group must run the "
+                                        "same copy-engine calls in the same order");
+  }
+  gen_ = std::move(gen);
+  call_ = call;
+  if (call_ == 1) return ffi::Error::Success();  // a fresh region: nobody has read it
+  for (int reader = 0; reader < config_.n(); ++reader) {
+    if (reader == config_.rank) continue;
+    uint32_t* done = gen_->Done(config_.rank, reader);
+    if (config_.watch != nullptr) config_.watch->NoteWord(config_, reader, "done", 0, done, call_ - 1);
+    FICCO_RETURN_IF_ERROR(WaitPeerWord(backend, config_, Backend::kCompute, done, call_ - 1, reader, "done"));
+  }
+  return ffi::Error::Success();
+}
+
+// A generation's regions are sized to the call that makes it, rounded up to a power of two (so that
+// growing calls make few generations), at most config.channel_bytes.
+ffi::Error CallSession::SetUpChannel(Backend& backend, Channel& channel, int64_t number, int64_t bytes,
+                                     std::shared_ptr<ChannelGeneration>* generation) {
+  int64_t capacity = 1;
+  while (capacity < bytes) capacity *= 2;
+  capacity = std::max(bytes, std::min(capacity, config_.channel_bytes));
+  Post post{config_.ctx.device_ordinal, signature_, nullptr, {}};
+  post.signature.insert(post.signature.end(), {number, capacity});
+  void* region = nullptr;
+  FICCO_RETURN_IF_ERROR(backend.AllocateRegion(capacity, &region));
+  post.buffer = region;
+  if (config_.rank == 0) FICCO_RETURN_IF_ERROR(backend.AllocateWords(ChannelGeneration::WordCount(config_.n()), &post.words));
+  // Keyed by this launch: ranks that are still in a launch whose call failed cannot meet ranks that
+  // are already in the next one.
+  const RendezvousKey key{config_.run_id, config_.ctx.op_id, -1 - number, Phase::kSetup, config_.group_index};
+  std::vector<Post> posts;
+  FICCO_RETURN_IF_ERROR(MeetAt(key, Phase::kSetup, std::move(post), &posts));
+  *generation = channel.Install(number, capacity, posts);
+  return ffi::Error::Success();
+}
+
+ffi::Error CallSession::SetReady(Backend& backend, int stream, int64_t piece, int reader) {
+  for (int rank = 0; rank < config_.n(); ++rank) {
+    if (rank == config_.rank || (reader >= 0 && rank != reader)) continue;
+    FICCO_RETURN_IF_ERROR(backend.SetWord(stream, gen_->Ready(config_.rank, rank, piece), call_));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error CallSession::Publish(Backend& backend, int64_t piece, int64_t pieces) {
+  if (gen_ == nullptr) return ffi::Error::Success();
+  const int slot = static_cast<int>(piece * (config_.n() - 1) / pieces);
+  return SetReady(backend, Backend::kCompute, piece, config_.TargetOfSlot(slot));
+}
+
+ffi::Error CallSession::ChannelPosts(const Exposure& exposure, std::vector<Post>* posts) {
+  const int64_t events = static_cast<int64_t>(exposure.events.size());
+  if (exposure.pieces < 1 || events < exposure.pieces || events % exposure.pieces != 0) {
+    return MakeInvalid(config_.ctx, "exposure in " + std::to_string(exposure.pieces) + " pieces with " +
+                                        std::to_string(events) + " events: pieces must divide the events (a bug)");
+  }
+  posts->assign(config_.n(), Post{});
+  for (int owner = 0; owner < config_.n(); ++owner) {
+    Post& post = (*posts)[owner];
+    post.ordinal = config_.group[owner];
+    post.buffer = gen_->Region(owner);
+    if (owner == config_.rank) continue;
+    post.events.assign(events, nullptr);
+    post.ready.resize(events);
+    for (int64_t i = 0; i < events; ++i) post.ready[i] = gen_->Ready(owner, config_.rank, i * exposure.pieces / events);
+    post.done = gen_->Done(owner, config_.rank);
+    post.value = call_;
+    if (config_.watch == nullptr) continue;
+    for (int64_t piece = 0; piece < exposure.pieces; ++piece) {
+      config_.watch->NoteWord(config_, owner, "ready", piece, gen_->Ready(owner, config_.rank, piece), call_);
+    }
+  }
   return ffi::Error::Success();
 }
 
@@ -229,6 +376,7 @@ ffi::Error CopyChunks(Backend& backend, const OpConfig& config, bool push, const
                       Event own_entry, const ChunkReady& source_ready, const ChunkCopy& copy_chunk,
                       LandedEvents marks, std::vector<std::vector<Event>>* recorded) {
   std::vector<Event> waited(CopyStreamsUsed(config), nullptr);
+  std::vector<const uint32_t*> waited_word(CopyStreamsUsed(config), nullptr);
   std::vector<Event> entered(CopyStreamsUsed(config), nullptr);
   for (int slot = 0; slot < config.n() - 1; ++slot) {
     const int peer = push ? config.TargetOfSlot(slot) : config.SourceOfSlot(slot);
@@ -236,8 +384,19 @@ ffi::Error CopyChunks(Backend& backend, const OpConfig& config, bool push, const
     FICCO_RETURN_IF_ERROR(WaitOnce(backend, stream, push ? peers[peer].events[0] : own_entry, &entered[stream]));
     std::vector<Event>& marked = (*recorded)[slot];
     for (int64_t j = 0; j < config.chunks; ++j) {
-      ffi::Error status = WaitOnce(backend, stream, source_ready(slot, j), &waited[stream]);
+      const Ready ready = source_ready(slot, j);
+      ffi::Error status = ffi::Error::Success();
+      if (ready.word == nullptr) {
+        status = WaitOnce(backend, stream, ready.event, &waited[stream]);
+      } else if (ready.word != waited_word[stream]) {
+        waited_word[stream] = ready.word;
+        status = WaitPeerWord(backend, config, stream, ready.word, ready.value, peer, "ready");
+      }
       if (status.success()) status = copy_chunk(stream, peer, peers[peer], slot, j);
+      // The owner may overwrite its region once this device pulled everything of it.
+      if (status.success() && j == config.chunks - 1 && peers[peer].done != nullptr) {
+        status = backend.SetWord(stream, peers[peer].done, peers[peer].value);
+      }
       // A failed chunk is marked too: whatever of the slot was enqueued before the failure must
       // still be waited for by the device it writes (AwaitLanded).
       if (status.success() && marks == LandedEvents::kPerSlot && j < config.chunks - 1) continue;
@@ -335,6 +494,13 @@ ffi::Error JoinAndRelease(Backend& backend, const OpConfig& config, CallSession&
   for (int stream = 0; stream < static_cast<int>(pulls_done.size()); ++stream) {
     FICCO_RETURN_IF_ERROR(backend.Record(stream, &pulls_done[stream]));
     FICCO_RETURN_IF_ERROR(backend.Wait(Backend::kCompute, pulls_done[stream]));
+  }
+  if (session.on_channel()) {
+    // Peers read only the channel's region, which the next call's waits protect (EnterChannel), and
+    // none waits on this call's events: they go back once its device work is done.
+    backend.ReleaseEvents();
+    if (config.watch != nullptr) config.watch->ReleaseAfter(nullptr);
+    return ffi::Error::Success();
   }
   std::vector<Post> posts;
   // transfer=push: no peer's copy touches this device's buffers but its pushes into them, and XLA's

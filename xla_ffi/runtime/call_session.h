@@ -10,6 +10,7 @@
 
 #include "base/errors.h"
 #include "device/backend.h"
+#include "runtime/channel.h"
 #include "runtime/op_config.h"
 #include "runtime/registry.h"
 
@@ -34,9 +35,28 @@ struct Exposure {
   std::vector<Event> events;
 };
 
+// What a copy waits for before it reads an owner's data: the owner's event, or, on a channel, the
+// owner's word reaching a value (Post::ready).
+struct Ready {
+  Ready(Event event = nullptr) : event(event) {}  // NOLINT: an event is a Ready
+  Ready(const uint32_t* word, uint32_t value) : word(word), value(value) {}
+  Event event = nullptr;
+  const uint32_t* word = nullptr;
+  uint32_t value = 0;
+};
+// What event (or word) i of `post` stands for.
+inline Ready ReadyOf(const Post& post, int64_t i) {
+  return post.ready.empty() ? Ready(post.events[i]) : Ready(post.ready[i], post.value);
+}
+
 // The rendezvous of one call: the key is (run id, op id, occurrence, phase, group), where the
 // occurrence separates repeated executions of one call site inside one launch (lax.scan,
 // fori_loop, rematerialised copies), because every device runs them in the same order.
+//
+// Or its group's channel (runtime/channel.h), which an in-process pull call whose exposed data fits
+// config.channel_bytes uses instead: decided at the first of Stage, StageInPlace and Exchange (the
+// same on every rank, as it depends on the op alone), after which the call meets nobody, except
+// where the channel needs a new generation.
 class CallSession {
  public:
   // `signature`: shapes, dtype and schedule; every rank of the group must post the same one.
@@ -55,8 +75,16 @@ class CallSession {
   // Across processes, for data the call itself produces (matmul_rs's send partials): `*region` is
   // this device's staging buffer, `bytes` long, to be written in place on the compute stream, which
   // first waits for the staging stream (earlier calls' staging copies and their peers' pulls);
-  // Exchange then posts it without copying. nullptr in-process (write XLA's buffer as before).
-  ffi::Error StageInPlace(Backend& backend, int64_t bytes, void** region);
+  // Exchange then posts it without copying. On a channel: this rank's region, once its readers
+  // pulled the previous call's data, in `pieces` parts, each published (Publish) once written.
+  // nullptr otherwise (write XLA's buffer as before).
+  ffi::Error StageInPlace(Backend& backend, int64_t bytes, int64_t pieces, void** region);
+  // On a channel, after XLA's stream wrote part `piece` of StageInPlace's region: the rank that reads
+  // it (part p of P belongs to send slot p * (n-1) / P, read by TargetOfSlot of that slot) may pull it
+  // from here in XLA's stream. A no-op off the channel.
+  ffi::Error Publish(Backend& backend, int64_t piece, int64_t pieces);
+  // Whether this call runs on its group's channel.
+  bool on_channel() const { return gen_ != nullptr; }
   // Posts (buffer, events) and returns every rank's post once all have arrived. A peer whose
   // shapes or schedule differ from ours is an error, not a wrong answer.
   ffi::Error Meet(Phase phase, const void* buffer, std::vector<Event> events, std::vector<Post>* posts);
@@ -87,6 +115,18 @@ class CallSession {
   // This call's key and arrival in the in-process rendezvous (Meet and Announce): one key per phase.
   RendezvousKey KeyOf(Phase phase) const;
   Arrival Who() const;
+  // Meet's work, for a post (and its signature) of any phase: in-process at `key`, or across processes.
+  ffi::Error MeetAt(const RendezvousKey& key, Phase phase, Post post, std::vector<Post>* posts);
+  // The channel (runtime/channel.h): whether this call can use it (once per call), and if so its
+  // generation (SetUpChannel), its number, the signature check, and the owner's waits until every
+  // reader pulled its data of the previous call.
+  ffi::Error EnterChannel(Backend& backend, int64_t bytes, int64_t pieces);
+  ffi::Error SetUpChannel(Backend& backend, Channel& channel, int64_t number, int64_t bytes,
+                          std::shared_ptr<ChannelGeneration>* generation);
+  // `stream` sets this rank's ready word of part `piece` for `reader` (every peer: -1).
+  ffi::Error SetReady(Backend& backend, int stream, int64_t piece, int reader);
+  // Every owner's post, made from the channel: its region, the ready words of `exposure`'s events.
+  ffi::Error ChannelPosts(const Exposure& exposure, std::vector<Post>* posts);
   // Exchange's and StageInPlace's shared start: copy-stream limit, staging stream, staging region.
   ffi::Error AcquireStaging(Backend& backend, int64_t bytes, void** region);
 
@@ -100,6 +140,9 @@ class CallSession {
   void* staged_region_ = nullptr;
   std::vector<Event> staged_events_;
   const void* in_place_ = nullptr;  // StageInPlace's region
+  bool channel_decided_ = false;      // EnterChannel ran
+  std::shared_ptr<ChannelGeneration> gen_;  // the channel's generation this call runs on; null: meetings
+  uint32_t call_ = 0;                       // this call's number on it
 };
 
 // Copy streams a call uses: one for ring, else min(copy_streams, n - 1).
@@ -121,7 +164,7 @@ enum class LandedEvents { kPerChunk, kPerSlot };
 // `source_ready(s, j)` (each distinct event waited once per stream; the CPU backend's null events
 // are waited every time), its copies enqueued by `copy_chunk(stream, target, post, s, j)`, then
 // pushed[s][j] recorded (`marks`).
-using ChunkReady = std::function<Event(int slot, int64_t chunk)>;
+using ChunkReady = std::function<Ready(int slot, int64_t chunk)>;
 using ChunkCopy = std::function<ffi::Error(int stream, int target, const Post& post, int slot, int64_t chunk)>;
 ffi::Error PushChunks(Backend& backend, const OpConfig& config, const std::vector<Post>& targets,
                       const ChunkReady& source_ready, const ChunkCopy& copy_chunk, LandedEvents marks,
@@ -129,8 +172,9 @@ ffi::Error PushChunks(Backend& backend, const OpConfig& config, const std::vecto
 // The receivers' loop of every transfer=pull op, its mirror: receive slot s comes from
 // SourceOfSlot(s) on StreamOfSlot(s), after `entry` (this call's start on XLA's stream, which opens
 // this device's buffers to the copies: call_session.cc says why); chunk j after `source_ready(s, j)`
-// (an event of that owner, each distinct one waited once per stream), its copies enqueued by
-// `copy_chunk(stream, owner, post, s, j)`, then landed[s][j] recorded (`marks`).
+// (an event or word of that owner, each distinct one waited once per stream), its copies enqueued by
+// `copy_chunk(stream, owner, post, s, j)`, then landed[s][j] recorded (`marks`). On a channel the
+// slot's stream then sets the owner's done word (Post::done).
 ffi::Error PullChunks(Backend& backend, const OpConfig& config, const std::vector<Post>& owners, Event entry,
                       const ChunkReady& source_ready, const ChunkCopy& copy_chunk, LandedEvents marks,
                       std::vector<std::vector<Event>>* landed);

@@ -13,6 +13,7 @@ const char* PhaseName(Phase phase) {
     case Phase::kDone: return "done";
     case Phase::kRelease: return "release";
     case Phase::kPushed: return "pushed";
+    case Phase::kSetup: return "channel setup";
   }
   return "?";
 }

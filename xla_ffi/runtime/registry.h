@@ -1,11 +1,12 @@
-// The one process-wide object of ficco_jax: per-device state, the host rendezvous, the watchdog and
-// the fault plan that tests arm (testing/faults.h; nothing is armed in production).
+// The one process-wide object of ficco_jax: per-device state, the host rendezvous, the group
+// channels, the watchdog and the fault plan that tests arm (testing/faults.h; nothing is armed in
+// production).
 //
 // Per-device state (the occurrence counter and, in the CUDA build, the device's CudaDevice:
 // copy streams, event pools, cuBLASLt, peer access, staging buffers) is created on first use, kept
 // for the life of the process and indexed by device ordinal. The rendezvous lets the devices of one group meet
-// on the host inside one call to exchange pointers and events. Nothing else in ficco_jax is
-// global.
+// on the host inside one call to exchange pointers and events; a group's channel lets its small calls
+// skip that meeting. Nothing else in ficco_jax is global.
 #ifndef FICCO_JAX_XLA_FFI_RUNTIME_REGISTRY_H_
 #define FICCO_JAX_XLA_FFI_RUNTIME_REGISTRY_H_
 
@@ -27,6 +28,7 @@
 #include "device/backend.h"
 #include "device/backends.h"
 #include "device/cuda_device.h"
+#include "runtime/channel.h"
 #include "runtime/ipc_mailbox.h"
 #include "runtime/watchdog.h"
 #include "testing/faults.h"
@@ -39,10 +41,19 @@ struct Post {
   std::vector<int64_t> signature;  // shapes, dtype and schedule; must agree across the group
   const void* buffer = nullptr;    // the buffer peers read from (x, or the send workspace)
   std::vector<Event> events;       // the events peers wait on before reading `buffer`
+  // A call on its group's channel (runtime/channel.h) meets nobody: its peers' posts are made from
+  // the channel. In place of events they carry the owner's words that this rank waits for (ready[i]
+  // guards what events[i] would, which stay null) until they reach `value`, and the word this rank
+  // sets to `value` once it has pulled everything it reads from that owner (`done`).
+  std::vector<const uint32_t*> ready;
+  uint32_t* done = nullptr;
+  uint32_t value = 0;
+  uint32_t* words = nullptr;  // a channel's setup meeting: rank 0's words for the new generation
 };
 
-// kPushed: transfer=push only (runtime/call_session.h, CallSession::Push).
-enum class Phase : int { kExchange = 0, kDone = 1, kRelease = 2, kPushed = 3 };
+// kPushed: transfer=push only (runtime/call_session.h, CallSession::Push). kSetup: the meeting that
+// makes a group channel's generation (runtime/channel.h).
+enum class Phase : int { kExchange = 0, kDone = 1, kRelease = 2, kPushed = 3, kSetup = 4 };
 const char* PhaseName(Phase phase);
 
 struct RendezvousKey {
@@ -144,6 +155,8 @@ class Registry {
   Rendezvous& rendezvous() { return rendezvous_; }
   Watchdog& watchdog() { return watchdog_; }
   FaultPlan& faults() { return faults_; }
+  // The group channels of in-process groups (runtime/channel.h).
+  Channels& channels() { return channels_; }
   // Every copy-engine handler of the process: how many ran and their host time from start to return.
   TimedCount& handlers() { return handlers_; }
   // The events of every CPU device (device/backends.h).
@@ -163,6 +176,7 @@ class Registry {
   Rendezvous rendezvous_;
   Watchdog watchdog_;
   FaultPlan faults_;
+  Channels channels_;
   TimedCount handlers_;
   std::unique_ptr<EventPool> host_events_ = MakeHostEventPool();
   std::unique_ptr<HostMailbox> mailbox_;

@@ -195,7 +195,7 @@ void Watchdog::ReportAndAbort(const std::shared_ptr<WatchedCall>& stuck) {
               (!started ? "not started: the device is busy with, or stuck in, earlier work"
                : call->returned ? "its device work started and has not finished"
                                 : "its handler has not returned: it waits on the host, in a meeting of its group or "
-                                  "(CPU backend) for a peer's event") + "\n";
+                                  "(CPU backend) for a peer's event or word") + "\n";
     if (!started) continue;
     int pending = 0;
     for (const PeerEvent& wait : call->waits) {
@@ -205,8 +205,26 @@ void Watchdog::ReportAndAbort(const std::shared_ptr<WatchedCall>& stuck) {
                 "): event " + std::to_string(wait.index) + " of its '" + PhaseName(wait.phase) +
                 "' post, not complete\n";
     }
+    bool words_pending = false;
+    for (const PeerWord& wait : call->words) {
+      const uint32_t now = ReadWord(wait.word);
+      if (WordReached(now, wait.value)) continue;
+      ++pending;
+      words_pending = true;
+      report += "    waits for rank " + std::to_string(wait.rank) + " (device " + std::to_string(wait.device) +
+                "): its '" + wait.what + "' word" +
+                (std::string(wait.what) == "ready" ? " " + std::to_string(wait.index) : std::string()) +
+                " of the group's channel to reach " + std::to_string(wait.value) + ", it holds " +
+                std::to_string(now) + "\n";
+    }
+    if (words_pending) {
+      int64_t run_id = 0;
+      Channel* channel = Registry::Get().channels().Find(call->group);
+      const std::string retired = channel == nullptr ? "" : channel->Retired(&run_id);
+      if (!retired.empty()) report += "    the group's channel was retired: " + retired + "\n";
+    }
     if (pending == 0) {
-      report += "    none of the peer events it waits for is pending\n";
+      report += "    none of the peer events or words it waits for is pending\n";
     }
   }
   report += "ficco_jax watchdog: ending the process; set FICCO_WATCHDOG_S=0 to wait instead (e.g. to attach a "

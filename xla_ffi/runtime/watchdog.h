@@ -12,7 +12,8 @@
 // returned: on CPU the waits are the handler's own) after its timeout (config.WATCHDOG_S, an
 // attribute of every call) is stuck. The watchdog then writes to stderr what every unfinished call
 // of the process waits for — op, where it was written, schedule, device, rank and group, and each
-// peer event not yet complete, by rank, device and phase — and ends the process with std::abort, as
+// peer event not yet complete, by rank, device and phase, or each channel word not yet reached, with
+// the value it waits for and the value it holds — and ends the process with std::abort, as
 // NCCL's watchdog ends a PyTorch process. Raising is no way out: the host thread that would see
 // the error is the one blocked in XLA waiting for the result, and a device whose stream waits on
 // an event that never completes cannot be used again in this process.
@@ -54,6 +55,17 @@ struct PeerEvent {
   Event event;
 };
 
+// One word of a group channel (runtime/channel.h) that a call's streams wait on until it reaches
+// `value`: set by rank `rank`'s device.
+struct PeerWord {
+  int rank;
+  int device;
+  const char* what;  // "ready" or "done"
+  int64_t index;     // the part of the owner's data it guards ("ready")
+  const uint32_t* word;
+  uint32_t value;
+};
+
 // What the watchdog knows of one call; the handler thread writes it through CallWatch, the watchdog
 // thread reads it, both under `mu`.
 struct WatchedCall {
@@ -78,6 +90,7 @@ struct WatchedCall {
   std::vector<Event> reusable;  // the call's events, back to `pool` once `finished` is done
   Announcement released;        // and, where set, once every rank of the group announced "release"
   std::vector<PeerEvent> waits;
+  std::vector<PeerWord> words;
   std::chrono::steady_clock::time_point registered, started_seen;
   bool seen_started = false;
 
@@ -134,6 +147,12 @@ class CallWatch {
         if (events[i] != nullptr) call_->waits.push_back({rank, config.group[rank], phase, i, events[i]});
       }
     }
+  }
+  // A channel word of rank `rank` that this call's streams wait on until it reaches `value`.
+  void NoteWord(const OpConfig& config, int rank, const char* what, int64_t index, const uint32_t* word,
+                uint32_t value) {
+    std::lock_guard<std::mutex> lock(call_->mu);
+    call_->words.push_back({rank, config.group[rank], what, index, word, value});
   }
   // After the call's last enqueue (success or not): the `finished` mark and the events to reuse.
   void Finish(Backend& backend);

@@ -51,6 +51,18 @@ class FaultyBackend final : public Backend {
     FICCO_RETURN_IF_ERROR(FailFirstTransfer(stream));
     return inner_->Copy(stream, dst, src, bytes);
   }
+  // stall: the words it sets are never set, as its device never gets there.
+  ffi::Error SetWord(int stream, uint32_t* word, uint32_t value) override {
+    if (fault_.mode == InjectedFault::Mode::kStall) return ffi::Error::Success();
+    FICCO_RETURN_IF_ERROR(FailFirstTransfer(stream));
+    return inner_->SetWord(stream, word, value);
+  }
+  ffi::Error WaitWord(int stream, const uint32_t* word, uint32_t value) override {
+    FICCO_RETURN_IF_ERROR(FailFirstTransfer(stream));
+    return inner_->WaitWord(stream, word, value);
+  }
+  ffi::Error AllocateWords(int64_t count, uint32_t** words) override { return inner_->AllocateWords(count, words); }
+  ffi::Error AllocateRegion(int64_t bytes, void** region) override { return inner_->AllocateRegion(bytes, region); }
   ffi::Error RecordMark(Event* event) override { return inner_->RecordMark(event); }
   ffi::Error RecordNever(Event* event) override { return inner_->RecordNever(event); }
   ffi::Error Gemm(const GemmProblem& problem) override { return inner_->Gemm(problem); }

@@ -6,8 +6,9 @@
 //   skip:<rank>   that rank of every group fails before it meets its peers (its backend's Prepare);
 //   fail:<rank>   it joins the exchange, then fails at its first transfer (its first operation on
 //                 a copy stream); the cleanup that follows runs as after any failed transfer;
-//   stall:<rank>  everything it records on XLA's stream is one event that never completes, as if its
-//                 device never reached the call: the events it posts never complete, its peers'
+//   stall:<rank>  everything it records on XLA's stream is one event that never completes, and the
+//                 channel words it would set are never set, as if its device never reached the
+//                 call: the events it posts never complete, its peers'
 //                 streams wait for ever and only the watchdog ends the process. Its own streams do
 //                 not wait for that event, so its handler returns as a stuck device's would.
 //                 In-process groups only (a "never" event cannot be exported to other processes).

@@ -108,15 +108,17 @@ void DefineTestingModule(nb::module_& m) {
                 std::map<std::string, double> out;
                 for (const auto& [name, kind] : {std::pair{"record", c.record}, std::pair{"mark", c.mark},
                                                  std::pair{"wait", c.wait}, std::pair{"copy", c.copy},
-                                                 std::pair{"gemm", c.gemm}, std::pair{"reduce", c.reduce}}) {
+                                                 std::pair{"gemm", c.gemm}, std::pair{"reduce", c.reduce},
+                                                 std::pair{"set_word", c.set_word},
+                                                 std::pair{"wait_word", c.wait_word}}) {
                   out[name] = static_cast<double>(kind.calls);
                   out[std::string(name) + "_s"] = kind.ns * 1e-9;
                 }
                 return out;
               },
               "How many events the backends of this process recorded ('record'; 'mark': the watchdog's marks "
-              "of a call's start and end) and waited for, and how many copies, matmuls and sums they issued, "
-              "so far, each with its host seconds ('<name>_s'): on CUDA the driver calls a call makes, on CPU "
+              "of a call's start and end) and waited for, how many copies, matmuls and sums they issued, and "
+              "how many channel words they set and waited for ('set_word', 'wait_word'), so far, each with its host seconds ('<name>_s'): on CUDA the driver calls a call makes, on CPU "
               "the whole work.");
   testing.def("mailbox_exchange", &MailboxExchange,
               "One post through the host mailbox (groups across processes) with plain integers; returns every "

@@ -11,7 +11,8 @@ Attributes of every FFI target (one struct per op in xla_ffi/ffi/):
   gemm (0 per_chunk, 1 grouped), copy_streams, timeout_ms (config.RENDEZVOUS_TIMEOUT_S),
   watchdog_ms (config.WATCHDOG_S), site (where the op was written: `site_label`),
   skip_own_rows, transfer (0 pull, 1 push: senders write into their peers, in-process groups only),
-  w_col_major (1: the matmul's w, operand 1, is column-major; 0 for the collectives).
+  w_col_major (1: the matmul's w, operand 1, is column-major; 0 for the collectives),
+  channel_bytes (config.CHANNEL_BYTES: calls exposing at most this much run on their group's channel).
 
   * op_id: a process-wide counter drawn when the op is traced (bound), unique per call site, so
     two ops of one program never share a rendezvous.
@@ -156,6 +157,14 @@ def current_site() -> str:
     return ""
 
 
+def channel_bytes() -> int:
+    """config.CHANNEL_BYTES, checked."""
+    value = config.CHANNEL_BYTES
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"config.CHANNEL_BYTES={value!r} must be an integer >= 0 (bytes; 0: every call meets its peers)")
+    return int(value)
+
+
 def watchdog_ms() -> int:
     """config.WATCHDOG_S as the executor's attribute: milliseconds, 0 for off."""
     if config.WATCHDOG_S < 0:
@@ -236,7 +245,7 @@ def operand_layouts(avals, w_col_major: bool):
 
 
 def _lowering(ctx, *operands, op, axis_name, axis_size, op_id, schedule, timeout_ms, watchdog_ms, site,
-              skip_own_rows=False, out_dtype=None, w_col_major=False):
+              channel_bytes, skip_own_rows=False, out_dtype=None, w_col_major=False):
     group = groups.group_attrs(ctx, op, axis_name, axis_size)
     if schedule.transfer == "push" and group["ipc_job"] != 0:
         raise ValueError(
@@ -262,6 +271,7 @@ def _lowering(ctx, *operands, op, axis_name, axis_size, op_id, schedule, timeout
         skip_own_rows=np.int64(int(skip_own_rows)),
         transfer=np.int64({"pull": 0, "push": 1}[schedule.transfer]),
         w_col_major=np.int64(int(w_col_major)),
+        channel_bytes=np.int64(channel_bytes),
     )
 
 
@@ -395,5 +405,6 @@ def bind(op: str, operands, axis_name: str, axis_size: int, schedule: Schedule, 
     return _PRIMITIVES[op].bind(
         *operands, op=op, axis_name=axis_name, axis_size=axis_size, op_id=next_op_id(), schedule=schedule,
         timeout_ms=int(round(config.RENDEZVOUS_TIMEOUT_S * 1000)), watchdog_ms=watchdog_ms(), site=current_site(),
-        skip_own_rows=skip_own_rows, out_dtype=out_dtype, w_col_major=bool(w_col_major) or op in _SCALED,
+        channel_bytes=channel_bytes(), skip_own_rows=skip_own_rows, out_dtype=out_dtype,
+        w_col_major=bool(w_col_major) or op in _SCALED,
     )

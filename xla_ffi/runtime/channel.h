@@ -1,0 +1,142 @@
+// The group channels: how the copy-engine calls of a group inside one process run without meeting
+// on the host at every call.
+//
+// A call that meets (call_session.h) posts this execution's buffer pointers and events, because XLA
+// may hand a call site other buffers at every execution and because an event's record can only be
+// waited for once the waiter knows the record was made. A channel removes both reasons for the
+// calls whose exposed data is small (at most config.CHANNEL_BYTES): each rank of the group owns a
+// region of its device's memory, exchanged once, and the ranks order their copies with words,
+// 32-bit counters in pinned host memory that every device reads and writes with the driver's stream
+// memory operations. The k-th call of a group on its channel (every rank counts its own calls, and
+// the ranks of a group make the same calls in the same order) then runs as:
+//
+//   owner r, XLA's stream : wait done[r][t] >= k-1 for every reader t | data -> region r | ready[r][t][piece] = k
+//   reader t, copy stream :            wait ready[r][t][piece] >= k | pull from region r | done[r][t] = k
+//
+// done[r][t] >= k-1 says that t finished pulling r's data of the previous call, so r may overwrite
+// its region; ready[r][t][piece] >= k says that this call's piece is in it. Every call enqueues the
+// words its peers wait for before its own waits for theirs (the owner's steps come first in each
+// executor), so a device whose streams all feed one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1)
+// never waits for a word that work behind the wait would set. A word only ever grows, by the work it
+// stands for; nothing else writes it. So a wait passes only for the data it guards, never early:
+// a peer that fails or never comes leaves its peers waiting, on the host (CPU backend, up to the
+// call's timeout: an error that names the peer) or on the device (the watchdog reports the word and
+// its value and ends the process), never reading stale data.
+//
+// The data a call computes itself (matmul_rs's and matmul_a2a's send partials) is written into the
+// region in place; inputs XLA owns are copied there on XLA's stream first (a device-local copy, why
+// the channel is for small data).
+//
+// A rank whose call fails retires the channel's generation. Its peers' calls of the same launch
+// that have not yet entered the channel fail at once, naming that rank and its error; those that had
+// entered it wait for words it will not set: on CPU until their timeout, then they fail too; on GPUs
+// their devices wait until the watchdog ends the process (its report names the word, its value and
+// the failure). Unlike a meeting, a channel cannot tell a peer's device that the data it waits for
+// will not come, and letting it run on would hand it stale data under a successful return. The
+// group's calls of the next launch make a new generation (fresh regions and words) in a meeting keyed
+// by that launch, so ranks still inside the failed launch cannot pair with ranks in the next one.
+//
+// Words and regions are never freed: a retired generation's may still be read by work in flight. A
+// group keeps one region per device of at most config.CHANNEL_BYTES, plus one per generation that a
+// failure or a larger call retired.
+#ifndef FICCO_JAX_XLA_FFI_RUNTIME_CHANNEL_H_
+#define FICCO_JAX_XLA_FFI_RUNTIME_CHANNEL_H_
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace ficco {
+
+struct Post;
+
+// The most pieces (events) one exposure may have on a channel; a call with more meets instead.
+constexpr int64_t kChannelMaxPieces = 64;
+
+// One generation of a group's channel, made by one meeting of the group.
+class ChannelGeneration {
+ public:
+  // `regions[r]`: rank r's region of `capacity` bytes; `words`: WordCount(n) zeroed words.
+  ChannelGeneration(int64_t number, int64_t capacity, std::vector<char*> regions, uint32_t* words);
+  static int64_t WordCount(int n) { return int64_t{n} * n * (kChannelMaxPieces + 1); }
+
+  int64_t number() const { return number_; }
+  int64_t capacity() const { return capacity_; }
+  char* Region(int rank) const { return regions_[rank]; }
+  // Set by `owner`'s device once piece `piece` of its data for `reader` is in its region.
+  uint32_t* Ready(int owner, int reader, int64_t piece) const {
+    return words_ + (int64_t{owner} * n_ + reader) * kChannelMaxPieces + piece;
+  }
+  // Set by `reader`'s device once it has pulled everything of `owner`'s region it reads.
+  uint32_t* Done(int owner, int reader) const {
+    return words_ + int64_t{n_} * n_ * kChannelMaxPieces + int64_t{owner} * n_ + reader;
+  }
+
+  // Counts one more call of `rank` and returns its number (1, 2, ...).
+  uint32_t NextCall(int rank) { return calls_[rank].fetch_add(1, std::memory_order_relaxed) + 1; }
+  // The host's check that the ranks run the same op at call `call`, without waiting: each rank
+  // notes its signature's hash, then compares it with the note of every peer that already made
+  // that call (the second of two ranks to arrive sees the first's note). Returns the first rank
+  // whose note differs, or -1.
+  int CheckSignature(int rank, uint32_t call, uint32_t hash);
+
+  bool retired() const { return retired_.load(std::memory_order_acquire); }
+  void Retire() { retired_.store(true, std::memory_order_release); }
+
+ private:
+  static constexpr int kSignatureRing = 64;
+  const int64_t number_;
+  const int64_t capacity_;
+  const int n_;
+  const std::vector<char*> regions_;
+  uint32_t* const words_;
+  std::unique_ptr<std::atomic<uint32_t>[]> calls_;
+  std::unique_ptr<std::atomic<uint64_t>[]> signatures_;  // [rank][call % kSignatureRing]: (call << 32) | hash
+  std::atomic<bool> retired_{false};
+};
+
+// The channel of one group (its devices in rank order): its current generation.
+class Channel {
+ public:
+  explicit Channel(int64_t id) : id_(id) {}
+  int64_t id() const { return id_; }
+  std::shared_ptr<ChannelGeneration> Current();
+  // The generation `number` made by a setup meeting from its posts (each rank's region, rank 0's
+  // words), installed by the first rank of the group to get here; the others get the same one.
+  std::shared_ptr<ChannelGeneration> Install(int64_t number, int64_t capacity, const std::vector<Post>& posts);
+  // Retires the current generation: rank `rank`'s call in launch `run_id` failed with `why`. The
+  // group's calls of a later launch make a new generation.
+  void Retire(int64_t run_id, int rank, const std::string& why);
+  // Why the current generation was retired ("rank 1 failed: ..."), and in which launch; "" if it was not.
+  std::string Retired(int64_t* run_id);
+
+ private:
+  const int64_t id_;
+  std::mutex mu_;
+  std::shared_ptr<ChannelGeneration> current_;
+  int64_t retired_run_ = 0;
+  std::string retired_why_;
+};
+
+// The process's channels, one per group (by its device ordinals in rank order).
+class Channels {
+ public:
+  Channel& Of(const std::vector<int>& group);
+  // The group's channel if it has one, else nullptr.
+  Channel* Find(const std::vector<int>& group);
+
+ private:
+  std::mutex mu_;
+  std::map<std::vector<int>, std::unique_ptr<Channel>> channels_;
+};
+
+// A 32-bit hash of a call's signature, for ChannelGeneration::CheckSignature.
+uint32_t SignatureHash(const std::vector<int64_t>& signature);
+
+}  // namespace ficco
+
+#endif  // FICCO_JAX_XLA_FFI_RUNTIME_CHANNEL_H_
