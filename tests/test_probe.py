@@ -78,6 +78,7 @@ def test_host_time_splits_a_call_into_handler_and_meetings(tmp_path, channel):
         assert calls["set_word"] == 3 and calls["wait_word"] == 3, calls
     else:
         assert 0 < result["meeting_us"] < result["handler_us"], result
+        assert result["channel_wait_us"] == 0, result
         assert calls["set_word"] == 0 and calls["wait_word"] == 0, calls
     assert result["other_us"] > 0, result
     assert "per call and device, handler" in run.stdout and "backend calls per call and device" in run.stdout

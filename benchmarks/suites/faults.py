@@ -24,12 +24,6 @@ FICCO_RENDEZVOUS_TIMEOUT_S=<--timeout-s> in each child's environment, read at im
 config.RENDEZVOUS_TIMEOUT_S and written into the program when it is traced. Each child arms
 skip:1, runs the case, disarms, runs the next calls; then the same with fail:<n-1>.
 
-The calls meet their peers at every call (FICCO_CHANNEL_BYTES=0 in each child): that is the path on
-which a peer's failure reaches every rank as an error. On a group's channel a rank whose call fails
-cannot tell its peers' devices, which may already wait for its words: on GPUs the watchdog then ends
-the process (xla_ffi/runtime/channel.h; tests/test_executor_faults.py checks the channel's faults on
-CPU, where the waits are the handlers' own and time out).
-
 One more child launches a group of n devices on only n/2 of them (a direct FFI call, as in
 tests/test_executor_faults.py, with the attributes lowering/dma/registry.py itself writes for the whole group) and
 checks the waiting ranks' message: op, group and "missing ranks [n/2 .. n-1]", arriving no sooner
@@ -290,8 +284,7 @@ def _run_child(target, args, timeout_s, budget_cut) -> tuple[list[dict], str, bo
     """The child's RESULT records, a note ('' if it exited 0 in time), and whether --budget-s stopped
     it: with `budget_cut`, `timeout_s` is what was left of the budget, shorter than the case timeout,
     so a child still running then was not given its time and is not judged a hang."""
-    env = dict(os.environ, FICCO_RENDEZVOUS_TIMEOUT_S=str(args.timeout_s), FICCO_CHANNEL_BYTES="0",
-               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, FICCO_RENDEZVOUS_TIMEOUT_S=str(args.timeout_s), PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, os.path.abspath(__file__), "--child", target, "--timeout-s", str(args.timeout_s),
            "--margin-s", str(args.margin_s)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -1,14 +1,15 @@
 """Where a copy-engine call's host time goes: its handlers' time from start to return, split into
-meeting the group's other handlers, the backend's calls (event records, the watchdog's marks, waits,
-copies, matmuls, sums: on CUDA the driver calls) and the rest, per call and device, beside the wall
-time per call of the whole loop.
+meeting the group's other handlers (or, on a group channel, waiting for their hosts), the backend's
+calls (event records, the watchdog's marks, waits, copies, matmuls, sums, channel words: on CUDA the
+driver calls) and the rest, per call and device, beside the wall time per call of the whole loop.
 
 Usage: python benchmarks/suites/host_time.py OP SCHEDULE M K N [--iters I] [--launches L] [--out F]
 
 The op runs I times in one jitted loop (bench.record_timeline's program); after a warm-up launch,
 L more launches are timed on the host while the extension's counters (`_ffi.testing.host_time`)
 sum the handlers' time. Per call and device: `handler_us` (the host work of one device's handler,
-meetings included), `meeting_us` (waiting in host meetings, a late peer included), `backend_us`
+meetings included), `meeting_us` (waiting in host meetings, a late peer included), `channel_wait_us`
+(on a group channel: waiting for a peer's host to enqueue its writes, xla_ffi/runtime/channel.h), `backend_us`
 (each kind of backend call: how many and their host time), `other_us` (the rest: decoding the
 attributes, the watchdog's bookkeeping, the executor's own work). `wall_us`
 is the loop's wall time per call: where it is close to `handler_us`, the device waits for the
@@ -48,11 +49,13 @@ def measure_host_time(op: str, schedule: Schedule, M: int, K: int, N: int, iters
     backend = {kind: {"calls": per_handler(calls_after, calls_before, kind),
                       "us": per_handler(calls_after, calls_before, kind + "_s") * 1e6}
                for kind in calls_after if not kind.endswith("_s")}
-    handler_us, meeting_us = (per_handler(after, before, key) * 1e6 for key in ("handler_s", "meeting_s"))
+    handler_us, meeting_us, channel_wait_us = (per_handler(after, before, key) * 1e6
+                                               for key in ("handler_s", "meeting_s", "channel_wait_s"))
     return {"op": op, "schedule": str(schedule), "shape": [M, K, N], "devices": mesh.shape["tp"],
             "iters": iters, "launches": launches, "handlers": int(handlers),
-            "handler_us": handler_us, "meeting_us": meeting_us, "backend_us": backend,
-            "other_us": handler_us - meeting_us - sum(b["us"] for b in backend.values()),
+            "handler_us": handler_us, "meeting_us": meeting_us, "channel_wait_us": channel_wait_us,
+            "backend_us": backend,
+            "other_us": handler_us - meeting_us - channel_wait_us - sum(b["us"] for b in backend.values()),
             "wall_us": wall / (launches * iters) * 1e6, "device": jax.devices()[0].device_kind}
 
 
@@ -67,7 +70,8 @@ def main() -> None:
                                args.launches)
     print(f"{result['op']} {result['schedule']} {args.M},{args.K},{args.N} on {result['devices']} "
           f"{result['device']}: per call and device, handler {result['handler_us']:.1f} us "
-          f"(meetings {result['meeting_us']:.1f} us); loop wall time {result['wall_us']:.1f} us per call")
+          f"(meetings {result['meeting_us']:.1f} us, channel waits {result['channel_wait_us']:.1f} us); "
+          f"loop wall time {result['wall_us']:.1f} us per call")
     parts = [f"{kind} {b['calls']:.1f} x = {b['us']:.1f} us" for kind, b in result["backend_us"].items() if b["calls"]]
     print("  backend calls per call and device: " + ", ".join(parts) + f"; other {result['other_us']:.1f} us")
     if args.out:

@@ -9,8 +9,9 @@
 // that fails also writes its error to stderr: JAX raises it only once every device's part of the
 // program has finished, which a peer stuck in a collective of XLA's own may never do.
 //
-// The entries are not marked command-buffer compatible: the host rendezvous must run on every
-// execution, which a captured CUDA graph would skip.
+// The entries are not marked command-buffer compatible: a call that meets its group must meet at
+// every execution, and every call registers its watch and counts its calls on the host (a channel's
+// words hold per-call values), all of which a captured CUDA graph would skip.
 #ifndef FICCO_JAX_XLA_FFI_FFI_HANDLER_H_
 #define FICCO_JAX_XLA_FFI_FFI_HANDLER_H_
 

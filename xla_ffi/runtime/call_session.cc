@@ -8,6 +8,8 @@
 #include "base/text.h"
 
 #include <algorithm>
+#include <chrono>
+#include <thread>
 
 namespace ficco {
 
@@ -26,6 +28,37 @@ ffi::Error WaitPeerWord(Backend& backend, const OpConfig& config, int stream, co
                                    std::to_string(value) + " (it holds " + std::to_string(ReadWord(word)) + ") within " +
                                    ShortNumber(config.timeout_s) + " s: missing ranks [" + std::to_string(peer) + "]" +
                                    (retired.empty() ? "" : "; the channel was retired: " + retired));
+}
+
+// Waits on the host until peer `peer`'s host has enqueued what `counter` counts up to call `call`
+// (runtime/channel.h says why), spinning for config.spin_s, then sleeping, at most config.timeout_s.
+ffi::Error WaitForPeerHost(const OpConfig& config, const std::atomic<uint32_t>& counter, uint32_t call, int peer,
+                           const char* what) {
+  if (WordReached(counter.load(std::memory_order_acquire), call)) return ffi::Error::Success();
+  const TimeSection timed(Registry::Get().channel_waits());
+  const auto start = std::chrono::steady_clock::now();
+  const auto spin_until = start + std::chrono::duration<double>(config.spin_s);
+  const auto deadline = start + std::chrono::duration<double>(config.timeout_s);
+  while (!WordReached(counter.load(std::memory_order_acquire), call)) {
+    const auto now = std::chrono::steady_clock::now();
+    if (now > deadline) {
+      int64_t run_id = 0;
+      const std::string retired = Registry::Get().channels().Of(config.group).Retired(&run_id);
+      return MakeError(config.ctx, "group [" + JoinNumbers(config.group) + "], rank " + std::to_string(config.rank) +
+                                       ": rank " + std::to_string(peer) + " (device " +
+                                       std::to_string(config.group[peer]) + ") has not enqueued " + what +
+                                       " of call " + std::to_string(call) + " of the group's channel within " +
+                                       ShortNumber(config.timeout_s) + " s: missing ranks [" + std::to_string(peer) +
+                                       "]; a peer failed or never launched this op" +
+                                       (retired.empty() ? "" : "; the channel was retired: " + retired));
+    }
+    if (now < spin_until) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+  return ffi::Error::Success();
 }
 }  // namespace
 
@@ -247,11 +280,17 @@ ffi::Error CallSession::EnterChannel(Backend& backend, int64_t bytes, int64_t pi
   if (call_ == 1) return ffi::Error::Success();  // a fresh region: nobody has read it
   for (int reader = 0; reader < config_.n(); ++reader) {
     if (reader == config_.rank) continue;
+    FICCO_RETURN_IF_ERROR(WaitForPeerHost(config_, gen_->Released(reader), call_ - 1, reader,
+                                          "the end of its pulls (its 'done' word)"));
     uint32_t* done = gen_->Done(config_.rank, reader);
     if (config_.watch != nullptr) config_.watch->NoteWord(config_, reader, "done", 0, done, call_ - 1);
     FICCO_RETURN_IF_ERROR(WaitPeerWord(backend, config_, Backend::kCompute, done, call_ - 1, reader, "done"));
   }
   return ffi::Error::Success();
+}
+
+void CallSession::EndChannelCall() {
+  if (gen_ != nullptr) gen_->Released(config_.rank).store(call_, std::memory_order_release);
 }
 
 // A generation's regions are sized to the call that makes it, rounded up to a power of two (so that
@@ -295,6 +334,12 @@ ffi::Error CallSession::ChannelPosts(const Exposure& exposure, std::vector<Post>
   if (exposure.pieces < 1 || events < exposure.pieces || events % exposure.pieces != 0) {
     return MakeInvalid(config_.ctx, "exposure in " + std::to_string(exposure.pieces) + " pieces with " +
                                         std::to_string(events) + " events: pieces must divide the events (a bug)");
+  }
+  // Every ready word of ours is enqueued (Stage, Publish): say so, then wait until every owner's are.
+  gen_->Published(config_.rank).store(call_, std::memory_order_release);
+  for (int owner = 0; owner < config_.n(); ++owner) {
+    if (owner == config_.rank) continue;
+    FICCO_RETURN_IF_ERROR(WaitForPeerHost(config_, gen_->Published(owner), call_, owner, "its data's 'ready' words"));
   }
   posts->assign(config_.n(), Post{});
   for (int owner = 0; owner < config_.n(); ++owner) {
@@ -498,6 +543,7 @@ ffi::Error JoinAndRelease(Backend& backend, const OpConfig& config, CallSession&
   if (session.on_channel()) {
     // Peers read only the channel's region, which the next call's waits protect (EnterChannel), and
     // none waits on this call's events: they go back once its device work is done.
+    session.EndChannelCall();
     backend.ReleaseEvents();
     if (config.watch != nullptr) config.watch->ReleaseAfter(nullptr);
     return ffi::Error::Success();

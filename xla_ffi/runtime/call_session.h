@@ -85,6 +85,9 @@ class CallSession {
   ffi::Error Publish(Backend& backend, int64_t piece, int64_t pieces);
   // Whether this call runs on its group's channel.
   bool on_channel() const { return gen_ != nullptr; }
+  // On a channel, after the pulls were enqueued: says that this rank's done words of this call are
+  // enqueued (the owners' next calls wait for that on the host: runtime/channel.h).
+  void EndChannelCall();
   // Posts (buffer, events) and returns every rank's post once all have arrived. A peer whose
   // shapes or schedule differ from ours is an error, not a wrong answer.
   ffi::Error Meet(Phase phase, const void* buffer, std::vector<Event> events, std::vector<Post>* posts);

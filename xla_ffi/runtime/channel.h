@@ -14,27 +14,34 @@
 //   reader t, copy stream :            wait ready[r][t][piece] >= k | pull from region r | done[r][t] = k
 //
 // done[r][t] >= k-1 says that t finished pulling r's data of the previous call, so r may overwrite
-// its region; ready[r][t][piece] >= k says that this call's piece is in it. Every call enqueues the
-// words its peers wait for before its own waits for theirs (the owner's steps come first in each
-// executor), so a device whose streams all feed one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1)
-// never waits for a word that work behind the wait would set. A word only ever grows, by the work it
-// stands for; nothing else writes it. So a wait passes only for the data it guards, never early:
-// a peer that fails or never comes leaves its peers waiting, on the host (CPU backend, up to the
-// call's timeout: an error that names the peer) or on the device (the watchdog reports the word and
-// its value and ends the process), never reading stale data.
+// its region; ready[r][t][piece] >= k says that this call's piece is in it. A word only ever grows,
+// by the work it stands for; nothing else writes it. So a wait passes only for the data it guards,
+// never early.
+//
+// A device never waits for work that a host has yet to enqueue: a rank enqueues its wait for a
+// peer's word only once the peer's host has enqueued the write (ChannelGeneration::Published and
+// Released, counters the hosts set and read without locks). Without that rule the calls stopped on
+// 2 x H100: a device waited for a peer's word while its own host thread sat in a call that waits for
+// the device (a matmul plan's timing, a module loaded on first launch), and the peer's host, which
+// was to enqueue the word, waited for that thread. With it, a channel orders copies as events do,
+// and the host waits are one-sided: a reader waits until each owner has enqueued its data's words,
+// an owner until each reader enqueued the end of its pulls of the previous call (usually long
+// done). Every call also enqueues the words its peers wait for before its own waits for theirs (the
+// owner's steps come first in each executor), so a device whose streams all feed one hardware queue
+// (CUDA_DEVICE_MAX_CONNECTIONS=1) never waits for a word that work behind the wait would set.
 //
 // The data a call computes itself (matmul_rs's and matmul_a2a's send partials) is written into the
 // region in place; inputs XLA owns are copied there on XLA's stream first (a device-local copy, why
 // the channel is for small data).
 //
-// A rank whose call fails retires the channel's generation. Its peers' calls of the same launch
-// that have not yet entered the channel fail at once, naming that rank and its error; those that had
-// entered it wait for words it will not set: on CPU until their timeout, then they fail too; on GPUs
-// their devices wait until the watchdog ends the process (its report names the word, its value and
-// the failure). Unlike a meeting, a channel cannot tell a peer's device that the data it waits for
-// will not come, and letting it run on would hand it stale data under a successful return. The
-// group's calls of the next launch make a new generation (fresh regions and words) in a meeting keyed
-// by that launch, so ranks still inside the failed launch cannot pair with ranks in the next one.
+// A peer that fails or never comes is noticed on the host: the ranks that wait for it to enqueue
+// its words give up after the call's timeout (config.RENDEZVOUS_TIMEOUT_S) with an error that names
+// it, as a meeting does. A rank whose call fails retires the channel's generation; its peers' calls
+// of the same launch that enter the channel after that fail at once, naming the rank and its error.
+// The group's calls of the next launch make a new generation (fresh regions and words) in a meeting
+// keyed by that launch, so ranks still inside the failed launch cannot pair with ranks in the next
+// one. A device whose peer stops after enqueueing its writes but before its device reaches them (a
+// stuck device) waits until the watchdog reports the word, its value and the value awaited.
 //
 // Words and regions are never freed: a retired generation's may still be read by work in flight. A
 // group keeps one region per device of at most config.CHANNEL_BYTES, plus one per generation that a
@@ -78,6 +85,13 @@ class ChannelGeneration {
 
   // Counts one more call of `rank` and returns its number (1, 2, ...).
   uint32_t NextCall(int rank) { return calls_[rank].fetch_add(1, std::memory_order_relaxed) + 1; }
+
+  // What each rank's host has enqueued so far, by call number: every ready word of its data
+  // (Published), and every done word of its pulls (Released). A rank enqueues a wait for a peer's
+  // word only once the peer's host has enqueued the write it waits for, so that no device ever
+  // waits for work a host has yet to enqueue.
+  std::atomic<uint32_t>& Published(int rank) { return published_[rank]; }
+  std::atomic<uint32_t>& Released(int rank) { return released_[rank]; }
   // The host's check that the ranks run the same op at call `call`, without waiting: each rank
   // notes its signature's hash, then compares it with the note of every peer that already made
   // that call (the second of two ranks to arrive sees the first's note). Returns the first rank
@@ -94,7 +108,7 @@ class ChannelGeneration {
   const int n_;
   const std::vector<char*> regions_;
   uint32_t* const words_;
-  std::unique_ptr<std::atomic<uint32_t>[]> calls_;
+  std::unique_ptr<std::atomic<uint32_t>[]> calls_, published_, released_;
   std::unique_ptr<std::atomic<uint64_t>[]> signatures_;  // [rank][call % kSignatureRing]: (call << 32) | hash
   std::atomic<bool> retired_{false};
 };

@@ -155,8 +155,10 @@ class Registry {
   Rendezvous& rendezvous() { return rendezvous_; }
   Watchdog& watchdog() { return watchdog_; }
   FaultPlan& faults() { return faults_; }
-  // The group channels of in-process groups (runtime/channel.h).
+  // The group channels of in-process groups (runtime/channel.h), and the host time their calls spent
+  // waiting for a peer's host to enqueue its writes (a late peer included).
   Channels& channels() { return channels_; }
+  TimedCount& channel_waits() { return channel_waits_; }
   // Every copy-engine handler of the process: how many ran and their host time from start to return.
   TimedCount& handlers() { return handlers_; }
   // The events of every CPU device (device/backends.h).
@@ -177,6 +179,7 @@ class Registry {
   Watchdog watchdog_;
   FaultPlan faults_;
   Channels channels_;
+  TimedCount channel_waits_;
   TimedCount handlers_;
   std::unique_ptr<EventPool> host_events_ = MakeHostEventPool();
   std::unique_ptr<HostMailbox> mailbox_;

@@ -94,11 +94,15 @@ void DefineTestingModule(nb::module_& m) {
                 return std::map<std::string, double>{
                     {"calls", static_cast<double>(handlers.Calls())},
                     {"handler_s", handlers.Ns() * 1e-9},
-                    {"meeting_s", Registry::Get().rendezvous().meetings().Ns() * 1e-9}};
+                    {"meeting_s", Registry::Get().rendezvous().meetings().Ns() * 1e-9},
+                    {"channel_waits", static_cast<double>(Registry::Get().channel_waits().Calls())},
+                    {"channel_wait_s", Registry::Get().channel_waits().Ns() * 1e-9}};
               },
               "Host time of the copy-engine handlers of this process so far: how many ran ('calls'), their "
               "seconds from start to return ('handler_s'), and of those the seconds spent in host meetings "
-              "with their peers ('meeting_s', waiting for a late peer included), summed over every device.");
+              "with their peers ('meeting_s', waiting for a late peer included) and, on group channels, how "
+              "often and how long they waited for a peer's host to enqueue its writes ('channel_waits', "
+              "'channel_wait_s'), summed over every device.");
   testing.def("events_made", &EventsMade, nb::arg("ordinal") = -1,
               "How many events the pool of a device has made so far: -1 for the CPU devices' shared pool, "
               "else a GPU's ordinal. It stays bounded while calls give their events back.");
