@@ -15,6 +15,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
+import ficco_jax  # noqa: E402
 from ficco_jax import config, dma  # noqa: E402
 from ficco_jax.lowering.dma import groups, registry  # noqa: E402
 from ficco_jax.runtime import extension as _ext  # noqa: E402
@@ -66,9 +67,9 @@ def _schedules(op, n):
 
 
 def _cases(op, dtypes):
-    """(mesh, dtype, schedule, meets): these small calls pull through their group's channel; every f32
-    point is also pushed, and pulled with host meetings (`meets`: config.CHANNEL_BYTES = 0), the
-    path of calls too large for the channel."""
+    """(mesh, dtype, schedule, meets): every f32 point is also pushed; a matmul_rs point, whose small
+    pulls run on their group's channel, also with host meetings (`meets`: config.CHANNEL_BYTES = 0),
+    the path of calls too large for the channel."""
     for mesh_name, mesh in MESHES.items():
         n = mesh.shape["tp"]
         for dtype in dtypes:
@@ -82,7 +83,8 @@ def _cases(op, dtypes):
                 if dtype == jnp.float32 and sched.transfer == "pull":
                     push = sched.replace(transfer="push")
                     yield pytest.param(mesh_name, dtype, push, False, id=f"{mesh_name}-{jnp.dtype(dtype).name}-{push}")
-                    yield pytest.param(mesh_name, dtype, sched, True, id=f"{name}-meets")
+                    if op == "matmul_rs":
+                        yield pytest.param(mesh_name, dtype, sched, True, id=f"{name}-meets")
 
 
 @pytest.fixture
@@ -97,11 +99,10 @@ def meets(request, monkeypatch):
 # ------------------------------------------------------------------------------------------------
 # Origin-coded, exact
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("meets", [False, True], indirect=True)
 @pytest.mark.parametrize("mesh_name", ["1d", "2d"])
 @pytest.mark.parametrize("sched", ["dma/direct/c1", "dma/ring/c2", "dma/direct/c4/s2", "dma/direct/c8/s4",
                                    "dma/direct/c1/push", "dma/direct/c4/s2/push", "dma/direct/c8/s4/push"])
-def test_all_gather_origin_coded(mesh_name, sched, meets):
+def test_all_gather_origin_coded(mesh_name, sched):
     mesh = MESHES[mesh_name]
     if mesh.shape["tp"] < 8 and "/s4" in sched:
         sched = sched.replace("/s4", "/s2")
@@ -625,15 +626,18 @@ def test_a_call_meets_its_group_twice_and_gives_its_events_back(sched, meets):
     assert made[1] - made[0] < 20 * per_run, made
 
 
-@pytest.mark.parametrize("op", ["all_gather", "reduce_scatter", "all_to_all", "ag_matmul", "matmul_rs"])
-def test_a_channel_call_meets_nobody_after_its_group_set_the_channel_up(op, rng):
-    """A small pull runs on its group's channel: the group meets once, at its first call, to set the
-    channel up; then no call meets, each owner sets its ready words and each reader its done words,
-    and waits for its peers' (runtime/channel.h). The events go back to the pool without any
-    announcement, so it stops growing."""
+@pytest.mark.parametrize("op, channel", [("matmul_rs", True), ("matmul_a2a", True), ("all_gather", False),
+                                         ("reduce_scatter", False), ("all_to_all", False), ("ag_matmul", False)])
+def test_small_partials_run_on_the_channel_and_the_other_calls_meet(op, channel, rng):
+    """A small matmul_rs or matmul_a2a computes its partials in its group's channel region: the group
+    meets once, at its first call, to set the channel up; then no call meets, each owner sets a
+    ready word per partial and each reader a done word per owner, and waits for its peers'
+    (runtime/channel.h). The events go back to the pool without any announcement, so it stops
+    growing. The gathers and collectives, whose inputs would have to be copied into a region, meet
+    twice per call."""
     testing = _ext.testing()
     mesh = Mesh(np.array(jax.devices()[:4]), ("tp",))
-    n, m, k = 4, 8, 6
+    n, m, k, e = 4, 8, 6, 2
     sched = Schedule.parse("dma/direct/c2/s2")
     x = jnp.asarray(rng.standard_normal((n * n * m, k)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((k * n, 5)), jnp.float32)
@@ -648,50 +652,60 @@ def test_a_channel_call_meets_nobody_after_its_group_set_the_channel_up(op, rng)
                       lambda a, b: jax.lax.all_gather(a, "tp", tiled=True) @ b[:k]),
         "matmul_rs": (lambda a, b: dma.matmul_rs_dma(a, b, "tp", sched),
                       lambda a, b: jax.lax.psum_scatter(a @ b, "tp", tiled=True)),
+        # y [n, e, C, k] per device, w [e, k, 5]: this device's weight and half of it as two experts.
+        "matmul_a2a": (lambda a, b: dma.matmul_a2a_dma(a.reshape(n, e, -1, k), jnp.stack([b, 0.5 * b]), "tp", sched),
+                       lambda a, b: ficco_jax.matmul_a2a_ref(a.reshape(n, e, -1, k), jnp.stack([b, 0.5 * b]), "tp")),
     }
-    wspec = P("tp", None) if op == "matmul_rs" else P()
+    wspec = P("tp", None) if op in ("matmul_rs", "matmul_a2a") else P()
     f, f_ref = (jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), wspec), out_specs=P("tp")))
                 for body in bodies[op])
     ref = np.asarray(f_ref(x, w))
     before = testing.host_meetings()
     assert max_rel_err(f(x, w), ref) < 1e-5
-    # The channel's setup, unless an earlier call of this group made one large enough.
-    assert testing.host_meetings() - before in (0, n)
+    first = testing.host_meetings() - before
     calls_before, before = testing.backend_calls(), testing.host_meetings()
     made = [testing.events_made()]
     for _ in range(50):
         assert max_rel_err(f(x, w), ref) < 1e-5
     calls = {key: value - calls_before[key] for key, value in testing.backend_calls().items()}
     made.append(testing.events_made())
-    assert testing.host_meetings() == before
-    # Every reader sets one done word per owner, every owner at least one ready word per reader.
-    assert calls["set_word"] >= 50 * 2 * n * (n - 1), calls
-    assert calls["wait_word"] >= 50 * n * (n - 1), calls
+    if channel:
+        # The channel's setup, unless an earlier call of this group made one large enough; then none.
+        assert first in (0, n) and testing.host_meetings() == before
+        # Every owner sets at least one ready word per reader, every reader one done word per owner.
+        assert calls["set_word"] >= 50 * 2 * n * (n - 1), calls
+        assert calls["wait_word"] >= 50 * n * (n - 1), calls
+    else:
+        assert first == 2 * n and testing.host_meetings() - before == 50 * 2 * n
+        assert calls["set_word"] == 0 and calls["wait_word"] == 0, calls
     assert made[1] - made[0] < 20 * n * ((n - 1) * 2 + 2), made
 
 
 def test_a_larger_call_grows_the_channel_and_every_size_stays_right(rng):
-    """A call whose data outgrows the channel's regions makes a new generation (one meeting of the
+    """A call whose partials outgrow the channel's regions makes a new generation (one meeting of the
     group); smaller calls then fit it, and one beyond config.CHANNEL_BYTES meets at every call."""
     testing = _ext.testing()
     mesh = Mesh(np.array(jax.devices()[4:8]), ("tp",))
 
-    def gather(rows):
-        x = jnp.asarray(rng.standard_normal((4 * rows, 16)), jnp.float32)
-        f = jax.jit(jax.shard_map(lambda a: dma.all_gather(a, "tp", schedule="dma/direct/c1"), mesh=mesh,
-                                  in_specs=P("tp"), out_specs=P("tp")))
-        ref = np.tile(np.asarray(x), (4, 1))
+    def matmul_rs(rows):
+        y = jnp.asarray(rng.standard_normal((4 * rows, 8)), jnp.float32)
+        w = jnp.asarray(rng.standard_normal((8 * 4, 16)), jnp.float32)
+        f = jax.jit(jax.shard_map(lambda a, b: dma.matmul_rs_dma(a, b, "tp", Schedule.parse("dma/direct/c1")),
+                                  mesh=mesh, in_specs=(P("tp"), P("tp", None)), out_specs=P("tp")))
+        ref = jax.jit(jax.shard_map(lambda a, b: jax.lax.psum_scatter(a @ b, "tp", tiled=True), mesh=mesh,
+                                    in_specs=(P("tp"), P("tp", None)), out_specs=P("tp")))(y, w)
         before = testing.host_meetings()
-        np.testing.assert_array_equal(np.asarray(f(x)), ref)
+        assert max_rel_err(f(y, w), ref) < 1e-5
         first = testing.host_meetings() - before
-        np.testing.assert_array_equal(np.asarray(f(x)), ref)
+        assert max_rel_err(f(y, w), ref) < 1e-5
         return first, testing.host_meetings() - before - first
 
-    assert gather(8) == (4, 0)        # 512 B: the channel is set up
-    assert gather(256) == (4, 0)      # 16 KiB: a larger generation
-    assert gather(8) == (0, 0)        # fits the larger one
-    big = config.CHANNEL_BYTES // (16 * 4) * 2  # rows of twice the channel's limit
-    assert gather(big) == (8, 8)      # meets at every call: exchange and done
+    # Partials per device: 3 of 4 blocks of [rows / 4, 16] f32.
+    assert matmul_rs(32) == (4, 0)       # 1.5 KiB: the channel is set up
+    assert matmul_rs(1024) == (4, 0)     # 48 KiB: a larger generation
+    assert matmul_rs(32) == (0, 0)       # fits the larger one
+    big = config.CHANNEL_BYTES // (16 * 4 * 3) * 8  # rows of twice the channel's limit
+    assert matmul_rs(big) == (8, 8)      # meets at every call: exchange and done
 
 
 def _backend_calls(f, *args):

@@ -39,14 +39,13 @@ def run_program(op, schedule, *extra, fault="stall:1", watchdog_s=WATCHDOG_S, de
 
 
 @pytest.mark.parametrize("op, schedule, target, channel", [
-    ("ag_matmul", "dma/direct/c2", "ficco_ag_matmul", True),
     ("ag_matmul", "dma/direct/c2", "ficco_ag_matmul", False),
-    ("ag_matmul", "dma/ring/c4/grouped", "ficco_ag_matmul", True),
-    ("matmul_rs", "dma/direct/c2/grouped/s2", "ficco_matmul_rs", True),
+    ("ag_matmul", "dma/ring/c4/grouped", "ficco_ag_matmul", False),
+    ("matmul_rs", "dma/direct/c2/grouped/s2", "ficco_matmul_rs", True),  # small partials: the group's channel
     ("matmul_rs", "dma/direct/c2/grouped/s2", "ficco_matmul_rs", False),
     ("matmul_rs", "dma/direct/c2/push", "ficco_matmul_rs", False),  # pushes always meet
-    ("all_gather", "dma/direct/c1", "ficco_all_gather", True),
-    ("overlap", "dma/direct/c2", "ficco_ag_matmul", True),
+    ("all_gather", "dma/direct/c1", "ficco_all_gather", False),
+    ("overlap", "dma/direct/c2", "ficco_ag_matmul", False),
 ])
 def test_a_stalled_peer_is_reported_and_ends_the_process(op, schedule, target, channel):
     done, _ = run_program(op, schedule, channel_bytes=None if channel else 0)

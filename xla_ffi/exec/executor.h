@@ -33,10 +33,11 @@
 // the kPushed events, for every peer's push into it, before the handler returns; so a push call
 // meets twice (exchange, pushed) like a pull call (exchange, done), then announces "release"
 // (call_session.cc, JoinAndRelease).
-// On its group's channel (small pulls in one process: runtime/channel.h) a pull call meets nobody:
-// the owner's data is copied into (or computed in) its channel region and marked by words instead of
-// events, the pullers set a done word instead of meeting at "done", and the owner's next call waits
-// for those words before it writes its region again; its own return waits only for its own pulls.
+// On its group's channel (matmul_rs and matmul_a2a pulls of small partials in one process:
+// runtime/channel.h) a call meets nobody: the owner computes its partials in its channel region and
+// marks them with words instead of events, the pullers set a done word instead of meeting at "done",
+// and the owner's next call waits for those words before it writes its region again; its own return
+// waits only for its own pulls.
 // Why push: on 2 x H200 with both GPUs receiving at once, copy-engine ingress was 339 (push) vs
 // 311 (pull) GB/s at 40 MiB blocks and 262 vs 162 at 8 MiB (PyTorch streams). Through this
 // executor, at the same group size, pushes then timed level with pulls (36 op/schedule pairs,

@@ -25,8 +25,9 @@ ffi::Error WaitPeerWord(Backend& backend, const OpConfig& config, int stream, co
   return MakeError(config.ctx, "group [" + JoinNumbers(config.group) + "], rank " + std::to_string(config.rank) +
                                    ": rank " + std::to_string(peer) + " (device " + std::to_string(config.group[peer]) +
                                    ") did not set its '" + what + "' word of the group's channel to " +
-                                   std::to_string(value) + " (it holds " + std::to_string(ReadWord(word)) + ") within " +
-                                   ShortNumber(config.timeout_s) + " s: missing ranks [" + std::to_string(peer) + "]" +
+                                   std::to_string(value) + " (it holds " + std::to_string(ReadWord(word)) +
+                                   ") within " + ShortNumber(config.timeout_s) + " s: missing ranks [" +
+                                   std::to_string(peer) + "]" +
                                    (retired.empty() ? "" : "; the channel was retired: " + retired));
 }
 
@@ -110,11 +111,9 @@ CallSession::~CallSession() {
 // H200.
 ffi::Error CallSession::Exchange(Backend& backend, const Exposure& exposure, std::vector<Post>* posts) {
   if (!config_.cross_process()) {
-    FICCO_RETURN_IF_ERROR(EnterChannel(backend, exposure.bytes, exposure.pieces));
-    if (gen_ == nullptr) return Meet(Phase::kExchange, exposure.buffer, exposure.events, posts);
-    // In place, every part was published as it was written; otherwise it is copied in now.
-    if (exposure.buffer != in_place_ && staged_from_ != exposure.buffer) FICCO_RETURN_IF_ERROR(Stage(backend, exposure));
-    return ChannelPosts(exposure, posts);
+    // On a channel every part was published as it was written (StageInPlace, Publish).
+    if (gen_ != nullptr && exposure.buffer == in_place_) return ChannelPosts(exposure, posts);
+    return Meet(Phase::kExchange, exposure.buffer, exposure.events, posts);
   }
   if (exposure.bytes == 0) return Meet(Phase::kExchange, nullptr, exposure.events, posts);
   if (in_place_ != nullptr && exposure.buffer == in_place_) return Meet(Phase::kExchange, in_place_, exposure.events, posts);
@@ -130,12 +129,8 @@ ffi::Error CallSession::Exchange(Backend& backend, const Exposure& exposure, std
 // cudaMemcpyBatchAsync's copy-engine hint or 32 hardware queues), and each peer's pull and
 // matmul waited for it. On XLA's stream it runs first, at full speed, then the matmul; the data
 // it copies was written before it on that stream, so it needs no wait for the exposure's events.
-//
-// On a channel the same copies go into this rank's channel region, after the owner's waits of
-// EnterChannel on XLA's stream, and each part's ready words are set right after its copy.
 ffi::Error CallSession::Stage(Backend& backend, const Exposure& exposure) {
-  if (!config_.cross_process()) FICCO_RETURN_IF_ERROR(EnterChannel(backend, exposure.bytes, exposure.pieces));
-  if ((!config_.cross_process() && gen_ == nullptr) || exposure.bytes == 0) return ffi::Error::Success();
+  if (!config_.cross_process() || exposure.bytes == 0) return ffi::Error::Success();
   if (in_place_ != nullptr && exposure.buffer == in_place_) return ffi::Error::Success();
   const CallContext& ctx = config_.ctx;
   const int64_t num_events = static_cast<int64_t>(exposure.events.size());
@@ -149,26 +144,18 @@ ffi::Error CallSession::Stage(Backend& backend, const Exposure& exposure) {
                                 " events: pieces must divide both (a bug)");
   }
   void* staging = nullptr;
-  if (gen_ != nullptr) {
-    staging = gen_->Region(config_.rank);
-  } else {
-    FICCO_RETURN_IF_ERROR(AcquireStaging(backend, exposure.bytes, &staging));
-    // As in StageInPlace: the region is written only after the staging stream's waits for the
-    // peers' pulls of earlier calls (ProtectStaging).
-    Event tail;
-    FICCO_RETURN_IF_ERROR(backend.Record(Backend::kStaging, &tail));
-    FICCO_RETURN_IF_ERROR(backend.Wait(Backend::kCompute, tail));
-  }
+  FICCO_RETURN_IF_ERROR(AcquireStaging(backend, exposure.bytes, &staging));
+  // As in StageInPlace: the region is written only after the staging stream's waits for the
+  // peers' pulls of earlier calls (ProtectStaging).
+  Event tail;
+  FICCO_RETURN_IF_ERROR(backend.Record(Backend::kStaging, &tail));
+  FICCO_RETURN_IF_ERROR(backend.Wait(Backend::kCompute, tail));
   const int64_t piece_bytes = exposure.bytes / exposure.pieces;
   std::vector<Event> staged(exposure.pieces);
   for (int64_t k = 0; k < exposure.pieces; ++k) {
     FICCO_RETURN_IF_ERROR(backend.Copy(Backend::kCompute, Offset(staging, k * piece_bytes),
                                        Offset(exposure.buffer, k * piece_bytes), piece_bytes));
-    if (gen_ != nullptr) {
-      FICCO_RETURN_IF_ERROR(SetReady(backend, Backend::kCompute, k, /*reader=*/-1));
-    } else {
-      FICCO_RETURN_IF_ERROR(backend.Record(Backend::kCompute, &staged[k]));
-    }
+    FICCO_RETURN_IF_ERROR(backend.Record(Backend::kCompute, &staged[k]));
   }
   staged_events_.assign(num_events, nullptr);
   for (int64_t i = 0; i < num_events; ++i) staged_events_[i] = staged[i * exposure.pieces / num_events];
@@ -249,8 +236,6 @@ ffi::Error CallSession::MeetAt(const RendezvousKey& key, Phase phase, Post post,
 }
 
 ffi::Error CallSession::EnterChannel(Backend& backend, int64_t bytes, int64_t pieces) {
-  if (channel_decided_) return ffi::Error::Success();
-  channel_decided_ = true;
   if (config_.cross_process() || config_.push || config_.n() < 2 || bytes <= 0 || bytes > config_.channel_bytes ||
       pieces > kChannelMaxPieces) {
     return ffi::Error::Success();
@@ -305,7 +290,9 @@ ffi::Error CallSession::SetUpChannel(Backend& backend, Channel& channel, int64_t
   void* region = nullptr;
   FICCO_RETURN_IF_ERROR(backend.AllocateRegion(capacity, &region));
   post.buffer = region;
-  if (config_.rank == 0) FICCO_RETURN_IF_ERROR(backend.AllocateWords(ChannelGeneration::WordCount(config_.n()), &post.words));
+  if (config_.rank == 0) {
+    FICCO_RETURN_IF_ERROR(backend.AllocateWords(ChannelGeneration::WordCount(config_.n()), &post.words));
+  }
   // Keyed by this launch: ranks that are still in a launch whose call failed cannot meet ranks that
   // are already in the next one.
   const RendezvousKey key{config_.run_id, config_.ctx.op_id, -1 - number, Phase::kSetup, config_.group_index};
@@ -315,18 +302,10 @@ ffi::Error CallSession::SetUpChannel(Backend& backend, Channel& channel, int64_t
   return ffi::Error::Success();
 }
 
-ffi::Error CallSession::SetReady(Backend& backend, int stream, int64_t piece, int reader) {
-  for (int rank = 0; rank < config_.n(); ++rank) {
-    if (rank == config_.rank || (reader >= 0 && rank != reader)) continue;
-    FICCO_RETURN_IF_ERROR(backend.SetWord(stream, gen_->Ready(config_.rank, rank, piece), call_));
-  }
-  return ffi::Error::Success();
-}
-
 ffi::Error CallSession::Publish(Backend& backend, int64_t piece, int64_t pieces) {
   if (gen_ == nullptr) return ffi::Error::Success();
-  const int slot = static_cast<int>(piece * (config_.n() - 1) / pieces);
-  return SetReady(backend, Backend::kCompute, piece, config_.TargetOfSlot(slot));
+  const int reader = config_.TargetOfSlot(static_cast<int>(piece * (config_.n() - 1) / pieces));
+  return backend.SetWord(Backend::kCompute, gen_->Ready(config_.rank, reader, piece), call_);
 }
 
 ffi::Error CallSession::ChannelPosts(const Exposure& exposure, std::vector<Post>* posts) {
@@ -335,7 +314,7 @@ ffi::Error CallSession::ChannelPosts(const Exposure& exposure, std::vector<Post>
     return MakeInvalid(config_.ctx, "exposure in " + std::to_string(exposure.pieces) + " pieces with " +
                                         std::to_string(events) + " events: pieces must divide the events (a bug)");
   }
-  // Every ready word of ours is enqueued (Stage, Publish): say so, then wait until every owner's are.
+  // Every ready word of ours is enqueued (Publish): say so, then wait until every owner's are.
   gen_->Published(config_.rank).store(call_, std::memory_order_release);
   for (int owner = 0; owner < config_.n(); ++owner) {
     if (owner == config_.rank) continue;

@@ -53,10 +53,10 @@ inline Ready ReadyOf(const Post& post, int64_t i) {
 // occurrence separates repeated executions of one call site inside one launch (lax.scan,
 // fori_loop, rematerialised copies), because every device runs them in the same order.
 //
-// Or its group's channel (runtime/channel.h), which an in-process pull call whose exposed data fits
-// config.channel_bytes uses instead: decided at the first of Stage, StageInPlace and Exchange (the
-// same on every rank, as it depends on the op alone), after which the call meets nobody, except
-// where the channel needs a new generation.
+// Or its group's channel (runtime/channel.h), which an in-process pull call uses instead where it
+// computes the data its peers read in place (StageInPlace: matmul_rs's and matmul_a2a's partials) and
+// that data fits config.channel_bytes. Decided in StageInPlace, the same on every rank (it depends on
+// the op alone); the call then meets nobody, except where the channel needs a new generation.
 class CallSession {
  public:
   // `signature`: shapes, dtype and schedule; every rank of the group must post the same one.
@@ -75,9 +75,10 @@ class CallSession {
   // Across processes, for data the call itself produces (matmul_rs's send partials): `*region` is
   // this device's staging buffer, `bytes` long, to be written in place on the compute stream, which
   // first waits for the staging stream (earlier calls' staging copies and their peers' pulls);
-  // Exchange then posts it without copying. On a channel: this rank's region, once its readers
-  // pulled the previous call's data, in `pieces` parts, each published (Publish) once written.
-  // nullptr otherwise (write XLA's buffer as before).
+  // Exchange then posts it without copying. In-process, where the call runs on its group's channel:
+  // this rank's channel region, which XLA's stream writes once the readers pulled the previous
+  // call's data from it, in `pieces` parts, each published (Publish) once written. nullptr
+  // otherwise (write XLA's buffer as before).
   ffi::Error StageInPlace(Backend& backend, int64_t bytes, int64_t pieces, void** region);
   // On a channel, after XLA's stream wrote part `piece` of StageInPlace's region: the rank that reads
   // it (part p of P belongs to send slot p * (n-1) / P, read by TargetOfSlot of that slot) may pull it
@@ -120,14 +121,12 @@ class CallSession {
   Arrival Who() const;
   // Meet's work, for a post (and its signature) of any phase: in-process at `key`, or across processes.
   ffi::Error MeetAt(const RendezvousKey& key, Phase phase, Post post, std::vector<Post>* posts);
-  // The channel (runtime/channel.h): whether this call can use it (once per call), and if so its
+  // The channel (runtime/channel.h): whether this call can use it, and if so its
   // generation (SetUpChannel), its number, the signature check, and the owner's waits until every
   // reader pulled its data of the previous call.
   ffi::Error EnterChannel(Backend& backend, int64_t bytes, int64_t pieces);
   ffi::Error SetUpChannel(Backend& backend, Channel& channel, int64_t number, int64_t bytes,
                           std::shared_ptr<ChannelGeneration>* generation);
-  // `stream` sets this rank's ready word of part `piece` for `reader` (every peer: -1).
-  ffi::Error SetReady(Backend& backend, int stream, int64_t piece, int reader);
   // Every owner's post, made from the channel: its region, the ready words of `exposure`'s events.
   ffi::Error ChannelPosts(const Exposure& exposure, std::vector<Post>* posts);
   // Exchange's and StageInPlace's shared start: copy-stream limit, staging stream, staging region.
@@ -143,7 +142,6 @@ class CallSession {
   void* staged_region_ = nullptr;
   std::vector<Event> staged_events_;
   const void* in_place_ = nullptr;  // StageInPlace's region
-  bool channel_decided_ = false;      // EnterChannel ran
   std::shared_ptr<ChannelGeneration> gen_;  // the channel's generation this call runs on; null: meetings
   uint32_t call_ = 0;                       // this call's number on it
 };

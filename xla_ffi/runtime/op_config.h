@@ -42,8 +42,8 @@ struct OpConfig {
   // The matmul's w is column-major (MatmulTypes::b_transposed); a layout of this device's own
   // operand, which no peer reads, so it is not part of the rendezvous signature.
   bool w_col_major = false;
-  // config.CHANNEL_BYTES: a call whose exposed data is at most this many bytes runs on its group's
-  // channel, without host meetings (runtime/channel.h); 0: every call meets.
+  // config.CHANNEL_BYTES: a call that computes at most this many bytes for its peers runs on its
+  // group's channel, without host meetings (runtime/channel.h); 0: every call meets.
   int64_t channel_bytes = 0;
 
   int n() const { return static_cast<int>(group.size()); }

@@ -12,7 +12,8 @@ Attributes of every FFI target (one struct per op in xla_ffi/ffi/):
   watchdog_ms (config.WATCHDOG_S), site (where the op was written: `site_label`),
   skip_own_rows, transfer (0 pull, 1 push: senders write into their peers, in-process groups only),
   w_col_major (1: the matmul's w, operand 1, is column-major; 0 for the collectives),
-  channel_bytes (config.CHANNEL_BYTES: calls exposing at most this much run on their group's channel).
+  channel_bytes (config.CHANNEL_BYTES: matmul_rs / matmul_a2a calls computing at most this much for
+  their peers run on their group's channel).
 
   * op_id: a process-wide counter drawn when the op is traced (bound), unique per call site, so
     two ops of one program never share a rendezvous.
