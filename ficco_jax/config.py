@@ -59,15 +59,17 @@ TRANSFER_CHOICES: tuple[str, ...] = ("pull",)
 #: 1.1x at 4 MiB and 0.8x at 16 MiB: copy engines pay from about 8 MiB.
 DMA_COLLECTIVE_MIN_BYTES: int = 8 << 20
 
-#: The largest partials (bytes) a `matmul_rs` or `matmul_a2a` call of an in-process group computes
-#: for its peers for which the call runs on its group's channel (xla_ffi/runtime/channel.h): the
-#: partials are written into a region of device memory exchanged once, and the copies are ordered by
-#: counters in pinned host memory that the devices set and wait for, instead of a meeting of the
-#: group's handlers on the host at every call (2 x H100, 2026-11-27, matmul_rs [1024, 1024] @ [1024,
-#: 1024] on dma/direct/c2, a loop of calls: 107.8 against 153.2 us per call). Larger calls, pushes,
-#: groups across processes and the other ops meet. 0: every call meets. Each group holds one region per device of at most this size. Read when
-#: an op is traced.
-CHANNEL_BYTES: int = int(_env_float("FICCO_CHANNEL_BYTES", 8 << 20))
+#: Off (0) by default. Otherwise the largest partials (bytes) a `matmul_rs` or `matmul_a2a` call of
+#: an in-process group computes for its peers for which the call runs on its group's channel
+#: (xla_ffi/runtime/channel.h): the partials are written into a region of device memory exchanged
+#: once, and the copies are ordered by counters in pinned host memory that the devices set and wait
+#: for, instead of a meeting of the group's handlers on the host at every call. Larger calls, pushes,
+#: groups across processes and the other ops meet. Each group holds one region per device of at most
+#: this size. Off because it has not been measured faster: on 2 x H100 (2026-11-27, a loop of
+#: matmul_rs [1024, 1024] @ [1024, 1024] on dma/direct/c2) it took 107.8 against 153.2 us per call in
+#: one run and 116.0 against 106.8 in another (docs/design.md, "Group channels"). Read when an op
+#: is traced.
+CHANNEL_BYTES: int = int(_env_float("FICCO_CHANNEL_BYTES", 0))
 
 #: dtypes the DMA executor handles; others take the XLA path (`comm="xla"`).
 DMA_DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")

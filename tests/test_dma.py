@@ -67,9 +67,8 @@ def _schedules(op, n):
 
 
 def _cases(op, dtypes):
-    """(mesh, dtype, schedule, meets): every f32 point is also pushed; a matmul_rs point, whose small
-    pulls run on their group's channel, also with host meetings (`meets`: config.CHANNEL_BYTES = 0),
-    the path of calls too large for the channel."""
+    """(mesh, dtype, schedule, channel): every f32 point is also pushed, and a matmul_rs point pulled on
+    its group's channel (`channel`: config.CHANNEL_BYTES = CHANNEL_BYTES) as well as with meetings."""
     for mesh_name, mesh in MESHES.items():
         n = mesh.shape["tp"]
         for dtype in dtypes:
@@ -84,15 +83,19 @@ def _cases(op, dtypes):
                     push = sched.replace(transfer="push")
                     yield pytest.param(mesh_name, dtype, push, False, id=f"{mesh_name}-{jnp.dtype(dtype).name}-{push}")
                     if op == "matmul_rs":
-                        yield pytest.param(mesh_name, dtype, sched, True, id=f"{name}-meets")
+                        yield pytest.param(mesh_name, dtype, sched, True, id=f"{name}-channel")
+
+
+#: The group channel's limit the channel tests set (config.CHANNEL_BYTES; 0, its default, is off).
+CHANNEL_BYTES = 8 << 20
 
 
 @pytest.fixture
-def meets(request, monkeypatch):
-    """Calls traced in the test meet their peers on the host at every call (no channel) when the
-    test's `meets` parameter is true."""
+def channel(request, monkeypatch):
+    """Small matmul_rs calls traced in the test run on their group's channel when the test's
+    `channel` parameter is true (config.CHANNEL_BYTES = CHANNEL_BYTES), else they meet."""
     if request.param:
-        monkeypatch.setattr(config, "CHANNEL_BYTES", 0)
+        monkeypatch.setattr(config, "CHANNEL_BYTES", CHANNEL_BYTES)
     return request.param
 
 
@@ -116,11 +119,11 @@ def test_all_gather_origin_coded(mesh_name, sched):
     np.testing.assert_array_equal(out[: 8 * n] // 1000, np.repeat(np.arange(n), 8)[:, None] * np.ones((1, 3)))
 
 
-@pytest.mark.parametrize("meets", [False, True], indirect=True)
+@pytest.mark.parametrize("channel", [False, True], indirect=True)
 @pytest.mark.parametrize("mesh_name", ["1d", "2d"])
 @pytest.mark.parametrize("sched", ["dma/direct/c1", "dma/direct/c2/grouped/s2", "dma/direct/c4/s2",
                                    "dma/direct/c1/push", "dma/direct/c2/grouped/s2/push", "dma/direct/c4/push"])
-def test_matmuls_origin_coded(mesh_name, sched, meets):
+def test_matmuls_origin_coded(mesh_name, sched, channel):
     """With w = identity both ops are exact in f32: out = gathered rows, and sums of coded blocks."""
     mesh = MESHES[mesh_name]
     n = mesh.shape["tp"]
@@ -143,9 +146,9 @@ def test_matmuls_origin_coded(mesh_name, sched, meets):
 # ------------------------------------------------------------------------------------------------
 # Every dma schedule, random f32 / bf16
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("mesh_name,dtype,sched,meets", list(_cases("ag_matmul", (jnp.float32, jnp.bfloat16))),
-                         indirect=["meets"])
-def test_ag_matmul_every_schedule(mesh_name, dtype, sched, meets, rng):
+@pytest.mark.parametrize("mesh_name,dtype,sched,channel", list(_cases("ag_matmul", (jnp.float32, jnp.bfloat16))),
+                         indirect=["channel"])
+def test_ag_matmul_every_schedule(mesh_name, dtype, sched, channel, rng):
     mesh = MESHES[mesh_name]
     n, m, k, cols = mesh.shape["tp"], 16, 24, 8
     x = jnp.asarray(rng.standard_normal((mesh.devices.size * m, k)), dtype)
@@ -164,9 +167,9 @@ def test_ag_matmul_every_schedule(mesh_name, dtype, sched, meets, rng):
     assert max_rel_err(out, out_ref) < TOLERANCE[dtype], sched
 
 
-@pytest.mark.parametrize("mesh_name,dtype,sched,meets", list(_cases("matmul_rs", (jnp.float32, jnp.bfloat16))),
-                         indirect=["meets"])
-def test_matmul_rs_every_schedule(mesh_name, dtype, sched, meets, rng):
+@pytest.mark.parametrize("mesh_name,dtype,sched,channel", list(_cases("matmul_rs", (jnp.float32, jnp.bfloat16))),
+                         indirect=["channel"])
+def test_matmul_rs_every_schedule(mesh_name, dtype, sched, channel, rng):
     mesh = MESHES[mesh_name]
     n, m, inner, k = mesh.shape["tp"], 8, 12, 16
     y = jnp.asarray(rng.standard_normal((mesh.devices.size * n * m, inner)), dtype)
@@ -590,9 +593,9 @@ def test_raw_matmuls_under_vmap_fold_into_rows(in_axis, rng):
 # ------------------------------------------------------------------------------------------------
 # The host's part of a call
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("sched,meets", [("dma/direct/c2", True), ("dma/direct/c2/push", False)], indirect=["meets"])
-def test_a_call_meets_its_group_twice_and_gives_its_events_back(sched, meets):
-    """In one process a call off its group's channel (a push, or any call with config.CHANNEL_BYTES = 0)
+@pytest.mark.parametrize("sched", ["dma/direct/c2", "dma/direct/c2/push"])
+def test_a_call_meets_its_group_twice_and_gives_its_events_back(sched):
+    """In one process a call off its group's channel (every call, with config.CHANNEL_BYTES = 0)
     waits for its group on the host twice (exchange, then done or pushed): the release of its events
     is an announcement nobody waits for. Run after run, the events go back to the pool once every
     rank has announced, so the pool stops growing."""
@@ -626,15 +629,16 @@ def test_a_call_meets_its_group_twice_and_gives_its_events_back(sched, meets):
     assert made[1] - made[0] < 20 * per_run, made
 
 
-@pytest.mark.parametrize("op, channel", [("matmul_rs", True), ("matmul_a2a", True), ("all_gather", False),
-                                         ("reduce_scatter", False), ("all_to_all", False), ("ag_matmul", False)])
-def test_small_partials_run_on_the_channel_and_the_other_calls_meet(op, channel, rng):
+@pytest.mark.parametrize("op, on_channel", [("matmul_rs", True), ("matmul_a2a", True), ("all_gather", False),
+                                            ("reduce_scatter", False), ("all_to_all", False), ("ag_matmul", False)])
+def test_small_partials_run_on_the_channel_and_the_other_calls_meet(op, on_channel, rng, monkeypatch):
     """A small matmul_rs or matmul_a2a computes its partials in its group's channel region: the group
     meets once, at its first call, to set the channel up; then no call meets, each owner sets a
     ready word per partial and each reader a done word per owner, and waits for its peers'
     (runtime/channel.h). The events go back to the pool without any announcement, so it stops
     growing. The gathers and collectives, whose inputs would have to be copied into a region, meet
     twice per call."""
+    monkeypatch.setattr(config, "CHANNEL_BYTES", CHANNEL_BYTES)
     testing = _ext.testing()
     mesh = Mesh(np.array(jax.devices()[:4]), ("tp",))
     n, m, k, e = 4, 8, 6, 2
@@ -669,7 +673,7 @@ def test_small_partials_run_on_the_channel_and_the_other_calls_meet(op, channel,
         assert max_rel_err(f(x, w), ref) < 1e-5
     calls = {key: value - calls_before[key] for key, value in testing.backend_calls().items()}
     made.append(testing.events_made())
-    if channel:
+    if on_channel:
         # The channel's setup, unless an earlier call of this group made one large enough; then none.
         assert first in (0, n) and testing.host_meetings() == before
         # Every owner sets at least one ready word per reader, every reader one done word per owner.
@@ -681,9 +685,10 @@ def test_small_partials_run_on_the_channel_and_the_other_calls_meet(op, channel,
     assert made[1] - made[0] < 20 * n * ((n - 1) * 2 + 2), made
 
 
-def test_a_larger_call_grows_the_channel_and_every_size_stays_right(rng):
+def test_a_larger_call_grows_the_channel_and_every_size_stays_right(rng, monkeypatch):
     """A call whose partials outgrow the channel's regions makes a new generation (one meeting of the
     group); smaller calls then fit it, and one beyond config.CHANNEL_BYTES meets at every call."""
+    monkeypatch.setattr(config, "CHANNEL_BYTES", CHANNEL_BYTES)
     testing = _ext.testing()
     mesh = Mesh(np.array(jax.devices()[4:8]), ("tp",))
 
@@ -704,7 +709,7 @@ def test_a_larger_call_grows_the_channel_and_every_size_stays_right(rng):
     assert matmul_rs(32) == (4, 0)       # 1.5 KiB: the channel is set up
     assert matmul_rs(1024) == (4, 0)     # 48 KiB: a larger generation
     assert matmul_rs(32) == (0, 0)       # fits the larger one
-    big = config.CHANNEL_BYTES // (16 * 4 * 3) * 8  # rows of twice the channel's limit
+    big = CHANNEL_BYTES // (16 * 4 * 3) * 8  # rows of twice the channel's limit
     assert matmul_rs(big) == (8, 8)      # meets at every call: exchange and done
 
 

@@ -141,7 +141,7 @@ def _program(mesh, op, transfer="pull"):
 
 
 OPS_AND_TRANSFERS = [(op, transfer) for op in ("ag_matmul", "matmul_rs", "all_gather", "reduce_scatter")
-                     for transfer in ("pull", "push")] + [("matmul_rs meets", "pull")]
+                     for transfer in ("pull", "push")] + [("matmul_rs on its channel", "pull")]
 
 
 @pytest.mark.parametrize("mesh_kind", ["1d", "2d"])
@@ -149,11 +149,11 @@ OPS_AND_TRANSFERS = [(op, transfer) for op in ("ag_matmul", "matmul_rs", "all_ga
 @pytest.mark.parametrize("mode", ["skip", "fail"])
 def test_every_op_fails_in_time_naming_the_rank_then_runs_again(op, mode, transfer, mesh_kind, short_timeout,
                                                                 inject_fault, monkeypatch):
-    """matmul_rs's small pulls run on the group's channel; "matmul_rs meets" is the same with
-    config.CHANNEL_BYTES = 0, the path of larger calls (pushes always meet)."""
-    if op == "matmul_rs meets":
+    """Every call meets its group; "matmul_rs on its channel" runs matmul_rs's small pulls on the
+    group's channel instead (config.CHANNEL_BYTES set; pushes always meet)."""
+    if op == "matmul_rs on its channel":
         op = "matmul_rs"
-        monkeypatch.setattr(config, "CHANNEL_BYTES", 0)
+        monkeypatch.setattr(config, "CHANNEL_BYTES", 8 << 20)
     mesh = _mesh() if mesh_kind == "1d" else _mesh2d()
     missing = 1 if mesh_kind == "2d" else 6  # on the 2-D mesh: rank 1 of both tp groups
     program, args, expected = _program(mesh, op, transfer)

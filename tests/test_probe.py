@@ -55,11 +55,11 @@ def test_trace_op_with_jax_profiler_and_its_timeline(tmp_path):
 @pytest.mark.parametrize("channel", [True, False])
 def test_host_time_splits_a_call_into_handler_and_meetings(tmp_path, channel):
     # benchmarks/suites/host_time.py on 2 CPU devices: every handler counted, meetings inside it; on
-    # the group's channel (the default for a call this small) no meetings, words instead.
+    # the group's channel (FICCO_CHANNEL_BYTES set) no meetings, words instead.
     root = os.path.join(os.path.dirname(__file__), "..")
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
-    if not channel:
-        env["FICCO_CHANNEL_BYTES"] = "0"
+    if channel:
+        env["FICCO_CHANNEL_BYTES"] = str(8 << 20)
     out = tmp_path / "host_time.json"
     run = subprocess.run([sys.executable, "benchmarks/suites/host_time.py", "matmul_rs", "dma/direct/c2", "16", "8", "16",
                           "--iters", "3", "--launches", "2", "--out", str(out)], cwd=root, env=env,

@@ -41,14 +41,14 @@ def run_program(op, schedule, *extra, fault="stall:1", watchdog_s=WATCHDOG_S, de
 @pytest.mark.parametrize("op, schedule, target, channel", [
     ("ag_matmul", "dma/direct/c2", "ficco_ag_matmul", False),
     ("ag_matmul", "dma/ring/c4/grouped", "ficco_ag_matmul", False),
-    ("matmul_rs", "dma/direct/c2/grouped/s2", "ficco_matmul_rs", True),  # small partials: the group's channel
+    ("matmul_rs", "dma/direct/c2/grouped/s2", "ficco_matmul_rs", True),  # on the group's channel
     ("matmul_rs", "dma/direct/c2/grouped/s2", "ficco_matmul_rs", False),
     ("matmul_rs", "dma/direct/c2/push", "ficco_matmul_rs", False),  # pushes always meet
     ("all_gather", "dma/direct/c1", "ficco_all_gather", False),
     ("overlap", "dma/direct/c2", "ficco_ag_matmul", False),
 ])
 def test_a_stalled_peer_is_reported_and_ends_the_process(op, schedule, target, channel):
-    done, _ = run_program(op, schedule, channel_bytes=None if channel else 0)
+    done, _ = run_program(op, schedule, channel_bytes=8 << 20 if channel else None)
     assert done.returncode == -signal.SIGABRT, (done.returncode, done.stderr[-3000:])
     assert "calling" in done.stdout and "result" not in done.stdout
     err = done.stderr

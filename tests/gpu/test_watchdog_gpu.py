@@ -18,18 +18,20 @@ pytestmark = GPU_MARKS
 PROGRAM = os.path.join(os.path.dirname(os.path.dirname(__file__)), "watchdog_program.py")
 
 
-@pytest.mark.parametrize("op, schedule", [("ag_matmul", "dma/direct/c2"), ("matmul_rs", "dma/direct/c2/grouped"),
-                                          ("ag_matmul", "dma/direct/c1/push")])
-def test_a_stalled_peer_is_reported_and_ends_the_process(op, schedule):
-    env = {**os.environ, "FICCO_WATCHDOG_S": "3", "FICCO_RENDEZVOUS_TIMEOUT_S": "120"}
+@pytest.mark.parametrize("op, schedule, channel", [("ag_matmul", "dma/direct/c2", False),
+                                                   ("matmul_rs", "dma/direct/c2/grouped", False),
+                                                   ("matmul_rs", "dma/direct/c2/grouped", True),
+                                                   ("ag_matmul", "dma/direct/c1/push", False)])
+def test_a_stalled_peer_is_reported_and_ends_the_process(op, schedule, channel):
+    env = {**os.environ, "FICCO_WATCHDOG_S": "3", "FICCO_RENDEZVOUS_TIMEOUT_S": "120",
+           "FICCO_CHANNEL_BYTES": str(8 << 20 if channel else 0)}
     done = subprocess.run([sys.executable, PROGRAM, op, schedule, "--fault", "stall:1", "--devices", str(len(GPUS))],
                           capture_output=True, text=True, env=env, timeout=180)
     assert done.returncode == -signal.SIGABRT, (done.returncode, done.stderr[-3000:])
     assert "result" not in done.stdout
     assert re.search(rf"ficco_jax watchdog: op \d+ \(ficco_{op}\), {re.escape(schedule)}, on device \d+: rank \d+ "
                      r"of group \[[\d, ]+\], written at watchdog_program\.py:\d+", done.stderr), done.stderr[-3000:]
-    # matmul_rs's small pulled partials go through the group's channel (a word of the stalled rank);
-    # the other calls meet (its event).
-    waited = (r"its 'ready' word 0 of the group's channel to reach \d+, it holds \d+"
-              if op == "matmul_rs" and "push" not in schedule else r"event \d+ of its 'exchange' post, not complete")
+    # On the group's channel the ranks wait for a word of the stalled rank; a call that meets, its event.
+    waited = (r"its 'ready' word 0 of the group's channel to reach \d+, it holds \d+" if channel
+              else r"event \d+ of its 'exchange' post, not complete")
     assert re.search(r"waits for rank 1 \(device \d+\): " + waited, done.stderr), done.stderr[-3000:]
