@@ -8,6 +8,8 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import functools  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -711,6 +713,15 @@ def test_a_larger_call_grows_the_channel_and_every_size_stays_right(rng, monkeyp
     assert matmul_rs(32) == (0, 0)       # fits the larger one
     big = CHANNEL_BYTES // (16 * 4 * 3) * 8  # rows of twice the channel's limit
     assert matmul_rs(big) == (8, 8)      # meets at every call: exchange and done
+
+
+def test_the_channel_program_of_the_gpu_tests_passes_on_cpu():
+    """tests/channel_program.py, which tests/gpu/test_channel_gpu.py runs on GPUs, on 2 CPU devices."""
+    program = os.path.join(os.path.dirname(__file__), "channel_program.py")
+    env = {**os.environ, "FICCO_CHANNEL_BYTES": str(CHANNEL_BYTES)}
+    done = subprocess.run([sys.executable, program, "cold", "--cpu"], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.rstrip().endswith("PASS"), (done.stdout[-1000:], done.stderr[-2000:])
 
 
 def _backend_calls(f, *args):
