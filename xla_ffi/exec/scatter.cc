@@ -94,10 +94,10 @@ ffi::Error Scatter::Run(CallSession& session) {
 ffi::Error Scatter::Produce(CallSession& session, void* send, std::vector<Event>* written) {
   const int64_t q = a_.rows / config_.chunks;
   written->assign((config_.n() - 1) * config_.chunks, nullptr);
+  const bool grouped = config_.gemm == GemmMode::kGrouped;
   for (int slot = 0; slot < config_.n() - 1; ++slot) {
-    const int64_t chunks_per_piece = (config_.n() - 1) * config_.chunks / SendPieces();
+    const int64_t chunks_per_piece = (config_.n() - 1) * config_.chunks / SendPieces();  // (n > 1 here)
     const int target = config_.TargetOfSlot(slot);
-    const bool grouped = config_.gemm == GemmMode::kGrouped;
     for (int64_t j = 0; j < config_.chunks; ++j) {
       if (grouped && j > 0) {
         (*written)[slot * config_.chunks + j] = (*written)[slot * config_.chunks];
@@ -106,7 +106,9 @@ ffi::Error Scatter::Produce(CallSession& session, void* send, std::vector<Event>
         FICCO_RETURN_IF_ERROR(backend_.Record(Backend::kCompute, &(*written)[slot * config_.chunks + j]));
       }
       const int64_t index = slot * config_.chunks + j;
-      if ((index + 1) % chunks_per_piece == 0) FICCO_RETURN_IF_ERROR(session.Publish(backend_, index / chunks_per_piece, SendPieces()));
+      if ((index + 1) % chunks_per_piece == 0) {
+        FICCO_RETURN_IF_ERROR(session.Publish(backend_, index / chunks_per_piece, SendPieces()));
+      }
     }
   }
   if (SumsInMatmuls()) return ffi::Error::Success();  // our block's matmuls follow the transfers

@@ -80,9 +80,9 @@ class CallSession {
   // call's data from it, in `pieces` parts, each published (Publish) once written. nullptr
   // otherwise (write XLA's buffer as before).
   ffi::Error StageInPlace(Backend& backend, int64_t bytes, int64_t pieces, void** region);
-  // On a channel, after XLA's stream wrote part `piece` of StageInPlace's region: the rank that reads
-  // it (part p of P belongs to send slot p * (n-1) / P, read by TargetOfSlot of that slot) may pull it
-  // from here in XLA's stream. A no-op off the channel.
+  // On a channel, once XLA's stream has enqueued the writes of part `piece` of StageInPlace's region
+  // (of `pieces`): sets, on XLA's stream, the ready word of the rank that reads it (part p belongs to
+  // send slot p * (n-1) / pieces, read by TargetOfSlot of that slot). A no-op off the channel.
   ffi::Error Publish(Backend& backend, int64_t piece, int64_t pieces);
   // Whether this call runs on its group's channel.
   bool on_channel() const { return gen_ != nullptr; }
