@@ -19,7 +19,8 @@ program that runs. Each example compiles the
 program as written and as rewritten under a forced schedule (copy-engine ones where the extension
 is built), then checks that overlap() with "auto" (the plain path on CPU) equals it too.
 Reproducible and bounded for CI as test_property.py: `derandomize=True` and 25 examples per mesh
-and family, about 1.5 minutes on 2 idle cores, mostly XLA compile time.
+and family, about 1.5 minutes on 2 idle cores, mostly XLA compile time. Ten more shard_map programs
+per mesh run their copy-engine reduce-scatters on group channels (config.CHANNEL_BYTES set).
 """
 import dataclasses
 import functools
@@ -366,3 +367,24 @@ def test_global_view_programs(mesh_name, data, schedule, seed):
 @given(data=st.data(), schedule=st.sampled_from(SCHEDULES), seed=st.integers(0, 2**16))
 def test_shard_map_programs(mesh_name, data, schedule, seed):
     check_program(data.draw(shard_map_programs(mesh_name).filter(runs)), schedule, seed)
+
+
+CHANNEL_PROGRAMS = settings(PROGRAMS, max_examples=10)
+
+
+@pytest.mark.skipif(not extension.available(), reason="ficco_jax._ffi is not built")
+@pytest.mark.parametrize("mesh_name", sorted(MESH_LAYOUTS))
+@settings(CHANNEL_PROGRAMS)
+@given(data=st.data(), schedule=st.sampled_from(("dma/direct/c1", "dma/ring/c2", "dma/direct/c2/grouped")),
+       seed=st.integers(0, 2**16))
+def test_shard_map_programs_with_group_channels(mesh_name, data, schedule, seed):
+    """The same, with the copy-engine reduce-scatters of small partials on their group's channels
+    (config.CHANNEL_BYTES set while the programs are traced; xla_ffi/runtime/channel.h)."""
+    from ficco_jax import config
+
+    program = data.draw(shard_map_programs(mesh_name).filter(runs))
+    saved, config.CHANNEL_BYTES = config.CHANNEL_BYTES, 8 << 20
+    try:
+        check_program(program, schedule, seed)
+    finally:
+        config.CHANNEL_BYTES = saved
