@@ -715,6 +715,19 @@ def test_a_larger_call_grows_the_channel_and_every_size_stays_right(rng, monkeyp
     assert matmul_rs(big) == (8, 8)      # meets at every call: exchange and done
 
 
+def test_the_channel_notices_a_rank_that_runs_another_op_at_a_call():
+    """On a channel the ranks do not meet, so the host compares each call's signature with those of
+    the peers that already made the call: of two ranks the second to arrive sees the mismatch."""
+    checks = _ext.testing().channel_signature_checks
+    a, b = [1, 16, 8, 8], [1, 16, 8, 4]
+    assert checks(2, [(0, 1, a), (1, 1, a), (0, 2, b), (1, 2, b)]) == [-1, -1, -1, -1]
+    assert checks(2, [(0, 1, a), (1, 1, b)]) == [-1, 0]          # rank 1 arrives second and names rank 0
+    assert checks(3, [(2, 5, a), (0, 5, a), (1, 5, b)]) == [-1, -1, 0]  # the first rank that differs
+    assert checks(2, [(0, 7, a), (1, 6, b)]) == [-1, -1]          # different calls are not compared
+    with pytest.raises(ValueError, match="rank 2 is not in 0 .. n-1"):
+        checks(2, [(2, 1, a)])
+
+
 def test_the_channel_program_of_the_gpu_tests_passes_on_cpu():
     """tests/channel_program.py, which tests/gpu/test_channel_gpu.py runs on GPUs, on 2 CPU devices."""
     program = os.path.join(os.path.dirname(__file__), "channel_program.py")

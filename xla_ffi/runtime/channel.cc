@@ -60,7 +60,7 @@ std::string Channel::Retired(int64_t* run_id) {
 Channel& Channels::Of(const std::vector<int>& group) {
   std::lock_guard<std::mutex> lock(mu_);
   std::unique_ptr<Channel>& channel = channels_[group];
-  if (channel == nullptr) channel = std::make_unique<Channel>(static_cast<int64_t>(channels_.size()));
+  if (channel == nullptr) channel = std::make_unique<Channel>();
   return *channel;
 }
 

@@ -118,8 +118,6 @@ class ChannelGeneration {
 // The channel of one group (its devices in rank order): its current generation.
 class Channel {
  public:
-  explicit Channel(int64_t id) : id_(id) {}
-  int64_t id() const { return id_; }
   std::shared_ptr<ChannelGeneration> Current();
   // The generation `number` made by a setup meeting from its posts (each rank's region, rank 0's
   // words), installed by the first rank of the group to get here; the others get the same one.
@@ -131,7 +129,6 @@ class Channel {
   std::string Retired(int64_t* run_id);
 
  private:
-  const int64_t id_;
   std::mutex mu_;
   std::shared_ptr<ChannelGeneration> current_;
   int64_t retired_run_ = 0;

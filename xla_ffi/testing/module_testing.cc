@@ -13,6 +13,7 @@
 #include "nanobind/stl/tuple.h"
 #include "nanobind/stl/vector.h"
 #include "device/backends.h"
+#include "runtime/channel.h"
 #include "runtime/ipc_mailbox.h"
 #include "runtime/registry.h"
 #include "testing/faults.h"
@@ -29,6 +30,19 @@ void InjectFault(const std::string& spec) {
                                 "'): expected '' (no fault), 'skip:<rank>', 'fail:<rank>' or 'stall:<rank>'");
   }
   Registry::Get().faults().Arm(fault);
+}
+
+// A channel generation's host check that the ranks run the same op at each call
+// (ChannelGeneration::CheckSignature), without devices: for each (rank, call, signature) in order,
+// the first rank whose note of that call differs, or -1.
+std::vector<int> ChannelSignatureChecks(int n, const std::vector<std::tuple<int, uint32_t, std::vector<int64_t>>>& notes) {
+  ChannelGeneration generation(0, 0, std::vector<char*>(n, nullptr), nullptr);
+  std::vector<int> differs;
+  for (const auto& [rank, call, signature] : notes) {
+    if (rank < 0 || rank >= n) throw std::invalid_argument("rank " + std::to_string(rank) + " is not in 0 .. n-1");
+    differs.push_back(generation.CheckSignature(rank, call, SignatureHash(signature)));
+  }
+  return differs;
 }
 
 // The host mailbox's exchange with plain integers, for tests of its protocol across processes
@@ -124,6 +138,10 @@ void DefineTestingModule(nb::module_& m) {
               "of a call's start and end) and waited for, how many copies, matmuls and sums they issued, and "
               "how many channel words they set and waited for ('set_word', 'wait_word'), so far, each with its host seconds ('<name>_s'): on CUDA the driver calls a call makes, on CPU "
               "the whole work.");
+  testing.def("channel_signature_checks", &ChannelSignatureChecks, nb::arg("n"), nb::arg("notes"),
+              "A group channel's check that the ranks of a group of n run the same op at each call, made "
+              "without devices: for each (rank, call, signature) in `notes`, in order, the first rank whose "
+              "note of that call differs, or -1.");
   testing.def("mailbox_exchange", &MailboxExchange,
               "One post through the host mailbox (groups across processes) with plain integers; returns every "
               "rank's (op_id, signature, buffer_export, buffer_offset, event_ids).");
