@@ -715,6 +715,15 @@ def test_a_larger_call_grows_the_channel_and_every_size_stays_right(rng, monkeyp
     assert matmul_rs(big) == (8, 8)      # meets at every call: exchange and done
 
 
+@pytest.mark.parametrize("value", [-1, 1.5, True, "8M"])
+def test_a_bad_channel_limit_is_refused_when_the_op_is_traced(value, monkeypatch):
+    monkeypatch.setattr(config, "CHANNEL_BYTES", value)
+    mesh = MESHES["1d"]
+    with pytest.raises(ValueError, match=r"config.CHANNEL_BYTES=.* must be an integer >= 0"):
+        _run(mesh, lambda a, b: dma.matmul_rs_dma(a, b, "tp", Schedule.parse("dma/direct/c1")), (P("tp"), P("tp", None)),
+             np.ones((64, 4), np.float32), np.ones((32, 2), np.float32))
+
+
 def test_the_channel_notices_a_rank_that_runs_another_op_at_a_call():
     """On a channel the ranks do not meet, so the host compares each call's signature with those of
     the peers that already made the call: of two ranks the second to arrive sees the mismatch."""

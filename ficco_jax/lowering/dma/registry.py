@@ -162,7 +162,8 @@ def channel_bytes() -> int:
     """config.CHANNEL_BYTES, checked."""
     value = config.CHANNEL_BYTES
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise ValueError(f"config.CHANNEL_BYTES={value!r} must be an integer >= 0 (bytes; 0: every call meets its peers)")
+        raise ValueError(f"config.CHANNEL_BYTES={value!r} must be an integer >= 0 "
+                         "(bytes; 0: every call meets its peers)")
     return int(value)
 
 
