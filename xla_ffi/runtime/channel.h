@@ -4,11 +4,11 @@
 // A call that meets (call_session.h) posts this execution's buffer pointers and events, because XLA
 // may hand a call site other buffers at every execution and because an event's record can only be
 // waited for once the waiter knows the record was made. A channel removes both reasons for the
-// calls that compute small data for their peers (at most config.CHANNEL_BYTES): each rank of the
-// group owns a region of its device's memory, exchanged once, and the ranks order their copies
-// with words, 32-bit counters in pinned host memory that every device reads and writes with the
-// driver's stream memory operations. The k-th call of a group on its channel (every rank counts its own calls, and
-// the ranks of a group make the same calls in the same order) then runs as:
+// calls that compute small data for their peers (at most config.CHANNEL_BYTES, 0 by default: off):
+// each rank of the group owns a region of its device's memory, exchanged once, and the ranks order
+// their copies with words, 32-bit counters in pinned host memory that every device reads and writes
+// with the driver's stream memory operations. The k-th call of a group on its channel (every rank
+// counts its own calls, and the ranks of a group make the same calls in the same order) then runs as:
 //
 //   owner r, XLA's stream : wait done[r][t] >= k-1, every reader t | piece -> region r | ready[r][t][piece] = k
 //   reader t, copy stream :          wait ready[r][t][piece] >= k | pull from region r | done[r][t] = k
@@ -33,8 +33,8 @@
 // Only data a call computes for its peers (matmul_rs's and matmul_a2a's send partials) goes through
 // a channel: its matmuls write it into the region in place. An input XLA owns (the gathers', the
 // all-to-alls', reduce_scatter's) would first be copied there on XLA's stream, and on 2 x H100 that
-// copy cost more host time than the meetings it saved (ag_matmul [512, 1024] @ [1024, 1024], c1:
-// 58.8 us per call and device on a channel, 53.2 with meetings; docs/design.md): those calls meet.
+// copy cost more host time than the meetings it saved (ag_matmul [512, 1024] @ [1024, 1024], c1: a
+// handler took 58.8 us per call on a channel, 53.2 with meetings; docs/design.md): those calls meet.
 //
 // A peer that fails or never comes is noticed on the host: the ranks that wait for it to enqueue
 // its words give up after the call's timeout (config.RENDEZVOUS_TIMEOUT_S) with an error that names
