@@ -233,6 +233,48 @@ def _timeline_result(out: str) -> str:
         return json.load(fh)["verdict"]
 
 
+#: (op, schedule, M, K, N) of the host suite on GPUs: small calls, whose time is their host work.
+HOST_CASES_GPU = (("matmul_rs", "dma/direct/c2", 1024, 1024, 1024), ("matmul_rs", "dma/direct/c1", 2048, 4096, 4096),
+                  ("ag_matmul", "dma/direct/c1", 512, 1024, 1024))
+HOST_CASES_CPU = (("matmul_rs", "dma/direct/c2", 64, 32, 64), ("ag_matmul", "dma/direct/c1", 64, 32, 64))
+#: The group channel's limit the host suite turns on (config.CHANNEL_BYTES; off by default).
+HOST_CHANNEL_BYTES = 8 << 20
+
+
+def _host_file(out: str, case, path: str) -> str:
+    op, schedule, m, k, n = case
+    return os.path.join(out, f"host_time_{op}_{schedule.replace('/', '_')}_{m}x{k}x{n}_{path}.json")
+
+
+def _host(ctx):
+    """host_time.py for each case with host meetings and on the group's channel, one after the other."""
+    cases = HOST_CASES_GPU if ctx.gpus else HOST_CASES_CPU
+    loop = ["--iters", "40", "--launches", "20"] if ctx.gpus else ["--iters", "4", "--launches", "2"]
+    steps = []
+    for case in cases:
+        for path, channel_bytes in (("meetings", 0), ("channel", HOST_CHANNEL_BYTES)):
+            argv = _py(ctx, f"{SUITES_DIR}/host_time.py", *case, *loop, "--out", _host_file(ctx.out, case, path))
+            steps.append(Step(f"{case[0]}_{case[1].replace('/', '_')}_{path}", argv,
+                              env={"FICCO_CHANNEL_BYTES": str(channel_bytes)}))
+    return steps
+
+
+def _host_result(out: str) -> str:
+    """Each case's loop wall time per call with meetings and on the channel, from host_time's JSONs."""
+    parts = []
+    for case in HOST_CASES_GPU + HOST_CASES_CPU:
+        times = []
+        for path in ("meetings", "channel"):
+            name = _host_file(out, case, path)
+            if os.path.isfile(name):
+                with open(name) as fh:
+                    times.append(json.load(fh)["wall_us"])
+        if len(times) == 2:
+            parts.append(f"{case[0]} {case[1].split('/', 1)[1]} {case[2]},{case[3]},{case[4]}: "
+                         f"{times[0]:.1f} us per call meeting, {times[1]:.1f} on the channel")
+    return "; ".join(parts) or "no host_time result"
+
+
 SUITES = {s.name: s for s in [
     Suite("build", "editable install with the CUDA backend (FICCO_CUDA=ON on GPUs) and the extension's build info",
           "any (CUDA toolkit on GPUs)", 0, 600, _build, r"\{.*\}"),
@@ -264,6 +306,9 @@ SUITES = {s.name: s for s in [
     Suite("fp8", "FP8 vs bf16 GEMMs on one GPU: the executor's FP8 and bf16 matmuls, JAX's bf16 dot, FP8 dot and "
           "dequantize-then-dot, on the per-device anchor shapes", "1+ GPU (the script alone runs on CPU)", 1, 480,
           _fp8, _fp8_result, takes_options=True),
+    Suite("host", "host time per call of small copy-engine calls, meeting their group and on its channel "
+          "(benchmarks/suites/host_time.py, FICCO_CHANNEL_BYTES off and on)", "2+ GPUs (CPU: tiny calls)", 0, 300,
+          _host, _host_result),
     Suite("trace", "a GPU timeline of one op (nsys, else JAX's profiler): OP SCHEDULE M K N [ITERS] after --",
           "any; 1+ GPU for a GPU timeline", 0, 240, _trace, r"^\d+ .*events (of|on) ", takes_options=True),
     Suite("timeline", "a device timeline of the flagship example's training steps with and without overlap: "

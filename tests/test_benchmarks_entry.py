@@ -17,7 +17,7 @@ from ficco_jax.runtime import extension
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RUN = REPO / "benchmarks" / "run.py"
 SUITES = ["build", "tests", "demo", "bench", "peers", "accuracy", "e2e", "hang", "faults", "soak", "load",
-          "multiprocess", "characterize", "fp8", "trace", "timeline"]
+          "multiprocess", "characterize", "fp8", "host", "trace", "timeline"]
 
 
 def _run(*args, timeout=120):
@@ -93,6 +93,20 @@ def test_options_go_to_suites_that_take_them(tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(not extension.available(), reason="ficco_jax._ffi is not built")
+@pytest.mark.skipif(not extension.available(), reason="ficco_jax._ffi is not built")
+def test_the_host_suite_times_calls_meeting_and_on_the_channel_on_cpu(tmp_path):
+    done = _run("host", "--cpu", "--out", str(tmp_path), timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    results = {path.name: json.loads(path.read_text()) for path in (tmp_path / "host").glob("host_time_*.json")}
+    assert len(results) == 4, sorted(results)
+    for name, result in results.items():  # the meeting runs meet, the channel's matmul_rs does not
+        on_channel = name.startswith("host_time_matmul_rs") and name.endswith("_channel.json")
+        assert (result["meeting_us"] == 0) == on_channel, (name, result)
+        assert (result["backend_us"]["set_word"]["calls"] > 0) == on_channel, (name, result)
+    last = done.stdout.strip().splitlines()[-1]
+    assert last.startswith("| host | 0 |") and "us per call meeting" in last, done.stdout[-2000:]
+
+
 def test_the_trace_suite_runs_on_cpu(tmp_path):
     done = _run("trace", "--cpu", "--out", str(tmp_path), timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
