@@ -14,21 +14,27 @@
 namespace ficco {
 
 namespace {
+// The error of a wait for rank `peer` that gave up: "group [..], rank r: rank p (device d) <what>:
+// missing ranks [p]<tail>", as a meeting's timeout names the late ranks, and why the group's channel
+// was retired, if it was.
+ffi::Error MissingPeerError(const OpConfig& config, int peer, const std::string& what, const char* tail = "") {
+  int64_t run_id = 0;
+  const std::string retired = Registry::Get().channels().Of(config.group).Retired(&run_id);
+  return MakeError(config.ctx, "group [" + JoinNumbers(config.group) + "], rank " + std::to_string(config.rank) +
+                                   ": rank " + std::to_string(peer) + " (device " + std::to_string(config.group[peer]) +
+                                   ") " + what + ": missing ranks [" + std::to_string(peer) + "]" + tail +
+                                   (retired.empty() ? "" : "; the channel was retired: " + retired));
+}
+
 // `stream` waits until `word`, set by rank `peer`, reaches `value`. A CPU backend that gave up
 // (device/backend.h) returns an error naming the peer, the word (`what`) and the call.
 ffi::Error WaitPeerWord(Backend& backend, const OpConfig& config, int stream, const uint32_t* word, uint32_t value,
                         int peer, const char* what) {
   ffi::Error status = backend.WaitWord(stream, word, value);
   if (status.success() || status.message() != kWordTimedOut) return status;
-  int64_t run_id = 0;
-  const std::string retired = Registry::Get().channels().Of(config.group).Retired(&run_id);
-  return MakeError(config.ctx, "group [" + JoinNumbers(config.group) + "], rank " + std::to_string(config.rank) +
-                                   ": rank " + std::to_string(peer) + " (device " + std::to_string(config.group[peer]) +
-                                   ") did not set its '" + what + "' word of the group's channel to " +
-                                   std::to_string(value) + " (it holds " + std::to_string(ReadWord(word)) +
-                                   ") within " + ShortNumber(config.timeout_s) + " s: missing ranks [" +
-                                   std::to_string(peer) + "]" +
-                                   (retired.empty() ? "" : "; the channel was retired: " + retired));
+  return MissingPeerError(config, peer, std::string("did not set its '") + what + "' word of the group's channel to " +
+                                            std::to_string(value) + " (it holds " + std::to_string(ReadWord(word)) +
+                                            ") within " + ShortNumber(config.timeout_s) + " s");
 }
 
 // Waits on the host until peer `peer`'s host has enqueued what `counter` counts up to call `call`
@@ -43,15 +49,10 @@ ffi::Error WaitForPeerHost(const OpConfig& config, const std::atomic<uint32_t>& 
   while (!WordReached(counter.load(std::memory_order_acquire), call)) {
     const auto now = std::chrono::steady_clock::now();
     if (now > deadline) {
-      int64_t run_id = 0;
-      const std::string retired = Registry::Get().channels().Of(config.group).Retired(&run_id);
-      return MakeError(config.ctx, "group [" + JoinNumbers(config.group) + "], rank " + std::to_string(config.rank) +
-                                       ": rank " + std::to_string(peer) + " (device " +
-                                       std::to_string(config.group[peer]) + ") has not enqueued " + what +
-                                       " of call " + std::to_string(call) + " of the group's channel within " +
-                                       ShortNumber(config.timeout_s) + " s: missing ranks [" + std::to_string(peer) +
-                                       "]; a peer failed or never launched this op" +
-                                       (retired.empty() ? "" : "; the channel was retired: " + retired));
+      return MissingPeerError(config, peer, std::string("has not enqueued ") + what + " of call " +
+                                                std::to_string(call) + " of the group's channel within " +
+                                                ShortNumber(config.timeout_s) + " s",
+                              "; a peer failed or never launched this op");
     }
     if (now < spin_until) {
       std::this_thread::yield();
