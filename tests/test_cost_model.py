@@ -113,6 +113,21 @@ def test_the_executors_grouped_reduce_scatter_pays_the_whole_blocks_sum_and_xlas
         assert extra == pytest.approx(whole_sum_bytes * summed_rows / rows / 3000e9, rel=1e-6), text
 
 
+@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs"])
+@pytest.mark.parametrize("n", [2, 4])
+def test_the_executor_moves_a_block_written_whole_in_one_copy(op, n):
+    """Under gemm=grouped the executor moves each peer's block in one copy, so more chunks change
+    neither its transfers nor its host work: every chunk count costs what one does. XLA's grouped
+    schedules still move chunk by chunk, so their chunks add transfer latency."""
+    one = predict(op, Schedule.parse("dma/direct/c1"), n=n)  # (one chunk: grouped is per_chunk)
+    for chunks in (2, 4, 8):
+        assert predict(op, Schedule.parse(f"dma/direct/c{chunks}/grouped"), n=n) == pytest.approx(one, rel=1e-12)
+    xla = {**PROFILE, "xla_overlaps": True}
+    narrow = dict(N=256 * n, profile=xla)  # little to multiply: the transfers decide
+    assert predict(op, Schedule.parse("xla/direct/c8/grouped"), n=n, **narrow) > \
+        predict(op, Schedule.parse("xla/direct/c2/grouped"), n=n, **narrow)
+
+
 def test_the_executors_decomposition_loss_is_its_own():
     """`executor_rows_half` prices the executor's chunk matmuls; XLA's matmuls keep `rows_half`, and a
     profile without it gives both the same loss."""

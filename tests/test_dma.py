@@ -758,10 +758,11 @@ def _backend_calls(f, *args):
 
 @pytest.mark.parametrize("transfer", ["", "/push"])
 @pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs"])
-def test_a_consumer_of_whole_slots_is_given_one_event_per_slot(op, transfer, rng):
+def test_a_consumer_of_whole_slots_is_given_one_copy_and_event_per_slot(op, transfer, rng):
     """A slot's chunks land in order on one copy stream, so a consumer that takes each slot whole
-    (gemm=grouped) needs only its last chunk's event: cutting a slot into more chunks adds copies,
-    not events or waits. Per-chunk matmuls need an event per chunk, and get one."""
+    (gemm=grouped), from a source written whole, needs one copy and one event per slot: cutting a
+    slot into more chunks adds no copies, events or waits. Per-chunk matmuls need an event per chunk,
+    and get one."""
     mesh = MESHES["1d"]
     n, m, inner, k = mesh.shape["tp"], 8, 12, 16
     spec, wspec = P("tp"), P("tp", None) if op == "matmul_rs" else P()
@@ -780,8 +781,7 @@ def test_a_consumer_of_whole_slots_is_given_one_event_per_slot(op, transfer, rng
         f = jax.jit(jax.shard_map(body(s), mesh=mesh, in_specs=(spec, wspec), out_specs=spec, check_vma=True))
         calls[sched] = _backend_calls(f, x, w)
     peers = n * (n - 1)  # slots, over every device of the group
-    assert calls["c4/grouped"]["copy"] - calls["c1/grouped"]["copy"] == 3 * peers, calls
-    for what in ("record", "wait"):
+    for what in ("copy", "record", "wait"):
         assert calls["c4/grouped"][what] == calls["c1/grouped"][what], (what, calls)
         assert calls["c4"][what] - calls["c1"][what] >= 3 * peers, (what, calls)
 

@@ -2,7 +2,8 @@
 
 The model replays a schedule as a small event simulation on one device:
 
-- transfers: each copy stream moves its chunks one after the other; a transfer of b bytes takes
+- transfers: each copy stream moves its copies (chunks, or whole blocks under the executor's
+  gemm=grouped) one after the other; a transfer of b bytes takes
   `latency + b / bandwidth`, where concurrent streams share the device's ingress
   (`dma_ingress_gbps` for one copy stream, `dma_multistream_gbps` in total for several) —
   copy engines (comm="dma") or NCCL steps (comm="xla");
@@ -22,7 +23,8 @@ The model replays a schedule as a small event simulation on one device:
   both are fitted to op times, not to the characterization's XLA dots;
 - a fixed cost per copy-engine call on the GPU, `dma_call_us` (event waits, the join), and its
   host time, `dma_host_us` (two host rendezvous) plus `dma_host_copy_us` per enqueued copy
-  ((n - 1) x chunks of them): the host work overlaps earlier
+  (one per chunk and peer, or one per peer where a block written whole moves: `copies_per_slot`):
+  the host work overlaps earlier
   GPU work, so it only bounds the time from below — what makes copy-engine overlap lose on
   small operations.
 
@@ -155,7 +157,7 @@ def predict(op: str, schedule: Schedule, shapes: Sequence[Sequence[int]], dtype,
     device_time = _simulate(op, schedule, m, k, cols, moved_cols * itemsize, n, dtype, profile)
     if schedule.comm == "xla":  # run one after the other, its parts cost at least the plain path's
         return device_time if profile["xla_overlaps"] else max(device_time, plain)
-    copies = (n - 1) * schedule.chunks  # each enqueued with its event on the host
+    copies = (n - 1) * copies_per_slot(schedule)  # each enqueued on the host
     host = profile["dma_host_us"] + profile.get("dma_host_copy_us", 0.0) * copies
     return max(device_time + profile["dma_call_us"] * 1e-6, host * 1e-6)
 
@@ -196,13 +198,13 @@ def _simulate(op, s: Schedule, m, k, cols, row_bytes, n, dtype, profile) -> floa
         streams = n - 1
     contention = 1.0 + (profile["contention_dma"] if s.comm == "dma" else profile["contention_xla"])
     ex = s.comm == "dma"  # chunk matmuls by the executor's cuBLASLt, else by XLA
-    chunk_bytes = q * row_bytes
-    # Transfers: (peer step, chunk) items dealt round-robin over streams; a ring moves one step
+    moves = copies_per_slot(s)
+    # Transfers: (peer step, copy) items dealt round-robin over streams; a ring moves one step
     # after the other, so every item waits for the previous one on its single stream.
-    items = [(step, j) for step in range(1, n) for j in range(c)]
+    items = [(step, j) for step in range(1, n) for j in range(moves)]
     stream_free = [0.0] * streams
     arrival = {}
-    per_item = _transfer_time(chunk_bytes, streams, s.comm, profile)
+    per_item = _transfer_time(m // moves * row_bytes, streams, s.comm, profile)
     if s.comm == "xla" and not profile["xla_overlaps"]:
         matmuls = gemm_time(m, k, cols, dtype, profile) + (n - 1) * (c // group_of(s)) * gemm_time(
             q * group_of(s), k, cols, dtype, profile)
@@ -213,7 +215,8 @@ def _simulate(op, s: Schedule, m, k, cols, row_bytes, n, dtype, profile) -> floa
         lane = ((step - 1) % streams) if s.comm == "dma" else (i % streams)
         start = stream_free[lane]
         stream_free[lane] = start + per_item
-        arrival[(step, j)] = stream_free[lane]
+        for chunk in range(j * c // moves, (j + 1) * c // moves):
+            arrival[(step, chunk)] = stream_free[lane]
     # Matmuls: own shard first (no wait), then peers in order.
     t = gemm_time(m, k, cols, dtype, profile, ex) * contention
     group = group_of(s)
@@ -229,6 +232,12 @@ def group_of(s: Schedule) -> int:
     return s.chunks if s.gemm == "grouped" else 1
 
 
+def copies_per_slot(s: Schedule) -> int:
+    """Copies a peer's block moves in: the executor moves a block written whole (gemm=grouped) in one
+    copy (xla_ffi/runtime/call_session.cc, CopyChunks); otherwise one per chunk."""
+    return 1 if s.comm == "dma" and s.gemm == "grouped" else s.chunks
+
+
 def _simulate_rs(s, m, q, k, cols, n, dtype, profile, contention, streams, per_item, ex, itemsize) -> float:
     c = s.chunks
     group = group_of(s)
@@ -239,13 +248,18 @@ def _simulate_rs(s, m, q, k, cols, n, dtype, profile, contention, streams, per_i
             t += gemm_time(q * group, k, cols, dtype, profile, ex) * contention
             for j in range(j0, j0 + group):
                 produced[(step, j)] = t
+    moves = copies_per_slot(s)
+    per_move = {(step, j): [(step, chunk) for chunk in range(j * c // moves, (j + 1) * c // moves)]
+                for step in range(1, n) for j in range(moves)}
+    ready = {key: max(produced[chunk] for chunk in chunks) for key, chunks in per_move.items()}
     stream_free = [0.0] * streams
     arrival = {}
-    for i, key in enumerate(sorted(produced, key=produced.get)):
+    for i, key in enumerate(sorted(ready, key=ready.get)):
         lane = i % streams
-        start = max(stream_free[lane], produced[key])
+        start = max(stream_free[lane], ready[key])
         stream_free[lane] = start + per_item
-        arrival[key] = stream_free[lane]  # by symmetry, also when the peers' chunk `key` lands here
+        for chunk in per_move[key]:  # by symmetry, also when the peers' chunk lands here
+            arrival[chunk] = stream_free[lane]
     last_arrival = max(arrival.values(), default=0.0)
 
     def sum_time(rows: int, reads: int) -> float:  # memory-bound: `reads` blocks of `rows` rows read

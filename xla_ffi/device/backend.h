@@ -66,7 +66,14 @@ class Backend {
   virtual ffi::Error RecordNever(Event* event) = 0;
   // `stream` waits for `event` (possibly recorded on another device).
   virtual ffi::Error Wait(int stream, Event event) = 0;
-  virtual ffi::Error Copy(int stream, void* dst, const void* src, size_t bytes) = 0;
+  // `pieces` runs of `bytes` each, run i from src + i * pitch into dst + i * pitch (one chunk of every
+  // group of an expert block: exec/executor.h), as one submission: on CUDA one 2D copy, or one
+  // contiguous copy where the runs touch (pitch = bytes).
+  virtual ffi::Error CopyPieces(int stream, void* dst, const void* src, size_t bytes, int64_t pieces,
+                                int64_t pitch) = 0;
+  ffi::Error Copy(int stream, void* dst, const void* src, size_t bytes) {
+    return CopyPieces(stream, dst, src, bytes, 1, static_cast<int64_t>(bytes));
+  }
   // Words: 32-bit counters in host memory that every device of the process reads and writes (the
   // group channels of runtime/channel.h). `count` of them, zeroed; never freed.
   virtual ffi::Error AllocateWords(int64_t count, uint32_t** words) = 0;

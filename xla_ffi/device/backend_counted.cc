@@ -36,9 +36,10 @@ class CountedBackend final : public Backend {
     TimeSection timed(Totals().wait);
     return inner_->Wait(stream, event);
   }
-  ffi::Error Copy(int stream, void* dst, const void* src, size_t bytes) override {
+  ffi::Error CopyPieces(int stream, void* dst, const void* src, size_t bytes, int64_t pieces,
+                        int64_t pitch) override {
     TimeSection timed(Totals().copy);
-    return inner_->Copy(stream, dst, src, bytes);
+    return inner_->CopyPieces(stream, dst, src, bytes, pieces, pitch);
   }
   ffi::Error AllocateWords(int64_t count, uint32_t** words) override { return inner_->AllocateWords(count, words); }
   ffi::Error AllocateRegion(int64_t bytes, void** region) override { return inner_->AllocateRegion(bytes, region); }

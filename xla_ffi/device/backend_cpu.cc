@@ -85,8 +85,8 @@ class CpuBackend final : public Backend {
     while (!pool_.Done(event)) std::this_thread::sleep_for(std::chrono::microseconds(200));
     return ffi::Error::Success();
   }
-  ffi::Error Copy(int, void* dst, const void* src, size_t bytes) override {
-    CopyChunkHost(dst, src, bytes);
+  ffi::Error CopyPieces(int, void* dst, const void* src, size_t bytes, int64_t pieces, int64_t pitch) override {
+    CopyPiecesHost(dst, src, bytes, pieces, pitch);
     return ffi::Error::Success();
   }
   ffi::Error AllocateWords(int64_t count, uint32_t** words) override {

@@ -55,9 +55,10 @@ class CudaBackend final : public Backend {
     return ffi::Error::Success();
   }
 
-  ffi::Error Copy(int stream, void* dst, const void* src, size_t bytes) override {
+  ffi::Error CopyPieces(int stream, void* dst, const void* src, size_t bytes, int64_t pieces,
+                        int64_t pitch) override {
     const CallContext& ctx = ctx_;
-    FICCO_CHECK_CUDA(CopyChunkAsync(dst, src, bytes, StreamOf(stream)));
+    FICCO_CHECK_CUDA(CopyPiecesAsync(dst, src, bytes, pieces, pitch, StreamOf(stream)));
     return ffi::Error::Success();
   }
 

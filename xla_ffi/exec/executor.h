@@ -133,9 +133,11 @@ ffi::Error RunProbe(Backend& backend, const OpConfig& config, const ProbeArgs& a
 // Shared by the pipelines (gather.cc): {kind, dtypes, shape..., schedule, n}.
 std::vector<int64_t> ScheduleSignature(const OpConfig& config, SignatureKind kind, const MatmulTypes& types,
                                        std::initializer_list<int64_t> shape);
-// Enqueues chunk j of block `src_block` of `src` into block `dst_block` of `dst` (every group).
-ffi::Error CopyBlockChunk(Backend& backend, const OpConfig& config, const BlockLayout& layout, int stream,
-                          const void* src, int64_t src_block, void* dst, int64_t dst_block, int64_t j);
+// Enqueues chunks [j, j + count) of block `src_block` of `src` into block `dst_block` of `dst`, every
+// group's rows in one copy (Backend::CopyPieces: its pieces are the groups).
+ffi::Error CopyBlockChunks(Backend& backend, const OpConfig& config, const BlockLayout& layout, int stream,
+                           const void* src, int64_t src_block, void* dst, int64_t dst_block, int64_t j,
+                           int64_t count);
 // The matmuls of rows [row, row + count) of one block, for every group g:
 // out block = in block @ w[g] (in: [.., groups, rows, inner], out: [.., groups, rows, cols]).
 struct BlockMatmul {

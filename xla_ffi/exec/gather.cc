@@ -17,14 +17,13 @@ std::vector<int64_t> ScheduleSignature(const OpConfig& config, SignatureKind kin
   return signature;
 }
 
-ffi::Error CopyBlockChunk(Backend& backend, const OpConfig& config, const BlockLayout& layout, int stream,
-                          const void* src, int64_t src_block, void* dst, int64_t dst_block, int64_t j) {
+ffi::Error CopyBlockChunks(Backend& backend, const OpConfig& config, const BlockLayout& layout, int stream,
+                           const void* src, int64_t src_block, void* dst, int64_t dst_block, int64_t j,
+                           int64_t count) {
   const int64_t q = layout.rows / config.chunks;
-  for (int64_t g = 0; g < layout.groups; ++g) {
-    FICCO_RETURN_IF_ERROR(backend.Copy(stream, Offset(dst, layout.At(dst_block, g, j * q)),
-                                       Offset(src, layout.At(src_block, g, j * q)), q * layout.row_bytes));
-  }
-  return ffi::Error::Success();
+  return backend.CopyPieces(stream, Offset(dst, layout.At(dst_block, 0, j * q)),
+                            Offset(src, layout.At(src_block, 0, j * q)), count * q * layout.row_bytes, layout.groups,
+                            layout.rows * layout.row_bytes);
 }
 
 ffi::Error BlockMatmul::Run(Backend& backend, const void* in_base, int64_t in_block, void* out_base,
@@ -86,7 +85,8 @@ ffi::Error Gather::Run(CallSession& session) {
   // the copy and 0.985 without (one H200).
   if (!(matmul_ && config_.skip_own_rows)) {
     const int last_stream = CopyStreamsUsed(config_) - 1;
-    FICCO_RETURN_IF_ERROR(backend_.Wait(last_stream, ready));
+    // A pull's copy streams have all waited for `ready` already, as their entry (CopyChunks).
+    if (config_.push || config_.n() == 1) FICCO_RETURN_IF_ERROR(backend_.Wait(last_stream, ready));
     FICCO_RETURN_IF_ERROR(backend_.Copy(last_stream, Offset(a_.received, a_.layout.At(r, 0, 0)),
                                         Offset(a_.x, a_.layout.At(SourceBlock(r), 0, 0)), a_.layout.Block()));
   }
@@ -105,9 +105,10 @@ ffi::Error Gather::Pull(CallSession& session, const Exposure& exposure, Event en
   FICCO_RETURN_IF_ERROR(session.Exchange(backend_, exposure, &posts));
   return PullChunks(
       backend_, config_, posts, entry, [&](int slot, int64_t) { return ReadyOf(posts[config_.SourceOfSlot(slot)], 0); },
-      [&](int stream, int peer, const Post& post, int, int64_t j) {
-        return CopyBlockChunk(backend_, config_, a_.layout, stream, post.buffer, SourceBlock(config_.rank),
-                              a_.received, peer, j);
+      ReadyMarks::kPerSlot,
+      [&](int stream, int peer, const Post& post, int, int64_t j, int64_t count) {
+        return CopyBlockChunks(backend_, config_, a_.layout, stream, post.buffer, SourceBlock(config_.rank),
+                               a_.received, peer, j, count);
       },
       Marks(), landed);
 }
@@ -116,10 +117,10 @@ ffi::Error Gather::Pull(CallSession& session, const Exposure& exposure, Event en
 // entered the call (its `ready` doubles as entry) and x is valid (our `ready`).
 ffi::Error Gather::Push(CallSession& session, Event ready, std::vector<std::vector<Event>>* landed) {
   auto push = [&](const std::vector<Post>& targets, std::vector<std::vector<Event>>* pushed) {
-    return PushChunks(backend_, config_, targets, [&](int, int64_t) { return Ready(ready); },
-                      [&](int stream, int target, const Post& post, int, int64_t j) {
-                        return CopyBlockChunk(backend_, config_, a_.layout, stream, a_.x, SourceBlock(target),
-                                              Destination(post, 0), config_.rank, j);
+    return PushChunks(backend_, config_, targets, [&](int, int64_t) { return Ready(ready); }, ReadyMarks::kPerSlot,
+                      [&](int stream, int target, const Post& post, int, int64_t j, int64_t count) {
+                        return CopyBlockChunks(backend_, config_, a_.layout, stream, a_.x, SourceBlock(target),
+                                               Destination(post, 0), config_.rank, j, count);
                       },
                       Marks(), pushed);
   };

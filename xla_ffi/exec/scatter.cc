@@ -46,6 +46,10 @@ class Scatter {
   LandedEvents Marks() const {
     return reduce_ && !SumsWholeBlock() ? LandedEvents::kPerChunk : LandedEvents::kPerSlot;
   }
+  // Per-chunk matmuls write the send slots chunk by chunk; y, and a block's one matmul, are ready at once.
+  ReadyMarks Readiness() const {
+    return matmul_ && config_.gemm == GemmMode::kPerChunk ? ReadyMarks::kPerChunk : ReadyMarks::kPerSlot;
+  }
   // The parts of the send slots as peers read them (staged, or published on a channel): a reduce's
   // blocks have one group, so each (slot, chunk) is a contiguous piece; an expert block's chunks are
   // strided rows of every group, so its pieces are whole slots.
@@ -89,8 +93,9 @@ ffi::Error Scatter::Run(CallSession& session) {
 
 // Compute stream, before the exchange: the block for each peer (in the order that peer pulls
 // them) into its send slot, one event per chunk, then our own block straight into `out`.
-// gemm=grouped: one matmul per peer block, one event for all of its chunks (they still move
-// separately). On a channel each send piece is published as soon as it is written.
+// gemm=grouped: one matmul per peer block, one event for all of its chunks (which then move in one
+// copy where nothing takes them chunk by chunk: Readiness). On a channel each send piece is published
+// as soon as it is written.
 ffi::Error Scatter::Produce(CallSession& session, void* send, std::vector<Event>* written) {
   const int64_t q = a_.rows / config_.chunks;
   written->assign((config_.n() - 1) * config_.chunks, nullptr);
@@ -129,9 +134,10 @@ ffi::Error Scatter::Pull(CallSession& session, const void* send, Event entry, co
   return PullChunks(
       backend_, config_, posts, entry,
       [&](int slot, int64_t j) { return ReadyOf(posts[config_.SourceOfSlot(slot)], slot * config_.chunks + j); },
-      [&](int stream, int peer, const Post& post, int slot, int64_t j) {
-        return CopyBlockChunk(backend_, config_, layout_, stream, post.buffer, matmul_ ? slot : config_.rank,
-                              Landing(), LandingBlock(slot, peer), j);
+      Readiness(),
+      [&](int stream, int peer, const Post& post, int slot, int64_t j, int64_t count) {
+        return CopyBlockChunks(backend_, config_, layout_, stream, post.buffer, matmul_ ? slot : config_.rank,
+                               Landing(), LandingBlock(slot, peer), j, count);
       },
       Marks(), landed);
 }
@@ -142,11 +148,11 @@ ffi::Error Scatter::Push(CallSession& session, const void* send, Event entry, co
                          std::vector<std::vector<Event>>* landed) {
   auto push = [&](const std::vector<Post>& targets, std::vector<std::vector<Event>>* pushed) {
     return PushChunks(backend_, config_, targets,
-                      [&](int slot, int64_t j) { return Ready(exposed[slot * config_.chunks + j]); },
-                      [&](int stream, int target, const Post& post, int slot, int64_t j) {
-                        return CopyBlockChunk(backend_, config_, layout_, stream, matmul_ ? send : a_.y,
-                                              matmul_ ? slot : target, Destination(post, 0),
-                                              LandingBlock(slot, config_.rank), j);
+                      [&](int slot, int64_t j) { return Ready(exposed[slot * config_.chunks + j]); }, Readiness(),
+                      [&](int stream, int target, const Post& post, int slot, int64_t j, int64_t count) {
+                        return CopyBlockChunks(backend_, config_, layout_, stream, matmul_ ? send : a_.y,
+                                               matmul_ ? slot : target, Destination(post, 0),
+                                               LandingBlock(slot, config_.rank), j, count);
                       },
                       Marks(), pushed);
   };

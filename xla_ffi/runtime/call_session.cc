@@ -387,8 +387,11 @@ ffi::Error WaitForLanded(Backend& backend, const std::vector<std::vector<Event>>
 // The copy loop of both directions. Slot s pairs this device with SourceOfSlot(s) (pull: that owner's
 // data comes here) or TargetOfSlot(s) (push: ours goes there); the slot's copies run on
 // StreamOfSlot(s); chunk j waits for `source_ready(s, j)` (each distinct event once per stream), is
-// enqueued by `copy_chunk`, and its event recorded into recorded[s][j] (kPerSlot: after the slot's
-// last chunk, into every recorded[s][j] of it).
+// enqueued by `copy_chunks`, and its event recorded into recorded[s][j] (kPerSlot: after the slot's
+// last chunk, into every recorded[s][j] of it). Where the source marks a slot ready at once
+// (ReadyMarks::kPerSlot) and nothing here takes a chunk as it lands (kPerSlot), the slot's chunks go
+// in one copy, after all of their readiness: one stream would run them in order anyway, and every
+// copy enqueued costs a call into the driver.
 //
 // Before its first copy a stream waits for the entry event of the device it writes: the target's
 // (push) or this device's own (pull, `own_entry`). A copy stream is not XLA's stream: without that
@@ -398,36 +401,41 @@ ffi::Error WaitForLanded(Backend& backend, const std::vector<std::vector<Event>>
 // corrupted the work before the call and left an XLA matmul waiting for ever on 2 x H100
 // (docs/design.md, "Copies wait for the device they write").
 ffi::Error CopyChunks(Backend& backend, const OpConfig& config, bool push, const std::vector<Post>& peers,
-                      Event own_entry, const ChunkReady& source_ready, const ChunkCopy& copy_chunk,
-                      LandedEvents marks, std::vector<std::vector<Event>>* recorded) {
+                      Event own_entry, const ChunkReady& source_ready, ReadyMarks readiness,
+                      const ChunkCopy& copy_chunks, LandedEvents marks, std::vector<std::vector<Event>>* recorded) {
   std::vector<Event> waited(CopyStreamsUsed(config), nullptr);
   std::vector<const uint32_t*> waited_word(CopyStreamsUsed(config), nullptr);
   std::vector<Event> entered(CopyStreamsUsed(config), nullptr);
+  const bool whole_slots = readiness == ReadyMarks::kPerSlot && marks == LandedEvents::kPerSlot;
+  const int64_t span = whole_slots ? config.chunks : 1;  // chunks per copy
   for (int slot = 0; slot < config.n() - 1; ++slot) {
     const int peer = push ? config.TargetOfSlot(slot) : config.SourceOfSlot(slot);
     const int stream = config.StreamOfSlot(slot);
     FICCO_RETURN_IF_ERROR(WaitOnce(backend, stream, push ? peers[peer].events[0] : own_entry, &entered[stream]));
     std::vector<Event>& marked = (*recorded)[slot];
-    for (int64_t j = 0; j < config.chunks; ++j) {
-      const Ready ready = source_ready(slot, j);
+    for (int64_t j = 0; j < config.chunks; j += span) {
+      const int64_t end = j + span;
       ffi::Error status = ffi::Error::Success();
-      if (ready.word == nullptr) {
-        status = WaitOnce(backend, stream, ready.event, &waited[stream]);
-      } else if (ready.word != waited_word[stream]) {
-        waited_word[stream] = ready.word;
-        status = WaitPeerWord(backend, config, stream, ready.word, ready.value, peer, "ready");
+      for (int64_t i = j; i < end && status.success(); ++i) {
+        const Ready ready = source_ready(slot, i);
+        if (ready.word == nullptr) {
+          status = WaitOnce(backend, stream, ready.event, &waited[stream]);
+        } else if (ready.word != waited_word[stream]) {
+          waited_word[stream] = ready.word;
+          status = WaitPeerWord(backend, config, stream, ready.word, ready.value, peer, "ready");
+        }
       }
-      if (status.success()) status = copy_chunk(stream, peer, peers[peer], slot, j);
+      if (status.success()) status = copy_chunks(stream, peer, peers[peer], slot, j, span);
       // The owner may overwrite its region once this device pulled everything of it.
-      if (status.success() && j == config.chunks - 1 && peers[peer].done != nullptr) {
+      if (status.success() && end == config.chunks && peers[peer].done != nullptr) {
         status = backend.SetWord(stream, peers[peer].done, peers[peer].value);
       }
       // A failed chunk is marked too: whatever of the slot was enqueued before the failure must
       // still be waited for by the device it writes (AwaitLanded).
-      if (status.success() && marks == LandedEvents::kPerSlot && j < config.chunks - 1) continue;
+      if (status.success() && marks == LandedEvents::kPerSlot && end < config.chunks) continue;
       Event event = nullptr;
       ffi::Error recorded_status = backend.Record(stream, &event);
-      std::fill(marked.begin() + (marks == LandedEvents::kPerSlot ? 0 : j), marked.begin() + j + 1, event);
+      std::fill(marked.begin() + (marks == LandedEvents::kPerSlot ? 0 : j), marked.begin() + end, event);
       FICCO_RETURN_IF_ERROR(status);
       FICCO_RETURN_IF_ERROR(recorded_status);
     }
@@ -444,16 +452,17 @@ ffi::Error AwaitLanded(Backend& backend, const OpConfig& config, const std::vect
 }
 
 ffi::Error PullChunks(Backend& backend, const OpConfig& config, const std::vector<Post>& owners, Event entry,
-                      const ChunkReady& source_ready, const ChunkCopy& copy_chunk, LandedEvents marks,
-                      std::vector<std::vector<Event>>* landed) {
-  return CopyChunks(backend, config, /*push=*/false, owners, entry, source_ready, copy_chunk, marks, landed);
+                      const ChunkReady& source_ready, ReadyMarks readiness, const ChunkCopy& copy_chunks,
+                      LandedEvents marks, std::vector<std::vector<Event>>* landed) {
+  return CopyChunks(backend, config, /*push=*/false, owners, entry, source_ready, readiness, copy_chunks, marks,
+                    landed);
 }
 
 ffi::Error PushChunks(Backend& backend, const OpConfig& config, const std::vector<Post>& targets,
-                      const ChunkReady& source_ready, const ChunkCopy& copy_chunk, LandedEvents marks,
-                      std::vector<std::vector<Event>>* pushed) {
-  return CopyChunks(backend, config, /*push=*/true, targets, /*own_entry=*/nullptr, source_ready, copy_chunk, marks,
-                    pushed);
+                      const ChunkReady& source_ready, ReadyMarks readiness, const ChunkCopy& copy_chunks,
+                      LandedEvents marks, std::vector<std::vector<Event>>* pushed) {
+  return CopyChunks(backend, config, /*push=*/true, targets, /*own_entry=*/nullptr, source_ready, readiness,
+                    copy_chunks, marks, pushed);
 }
 
 ffi::Error CallSession::Push(Backend& backend, void* destination, Event entry, const PushFn& push, bool consumed,

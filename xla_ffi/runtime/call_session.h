@@ -160,25 +160,30 @@ ffi::Error JoinAndRelease(Backend& backend, const OpConfig& config, CallSession&
 // chunks run in order on one copy stream, so its last chunk's event covers them all; each event
 // recorded costs a call into the driver, and its wait another (c8/grouped on 2 GPUs: 16 of them).
 enum class LandedEvents { kPerChunk, kPerSlot };
+// How the data that moves is made ready: chunk by chunk (per-chunk matmuls write each send chunk in
+// turn, and its copy should start as soon as it is written), or a slot at once (x itself, y of a
+// reduce_scatter, one matmul per block). With kPerSlot marks as well, a slot moves in one copy.
+enum class ReadyMarks { kPerChunk, kPerSlot };
 // The senders' loop of every transfer=push op (the `push` of CallSession::Push): send slot s goes to
 // TargetOfSlot(s) on StreamOfSlot(s) after that target's entry event; chunk j after
 // `source_ready(s, j)` (each distinct event waited once per stream; the CPU backend's null events
-// are waited every time), its copies enqueued by `copy_chunk(stream, target, post, s, j)`, then
-// pushed[s][j] recorded (`marks`).
+// are waited every time), chunks [j, j + count) enqueued by `copy_chunks(stream, target, post, s, j,
+// count)` (count = 1, or every chunk of the slot: `readiness`), then pushed[s][j] recorded (`marks`).
 using ChunkReady = std::function<Ready(int slot, int64_t chunk)>;
-using ChunkCopy = std::function<ffi::Error(int stream, int target, const Post& post, int slot, int64_t chunk)>;
+using ChunkCopy =
+    std::function<ffi::Error(int stream, int target, const Post& post, int slot, int64_t chunk, int64_t count)>;
 ffi::Error PushChunks(Backend& backend, const OpConfig& config, const std::vector<Post>& targets,
-                      const ChunkReady& source_ready, const ChunkCopy& copy_chunk, LandedEvents marks,
-                      std::vector<std::vector<Event>>* pushed);
+                      const ChunkReady& source_ready, ReadyMarks readiness, const ChunkCopy& copy_chunks,
+                      LandedEvents marks, std::vector<std::vector<Event>>* pushed);
 // The receivers' loop of every transfer=pull op, its mirror: receive slot s comes from
 // SourceOfSlot(s) on StreamOfSlot(s), after `entry` (this call's start on XLA's stream, which opens
 // this device's buffers to the copies: call_session.cc says why); chunk j after `source_ready(s, j)`
 // (an event or word of that owner, each distinct one waited once per stream), its copies enqueued by
-// `copy_chunk(stream, owner, post, s, j)`, then landed[s][j] recorded (`marks`). On a channel the
-// slot's stream then sets the owner's done word (Post::done).
+// `copy_chunks(stream, owner, post, s, j, count)`, then landed[s][j] recorded (`marks`). On a channel
+// the slot's stream then sets the owner's done word (Post::done).
 ffi::Error PullChunks(Backend& backend, const OpConfig& config, const std::vector<Post>& owners, Event entry,
-                      const ChunkReady& source_ready, const ChunkCopy& copy_chunk, LandedEvents marks,
-                      std::vector<std::vector<Event>>* landed);
+                      const ChunkReady& source_ready, ReadyMarks readiness, const ChunkCopy& copy_chunks,
+                      LandedEvents marks, std::vector<std::vector<Event>>* landed);
 // On an error after transfers were enqueued: XLA's stream waits for every landed chunk (pulled by
 // this device's copy streams or pushed by its peers) and for this device's copy streams, so the
 // buffers XLA frees with the error are no longer written or read. Returns `error`.

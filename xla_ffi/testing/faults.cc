@@ -47,9 +47,10 @@ class FaultyBackend final : public Backend {
     FICCO_RETURN_IF_ERROR(FailFirstTransfer(stream));
     return inner_->Wait(stream, event);
   }
-  ffi::Error Copy(int stream, void* dst, const void* src, size_t bytes) override {
+  ffi::Error CopyPieces(int stream, void* dst, const void* src, size_t bytes, int64_t pieces,
+                        int64_t pitch) override {
     FICCO_RETURN_IF_ERROR(FailFirstTransfer(stream));
-    return inner_->Copy(stream, dst, src, bytes);
+    return inner_->CopyPieces(stream, dst, src, bytes, pieces, pitch);
   }
   // stall: the words it sets are never set, as its device never gets there.
   ffi::Error SetWord(int stream, uint32_t* word, uint32_t value) override {
