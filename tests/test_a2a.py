@@ -206,16 +206,17 @@ def test_dispatch_skips_its_own_block_only_when_nobody_reads_received(mesh1d, rn
 
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("sched", ["dma/direct/c2", "dma/direct/c2/grouped", "dma/direct/c2/push"])
-def test_a_chunk_of_every_local_expert_moves_in_one_copy(mesh1d, rng, op, sched):
+def test_every_local_expert_shares_one_copy_and_one_matmul_launch(mesh1d, rng, op, sched):
     """An expert block's chunk is a strided run of rows in each local expert's block: it moves as one
-    copy whatever the number of local experts (a 2D copy on GPUs), and a slot written whole
-    (gemm=grouped) moves as one copy whatever the number of chunks. Results equal the reference."""
+    copy (a 2D copy on GPUs) and is multiplied by one batched matmul, whatever the number of local
+    experts; a slot written whole (gemm=grouped) moves as one copy whatever the number of chunks.
+    Results equal the reference."""
     from ficco_jax.runtime import extension
 
     testing = extension.testing()
     mesh, tp = mesh1d, mesh1d.shape["tp"]
     schedule = Schedule.parse(sched)
-    copies = {}
+    calls = {}
     for experts in (1, 4):
         a_inner, w_in, w_out = (D, D, F) if op == "a2a_matmul" else (F, F, D)
         x = random(rng, (tp * tp, experts, C, a_inner), "float32")
@@ -225,15 +226,17 @@ def test_a_chunk_of_every_local_expert_moves_in_one_copy(mesh1d, rng, op, sched)
                                   in_specs=_specs(mesh)[0], out_specs=_specs(mesh)[1]))
         args = [jax.device_put(v, NamedSharding(mesh, s)) for v, s in zip((x, w), _specs(mesh)[0])]
         jax.block_until_ready(f(*args))  # compiled
-        before = testing.backend_calls()["copy"]
+        before = testing.backend_calls()
         got = f(*args)
         jax.block_until_ready(got)
-        copies[experts] = testing.backend_calls()["copy"] - before
+        after = testing.backend_calls()
+        calls[experts] = {k: after[k] - before[k] for k in ("copy", "gemm")}
         assert rel_err(got, _run(mesh, lambda x, w: ref(x, w, "tp"), x, w)) < TOLERANCE["float32"]
-    assert copies[1] == copies[4] > 0, copies
+    assert calls[1] == calls[4], calls
     slots = tp * (tp - 1)  # over every device of the group
     per_slot = 1 if schedule.gemm == "grouped" else schedule.chunks
-    assert copies[4] == slots * per_slot, copies  # (the dispatch's own block is not copied: nobody reads it)
+    assert calls[4]["copy"] == slots * per_slot, calls  # (the dispatch's own block is not copied: nobody reads it)
+    assert calls[4]["gemm"] == tp + slots * per_slot, calls  # the own block's, then one per chunk or slot
 
 
 # ------------------------------------------------------------------------------------------------

@@ -12,7 +12,9 @@
 
 namespace ficco {
 
-void GemmHost(const GemmProblem& p) {
+namespace {
+
+void GemmHostOne(const GemmProblem& p) {
   const MatmulTypes& t = p.types;
   std::vector<float> b(static_cast<size_t>(p.inner * p.cols));  // [inner, cols]
   for (int64_t k = 0; k < p.inner; ++k) {
@@ -34,6 +36,20 @@ void GemmHost(const GemmProblem& p) {
       const float added = p.accumulate ? LoadAsFloat(p.accumulate, i * p.cols + j, t.c) : 0.0f;
       StoreFromFloat(p.c, i * p.cols + j, t.c, scale * row[j] + added);
     }
+  }
+}
+
+}  // namespace
+
+void GemmHost(const GemmProblem& p) {
+  const int64_t a_width = ByteWidth(p.types.a), b_width = ByteWidth(p.types.b), c_width = ByteWidth(p.types.c);
+  for (int64_t i = 0; i < p.batch; ++i) {
+    GemmProblem one = p;
+    one.a = static_cast<const char*>(p.a) + i * p.a_stride * a_width;
+    one.b = static_cast<const char*>(p.b) + i * p.b_stride * b_width;
+    one.c = static_cast<char*>(p.c) + i * p.c_stride * c_width;
+    if (p.accumulate) one.accumulate = static_cast<const char*>(p.accumulate) + i * p.c_stride * c_width;
+    GemmHostOne(one);
   }
 }
 
@@ -86,25 +102,47 @@ struct GemmPlan {
 namespace {
 
 // (rows, inner, cols, dtypes of a, b, c and b's layout, alignment of a, b, c, and of the accumulated
-// matrix, 0 for none): cuBLASLt algorithms depend on alignment.
-using PlanKey = std::tuple<int64_t, int64_t, int64_t, int, uint32_t, uint32_t, uint32_t, uint32_t>;
+// matrix, 0 for none, then the batch and its strides): cuBLASLt algorithms depend on alignment.
+using PlanKey = std::tuple<int64_t, int64_t, int64_t, int, uint32_t, uint32_t, uint32_t, uint32_t, int64_t, int64_t,
+                           int64_t, int64_t>;
 
 int TypesKey(const MatmulTypes& t) {
   return static_cast<int>(t.a) | static_cast<int>(t.b) << 4 | static_cast<int>(t.c) << 8 |
          static_cast<int>(t.b_transposed) << 12;
 }
 
-// The largest power of two (at most 256) dividing the address: what cuBLASLt may assume.
-uint32_t Alignment(const void* pointer) {
-  const uintptr_t address = reinterpret_cast<uintptr_t>(pointer);
+// The largest power of two (at most 256) dividing the address: what cuBLASLt may assume. In a batch
+// every product's operand must have it, so the stride between them counts too.
+uint32_t Alignment(const void* pointer, int64_t stride = 0, Dtype dtype = Dtype::kF32) {
+  const uintptr_t address = reinterpret_cast<uintptr_t>(pointer) | static_cast<uintptr_t>(stride * ByteWidth(dtype));
   uint32_t alignment = 256;
   while (alignment > 1 && address % alignment != 0) alignment /= 2;
   return alignment;
 }
 
+// The alignments of a, b, c and the accumulated matrix (0 for none), over the whole batch.
+struct Alignments {
+  uint32_t a, b, c, accumulate;
+  explicit Alignments(const GemmProblem& p)
+      : a(Alignment(p.a, p.a_stride, p.types.a)),
+        b(Alignment(p.b, p.b_stride, p.types.b)),
+        c(Alignment(p.c, p.c_stride, p.types.c)),
+        accumulate(p.accumulate ? Alignment(p.accumulate, p.c_stride, p.types.c) : 0) {}
+};
+
 PlanKey KeyOf(const GemmProblem& p) {
-  return PlanKey{p.rows,         p.inner,        p.cols,         TypesKey(p.types),
-                 Alignment(p.a), Alignment(p.b), Alignment(p.c), p.accumulate ? Alignment(p.accumulate) : 0};
+  const Alignments align(p);
+  return PlanKey{p.rows,     p.inner,    p.cols,     TypesKey(p.types), align.a,    align.b,
+                 align.c,    align.accumulate,       p.batch,           p.a_stride, p.b_stride, p.c_stride};
+}
+
+// A batch of products: `count` matrices `stride` elements apart in `layout`.
+cublasStatus_t SetBatch(cublasLtMatrixLayout_t layout, int64_t count, int64_t stride) {
+  const int32_t batch = static_cast<int32_t>(count);
+  FICCO_LT_RETURN_IF_ERROR(
+      cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &batch, sizeof(batch)));
+  return cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride,
+                                          sizeof(stride));
 }
 
 // How many of the heuristic's candidates a new plan times on the device (once per shape). XLA's
@@ -186,6 +224,11 @@ cublasStatus_t FindCandidates(const GemmProblem& p, cublasLtHandle_t handle, siz
   }
   FICCO_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan->b, CudaType(t.a), p.inner, p.rows, p.inner));
   FICCO_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan->c, CudaType(t.c), p.cols, p.rows, p.cols));
+  if (p.batch > 1) {  // (cuBLASLt's "A" is our b, its "B" our a)
+    FICCO_LT_RETURN_IF_ERROR(SetBatch(plan->a, p.batch, p.b_stride));
+    FICCO_LT_RETURN_IF_ERROR(SetBatch(plan->b, p.batch, p.a_stride));
+    FICCO_LT_RETURN_IF_ERROR(SetBatch(plan->c, p.batch, p.c_stride));
+  }
   FICCO_LT_RETURN_IF_ERROR(SetScales(p, plan->op));
   if (IsFp8(t.a)) {
     // FP8 on Hopper: accumulate in the tensor cores' fast mode (no periodic promotion to f32), as
@@ -198,8 +241,9 @@ cublasStatus_t FindCandidates(const GemmProblem& p, cublasLtHandle_t handle, siz
   cublasLtMatmulPreference_t preference = nullptr;
   FICCO_LT_RETURN_IF_ERROR(cublasLtMatmulPreferenceCreate(&preference));
   // cuBLASLt's A, B, C (what is read: the accumulated matrix where there is one) and D.
-  const uint32_t c_align = p.accumulate ? std::min(Alignment(p.accumulate), Alignment(p.c)) : Alignment(p.c);
-  const uint32_t align[4] = {Alignment(p.b), Alignment(p.a), c_align, Alignment(p.c)};
+  const Alignments operand(p);
+  const uint32_t c_align = p.accumulate ? std::min(operand.accumulate, operand.c) : operand.c;
+  const uint32_t align[4] = {operand.b, operand.a, c_align, operand.c};
   const cublasLtMatmulPreferenceAttributes_t align_attr[4] = {
       CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
       CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
@@ -254,10 +298,11 @@ void LogPlan(const GemmProblem& p, const GemmPlan& plan, int found, float ms) {
   cublasLtMatmulAlgoConfigGetAttribute(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &split_k, sizeof(split_k), &written);
   cublasLtMatmulAlgoConfigGetAttribute(algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, &swizzle, sizeof(swizzle), &written);
   std::fprintf(stderr,
-               "ficco gemm plan [%lld,%lld]@[%lld,%lld] types %#x: %d candidates, chose algo %d tile %d stages %d "
-               "split_k %d swizzle %d, %.4f ms per run\n",
-               static_cast<long long>(p.rows), static_cast<long long>(p.inner), static_cast<long long>(p.inner),
-               static_cast<long long>(p.cols), TypesKey(p.types), found, id, tile, stages, split_k, swizzle,
+               "ficco gemm plan %lld x [%lld,%lld]@[%lld,%lld] types %#x: %d candidates, chose algo %d tile %d "
+               "stages %d split_k %d swizzle %d, %.4f ms per run\n",
+               static_cast<long long>(p.batch), static_cast<long long>(p.rows), static_cast<long long>(p.inner),
+               static_cast<long long>(p.inner), static_cast<long long>(p.cols), TypesKey(p.types), found, id, tile,
+               stages, split_k, swizzle,
                ms >= 0.0f ? ms / kFinalRepeats : -1.0f);
 }
 

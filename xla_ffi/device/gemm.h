@@ -40,6 +40,11 @@ struct GemmProblem {
   // [rows, cols] of c's dtype, added to the product in f32 before the one rounding (cuBLASLt's C
   // with beta = 1: the sum rides in the matmul's epilogue); nullptr: none. May not alias c.
   const void* accumulate = nullptr;
+  // `batch` such products in one launch (the local experts of an expert block): product i reads
+  // a + i * a_stride, b + i * b_stride and accumulate + i * c_stride and writes c + i * c_stride
+  // (strides in elements of each operand's dtype).
+  int64_t batch = 1;
+  int64_t a_stride = 0, b_stride = 0, c_stride = 0;
 };
 
 // CPU reference loops.
@@ -48,7 +53,8 @@ void GemmHost(const GemmProblem& problem);
 #ifdef FICCO_WITH_CUDA
 struct GemmPlan;  // cuBLASLt descriptors and the chosen algorithm of one problem shape
 
-// The cuBLASLt plans of one device, by (rows, inner, cols, dtypes, layout, alignments). Building a plan
+// The cuBLASLt plans of one device, by (rows, inner, cols, batch and strides, dtypes, layout,
+// alignments). Building a plan
 // (descriptors, the heuristic's candidates, timing them once on the device) costs host time and
 // one synchronisation; a chunked schedule runs the same few shapes on every call, so each is
 // planned once. Thread-safe.

@@ -29,13 +29,14 @@ ffi::Error CopyBlockChunks(Backend& backend, const OpConfig& config, const Block
 ffi::Error BlockMatmul::Run(Backend& backend, const void* in_base, int64_t in_block, void* out_base,
                             int64_t out_block, int64_t row, int64_t count, const void* add_base,
                             int64_t add_block) const {
-  const int64_t w_bytes = inner * cols * static_cast<int64_t>(ByteWidth(types.b));
-  for (int64_t g = 0; g < in.groups; ++g) {
-    const void* add = add_base ? Offset(add_base, res.At(add_block, g, row)) : nullptr;
-    FICCO_RETURN_IF_ERROR(backend.Gemm({Offset(in_base, in.At(in_block, g, row)), Offset(w, g * w_bytes),
-                                        Offset(out_base, res.At(out_block, g, row)), count, inner, cols, types, add}));
-  }
-  return ffi::Error::Success();
+  // Every group in one launch: group g reads in's and writes res's group g, times w[g].
+  GemmProblem problem{Offset(in_base, in.At(in_block, 0, row)), w, Offset(out_base, res.At(out_block, 0, row)),
+                      count, inner, cols, types, add_base ? Offset(add_base, res.At(add_block, 0, row)) : nullptr};
+  problem.batch = in.groups;
+  problem.a_stride = in.rows * inner;
+  problem.b_stride = inner * cols;
+  problem.c_stride = res.rows * cols;
+  return backend.Gemm(problem);
 }
 
 namespace {
