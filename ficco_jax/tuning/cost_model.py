@@ -2,11 +2,12 @@
 
 The model replays a schedule as a small event simulation on one device:
 
-- transfers: each copy stream moves its copies (chunks, or whole blocks under the executor's
-  gemm=grouped) one after the other; a transfer of b bytes takes
+- transfers: each copy stream moves its chunks one after the other; a transfer of b bytes takes
   `latency + b / bandwidth`, where concurrent streams share the device's ingress
   (`dma_ingress_gbps` for one copy stream, `dma_multistream_gbps` in total for several) —
-  copy engines (comm="dma") or NCCL steps (comm="xla");
+  copy engines (comm="dma") or NCCL steps (comm="xla"). The executor moves a block that
+  `gemm=grouped` writes whole in one copy; the model still charges it a transfer per chunk, as
+  the shipped profiles' fits (to op times taken when such blocks moved chunk by chunk) assume;
 - chunk matmuls: issued on one stream in schedule order, each after its chunk has landed; a
   matmul of r rows costs `launch + 2*r*K*N / (peak * r / (r + rows_half))`. `rows_half` is the
   decomposition loss: the row count at which a matmul runs at half its peak rate (thin matmuls
@@ -23,10 +24,12 @@ The model replays a schedule as a small event simulation on one device:
   both are fitted to op times, not to the characterization's XLA dots;
 - a fixed cost per copy-engine call on the GPU, `dma_call_us` (event waits, the join), and its
   host time, `dma_host_us` (two host rendezvous) plus `dma_host_copy_us` per enqueued copy
-  (one per chunk and peer, or one per peer where a block written whole moves: `copies_per_slot`):
-  the host work overlaps earlier
+  ((n - 1) x chunks of them): the host work overlaps earlier
   GPU work, so it only bounds the time from below — what makes copy-engine overlap lose on
   small operations.
+
+The expert ops are priced as the tensor-parallel op that moves and multiplies the same blocks: the
+dispatch (`a2a_matmul`) as `ag_matmul`, the combine (`matmul_a2a`) as `matmul_rs` without its sum.
 
 `matmul_psum` is priced as what it runs: its schedule's `matmul_rs`, then the all-gather of the
 reduced rows (one copy-engine call, one stream, for comm="dma"; XLA's all-gather for "xla"),
@@ -137,6 +140,8 @@ def predict(op: str, schedule: Schedule, shapes: Sequence[Sequence[int]], dtype,
     schedule.validate(op, shapes, axis_size)
     if op == "matmul_psum":
         return _predict_all_reduce(schedule, shapes, dtype, axis_size, profile, out_dtype)
+    if op in ("a2a_matmul", "matmul_a2a"):
+        op, shapes = _expert_as_tensor_parallel(op, shapes, axis_size)
     (a0, a1), (_, w1) = shapes
     n = axis_size
     moved_dtype = dtype if op == "ag_matmul" or out_dtype is None else np.dtype(out_dtype).name
@@ -157,9 +162,22 @@ def predict(op: str, schedule: Schedule, shapes: Sequence[Sequence[int]], dtype,
     device_time = _simulate(op, schedule, m, k, cols, moved_cols * itemsize, n, dtype, profile)
     if schedule.comm == "xla":  # run one after the other, its parts cost at least the plain path's
         return device_time if profile["xla_overlaps"] else max(device_time, plain)
-    copies = (n - 1) * copies_per_slot(schedule)  # each enqueued on the host
+    copies = (n - 1) * schedule.chunks  # each enqueued with its event on the host
     host = profile["dma_host_us"] + profile.get("dma_host_copy_us", 0.0) * copies
     return max(device_time + profile["dma_call_us"] * 1e-6, host * 1e-6)
+
+
+def _expert_as_tensor_parallel(op: str, shapes, n: int):
+    """An expert op as the tensor-parallel op that moves and multiplies the same: each peer block is
+    E_local x C rows; the dispatch (a2a_matmul) receives it before multiplying it, as ag_matmul does,
+    and the combine (matmul_a2a) multiplies then sends it, as matmul_rs does, without the sum. The
+    executor multiplies a block's local experts in one batched matmul, priced as one of E_local x C
+    rows."""
+    (_, e_local, capacity, inner), (_, _, cols) = shapes
+    rows = e_local * capacity
+    if op == "a2a_matmul":
+        return "ag_matmul", ((rows, inner), (inner, cols))
+    return "matmul_a2a", ((n * rows, inner), (inner, cols))
 
 
 def _predict_all_reduce(schedule: Schedule, shapes, dtype: str, n: int, profile: Mapping, out_dtype) -> float:
@@ -198,25 +216,25 @@ def _simulate(op, s: Schedule, m, k, cols, row_bytes, n, dtype, profile) -> floa
         streams = n - 1
     contention = 1.0 + (profile["contention_dma"] if s.comm == "dma" else profile["contention_xla"])
     ex = s.comm == "dma"  # chunk matmuls by the executor's cuBLASLt, else by XLA
-    moves = copies_per_slot(s)
-    # Transfers: (peer step, copy) items dealt round-robin over streams; a ring moves one step
+    chunk_bytes = q * row_bytes
+    # Transfers: (peer step, chunk) items dealt round-robin over streams; a ring moves one step
     # after the other, so every item waits for the previous one on its single stream.
-    items = [(step, j) for step in range(1, n) for j in range(moves)]
+    items = [(step, j) for step in range(1, n) for j in range(c)]
     stream_free = [0.0] * streams
     arrival = {}
-    per_item = _transfer_time(m // moves * row_bytes, streams, s.comm, profile)
+    per_item = _transfer_time(chunk_bytes, streams, s.comm, profile)
     if s.comm == "xla" and not profile["xla_overlaps"]:
         matmuls = gemm_time(m, k, cols, dtype, profile) + (n - 1) * (c // group_of(s)) * gemm_time(
             q * group_of(s), k, cols, dtype, profile)
         return matmuls + -(-len(items) // streams) * per_item
-    if op == "matmul_rs":
-        return _simulate_rs(s, m, q, k, cols, n, dtype, profile, contention, streams, per_item, ex, row_bytes // cols)
+    if op in ("matmul_rs", "matmul_a2a"):
+        return _simulate_rs(s, m, q, k, cols, n, dtype, profile, contention, streams, per_item, ex, row_bytes // cols,
+                            summed=op == "matmul_rs")
     for i, (step, j) in enumerate(items):
         lane = ((step - 1) % streams) if s.comm == "dma" else (i % streams)
         start = stream_free[lane]
         stream_free[lane] = start + per_item
-        for chunk in range(j * c // moves, (j + 1) * c // moves):
-            arrival[(step, chunk)] = stream_free[lane]
+        arrival[(step, j)] = stream_free[lane]
     # Matmuls: own shard first (no wait), then peers in order.
     t = gemm_time(m, k, cols, dtype, profile, ex) * contention
     group = group_of(s)
@@ -232,13 +250,10 @@ def group_of(s: Schedule) -> int:
     return s.chunks if s.gemm == "grouped" else 1
 
 
-def copies_per_slot(s: Schedule) -> int:
-    """Copies a peer's block moves in: the executor moves a block written whole (gemm=grouped) in one
-    copy (xla_ffi/runtime/call_session.cc, CopyChunks); otherwise one per chunk."""
-    return 1 if s.comm == "dma" and s.gemm == "grouped" else s.chunks
-
-
-def _simulate_rs(s, m, q, k, cols, n, dtype, profile, contention, streams, per_item, ex, itemsize) -> float:
+def _simulate_rs(s, m, q, k, cols, n, dtype, profile, contention, streams, per_item, ex, itemsize,
+                 summed: bool = True) -> float:
+    """matmul_rs (`summed`: the received partials are added to the own block's), or the combine of the
+    expert ops, which sends its blocks without a sum."""
     c = s.chunks
     group = group_of(s)
     t = 0.0
@@ -248,23 +263,20 @@ def _simulate_rs(s, m, q, k, cols, n, dtype, profile, contention, streams, per_i
             t += gemm_time(q * group, k, cols, dtype, profile, ex) * contention
             for j in range(j0, j0 + group):
                 produced[(step, j)] = t
-    moves = copies_per_slot(s)
-    per_move = {(step, j): [(step, chunk) for chunk in range(j * c // moves, (j + 1) * c // moves)]
-                for step in range(1, n) for j in range(moves)}
-    ready = {key: max(produced[chunk] for chunk in chunks) for key, chunks in per_move.items()}
     stream_free = [0.0] * streams
     arrival = {}
-    for i, key in enumerate(sorted(ready, key=ready.get)):
+    for i, key in enumerate(sorted(produced, key=produced.get)):
         lane = i % streams
-        start = max(stream_free[lane], ready[key])
+        start = max(stream_free[lane], produced[key])
         stream_free[lane] = start + per_item
-        for chunk in per_move[key]:  # by symmetry, also when the peers' chunk lands here
-            arrival[chunk] = stream_free[lane]
+        arrival[key] = stream_free[lane]  # by symmetry, also when the peers' chunk `key` lands here
     last_arrival = max(arrival.values(), default=0.0)
 
     def sum_time(rows: int, reads: int) -> float:  # memory-bound: `reads` blocks of `rows` rows read
         return reads * rows * cols * itemsize / (profile["hbm_gbps"] * 1e9) + profile["gemm_launch_us"] * 1e-6
 
+    if not summed:
+        return max(t + gemm_time(m, k, cols, dtype, profile, ex) * contention, last_arrival)
     if ex and s.gemm == "per_chunk" and c > 1 and n > 1:
         # The executor multiplies our own block after the transfers in two halves, each adding the
         # first received partial in its epilogue; on more than 2 devices a sum per half adds the

@@ -104,18 +104,24 @@ def select_schedule(op: str, shapes, dtype, axis_size: int, profile=None,
                     comms: Sequence[str] | None = None, out_dtype=None) -> Schedule:
     """The predicted-fastest valid schedule, or `Schedule(comm="none")` when overlap does not pay."""
     comms = tuple(comms or available_comms())
-    if op in A2A_OPS:
-        return _expert_pick(comms, axis_size)
     profile = profile or profile_for(axis_size)
+    if op in A2A_OPS:
+        pick = _expert_pick(comms, axis_size)
+        if pick.comm != "dma":
+            return pick
+        # A small MoE layer's blocks move in less time than a copy-engine call costs the host.
+        plain = Schedule(comm="none")
+        return min((pick, plain), key=lambda s: cost_model.predict(op, s, shapes, dtype, axis_size, profile, out_dtype))
     ranked = cost_model.rank(op, shapes, dtype, axis_size, Schedule.enumerate(op, axis_size, comms), profile,
                              out_dtype)
     return ranked[0][1]
 
 
 def _expert_pick(comms: Sequence[str], axis_size: int) -> Schedule:
-    """The expert-parallel ops, which the cost model does not price: every peer block at once (the
-    per-peer blocks of a MoE layer are small, so one chunk), on copy engines where they can run
-    (over as many copy streams as peers, up to the largest choice), else as XLA ppermutes."""
+    """The expert-parallel ops' overlapped schedule: every peer block at once (the per-peer blocks of a
+    MoE layer are small, so one chunk), on copy engines where they can run (over as many copy streams
+    as peers, up to the largest choice), else as XLA ppermutes. `select_schedule` keeps the plain path
+    instead where the cost model prices it faster than the copy engines."""
     if axis_size == 1:
         return Schedule(comm="none")
     if "dma" in comms:
