@@ -13,6 +13,10 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 # CPU for seconds while its peers wait in a host meeting, longer than the 5 s meant for GPUs. Tests
 # of the timeout itself set their own (tests/test_executor_faults.py).
 os.environ.setdefault("FICCO_RENDEZVOUS_TIMEOUT_S", "60")
+# Several GPU tests run their programs in child processes (tests/gpu): the suite's own process must not
+# hold most of each GPU's memory, as JAX's default preallocation (75 %) does, or the children run out
+# ("Failed to allocate Scratch 0 for all-reduce" in the mixed step's child after 119 tests in-process).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
