@@ -78,8 +78,18 @@ def _demo(ctx):
     return [Step("demo", _py(ctx, "-m", "ficco_jax", "demo", "--out", ctx.out, *ctx.options))]
 
 
+#: Seconds a bench case may still take once started: the slowest seen, an FP8 anchor's first run whose
+#: JAX sequential compile autotunes XLA's FP8 dot (36-42 s of a 55 s case on 2 x H100, 2026-11-27),
+#: with room to spare.
+BENCH_CASE_S = 120
+
+
 def _bench(ctx):
+    """`bench` (options after --), started cases ending within the suite's limit: no case starts in its
+    last BENCH_CASE_S seconds; the bench's table names the cases left and how `--resume` adds them."""
     extra = list(ctx.options) or ([] if ctx.gpus else ["--no-windowed"])
+    if "--budget-s" not in extra:
+        extra += ["--budget-s", max(30, ctx.limit_s - BENCH_CASE_S)]
     return [Step("bench", _py(ctx, "-m", "ficco_jax", "bench", "--out", ctx.out, *extra))]
 
 

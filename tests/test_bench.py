@@ -182,6 +182,60 @@ def test_progress_ends_at_its_planned_count(tmp_path, capsys):
     assert steps and steps[-1][0] == steps[-1][1] == len(steps), steps
 
 
+def test_a_time_budget_stops_new_cases_and_resume_completes_the_run(tmp_path, monkeypatch):
+    """--budget-s: no case starts once the budget is spent (here a fake clock spends it after the first
+    case), the rest are listed in the JSON and the table; --resume keeps the measured rows, with their
+    commit, and measures only the missing cases, so the two runs add up to one complete result."""
+    shapes = {"a": (64, 32, 64), "b": (32, 32, 64)}
+    clock = iter(range(0, 10_000, 100))  # each reading 100 s later: the first case starts at 100, the next past 150
+    monkeypatch.setattr(bench, "budget_clock", lambda: float(next(clock)))
+    first = bench.run(["ag_matmul", "matmul_rs"], shapes, "float32", "xla/direct/c1", str(tmp_path / "one"),
+                      windowed=False, budget_s=150)
+    assert {(r["op"], r["shape"]) for r in first["rows"]} == {("ag_matmul", "a")}
+    assert first["skipped"] == ["ag_matmul b", "matmul_rs a", "matmul_rs b"]
+    table = (tmp_path / "one" / "bench.md").read_text()
+    assert "Not measured (time budget): ag_matmul b, matmul_rs a, matmul_rs b" in table and "--resume" in table
+
+    monkeypatch.undo()
+    earlier = json.loads((tmp_path / "one" / "bench.json").read_text())
+    earlier["commit"] = "abc1234"
+    second = bench.run(["ag_matmul", "matmul_rs"], shapes, "float32", "xla/direct/c1", str(tmp_path / "two"),
+                       windowed=False, resume=earlier)
+    cases = {(r["op"], r["shape"]) for r in second["rows"]}
+    assert cases == {(op, name) for op in ("ag_matmul", "matmul_rs") for name in shapes} and not second["skipped"]
+    kept = [r for r in second["rows"] if (r["op"], r["shape"]) == ("ag_matmul", "a")]
+    assert kept and all(r["extra"]["commit"] == "abc1234" for r in kept)
+    assert second["resumed"] == {"commit": "abc1234", "date": earlier["date"], "cases": 1, "measured": 3}
+    assert all(r["verified"] for r in second["rows"] if r["variant"].startswith("ficco:"))
+    assert "Kept from an earlier run (commit abc1234" in (tmp_path / "two" / "bench.md").read_text()
+
+
+def test_a_variant_failing_without_a_message_is_reported():
+    """An exception with an empty message (StopIteration, a bare AssertionError) gives a note, not a
+    second error while the note is written."""
+    def fails(_):
+        raise StopIteration
+
+    row = harness.verify_then_time(harness.Row("ag_matmul", "t", 1, 1, 1, "ficco:x"), fails, (), None, "float32")
+    assert row.note == "error: StopIteration: " and row.median_ms is None
+
+
+def test_resume_refuses_a_run_of_another_kind(tmp_path):
+    earlier = bench.run(["ag_matmul"], {"a": (64, 32, 64)}, "float32", "none", str(tmp_path / "one"), windowed=False)
+    for key, other in (("n_devices", 2), ("dtype", "bfloat16"), ("device", "NVIDIA H100 80GB HBM3")):
+        with pytest.raises(ValueError, match=f"not comparable: {key}"):
+            bench.run(["ag_matmul"], {"a": (64, 32, 64)}, "float32", "none", str(tmp_path / "two"), windowed=False,
+                      resume={**earlier, key: other})
+    with pytest.raises(ValueError, match="not a bench.json"):
+        bench.run(["ag_matmul"], {"a": (64, 32, 64)}, "float32", "none", str(tmp_path / "two"), resume={"cases": []})
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**earlier, "n_devices": 3}))
+    done = subprocess.run([sys.executable, "-m", "ficco_jax", "bench", "--op", "ag_matmul", "--shape", "64,32,64",
+                           "--schedules", "none", "--no-windowed", "--out", str(tmp_path / "cli"), "--resume", str(bad)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "not comparable: n_devices 3" in done.stderr and "Traceback" not in done.stderr
+
+
 def test_table_on_cpu_computes_no_speedup():
     from ficco_jax.tools import report
 

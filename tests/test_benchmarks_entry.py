@@ -69,6 +69,21 @@ def test_the_fp8_suite_needs_a_gpu_and_takes_options(tmp_path):
     assert step.argv[1:] == ["benchmarks/suites/fp8_gemm.py", "--out", str(tmp_path), "--repeats", "2,8"]
 
 
+def test_the_bench_suite_starts_no_case_in_its_last_minutes_unless_told_otherwise(tmp_path):
+    """No bench case starts once less than BENCH_CASE_S of the suite's limit is left, so a started case
+    ends inside it; a --budget-s among the options wins."""
+    run = _entry_module()
+    suite = run.catalog.SUITES["bench"]
+    for options, budget in (((), suite.limit_s - run.catalog.BENCH_CASE_S),
+                            (("--dtype", "fp8"), suite.limit_s - run.catalog.BENCH_CASE_S),
+                            (("--budget-s", "99"), 99)):
+        ctx = run.catalog.Context(python=sys.executable, out=str(tmp_path), gpus=2, limit_s=suite.limit_s,
+                                  options=options)
+        argv = [str(a) for a in suite.steps(ctx)[0].argv]
+        assert argv.count("--budget-s") == 1 and float(argv[argv.index("--budget-s") + 1]) == budget, argv
+        assert all(o in argv for o in options)
+
+
 def test_a_suite_past_its_limit_is_cut(tmp_path, monkeypatch, capsys):
     run = _entry_module()
     sleepy = run.catalog.Suite("sleepy", "sleeps", "any", 0, 600, lambda ctx: [

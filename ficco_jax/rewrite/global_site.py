@@ -105,7 +105,7 @@ def _local_site(mesh, local_fn: Callable, reads, writes, where: str,
     try:
         traced = _trace_local(mesh, local_fn, reads, writes, check_vma=False)
     except Exception as err:  # noqa: BLE001 - a site jax cannot express per device stays as written
-        return f"its per-device form does not trace ({type(err).__name__}: {str(err).splitlines()[0]})"
+        return f"its per-device form does not trace ({type(err).__name__}: {(str(err).splitlines() or [''])[0]})"
     # The shard_map's results are read as the program's values: a body whose blocks do not make
     # them up (shapes, dtypes) is no form of this site.
     if [(a.shape, cast_after or a.dtype) for a in traced.out_avals] != [(v.aval.shape, v.aval.dtype) for v in writes]:

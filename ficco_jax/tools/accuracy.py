@@ -244,7 +244,7 @@ def confirm(rows, case, makers, args, rounds: int) -> bool:
             try:
                 t = harness.device_time(makers[v], args)
             except Exception as exc:  # noqa: BLE001 - keep the first timing; the table says why
-                by[v].note = f"re-timing failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+                by[v].note = f"re-timing failed: {harness.error_line(exc, 160)}"
                 continue
             by[v].extra["timings_ms"].append(t["median_s"] * 1e3)
     for v in names:

@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import asdict
 
 import jax
@@ -281,10 +282,20 @@ def provenance(n: int, dtype) -> dict:
     }
 
 
-def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=True, moe_shapes=None) -> dict:
+#: The clock a time budget is read on.
+budget_clock = time.monotonic
+
+
+def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=True, moe_shapes=None,
+        budget_s: float | None = None, resume: dict | None = None) -> dict:
     """Bench `ops_to_run` on all local devices: ag_matmul/matmul_rs/matmul_psum on `shapes` {name: (M, K, N)},
     a2a_matmul/matmul_a2a on `moe_shapes` {name: (T, d, f, E, k)} (see bench_moe.py). FP8 `dtype`:
-    each shape also in bf16 (rows of shape "<name>/bf16"), so the table holds both."""
+    each shape also in bf16 (rows of shape "<name>/bf16"), so the table holds both.
+
+    `budget_s`: no case (op, shape) starts after this many seconds; those left are listed in the
+    result's "skipped" and the table. `resume`: the bench.json of an earlier run of the same machine,
+    group size and dtype (else ValueError): its cases are kept, each row with the commit it ran at,
+    and only the cases it lacks are measured, so a run that a budget cut is completed by another."""
     n = len(jax.local_devices())
     mesh = Mesh(np.array(jax.local_devices()), ("tp",))
     on_cpu = jax.default_backend() == "cpu"
@@ -294,15 +305,20 @@ def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=
     if config.is_fp8(dtype) and any(op in A2A_OPS for op in ops_to_run):
         raise ValueError(f"bench: FP8 ({dtype}) runs the tensor-parallel ops ag_matmul and matmul_rs only; "
                          f"found {[op for op in ops_to_run if op in A2A_OPS]}")
+    result = provenance(n, dtype)
+    kept = resumed_rows(resume, result) if resume is not None else []
+    done = {(r["op"], r["shape"]) for r in kept}
     tp_plan, moe_plan = [], []
     for op in ops_to_run:
         if op in A2A_OPS:
-            moe_plan += bench_moe.plan(op, moe_shapes, schedules_arg, n, comms)
+            moe_plan += [case for case in bench_moe.plan(op, moe_shapes, schedules_arg, n, comms)
+                         if (op, case[1]) not in done]
             continue
         listed = listed_schedules(op, schedules_arg, n, comms)
         for name, (M, K, N) in shapes.items():
             fits = fitting_schedules(op, listed, local_shapes(op, M, K, N, n), n)
-            tp_plan += [(op, label, M, K, N, fits, case_dtype) for label, case_dtype in case_dtypes(name, dtype)]
+            tp_plan += [(op, label, M, K, N, fits, case_dtype) for label, case_dtype in case_dtypes(name, dtype)
+                        if (op, label) not in done]
     windowed = windowed and not on_cpu
     total = sum(len(variants(op, local_shapes(op, M, K, N, n), cd, n, scheds)[0]) + BOUND_STEPS
                 + has_windowed(windowed, op, cd) for op, name, M, K, N, scheds, cd in tp_plan)
@@ -310,16 +326,30 @@ def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=
                  for op, name, dims, scheds in moe_plan)
     progress = progress_printer(total)
     rows = []
-    result = provenance(n, dtype)
     os.makedirs(out_dir, exist_ok=True)
+    if resume is not None:
+        result["resumed"] = {"commit": resume.get("commit"), "date": resume.get("date"),
+                             "cases": len(done), "measured": len(tp_plan) + len(moe_plan)}
+    skipped = result["skipped"] = []
+    start = budget_clock()
 
     def save(rows):  # after every shape, so a run stopped early keeps what it measured
-        result["rows"] = [asdict(r) for r in rows]
+        result["rows"] = kept + [asdict(r) for r in rows]
         with open(os.path.join(out_dir, "bench.json"), "w") as fh:
             json.dump(result, fh, indent=1)
 
+    def out_of_time(op, name) -> bool:
+        if budget_s is None or budget_clock() - start <= budget_s:
+            return False
+        if not skipped:
+            print(f"bench: the time budget of {budget_s:.0f} s is spent; the cases left are not started", flush=True)
+        skipped.append(f"{op} {name}")
+        return True
+
     children = WindowedChildren()
     for op, name, M, K, N, scheds, case_dtype in tp_plan:
+        if out_of_time(op, name):
+            continue
         case = bench_shape(op, name, M, K, N, case_dtype, mesh, scheds, progress)
         if has_windowed(windowed, op, case_dtype):
             progress(f"{op} {name} xla_windowed_einsum")
@@ -330,16 +360,40 @@ def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=
         rows += case
         save(rows)
     for op, name, dims, scheds in moe_plan:
+        if out_of_time(op, name):
+            continue
         rows += bench_moe.bench_shape(op, name, dims, dtype, mesh, scheds, progress)
         save(rows)
     save(rows)
     table = markdown_table(result) + (fp8_table(result) if config.is_fp8(dtype) else "")
+    if resume is not None:
+        r = result["resumed"]
+        table += (f"\nKept from an earlier run (commit {r['commit']}, {r['date']}): {r['cases']} cases, each row "
+                  f"with its commit in bench.json; measured in this run: {r['measured']}.\n")
+    if skipped:
+        table += (f"\nNot measured (time budget): {', '.join(skipped)}. `bench` with the same options and "
+                  f"`--resume {os.path.join(out_dir, 'bench.json')}` measures them and keeps these rows.\n")
     with open(os.path.join(out_dir, "bench.md"), "w") as fh:
         fh.write(table)
     if plot:
         plot_speedups(result, out_dir)
     print(table)
     return result
+
+
+def resumed_rows(earlier: dict, ours: dict) -> list[dict]:
+    """The rows of an earlier bench.json to keep, each with the commit it ran at in its `extra`;
+    ValueError when that run is not comparable (another device kind, platform, group size or dtype)
+    or is not a bench result."""
+    if not isinstance(earlier, dict) or not isinstance(earlier.get("rows"), list):
+        raise ValueError("bench --resume: not a bench.json (no 'rows' list)")
+    keys = ("device", "platform", "n_devices", "dtype")
+    differ = [f"{k} {earlier.get(k)!r} (this run: {ours[k]!r})" for k in keys if earlier.get(k) != ours[k]]
+    if differ:
+        raise ValueError("bench --resume: the earlier run is not comparable: " + "; ".join(differ) +
+                         ". Resume only a run of the same machine, devices and --dtype.")
+    return [dict(r, extra={**r.get("extra", {}), "commit": r.get("extra", {}).get("commit", earlier.get("commit"))})
+            for r in earlier["rows"]]
 
 
 def has_windowed(windowed: bool, op: str, dtype) -> bool:

@@ -151,7 +151,7 @@ def measure_variant(variant: str, ops: dict, repeats=REPEATS) -> dict:
             body = _jax_body(variant)
             row["ms"], row["spread_ms"] = _device_ms(lambda r: jax.jit(timing.chain(body, r)), args)
     except Exception as exc:  # noqa: BLE001 - the table says what broke
-        row["note"] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        row["note"] = f"error: {harness.error_line(exc)}"
     return row
 
 

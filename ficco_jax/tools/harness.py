@@ -77,6 +77,12 @@ def method(cpu_note: str = "NOT meaningful") -> str:
     return timing.METHOD
 
 
+def error_line(exc: BaseException, limit: int = 200) -> str:
+    """`exc` in one line for a result's note: its type and the first line of its message (if any)."""
+    first = (str(exc).splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first[:limit]}"
+
+
 def verify_then_time(row: Row, make, args, want, dtype, time: bool = True) -> Row:
     """Fill `row`: check `make(None)(*args)` against `want`, and only if it agrees (and `time`) time
     `make(R)` (R repetitions in one jit, timing.device_time). A failing variant is reported, not fatal."""
@@ -89,7 +95,7 @@ def verify_then_time(row: Row, make, args, want, dtype, time: bool = True) -> Ro
         else:
             row.note = f"WRONG RESULT: rel err {row.rel_err:.3g}; not timed"
     except Exception as exc:  # noqa: BLE001 - the run goes on and the table says what broke
-        row.note = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        row.note = f"error: {error_line(exc)}"
     return row
 
 
