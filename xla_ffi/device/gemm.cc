@@ -124,16 +124,20 @@ uint32_t Alignment(const void* pointer, int64_t stride = 0, Dtype dtype = Dtype:
 struct Alignments {
   uint32_t a, b, c, accumulate;
   explicit Alignments(const GemmProblem& p)
-      : a(Alignment(p.a, p.a_stride, p.types.a)),
-        b(Alignment(p.b, p.b_stride, p.types.b)),
-        c(Alignment(p.c, p.c_stride, p.types.c)),
-        accumulate(p.accumulate ? Alignment(p.accumulate, p.c_stride, p.types.c) : 0) {}
+      : a(Alignment(p.a, Stride(p, p.a_stride), p.types.a)),
+        b(Alignment(p.b, Stride(p, p.b_stride), p.types.b)),
+        c(Alignment(p.c, Stride(p, p.c_stride), p.types.c)),
+        accumulate(p.accumulate ? Alignment(p.accumulate, Stride(p, p.c_stride), p.types.c) : 0) {}
+  // A single product has no stride.
+  static int64_t Stride(const GemmProblem& p, int64_t stride) { return p.batch > 1 ? stride : 0; }
 };
 
 PlanKey KeyOf(const GemmProblem& p) {
   const Alignments align(p);
-  return PlanKey{p.rows,     p.inner,    p.cols,     TypesKey(p.types), align.a,    align.b,
-                 align.c,    align.accumulate,       p.batch,           p.a_stride, p.b_stride, p.c_stride};
+  const auto stride = [&](int64_t s) { return Alignments::Stride(p, s); };
+  return PlanKey{p.rows,    p.inner,         p.cols,           TypesKey(p.types),  align.a,          align.b,
+                 align.c,   align.accumulate, p.batch,          stride(p.a_stride), stride(p.b_stride),
+                 stride(p.c_stride)};
 }
 
 // A batch of products: `count` matrices `stride` elements apart in `layout`.

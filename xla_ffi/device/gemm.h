@@ -42,7 +42,7 @@ struct GemmProblem {
   const void* accumulate = nullptr;
   // `batch` such products in one launch (the local experts of an expert block): product i reads
   // a + i * a_stride, b + i * b_stride and accumulate + i * c_stride and writes c + i * c_stride
-  // (strides in elements of each operand's dtype).
+  // (strides in elements of each operand's dtype; read only when batch > 1).
   int64_t batch = 1;
   int64_t a_stride = 0, b_stride = 0, c_stride = 0;
 };

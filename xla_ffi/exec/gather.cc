@@ -32,10 +32,12 @@ ffi::Error BlockMatmul::Run(Backend& backend, const void* in_base, int64_t in_bl
   // Every group in one launch: group g reads in's and writes res's group g, times w[g].
   GemmProblem problem{Offset(in_base, in.At(in_block, 0, row)), w, Offset(out_base, res.At(out_block, 0, row)),
                       count, inner, cols, types, add_base ? Offset(add_base, res.At(add_block, 0, row)) : nullptr};
-  problem.batch = in.groups;
-  problem.a_stride = in.rows * inner;
-  problem.b_stride = inner * cols;
-  problem.c_stride = res.rows * cols;
+  if (in.groups > 1) {
+    problem.batch = in.groups;
+    problem.a_stride = in.rows * inner;
+    problem.b_stride = inner * cols;
+    problem.c_stride = res.rows * cols;
+  }
   return backend.Gemm(problem);
 }
 
