@@ -216,10 +216,8 @@ def resumed_cases(earlier: dict, device: str, n: int, dtype: str, profile_name) 
     theirs = {"device": earlier.get("device"), "axis size": earlier.get("axis_size"),
               "dtype": earlier.get("dtype"), "profile": earlier.get("profile")}
     ours = {"device": device, "axis size": n, "dtype": dtype, "profile": profile_name}
-    differ = [f"{k} {theirs[k]!r} (this run: {ours[k]!r})" for k in ours if theirs[k] != ours[k]]
-    if differ:
-        raise ValueError("accuracy --resume: the earlier run is not comparable: " + "; ".join(differ) +
-                         ". Resume only a run of the same machine, --axis-size and --profile.")
+    harness.check_resumable("accuracy --resume", theirs, ours,
+                            "Resume only a run of the same machine, --axis-size and --profile.")
     kept = []
     for c in earlier["cases"]:
         if "chosen_vs_best" not in c:  # an incomplete case is measured again

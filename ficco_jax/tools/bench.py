@@ -387,11 +387,9 @@ def resumed_rows(earlier: dict, ours: dict) -> list[dict]:
     or is not a bench result."""
     if not isinstance(earlier, dict) or not isinstance(earlier.get("rows"), list):
         raise ValueError("bench --resume: not a bench.json (no 'rows' list)")
-    keys = ("device", "platform", "n_devices", "dtype")
-    differ = [f"{k} {earlier.get(k)!r} (this run: {ours[k]!r})" for k in keys if earlier.get(k) != ours[k]]
-    if differ:
-        raise ValueError("bench --resume: the earlier run is not comparable: " + "; ".join(differ) +
-                         ". Resume only a run of the same machine, devices and --dtype.")
+    compared = {k: ours[k] for k in ("device", "platform", "n_devices", "dtype")}
+    harness.check_resumable("bench --resume", earlier, compared,
+                            "Resume only a run of the same machine, devices and --dtype.")
     return [dict(r, extra={**r.get("extra", {}), "commit": r.get("extra", {}).get("commit", earlier.get("commit"))})
             for r in earlier["rows"]]
 

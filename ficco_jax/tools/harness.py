@@ -77,6 +77,14 @@ def method(cpu_note: str = "NOT meaningful") -> str:
     return timing.METHOD
 
 
+def check_resumable(flag: str, theirs: dict, ours: dict, hint: str) -> None:
+    """ValueError naming every field (key of `ours`) in which the earlier run `flag` would resume
+    (`theirs`) differs from this one, then `hint`; nothing when none does."""
+    differ = [f"{k} {theirs.get(k)!r} (this run: {ours[k]!r})" for k in ours if theirs.get(k) != ours[k]]
+    if differ:
+        raise ValueError(f"{flag}: the earlier run is not comparable: " + "; ".join(differ) + f". {hint}")
+
+
 def error_line(exc: BaseException, limit: int = 200) -> str:
     """`exc` in one line for a result's note: its type and the first line of its message (if any)."""
     first = (str(exc).splitlines() or [""])[0]

@@ -104,14 +104,15 @@ def select_schedule(op: str, shapes, dtype, axis_size: int, profile=None,
                     comms: Sequence[str] | None = None, out_dtype=None) -> Schedule:
     """The predicted-fastest valid schedule, or `Schedule(comm="none")` when overlap does not pay."""
     comms = tuple(comms or available_comms())
-    profile = profile or profile_for(axis_size)
     if op in A2A_OPS:
         pick = _expert_pick(comms, axis_size)
         if pick.comm != "dma":
             return pick
         # A small MoE layer's blocks move in less time than a copy-engine call costs the host.
+        profile = profile or profile_for(axis_size)
         plain = Schedule(comm="none")
         return min((pick, plain), key=lambda s: cost_model.predict(op, s, shapes, dtype, axis_size, profile, out_dtype))
+    profile = profile or profile_for(axis_size)
     ranked = cost_model.rank(op, shapes, dtype, axis_size, Schedule.enumerate(op, axis_size, comms), profile,
                              out_dtype)
     return ranked[0][1]
