@@ -4,8 +4,11 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
+from jax.sharding import PartitionSpec as P
 
+from ficco_jax.schedule import Schedule, local_shapes
 from ficco_jax.tools import bench, harness
 from ficco_jax.tuning import timing
 
@@ -308,3 +311,24 @@ def test_the_windowed_child_runs_on_cpu_devices():
     assert row.note.startswith("child process, XLA_FLAGS+=")
     assert bench.windowed_command("matmul_rs", 64, 32, 64, "float32")[1:] == [
         "-m", "ficco_jax", "_windowed", "matmul_rs", "64", "32", "64", "float32"]
+
+
+@pytest.mark.parametrize("dtype, target", [("float8_e4m3fn", "ficco_ag_matmul_scaled"), ("bfloat16", "ficco_ag_matmul")])
+def test_a_timeline_runs_the_program_the_bench_times(mesh1d, dtype, target):
+    # trace_op.py and host_time.py record bench's program: for FP8 the scaled op on quantized operands.
+    args, body_of = bench.case_inputs("ag_matmul", local_shapes("ag_matmul", 64, 32, 64, 8), dtype, mesh1d)
+    assert [a.dtype.name for a in args] == [dtype, dtype]
+    body = body_of("ag_matmul", Schedule.parse("dma/direct/c1"))
+    program = jax.jit(jax.shard_map(body, mesh=mesh1d, in_specs=(P("tp", None), P(None, "tp")),
+                                    out_specs=P(None, "tp"))).lower(*args).as_text()
+    assert f"@{target}(" in program, program[-1500:]
+    bench.record_timeline(mesh1d, "ag_matmul", Schedule.parse("dma/direct/c1"), 64, 32, 64, 2, None, dtype=dtype)
+
+
+def test_trace_op_takes_a_dtype(tmp_path):
+    root = os.path.join(os.path.dirname(__file__), "..")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    run = subprocess.run([sys.executable, "benchmarks/suites/trace_op.py", "matmul_rs", "dma/direct/c2", "64", "32", "64",
+                          "2", "--dtype", "fp8"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "matmul_rs dma/direct/c2 64,32,64 float8_e4m3fn x2" in run.stdout, run.stdout

@@ -75,14 +75,19 @@ def bench_shape(op, name, M, K, N, dtype, mesh, schedules, progress) -> list[Row
     pick, each verified then timed, and the bounds."""
     n = mesh.shape["tp"]
     shapes = local_shapes(op, M, K, N, n)
-    if config.is_fp8(dtype):
-        args, body_of = fp8_inputs(op, shapes, dtype, mesh)
-    else:
-        args, body_of = measure.make_inputs(op, shapes, dtype, mesh), op_body
+    args, body_of = case_inputs(op, shapes, dtype, mesh)
     listed, selected = variants(op, shapes, dtype, n, schedules)
     rows = [(Row(op, name, M, K, N, label, selected=(sched == selected)), sched) for label, sched in listed]
     verify_then_time_each(rows, mesh, args, dtype, progress, body_of=body_of)
     return [row for row, _ in rows] + _bounds(op, name, M, K, N, dtype, mesh, progress)
+
+
+def case_inputs(op, shapes, dtype, mesh, seed: int = 0):
+    """(operands, body_of) of one case of per-device `shapes`: random `dtype` operands and
+    `measure.op_body`; FP8: quantized operands and bodies calling the scaled ops (`fp8_inputs`)."""
+    if config.is_fp8(dtype):
+        return fp8_inputs(op, shapes, dtype, mesh, seed=seed)
+    return measure.make_inputs(op, shapes, dtype, mesh, seed=seed), op_body
 
 
 def _bounds(op, name, M, K, N, dtype, mesh, progress) -> list[Row]:
@@ -257,11 +262,11 @@ def add_case_arguments(parser) -> None:
 
 def record_timeline(mesh, op: str, schedule, M: int, K: int, N: int, iters: int, out_dir: str | None,
                     dtype: str = "bfloat16", seed: int = 0) -> None:
-    """Run `op` under `schedule` ("ref" or a Schedule) `iters` times in one jitted loop, compiled and
-    warmed up first, then once more under JAX's profiler (a Perfetto trace under `out_dir`; None:
+    """Run `op` under `schedule` ("ref" or a Schedule) on `dtype` operands (FP8: the scaled op, as
+    `bench` times it) `iters` times in one jitted loop, compiled and warmed up first, then once more under JAX's profiler (a Perfetto trace under `out_dir`; None:
     no profiler, e.g. when nsys records the process). The trace suite of benchmarks/ prints it."""
-    inputs = measure.make_inputs(op, local_shapes(op, M, K, N, mesh.shape["tp"]), dtype, mesh, seed=seed)
-    fn = sharded(mesh, op, op_body(op, schedule), iters)
+    inputs, body_of = case_inputs(op, local_shapes(op, M, K, N, mesh.shape["tp"]), dtype, mesh, seed=seed)
+    fn = sharded(mesh, op, body_of(op, schedule), iters)
     jax.block_until_ready(fn(*inputs))  # compile and warm up outside the recording
     if out_dir is None:
         jax.block_until_ready(fn(*inputs))
