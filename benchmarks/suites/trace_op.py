@@ -1,7 +1,8 @@
 """Run one op under one schedule in a jitted loop, for a profiler to record.
 
-Usage: python benchmarks/suites/trace_op.py OP SCHEDULE M K N [ITERS] [--dtype bf16|fp8|...] [--jax-profiler DIR]
-(SCHEDULE: a Schedule string or "ref"; fp8: the scaled op on e4m3 operands, as `bench --dtype fp8` times it). Under nsys, run it as is. With --jax-profiler, JAX's own
+Usage: python benchmarks/suites/trace_op.py OP SCHEDULE M K N [ITERS] [--dtype DTYPE] [--jax-profiler DIR]
+(SCHEDULE: a Schedule string or "ref"; DTYPE bf16 by default, fp8: the scaled op on e4m3 operands, as
+`bench --dtype fp8` times it). Under nsys, run it as is. With --jax-profiler, JAX's own
 profiler (CUPTI on GPUs: every kernel and copy of every stream, ours included) records the second
 run and writes DIR/plugins/profile/<time>/perfetto_trace.json.gz, which `benchmarks/suites/perfetto_timeline.py`
 prints: the route where the machine has no nsys.

@@ -263,8 +263,9 @@ def add_case_arguments(parser) -> None:
 def record_timeline(mesh, op: str, schedule, M: int, K: int, N: int, iters: int, out_dir: str | None,
                     dtype: str = "bfloat16", seed: int = 0) -> None:
     """Run `op` under `schedule` ("ref" or a Schedule) on `dtype` operands (FP8: the scaled op, as
-    `bench` times it) `iters` times in one jitted loop, compiled and warmed up first, then once more under JAX's profiler (a Perfetto trace under `out_dir`; None:
-    no profiler, e.g. when nsys records the process). The trace suite of benchmarks/ prints it."""
+    `bench` times it) `iters` times in one jitted loop, compiled and warmed up first, then once more
+    under JAX's profiler (a Perfetto trace under `out_dir`; None: no profiler, e.g. when nsys
+    records the process). The trace suite of benchmarks/ prints it."""
     inputs, body_of = case_inputs(op, local_shapes(op, M, K, N, mesh.shape["tp"]), dtype, mesh, seed=seed)
     fn = sharded(mesh, op, body_of(op, schedule), iters)
     jax.block_until_ready(fn(*inputs))  # compile and warm up outside the recording
