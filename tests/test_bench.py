@@ -213,6 +213,44 @@ def test_a_time_budget_stops_new_cases_and_resume_completes_the_run(tmp_path, mo
     assert "Kept from an earlier run (commit abc1234" in (tmp_path / "two" / "bench.md").read_text()
 
 
+@pytest.mark.parametrize("op, shapes", [("matmul_rs", {"t": (64, 32, 64)}), ("matmul_a2a", None)])
+def test_rounds_time_every_variant_and_bound_interleaved(tmp_path, monkeypatch, capsys, op, shapes):
+    """--rounds 3: after a case's first timings, two more rounds, each one timing of every variant and
+    bound in turn; a row is the median of its three, the plain path follows JAX sequential's program
+    and the ideal the bounds' medians."""
+    ticks = iter(range(1, 10_000))  # every timing 1 ms longer than the one before it
+
+    def fake_time(make, args):
+        return {"median_s": next(ticks) * 1e-3, "spread_s": 0.0}
+
+    monkeypatch.setattr(harness, "device_time", fake_time)
+    result = bench.run([op], shapes or {}, "float32", "none,xla/direct/c1", str(tmp_path), windowed=False, rounds=3)
+    rows = {r["variant"]: r for r in result["rows"]}
+    timed = [v for v in rows if v.startswith(("ficco:xla", "jax_")) or v in ("gemm_alone", "collective_alone")]
+    assert len(timed) >= 4, sorted(rows)
+    firsts = sorted(rows[v]["extra"]["timings_ms"][0] for v in timed)
+    for k in (1, 2):  # round k+1: one timing of each, one after the other, after every first timing
+        block = sorted(round(rows[v]["extra"]["timings_ms"][k]) for v in timed)
+        assert block == list(range(block[0], block[0] + len(timed))) and block[0] > max(firsts), (k, block)
+    for v in timed:
+        ts = rows[v]["extra"]["timings_ms"]
+        assert len(ts) == 3 and rows[v]["median_ms"] == sorted(ts)[1] and rows[v]["spread_ms"] == (ts[-1] - ts[0]) / 2
+    plain = rows["ficco:none"]
+    assert plain["extra"]["timing_of"] == "jax_seq" and plain["median_ms"] == rows["jax_seq"]["median_ms"]
+    assert rows["ideal"]["median_ms"] == max(rows["gemm_alone"]["median_ms"], rows["collective_alone"]["median_ms"])
+    assert result["rounds"] == 3 and "3 interleaved rounds" in result["method"]
+    steps = [tuple(map(int, m)) for m in __import__("re").findall(r"\[\s*(\d+)/(\d+)\]", capsys.readouterr().err)]
+    assert steps[-1][0] == steps[-1][1] == len(steps), steps
+    with pytest.raises(ValueError, match="not comparable: rounds 3 \\(this run: 1\\)"):
+        bench.run([op], shapes or {}, "float32", "none", str(tmp_path / "again"), windowed=False, resume=result)
+
+
+def test_cli_rejects_zero_rounds(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "ficco_jax", "bench", "--op", "ag_matmul", "--shape", "64,32,64",
+                           "--rounds", "0", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "--rounds 0: time each variant at least once" in done.stderr, done.stderr[-800:]
+
+
 def test_a_variant_failing_without_a_message_is_reported():
     """An exception with an empty message (StopIteration, a bare AssertionError) gives a note, not a
     second error while the note is written."""

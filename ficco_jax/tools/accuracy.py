@@ -228,27 +228,14 @@ def resumed_cases(earlier: dict, device: str, n: int, dtype: str, profile_name) 
 
 def confirm(rows, case, makers, args, rounds: int) -> bool:
     """Time the pick, the best measured and JAX sequential `rounds` more times each (those not
-    re-timed yet), interleaved so drift hits them alike, and set each one's median_ms to the median of
-    all its timings. The first timing stays in `extra["timings_ms"]` with the others; spread_ms becomes
-    their half-range. False when all three were re-timed before (nothing left to do)."""
+    re-timed yet), interleaved so drift hits them alike (`harness.retime`): each one's median_ms
+    becomes the median of all its timings, spread_ms their half-range. False when all three were
+    re-timed before (nothing left to do)."""
     by = {r.variant: r for r in rows}
     names = [v for v in dict.fromkeys([case["chosen"], case["best"], "none"]) if "timings_ms" not in by[v].extra]
     if not names:
         return False
-    for r in (by[v] for v in names):
-        r.extra["timings_ms"] = [r.median_ms]
-    for _ in range(rounds):
-        for v in names:
-            try:
-                t = harness.device_time(makers[v], args)
-            except Exception as exc:  # noqa: BLE001 - keep the first timing; the table says why
-                by[v].note = f"re-timing failed: {harness.error_line(exc, 160)}"
-                continue
-            by[v].extra["timings_ms"].append(t["median_s"] * 1e3)
-    for v in names:
-        ts = by[v].extra["timings_ms"]
-        by[v].median_ms = float(np.median(ts))
-        by[v].spread_ms = float((max(ts) - min(ts)) / 2)
+    harness.retime([by[v] for v in names], harness.variant_timers({v: makers[v] for v in names}, args), rounds)
     return True
 
 

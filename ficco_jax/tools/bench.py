@@ -70,16 +70,20 @@ def variants(op, shapes, dtype, n, schedules) -> tuple[list, object]:
     return out, selected
 
 
-def bench_shape(op, name, M, K, N, dtype, mesh, schedules, progress) -> list[Row]:
+def bench_shape(op, name, M, K, N, dtype, mesh, schedules, progress, rounds: int = 1) -> list[Row]:
     """The rows of one (op, layer shape): JAX sequential, the listed schedules, JAX's ring, auto's
-    pick, each verified then timed, and the bounds."""
+    pick, each verified then timed, and the bounds; with `rounds` > 1 every one of them timed that
+    many times in all, interleaved (`harness.retime_case`)."""
     n = mesh.shape["tp"]
     shapes = local_shapes(op, M, K, N, n)
     args, body_of = case_inputs(op, shapes, dtype, mesh)
     listed, selected = variants(op, shapes, dtype, n, schedules)
     rows = [(Row(op, name, M, K, N, label, selected=(sched == selected)), sched) for label, sched in listed]
-    verify_then_time_each(rows, mesh, args, dtype, progress, body_of=body_of)
-    return [row for row, _ in rows] + _bounds(op, name, M, K, N, dtype, mesh, progress)
+    timers = harness.variant_timers(verify_then_time_each(rows, mesh, args, dtype, progress, body_of=body_of), args)
+    case = [row for row, _ in rows] + _bounds(op, name, M, K, N, dtype, mesh, progress, timers)
+    if rounds > 1:
+        harness.retime_case(case, timers, rounds - 1, progress)
+    return case
 
 
 def case_inputs(op, shapes, dtype, mesh, seed: int = 0):
@@ -90,7 +94,7 @@ def case_inputs(op, shapes, dtype, mesh, seed: int = 0):
     return measure.make_inputs(op, shapes, dtype, mesh, seed=seed), op_body
 
 
-def _bounds(op, name, M, K, N, dtype, mesh, progress) -> list[Row]:
+def _bounds(op, name, M, K, N, dtype, mesh, progress, timers=None) -> list[Row]:
     """GEMM alone (full size, one device), the collective alone, and the ideal max of the two."""
     n = mesh.shape["tp"]
     _, w_shape = local_shapes(op, M, K, N, n)
@@ -111,7 +115,7 @@ def _bounds(op, name, M, K, N, dtype, mesh, progress) -> list[Row]:
     gemm = (lambda a, w: jnp.dot(a, w, preferred_element_type=jnp.bfloat16)) if fp8 else (lambda a, w: a @ w)
     return bound_rows(Row(op, name, M, K, N, ""), mesh, dtype, progress, gemm=gemm,
                       gemm_shapes=(full_a, w_shape), collective=collective, collective_shape=coll_shape,
-                      spec=P("tp", None), collective_dtype=coll_dtype)
+                      spec=P("tp", None), collective_dtype=coll_dtype, timers=timers)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -293,7 +297,7 @@ budget_clock = time.monotonic
 
 
 def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=True, moe_shapes=None,
-        budget_s: float | None = None, resume: dict | None = None) -> dict:
+        budget_s: float | None = None, resume: dict | None = None, rounds: int = 1) -> dict:
     """Bench `ops_to_run` on all local devices: ag_matmul/matmul_rs/matmul_psum on `shapes` {name: (M, K, N)},
     a2a_matmul/matmul_a2a on `moe_shapes` {name: (T, d, f, E, k)} (see bench_moe.py). FP8 `dtype`:
     each shape also in bf16 (rows of shape "<name>/bf16"), so the table holds both.
@@ -301,7 +305,12 @@ def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=
     `budget_s`: no case (op, shape) starts after this many seconds; those left are listed in the
     result's "skipped" and the table. `resume`: the bench.json of an earlier run of the same machine,
     group size and dtype (else ValueError): its cases are kept, each row with the commit it ran at,
-    and only the cases it lacks are measured, so a run that a budget cut is completed by another."""
+    and only the cases it lacks are measured, so a run that a budget cut is completed by another.
+    `rounds`: how many times every variant and bound of a case is timed, interleaved (one timing of
+    each in turn per round), its row the median: drift over a case's minutes then hits them alike.
+    XLA's windowed einsum, timed in its own process, is timed once."""
+    if rounds < 1:
+        raise ValueError(f"bench: rounds {rounds}: time each variant at least once (rounds >= 1)")
     n = len(jax.local_devices())
     mesh = Mesh(np.array(jax.local_devices()), ("tp",))
     on_cpu = jax.default_backend() == "cpu"
@@ -312,6 +321,10 @@ def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=
         raise ValueError(f"bench: FP8 ({dtype}) runs the tensor-parallel ops ag_matmul and matmul_rs only; "
                          f"found {[op for op in ops_to_run if op in A2A_OPS]}")
     result = provenance(n, dtype)
+    result["rounds"] = rounds
+    if rounds > 1:
+        result["method"] += (f"; every variant and bound of a case timed in {rounds} interleaved rounds (one "
+                             f"timing of each in turn), the median of its {rounds} timings")
     kept = resumed_rows(resume, result) if resume is not None else []
     done = {(r["op"], r["shape"]) for r in kept}
     tp_plan, moe_plan = [], []
@@ -326,10 +339,10 @@ def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=
             tp_plan += [(op, label, M, K, N, fits, case_dtype) for label, case_dtype in case_dtypes(name, dtype)
                         if (op, label) not in done]
     windowed = windowed and not on_cpu
-    total = sum(len(variants(op, local_shapes(op, M, K, N, n), cd, n, scheds)[0]) + BOUND_STEPS
+    total = sum(len(variants(op, local_shapes(op, M, K, N, n), cd, n, scheds)[0]) + BOUND_STEPS + rounds - 1
                 + has_windowed(windowed, op, cd) for op, name, M, K, N, scheds, cd in tp_plan)
     total += sum(len(bench_moe.variants(op, bench_moe.local_shapes(op, *dims, n), dtype, n, scheds)[0]) + BOUND_STEPS
-                 for op, name, dims, scheds in moe_plan)
+                 + rounds - 1 for op, name, dims, scheds in moe_plan)
     progress = progress_printer(total)
     rows = []
     os.makedirs(out_dir, exist_ok=True)
@@ -356,7 +369,7 @@ def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=
     for op, name, M, K, N, scheds, case_dtype in tp_plan:
         if out_of_time(op, name):
             continue
-        case = bench_shape(op, name, M, K, N, case_dtype, mesh, scheds, progress)
+        case = bench_shape(op, name, M, K, N, case_dtype, mesh, scheds, progress, rounds)
         if has_windowed(windowed, op, case_dtype):
             progress(f"{op} {name} xla_windowed_einsum")
             case.append(children.row(op, name, M, K, N, case_dtype))
@@ -368,7 +381,7 @@ def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=
     for op, name, dims, scheds in moe_plan:
         if out_of_time(op, name):
             continue
-        rows += bench_moe.bench_shape(op, name, dims, dtype, mesh, scheds, progress)
+        rows += bench_moe.bench_shape(op, name, dims, dtype, mesh, scheds, progress, rounds)
         save(rows)
     save(rows)
     table = markdown_table(result) + (fp8_table(result) if config.is_fp8(dtype) else "")
@@ -393,9 +406,9 @@ def resumed_rows(earlier: dict, ours: dict) -> list[dict]:
     or is not a bench result."""
     if not isinstance(earlier, dict) or not isinstance(earlier.get("rows"), list):
         raise ValueError("bench --resume: not a bench.json (no 'rows' list)")
-    compared = {k: ours[k] for k in ("device", "platform", "n_devices", "dtype")}
-    harness.check_resumable("bench --resume", earlier, compared,
-                            "Resume only a run of the same machine, devices and --dtype.")
+    compared = {k: ours[k] for k in ("device", "platform", "n_devices", "dtype", "rounds")}
+    harness.check_resumable("bench --resume", {"rounds": 1, **earlier}, compared,
+                            "Resume only a run of the same machine, devices, --dtype and --rounds.")
     return [dict(r, extra={**r.get("extra", {}), "commit": r.get("extra", {}).get("commit", earlier.get("commit"))})
             for r in earlier["rows"]]
 

@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..ops import measure, resolve_schedule
 from ..ops.measure import op_body
+from . import harness
 from .harness import Row, bound_rows, fitting_schedules, listed_schedules, verify_then_time_each
 
 #: Mixtral-8x7B-like layer on 4 GPUs: hidden 4096, ffn 14336, 8 experts, top-2, 8192 tokens per GPU.
@@ -45,9 +46,10 @@ def variants(op, shapes, dtype, n, schedules) -> tuple[list, object]:
     return out, selected
 
 
-def bench_shape(op, name, dims, dtype, mesh, schedules, progress) -> list[Row]:
+def bench_shape(op, name, dims, dtype, mesh, schedules, progress, rounds: int = 1) -> list[Row]:
     """The rows of one (op, MoE shape): JAX sequential, the listed schedules and auto's pick, each
-    verified then timed, and the bounds."""
+    verified then timed, and the bounds; with `rounds` > 1 every one of them timed that many times
+    in all, interleaved (`harness.retime_case`)."""
     T, d, f, E, k = dims
     n = mesh.shape["tp"]
     shapes = local_shapes(op, *dims, n)
@@ -56,11 +58,14 @@ def bench_shape(op, name, dims, dtype, mesh, schedules, progress) -> list[Row]:
     extra = {"experts": E, "top_k": k}
     rows = [(Row(op, name, T, d, f, label, selected=(sched == selected), extra=dict(extra)), sched)
             for label, sched in listed]
-    verify_then_time_each(rows, mesh, args, dtype, progress, body_of=op_body)
-    return [row for row, _ in rows] + _bounds(op, name, dims, shapes, dtype, mesh, progress)
+    timers = harness.variant_timers(verify_then_time_each(rows, mesh, args, dtype, progress, body_of=op_body), args)
+    case = [row for row, _ in rows] + _bounds(op, name, dims, shapes, dtype, mesh, progress, timers)
+    if rounds > 1:
+        harness.retime_case(case, timers, rounds - 1, progress)
+    return case
 
 
-def _bounds(op, name, dims, shapes, dtype, mesh, progress) -> list[Row]:
+def _bounds(op, name, dims, shapes, dtype, mesh, progress, timers=None) -> list[Row]:
     """The expert matmuls alone (one device), the all-to-all alone, and the ideal max of the two."""
     T, d, f, E, k = dims
     a_shape, w_shape = shapes
@@ -69,7 +74,7 @@ def _bounds(op, name, dims, shapes, dtype, mesh, progress) -> list[Row]:
     return bound_rows(Row(op, name, T, d, f, "", extra={"experts": E, "top_k": k}), mesh, dtype, progress,
                       gemm=lambda a, w: jnp.einsum("pecd,edf->pecf", a, w), gemm_shapes=shapes,
                       collective=lambda v: jax.lax.all_to_all(v, "tp", 0, 0, tiled=True),
-                      collective_shape=(n * moved[0], *moved[1:]), spec=P("tp"))
+                      collective_shape=(n * moved[0], *moved[1:]), spec=P("tp"), timers=timers)
 
 
 def plan(op, shapes, schedules_arg, n, comms):

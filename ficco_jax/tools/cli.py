@@ -70,8 +70,12 @@ def _add_bench(sub):
     p.add_argument("--no-windowed", action="store_true", help="skip XLA's windowed einsum child process")
     p.add_argument("--budget-s", type=float, help="start no new case (op, shape) after this many seconds; the "
                                                   "cases left are listed, and --resume adds them later")
-    p.add_argument("--resume", metavar="JSON", help="keep the cases of this earlier bench.json (same machine, devices "
-                                                    "and --dtype) and measure only those it lacks")
+    p.add_argument("--resume", metavar="JSON", help="keep the cases of this earlier bench.json (same machine, devices, "
+                                                    "--dtype and --rounds) and measure only those it lacks")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time every variant and bound of a case this many times, interleaved (one timing of each in "
+                        "turn per round), and report the median: drift over a case's minutes then hits them alike "
+                        "(default 1)")
     _add_xla_cache(p)
     p.set_defaults(fn=_cmd_bench)
 
@@ -96,12 +100,14 @@ def _cmd_bench(args):
         listed_schedules(ops[0], args.schedules, 1, ("none", "xla", "dma"))  # parse before any compile
     except ValueError as exc:
         raise SystemExit(str(exc))
+    if args.rounds < 1:
+        raise SystemExit(f"bench --rounds {args.rounds}: time each variant at least once (--rounds 1 or more)")
     resume = _read_json(args.resume, "bench --resume") if args.resume else None
     use_xla_cache(args.xla_cache)
     try:
         bench.run(ops, _shapes(args.shape, default), dtype, args.schedules, args.out, plot=args.plot,
                   windowed=not args.no_windowed, moe_shapes=_moe_shapes(args.moe_shape), budget_s=args.budget_s,
-                  resume=resume)
+                  resume=resume, rounds=args.rounds)
     except ValueError as exc:  # an earlier run to resume that is not comparable, a shape the devices cannot take
         raise SystemExit(str(exc))
 
