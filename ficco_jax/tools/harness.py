@@ -1,6 +1,7 @@
 """What the benchmark tools share: a result row; measuring one case's variants (each verified
 against the reference before it is timed); the bound rows (GEMM alone, collective alone, ideal);
-the dtypes and tolerances; and the schedules a `--schedules` argument names."""
+timing a case's rows again in interleaved rounds; the dtypes and tolerances; and the schedules a
+`--schedules` argument names."""
 from __future__ import annotations
 
 import functools
