@@ -253,6 +253,9 @@ def test_accuracy_cli_rejects_negative_confirm_rounds():
     proc = subprocess.run([sys.executable, "-m", "ficco_jax", "accuracy", "--confirm-rounds", "-1"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "--confirm-rounds must be >= 0" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "ficco_jax", "accuracy", "--rounds", "0"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "--rounds 0: time each candidate at least once" in proc.stderr, proc.stderr[-800:]
 
 
 def _recorded(variant_times: dict, op="ag_matmul", M=8192, K=8192, N=10240, verified=True, bench_format=True):
@@ -351,9 +354,36 @@ def test_accuracy_resume_refuses_a_run_it_cannot_continue():
                          {"op": "matmul_rs", "shape": "s", "verdict": "incomplete: x"}]}
     kept = accuracy.resumed_cases(earlier, "NVIDIA H200", 4, "bfloat16", "h200x4")
     assert kept == [{"op": "ag_matmul", "shape": "s", "chosen_vs_best": 1.0, "commit": "abc"}]  # incomplete: again
-    with pytest.raises(ValueError, match=r"axis size 4 \(this run: 8\).*same machine, --axis-size and --profile"):
+    with pytest.raises(ValueError, match=r"axis size 4 \(this run: 8\).*same machine, --axis-size, --profile and --rounds"):
         accuracy.resumed_cases(earlier, "NVIDIA H200", 8, "bfloat16", "h200x4")
     with pytest.raises(ValueError, match="profile 'h200x4' \\(this run: 'default'\\)"):
         accuracy.resumed_cases(earlier, "NVIDIA H200", 4, "bfloat16", "default")
     with pytest.raises(ValueError, match="not an accuracy.json"):
         accuracy.resumed_cases({"rows": []}, "NVIDIA H200", 4, "bfloat16", "h200x4")
+    with pytest.raises(ValueError, match=r"rounds 1 \(this run: 3\)"):  # a run before rounds existed timed once
+        accuracy.resumed_cases(earlier, "NVIDIA H200", 4, "bfloat16", "h200x4", rounds=3)
+
+
+def test_rounds_judge_every_candidate_on_interleaved_medians(tmp_path, monkeypatch):
+    """--rounds 3: every candidate timed three times, one timing of each in turn per round, judged on
+    the medians; no row is marked as re-timed for a miss, and a resumed run must time alike."""
+    ticks = iter(range(1, 10_000))  # every timing 1 ms longer than the one before it
+    monkeypatch.setattr(accuracy.harness, "device_time",
+                        lambda make, args: {"median_s": next(ticks) * 1e-3, "spread_s": 0.0})
+    result = accuracy.run(str(tmp_path), axis_size=2, shapes={"s": (64, 32, 64)}, top=1, ops=("matmul_rs",),
+                          rounds=3)
+    (case,) = result["cases"]
+    own = [r for r in case["rows"] if "timing_of" not in r["extra"]]
+    assert len(own) >= 3, case["rows"]
+    firsts = [round(r["extra"]["timings_ms"][0]) for r in own]
+    for k in (1, 2):
+        block = sorted(round(r["extra"]["timings_ms"][k]) for r in own)
+        assert block == list(range(block[0], block[0] + len(own))) and block[0] > max(firsts), (k, block)
+    for r in case["rows"]:
+        assert len(r["extra"]["timings_ms"]) == 3 and r["median_ms"] == sorted(r["extra"]["timings_ms"])[1], r
+    assert case["best_ms"] == min(r["median_ms"] for r in case["rows"])
+    assert result["rounds"] == 3 and "3 interleaved rounds" in result["method"]
+    assert "†" not in (tmp_path / "accuracy.md").read_text()
+    with pytest.raises(ValueError, match=r"rounds 3 \(this run: 1\)"):
+        accuracy.run(str(tmp_path / "again"), axis_size=2, shapes={"s": (64, 32, 64)}, top=1, ops=("matmul_rs",),
+                     resume=result)

@@ -104,13 +104,16 @@ OPS = ("ag_matmul", "matmul_rs")
 
 def run(out_dir: str, axis_size: int | None = None, shapes: dict | None = None, top: int = 3,
         dtype: str = "bfloat16", profile=None, budget_s: float | None = None, plot: bool = False,
-        confirm_rounds: int = CONFIRM_ROUNDS, resume: dict | None = None, ops=OPS) -> dict:
+        confirm_rounds: int = CONFIRM_ROUNDS, resume: dict | None = None, ops=OPS, rounds: int = 1) -> dict:
     """`resume`: the accuracy.json of an earlier run that a time budget cut; its cases are kept and
     only the (op, shape) cases it lacks are measured, so several short device calls add up to one
-    held-out check. It must be of the same device kind, group size, dtype and profile (else
+    held-out check. It must be of the same device kind, group size, dtype, profile and rounds (else
     ValueError), and each case keeps the commit it was measured at. `ops`: the ops to measure (e.g.
     only `matmul_rs`, after a change to its executor; `accuracy --replay` scores several files
-    together)."""
+    together). `rounds` > 1: every candidate of a case is timed that many times, interleaved, and
+    judged on its median (`harness.retime_case`); no miss is then re-timed (`confirm_rounds` unused)."""
+    if rounds < 1:
+        raise ValueError(f"accuracy: rounds {rounds}: time each candidate at least once (rounds >= 1)")
     mesh = _mesh(axis_size)
     n = mesh.shape["tp"]
     on_cpu = jax.default_backend() == "cpu"
@@ -124,18 +127,18 @@ def run(out_dir: str, axis_size: int | None = None, shapes: dict | None = None, 
     plans = plan_cases(shapes, n, dtype, profile, top, ops)
     earlier = []
     if resume is not None:
-        earlier = resumed_cases(resume, jax.devices()[0].device_kind, n, dtype, profile.get("name"))
+        earlier = resumed_cases(resume, jax.devices()[0].device_kind, n, dtype, profile.get("name"), rounds)
         done = {(c["op"], c["shape"]) for c in earlier}
         plans = [p for p in plans if (p[0], p[1]) not in done]
-    progress = progress_printer(sum(len(p[6]) for p in plans))
-    result = _new_result(n, dtype, profile, confirm_rounds, earlier, resume)
+    progress = progress_printer(sum(len(p[6]) + rounds - 1 for p in plans))
+    result = _new_result(n, dtype, profile, confirm_rounds, earlier, resume, rounds)
     os.makedirs(out_dir, exist_ok=True)
     t0 = time.perf_counter()
     for op, name, M, K, N, chosen, cands in plans:
         if budget_s is not None and time.perf_counter() - t0 > budget_s:
             result.setdefault("skipped", []).append(f"{op} {name}")
             continue
-        case = measure_case(op, name, (M, K, N), chosen, cands, mesh, dtype, confirm_rounds, progress)
+        case = measure_case(op, name, (M, K, N), chosen, cands, mesh, dtype, confirm_rounds, progress, rounds)
         case["commit"] = result["commit"]
         result["cases"].append(case)
         _save(result, out_dir)
@@ -172,13 +175,13 @@ def plan_cases(shapes: dict, n: int, dtype: str, profile, top: int, ops=OPS) -> 
     return plans
 
 
-def _new_result(n, dtype, profile, confirm_rounds, earlier, resume) -> dict:
+def _new_result(n, dtype, profile, confirm_rounds, earlier, resume, rounds=1) -> dict:
     """accuracy.json's header (machine, versions, commit, method, criteria) and the cases kept so far."""
     result = {
         "device": jax.devices()[0].device_kind, "platform": jax.default_backend(), "axis_size": n,
         "dtype": dtype, "jax": jax.__version__, "commit": git_commit(), "profile": profile.get("name"),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "method": harness.method(),
+        "method": harness.method() + harness.rounds_method(rounds), "rounds": rounds,
         "criteria": {"within_best": WITHIN_BEST, "within_seq": WITHIN_SEQ}, "confirm_rounds": confirm_rounds,
         "cases": earlier,
     }
@@ -187,9 +190,9 @@ def _new_result(n, dtype, profile, confirm_rounds, earlier, resume) -> dict:
     return result
 
 
-def measure_case(op, name, dims, chosen, cands, mesh, dtype, confirm_rounds, progress) -> dict:
-    """One (op, shape) case: every candidate verified then timed, judged; a miss re-timed and
-    judged again (`confirm`)."""
+def measure_case(op, name, dims, chosen, cands, mesh, dtype, confirm_rounds, progress, rounds: int = 1) -> dict:
+    """One (op, shape) case: every candidate verified then timed (in `rounds` interleaved rounds),
+    judged; a miss re-timed and judged again (`confirm`), where single timings judged it."""
     M, K, N = dims
     args = measure.make_inputs(op, local_shapes(op, M, K, N, mesh.shape["tp"]), dtype, mesh)
     variants = [(Row(op, name, M, K, N, str(sched), selected=(sched == chosen)), sched) for sched, _ in cands]
@@ -198,6 +201,8 @@ def measure_case(op, name, dims, chosen, cands, mesh, dtype, confirm_rounds, pro
     for (row, _), (_, pred) in zip(variants, cands):
         row.extra["predicted_ms"] = pred * 1e3
         rows.append(row)
+    if rounds > 1:  # every row then holds its timings, so `confirm` finds nothing left to re-time
+        harness.retime_case(rows, harness.variant_timers(makers, args), rounds - 1, progress)
     case = judge(op, name, dims, chosen, rows)
     for _ in range(2):  # twice at most: a re-timed best can hand "best" to another single timing
         if case["verdict"] != "miss" or confirm_rounds < 1 or not confirm(rows, case, makers, args, confirm_rounds):
@@ -207,17 +212,17 @@ def measure_case(op, name, dims, chosen, cands, mesh, dtype, confirm_rounds, pro
     return case
 
 
-def resumed_cases(earlier: dict, device: str, n: int, dtype: str, profile_name) -> list[dict]:
+def resumed_cases(earlier: dict, device: str, n: int, dtype: str, profile_name, rounds: int = 1) -> list[dict]:
     """The cases of an earlier accuracy.json to keep in a resumed run, each marked with the commit it
     was measured at; ValueError when that run is not comparable (another device kind, group size,
     dtype or profile), or is not an accuracy result."""
     if not isinstance(earlier, dict) or not isinstance(earlier.get("cases"), list):
         raise ValueError("accuracy --resume: not an accuracy.json (no 'cases' list)")
     theirs = {"device": earlier.get("device"), "axis size": earlier.get("axis_size"),
-              "dtype": earlier.get("dtype"), "profile": earlier.get("profile")}
-    ours = {"device": device, "axis size": n, "dtype": dtype, "profile": profile_name}
+              "dtype": earlier.get("dtype"), "profile": earlier.get("profile"), "rounds": earlier.get("rounds", 1)}
+    ours = {"device": device, "axis size": n, "dtype": dtype, "profile": profile_name, "rounds": rounds}
     harness.check_resumable("accuracy --resume", theirs, ours,
-                            "Resume only a run of the same machine, --axis-size and --profile.")
+                            "Resume only a run of the same machine, --axis-size, --profile and --rounds.")
     kept = []
     for c in earlier["cases"]:
         if "chosen_vs_best" not in c:  # an incomplete case is measured again
@@ -340,6 +345,7 @@ def _save(result, out_dir):
 
 def markdown(result) -> str:
     s = result.get("summary", {})
+    confirmed = result.get("rounds", 1) == 1  # with rounds every row holds several timings: none is marked
     lines = [f"Held-out schedule choice: {result['axis_size']} x {result['device']} ({result['platform']}), "
              f"{result['dtype']}, profile {result['profile']}, jax {result['jax']}, commit {result['commit']}, "
              f"{result['date']}", f"Method: {result['method']}", "",
@@ -351,7 +357,7 @@ def markdown(result) -> str:
             lines.append(f"| {c['op']} | {c['shape']} {mkn} | {c['chosen']} | — | — | — | — | — | {c['verdict']} |")
             continue
         flag = "" if c["verdict"] == "ok" else " **miss**"
-        retimed = {r["variant"] for r in c["rows"] if "timings_ms" in r.get("extra", {})}
+        retimed = {r["variant"] for r in c["rows"] if "timings_ms" in r.get("extra", {})} if confirmed else set()
         mark = lambda v: " †" if v in retimed else ""  # noqa: E731
         lines.append(f"| {c['op']} | {c['shape']} {mkn} | {c['chosen']} | {c['chosen_predicted_ms']:.3f} | "
                      f"{c['chosen_ms']:.3f}{mark(c['chosen'])} | {c['best_ms']:.3f} ({c['best']}){mark(c['best'])} | "
@@ -361,7 +367,7 @@ def markdown(result) -> str:
                       f"({100 * s['share_within_best']:.1f} %, target {100 * TARGET_SHARE:.0f} %); no more than 3 % slower than JAX seq: "
                       f"{s['within_seq']}/{s['cases']} (worst {s['worst_vs_seq']:.3f}x); "
                       f"RMS log error of the model over every measured time: {s['rms_log_error_all_measured']:.3f}"]
-    if any("timings_ms" in r.get("extra", {}) for c in result["cases"] for r in c.get("rows", [])):
+    if confirmed and any("timings_ms" in r.get("extra", {}) for c in result["cases"] for r in c.get("rows", [])):
         lines.append(f"†: re-timed because the first timings put the pick outside a criterion: the median of "
                      f"1 + {result.get('confirm_rounds', CONFIRM_ROUNDS)} interleaved timings")
     if result.get("skipped"):

@@ -322,9 +322,7 @@ def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=
                          f"found {[op for op in ops_to_run if op in A2A_OPS]}")
     result = provenance(n, dtype)
     result["rounds"] = rounds
-    if rounds > 1:
-        result["method"] += (f"; every variant and bound of a case timed in {rounds} interleaved rounds (one "
-                             f"timing of each in turn), the median of its {rounds} timings")
+    result["method"] += harness.rounds_method(rounds)
     kept = resumed_rows(resume, result) if resume is not None else []
     done = {(r["op"], r["shape"]) for r in kept}
     tp_plan, moe_plan = [], []

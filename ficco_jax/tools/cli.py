@@ -240,9 +240,12 @@ def _add_accuracy(sub):
     p.add_argument("--out", default="out/accuracy", help="folder for accuracy.json (default out/accuracy)")
     p.add_argument("--confirm-rounds", type=int, default=None,
                    help="re-timings of the pick, the best and JAX seq when a case first looks like a miss (default 2; 0: none)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time every candidate of a case this many times, interleaved (one timing of each in turn per "
+                        "round), and judge the medians; then no miss is re-timed (default 1)")
     p.add_argument("--plot", action="store_true", help="write accuracy.png (needs matplotlib)")
     p.add_argument("--resume", metavar="JSON", help="keep the cases of this earlier accuracy.json (same machine, "
-                   "group size and profile) and measure only the ones it lacks")
+                   "group size, profile and --rounds) and measure only the ones it lacks")
     p.add_argument("--replay", action="append", metavar="JSON",
                    help="no measuring: re-score the times of a bench.json or accuracy.json (repeatable) with "
                         "--profile, or with the profile auto would use for that run")
@@ -269,11 +272,13 @@ def _cmd_accuracy(args):
     rounds = accuracy.CONFIRM_ROUNDS if args.confirm_rounds is None else args.confirm_rounds
     if rounds < 0:
         raise SystemExit(f"accuracy: --confirm-rounds must be >= 0 (0 turns re-timing off), got {rounds}")
+    if args.rounds < 1:
+        raise SystemExit(f"accuracy --rounds {args.rounds}: time each candidate at least once (--rounds 1 or more)")
     use_xla_cache(args.xla_cache)
     try:
         accuracy.run(args.out, axis_size=args.axis_size, shapes=shapes, top=args.top, profile=profile,
                      budget_s=args.budget_s, plot=args.plot, confirm_rounds=rounds, resume=resume,
-                     ops=accuracy.OPS if args.op == "both" else (args.op,))
+                     ops=accuracy.OPS if args.op == "both" else (args.op,), rounds=args.rounds)
     except ValueError as exc:  # a device count or shape the run cannot take: say so, no traceback
         raise SystemExit(str(exc))
 

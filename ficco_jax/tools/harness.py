@@ -78,6 +78,14 @@ def method(cpu_note: str = "NOT meaningful") -> str:
     return timing.METHOD
 
 
+def rounds_method(rounds: int) -> str:
+    """What the method stamped on a result adds for `rounds` interleaved rounds (`retime_case`)."""
+    if rounds <= 1:
+        return ""
+    return (f"; every timed row of a case timed in {rounds} interleaved rounds (one timing of each in turn), "
+            f"the median of its {rounds} timings")
+
+
 def check_resumable(flag: str, theirs: dict, ours: dict, hint: str) -> None:
     """ValueError naming every field (key of `ours`) in which the earlier run `flag` would resume
     (`theirs`) differs from this one, then `hint`; nothing when none does."""
