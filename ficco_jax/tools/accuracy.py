@@ -113,7 +113,7 @@ def run(out_dir: str, axis_size: int | None = None, shapes: dict | None = None, 
     together). `rounds` > 1: every candidate of a case is timed that many times, interleaved, and
     judged on its median (`harness.retime_case`); no miss is then re-timed (`confirm_rounds` unused)."""
     if rounds < 1:
-        raise ValueError(f"accuracy: rounds {rounds}: time each candidate at least once (rounds >= 1)")
+        raise ValueError(f"accuracy --rounds {rounds}: time each candidate at least once (--rounds 1 or more)")
     mesh = _mesh(axis_size)
     n = mesh.shape["tp"]
     on_cpu = jax.default_backend() == "cpu"
@@ -215,7 +215,7 @@ def measure_case(op, name, dims, chosen, cands, mesh, dtype, confirm_rounds, pro
 def resumed_cases(earlier: dict, device: str, n: int, dtype: str, profile_name, rounds: int = 1) -> list[dict]:
     """The cases of an earlier accuracy.json to keep in a resumed run, each marked with the commit it
     was measured at; ValueError when that run is not comparable (another device kind, group size,
-    dtype or profile), or is not an accuracy result."""
+    dtype, profile or rounds), or is not an accuracy result."""
     if not isinstance(earlier, dict) or not isinstance(earlier.get("cases"), list):
         raise ValueError("accuracy --resume: not an accuracy.json (no 'cases' list)")
     theirs = {"device": earlier.get("device"), "axis size": earlier.get("axis_size"),

@@ -310,7 +310,7 @@ def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=
     each in turn per round), its row the median: drift over a case's minutes then hits them alike.
     XLA's windowed einsum, timed in its own process, is timed once."""
     if rounds < 1:
-        raise ValueError(f"bench: rounds {rounds}: time each variant at least once (rounds >= 1)")
+        raise ValueError(f"bench --rounds {rounds}: time each variant at least once (--rounds 1 or more)")
     n = len(jax.local_devices())
     mesh = Mesh(np.array(jax.local_devices()), ("tp",))
     on_cpu = jax.default_backend() == "cpu"

@@ -100,8 +100,6 @@ def _cmd_bench(args):
         listed_schedules(ops[0], args.schedules, 1, ("none", "xla", "dma"))  # parse before any compile
     except ValueError as exc:
         raise SystemExit(str(exc))
-    if args.rounds < 1:
-        raise SystemExit(f"bench --rounds {args.rounds}: time each variant at least once (--rounds 1 or more)")
     resume = _read_json(args.resume, "bench --resume") if args.resume else None
     use_xla_cache(args.xla_cache)
     try:
@@ -272,8 +270,6 @@ def _cmd_accuracy(args):
     rounds = accuracy.CONFIRM_ROUNDS if args.confirm_rounds is None else args.confirm_rounds
     if rounds < 0:
         raise SystemExit(f"accuracy: --confirm-rounds must be >= 0 (0 turns re-timing off), got {rounds}")
-    if args.rounds < 1:
-        raise SystemExit(f"accuracy --rounds {args.rounds}: time each candidate at least once (--rounds 1 or more)")
     use_xla_cache(args.xla_cache)
     try:
         accuracy.run(args.out, axis_size=args.axis_size, shapes=shapes, top=args.top, profile=profile,
