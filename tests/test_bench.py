@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -261,12 +262,45 @@ def test_a_variant_failing_without_a_message_is_reported():
     assert row.note == "error: StopIteration: " and row.median_ms is None
 
 
+def test_the_gemm_bound_runs_every_device_s_matmul_in_one_program(monkeypatch):
+    """GEMM alone is one program in which every device multiplies its own full-size operands, with no
+    communication: an op over the group waits for its slowest device's matmul, and so does this bound."""
+    n = len(jax.devices())
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("tp",))
+    seen = []
+
+    def fake_time(make, args):
+        program = make(3)
+        out = program(*args)
+        seen.append((args, out, program.lower(*args).as_text()))
+        return {"median_s": 1e-3, "spread_s": 0.0}
+
+    monkeypatch.setattr(harness, "device_time", fake_time)
+    case = harness.Row("ag_matmul", "s", 64, 32, 48, "")
+    rows = harness.bound_rows(case, mesh, "float32", lambda _: None, gemm=lambda a, w: a @ w,
+                              gemm_shapes=((64, 32), (32, 24)), collective=lambda x: x * 2,
+                              collective_shape=(8 * n, 4), spec=P("tp", None))
+    assert [r.variant for r in rows] == ["gemm_alone", "collective_alone", "ideal"]
+    (a, w), out, text = seen[0]
+    for arr, local in ((a, (64, 32)), (w, (32, 24)), (out, (64, 32))):
+        assert {s.data.shape for s in arr.addressable_shards} == {local}
+        assert {s.device for s in arr.addressable_shards} == set(jax.devices())
+    # Each device's operands differ (random per device), and nothing moves between devices.
+    assert not np.array_equal(np.asarray(a.addressable_shards[0].data), np.asarray(a.addressable_shards[1].data))
+    assert not any(c in text for c in ("all_gather", "all-gather", "reduce_scatter", "all_reduce", "psum"))
+
+
 def test_resume_refuses_a_run_of_another_kind(tmp_path):
     earlier = bench.run(["ag_matmul"], {"a": (64, 32, 64)}, "float32", "none", str(tmp_path / "one"), windowed=False)
     for key, other in (("n_devices", 2), ("dtype", "bfloat16"), ("device", "NVIDIA H100 80GB HBM3")):
         with pytest.raises(ValueError, match=f"not comparable: {key}"):
             bench.run(["ag_matmul"], {"a": (64, 32, 64)}, "float32", "none", str(tmp_path / "two"), windowed=False,
                       resume={**earlier, key: other})
+    # A file from before the GEMM-alone bound ran on every device has no "gemm_bound": one device then.
+    older = {k: v for k, v in earlier.items() if k != "gemm_bound"}
+    with pytest.raises(ValueError, match="not comparable: gemm_bound 'one device'"):
+        bench.run(["ag_matmul"], {"a": (64, 32, 64)}, "float32", "none", str(tmp_path / "two"), windowed=False,
+                  resume=older)
     with pytest.raises(ValueError, match="not a bench.json"):
         bench.run(["ag_matmul"], {"a": (64, 32, 64)}, "float32", "none", str(tmp_path / "two"), resume={"cases": []})
     bad = tmp_path / "bad.json"

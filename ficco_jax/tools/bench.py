@@ -95,7 +95,7 @@ def case_inputs(op, shapes, dtype, mesh, seed: int = 0):
 
 
 def _bounds(op, name, M, K, N, dtype, mesh, progress, timers=None) -> list[Row]:
-    """GEMM alone (full size, one device), the collective alone, and the ideal max of the two."""
+    """GEMM alone (full size, every device at once), the collective alone, and the ideal max of the two."""
     n = mesh.shape["tp"]
     _, w_shape = local_shapes(op, M, K, N, n)
     fp8 = config.is_fp8(dtype)
@@ -288,6 +288,7 @@ def provenance(n: int, dtype) -> dict:
         "xla_cache": jax.config.jax_compilation_cache_dir,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "method": harness.method("times are host memcpy/loop times, NOT meaningful"),
+        "gemm_bound": harness.GEMM_BOUND,
         "rows": [],
     }
 
@@ -304,7 +305,7 @@ def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=
 
     `budget_s`: no case (op, shape) starts after this many seconds; those left are listed in the
     result's "skipped" and the table. `resume`: the bench.json of an earlier run of the same machine,
-    group size and dtype (else ValueError): its cases are kept, each row with the commit it ran at,
+    group size, dtype, rounds and GEMM bound (else ValueError): its cases are kept, each row with the commit it ran at,
     and only the cases it lacks are measured, so a run that a budget cut is completed by another.
     `rounds`: how many times every variant and bound of a case is timed, interleaved (one timing of
     each in turn per round), its row the median: drift over a case's minutes then hits them alike.
@@ -404,9 +405,10 @@ def resumed_rows(earlier: dict, ours: dict) -> list[dict]:
     or is not a bench result."""
     if not isinstance(earlier, dict) or not isinstance(earlier.get("rows"), list):
         raise ValueError("bench --resume: not a bench.json (no 'rows' list)")
-    compared = {k: ours[k] for k in ("device", "platform", "n_devices", "dtype", "rounds")}
-    harness.check_resumable("bench --resume", {"rounds": 1, **earlier}, compared,
-                            "Resume only a run of the same machine, devices, --dtype and --rounds.")
+    compared = {k: ours[k] for k in ("device", "platform", "n_devices", "dtype", "rounds", "gemm_bound")}
+    harness.check_resumable("bench --resume", {"rounds": 1, "gemm_bound": "one device", **earlier}, compared,
+                            "Resume only a run of the same machine, devices, --dtype and --rounds, "
+                            "whose GEMM-alone bound was timed the same way (gemm_bound).")
     return [dict(r, extra={**r.get("extra", {}), "commit": r.get("extra", {}).get("commit", earlier.get("commit"))})
             for r in earlier["rows"]]
 

@@ -66,7 +66,7 @@ def bench_shape(op, name, dims, dtype, mesh, schedules, progress, rounds: int = 
 
 
 def _bounds(op, name, dims, shapes, dtype, mesh, progress, timers=None) -> list[Row]:
-    """The expert matmuls alone (one device), the all-to-all alone, and the ideal max of the two."""
+    """The expert matmuls alone (every device at once), the all-to-all alone, and the ideal max of the two."""
     T, d, f, E, k = dims
     a_shape, w_shape = shapes
     moved = a_shape if op == "a2a_matmul" else (*a_shape[:3], w_shape[2])  # combine moves its result

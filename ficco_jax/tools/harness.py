@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from .. import config
 from ..ops.measure import op_body, sharded
@@ -153,21 +154,28 @@ def _program_text(make, args) -> str | None:
         return None
 
 
+#: How `bound_rows` times the GEMM alone (a result file's "gemm_bound"; files without it: "one device").
+GEMM_BOUND = "every device at once"
+
 #: How many progress steps `bound_rows` reports (GEMM alone, collective alone; the ideal is computed).
 BOUND_STEPS = 2
 
 
 def bound_rows(case: Row, mesh, dtype, progress, *, gemm, gemm_shapes, collective, collective_shape,
                spec, collective_dtype=None, timers: dict | None = None) -> list[Row]:
-    """The bounds of a case, as rows like `case`: `gemm(a, w)` alone on one device with random
-    operands of `gemm_shapes`, `collective(x)` alone under shard_map over "tp" (a global
-    `collective_shape` of `collective_dtype`, default `dtype`, sharded as `spec`), and the ideal,
-    the max of the two. `timers`, where given, receives a timer for each bound (`retime_case`)."""
-    dev = mesh.devices.flat[0]
-    key = jax.random.PRNGKey(1)
-    a, w = (jax.device_put(jax.random.normal(key, shape, jnp.float32).astype(dtype), dev) for shape in gemm_shapes)
+    """The bounds of a case, as rows like `case`: `gemm(a, w)` alone on every device at once with
+    random per-device operands of `gemm_shapes` (one program under shard_map over "tp", no
+    communication: its time is the slowest device's, which an op over the group also waits for),
+    `collective(x)` alone under shard_map (a global `collective_shape` of `collective_dtype`, default
+    `dtype`, sharded as `spec`), and the ideal, the max of the two. `timers`, where given, receives a
+    timer for each bound (`retime_case`)."""
+    n, per_device = mesh.shape["tp"], NamedSharding(mesh, P("tp"))
+    keys = jax.random.split(jax.random.PRNGKey(1), len(gemm_shapes))
+    a, w = (jax.device_put(jax.random.normal(k, (n * shape[0], *shape[1:]), jnp.float32).astype(dtype), per_device)
+            for k, shape in zip(keys, gemm_shapes))
     x = jax.device_put(jnp.ones(collective_shape, collective_dtype or dtype) * 0.5, NamedSharding(mesh, spec))
-    gemm_make = functools.cache(lambda r: jax.jit(timing.chain(gemm, r)))
+    gemm_make = functools.cache(lambda r: jax.jit(jax.shard_map(timing.chain(gemm, r), mesh=mesh,
+                                                                in_specs=(P("tp"), P("tp")), out_specs=P("tp"))))
     coll_make = functools.cache(lambda r: jax.jit(jax.shard_map(timing.chain(collective, r), mesh=mesh,
                                                                 in_specs=(spec,), out_specs=spec)))
     bounds = {"gemm_alone": lambda: device_time(gemm_make, (a, w)),

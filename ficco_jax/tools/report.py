@@ -85,7 +85,8 @@ def markdown_table(result: dict) -> str:
         failures += [f"{op} {shape} {k}: {r['note']}" for k, r in v.items() if r.get("note", "").startswith(("WRONG", "error"))]
     lines.append("")
     lines.append("ficco best: the fastest ficco variant, ± the half-range of its timing estimates; "
-                 "best / ideal: its time over max(GEMM alone, collective alone) (the target: at most 1.05x).")
+                 "best / ideal: its time over max(GEMM alone, collective alone) (the target: at most 1.05x); "
+                 "GEMM alone: every device's full-size matmul at once, no communication (the slowest device's time).")
     if not meaningful:
         lines.append("On CPU the times are host memcpy and loop times, not those of a GPU: no speed-up is "
                      "computed from them (n/a); what a CPU run shows is that every variant gives the right result.")
