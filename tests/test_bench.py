@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -133,7 +134,7 @@ def test_device_time_adds_estimates_only_while_they_disagree(monkeypatch):
 
     def run(walls):
         it = iter(walls)
-        monkeypatch.setattr(timing, "_wall", lambda fn, args, launches: next(it))
+        monkeypatch.setattr(timing, "_wall", lambda fn, args, launches, spans=None: next(it))
         return timing.device_time(lambda r: r, (), target_s=1e-3)
 
     # t1 (sizing), then (big, small) pairs; repeats = 1e-3 / 1e-4 = 10, so estimate = (big - small) / 10
@@ -149,13 +150,31 @@ def test_device_time_adds_estimates_only_while_they_disagree(monkeypatch):
     assert t["estimates"] == 3
 
 
+def test_device_time_spans_cover_the_timed_launches_not_the_warm_ups():
+    """What the GPUs did is read over these spans (gpu_monitor), so a compile must not fall inside one."""
+    calls = {}
+
+    def make(r):
+        def fn(a):
+            calls[r] = calls.get(r, 0) + 1
+            time.sleep(0.2 if calls[r] == 1 else 0.001)  # the first call of a program: its compile
+            return a
+        return fn
+
+    spans = []
+    t = timing.device_time(make, (1.0,), target_s=1e-3, adaptive=False, spans=spans)
+    assert len(spans) == 1 + 2 * t["estimates"]  # the sizing run, then a (big, small) pair per estimate
+    assert all(0 < end - start < 0.15 for start, end in spans)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+
+
 def test_device_time_fixed_estimates_for_several_processes(monkeypatch):
     # adaptive=False: exactly MIN_ESTIMATES however much they disagree (processes that time the same
     # collective program must launch it equally often, or the extra launch waits forever).
     from ficco_jax.tuning import timing
 
     walls = iter([1e-4, 1.1e-3, 1e-4, 1.5e-3, 1e-4, 1.1e-3, 1e-4] + [1.1e-3, 1e-4] * 4)
-    monkeypatch.setattr(timing, "_wall", lambda fn, args, launches: next(walls))
+    monkeypatch.setattr(timing, "_wall", lambda fn, args, launches, spans=None: next(walls))
     t = timing.device_time(lambda r: r, (), target_s=1e-3, adaptive=False)
     assert t["estimates"] == timing.MIN_ESTIMATES == 3 and t["spread_s"] > 0
 

@@ -39,7 +39,7 @@ from ..tuning import cost_model, select
 from ..tuning.fitting import recorded_op_rows
 from .harness import Row, verify_then_time_each
 from . import harness
-from .report import git_commit, plot_accuracy, progress_printer
+from .report import clocks_line, git_commit, plot_accuracy, progress_printer
 
 #: (M tokens, K, N) of a tensor-parallel layer; K = hidden, N = the sharded width.
 HELDOUT_SHAPES = {
@@ -134,14 +134,15 @@ def run(out_dir: str, axis_size: int | None = None, shapes: dict | None = None, 
     result = _new_result(n, dtype, profile, confirm_rounds, earlier, resume, rounds)
     os.makedirs(out_dir, exist_ok=True)
     t0 = time.perf_counter()
-    for op, name, M, K, N, chosen, cands in plans:
-        if budget_s is not None and time.perf_counter() - t0 > budget_s:
-            result.setdefault("skipped", []).append(f"{op} {name}")
-            continue
-        case = measure_case(op, name, (M, K, N), chosen, cands, mesh, dtype, confirm_rounds, progress, rounds)
-        case["commit"] = result["commit"]
-        result["cases"].append(case)
-        _save(result, out_dir)
+    with harness.monitoring():  # what the GPUs ran at, per timing (gpu_monitor.py)
+        for op, name, M, K, N, chosen, cands in plans:
+            if budget_s is not None and time.perf_counter() - t0 > budget_s:
+                result.setdefault("skipped", []).append(f"{op} {name}")
+                continue
+            case = measure_case(op, name, (M, K, N), chosen, cands, mesh, dtype, confirm_rounds, progress, rounds)
+            case["commit"] = result["commit"]
+            result["cases"].append(case)
+            _save(result, out_dir)
     result["summary"] = summarize(result["cases"])
     _save(result, out_dir)
     text = markdown(result)
@@ -370,6 +371,9 @@ def markdown(result) -> str:
     if confirmed and any("timings_ms" in r.get("extra", {}) for c in result["cases"] for r in c.get("rows", [])):
         lines.append(f"†: re-timed because the first timings put the pick outside a criterion: the median of "
                      f"1 + {result.get('confirm_rounds', CONFIRM_ROUNDS)} interleaved timings")
+    clocks = clocks_line([r for c in result["cases"] for r in c.get("rows", [])])
+    if clocks:
+        lines.append(clocks)
     if result.get("skipped"):
         lines.append(f"Not measured (time budget): {', '.join(result['skipped'])}")
     if result.get("resumed"):

@@ -364,24 +364,25 @@ def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=
         skipped.append(f"{op} {name}")
         return True
 
-    children = WindowedChildren()
-    for op, name, M, K, N, scheds, case_dtype in tp_plan:
-        if out_of_time(op, name):
-            continue
-        case = bench_shape(op, name, M, K, N, case_dtype, mesh, scheds, progress, rounds)
-        if has_windowed(windowed, op, case_dtype):
-            progress(f"{op} {name} xla_windowed_einsum")
-            case.append(children.row(op, name, M, K, N, case_dtype))
-        if case_dtype != dtype:  # a row of another dtype than the run's says so (calibrate reads it)
-            for row in case:
-                row.extra["dtype"] = case_dtype
-        rows += case
-        save(rows)
-    for op, name, dims, scheds in moe_plan:
-        if out_of_time(op, name):
-            continue
-        rows += bench_moe.bench_shape(op, name, dims, dtype, mesh, scheds, progress, rounds)
-        save(rows)
+    with harness.monitoring():  # what the GPUs ran at, per timing (gpu_monitor.py)
+        children = WindowedChildren()
+        for op, name, M, K, N, scheds, case_dtype in tp_plan:
+            if out_of_time(op, name):
+                continue
+            case = bench_shape(op, name, M, K, N, case_dtype, mesh, scheds, progress, rounds)
+            if has_windowed(windowed, op, case_dtype):
+                progress(f"{op} {name} xla_windowed_einsum")
+                case.append(children.row(op, name, M, K, N, case_dtype))
+            if case_dtype != dtype:  # a row of another dtype than the run's says so (calibrate reads it)
+                for row in case:
+                    row.extra["dtype"] = case_dtype
+            rows += case
+            save(rows)
+        for op, name, dims, scheds in moe_plan:
+            if out_of_time(op, name):
+                continue
+            rows += bench_moe.bench_shape(op, name, dims, dtype, mesh, scheds, progress, rounds)
+            save(rows)
     save(rows)
     table = markdown_table(result) + (fp8_table(result) if config.is_fp8(dtype) else "")
     if resume is not None:

@@ -1,9 +1,10 @@
 """What the benchmark tools share: a result row; measuring one case's variants (each verified
 against the reference before it is timed); the bound rows (GEMM alone, collective alone, ideal);
-timing a case's rows again in interleaved rounds; the dtypes and tolerances; and the schedules a
-`--schedules` argument names."""
+timing a case's rows again in interleaved rounds; what the GPUs ran at during each timing
+(`monitoring`); the dtypes and tolerances; and the schedules a `--schedules` argument names."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from dataclasses import dataclass, field, replace
@@ -19,6 +20,7 @@ from ..ops.measure import op_body, sharded
 from ..runtime import extension
 from ..schedule import Schedule
 from ..tuning import timing
+from . import gpu_monitor
 
 #: Relative error a variant may have against the f32 reference; FP8: of the same FP8 values, bf16 results.
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 5e-3, "float8_e4m3fn": 1e-2}
@@ -51,10 +53,48 @@ def rel_err(got, want):
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
 
 
+#: What samples the GPUs while the tools time (`monitoring`); None: no clocks are recorded.
+_monitor: gpu_monitor.GpuMonitor | None = None
+
+
+@contextlib.contextmanager
+def monitoring(monitor: gpu_monitor.GpuMonitor | None = None):
+    """Inside, every `device_time` also says what the GPUs ran at while it timed (its dict's "gpus",
+    tools/gpu_monitor.py), and the rows keep it (extra["gpus"], one entry per timing): on GPUs by
+    default, or through `monitor`. Where nothing can be sampled (CPU) the timings go on without."""
+    global _monitor
+    if _monitor is not None:  # already sampling (a tool inside another's monitoring)
+        yield
+        return
+    if monitor is None and jax.default_backend() == "gpu":
+        monitor = gpu_monitor.GpuMonitor()
+    if monitor is None or not monitor.start():
+        yield
+        return
+    _monitor = monitor
+    try:
+        yield
+    finally:
+        _monitor = None
+        monitor.stop()
+
+
 def device_time(make, args) -> dict:
     """timing.device_time as the tools run it: adaptive on accelerators; on CPU, where the times mean
-    nothing, a fixed count of estimates (the adaptive rule would retry noisy host timings to its cap)."""
-    return timing.device_time(make, args, adaptive=jax.default_backend() != "cpu")
+    nothing, a fixed count of estimates (the adaptive rule would retry noisy host timings to its cap).
+    Under `monitoring`, "gpus": the GPUs' clocks, power and temperature during the timed launches."""
+    monitor = _monitor
+    spans = [] if monitor is not None else None
+    t = timing.device_time(make, args, adaptive=jax.default_backend() != "cpu", spans=spans)
+    if monitor is not None:
+        t["gpus"] = monitor.window(spans)
+    return t
+
+
+def _keep_clocks(row: Row, t: dict) -> None:
+    """Add what the GPUs ran at during timing `t` (under `monitoring`) to `row`."""
+    if t.get("gpus"):
+        row.extra.setdefault("gpus", []).append(t["gpus"])
 
 
 def use_xla_cache(path: str | None) -> str | None:
@@ -110,6 +150,7 @@ def verify_then_time(row: Row, make, args, want, dtype, time: bool = True) -> Ro
         if row.verified and time:
             t = device_time(make, args)
             row.median_ms, row.spread_ms = t["median_s"] * 1e3, t["spread_s"] * 1e3
+            _keep_clocks(row, t)
         else:
             row.note = f"WRONG RESULT: rel err {row.rel_err:.3g}; not timed"
     except Exception as exc:  # noqa: BLE001 - the run goes on and the table says what broke
@@ -186,6 +227,7 @@ def bound_rows(case: Row, mesh, dtype, progress, *, gemm, gemm_shapes, collectiv
         t = timer()
         rows.append(replace(case, variant=variant, median_ms=t["median_s"] * 1e3, spread_ms=t["spread_s"] * 1e3,
                             extra=dict(case.extra)))
+        _keep_clocks(rows[-1], t)
     rows.append(replace(case, variant="ideal", median_ms=_ideal(rows), note="max(gemm_alone, collective_alone)",
                         extra=dict(case.extra)))
     if timers is not None:
@@ -219,6 +261,7 @@ def retime(rows, timers: dict, rounds: int) -> None:
                 r.note = f"re-timing failed: {error_line(exc, 160)}"
                 continue
             r.extra["timings_ms"].append(t["median_s"] * 1e3)
+            _keep_clocks(r, t)
     for r in rows:
         ts = r.extra["timings_ms"]
         r.median_ms = float(np.median(ts))

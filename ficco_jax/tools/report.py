@@ -8,6 +8,7 @@ import time
 from collections import defaultdict
 
 from .. import config
+from . import gpu_monitor
 
 
 def git_commit() -> str:
@@ -92,8 +93,17 @@ def markdown_table(result: dict) -> str:
                      "computed from them (n/a); what a CPU run shows is that every variant gives the right result.")
     verified = [r for r in result["rows"] if r.get("verified") is not None]
     lines.append(f"Verified against the reference before timing: {sum(bool(r['verified']) for r in verified)}/{len(verified)} variants.")
+    clocks = clocks_line(result["rows"])
+    if clocks:
+        lines.append(clocks + ".")
     lines += [f"- {f}" for f in failures]
     return "\n".join(lines) + "\n"
+
+
+def clocks_line(rows) -> str | None:
+    """What the GPUs ran at over a run's timings (rows' extra["gpus"], recorded under
+    harness.monitoring), in one line; None where nothing was recorded."""
+    return gpu_monitor.summary_line([w for r in rows for w in r.get("extra", {}).get("gpus", [])])
 
 
 def pyplot():

@@ -50,35 +50,41 @@ def chain(step: Callable, repeats: int) -> Callable:
     return body
 
 
-def _wall(fn: Callable, args, launches: int) -> float:
+def _wall(fn: Callable, args, launches: int, spans: list | None = None) -> float:
     jax.block_until_ready(fn(*args))  # warm-up (compiles)
     times = []
+    start = time.monotonic()
     for _ in range(launches):
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
+    if spans is not None:
+        spans.append((start, time.monotonic()))
     return float(np.median(times))
 
 
 def device_time(make: Callable[[int], Callable], args, *, target_s: float = 0.02,
-                launches: int = 5, max_repeats: int = 200, adaptive: bool = True) -> dict:
+                launches: int = 5, max_repeats: int = 200, adaptive: bool = True,
+                spans: list | None = None) -> dict:
     """Seconds per op of `make(R)` (a jitted fn running the op R times), by loop differencing.
 
     Returns {"median_s", "spread_s", "repeats", "estimates"}: the median of the differences and
     their half-range; MIN_ESTIMATES of them, more (up to MAX_ESTIMATES) while they disagree.
     `adaptive=False`: exactly MIN_ESTIMATES. Programs run by several processes need that (and one
     repeat count): each process decides from its own timings, and a process that launches its
-    collectives more often than its peers waits for them forever.
+    collectives more often than its peers waits for them forever. `spans`, where given, receives
+    the (start, end) `time.monotonic()` readings of every run of timed launches (warm-ups and
+    compiles left out), for what the GPUs did meanwhile (tools/gpu_monitor.py).
     """
     small = make(1)
-    t1 = _wall(small, args, launches)
+    t1 = _wall(small, args, launches, spans)
     # One launch of one op bounds the op's time from above (it adds dispatch and sync), so
     # target_s / t1 never asks for more repeats than the target needs: a compile saved per op.
     repeats = int(min(max_repeats, max(4, target_s / max(t1, 1e-7))))
     big = make(1 + repeats)
     estimates = []
     while len(estimates) < MIN_ESTIMATES or (adaptive and len(estimates) < MAX_ESTIMATES and _disagree(estimates)):
-        estimates.append((_wall(big, args, launches) - _wall(small, args, launches)) / repeats)
+        estimates.append((_wall(big, args, launches, spans) - _wall(small, args, launches, spans)) / repeats)
     return {"median_s": max(float(np.median(estimates)), 0.0), "spread_s": (max(estimates) - min(estimates)) / 2,
             "repeats": repeats, "estimates": len(estimates)}
 

@@ -1,0 +1,76 @@
+"""tools/gpu_monitor.py: the clocks, power and temperature a timing ran at, from a sampler standing in for
+nvidia-smi; the bench's rows and table carry them, and without a sampler nothing changes."""
+import json
+import sys
+import time
+
+import pytest
+
+from ficco_jax.tools import bench, gpu_monitor, harness
+
+# Prints two GPUs' samples every 2 ms, as `nvidia-smi --query-gpu=... -lms=N` does, with a header
+# and a malformed line among them.
+FAKE_SMI = [sys.executable, "-u", "-c", """
+import time
+print("index, power.draw [W], clocks.sm [MHz], sw_power_cap, temperature.gpu", flush=True)
+print("[N/A]", flush=True)
+k = 0
+while True:
+    print(f"0, 690.5, {1350 + k % 2}, Active, 60", flush=True)
+    print(f"1, 600.0, 1500, Not Active, 70", flush=True)
+    k += 1
+    time.sleep(0.002)
+"""]
+
+
+def test_a_sample_line_is_parsed_and_other_lines_are_not():
+    assert gpu_monitor.parse("0, 683.84, 1361, Active, 53") == (0, 683.84, 1361.0, True, 53.0)
+    assert gpu_monitor.parse("1, 120.5, 1980, Not Active, 40")[3] is False
+    for line in ("index, power.draw [W], clocks.sm [MHz], x, temperature.gpu", "[N/A]", "0, [N/A], 1980, Active, 40",
+                 "Field 'clocks_event_reasons.sw_power_cap' is not a valid field to query.", ""):
+        assert gpu_monitor.parse(line) is None
+
+
+def test_a_window_summarises_the_samples_inside_its_spans():
+    monitor = gpu_monitor.GpuMonitor(FAKE_SMI)
+    assert monitor.start()
+    try:
+        t0 = time.monotonic()
+        time.sleep(0.3)
+        t1 = time.monotonic()
+        time.sleep(0.1)
+        window = monitor.window([(t0, t1)])
+        assert window["samples"] > 10
+        assert window["sm_mhz"] == {"0": pytest.approx(1350.5, abs=1), "1": 1500}
+        assert window["power_w"] == {"0": 690.5, "1": 600.0} and window["temp_c"] == {"0": 60.0, "1": 70.0}
+        assert window["capped"] == pytest.approx(0.5, abs=0.05)  # GPU 0 capped, GPU 1 not
+        assert monitor.window([(t1 + 10, t1 + 20)]) is None  # no sample in that stretch
+    finally:
+        monitor.stop()
+    line = gpu_monitor.summary_line([window, None])
+    assert "SM clock 1350-1500 MHz" in line and "power cap in 50 % of samples" in line and "60-70 C" in line
+    assert gpu_monitor.summary_line([None]) is None
+
+
+def test_nothing_to_sample_leaves_the_timings_as_they_were(tmp_path):
+    monitor = gpu_monitor.GpuMonitor([str(tmp_path / "no-such-nvidia-smi")])
+    assert not monitor.start()
+    with harness.monitoring(monitor):
+        t = harness.device_time(lambda r: (lambda a: a + 1), (1.0,))
+    assert "gpus" not in t
+    with harness.monitoring():  # on CPU: no monitor at all
+        assert "gpus" not in harness.device_time(lambda r: (lambda a: a + 1), (1.0,))
+
+
+def test_bench_rows_and_table_say_what_the_gpus_ran_at(tmp_path):
+    """Every timed row keeps one window per timing (variants and bounds, every round), and the table one line."""
+    with harness.monitoring(gpu_monitor.GpuMonitor(FAKE_SMI)):
+        result = bench.run(["matmul_rs"], {"a": (64, 32, 64)}, "float32", "none", str(tmp_path), windowed=False,
+                           rounds=2)
+    timed = [r for r in result["rows"] if r["variant"] in ("jax_seq", "jax_ring", "gemm_alone", "collective_alone")]
+    assert timed
+    for r in timed:
+        windows = r["extra"]["gpus"]
+        assert len(windows) == 2 and all(w["sm_mhz"]["1"] == 1500 for w in windows), r
+    assert json.loads((tmp_path / "bench.json").read_text())["rows"] == json.loads(json.dumps(result["rows"]))
+    assert "GPUs while timed (nvidia-smi every 50 ms" in (tmp_path / "bench.md").read_text()
