@@ -38,6 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import shapes  # noqa: E402
+from ficco_jax.tools import harness  # noqa: E402
 from ficco_jax.tuning import timing  # noqa: E402
 
 AX = "tp"
@@ -125,23 +126,21 @@ def measure_shape(mesh, name, dims, windowed: bool) -> dict:
             print(f"[jax_tp] {name} {op}_{variant}: rel err {err:.2e}, "
                   f"{row.get(f'{op}_{variant}', float('nan')):.3f} ms", file=sys.stderr, flush=True)
     if not windowed:
-        row.update(alone(mesh, dims, problems["ag"][0][0]))
+        row.update(alone(mesh, dims))
     return row
 
 
-def alone(mesh, dims, x) -> dict:
-    """The GEMM alone on one device (full M, N/n) and the all_gather alone, in ms."""
+def alone(mesh, dims) -> dict:
+    """The GEMM alone (full M, N/n, every device at once) and the all_gather alone, in ms: the
+    bench's bounds (`harness.bound_rows`), so both tables' bounds are one measurement."""
     M, K, N = dims
     n = mesh.shape[AX]
-    dev = mesh.devices.flat[0]
-    a = jax.device_put(jnp.ones((M, K), jnp.bfloat16) * 0.5, dev)
-    b = jax.device_put(jax.random.normal(jax.random.PRNGKey(7), (K, N // n), jnp.float32).astype(jnp.bfloat16), dev)
-    gemm = lambda r: jax.jit(timing.chain(lambda p, q: p @ q, r) if r else (lambda p, q: p @ q))  # noqa: E731
-    gather = jax.shard_map(lambda v: lax.all_gather(v, AX, tiled=True), mesh=mesh, in_specs=P(AX, None),
-                           out_specs=P(AX, None))
-    only = lambda r: jax.jit(timing.chain(gather, r) if r else gather)  # noqa: E731
-    return {"gemm_only": timing.device_time(gemm, (a, b))["median_s"] * 1e3,
-            "ag_only": timing.device_time(only, (x,))["median_s"] * 1e3}
+    rows = harness.bound_rows(harness.Row("ag_matmul", "", M, K, N, ""), mesh, "bfloat16", lambda _: None,
+                              gemm=lambda p, q: p @ q, gemm_shapes=((M, K), (K, N // n)),
+                              collective=lambda v: lax.all_gather(v, AX, tiled=True), collective_shape=(M, K),
+                              spec=P(AX, None))
+    ms = {r.variant: r.median_ms for r in rows}
+    return {"gemm_only": ms["gemm_alone"], "ag_only": ms["collective_alone"]}
 
 
 def main() -> int:
