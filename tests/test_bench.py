@@ -168,6 +168,22 @@ def test_device_time_spans_cover_the_timed_launches_not_the_warm_ups():
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
 
 
+def test_device_time_settles_on_the_timed_program_before_its_estimates():
+    """settle_s: the R-repeat program runs back to back that long before any estimate, so the GPU is
+    timed in the power state of this load, not that of an idle compile."""
+    log = []
+
+    def make(r):
+        return lambda a: log.append((r, time.monotonic())) or a
+
+    spans = []
+    timing.device_time(make, (1.0,), target_s=1e-3, adaptive=False, spans=spans, settle_s=0.1)
+    first_estimate = spans[1][0]  # spans[0]: the sizing run of the 1-repeat program
+    settling = [t for r, t in log if r > 1 and t < first_estimate]
+    assert len(settling) > 10 and settling[-1] - settling[0] > 0.08
+    assert all(r > 1 for r, t in log if spans[0][1] < t < first_estimate)  # only the timed program ran
+
+
 def test_device_time_fixed_estimates_for_several_processes(monkeypatch):
     # adaptive=False: exactly MIN_ESTIMATES however much they disagree (processes that time the same
     # collective program must launch it equally often, or the extra launch waits forever).

@@ -79,13 +79,23 @@ def monitoring(monitor: gpu_monitor.GpuMonitor | None = None):
         monitor.stop()
 
 
+#: Seconds each timing on an accelerator first runs its program back to back (timing._settle). On
+#: 2 x H100 (2026-11-27) a timing's clock followed what ran before it: three timings of one GEMM
+#: alone took 2.608, 2.708 and 2.889 ms at a mean power of 258, 648 and 690 W and SM clocks of
+#: 1596, 1536 and 1460 MHz (the first right after its compile, with the GPUs idle). So every variant
+#: is timed in the power state its own load brings.
+SETTLE_S = 0.5
+
+
 def device_time(make, args) -> dict:
-    """timing.device_time as the tools run it: adaptive on accelerators; on CPU, where the times mean
-    nothing, a fixed count of estimates (the adaptive rule would retry noisy host timings to its cap).
-    Under `monitoring`, "gpus": the GPUs' clocks, power and temperature during the timed launches."""
+    """timing.device_time as the tools run it: adaptive, after SETTLE_S of the program, on
+    accelerators; on CPU, where the times mean nothing, a fixed count of estimates (the adaptive rule
+    would retry noisy host timings to its cap). Under `monitoring`, "gpus": the GPUs' clocks, power
+    and temperature during the timed launches."""
     monitor = _monitor
     spans = [] if monitor is not None else None
-    t = timing.device_time(make, args, adaptive=jax.default_backend() != "cpu", spans=spans)
+    on_cpu = jax.default_backend() == "cpu"
+    t = timing.device_time(make, args, adaptive=not on_cpu, spans=spans, settle_s=0.0 if on_cpu else SETTLE_S)
     if monitor is not None:
         t["gpus"] = monitor.window(spans)
     return t
@@ -116,7 +126,7 @@ def method(cpu_note: str = "NOT meaningful") -> str:
     """The timing method stamped on a result of `device_time`."""
     if jax.default_backend() == "cpu":
         return f"{timing.METHOD_FIXED}; ON CPU: {cpu_note}"
-    return timing.METHOD
+    return f"{timing.METHOD}; each timing after {SETTLE_S} s of its program running back to back"
 
 
 def rounds_method(rounds: int) -> str:

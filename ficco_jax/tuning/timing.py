@@ -63,9 +63,17 @@ def _wall(fn: Callable, args, launches: int, spans: list | None = None) -> float
     return float(np.median(times))
 
 
+def _settle(fn: Callable, args, seconds: float) -> None:
+    """Run `fn` back to back for `seconds`: the GPU takes the clock and power state of this load
+    (a GPU at its power limit runs slower than one just out of an idle compile)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        jax.block_until_ready(fn(*args))
+
+
 def device_time(make: Callable[[int], Callable], args, *, target_s: float = 0.02,
                 launches: int = 5, max_repeats: int = 200, adaptive: bool = True,
-                spans: list | None = None) -> dict:
+                spans: list | None = None, settle_s: float = 0.0) -> dict:
     """Seconds per op of `make(R)` (a jitted fn running the op R times), by loop differencing.
 
     Returns {"median_s", "spread_s", "repeats", "estimates"}: the median of the differences and
@@ -74,7 +82,8 @@ def device_time(make: Callable[[int], Callable], args, *, target_s: float = 0.02
     repeat count): each process decides from its own timings, and a process that launches its
     collectives more often than its peers waits for them forever. `spans`, where given, receives
     the (start, end) `time.monotonic()` readings of every run of timed launches (warm-ups and
-    compiles left out), for what the GPUs did meanwhile (tools/gpu_monitor.py).
+    compiles left out), for what the GPUs did meanwhile (tools/gpu_monitor.py). `settle_s`: run the
+    R-repeat program back to back for that long before the estimates (`_settle`).
     """
     small = make(1)
     t1 = _wall(small, args, launches, spans)
@@ -82,6 +91,8 @@ def device_time(make: Callable[[int], Callable], args, *, target_s: float = 0.02
     # target_s / t1 never asks for more repeats than the target needs: a compile saved per op.
     repeats = int(min(max_repeats, max(4, target_s / max(t1, 1e-7))))
     big = make(1 + repeats)
+    if settle_s > 0:
+        _settle(big, args, settle_s)
     estimates = []
     while len(estimates) < MIN_ESTIMATES or (adaptive and len(estimates) < MAX_ESTIMATES and _disagree(estimates)):
         estimates.append((_wall(big, args, launches, spans) - _wall(small, args, launches, spans)) / repeats)
