@@ -23,7 +23,7 @@ iterations do not overlap each other. Measured for NCCL and dma (default schedul
 matmul alone (on every device at once, as in the pair) and the all_to_all alone, so the table
 shows the pair against max(matmul, a2a) (perfect overlap) and matmul + a2a (none).
 
-Times: `ficco_jax.tuning.timing.METHOD` (in-jit loop differencing). GB/s = (n-1) x block bytes / time:
+Times: `ficco_jax.tools.harness.method()` (in-jit loop differencing, as `bench` times). GB/s = (n-1) x block bytes / time:
 the bytes each GPU sends (and receives) per collective, what nccl-tests reports as bus
 bandwidth for all_to_all, all_gather and reduce_scatter alike. On CPU the times are host memcpy/loop times and NOT meaningful. A progress line per
 measurement goes to stderr; measurements left when `--budget-s` is spent are skipped and listed.
@@ -48,6 +48,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from ficco_jax import dma  # noqa: E402
 from ficco_jax.schedule import Schedule  # noqa: E402
+from ficco_jax.tools import harness  # noqa: E402
 from ficco_jax.tools.report import git_commit  # noqa: E402
 from ficco_jax.tuning import timing  # noqa: E402
 
@@ -159,7 +160,7 @@ def bit_equal(a, b):
 # Measurements
 # ------------------------------------------------------------------------------------------------
 def time_ms(make, args) -> dict:
-    t = timing.device_time(make, args)
+    t = harness.device_time(make, args)
     return {"median_ms": t["median_s"] * 1e3, "spread_ms": t["spread_s"] * 1e3, "repeats": t["repeats"]}
 
 
@@ -349,7 +350,7 @@ def run(args) -> dict:
         "dtype": "bfloat16", "cols": COLS, "jax": jax.__version__, "commit": git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "times_meaningful": not on_cpu,
-        "method": timing.METHOD + ("; ON CPU: times are host memcpy/loop times, NOT meaningful" if on_cpu else ""),
+        "method": harness.method("times are host memcpy/loop times, NOT meaningful"),
         "gbps_definition": "(n-1) * block bytes / time: bytes each device sends per collective (nccl-tests busbw)",
         "budget_s": args.budget_s, "skipped": budget.skipped, "a2a": a2a_rows, "overlap": overlap_rows,
     }

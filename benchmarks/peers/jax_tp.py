@@ -13,7 +13,7 @@ Every local device on one mesh axis "tp", bf16. Per shape (M, K, N):
           (threshold 0, multi-streamed), which is XLA's own overlap; the variant is then "xla_windowed"
   gemm_only   one device's full-M GEMM [M, K] @ [K, N/n]; ag_only: lax.all_gather alone
 Each variant is checked against seq (relative Frobenius error) before it is timed. Times: device
-time by in-jit loop differencing (ficco_jax.tuning.timing.METHOD), so host dispatch is excluded.
+time by in-jit loop differencing as `bench` times (ficco_jax.tools.harness.method()), so host dispatch is excluded.
 Writes DIR/jax_tp.json (jax_tp_windowed.json) and a .md table, printed last. On CPU (e.g. 8
 virtual devices) every variant runs; the times mean nothing there.
 """
@@ -122,7 +122,7 @@ def measure_shape(mesh, name, dims, windowed: bool) -> dict:
             err = rel_err(make(0)(*args), want)
             row[f"{op}_{variant}_rel_err"] = err
             if err < 2e-2:
-                row[f"{op}_{variant}"] = timing.device_time(make, args)["median_s"] * 1e3
+                row[f"{op}_{variant}"] = harness.device_time(make, args)["median_s"] * 1e3
             print(f"[jax_tp] {name} {op}_{variant}: rel err {err:.2e}, "
                   f"{row.get(f'{op}_{variant}', float('nan')):.3f} ms", file=sys.stderr, flush=True)
     if not windowed:
@@ -162,7 +162,7 @@ def main() -> int:
     device = jax.devices()[0].device_kind
     result = {"peer": "jax", "jax": jax.__version__, "n": n, "device": device, "dtype": "bfloat16",
               "platform": jax.default_backend(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
-              "method": timing.METHOD, "commit": os.environ.get("FICCO_COMMIT"), "rows": rows}
+              "method": harness.method(), "commit": os.environ.get("FICCO_COMMIT"), "rows": rows}
     table = shapes.markdown(rows, columns, f"JAX on {n} x {device}, ms ({name})")
     shapes.write(args.out, name, result, table)
     print(table, flush=True)

@@ -2,7 +2,7 @@
 
 Usage: python benchmarks/suites/mlp_overlap.py [TOKENS HIDDEN FFN]
 (default: Llama-70B, the anchor shape llama70b_mlp_up_M8k: 8192 tokens, hidden 8192, ffn 28672)
-Times by timing.device_time (in-jit loop differencing); checks loss and gradients first.
+Times as `bench` does (harness.device_time: in-jit loop differencing); checks loss and gradients first.
 """
 import sys
 
@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import ficco_jax
 from ficco_jax.tools.bench import ANCHOR_SHAPES
-from ficco_jax.tuning import timing
+from ficco_jax.tools import harness
 
 T, H, F = (int(v) for v in sys.argv[1:4]) if len(sys.argv) > 3 else ANCHOR_SHAPES["llama70b_mlp_up_M8k"]
 dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
@@ -59,10 +59,10 @@ def timed(step):
     def mk(r):
         r_holder[0] = r
         return jax.jit(make(step))
-    return timing.device_time(mk, args)
+    return harness.device_time(mk, args)
 
 
 t_plain, t_over = timed(jax.value_and_grad(loss, argnums=(0, 1, 2))), timed(ficco_jax.overlap(jax.value_and_grad(loss, argnums=(0, 1, 2))))
 print(f"MLP fwd+bwd T={T} H={H} F={F} {jnp.dtype(dtype).name} on {len(jax.local_devices())} x {jax.devices()[0].device_kind}: "
       f"plain {t_plain['median_s'] * 1e3:.3f} ms (±{t_plain['spread_s'] * 1e3:.3f}), overlap {t_over['median_s'] * 1e3:.3f} ms "
-      f"(±{t_over['spread_s'] * 1e3:.3f}), speedup {t_plain['median_s'] / t_over['median_s']:.2f}x; {timing.METHOD}")
+      f"(±{t_over['spread_s'] * 1e3:.3f}), speedup {t_plain['median_s'] / t_over['median_s']:.2f}x; {harness.method()}")
