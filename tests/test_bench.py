@@ -171,10 +171,16 @@ def test_device_time_spans_cover_the_timed_launches_not_the_warm_ups():
 def test_device_time_settles_on_the_timed_program_before_its_estimates():
     """settle_s: the R-repeat program runs back to back that long before any estimate, so the GPU is
     timed in the power state of this load, not that of an idle compile."""
-    log = []
+    log, compiled = [], set()
 
     def make(r):
-        return lambda a: log.append((r, time.monotonic())) or a
+        def fn(a):
+            if r not in compiled:  # a program's first call compiles, longer than the settling
+                compiled.add(r)
+                time.sleep(0.3)
+            log.append((r, time.monotonic()))
+            return a
+        return fn
 
     spans = []
     timing.device_time(make, (1.0,), target_s=1e-3, adaptive=False, spans=spans, settle_s=0.1)

@@ -11,7 +11,7 @@ Every local device on one mesh axis "tp", bf16. Per shape (M, K, N):
   xla     jit over global arrays, the output sharding constrained; XLA's SPMD partitioner
           chooses. With --windowed the XLA flags of its windowed-einsum collective matmul are set
           (threshold 0, multi-streamed), which is XLA's own overlap; the variant is then "xla_windowed"
-  gemm_only   one device's full-M GEMM [M, K] @ [K, N/n]; ag_only: lax.all_gather alone
+  gemm_only   every device's full-M GEMM [M, K] @ [K, N/n] at once; ag_only: lax.all_gather alone
 Each variant is checked against seq (relative Frobenius error) before it is timed. Times: device
 time by in-jit loop differencing as `bench` times (ficco_jax.tools.harness.method()), so host dispatch is excluded.
 Writes DIR/jax_tp.json (jax_tp_windowed.json) and a .md table, printed last. On CPU (e.g. 8

@@ -64,8 +64,10 @@ def _wall(fn: Callable, args, launches: int, spans: list | None = None) -> float
 
 
 def _settle(fn: Callable, args, seconds: float) -> None:
-    """Run `fn` back to back for `seconds`: the GPU takes the clock and power state of this load
-    (a GPU at its power limit runs slower than one just out of an idle compile)."""
+    """Run `fn` back to back for `seconds`, counted from the end of its first run (which compiles):
+    the GPU takes the clock and power state of this load (a GPU at its power limit runs slower than
+    one just out of an idle compile)."""
+    jax.block_until_ready(fn(*args))
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         jax.block_until_ready(fn(*args))
