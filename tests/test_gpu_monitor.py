@@ -62,15 +62,39 @@ def test_nothing_to_sample_leaves_the_timings_as_they_were(tmp_path):
         assert "gpus" not in harness.device_time(lambda r: (lambda a: a + 1), (1.0,))
 
 
+class CannedMonitor(gpu_monitor.GpuMonitor):
+    """Stands in for the sampler: every window is the same, and the spans asked about are kept."""
+
+    def __init__(self):
+        super().__init__([])
+        self.asked = []
+
+    def start(self):
+        return True
+
+    def stop(self):
+        pass
+
+    def window(self, spans):
+        self.asked.append(list(spans))
+        return {"sm_mhz": {"0": 1400, "1": 1500}, "power_w": {"0": 690.0, "1": 680.0}, "temp_c": {"0": 60.0, "1": 66.0},
+                "capped": 1.0, "samples": 8}
+
+
 def test_bench_rows_and_table_say_what_the_gpus_ran_at(tmp_path):
-    """Every timed row keeps one window per timing (variants and bounds, every round), and the table one line."""
-    with harness.monitoring(gpu_monitor.GpuMonitor(FAKE_SMI)):
+    """Every timed row keeps one window per timing (variants and bounds, every round), each over the
+    spans of that timing's launches, and the table says what the GPUs ran at in one line."""
+    monitor = CannedMonitor()
+    with harness.monitoring(monitor):
         result = bench.run(["matmul_rs"], {"a": (64, 32, 64)}, "float32", "none", str(tmp_path), windowed=False,
                            rounds=2)
     timed = [r for r in result["rows"] if r["variant"] in ("jax_seq", "jax_ring", "gemm_alone", "collective_alone")]
-    assert timed
+    assert len(timed) == 4
     for r in timed:
-        windows = r["extra"]["gpus"]
-        assert len(windows) == 2 and all(w["sm_mhz"]["1"] == 1500 for w in windows), r
+        assert len(r["extra"]["gpus"]) == 2 and r["extra"]["gpus"][0]["sm_mhz"] == {"0": 1400, "1": 1500}, r
+    assert len(monitor.asked) == 2 * len(timed)
+    for spans in monitor.asked:  # the sizing run and a (big, small) pair per estimate
+        assert len(spans) >= 7 and all(start <= end for start, end in spans)
     assert json.loads((tmp_path / "bench.json").read_text())["rows"] == json.loads(json.dumps(result["rows"]))
-    assert "GPUs while timed (nvidia-smi every 50 ms" in (tmp_path / "bench.md").read_text()
+    table = (tmp_path / "bench.md").read_text()
+    assert "GPUs while timed (nvidia-smi every 50 ms, 64 samples): SM clock 1400-1500 MHz" in table
