@@ -98,3 +98,19 @@ def test_bench_rows_and_table_say_what_the_gpus_ran_at(tmp_path):
     assert json.loads((tmp_path / "bench.json").read_text())["rows"] == json.loads(json.dumps(result["rows"]))
     table = (tmp_path / "bench.md").read_text()
     assert "GPUs while timed (nvidia-smi every 50 ms, 64 samples): SM clock 1400-1500 MHz" in table
+    # Per case, the clocks the GEMM alone, JAX sequential and auto's pick (here the plain path, which
+    # takes JAX sequential's timing and so its clocks) ran at.
+    assert "| op | shape | GEMM alone | JAX seq | ficco auto |" in table
+    assert "| matmul_rs | a | 1450 | 1450 | 1450 |" in table
+
+
+def test_the_clocks_table_leaves_out_what_was_not_recorded():
+    from ficco_jax.tools import report
+
+    window = lambda mhz: {"sm_mhz": {"0": mhz, "1": mhz}, "power_w": {}, "temp_c": {"0": 50}, "capped": 1, "samples": 4}  # noqa: E731
+    case = {"gemm_alone": {"variant": "gemm_alone", "extra": {"gpus": [window(1500), window(1520)]}},
+            "jax_seq": {"variant": "jax_seq", "extra": {}},
+            "ficco:dma/direct/c1": {"variant": "ficco:dma/direct/c1", "selected": True, "extra": {"gpus": [window(1400)]}}}
+    lines = report.clocks_table({("ag_matmul", "s", 1, 2, 3): case, ("matmul_rs", "t", 1, 2, 3): {}})
+    assert lines[-1] == "| ag_matmul | s | 1510 | — | 1400 |" and len(lines) == 6
+    assert report.clocks_table({("ag_matmul", "s", 1, 2, 3): {"jax_seq": {"extra": {}}}}) == []

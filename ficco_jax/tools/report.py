@@ -97,7 +97,32 @@ def markdown_table(result: dict) -> str:
     if clocks:
         lines.append(clocks + ".")
     lines += [f"- {f}" for f in failures]
+    lines += clocks_table(by_case)
     return "\n".join(lines) + "\n"
+
+
+def mean_clock(row: dict | None) -> float | None:
+    """A row's SM clock over its timings and GPUs (extra["gpus"]), or None where none was recorded."""
+    clocks = [c for w in (row or {}).get("extra", {}).get("gpus", []) for c in w["sm_mhz"].values()]
+    return sum(clocks) / len(clocks) if clocks else None
+
+
+def clocks_table(by_case: dict) -> list[str]:
+    """Per case, the mean SM clock the GEMM alone, JAX sequential and ficco's pick ran at (where
+    recorded): at a power cap an overlapped program runs at a lower clock than the matmul alone,
+    since its communication draws power beside it."""
+    lines = []
+    for (op, shape, M, K, N), v in by_case.items():
+        auto = next((r for r in v.values() if r.get("selected")), None)
+        if auto is not None and "timing_of" in auto.get("extra", {}):
+            auto = v.get(auto["extra"]["timing_of"])
+        cells = [mean_clock(v.get("gemm_alone")), mean_clock(v.get("jax_seq")), mean_clock(auto)]
+        if any(c is not None for c in cells):
+            lines.append(f"| {op} | {shape} | " + " | ".join("—" if c is None else f"{c:.0f}" for c in cells) + " |")
+    if not lines:
+        return []
+    return ["", "SM clock while timed, MHz (mean over the timings and GPUs):", "",
+            "| op | shape | GEMM alone | JAX seq | ficco auto |", "|---|---|---|---|---|"] + lines
 
 
 def clocks_line(rows) -> str | None:
