@@ -1,6 +1,7 @@
 """tools/gpu_monitor.py: the clocks, power and temperature a timing ran at, from a sampler standing in for
 nvidia-smi; the bench's rows and table carry them, and without a sampler nothing changes."""
 import json
+import os
 import sys
 import time
 
@@ -114,3 +115,40 @@ def test_the_clocks_table_leaves_out_what_was_not_recorded():
     lines = report.clocks_table({("ag_matmul", "s", 1, 2, 3): case, ("matmul_rs", "t", 1, 2, 3): {}})
     assert lines[-1] == "| ag_matmul | s | 1510 | — | 1400 |" and len(lines) == 6
     assert report.clocks_table({("ag_matmul", "s", 1, 2, 3): {"jax_seq": {"extra": {}}}}) == []
+
+
+def test_the_sampler_finds_the_power_cap_field_this_driver_knows(tmp_path, monkeypatch):
+    """Drivers name the power-cap reason clocks_event_reasons.* (newer) or clocks_throttle_reasons.* (older):
+    the monitor probes for the first one `nvidia-smi` accepts and samples with it."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(f"""#!{sys.executable}
+import sys, time
+query = next(a for a in sys.argv if a.startswith("--query-gpu="))
+if "clocks_event_reasons" in query:
+    print("Field 'clocks_event_reasons.sw_power_cap' is not a valid field to query.")
+    sys.exit(2)
+loop = any(a.startswith("-lms") for a in sys.argv)
+while True:
+    print("0, 650.0, 1410, Active, 61", flush=True)
+    if not loop:
+        break
+    time.sleep(0.005)
+""")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monitor = gpu_monitor.GpuMonitor()
+    command = monitor._default_command()
+    assert command[0] == str(smi) and "clocks_throttle_reasons.sw_power_cap" in command[1]
+    assert monitor.start()
+    try:
+        t0 = time.monotonic()
+        time.sleep(0.2)
+        window = monitor.window([(t0, time.monotonic())])
+    finally:
+        monitor.stop()
+    assert window["sm_mhz"] == {"0": 1410} and window["capped"] == 1.0
+
+
+def test_no_nvidia_smi_means_no_sampler(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert gpu_monitor.GpuMonitor()._default_command() is None and not gpu_monitor.GpuMonitor().start()
