@@ -4,7 +4,7 @@ limit held the clock down, and its temperature, sampled by `nvidia-smi` in a bac
 Why the tools record it: under sustained matmuls an H100 SXM sits at its power limit (700 W), its SM
 clock well below its maximum and dependent on what ran just before; a short run (a profiler's ten
 calls) runs at higher clocks than a timing loop of many, and a program that moves data beside its
-matmuls at lower ones than the matmuls alone. So a time means little without the clock it ran at.
+matmuls often at lower ones than the matmuls alone. So a time means little without the clock it ran at.
 
 `start()` returns False, and every window is empty, where `nvidia-smi` is missing or fails (CPU
 machines, GPUs of another vendor): the timings are then taken as before, without clocks.
