@@ -305,8 +305,9 @@ def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=
 
     `budget_s`: no case (op, shape) starts after this many seconds; those left are listed in the
     result's "skipped" and the table. `resume`: the bench.json of an earlier run of the same machine,
-    group size, dtype, rounds and GEMM bound (else ValueError): its cases are kept, each row with the commit it ran at,
-    and only the cases it lacks are measured, so a run that a budget cut is completed by another.
+    group size, dtype, rounds and GEMM bound (else ValueError): its cases are kept, each row with the
+    commit it ran at, and only the cases it lacks are measured, so a run that a budget cut is completed
+    by another.
     `rounds`: how many times every variant and bound of a case is timed, interleaved (one timing of
     each in turn per round), its row the median: drift over a case's minutes then hits them alike.
     XLA's windowed einsum, timed in its own process, is timed once."""

@@ -109,8 +109,8 @@ def mean_clock(row: dict | None) -> float | None:
 
 def clocks_table(by_case: dict) -> list[str]:
     """Per case, the mean SM clock the GEMM alone, JAX sequential and ficco's pick ran at (where
-    recorded): at a power cap an overlapped program runs at a lower clock than the matmul alone,
-    since its communication draws power beside it."""
+    recorded): at a power cap an overlapped program often runs at a lower clock than the matmul
+    alone, since its communication draws power beside it."""
     lines = []
     for (op, shape, M, K, N), v in by_case.items():
         auto = next((r for r in v.values() if r.get("selected")), None)
