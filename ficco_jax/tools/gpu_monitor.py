@@ -45,11 +45,11 @@ class GpuMonitor:
         smi = shutil.which("nvidia-smi")
         if smi is None:
             return None
-        for cap in CAP_FIELDS:  # the first cap field this driver knows
-            probe = subprocess.run([smi, f"--query-gpu={_query(cap)}", "--format=csv,noheader,nounits"],
-                                   capture_output=True, text=True, timeout=20)
+        for cap in CAP_FIELDS:  # the first cap field this driver knows: one query, then the same in a loop
+            once = [smi, f"--query-gpu={_query(cap)}", "--format=csv,noheader,nounits"]
+            probe = subprocess.run(once, capture_output=True, text=True, timeout=20)
             if probe.returncode == 0 and probe.stdout.strip():
-                return [smi, f"--query-gpu={_query(cap)}", "--format=csv,noheader,nounits", f"-lms={INTERVAL_MS}"]
+                return once + [f"-lms={INTERVAL_MS}"]
         return None
 
     def start(self) -> bool:
