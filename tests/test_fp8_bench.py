@@ -68,6 +68,25 @@ def test_the_fp8_suite_script_writes_json_and_prints_its_table(tmp_path):
     assert catalog._fp8_result(str(tmp_path)).endswith("over 2 shapes; verified 10/10")
 
 
+@needs_ffi
+def test_the_fp8_suite_times_only_the_variants_asked_for(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    done = subprocess.run([sys.executable, "benchmarks/suites/fp8_gemm.py", "--out", str(tmp_path), "--shape",
+                           "32,64,48", "--variants", "executor_bf16,jax_bf16", "--repeats", "1,3", "--xla-cache",
+                           "none"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    (shape,) = json.loads((tmp_path / "fp8_gemm.json").read_text())["shapes"]
+    assert list(shape["variants"]) == ["executor_bf16", "jax_bf16"]
+    assert all(r["verified"] and r["ms"] for r in shape["variants"].values())
+    (row,) = [line for line in done.stdout.splitlines() if line.startswith("| 32,64,48 |")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    # M,K,N | executor FP8 | executor bf16 | JAX bf16 | JAX FP8 | JAX dequant->dot | ...: the columns stay put.
+    assert cells[1] == "—" and cells[2] != "—" and cells[3] != "—" and cells[4] == cells[5] == "—"
+    bad = subprocess.run([sys.executable, "benchmarks/suites/fp8_gemm.py", "--variants", "executor_bf16,nope"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--variants nope" in bad.stderr and "jax_bf16" in bad.stderr
+
+
 def test_the_fp8_suite_rejects_bad_repeats():
     done = subprocess.run([sys.executable, "benchmarks/suites/fp8_gemm.py", "--repeats", "6,2"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)

@@ -3,7 +3,11 @@
 dequantize-then-dot, on the per-device anchor shapes; every product verified before it is timed
 (ficco_jax/tools/gemm_rates.py says what each variant is and how it is timed).
 
-    python benchmarks/suites/fp8_gemm.py --out DIR [--shape M,K,N ...] [--repeats R1,R2] [--xla-cache DIR]
+    python benchmarks/suites/fp8_gemm.py --out DIR [--shape M,K,N ...] [--variants V,...] [--repeats R1,R2]
+                                         [--xla-cache DIR]
+
+`--variants executor_bf16,jax_bf16 --shape ...` compares the executor's bf16 chunk matmul with XLA's
+dot of the same shape alone, without the FP8 dots' autotuning (seconds per shape instead of a minute).
 
 Writes DIR/fp8_gemm.json (with provenance) and DIR/fp8_gemm.md, and prints the table last. On CPU
 the anchors are divided by 64 and the times mean nothing.
@@ -28,6 +32,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=os.environ.get("OUT") or "out/fp8", help="results dir (default $OUT, else out/fp8)")
     p.add_argument("--shape", action="append", help="M,K,N per device (repeatable; default: the five anchors, "
                                                     "on CPU divided by 64)")
+    p.add_argument("--variants", default=",".join(gemm_rates.VARIANTS),
+                   help="the variants to time, comma-separated (default: all, %(default)s)")
     p.add_argument("--repeats", default=",".join(map(str, gemm_rates.REPEATS)),
                    help="R1,R2: matmuls per probe call of the difference method (default %(default)s)")
     p.add_argument("--xla-cache", metavar="DIR", default=None,
@@ -40,6 +46,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         assert len(args.repeats) == 2 and 1 <= args.repeats[0] < args.repeats[1]
     except (ValueError, AssertionError):
         p.error(f"--repeats {args.repeats!r}: expected R1,R2 with 1 <= R1 < R2, e.g. 2,6")
+    args.variants = tuple(v for v in args.variants.split(",") if v)
+    unknown = [v for v in args.variants if v not in gemm_rates.VARIANTS]
+    if unknown or not args.variants:
+        p.error(f"--variants {','.join(unknown) or '(none)'}: choose from {','.join(gemm_rates.VARIANTS)}")
     shapes = {}
     for text in args.shape or []:
         try:
@@ -56,8 +66,8 @@ def main(argv=None) -> int:
     use_xla_cache(args.xla_cache)
     default = gemm_rates.CPU_GEMMS if jax.default_backend() == "cpu" else gemm_rates.ANCHOR_GEMMS
     shapes = args.shapes or default
-    progress = progress_printer(len(shapes) * len(gemm_rates.VARIANTS))
-    result = gemm_rates.run(args.out, shapes, args.repeats, progress)
+    progress = progress_printer(len(shapes) * len(args.variants))
+    result = gemm_rates.run(args.out, shapes, args.repeats, progress, variants=args.variants)
     print(gemm_rates.markdown(result), end="")
     rows = [r for s in result["shapes"] for r in s["variants"].values()]
     return 1 if any(r.get("verified") is False or r.get("note", "").startswith("error") for r in rows) else 0

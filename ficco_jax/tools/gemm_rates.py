@@ -203,16 +203,16 @@ def executor_fp8_rows(rows_list, K: int, N: int, repeats=REPEATS, progress=None)
 TARGET_SPEEDUP = 1.6
 
 
-def run(out_dir: str, shapes: dict, repeats=REPEATS, progress=None) -> dict:
-    """Measure every variant of `shapes` {name: (M, K, N)}; write fp8_gemm.json (after each shape,
-    so a run stopped early keeps what it measured) and fp8_gemm.md; return the result."""
+def run(out_dir: str, shapes: dict, repeats=REPEATS, progress=None, variants=VARIANTS) -> dict:
+    """Measure `variants` (default: every one) of `shapes` {name: (M, K, N)}; write fp8_gemm.json (after
+    each shape, so a run stopped early keeps what it measured) and fp8_gemm.md; return the result."""
     result = {**provenance(1, "float8_e4m3fn"), "out_dtype": "bfloat16", "repeats": list(repeats),
               "tolerance": TOLERANCE, "target_speedup": TARGET_SPEEDUP, "scales": list(SCALES),
               "executor_method": "probe time per matmul (T(R2) - T(R1)) / (R2 - R1)", "shapes": []}
     result.pop("rows")
     os.makedirs(out_dir, exist_ok=True)
     for name, (M, K, N) in shapes.items():
-        result["shapes"].append(measure_shape(name, M, K, N, repeats=repeats, progress=progress))
+        result["shapes"].append(measure_shape(name, M, K, N, variants, repeats, progress))
         with open(os.path.join(out_dir, "fp8_gemm.json"), "w") as fh:
             json.dump(result, fh, indent=1)
     with open(os.path.join(out_dir, "fp8_gemm.md"), "w") as fh:
@@ -245,7 +245,7 @@ def markdown(result: dict) -> str:
         v, x = s["variants"], s["speedups"]
         pair = (x["executor_fp8_over_executor_bf16"], x["executor_fp8_over_jax_bf16"])
         target = "—" if None in pair else ("yes" if min(pair) >= result["target_speedup"] else "NO")
-        lines.append(f"| {s['M']},{s['K']},{s['N']} | " + " | ".join(_cell(v[k]) for k in VARIANTS if k in v)
+        lines.append(f"| {s['M']},{s['K']},{s['N']} | " + " | ".join(_cell(v.get(k, {})) for k in VARIANTS)
                      + f" | {_x(pair[0])} | {_x(pair[1])} | {_x(x['jax_fp8_over_jax_bf16'])} | "
                      f"{_x(x['jax_dequant_dot_over_jax_bf16'])} | {target} |")
         for k, row in v.items():
