@@ -15,7 +15,12 @@ takes exactly `matmul_rs`'s schedules:
   chunks travel each way round the ring; xla only), ``"direct"`` (every peer at once: uses every
   link of a fully connected NVSwitch node).
 - ``gemm``: ``"per_chunk"`` (one matmul per chunk as it lands) or ``"grouped"`` (chunks move
-  separately but one matmul per shard once all its chunks are there).
+  separately but one matmul per shard once all its chunks are there); for ``matmul_rs`` (and
+  ``matmul_psum``) on copy engines also ``"columns"``: the c chunks cut each output block's columns
+  instead of its rows, one matmul each. A row chunk's matmul reads the whole weight for a c-th of
+  the work; a column chunk's reads a c-th of it, which keeps thin blocks off the memory bound (on
+  2 x H100, four 512-row chunks of [2048, 14336] @ [14336, 8192] took 1.047x one matmul, four column
+  chunks 0.988x).
 - ``copy_streams``: how many copy streams (copy engines) the transfers of a ``dma`` direct
   schedule are spread over.
 - ``transfer`` (``dma`` only): ``"pull"`` (each receiver's copy streams read from the peers) or
@@ -24,8 +29,8 @@ takes exactly `matmul_rs`'s schedules:
   262 vs 162 GB/s at 8 MiB blocks), but through the executor pushes timed level with pulls on
   2 x H200 (2026-11-22, BENCHMARKS.md): `push` is opt-in, not enumerated (config.TRANSFER_CHOICES).
 
-Chunks always cut rows (the gathered / scattered dimension), so every chunk matmul keeps the
-full K and N of the shard matmul. For the expert-parallel ops `a2a_matmul` / `matmul_a2a`
+Chunks cut rows (the gathered / scattered dimension), so every chunk matmul keeps the full K and
+N of the shard matmul, except under ``gemm="columns"``. For the expert-parallel ops `a2a_matmul` / `matmul_a2a`
 (per-peer blocks [n, E_local, C, d]) chunks cut the capacity C of every per-peer block, and
 ``ring`` means neighbour steps (xla: blocks relayed hop by hop; dma: one peer at a time).
 """
@@ -41,7 +46,9 @@ OPS = ("ag_matmul", "matmul_rs", "a2a_matmul", "matmul_a2a", "matmul_psum")
 A2A_OPS = ("a2a_matmul", "matmul_a2a")
 COMMS = ("none", "xla", "dma")
 ORDERS = ("ring", "bidirectional", "direct")
-GEMMS = ("per_chunk", "grouped")
+GEMMS = ("per_chunk", "grouped", "columns")
+#: The ops whose blocks gemm="columns" can cut by columns: the reduce-scatter's (exec/scatter.cc).
+COLUMN_OPS = ("matmul_rs", "matmul_psum")
 TRANSFERS = ("pull", "push")
 
 # Which orders each (op, comm) pair implements.
@@ -104,7 +111,16 @@ class Schedule:
             problem = overlap_shape_problem(op, shapes, axis_size)
             if problem is not None:
                 raise ValueError(f"{op}: schedule {self} is not valid: {problem}")
-        if rows % self.chunks:
+        if self.gemm == "columns":
+            cols = int(shapes[1][1])
+            if cols % self.chunks:
+                valid = [c for c in config.CHUNK_CHOICES if c > 1 and cols % c == 0]
+                fix = f"valid chunk counts: {valid}" if valid else "no chunk count divides it: use gemm='per_chunk'"
+                raise ValueError(
+                    f"{op}: gemm='columns' cuts the output's columns: w.shape[1]={cols} (from shape "
+                    f"{tuple(shapes[1])}) must divide by schedule.chunks={self.chunks}; {fix}"
+                )
+        elif rows % self.chunks:
             valid = valid_chunks(op, shapes, axis_size)
             what = {"ag_matmul": "rows per device", "matmul_rs": f"rows per output block (M / {axis_size})",
                     "matmul_psum": f"rows per reduce-scatter block (M / {axis_size})"}.get(
@@ -132,13 +148,14 @@ class Schedule:
     @classmethod
     def parse(cls, text: str) -> "Schedule":
         """Inverse of `str()`: ``"none"``, ``"dma/direct/c4/s2"``, ``"xla/ring/c2/grouped"``,
-        ``"dma/direct/c2/push"``."""
+        ``"dma/direct/c2/columns"``, ``"dma/direct/c2/push"``."""
         parts = text.strip().split("/")
         if parts == ["none"]:
             return cls(comm="none")
         if len(parts) < 3 or not parts[2].startswith("c"):
             raise ValueError(
-                f"cannot parse schedule {text!r}: expected 'none' or COMM/ORDER/cCHUNKS[/grouped][/sSTREAMS][/push], "
+                f"cannot parse schedule {text!r}: expected 'none' or "
+                f"COMM/ORDER/cCHUNKS[/grouped|/columns][/sSTREAMS][/push], "
                 f"e.g. 'dma/direct/c4/s2'"
             )
         if not parts[2][1:].isdigit():
@@ -147,8 +164,8 @@ class Schedule:
             )
         fields = dict(comm=parts[0], order=parts[1], chunks=int(parts[2][1:]))
         for extra in parts[3:]:
-            if extra == "grouped":
-                fields["gemm"] = "grouped"
+            if extra in ("grouped", "columns"):
+                fields["gemm"] = extra
             elif extra.startswith("s") and extra[1:].isdigit():
                 fields["copy_streams"] = int(extra[1:])
             elif extra in TRANSFERS:
@@ -171,8 +188,11 @@ class Schedule:
             return f"order={self.order!r} is not implemented for comm={self.comm!r}; valid orders: {orders}"
         if self.order == "bidirectional" and self.chunks % 2:
             return f"order='bidirectional' sends half of the chunks each way: chunks={self.chunks} must be even"
-        if self.gemm == "grouped" and self.chunks == 1:
-            return "gemm='grouped' needs chunks > 1 (with one chunk it is per_chunk)"
+        if self.gemm in ("grouped", "columns") and self.chunks == 1:
+            return f"gemm={self.gemm!r} needs chunks > 1 (with one chunk it is per_chunk)"
+        if self.gemm == "columns" and (op not in COLUMN_OPS or self.comm != "dma"):
+            return (f"gemm='columns' cuts the columns of a reduce-scatter's blocks on copy engines: ops {COLUMN_OPS} "
+                    f"with comm='dma'; use per_chunk or grouped")
         if self.comm == "xla" and self.copy_streams != 1:
             return f"copy_streams={self.copy_streams} applies to comm='dma' only; use 1"
         if self.comm != "dma" and self.transfer != "pull":

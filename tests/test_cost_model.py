@@ -127,6 +127,19 @@ def test_the_executors_decomposition_loss_is_its_own():
         cost_model.gemm_time(1024, 8192, 8192, "bfloat16", lossless)
 
 
+def test_column_chunks_read_a_share_of_the_weight_each():
+    """gemm=columns prices a chunk's matmul as all of a block's rows and a c-th of its columns. Where a thin
+    row chunk reads the whole weight and is memory-bound, column chunks cost less; where the matmuls are
+    compute-bound the two are alike."""
+    prof = {**PROFILE, "rows_half": 0.0, "executor_rows_half": 0.0, "hbm_gbps": 1000.0}
+    rows, cols = Schedule.parse("dma/direct/c4"), Schedule.parse("dma/direct/c4/columns")
+    # 2 devices, 256-row blocks; a 64-row chunk reads all of w [8192, 16384] (256 MiB).
+    thin = {s: predict("matmul_rs", s, M=512, K=16384, N=16384, n=2, profile=prof) for s in (rows, cols)}
+    assert thin[cols] < 0.5 * thin[rows]
+    wide = {s: predict("matmul_rs", s, M=32768, K=8192, N=8192, n=2, profile=prof) for s in (rows, cols)}
+    assert wide[cols] == pytest.approx(wide[rows], rel=0.02)
+
+
 @pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs"])
 def test_where_xla_serializes_its_collectives_an_xla_schedule_costs_its_parts_in_sequence(op):
     """With `xla_overlaps` off (what every characterized machine showed), an xla schedule's time is

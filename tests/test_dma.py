@@ -8,6 +8,7 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import functools  # noqa: E402
+import re  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
@@ -143,6 +144,53 @@ def test_matmuls_origin_coded(mesh_name, sched, channel):
     rs = _run(mesh, lambda a, w: dma.matmul_rs_dma(a, w, "tp", s), (spec, wspec), x, eye)
     rs_ref = _run(mesh, lambda a: jax.lax.psum_scatter(a, "tp", scatter_dimension=0, tiled=True), spec, x)
     np.testing.assert_array_equal(rs, rs_ref)
+
+
+@pytest.mark.parametrize("channel", [False, True], indirect=True)
+@pytest.mark.parametrize("mesh_name", ["1d", "2d"])
+@pytest.mark.parametrize("sched", ["dma/direct/c2/columns", "dma/direct/c4/columns/s2", "dma/direct/c4/columns/push"])
+def test_column_chunks_origin_coded(mesh_name, sched, channel):
+    """gemm=columns: chunk j of a block is its columns [j N/c, (j+1) N/c), all of its rows. With w = identity
+    the reduce-scatter is exact, so every column of every coded block must land in its place."""
+    mesh = MESHES[mesh_name]
+    n = mesh.shape["tp"]
+    x = _origin_coded(mesh, 32, 8)
+    eye = np.tile(np.eye(8, dtype=np.float32), (n, 1))  # w [8n, 8]: each device gets I_8
+    spec = P(_all_axes(mesh))
+    _poison_heap((len(x), 8))
+    y_spec = P(_all_axes(mesh), None)
+    rs = _run(mesh, lambda a, w: dma.matmul_rs_dma(a, w, "tp", Schedule.parse(sched)), (y_spec, P("tp", None)),
+              x, eye)
+    rs_ref = _run(mesh, lambda a: jax.lax.psum_scatter(a, "tp", scatter_dimension=0, tiled=True), spec, x)
+    np.testing.assert_array_equal(rs, rs_ref)
+
+
+@pytest.mark.parametrize("mesh_name", ["1d", "2d"])
+def test_column_chunks_gradients(mesh_name, rng):
+    """matmul_rs on column chunks under jax.grad: its backward, an all-gather then matmul, cuts rows into as
+    many chunks (ops/resolve.transposed_schedule), and both gradients equal the reference's."""
+    mesh = MESHES[mesh_name]
+    n = mesh.shape["tp"]
+    y = jnp.asarray(rng.standard_normal((mesh.devices.size * 8, 12 * n)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((12 * n, 16)), jnp.float32)
+    specs = (P(None, "tp") if mesh_name == "1d" else P("dp", "tp"), P("tp", None))
+    out_spec = P("tp") if mesh_name == "1d" else P(("dp", "tp"))
+
+    def loss(fn, a, b):
+        f = jax.shard_map(lambda a, b: fn(a, b, "tp"), mesh=mesh, in_specs=specs, out_specs=out_spec)
+        return jnp.sum(jnp.sin(f(a, b)) ** 2)
+
+    ours = functools.partial(ficco_jax.matmul_rs, schedule="dma/direct/c4/columns")
+    got = jax.jit(jax.value_and_grad(functools.partial(loss, ours), argnums=(0, 1)))(y, w)
+    want = jax.jit(jax.value_and_grad(functools.partial(loss, ficco_jax.matmul_rs_ref), argnums=(0, 1)))(y, w)
+    assert abs(float(got[0]) - float(want[0])) <= 1e-5 * abs(float(want[0]))
+    for g, r in zip(got[1], want[1]):
+        assert max_rel_err(g, r) < 1e-5
+    text = jax.jit(jax.grad(functools.partial(loss, ours), argnums=(0, 1))).lower(y, w).as_text()
+    calls = {name: attrs for name, attrs in re.findall(r"custom_call @(ficco_\w+)\(.*?\{(.*)", text)}
+    assert set(calls) == {"ficco_matmul_rs", "ficco_ag_matmul"}, sorted(calls)
+    assert "gemm = 2 : i64" in calls["ficco_matmul_rs"] and "chunks = 4 : i64" in calls["ficco_matmul_rs"]
+    assert "gemm = 0 : i64" in calls["ficco_ag_matmul"] and "chunks = 4 : i64" in calls["ficco_ag_matmul"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -295,12 +343,12 @@ def test_chained_ops_and_buffer_reuse(rng, suffix):
 # ------------------------------------------------------------------------------------------------
 # The FFI target directly, and errors
 # ------------------------------------------------------------------------------------------------
-def _direct_all_gather(groups, x):
+def _direct_all_gather(groups, x, gemm=0):
     n = groups.shape[1]
     call = jax.ffi.ffi_call("ficco_all_gather", jax.ShapeDtypeStruct((n * x.shape[0], *x.shape[1:]), x.dtype))
     flat = groups.reshape(-1).astype(np.int64)
     return call(x, op_id=np.int64(10**9), groups=flat, local_ordinals=flat, ipc_job=np.int64(0), group_size=np.int64(n),
-                chunks=np.int64(2), order=np.int64(1), gemm=np.int64(0), copy_streams=np.int64(2),
+                chunks=np.int64(2), order=np.int64(1), gemm=np.int64(gemm), copy_streams=np.int64(2),
                 timeout_ms=np.int64(5000), watchdog_ms=np.int64(0), site="test_dma.py",
                 skip_own_rows=np.int64(0), transfer=np.int64(0), w_col_major=np.int64(0),
                 channel_bytes=np.int64(1 << 20))
@@ -313,6 +361,13 @@ def test_direct_ffi_target():
     out = _run(mesh, lambda a: _direct_all_gather(groups, a), P("tp"), x)
     expected = np.concatenate([np.concatenate([x[4 * d: 4 * d + 4] for d in g] * 4) for g in groups])
     np.testing.assert_array_equal(out, expected)
+
+
+def test_direct_ffi_target_refuses_column_chunks_of_a_gather():
+    mesh = MESHES["1d"]
+    groups = np.array([[0, 1, 2, 3], [4, 5, 6, 7]], np.int64)
+    with pytest.raises(Exception, match="gemm=columns cuts the columns of a reduce-scatter's blocks"):
+        _run(mesh, lambda a: _direct_all_gather(groups, a, gemm=2), P("tp"), np.zeros((32, 2), np.float32))
 
 
 def test_direct_ffi_target_device_not_in_groups():

@@ -49,6 +49,25 @@ def test_invalid_points_explain_themselves(sched, match):
         sched.validate("ag_matmul", ((12, 4), (4, 4)), 4)
 
 
+def test_column_chunks_are_for_the_reduce_scatter_on_copy_engines():
+    cols = Schedule.parse("dma/direct/c4/columns")
+    assert cols.gemm == "columns" and str(cols) == "dma/direct/c4/columns"
+    assert cols in Schedule.enumerate("matmul_rs", 4) and cols in Schedule.enumerate("matmul_psum", 4)
+    for op in ("ag_matmul", "a2a_matmul", "matmul_a2a"):
+        assert all(p.gemm != "columns" for p in Schedule.enumerate(op, 4)), op
+    with pytest.raises(ValueError, match="gemm='columns' cuts the columns of a reduce-scatter's blocks"):
+        cols.validate("ag_matmul", ((12, 4), (4, 4)), 4)
+    with pytest.raises(ValueError, match="with comm='dma'"):
+        cols.replace(comm="xla").validate("matmul_rs", ((16, 4), (4, 8)), 4)
+    with pytest.raises(ValueError, match="needs chunks > 1"):
+        cols.replace(chunks=1).validate("matmul_rs", ((16, 4), (4, 8)), 4)
+    # The chunks cut w's columns, not the blocks' rows: 6 rows per block are fine, 6 columns are not.
+    cols.validate("matmul_rs", ((24, 4), (4, 8)), 4)
+    six_columns = r"w.shape\[1\]=6 .* must divide by schedule.chunks=4; valid chunk counts: \[2\]"
+    with pytest.raises(ValueError, match=six_columns):
+        cols.validate("matmul_rs", ((16, 4), (4, 6)), 4)
+
+
 def test_matmul_psum_takes_matmul_rs_schedules():
     assert Schedule.enumerate("matmul_psum", 4) == Schedule.enumerate("matmul_rs", 4)
 

@@ -129,8 +129,8 @@ def test_row_major_request_of_a_transpose_writes_it_out(mesh, rng):
 # ------------------------------------------------------------------------------------------------
 _NUMERIC_CASES = [(op, sched) for op, scheds in {
     "ag_matmul": ("dma/direct/c2", "dma/ring/c4/grouped", "dma/direct/c2/push"),
-    "matmul_rs": ("dma/direct/c2", "dma/direct/c4/grouped/s2"),
-    "matmul_psum": ("dma/direct/c2",),
+    "matmul_rs": ("dma/direct/c2", "dma/direct/c4/grouped/s2", "dma/direct/c2/columns"),
+    "matmul_psum": ("dma/direct/c2", "dma/direct/c4/columns"),
     "a2a_matmul": ("dma/direct/c2", "dma/ring/c4/grouped"),
     "matmul_a2a": ("dma/direct/c2", "dma/direct/c1/push"),
 }.items() for sched in scheds]

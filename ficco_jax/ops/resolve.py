@@ -55,7 +55,10 @@ def transposed_schedule(op: str, sched: Schedule, shapes, dtype, n: int, out_dty
     pair share one design space), else auto. matmul_rs on copy engines is direct-only: there a
     ring schedule keeps its copy engines and changes its order. A backward whose numerics copy
     engines lack (the bf16 partials of a mixed-precision backward) runs the same steps on XLA's
-    collectives."""
+    collectives. Only matmul_rs cuts its blocks' columns (gemm="columns"): the gather op's backward
+    keeps the chunk count, cutting rows."""
+    if sched.gemm == "columns" and op != "matmul_rs":
+        sched = sched.replace(gemm="per_chunk")
     candidates = [sched]
     if sched.comm == "dma" and op == "matmul_rs":
         candidates.append(sched.replace(order="direct"))

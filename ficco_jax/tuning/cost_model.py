@@ -253,14 +253,21 @@ def group_of(s: Schedule) -> int:
 def _simulate_rs(s, m, q, k, cols, n, dtype, profile, contention, streams, per_item, ex, itemsize,
                  summed: bool = True) -> float:
     """matmul_rs (`summed`: the received partials are added to the own block's), or the combine of the
-    expert ops, which sends its blocks without a sum."""
+    expert ops, which sends its blocks without a sum. gemm=columns: a chunk is all m rows of a block and
+    a c-th of its columns, so its matmul reads a c-th of the weight."""
     c = s.chunks
     group = group_of(s)
+
+    def chunks_gemm(count: int) -> float:  # the matmul of `count` consecutive chunks of one block
+        if s.gemm == "columns":
+            return gemm_time(m, k, cols * count // c, dtype, profile, ex) * contention
+        return gemm_time(q * count, k, cols, dtype, profile, ex) * contention
+
     t = 0.0
     produced = {}
     for step in range(1, n):  # partials for peers first, in distance order
         for j0 in range(0, c, group):
-            t += gemm_time(q * group, k, cols, dtype, profile, ex) * contention
+            t += chunks_gemm(group)
             for j in range(j0, j0 + group):
                 produced[(step, j)] = t
     stream_free = [0.0] * streams
@@ -277,16 +284,18 @@ def _simulate_rs(s, m, q, k, cols, n, dtype, profile, contention, streams, per_i
 
     if not summed:
         return max(t + gemm_time(m, k, cols, dtype, profile, ex) * contention, last_arrival)
-    if ex and s.gemm == "per_chunk" and c > 1 and n > 1:
+    if ex and s.gemm != "grouped" and c > 1 and n > 1:
         # The executor multiplies our own block after the transfers in two halves, each adding the
         # first received partial in its epilogue; on more than 2 devices a sum per half adds the
-        # other n - 2 (exec/scatter.cc, SumInMatmuls). Nothing is left after the last matmul.
+        # other n - 2, or, for column halves, one sum of the block after both (exec/scatter.cc,
+        # SumInMatmuls).
         for first, end in ((0, c // 2), (c // 2, c)):
-            rows = (end - first) * q
             t = max(t, max(arrival[(step, j)] for step in range(1, n) for j in range(first, end)))
-            t += gemm_time(rows, k, cols, dtype, profile, ex) * contention
-            if n > 2:
-                t += sum_time(rows, n - 1)
+            t += chunks_gemm(end - first)
+            if n > 2 and s.gemm != "columns":
+                t += sum_time((end - first) * q, n - 1)
+        if n > 2 and s.gemm == "columns":
+            t = max(t, last_arrival) + sum_time(m, n - 1)
         return max(t, last_arrival)
     own_done = t + gemm_time(m, k, cols, dtype, profile, ex) * contention
     # Summing the received partials is memory-bound (n blocks read per row). XLA adds each chunk as it

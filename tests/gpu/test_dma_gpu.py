@@ -69,7 +69,8 @@ def _cases(op):
     for shape in SHAPES:
         for pulled in Schedule.enumerate(op, n, comms=("dma",)) if n >= 2 else []:
             for sched in (pulled, pulled.replace(transfer="push")):  # every point pulled and pushed
-                if SHAPES[shape][0] % sched.chunks == 0:
+                cut = SHAPES[shape][2] if sched.gemm == "columns" else SHAPES[shape][0]  # what the chunks cut
+                if cut % sched.chunks == 0:
                     yield pytest.param(shape, sched, id=f"{shape}-{sched}")
 
 

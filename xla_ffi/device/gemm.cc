@@ -17,9 +17,10 @@ namespace {
 void GemmHostOne(const GemmProblem& p) {
   const MatmulTypes& t = p.types;
   std::vector<float> b(static_cast<size_t>(p.inner * p.cols));  // [inner, cols]
+  const int64_t b_ld = p.BLd(), c_ld = p.CLd();
   for (int64_t k = 0; k < p.inner; ++k) {
     for (int64_t j = 0; j < p.cols; ++j) {
-      b[k * p.cols + j] = LoadAsFloat(p.b, t.b_transposed ? j * p.inner + k : k * p.cols + j, t.b);
+      b[k * p.cols + j] = LoadAsFloat(p.b, t.b_transposed ? j * b_ld + k : k * b_ld + j, t.b);
     }
   }
   // On the CPU backend the scales are host scalars.
@@ -33,8 +34,8 @@ void GemmHostOne(const GemmProblem& p) {
       for (int64_t j = 0; j < p.cols; ++j) row[j] += a_ik * b_k[j];
     }
     for (int64_t j = 0; j < p.cols; ++j) {
-      const float added = p.accumulate ? LoadAsFloat(p.accumulate, i * p.cols + j, t.c) : 0.0f;
-      StoreFromFloat(p.c, i * p.cols + j, t.c, scale * row[j] + added);
+      const float added = p.accumulate ? LoadAsFloat(p.accumulate, i * c_ld + j, t.c) : 0.0f;
+      StoreFromFloat(p.c, i * c_ld + j, t.c, scale * row[j] + added);
     }
   }
 }
@@ -102,9 +103,10 @@ struct GemmPlan {
 namespace {
 
 // (rows, inner, cols, dtypes of a, b, c and b's layout, alignment of a, b, c, and of the accumulated
-// matrix, 0 for none, then the batch and its strides): cuBLASLt algorithms depend on alignment.
+// matrix, 0 for none, then the batch and its strides, then the row strides of b and c): cuBLASLt
+// algorithms depend on alignment.
 using PlanKey = std::tuple<int64_t, int64_t, int64_t, int, uint32_t, uint32_t, uint32_t, uint32_t, int64_t, int64_t,
-                           int64_t, int64_t>;
+                           int64_t, int64_t, int64_t, int64_t>;
 
 int TypesKey(const MatmulTypes& t) {
   return static_cast<int>(t.a) | static_cast<int>(t.b) << 4 | static_cast<int>(t.c) << 8 |
@@ -137,7 +139,7 @@ PlanKey KeyOf(const GemmProblem& p) {
   const auto stride = [&](int64_t s) { return Alignments::Stride(p, s); };
   return PlanKey{p.rows,    p.inner,         p.cols,           TypesKey(p.types),  align.a,          align.b,
                  align.c,   align.accumulate, p.batch,          stride(p.a_stride), stride(p.b_stride),
-                 stride(p.c_stride)};
+                 stride(p.c_stride), p.BLd(), p.CLd()};
 }
 
 // A batch of products: `count` matrices `stride` elements apart in `layout`.
@@ -207,7 +209,8 @@ cublasStatus_t SetScales(const GemmProblem& p, cublasLtMatmulDesc_t op) {
 // cuBLASLt is column-major. A row-major [rows, cols] matrix is the column-major [cols, rows]
 // matrix with the same bytes, so row-major C = A @ B is computed as column-major
 // C^T[cols, rows] = B^T[cols, inner] @ A^T[inner, rows]: pass b as cuBLASLt's "A" and a as its
-// "B", no transposes, leading dimensions cols, inner and cols. A transposed b ([cols, inner]: FP8,
+// "B", no transposes, leading dimensions cols, inner and cols (b's and c's row strides, BLd and CLd,
+// where they are column slices of wider matrices). A transposed b ([cols, inner]: FP8,
 // or a weight taken column-major) is column-major [inner, cols]: cuBLASLt's "A" with op T, leading
 // dimension inner.
 //
@@ -222,12 +225,12 @@ cublasStatus_t FindCandidates(const GemmProblem& p, cublasLtHandle_t handle, siz
     const cublasOperation_t transpose = CUBLAS_OP_T;
     FICCO_LT_RETURN_IF_ERROR(
         cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSA, &transpose, sizeof(transpose)));
-    FICCO_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan->a, CudaType(t.b), p.inner, p.cols, p.inner));
+    FICCO_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan->a, CudaType(t.b), p.inner, p.cols, p.BLd()));
   } else {
-    FICCO_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan->a, CudaType(t.b), p.cols, p.inner, p.cols));
+    FICCO_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan->a, CudaType(t.b), p.cols, p.inner, p.BLd()));
   }
   FICCO_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan->b, CudaType(t.a), p.inner, p.rows, p.inner));
-  FICCO_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan->c, CudaType(t.c), p.cols, p.rows, p.cols));
+  FICCO_LT_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&plan->c, CudaType(t.c), p.cols, p.rows, p.CLd()));
   if (p.batch > 1) {  // (cuBLASLt's "A" is our b, its "B" our a)
     FICCO_LT_RETURN_IF_ERROR(SetBatch(plan->a, p.batch, p.b_stride));
     FICCO_LT_RETURN_IF_ERROR(SetBatch(plan->b, p.batch, p.a_stride));

@@ -1,6 +1,6 @@
 // Chunk matmuls: c[rows, cols] = a_scale * b_scale * (a[rows, inner] @ b[inner, cols]) (+ accumulate),
-// row-major, contiguous, f32 accumulation, one rounding to the output dtype. Pure launchers: no FFI
-// types.
+// row-major (b and c may be column slices of wider matrices: b_ld, c_ld), f32 accumulation, one
+// rounding to the output dtype. Pure launchers: no FFI types.
 #ifndef FICCO_JAX_XLA_FFI_DEVICE_GEMM_H_
 #define FICCO_JAX_XLA_FFI_DEVICE_GEMM_H_
 
@@ -45,6 +45,12 @@ struct GemmProblem {
   // (strides in elements of each operand's dtype; read only when batch > 1).
   int64_t batch = 1;
   int64_t a_stride = 0, b_stride = 0, c_stride = 0;
+  // The distance in elements between consecutive rows of b as stored ([inner, cols], or [cols, inner]
+  // when b_transposed) and of c and accumulate; 0: packed. A column slice of a wider matrix (the
+  // column chunks of a reduce-scatter's block: exec/scatter.cc) has its full width here.
+  int64_t b_ld = 0, c_ld = 0;
+  int64_t BLd() const { return b_ld ? b_ld : (types.b_transposed ? inner : cols); }
+  int64_t CLd() const { return c_ld ? c_ld : cols; }
 };
 
 // CPU reference loops.

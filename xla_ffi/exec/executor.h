@@ -149,7 +149,13 @@ struct BlockMatmul {
   // with `add_base`, plus the same rows of its block `add_block` (laid out as the result), added in
   // the matmul's epilogue.
   ffi::Error Run(Backend& backend, const void* in_base, int64_t in_block, void* out_base, int64_t out_block,
-                 int64_t row, int64_t count, const void* add_base = nullptr, int64_t add_block = 0) const;
+                 int64_t row, int64_t count, const void* add_base = nullptr, int64_t add_block = 0) const {
+    return RunColumns(backend, in_base, in_block, out_base, out_block, row, count, 0, cols, add_base, add_block);
+  }
+  // The same for columns [col, col + width) of w and of the result alone (one group).
+  ffi::Error RunColumns(Backend& backend, const void* in_base, int64_t in_block, void* out_base, int64_t out_block,
+                        int64_t row, int64_t count, int64_t col, int64_t width, const void* add_base = nullptr,
+                        int64_t add_block = 0) const;
 };
 
 }  // namespace ficco

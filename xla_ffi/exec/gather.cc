@@ -26,12 +26,21 @@ ffi::Error CopyBlockChunks(Backend& backend, const OpConfig& config, const Block
                             layout.rows * layout.row_bytes);
 }
 
-ffi::Error BlockMatmul::Run(Backend& backend, const void* in_base, int64_t in_block, void* out_base,
-                            int64_t out_block, int64_t row, int64_t count, const void* add_base,
-                            int64_t add_block) const {
+ffi::Error BlockMatmul::RunColumns(Backend& backend, const void* in_base, int64_t in_block, void* out_base,
+                                   int64_t out_block, int64_t row, int64_t count, int64_t col, int64_t width,
+                                   const void* add_base, int64_t add_block) const {
+  // Columns [col, col + width) of w: of its rows ([inner, cols]), or its leading rows when stored
+  // transposed ([cols, inner]); of the result's rows.
+  const int64_t w_offset = (types.b_transposed ? col * inner : col) * static_cast<int64_t>(ByteWidth(types.b));
+  const int64_t res_offset = col * static_cast<int64_t>(ByteWidth(types.c));
   // Every group in one launch: group g reads in's and writes res's group g, times w[g].
-  GemmProblem problem{Offset(in_base, in.At(in_block, 0, row)), w, Offset(out_base, res.At(out_block, 0, row)),
-                      count, inner, cols, types, add_base ? Offset(add_base, res.At(add_block, 0, row)) : nullptr};
+  GemmProblem problem{Offset(in_base, in.At(in_block, 0, row)), Offset(w, w_offset),
+                      Offset(out_base, res.At(out_block, 0, row) + res_offset), count, inner, width, types,
+                      add_base ? Offset(add_base, res.At(add_block, 0, row) + res_offset) : nullptr};
+  if (width != cols) {
+    problem.b_ld = types.b_transposed ? inner : cols;
+    problem.c_ld = cols;
+  }
   if (in.groups > 1) {
     problem.batch = in.groups;
     problem.a_stride = in.rows * inner;
@@ -153,6 +162,10 @@ ffi::Error Gather::Consume(const std::vector<std::vector<Event>>& landed) {
 }  // namespace
 
 ffi::Error RunGather(Backend& backend, const OpConfig& config, const GatherArgs& a) {
+  if (config.gemm == GemmMode::kColumns) {  // a gathered block arrives by rows: there are no column chunks to move
+    return MakeInvalid(config.ctx, "gemm=columns cuts the columns of a reduce-scatter's blocks (matmul_rs); this op "
+                                   "takes gemm=per_chunk or grouped");
+  }
   FICCO_RETURN_IF_ERROR(BeginCall(backend, config, a.layout.rows, a.rows_name));
   CallSession session(config, ScheduleSignature(config, a.kind, a.types,
                                                 {a.layout.groups, a.layout.rows, a.layout.row_bytes, a.inner, a.cols}));

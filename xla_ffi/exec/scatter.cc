@@ -33,6 +33,14 @@ class Scatter {
   ffi::Error SumInMatmuls(const std::vector<std::vector<Event>>& landed);
   ffi::Error AwaitChunks(const std::vector<std::vector<Event>>& landed, int first_slot, int end_slot, int64_t first,
                          int64_t end);
+  // Enqueues chunks [j, j + count) of block `src_block` of `src` into block `dst_block` of `dst`: row
+  // chunks (CopyBlockChunks), or column chunks, each row's piece of them in one 2D copy.
+  ffi::Error CopyChunks(int stream, const void* src, int64_t src_block, void* dst, int64_t dst_block, int64_t j,
+                        int64_t count);
+  // gemm=columns (matmul_rs): chunk j is columns [j * w, (j + 1) * w) of a block, w = cols / chunks, all of
+  // its rows; a chunk matmul reads only those columns of w.
+  bool Columns() const { return config_.gemm == GemmMode::kColumns; }
+  int64_t ChunkCols() const { return a_.cols / config_.chunks; }
   // Only a reduce summing chunk by chunk takes a chunk as it lands (call_session.h, LandedEvents);
   // matmul_rs with gemm=grouped sums the whole block once.
   bool SumsWholeBlock() const { return matmul_ && config_.gemm == GemmMode::kGrouped; }
@@ -41,19 +49,21 @@ class Scatter {
   // so no sum runs after the last matmul. With one chunk the own matmul would wait for the whole
   // partial to land, longer than the sum it saves; on one device nothing lands.
   bool SumsInMatmuls() const {
-    return matmul_ && reduce_ && config_.gemm == GemmMode::kPerChunk && config_.chunks > 1 && config_.n() > 1;
+    return matmul_ && reduce_ && config_.gemm != GemmMode::kGrouped && config_.chunks > 1 && config_.n() > 1;
   }
   LandedEvents Marks() const {
     return reduce_ && !SumsWholeBlock() ? LandedEvents::kPerChunk : LandedEvents::kPerSlot;
   }
   // Per-chunk matmuls write the send slots chunk by chunk; y, and a block's one matmul, are ready at once.
   ReadyMarks Readiness() const {
-    return matmul_ && config_.gemm == GemmMode::kPerChunk ? ReadyMarks::kPerChunk : ReadyMarks::kPerSlot;
+    return matmul_ && config_.gemm != GemmMode::kGrouped ? ReadyMarks::kPerChunk : ReadyMarks::kPerSlot;
   }
   // The parts of the send slots as peers read them (staged, or published on a channel): a reduce's
-  // blocks have one group, so each (slot, chunk) is a contiguous piece; an expert block's chunks are
-  // strided rows of every group, so its pieces are whole slots.
-  int64_t SendPieces() const { return reduce_ ? (config_.n() - 1) * config_.chunks : config_.n() - 1; }
+  // row chunks are contiguous pieces, one per (slot, chunk); an expert block's chunks (strided rows of
+  // every group) and column chunks are not, so their pieces are whole slots.
+  int64_t SendPieces() const {
+    return reduce_ && !Columns() ? (config_.n() - 1) * config_.chunks : config_.n() - 1;
+  }
 
   Backend& backend_;
   const OpConfig& config_;
@@ -107,7 +117,10 @@ ffi::Error Scatter::Produce(CallSession& session, void* send, std::vector<Event>
       if (grouped && j > 0) {
         (*written)[slot * config_.chunks + j] = (*written)[slot * config_.chunks];
       } else {
-        FICCO_RETURN_IF_ERROR(mm_.Run(backend_, a_.y, target, send, slot, grouped ? 0 : j * q, grouped ? a_.rows : q));
+        FICCO_RETURN_IF_ERROR(Columns() ? mm_.RunColumns(backend_, a_.y, target, send, slot, 0, a_.rows,
+                                                         j * ChunkCols(), ChunkCols())
+                                        : mm_.Run(backend_, a_.y, target, send, slot, grouped ? 0 : j * q,
+                                                  grouped ? a_.rows : q));
         FICCO_RETURN_IF_ERROR(backend_.Record(Backend::kCompute, &(*written)[slot * config_.chunks + j]));
       }
       const int64_t index = slot * config_.chunks + j;
@@ -136,8 +149,8 @@ ffi::Error Scatter::Pull(CallSession& session, const void* send, Event entry, co
       [&](int slot, int64_t j) { return ReadyOf(posts[config_.SourceOfSlot(slot)], slot * config_.chunks + j); },
       Readiness(),
       [&](int stream, int peer, const Post& post, int slot, int64_t j, int64_t count) {
-        return CopyBlockChunks(backend_, config_, layout_, stream, post.buffer, matmul_ ? slot : config_.rank,
-                               Landing(), LandingBlock(slot, peer), j, count);
+        return CopyChunks(stream, post.buffer, matmul_ ? slot : config_.rank, Landing(), LandingBlock(slot, peer), j,
+                          count);
       },
       Marks(), landed);
 }
@@ -150,14 +163,23 @@ ffi::Error Scatter::Push(CallSession& session, const void* send, Event entry, co
     return PushChunks(backend_, config_, targets,
                       [&](int slot, int64_t j) { return Ready(exposed[slot * config_.chunks + j]); }, Readiness(),
                       [&](int stream, int target, const Post& post, int slot, int64_t j, int64_t count) {
-                        return CopyBlockChunks(backend_, config_, layout_, stream, matmul_ ? send : a_.y,
-                                               matmul_ ? slot : target, Destination(post, 0),
-                                               LandingBlock(slot, config_.rank), j, count);
+                        return CopyChunks(stream, matmul_ ? send : a_.y, matmul_ ? slot : target,
+                                          Destination(post, 0), LandingBlock(slot, config_.rank), j, count);
                       },
                       Marks(), pushed);
   };
   // Only a reduce reads what lands here; otherwise XLA's stream waits for it (CallSession::Push).
   return session.Push(backend_, Landing(), entry, push, /*consumed=*/reduce_, landed);
+}
+
+ffi::Error Scatter::CopyChunks(int stream, const void* src, int64_t src_block, void* dst, int64_t dst_block, int64_t j,
+                               int64_t count) {
+  if (!Columns()) return CopyBlockChunks(backend_, config_, layout_, stream, src, src_block, dst, dst_block, j, count);
+  const int64_t offset = j * ChunkCols() * static_cast<int64_t>(ByteWidth(a_.types.c));
+  return backend_.CopyPieces(stream, Offset(dst, layout_.At(dst_block, 0, 0) + offset),
+                             Offset(src, layout_.At(src_block, 0, 0) + offset),
+                             count * ChunkCols() * static_cast<int64_t>(ByteWidth(a_.types.c)), a_.rows,
+                             layout_.row_bytes);
 }
 
 // XLA's stream waits until chunks [first, end) of receive slots [first_slot, end_slot) have landed
@@ -198,7 +220,9 @@ ffi::Error Scatter::ReduceChunks(const std::vector<std::vector<Event>>& landed) 
 // (the matmul waits for slot 0 alone). The first
 // half's partials were sent in the first half of the peers' send matmuls and the second half's by
 // their end, so unless the copies are slower than the matmuls neither waits; two matmuls, not one
-// per chunk, keep the own block's matmuls large.
+// per chunk, keep the own block's matmuls large. gemm=columns: the halves are the block's left and
+// right columns, and on more than two devices the other slots' partials are summed once, after both
+// (their column halves are not contiguous).
 ffi::Error Scatter::SumInMatmuls(const std::vector<std::vector<Event>>& landed) {
   const int64_t q = a_.rows / config_.chunks;
   const int64_t esize = static_cast<int64_t>(ByteWidth(a_.types.c));
@@ -207,21 +231,33 @@ ffi::Error Scatter::SumInMatmuls(const std::vector<std::vector<Event>>& landed) 
   for (int half = 0; half < 2; ++half) {
     const int64_t first = bounds[half], end = bounds[half + 1];
     FICCO_RETURN_IF_ERROR(AwaitChunks(landed, 0, 1, first, end));  // the matmul adds slot 0 only
-    FICCO_RETURN_IF_ERROR(mm_.Run(backend_, a_.y, config_.rank, a_.out, 0, first * q, (end - first) * q, a_.recv, 0));
-    if (config_.n() == 2) continue;
+    FICCO_RETURN_IF_ERROR(Columns() ? mm_.RunColumns(backend_, a_.y, config_.rank, a_.out, 0, 0, a_.rows,
+                                                     first * ChunkCols(), (end - first) * ChunkCols(), a_.recv, 0)
+                                    : mm_.Run(backend_, a_.y, config_.rank, a_.out, 0, first * q, (end - first) * q,
+                                              a_.recv, 0));
+    if (config_.n() == 2 || Columns()) continue;
     FICCO_RETURN_IF_ERROR(AwaitChunks(landed, 1, config_.n() - 1, first, end));
     const int64_t offset = first * q * a_.cols * esize;
     FICCO_RETURN_IF_ERROR(backend_.Reduce({Offset(a_.out, offset), Offset(a_.out, offset),
                                            Offset(a_.recv, block_elems * esize + offset), block_elems,
                                            config_.n() - 2, (end - first) * q * a_.cols, a_.types.c}));
   }
-  return ffi::Error::Success();
+  if (config_.n() == 2 || !Columns()) return ffi::Error::Success();
+  FICCO_RETURN_IF_ERROR(AwaitChunks(landed, 1, config_.n() - 1, 0, config_.chunks));
+  return backend_.Reduce({a_.out, a_.out, Offset(a_.recv, block_elems * esize), block_elems, config_.n() - 2,
+                          block_elems, a_.types.c});
 }
 
 }  // namespace
 
 ffi::Error RunScatter(Backend& backend, const OpConfig& config, const ScatterArgs& a) {
-  FICCO_RETURN_IF_ERROR(BeginCall(backend, config, a.rows, a.rows_name));
+  if (config.gemm == GemmMode::kColumns && (a.w == nullptr || a.recv == nullptr || a.groups != 1)) {
+    return MakeInvalid(config.ctx, "gemm=columns cuts the columns of matmul_rs's blocks; this op takes "
+                                   "gemm=per_chunk or grouped");
+  }
+  const bool columns = config.gemm == GemmMode::kColumns;  // the chunks cut a block's columns, not its rows
+  FICCO_RETURN_IF_ERROR(
+      BeginCall(backend, config, columns ? a.cols : a.rows, columns ? "the columns of a block" : a.rows_name));
   CallSession session(config, ScheduleSignature(config, a.kind, a.types, {a.groups, a.rows, a.inner, a.cols}));
   return Scatter(backend, config, a).Run(session);
 }

@@ -22,7 +22,7 @@ struct OpAttrs {
   int64_t group_size;             // n
   int64_t chunks;
   int64_t order;                  // 0 ring, 1 direct
-  int64_t gemm;                   // 0 per_chunk, 1 grouped
+  int64_t gemm;                   // 0 per_chunk, 1 grouped, 2 columns
   int64_t copy_streams;
   int64_t timeout_ms;
   int64_t watchdog_ms;            // config.WATCHDOG_S: device work may take this long once started; 0: unwatched

@@ -12,7 +12,10 @@
 namespace ficco {
 
 enum class Order : int { kRing = 0, kDirect = 1 };
-enum class GemmMode : int { kPerChunk = 0, kGrouped = 1 };
+// How a block's matmuls and transfers are cut: c row chunks, a matmul each (kPerChunk); row chunks
+// that move apart but one matmul per block (kGrouped); or, for matmul_rs, c column chunks, a matmul
+// each (kColumns: each chunk reads only its columns of w, where a thin row chunk reads all of w).
+enum class GemmMode : int { kPerChunk = 0, kGrouped = 1, kColumns = 2 };
 
 class CallWatch;  // runtime/watchdog.h
 

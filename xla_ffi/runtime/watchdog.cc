@@ -31,6 +31,7 @@ std::string Seconds(double seconds) {
 std::string ScheduleText(int64_t chunks, Order order, GemmMode gemm, int copy_streams, bool push) {
   std::string text = std::string("dma/") + (order == Order::kRing ? "ring" : "direct") + "/c" + std::to_string(chunks);
   if (gemm == GemmMode::kGrouped) text += "/grouped";
+  if (gemm == GemmMode::kColumns) text += "/columns";
   if (copy_streams != 1) text += "/s" + std::to_string(copy_streams);
   if (push) text += "/push";
   return text;

@@ -31,7 +31,8 @@ spreads the peers over ``copy_streams`` copy streams (peer slot s on stream s % 
 ``ring`` pulls one peer at a time on one stream. Both pull from the owner directly: on an
 NVSwitch node every owner is one hop away, so "ring" is an issue order, not relaying.
 matmul_rs with ``gemm="grouped"``: one matmul per peer block (its chunks still move
-separately) and one reduction per block once all its chunks landed.
+separately) and one reduction per block once all its chunks landed; with ``gemm="columns"``: chunk j
+is columns [j N/c, (j+1) N/c) of every block, its own matmul and one 2D copy.
 ``transfer="push"`` turns the roles round: each sender's copy streams write its chunks into the
 peers (rank r to r+1 first), after the receiver's entry event, and a second meeting hands the
 chunk events to the receivers. Groups inside one process only (a ValueError across processes).
@@ -265,7 +266,7 @@ def _lowering(ctx, *operands, op, axis_name, axis_size, op_id, schedule, timeout
         group_size=np.int64(axis_size),
         chunks=np.int64(schedule.chunks),
         order=np.int64({"ring": 0, "direct": 1}[schedule.order]),
-        gemm=np.int64({"per_chunk": 0, "grouped": 1}[schedule.gemm]),
+        gemm=np.int64({"per_chunk": 0, "grouped": 1, "columns": 2}[schedule.gemm]),
         copy_streams=np.int64(schedule.copy_streams),
         timeout_ms=np.int64(timeout_ms),
         watchdog_ms=np.int64(watchdog_ms),
