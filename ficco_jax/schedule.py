@@ -133,6 +133,12 @@ class Schedule:
     def replace(self, **changes) -> "Schedule":
         return dataclasses.replace(self, **changes)
 
+    def for_op(self, op: str) -> "Schedule":
+        """This schedule as `op` takes it where one schedule is given for several ops (overlap's
+        `schedule`, a forward's for its backward): column chunks cut a reduce-scatter's blocks
+        alone (COLUMN_OPS), so another op takes as many row chunks."""
+        return self.replace(gemm="per_chunk") if self.gemm == "columns" and op not in COLUMN_OPS else self
+
     def __str__(self) -> str:
         if self.comm == "none":
             return "none"

@@ -376,7 +376,7 @@ def test_expert_ops_refuse_fp8_with_the_way_out(mesh1d, rng):
         run_sharded(mesh1d, lambda x, w: ficco_jax.a2a_matmul(x, w, "tp"), ((P("tp"), P("tp")), P("tp")), x, w)
 
 
-WRAP_SCHEDULES = ["xla/ring/c2", "xla/direct/c1"] + (["dma/direct/c1", "dma/direct/c2/grouped"]
+WRAP_SCHEDULES = ["xla/ring/c2", "xla/direct/c1"] + (["dma/direct/c1", "dma/direct/c2/grouped", "dma/direct/c2/columns"]
                                                      if extension.available() else [])
 
 

@@ -1,7 +1,7 @@
 """The design space: enumeration, validation messages, string round trip."""
 import pytest
 
-from ficco_jax import Schedule
+from ficco_jax import Schedule, ops
 from ficco_jax.schedule import OPS
 
 
@@ -66,6 +66,10 @@ def test_column_chunks_are_for_the_reduce_scatter_on_copy_engines():
     six_columns = r"w.shape\[1\]=6 .* must divide by schedule.chunks=4; valid chunk counts: \[2\]"
     with pytest.raises(ValueError, match=six_columns):
         cols.validate("matmul_rs", ((16, 4), (4, 6)), 4)
+    # One schedule given for several ops (overlap's, a forward's for its backward): the other ops cut rows.
+    assert cols.for_op("matmul_rs") == cols and cols.for_op("matmul_psum") == cols
+    assert all(cols.for_op(op) == Schedule.parse("dma/direct/c4") for op in ("ag_matmul", "a2a_matmul", "matmul_a2a"))
+    assert ops.on_xla(cols) == Schedule.parse("xla/direct/c4")
 
 
 def test_matmul_psum_takes_matmul_rs_schedules():

@@ -46,8 +46,10 @@ def resolve_schedule(op: str, schedule: ScheduleArg, shapes, dtype, axis_size: i
 
 def on_xla(sched: Schedule) -> Schedule:
     """The steps of copy-engine schedule `sched` as XLA's collectives run them (comm="xla"): for a
-    call whose numerics the executor lacks (f32 products rounded to bf16 partials)."""
-    return sched.replace(comm="xla", copy_streams=1, transfer="pull")
+    call whose numerics the executor lacks (f32 products rounded to bf16 partials). XLA's
+    collectives move row chunks, so column chunks (gemm="columns") become as many row chunks."""
+    gemm = "per_chunk" if sched.gemm == "columns" else sched.gemm
+    return sched.replace(comm="xla", copy_streams=1, transfer="pull", gemm=gemm)
 
 
 def transposed_schedule(op: str, sched: Schedule, shapes, dtype, n: int, out_dtype=None) -> Schedule:
@@ -55,10 +57,9 @@ def transposed_schedule(op: str, sched: Schedule, shapes, dtype, n: int, out_dty
     pair share one design space), else auto. matmul_rs on copy engines is direct-only: there a
     ring schedule keeps its copy engines and changes its order. A backward whose numerics copy
     engines lack (the bf16 partials of a mixed-precision backward) runs the same steps on XLA's
-    collectives. Only matmul_rs cuts its blocks' columns (gemm="columns"): the gather op's backward
+    collectives. Column chunks are a reduce-scatter's (Schedule.for_op): the gather op's backward
     keeps the chunk count, cutting rows."""
-    if sched.gemm == "columns" and op != "matmul_rs":
-        sched = sched.replace(gemm="per_chunk")
+    sched = sched.for_op(op)
     candidates = [sched]
     if sched.comm == "dma" and op == "matmul_rs":
         candidates.append(sched.replace(order="direct"))

@@ -88,15 +88,17 @@ class Options:
         if self.schedule == "autotune":
             return self._autotune(site, args, where)
         if isinstance(self.schedule, Schedule):
+            given = self.schedule.for_op(site.op)  # column chunks: row chunks at a gather site
             try:
-                chosen = ops.resolve_schedule(site.op, self.schedule, *args, **where)
-                return chosen, str(self.schedule), plain_path_note(site, chosen, how="given")
+                chosen = ops.resolve_schedule(site.op, given, *args, **where)
+                shown = str(given) if given == self.schedule else f"{given} (given {self.schedule}; {site.op} cuts rows)"
+                return chosen, shown, plain_path_note(site, chosen, how="given")
             except TypeError as err:
                 # Numerics the executor lacks (bf16 partials rounded from f32 products): the same
                 # steps on XLA's collectives.
-                if self.schedule.comm != "dma":
+                if given.comm != "dma":
                     raise
-                chosen = ops.resolve_schedule(site.op, ops.on_xla(self.schedule), *args, **where)
+                chosen = ops.resolve_schedule(site.op, ops.on_xla(given), *args, **where)
                 why = str(err).split(": ", 1)[-1].split(";")[0]
                 return chosen, f"{chosen} (given {self.schedule}; {why})", ""
             except ValueError as err:

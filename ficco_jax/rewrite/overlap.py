@@ -369,10 +369,11 @@ def overlap(fn: Callable | None = None, *, schedule="auto", autotune: bool = Fal
     (match_global.py).
 
     ``overlap(f)(*args)`` equals ``f(*args)``, the in-place updates `f` makes to its arguments
-    included (NNX Variables, dict entries, jax Refs). `schedule` applies to every site where it is valid
-    ("auto" elsewhere, with a log line); ``autotune=True`` measures candidates per site when the
-    function is first called (explain() shows a cached pick and measures nothing); `ops`
-    chooses which patterns are rewritten. Usable as ``@overlap`` or ``@overlap(schedule=...)``.
+    included (NNX Variables, dict entries, jax Refs). `schedule` applies to every site where it is
+    valid ("auto" elsewhere, with a log line; column chunks cut the reduce-scatter sites, and the
+    other sites take as many row chunks); ``autotune=True`` measures candidates per site when the
+    function is first called (explain() shows a cached pick and measures nothing); `ops` chooses
+    which patterns are rewritten. Usable as ``@overlap`` or ``@overlap(schedule=...)``.
     """
     options = Options.make(schedule, autotune, ops)
     if fn is None:
