@@ -22,7 +22,7 @@ optax = pytest.importorskip("optax")
 from ficco_jax.rewrite import explain, overlap  # noqa: E402
 from helpers import TOLERANCE, rel_err  # noqa: E402
 
-SCHEDULES = ["xla/ring/c2", "dma/direct/c2"]
+SCHEDULES = ["xla/ring/c2", "dma/direct/c2", "dma/direct/c2/columns"]
 T, D_IN, D, F = 64, 8, 16, 32  # tokens, input width, hidden, ffn
 STEPS = 3
 LEARNING_RATE = 0.05
