@@ -24,7 +24,7 @@ TRANSPOSE = {"ag_matmul": "matmul_rs", "matmul_rs": "ag_matmul", "a2a_matmul": "
 #: The executor's targets an op's copy-engine schedule calls, where they are not the op's own.
 TARGETS = {"matmul_psum": ("matmul_rs", "all_gather")}
 SCHEDULES = ["none", "xla/ring/c2", "xla/bidirectional/c2", "xla/direct/c2", "dma/direct/c2", "dma/ring/c2",
-             "dma/direct/c1/push"]
+             "dma/direct/c1/push", "dma/direct/c2/columns"]
 
 
 def _ep_specs(mesh):

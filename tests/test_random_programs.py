@@ -53,7 +53,7 @@ DTYPES = (("float32", False), ("bfloat16", False), ("bfloat16", True))  # (opera
 # Forced schedules: "auto" keeps the plain path on CPU, so these make the rewritten ops run. A
 # schedule a site's shapes refuse falls back to "auto" there.
 SCHEDULES = ("xla/ring/c1", "xla/ring/c2", "xla/bidirectional/c2",
-             *(("dma/direct/c1", "dma/ring/c2") if extension.available() else ()))
+             *(("dma/direct/c1", "dma/ring/c2", "dma/direct/c2/columns") if extension.available() else ()))
 PROGRAMS = settings(max_examples=25, deadline=None, derandomize=True, database=None, print_blob=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
