@@ -19,7 +19,7 @@ takes exactly `matmul_rs`'s schedules:
   ``matmul_psum``) on copy engines also ``"columns"``: the c chunks cut each output block's columns
   instead of its rows, one matmul each. A row chunk's matmul reads the whole weight for a c-th of
   the work; a column chunk's reads a c-th of it, which keeps thin blocks off the memory bound (on
-  2 x H100, four 512-row chunks of [2048, 14336] @ [14336, 8192] took 1.047x one matmul, four column
+  one H100, four 512-row chunks of [2048, 14336] @ [14336, 8192] took 1.047x one matmul, four column
   chunks 0.988x).
 - ``copy_streams``: how many copy streams (copy engines) the transfers of a ``dma`` direct
   schedule are spread over.
@@ -171,13 +171,16 @@ class Schedule:
         fields = dict(comm=parts[0], order=parts[1], chunks=int(parts[2][1:]))
         for extra in parts[3:]:
             if extra in ("grouped", "columns"):
-                fields["gemm"] = extra
+                field, value = "gemm", extra
             elif extra.startswith("s") and extra[1:].isdigit():
-                fields["copy_streams"] = int(extra[1:])
+                field, value = "copy_streams", int(extra[1:])
             elif extra in TRANSFERS:
-                fields["transfer"] = extra
+                field, value = "transfer", extra
             else:
                 raise ValueError(f"cannot parse schedule {text!r}: unknown part {extra!r}")
+            if field in fields:
+                raise ValueError(f"cannot parse schedule {text!r}: {extra!r} sets {field} a second time")
+            fields[field] = value
         return cls(**fields)
 
     # ----------------------------------------------------------------------------------------

@@ -11,6 +11,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 2e-3}
 
 
+def runs_given(site, schedule: str) -> bool:
+    """Whether an `explain` site runs the schedule given to overlap: as given, or with as many row
+    chunks at a gather site where the schedule cuts a reduce-scatter's columns (Schedule.for_op)."""
+    from ficco_jax import Schedule
+    taken = Schedule.parse(schedule).for_op(site.op)
+    return site.schedule == schedule if str(taken) == schedule else site.schedule.startswith(f"{taken} (given {schedule};")
+
+
 def batch_axes(mesh):
     return tuple(a for a in mesh.axis_names if a != "tp")
 

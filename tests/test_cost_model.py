@@ -140,6 +140,20 @@ def test_column_chunks_read_a_share_of_the_weight_each():
     assert wide[cols] == pytest.approx(wide[rows], rel=0.02)
 
 
+def test_auto_picks_column_chunks_where_its_profile_was_fitted_to_them_and_row_chunks_for_fp8():
+    """The shipped 2 x H100 profile, fitted to op times of both splits, picks column chunks for the bf16
+    reduce-scatter anchors; FP8 operands, outside that fit, keep row chunks, in auto's and in autotune's
+    candidates alike."""
+    local = shapes("matmul_rs", 8192, 8192, 10240, 2)
+    prof = cost_model.load_profile("h100x2")
+    comms = ("none", "xla", "dma")
+    assert select.select_schedule("matmul_rs", local, "bfloat16", 2, profile=prof, comms=comms).gemm == "columns"
+    fp8 = select.select_schedule("matmul_rs", local, "float8_e4m3fn", 2, profile=prof, comms=comms)
+    assert fp8.comm == "dma" and fp8.gemm != "columns", fp8
+    assert any(s.gemm == "columns" for s in select.candidates("matmul_rs", 2, comms, "bfloat16"))
+    assert not any(s.gemm == "columns" for s in select.candidates("matmul_rs", 2, comms, jax.numpy.float8_e4m3fn))
+
+
 @pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs"])
 def test_where_xla_serializes_its_collectives_an_xla_schedule_costs_its_parts_in_sequence(op):
     """With `xla_overlaps` off (what every characterized machine showed), an xla schedule's time is

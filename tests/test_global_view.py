@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P, reshard
 
-from ficco_jax import Schedule, explain, overlap
+from ficco_jax import explain, overlap
 from ficco_jax.rewrite.match_global import GSPMD_FIX
 from ficco_jax.rewrite.matchers import ALL_OPS, find_sites
 from ficco_jax.rewrite.overlap import Report
 from ficco_jax.rewrite.shardings import spec_of_axes
 from ficco_jax.runtime import extension
+from helpers import runs_given
 
 XLA = "xla/ring/c2"
 DMA = "dma/direct/c2"
@@ -62,13 +63,6 @@ def _assert_same(got, want, dtype=jnp.float32):
 
 def _ops(report):
     return [r.op for r in report.sites]
-
-
-def _runs_given(site, schedule: str) -> bool:
-    """Whether a site runs the schedule given to overlap: as it was given, or with as many row chunks
-    where the site is a gather and the schedule cuts a reduce-scatter's columns (Schedule.for_op)."""
-    taken = Schedule.parse(schedule).for_op(site.op)
-    return site.schedule == schedule if str(taken) == schedule else site.schedule.startswith(f"{taken} (given {schedule};")
 
 
 # --------------------------------------------------------------------------------------------
@@ -118,7 +112,7 @@ def test_block_forward_and_gradients_equal(mesh, block, make_args, schedule, dty
     # One op per gather: the attention's K and V projections read the rows the Q projection's op returns.
     assert _ops(report) == ["ag_matmul", "matmul_rs"] and not report.near_misses, str(report)
     assert (block is megatron_mlp) != ("also used by 2 more" in report.sites[0].shapes), str(report)
-    assert all(_runs_given(r, schedule) and r.axis_name == "tp" for r in report.sites), str(report)
+    assert all(runs_given(r, schedule) and r.axis_name == "tp" for r in report.sites), str(report)
     _assert_same(jax.jit(fused)(*args), jax.jit(block)(*args), dtype)
     grad = lambda f: jax.jit(jax.grad(_loss(f), argnums=tuple(range(len(args)))))  # noqa: E731
     _assert_same(grad(fused)(*args), grad(block)(*args), dtype)
@@ -219,7 +213,7 @@ def test_all_reduced_matmul_forward_and_gradients_equal(mesh, schedule, dtype):
     report = explain(fused, *args)
     assert _ops(report) == ["matmul_psum"] and not report.near_misses, str(report)
     site = report.sites[0]
-    assert site.axis_name == "tp" and _runs_given(site, schedule)
+    assert site.axis_name == "tp" and runs_given(site, schedule)
     assert site.matmul_2d == f"[{B // 2 * S},{F // 4}]·[{F // 4},{D}]"  # local rows (b, s), local contraction
     _assert_same(jax.jit(fused)(*args), jax.jit(tensor_parallel_mlp)(*args), dtype)
     grad = lambda f: jax.jit(jax.grad(_loss(f), argnums=(0, 1, 2)))  # noqa: E731
@@ -311,7 +305,7 @@ def test_fp8_sites_become_the_scaled_ops(mesh, schedule):
     fused = overlap(fp8_mlp, schedule=schedule)
     report = explain(fused, *args)
     assert _ops(report) == ["ag_matmul", "matmul_rs"] and not report.near_misses, str(report)
-    assert all("(FP8, scaled)" in r.shapes and _runs_given(r, schedule) for r in report.sites), str(report)
+    assert all("(FP8, scaled)" in r.shapes and runs_given(r, schedule) for r in report.sites), str(report)
     assert report.sites[0].shapes.startswith(f"x float8_e4m3fn[{B}@dp,{S}@tp,{D}] gathered dim 1"), str(report)
     (h, y), (h_ref, y_ref) = jax.jit(fused)(*args), jax.jit(fp8_mlp)(*args)
     _assert_same(h, h_ref, jnp.bfloat16)

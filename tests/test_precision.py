@@ -431,6 +431,25 @@ def test_wrap_orders_of_a_mixed_precision_step(mesh1d, rng, schedule):
             assert same_bits(g, r) > 0.99, same_bits(g, r)
 
 
+@pytest.mark.skipif(not extension.available(), reason="ficco_jax._ffi is not built")
+def test_a_column_schedule_where_the_backward_scatter_rows_do_not_divide(mesh1d, rng):
+    """3 rows per reduce-scatter block on 8 devices: the forward reduce-scatter cuts its columns, the
+    backward one (bf16 partials of f32 products, XLA's collectives) cannot cut rows and takes "auto",
+    and the step equals the plain one."""
+    layer = mixed_precision_mlp(mesh1d)
+    loss = lambda x, w1, w2: jnp.sum(layer(x, w1, w2) ** 2)  # noqa: E731
+    x, w1, w2 = (jnp.asarray(rng.standard_normal(s) * c, jnp.bfloat16)
+                 for s, c in (((24, 32), 1.0), ((32, 64), 0.1), ((64, 32), 0.1)))
+    plain = jax.value_and_grad(loss, argnums=(0, 1, 2))
+    fused = ficco_jax.overlap(plain, schedule="dma/direct/c2/columns")
+    shown = [r.schedule for r in ficco_jax.explain(fused, x, w1, w2).sites]
+    assert shown[1] == "dma/direct/c2/columns" and shown[3].endswith("(auto)"), shown
+    (value, grads), (value_ref, grads_ref) = jax.jit(fused)(x, w1, w2), jax.jit(plain)(x, w1, w2)
+    assert rel_err(value, value_ref) < TOLERANCE["float32"]
+    for g, r in zip(grads, grads_ref):
+        assert rel_err(g, r) < TOLERANCE["bfloat16"]
+
+
 def _moe_layer(mesh, widened: bool):
     """Dispatch, expert matmuls and combine with bf16 weights and f32 accumulation; `widened`:
     the same numerics with the operands widened to f32 (XLA's CPU backend has no batched bf16 x

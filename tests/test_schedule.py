@@ -70,6 +70,9 @@ def test_column_chunks_are_for_the_reduce_scatter_on_copy_engines():
     assert cols.for_op("matmul_rs") == cols and cols.for_op("matmul_psum") == cols
     assert all(cols.for_op(op) == Schedule.parse("dma/direct/c4") for op in ("ag_matmul", "a2a_matmul", "matmul_a2a"))
     assert ops.on_xla(cols) == Schedule.parse("xla/direct/c4")
+    for twice in ("dma/direct/c4/grouped/columns", "dma/direct/c4/s2/s4", "dma/direct/c4/push/pull"):
+        with pytest.raises(ValueError, match="a second time"):
+            Schedule.parse(twice)
 
 
 def test_matmul_psum_takes_matmul_rs_schedules():

@@ -139,6 +139,9 @@ COLLECTIVE_CASES = [
      TypeError, r"all_gather: schedule must be None, 'auto', a comm='dma' ficco_jax.Schedule or its string form; found int"),
     ("ag-schedule-xla", lambda m: _gather(m, _zeros((64, 4)), schedule="xla/ring/c1"),
      ValueError, r"all_gather: dma.all_gather runs comm='dma' schedules only, found xla/ring/c1"),
+    ("rs-columns", lambda m: _scatter(m, _zeros((512, 4)), schedule="dma/direct/c2/columns"),
+     ValueError, r"reduce_scatter: dma.reduce_scatter moves row chunks; gemm='columns' cuts the output columns of "
+                 r"matmul_rs and matmul_psum: use dma/direct/c2"),
     ("ag-rows-vs-chunks", lambda m: _gather(m, _zeros((24, 4)), schedule="dma/direct/c8"),
      ValueError, r"all_gather: 3 rows per block .*schedule.chunks=8; valid chunk counts for this shape: \[1\]"),
     ("rs-not-divisible", lambda m: _scatter(m, _zeros((8 * 12, 4))),

@@ -90,17 +90,18 @@ class Options:
         if isinstance(self.schedule, Schedule):
             given = self.schedule.for_op(site.op)  # column chunks: row chunks at a gather site
             try:
-                chosen = ops.resolve_schedule(site.op, given, *args, **where)
-                shown = str(given) if given == self.schedule else f"{given} (given {self.schedule}; {site.op} cuts rows)"
-                return chosen, shown, plain_path_note(site, chosen, how="given")
-            except TypeError as err:
-                # Numerics the executor lacks (bf16 partials rounded from f32 products): the same
-                # steps on XLA's collectives.
-                if given.comm != "dma":
-                    raise
-                chosen = ops.resolve_schedule(site.op, ops.on_xla(given), *args, **where)
-                why = str(err).split(": ", 1)[-1].split(";")[0]
-                return chosen, f"{chosen} (given {self.schedule}; {why})", ""
+                try:
+                    chosen = ops.resolve_schedule(site.op, given, *args, **where)
+                    shown = str(given) if given == self.schedule else f"{given} (given {self.schedule}; {site.op} cuts rows)"
+                    return chosen, shown, plain_path_note(site, chosen, how="given")
+                except TypeError as err:
+                    # Numerics the executor lacks (bf16 partials rounded from f32 products): the same
+                    # steps on XLA's collectives, which cut rows (where the rows allow, else "auto").
+                    if given.comm != "dma":
+                        raise
+                    chosen = ops.resolve_schedule(site.op, ops.on_xla(given), *args, **where)
+                    why = str(err).split(": ", 1)[-1].split(";")[0]
+                    return chosen, f"{chosen} (given {self.schedule}; {why})", ""
             except ValueError as err:
                 logger.info("ficco_jax.overlap: %s at %s: using 'auto' instead (%s)",
                             self.schedule, site.record.where, err)

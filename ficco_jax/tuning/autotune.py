@@ -18,7 +18,7 @@ import numpy as np
 from .. import config
 from ..schedule import Schedule
 from . import cost_model
-from .select import available_comms, profile_for, select_schedule
+from .select import available_comms, candidates, profile_for, select_schedule
 
 log = logging.getLogger("ficco_jax")
 
@@ -102,13 +102,13 @@ def autotune_schedule(op, shapes, dtype, axis_size, *, measure: Callable | None,
     if measure is None:
         raise ValueError(f"autotune {key}: no `measure` callable to time the candidates with")
     comms = tuple(comms or available_comms())
-    ranked = cost_model.rank(op, shapes, dtype, axis_size, Schedule.enumerate(op, axis_size, comms),
+    ranked = cost_model.rank(op, shapes, dtype, axis_size, candidates(op, axis_size, comms, dtype),
                              profile_for(axis_size))
-    candidates = [s for _, s in ranked[:AUTOTUNE_TOP_K]]
-    if Schedule(comm="none") not in candidates:
-        candidates.append(Schedule(comm="none"))
-    times = {str(s): measure(op, s, shapes, dtype, axis_size) for s in candidates}
-    best = min(candidates, key=lambda s: times[str(s)])
+    shortlist = [s for _, s in ranked[:AUTOTUNE_TOP_K]]
+    if Schedule(comm="none") not in shortlist:
+        shortlist.append(Schedule(comm="none"))
+    times = {str(s): measure(op, s, shapes, dtype, axis_size) for s in shortlist}
+    best = min(shortlist, key=lambda s: times[str(s)])
     log.info("ficco_jax autotune %s: chose %s (%.3f ms) of %s", key, best, times[str(best)], times)
     cache.put(key, best, times)
     return best

@@ -191,7 +191,7 @@ def test_back_to_back_calls_gpu(transfer):
 
 
 @pytest.mark.parametrize("sched", ["dma/direct/c1", "dma/direct/c2", "dma/direct/c4", "dma/direct/c4/push",
-                                   "dma/direct/c4/grouped"])
+                                   "dma/direct/c4/grouped", "dma/direct/c2/columns", "dma/direct/c4/columns"])
 def test_fp8_matmul_rs_gpu(sched):
     """FP8 matmul_rs with bf16 results: per-chunk schedules add the received partial in the own block's
     FP8 matmuls (cuBLASLt's C, bf16), the others sum after; all equal the plain path's."""

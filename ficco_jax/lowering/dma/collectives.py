@@ -131,6 +131,9 @@ def _collective_schedule(op: str, schedule, n: int, rows: int) -> Schedule:
     schedule = as_schedule(op, schedule, "None, 'auto', a comm='dma' ficco_jax.Schedule or its string form")
     if schedule.comm != "dma":
         raise ValueError(f"{op}: dma.{op} runs comm='dma' schedules only, found {schedule}")
+    if schedule.gemm == "columns":
+        raise ValueError(f"{op}: dma.{op} moves row chunks; gemm='columns' cuts the output columns of matmul_rs "
+                         f"and matmul_psum: use {schedule.replace(gemm='per_chunk')}")
     problem = schedule._problem("ag_matmul", n)  # same transfer rules: ring/direct, stream counts
     if problem is not None:
         raise ValueError(f"{op}: schedule {schedule} is not valid: {problem}")

@@ -8,7 +8,7 @@ reference loops (what the tests exercise).
 Attributes of every FFI target (one struct per op in xla_ffi/ffi/):
   op_id, groups (flat i64 array), local_ordinals (same length), ipc_job, group_size, chunks,
   order (0 ring, 1 direct),
-  gemm (0 per_chunk, 1 grouped), copy_streams, timeout_ms (config.RENDEZVOUS_TIMEOUT_S),
+  gemm (0 per_chunk, 1 grouped, 2 columns), copy_streams, timeout_ms (config.RENDEZVOUS_TIMEOUT_S),
   watchdog_ms (config.WATCHDOG_S), site (where the op was written: `site_label`),
   skip_own_rows, transfer (0 pull, 1 push: senders write into their peers, in-process groups only),
   w_col_major (1: the matmul's w, operand 1, is column-major; 0 for the collectives),
