@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .. import config
+from ..lowering import xla as xla_lowering
 from ..ops import api, measure
 from ..ops.measure import AXIS, op_body, sharded
 from ..schedule import A2A_OPS, Schedule, local_shapes
@@ -60,10 +61,12 @@ CPU_SHAPES = {"tiny_M256_K128_N256": (256, 128, 256)}
 def variants(op, shapes, dtype, n, schedules) -> tuple[list, object]:
     """([(label, schedule)], auto's pick) of one (op, per-device shapes): JAX sequential, the listed
     schedules, JAX's ring, and the schedule "auto" would pick on a GPU of this machine's profile
-    (on CPU "auto" means no overlap), each once."""
+    (on CPU "auto" means no overlap), each once. FP8 leaves JAX's ring out unless it is listed
+    (`xla/ring`): its chunk-sized FP8 dots are new problems for XLA's autotuning, 33-49 s each on an
+    H100 (`fp8_gemm`), for a path no faster than the FP8 ops."""
     selected = select.select_schedule(op, shapes, dtype, n)
     out = [("jax_seq", "ref")] + [(f"ficco:{s}", s) for s in schedules]
-    if Schedule(comm="xla", order="ring") not in schedules:
+    if Schedule(comm="xla", order="ring") not in schedules and not config.is_fp8(dtype):
         out.append(("jax_ring", Schedule(comm="xla", order="ring")))
     if selected not in schedules:
         out.append((f"ficco:{selected}", selected))
@@ -108,11 +111,7 @@ def _bounds(op, name, M, K, N, dtype, mesh, progress, timers=None) -> list[Row]:
     else:  # reduce-scatters every device's [M, K] product (an FP8 matmul's partials are bf16)
         full_a, coll_shape, coll_dtype = (M, N // n), (M * n, K), "bfloat16" if fp8 else dtype
         collective = lambda y: jax.lax.psum_scatter(y, "tp", scatter_dimension=0, tiled=True)  # noqa: E731
-    # FP8: XLA's plain FP8 dot. JAX sequential's dequantize-then-dot would share its autotuning (one
-    # first-run autotuning less, about 45 s on an H100), but it is no bound: on 2 x H100 (2026-11-27) it
-    # took 0.663 ms for matmul_rs [8192, 8192] @ [8192, 10240], where the plain FP8 dot took 0.506 and
-    # the FP8 op 0.579.
-    gemm = (lambda a, w: jnp.dot(a, w, preferred_element_type=jnp.bfloat16)) if fp8 else (lambda a, w: a @ w)
+    gemm = fp8_gemm(fp8_scales(local_shapes(op, M, K, N, n))) if fp8 else (lambda a, w: a @ w)
     return bound_rows(Row(op, name, M, K, N, ""), mesh, dtype, progress, gemm=gemm,
                       gemm_shapes=(full_a, w_shape), collective=collective, collective_shape=coll_shape,
                       spec=P("tp", None), collective_dtype=coll_dtype, timers=timers)
@@ -121,27 +120,45 @@ def _bounds(op, name, M, K, N, dtype, mesh, progress, timers=None) -> list[Row]:
 # ------------------------------------------------------------------------------------------------
 # FP8 operands: e4m3 with per-tensor scales, bf16 results
 # ------------------------------------------------------------------------------------------------
+def fp8_scales(shapes) -> tuple[float, float]:
+    """(x_scale, w_scale) of an FP8 case of per-device `shapes`: 1, and w's 1/sqrt(K) as a power of two."""
+    return 1.0, 2.0 ** -round(np.log2(np.sqrt(shapes[0][-1])))
+
+
 def fp8_inputs(op, shapes, dtype, mesh, seed: int = 0):
     """(FP8 operands, body_of) of one case: unit-normal values quantized to `dtype` (w carries its
     1/sqrt(K) as a power-of-two scale, so the f32 reference of the FP8 values is exact), and
-    bodies calling the op with those scales and bf16 results ("ref": JAX's dequantize-then-dot)."""
+    bodies calling the op with those scales and bf16 results ("ref": JAX sequential, `fp8_body`)."""
     a, w = measure.make_inputs(op, shapes, "float32", mesh, seed=seed)
-    w_scale = 2.0 ** -round(np.log2(np.sqrt(shapes[0][-1])))
-    scales = (1.0, w_scale)
+    scales = fp8_scales(shapes)
     args = [a.astype(dtype), (w * (np.sqrt(shapes[0][-1]))).astype(dtype)]
     return args, lambda op, schedule: fp8_body(op, schedule, scales)
 
 
-def fp8_body(op: str, schedule, scales):
-    """The per-device body of the FP8 `op` under `schedule`; "ref" is the reference in plain JAX
-    (the all-gather or reduce-scatter around the dequantize-then-dot, what the op's comm="none"
-    schedule runs), in f32 when it is given f32 operands (the check's reference)."""
+def fp8_gemm(scales):
+    """XLA's FP8 dot as JAX sequential runs it, alone: the op's plain path (`comm="none"`) computes its
+    product so, and the bound must be the same program's dot. One program shape, one autotuning: XLA
+    caches the search per fused dot, so JAX sequential and the GEMM alone pay for it once (15-45 s of
+    a first run on an H100, almost all of it the search over Triton GEMM configurations)."""
     sx, sw = (jnp.float32(s) for s in scales)
-    if schedule == "ref":
-        ref = api.ag_matmul_ref if op == "ag_matmul" else api.matmul_rs_ref
-        return lambda a, w: ref(a, w, AXIS, x_scale=sx, w_scale=sw,
-                                out_dtype=jnp.float32 if a.dtype == jnp.float32 else jnp.bfloat16)
+    return lambda a, w: xla_lowering.product(a, w, jnp.bfloat16, (sx, sw))
+
+
+def fp8_body(op: str, schedule, scales):
+    """The per-device body of the FP8 `op` under `schedule`. "ref" is JAX sequential: on FP8 operands
+    the op's plain path (the all-gather or reduce-scatter around XLA's FP8 dot, `fp8_gemm`), on f32
+    operands the meaning in f32 (the check's reference: the dequantize-then-dot)."""
+    sx, sw = (jnp.float32(s) for s in scales)
     fn = api.ag_matmul if op == "ag_matmul" else api.matmul_rs
+
+    def ref(a, w):
+        if a.dtype == jnp.float32:
+            meaning = api.ag_matmul_ref if op == "ag_matmul" else api.matmul_rs_ref
+            return meaning(a, w, AXIS, x_scale=sx, w_scale=sw, out_dtype=jnp.float32)
+        return fn(a, w, AXIS, schedule=Schedule(comm="none"), x_scale=sx, w_scale=sw, out_dtype=jnp.bfloat16)
+
+    if schedule == "ref":
+        return ref
     return lambda a, w: fn(a, w, AXIS, schedule=schedule, x_scale=sx, w_scale=sw, out_dtype=jnp.bfloat16)
 
 
@@ -450,7 +467,8 @@ def fp8_table(result: dict) -> str:
                      f" | {speedup(bf16.get('seq'), fp8.get('seq'))} | {speedup(bf16.get('best'), fp8.get('best'))}"
                      f" | {speedup(bf16.get('seq'), fp8.get('best'))} |")
     lines.append("Speed-ups: the bf16 time over the FP8 one (above 1: FP8 faster). JAX seq FP8 is the "
-                 "all-gather / reduce-scatter around JAX's dequantize-then-dot (the ops' comm=\"none\").")
+                 "all-gather / reduce-scatter around XLA's FP8 dot, scales applied to its f32 result (the ops' "
+                 "comm=\"none\"); the GEMM alone is that dot.")
     if result["platform"] == "cpu":
         lines.append("On CPU these times are host loops of tiny shapes: they mean nothing about a GPU.")
     return "\n".join(lines) + "\n"
