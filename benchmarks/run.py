@@ -36,6 +36,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import catalog  # noqa: E402
+from peers import tp_table  # noqa: E402
 
 VENV = "/opt/torch/.venv/bin"
 FIXED_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
@@ -209,6 +210,23 @@ def write_summary(out: str, rows: list[tuple], gpus: int, env: dict, pack: bool)
     return table
 
 
+def comparison_table(out: str, suites: list[str]) -> str | None:
+    """Where `bench` and `peers` both ran: their tensor-parallel results in one table
+    (peers/tp_table.py), also written to OUT/tp_table.md; None where they did not, or bench left no result."""
+    bench = os.path.join(out, "bench", "bench.json")
+    if not {"bench", "peers"} <= set(suites) or not os.path.isfile(bench):
+        return None
+    peer = {name: os.path.join(out, "peers", f"{name}.json") for name in ("torch_tp", "jax_tp_windowed")}
+    try:
+        table = tp_table.markdown(*(tp_table.load(path if os.path.isfile(path) else None)
+                                    for path in (bench, peer["torch_tp"], peer["jax_tp_windowed"])))
+    except tp_table.Mismatch as e:
+        return f"No comparison table: {e}\n"
+    with open(os.path.join(out, "tp_table.md"), "w") as fh:
+        fh.write(table)
+    return table
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.list:
@@ -235,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((name, "CUT", 0.0, "not started: --budget spent"))
             continue
         rows.append((name, *run_suite(suite, args, env, gpus, limit)))
+    peers_table = comparison_table(args.out, args.suites)
+    if peers_table:
+        print("\n" + peers_table, end="", flush=True)
     print("\n" + write_summary(args.out, rows, gpus, env, args.pack), flush=True)
     return 0 if all(status in (0, "skipped") for _, status, _, _ in rows) else 1
 

@@ -1,0 +1,95 @@
+"""benchmarks/peers/tp_table.py: bench's results and the peers' in one table, one machine only, and
+run.py printing it where `bench` and `peers` ran together."""
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TABLE = REPO / "benchmarks" / "peers" / "tp_table.py"
+sys.path.insert(0, str(REPO / "benchmarks"))
+from peers import tp_table  # noqa: E402 - benchmarks/ is not a package
+
+DEVICE = "NVIDIA H100 80GB HBM3"
+
+
+def _bench(device=DEVICE, n=2):
+    def row(op, variant, ms, selected=False):
+        return {"op": op, "shape": "qkv", "M": 8192, "K": 8192, "N": 10240, "variant": variant, "median_ms": ms,
+                "selected": selected}
+    rows = []
+    for op, scale in (("ag_matmul", 1.0), ("matmul_rs", 1.1)):
+        rows += [row(op, "jax_seq", 1.25 * scale), row(op, "jax_ring", 1.2 * scale),
+                 row(op, "ficco:dma/direct/c1", 1.02 * scale, selected=op == "ag_matmul"),
+                 row(op, "ficco:dma/direct/c2", 1.01 * scale, selected=op == "matmul_rs"),
+                 row(op, "ficco:xla/ring/c2", None), row(op, "gemm_alone", 1.0 * scale), row(op, "ideal", 1.0 * scale)]
+    return {"device": device, "n_devices": n, "dtype": "bfloat16", "commit": "abc1234", "date": "2026-11-28",
+            "method": "device time", "rows": rows}
+
+
+def _torch(device=DEVICE, n=2):
+    return {"peer": "pytorch", "torch": "2.11", "device": device, "n": n, "commit": "abc1234", "method": "CUDA events",
+            "rows": [{"shape": "qkv", "ag_seq": 1.3, "ag_async_tp": 0.99, "rs_seq": 1.4, "rs_async_tp": 1.2}]}
+
+
+def _windowed(device=DEVICE, n=2):
+    return {"peer": "jax", "device": device, "n": n, "commit": "abc1234", "method": "device time",
+            "rows": [{"shape": "qkv", "ag_xla_windowed": 1.5, "rs_xla_windowed": 1.6}]}
+
+
+def test_one_row_per_case_with_every_peer():
+    ag, rs = tp_table.rows(_bench(), _torch(), _windowed())
+    assert (ag["op"], ag["JAX seq"], ag["XLA windowed"], ag["PyTorch seq"], ag["PyTorch async-TP"]) == \
+        ("ag_matmul", 1.25, 1.5, 1.3, 0.99)
+    # auto: the selected variant; best: the fastest timed one (a variant without a time is no candidate)
+    assert (ag["ficco auto (pick)"], ag["pick"], ag["ficco best (schedule)"], ag["best"]) == \
+        (1.02, "dma/direct/c1", 1.01, "dma/direct/c2")
+    assert ag["fastest"] == "PyTorch async-TP" and rs["fastest"] == "ficco auto"  # a tie goes to auto
+    assert rs["ficco auto (pick)"] == pytest.approx(1.111) and rs["pick"] == "dma/direct/c2"
+    text = tp_table.markdown(_bench(), _torch(), _windowed())
+    assert "| ag_matmul | qkv 8192,8192,10240 | 1.000 | 1.250 | 1.500 | 1.300 | 0.990 | 1.020 (dma/direct/c1) |" in text
+    assert "1.020x | PyTorch async-TP |" in text and "2 x NVIDIA H100 80GB HBM3" in text
+    assert "torch_tp at `abc1234`; CUDA events" in text  # every source's method is named
+
+
+def test_missing_peers_leave_dashes():
+    (ag, _) = tp_table.rows(_bench())
+    assert ag["PyTorch seq"] is None and ag["XLA windowed"] is None and ag["fastest"] == "ficco best"
+    assert "| 1.250 | — | — | — |" in tp_table.markdown(_bench())
+
+
+@pytest.mark.parametrize("other", [{"device": "NVIDIA H200"}, {"n": 4}])
+def test_files_of_another_machine_are_refused(tmp_path, other):
+    (tmp_path / "bench.json").write_text(json.dumps(_bench()))
+    (tmp_path / "torch.json").write_text(json.dumps(_torch(**other)))
+    done = subprocess.run([sys.executable, str(TABLE), str(tmp_path / "bench.json"), "--torch",
+                           str(tmp_path / "torch.json")], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "one table holds one machine" in done.stderr and done.stdout == ""
+
+
+def test_a_file_in_the_wrong_place_is_named(tmp_path):
+    (tmp_path / "bench.json").write_text(json.dumps(_bench()))
+    done = subprocess.run([sys.executable, str(TABLE), str(tmp_path / "bench.json"), "--windowed",
+                           str(tmp_path / "bench.json")], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "jax_tp_windowed file is not jax_tp_windowed.json" in done.stderr
+    done = subprocess.run([sys.executable, str(TABLE), str(tmp_path / "nope.json")], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and "cannot read" in done.stderr and "nope.json" in done.stderr
+
+
+def test_run_prints_the_table_where_bench_and_peers_ran(tmp_path):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import run  # noqa: PLC0415 - benchmarks/ is not a package
+
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "peers").mkdir()
+    (tmp_path / "bench" / "bench.json").write_text(json.dumps(_bench()))
+    (tmp_path / "peers" / "jax_tp_windowed.json").write_text(json.dumps(_windowed()))
+    assert run.comparison_table(str(tmp_path), ["bench"]) is None
+    table = run.comparison_table(str(tmp_path), ["bench", "peers"])
+    assert "| 1.250 | 1.500 | — | — |" in table  # windowed in its column, PyTorch not run
+    assert (tmp_path / "tp_table.md").read_text() == table
+    (tmp_path / "peers" / "torch_tp.json").write_text(json.dumps(_torch(n=8)))
+    assert run.comparison_table(str(tmp_path), ["bench", "peers"]).startswith("No comparison table: torch_tp")
