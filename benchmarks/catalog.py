@@ -78,9 +78,9 @@ def _demo(ctx):
     return [Step("demo", _py(ctx, "-m", "ficco_jax", "demo", "--out", ctx.out, *ctx.options))]
 
 
-#: Seconds a bench case may still take once started: the slowest seen, an FP8 anchor's first run whose
-#: JAX sequential compile autotunes XLA's FP8 dot (36-42 s of a 55 s case on 2 x H100, 2026-11-27),
-#: with room to spare.
+#: Seconds a bench case may still take once started: the slowest seen is an FP8 anchor's first run,
+#: whose JAX sequential program autotunes XLA's FP8 dot (2 x H200, 2026-11-28: 41-92 s of 56-105 s per
+#: case with its bf16 twin), with some room to spare.
 BENCH_CASE_S = 120
 
 

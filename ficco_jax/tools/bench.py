@@ -62,8 +62,8 @@ def variants(op, shapes, dtype, n, schedules) -> tuple[list, object]:
     """([(label, schedule)], auto's pick) of one (op, per-device shapes): JAX sequential, the listed
     schedules, JAX's ring, and the schedule "auto" would pick on a GPU of this machine's profile
     (on CPU "auto" means no overlap), each once. FP8 leaves JAX's ring out unless it is listed
-    (`xla/ring`): its chunk-sized FP8 dots are new problems for XLA's autotuning, 33-49 s each on an
-    H100 (`fp8_gemm`), for a path no faster than the FP8 ops."""
+    (`xla/ring`): its chunk-sized FP8 dots are new problems for XLA's autotuning (33-49 s per anchor on
+    2 x H100, 2026-11-27), for a path that was slower than the FP8 ops in every case measured then."""
     selected = select.select_schedule(op, shapes, dtype, n)
     out = [("jax_seq", "ref")] + [(f"ficco:{s}", s) for s in schedules]
     if Schedule(comm="xla", order="ring") not in schedules and not config.is_fp8(dtype):
@@ -137,9 +137,10 @@ def fp8_inputs(op, shapes, dtype, mesh, seed: int = 0):
 
 def fp8_gemm(scales):
     """XLA's FP8 dot as JAX sequential runs it, alone: the op's plain path (`comm="none"`) computes its
-    product so, and the bound must be the same program's dot. One program shape, one autotuning: XLA
-    caches the search per fused dot, so JAX sequential and the GEMM alone pay for it once (15-45 s of
-    a first run on an H100, almost all of it the search over Triton GEMM configurations)."""
+    product so, and the bound must be the same program's dot. One dot, one autotuning: XLA caches its
+    search per fused dot, so JAX sequential and the GEMM alone pay for it once: JAX sequential's step took
+    41-92 s per anchor in a first run on 2 x H200 (2026-11-28), the GEMM alone then about 1 s; nearly all
+    of such a compile is XLA's search over Triton GEMM configurations (2 x H100, 2026-11-27)."""
     sx, sw = (jnp.float32(s) for s in scales)
     return lambda a, w: xla_lowering.product(a, w, jnp.bfloat16, (sx, sw))
 
