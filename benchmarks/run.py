@@ -4,7 +4,7 @@
     python benchmarks/run.py --list
 
 Suites (benchmarks/catalog.py; benchmarks/README.md says what each measures and how long it
-takes): build, tests, demo, bench, peers, accuracy, e2e, hang, faults, soak, load, multiprocess,
+takes): build, tests, demo, bench, peers, compare, accuracy, e2e, hang, faults, soak, load, multiprocess,
 characterize, fp8, trace, timeline. `all` runs every suite the machine can.
 
 Each suite writes its logs and JSON under OUT/<suite>/ (OUT: --out, else $OUT, else out/) and the
@@ -211,15 +211,20 @@ def write_summary(out: str, rows: list[tuple], gpus: int, env: dict, pack: bool)
 
 
 def comparison_table(out: str, suites: list[str]) -> str | None:
-    """Where `bench` and `peers` both ran: their tensor-parallel results in one table
-    (peers/tp_table.py), also written to OUT/tp_table.md; None where they did not, or bench left no result."""
-    bench = os.path.join(out, "bench", "bench.json")
-    if not {"bench", "peers"} <= set(suites) or not os.path.isfile(bench):
+    """Where `compare` ran, or `bench` and `peers` together: their tensor-parallel results in one table
+    (peers/tp_table.py), also written to OUT/tp_table.md; None where neither ran, or bench left no result."""
+    if "compare" in suites:
+        bench_dir = peers_dir = os.path.join(out, "compare")
+    elif {"bench", "peers"} <= set(suites):
+        bench_dir, peers_dir = os.path.join(out, "bench"), os.path.join(out, "peers")
+    else:
         return None
-    peer = {name: os.path.join(out, "peers", f"{name}.json") for name in ("torch_tp", "jax_tp_windowed")}
+    paths = [os.path.join(bench_dir, "bench.json")] + [os.path.join(peers_dir, f"{name}.json")
+                                                        for name in ("torch_tp", "jax_tp_windowed")]
+    if not os.path.isfile(paths[0]):
+        return None
     try:
-        table = tp_table.markdown(*(tp_table.load(path if os.path.isfile(path) else None)
-                                    for path in (bench, peer["torch_tp"], peer["jax_tp_windowed"])))
+        table = tp_table.markdown(*(tp_table.load(path if os.path.isfile(path) else None) for path in paths))
     except tp_table.Mismatch as e:
         return f"No comparison table: {e}\n"
     with open(os.path.join(out, "tp_table.md"), "w") as fh:

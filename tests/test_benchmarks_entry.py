@@ -16,7 +16,7 @@ from ficco_jax.runtime import extension
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RUN = REPO / "benchmarks" / "run.py"
-SUITES = ["build", "tests", "demo", "bench", "peers", "accuracy", "e2e", "hang", "faults", "soak", "load",
+SUITES = ["build", "tests", "demo", "bench", "peers", "compare", "accuracy", "e2e", "hang", "faults", "soak", "load",
           "multiprocess", "characterize", "fp8", "host", "trace", "timeline"]
 
 

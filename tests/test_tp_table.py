@@ -1,5 +1,5 @@
-"""benchmarks/peers/tp_table.py: bench's results and the peers' in one table, one machine only, and
-run.py printing it where `bench` and `peers` ran together."""
+"""benchmarks/peers/tp_table.py: bench's results and the peers' in one table, one machine only; run.py
+printing it where `compare`, or `bench` and `peers`, ran; the `compare` suite end to end on CPU."""
 import json
 import pathlib
 import subprocess
@@ -93,3 +93,29 @@ def test_run_prints_the_table_where_bench_and_peers_ran(tmp_path):
     assert (tmp_path / "tp_table.md").read_text() == table
     (tmp_path / "peers" / "torch_tp.json").write_text(json.dumps(_torch(n=8)))
     assert run.comparison_table(str(tmp_path), ["bench", "peers"]).startswith("No comparison table: torch_tp")
+
+
+def test_run_prints_the_compare_suites_table(tmp_path):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import catalog  # noqa: PLC0415 - benchmarks/ is not a package
+    import run  # noqa: PLC0415
+
+    (tmp_path / "compare").mkdir()
+    (tmp_path / "compare" / "bench.json").write_text(json.dumps(_bench()))
+    (tmp_path / "compare" / "torch_tp.json").write_text(json.dumps(_torch()))
+    table = run.comparison_table(str(tmp_path), ["build", "compare"])
+    assert "| 1.250 | — | 1.300 | 0.990 |" in table  # PyTorch in its columns, XLA windowed not run
+    assert catalog._compare_result(str(tmp_path / "compare")) == \
+        "auto the fastest (ties included) in 1 of 2 cases; peers: torch_tp"
+
+
+def test_the_compare_suite_runs_on_cpu(tmp_path):
+    """`run.py compare --cpu`: bench at a tiny shape, the peers skipped saying why, the table, the summary."""
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "run.py"), "compare", "--cpu", "--out",
+                           str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "need 2 or more GPUs: skipped" in done.stdout
+    table = (tmp_path / "tp_table.md").read_text()
+    assert table in done.stdout and "| ag_matmul | tiny_M256_K128_N256 256,128,256 |" in table
+    assert done.stdout.rstrip().splitlines()[-1].startswith("| compare | 0 |")
+    assert "cases; peers: none |" in done.stdout.rstrip().splitlines()[-1]

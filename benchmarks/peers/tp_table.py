@@ -105,6 +105,7 @@ def rows(bench: dict, torch: dict | None = None, windowed: dict | None = None) -
                "ficco auto (pick)": auto_ms, "pick": pick, "ficco best (schedule)": best_ms, "best": best}
         timed = {label: row[c] for c, label in FASTEST.items() if row[c] is not None}
         row["fastest"] = min(timed, key=timed.get) if timed else None  # a tie goes to the earlier column
+        row["auto_fastest"] = auto_ms is not None and auto_ms <= min(timed.values())  # ties included
         out.append(row)
     return out
 
