@@ -6,6 +6,7 @@ its output in a log under the suite's out dir). `benchmarks/README.md` says the 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import json
@@ -93,22 +94,32 @@ def _bench(ctx):
     return [Step("bench", _py(ctx, "-m", "ficco_jax", "bench", "--out", ctx.out, *extra))]
 
 
-#: Seconds `compare` keeps for its peers after bench: PyTorch took 14-20 s and XLA's windowed einsum
-#: 37-45 s on 2 x H200 (2026-11-28), with room for a slower start.
+#: Seconds `compare` keeps after bench's last case for bench's start-up and its peers: PyTorch took
+#: 14-20 s and XLA's windowed einsum 37-45 s on 2 x H200 (2026-11-28).
 COMPARE_PEERS_S = 100
 
 
 def _compare(ctx):
     """bench on the anchors (3 interleaved rounds, no windowed child: XLA's windowed einsum is the
     peer below), PyTorch sequential and async-TP, XLA's windowed einsum; run.py then prints their one
-    table (peers/tp_table.py). Every file lands in the suite's out dir."""
-    budget = max(30, ctx.limit_s - BENCH_CASE_S - COMPARE_PEERS_S)
+    table (peers/tp_table.py). Every file lands in the suite's out dir; an earlier run's are removed
+    first, so the table and the result line hold this run's alone. A limit too short for the peers
+    after a useful bench leaves them out, saying so."""
+    for name in ("bench", "torch_tp", "jax_tp_windowed"):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(ctx.out, f"{name}.json"))
+    budget = ctx.limit_s - BENCH_CASE_S - COMPARE_PEERS_S
+    peers = ctx.gpus >= 2 and budget >= 30
+    budget = budget if peers else max(30, ctx.limit_s - BENCH_CASE_S)
     steps = [Step("bench", _py(ctx, "-m", "ficco_jax", "bench", "--out", ctx.out, "--rounds", 3, "--no-windowed",
                                "--budget-s", budget, *ctx.options))]
-    if ctx.gpus >= 2:
+    if peers:
         steps += [Step("torch_tp", _py(ctx, "-m", "torch.distributed.run", f"--nproc-per-node={ctx.gpus}",
                                        f"{PEERS_DIR}/torch_tp.py", "--out", ctx.out)),
                   Step("jax_tp_windowed", _py(ctx, f"{PEERS_DIR}/jax_tp.py", "--windowed", "--out", ctx.out))]
+    elif ctx.gpus >= 2:
+        steps.append(Step("peers", None, note=f"the suite's {ctx.limit_s} s limit leaves no time for the peers "
+                                              f"(they need {BENCH_CASE_S + COMPARE_PEERS_S + 30} s or more): skipped"))
     else:
         steps.append(Step("peers", None, note="PyTorch async-TP and XLA's windowed einsum need 2 or more GPUs: skipped"))
     return steps
@@ -118,13 +129,14 @@ def _compare_result(out: str) -> str:
     """In how many cases `auto` was the fastest of the table's timed columns, and which peers ran."""
     from peers import tp_table  # noqa: PLC0415 - benchmarks/ is on run.py's path, not a package
 
-    paths = {name: os.path.join(out, f"{name}.json") for name in ("bench", "torch_tp", "jax_tp_windowed")}
-    if not os.path.isfile(paths["bench"]):
+    bench, *peers = tp_table.from_dirs(out, out)
+    if bench is None:
         raise OSError("bench wrote no bench.json")
-    rows = tp_table.rows(*(tp_table.load(p if os.path.isfile(p) else None) for p in paths.values()))
-    peers = [name for name in ("torch_tp", "jax_tp_windowed") if os.path.isfile(paths[name])]
-    return (f"auto the fastest (ties included) in {sum(r['auto_fastest'] for r in rows)} of {len(rows)} cases; "
-            f"peers: {', '.join(peers) or 'none'}")
+    rows = tp_table.rows(bench, *peers)
+    ran = ", ".join(name for name, data in zip(tp_table.PEERS, peers) if data and "skipped" not in data) or "none"
+    if not tp_table.meaningful(bench):
+        return f"{len(rows)} cases on CPU (times meaningless); peers: {ran}"
+    return f"auto the fastest in {sum(r['auto_fastest'] for r in rows)} of {len(rows)} cases; peers: {ran}"
 
 
 def _peers(ctx):
@@ -332,10 +344,10 @@ SUITES = {s.name: s for s in [
           "any; 2+ GPUs for real numbers", 0, 480, _bench, takes_options=True),
     Suite("peers", "PyTorch async-TP and sequential, JAX seq / ring / XLA (windowed einsum), collectives vs NCCL",
           "2+ GPUs (CPU: the JAX peers at a tiny shape)", 0, 540, _peers, _peers_result, takes_options=True),
-    # On 2 x H200 (2026-11-28) bench started its last anchor case after 219 s and ended at 251 s; the peers
-    # took 51 s more.
-    Suite("compare", "one table of the anchors: ficco_jax (auto and best), JAX seq and ring, the ideal, PyTorch "
-          "seq and async-TP, XLA's windowed einsum (bench --rounds 3, the peers, peers/tp_table.py)",
+    # On 2 x H200 (2026-11-28) the same commands run by hand: bench started its last anchor case after 219 s
+    # and ended at 251 s; the peers took 51 s more.
+    Suite("compare", "one table of the anchors: ficco_jax's auto, JAX seq, the ideal, PyTorch seq and async-TP, "
+          "XLA's windowed einsum (bench --rounds 3, the peers, peers/tp_table.py)",
           "2+ GPUs (CPU: bench at a tiny shape, the peers skipped)", 0, 480, _compare, _compare_result,
           takes_options=True),
     Suite("accuracy", "held-out check of schedule='auto': its pick vs the best measured vs JAX sequential",

@@ -210,23 +210,25 @@ def write_summary(out: str, rows: list[tuple], gpus: int, env: dict, pack: bool)
     return table
 
 
-def comparison_table(out: str, suites: list[str]) -> str | None:
-    """Where `compare` ran, or `bench` and `peers` together: their tensor-parallel results in one table
-    (peers/tp_table.py), also written to OUT/tp_table.md; None where neither ran, or bench left no result."""
+def comparison_table(out: str, suites: list[str], since: float) -> str | None:
+    """Where `compare` ran, or `bench` and `peers` together: the tensor-parallel results they wrote
+    since `since` (this run's start) in one table (peers/tp_table.py), also written to OUT/tp_table.md;
+    None where neither ran or bench wrote no result in this run."""
     if "compare" in suites:
-        bench_dir = peers_dir = os.path.join(out, "compare")
+        dirs = (os.path.join(out, "compare"),) * 2
     elif {"bench", "peers"} <= set(suites):
-        bench_dir, peers_dir = os.path.join(out, "bench"), os.path.join(out, "peers")
+        dirs = (os.path.join(out, "bench"), os.path.join(out, "peers"))
     else:
         return None
-    paths = [os.path.join(bench_dir, "bench.json")] + [os.path.join(peers_dir, f"{name}.json")
-                                                        for name in ("torch_tp", "jax_tp_windowed")]
-    if not os.path.isfile(paths[0]):
-        return None
     try:
-        table = tp_table.markdown(*(tp_table.load(path if os.path.isfile(path) else None) for path in paths))
+        files = tp_table.from_dirs(*dirs, since=since)
+        if files[0] is None:
+            return None
+        table = tp_table.markdown(*files)
     except tp_table.Mismatch as e:
         return f"No comparison table: {e}\n"
+    except (KeyError, TypeError) as e:  # a file of the right kind with a field missing or of another type
+        return f"No comparison table: a result file is malformed ({type(e).__name__}: {e})\n"
     with open(os.path.join(out, "tp_table.md"), "w") as fh:
         fh.write(table)
     return table
@@ -247,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                 fh.write(subprocess.run(cmd, capture_output=True, text=True).stdout)
     print(f"benchmarks: {gpus} GPU(s){'' if gpus else ' (CPU run: 8 virtual CPU devices)'}; "
           f"commit {env.get('FICCO_COMMIT', 'from git')}; out {os.path.abspath(args.out)}", flush=True)
-    start, rows = time.monotonic(), []
+    start, started_at, rows = time.monotonic(), time.time(), []
     for name in args.suites:
         suite = catalog.SUITES[name]
         limit = args.limit or suite.limit_s
@@ -258,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((name, "CUT", 0.0, "not started: --budget spent"))
             continue
         rows.append((name, *run_suite(suite, args, env, gpus, limit)))
-    peers_table = comparison_table(args.out, args.suites)
+    peers_table = comparison_table(args.out, args.suites, since=started_at)
     if peers_table:
         print("\n" + peers_table, end="", flush=True)
     print("\n" + write_summary(args.out, rows, gpus, env, args.pack), flush=True)

@@ -180,9 +180,10 @@ def _cuda_dots(fn, *args) -> list[str]:
 
 
 @pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs"])
-def test_fp8_jax_sequential_and_the_gemm_bound_hold_one_dot(mesh1d, op):
-    """On GPUs, JAX sequential's FP8 program (the op's plain path) and the GEMM alone hold the same FP8
-    dot, so XLA autotunes it once for both: same operand shapes, FP8 types and f32 accumulation."""
+def test_fp8_jax_sequential_and_the_gemm_bound_hold_one_dot(mesh1d, monkeypatch, op):
+    """On GPUs, JAX sequential's FP8 program (the op's plain path) and the bench's GEMM-alone bound hold
+    the same FP8 dot, so XLA autotunes it once for both: same operand shapes, FP8 types, f32 accumulation.
+    The bound is taken from `bench._bounds` as the bench builds it."""
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -190,14 +191,16 @@ def test_fp8_jax_sequential_and_the_gemm_bound_hold_one_dot(mesh1d, op):
     from ficco_jax.schedule import local_shapes
 
     mesh = Mesh(mesh1d.devices[:2], ("tp",))
-    shapes = local_shapes(op, 64, 32, 48, 2)
+    M, K, N = 64, 32, 48
+    shapes = local_shapes(op, M, K, N, 2)
     args, body_of = bench.fp8_inputs(op, shapes, "float8_e4m3fn", mesh)
     (seq,) = _cuda_dots(sharded(mesh, op, body_of(op, "ref")), *args)
-    gemm = jax.shard_map(bench.fp8_gemm(bench.fp8_scales(shapes)), mesh=mesh, in_specs=(P("tp"), P("tp")),
-                         out_specs=P("tp"))
-    full_a = (shapes[0][0] * 2, shapes[0][1]) if op == "ag_matmul" else shapes[0]  # x gathered / y as is
-    operands = [jax.device_put(jax.numpy.ones((2 * r, c), "float8_e4m3fn"), NamedSharding(mesh, P("tp")))
-                for r, c in (full_a, shapes[1])]
+    built = {}
+    monkeypatch.setattr(bench, "bound_rows", lambda *a, **kw: built.update(kw) or [])
+    bench._bounds(op, "t", M, K, N, "float8_e4m3fn", mesh, progress=lambda _: None)
+    gemm = jax.shard_map(built["gemm"], mesh=mesh, in_specs=(P("tp"), P("tp")), out_specs=P("tp"))
+    operands = [jax.device_put(jax.numpy.ones((2 * shape[0], *shape[1:]), "float8_e4m3fn"), NamedSharding(mesh, P("tp")))
+                for shape in built["gemm_shapes"]]  # as harness.bound_rows places them: one block per device
     (alone,) = _cuda_dots(gemm, *operands)
     assert seq == alone, (seq, alone)
     assert seq.count("f8E4M3FN") == 2 and seq.endswith("xf32>"), seq

@@ -3,67 +3,95 @@
     python3 benchmarks/peers/tp_table.py BENCH_JSON [--torch TORCH_JSON] [--windowed WINDOWED_JSON]
         [--out FILE]
 
-BENCH_JSON is `python -m ficco_jax bench`'s bench.json (ficco_jax's `auto` pick and its fastest
-schedule, JAX sequential, the ideal bound), TORCH_JSON benchmarks/peers/torch_tp.py's torch_tp.json
-(PyTorch sequential and async-TP), WINDOWED_JSON `jax_tp.py --windowed`'s jax_tp_windowed.json (XLA's
-windowed einsum; a bench run with its windowed rows needs none). Each file keeps its own timing
-method (device time for the JAX programs, CUDA events for PyTorch); the table says so, and names the
-device, date and commit of every file. Files from different devices or group sizes are refused: a
-table never mixes machines. Prints the markdown table (and writes it to FILE with --out); exits 2
-on a file that cannot be read or does not match. Needs neither jax nor torch.
+BENCH_JSON is `python -m ficco_jax bench`'s bench.json (ficco_jax's `auto` pick and the fastest of
+the ficco schedules it measured, JAX sequential, the ideal bound), TORCH_JSON
+benchmarks/peers/torch_tp.py's torch_tp.json (PyTorch sequential and async-TP), WINDOWED_JSON `jax_tp.py
+--windowed`'s jax_tp_windowed.json (XLA's windowed einsum; without it, bench's own windowed rows where
+it has them). Each file keeps its own timing method (device time for the JAX programs, CUDA events for
+PyTorch); the table names the method and commit of every file it took a column from, bench's device
+and date, and a peer that skipped itself (its file says why). Refused, with exit status 2: a file
+that cannot be read, a file in another's place, files of another device, group size or dtype, or a
+shape whose M,K,N differ between files: a table never mixes machines or problems. Prints the markdown
+table (and writes it to FILE with --out). Needs neither jax nor torch: it reads the files alone, so
+it groups bench's rows itself rather than through ficco_jax.tools.report.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 OPS = {"ag_matmul": "ag", "matmul_rs": "rs"}
-#: (column, where its value comes from) after op and shape; "auto" and "best" are ficco_jax's.
+#: The table's columns after op and shape.
 COLUMNS = ("ideal", "JAX seq", "XLA windowed", "PyTorch seq", "PyTorch async-TP", "ficco auto (pick)",
            "ficco best (schedule)", "auto / ideal", "fastest")
-
-#: The timed columns and their names in "fastest".
-FASTEST = {"JAX seq": "JAX seq", "XLA windowed": "XLA windowed", "PyTorch seq": "PyTorch seq",
-           "PyTorch async-TP": "PyTorch async-TP", "ficco auto (pick)": "ficco auto", "ficco best (schedule)": "ficco best"}
+#: The timed columns, by their names in "fastest"; a tie goes to the earlier one, so `auto` keeps a tie
+#: (its pick "none" is JAX sequential's own program, timed once).
+FASTEST = {"ficco auto": "ficco auto (pick)", "ficco best": "ficco best (schedule)", "JAX seq": "JAX seq",
+           "XLA windowed": "XLA windowed", "PyTorch seq": "PyTorch seq", "PyTorch async-TP": "PyTorch async-TP"}
+#: Each peer file: its "peer" field, and a key every one of its rows holds (bench.json has no "peer").
+PEERS = {"torch_tp": ("pytorch", "ag_async_tp"), "jax_tp_windowed": ("jax", "ag_xla_windowed")}
+FILES = ("bench", *PEERS)
 
 
 class Mismatch(ValueError):
-    """The files cannot go in one table (another device, group size, or no rows)."""
+    """The files cannot go in one table (unreadable, in another's place, another machine or problem)."""
 
 
 def load(path: str | None) -> dict | None:
+    """The JSON object at `path` (None: no file given)."""
     if path is None:
         return None
     try:
         with open(path) as fh:
-            return json.load(fh)
+            data = json.load(fh)
     except (OSError, ValueError) as e:
         raise Mismatch(f"cannot read {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise Mismatch(f"{path} holds no result object")
+    return data
 
 
-#: What each file is, told by its head: bench.json has no "peer"; the peers say which they are.
-KINDS = {"bench": None, "torch_tp": "pytorch", "jax_tp_windowed": "jax"}
+def from_dirs(bench_dir: str, peers_dir: str, since: float | None = None) -> list[dict | None]:
+    """[bench, torch_tp, jax_tp_windowed] as one run left them: bench.json in `bench_dir`, the peers'
+    files in `peers_dir`; a file that is missing, or older than `since` (seconds since the epoch: the
+    run's start, so an earlier run's file in the same folder is not taken), is None."""
+    paths = [os.path.join(bench_dir, "bench.json")] + [os.path.join(peers_dir, f"{name}.json") for name in PEERS]
+    return [load(p) if os.path.isfile(p) and (since is None or os.path.getmtime(p) >= since) else None
+            for p in paths]
 
 
-def _check_same_machine(bench: dict, others: dict[str, dict]) -> None:
-    for name, data in {"bench": bench, **others}.items():
-        if data.get("peer") != KINDS[name] or "rows" not in data:
-            raise Mismatch(f"the {name} file is not {name}.json (its head: peer={data.get('peer')!r}); "
-                           f"give bench.json, torch_tp.json and jax_tp_windowed.json in their places")
-    want = (bench.get("device"), bench.get("n_devices"))
-    for name, data in others.items():
-        have = (data.get("device"), data.get("n"))
-        if have != want:
-            raise Mismatch(f"{name} was measured on {have[1]} x {have[0]}, bench on {want[1]} x {want[0]}: "
-                           f"one table holds one machine; give files of the same run")
+def _skip_reason(data: dict | None) -> str | None:
+    return data.get("skipped") if data and isinstance(data.get("skipped"), str) else None
+
+
+def _check(bench: dict, peers: dict[str, dict]) -> None:
+    """Mismatch unless every file is what its place says and all were measured on bench's machine, in
+    bench's dtype."""
+    if "peer" in bench or not isinstance(bench.get("rows"), list):
+        raise Mismatch("the bench file is not a bench.json; give bench.json, torch_tp.json and "
+                       "jax_tp_windowed.json in their places")
+    for name, data in peers.items():
+        peer, key = PEERS[name]
+        rows = data.get("rows")
+        if data.get("peer") != peer or not isinstance(rows, list) or any(key not in r for r in rows):
+            raise Mismatch(f"the {name} file is not {name}.json (its head: peer={data.get('peer')!r}); give "
+                           f"bench.json, torch_tp.json and jax_tp_windowed.json in their places")
+        if (data.get("device"), data.get("n")) != (bench.get("device"), bench.get("n_devices")):
+            raise Mismatch(f"{name} was measured on {data.get('n')} x {data.get('device')}, bench on "
+                           f"{bench.get('n_devices')} x {bench.get('device')}: one table holds one machine; "
+                           f"give files of the same run")
+        if data.get("dtype") != bench.get("dtype"):
+            raise Mismatch(f"{name} timed {data.get('dtype')!r}, bench {bench.get('dtype')!r}: one table holds "
+                           f"one dtype")
 
 
 def _bench_cases(bench: dict) -> dict:
-    """{(op, shape name): {"M,K,N", variant: row}} of bench's tensor-parallel cases."""
+    """{(op, shape name): {"dims": (M, K, N), variant: row}} of bench's tensor-parallel cases."""
     cases: dict = {}
-    for row in bench.get("rows", []):
-        if row["op"] in OPS:
+    for row in bench["rows"]:
+        if row.get("op") in OPS:
             case = cases.setdefault((row["op"], row["shape"]), {"dims": (row["M"], row["K"], row["N"])})
             case[row["variant"]] = row
     if not cases:
@@ -76,7 +104,7 @@ def _ms(row: dict | None) -> float | None:
 
 
 def _ficco(case: dict, selected: bool) -> tuple[float | None, str]:
-    """(ms, schedule) of `auto`'s pick (selected) or of the fastest verified ficco_jax variant."""
+    """(ms, schedule) of `auto`'s pick (selected) or of the fastest timed ficco_jax variant."""
     rows = [(v, r) for v, r in case.items() if v.startswith("ficco:") and _ms(r) is not None]
     if selected:
         rows = [(v, r) for v, r in rows if r.get("selected")]
@@ -86,53 +114,93 @@ def _ficco(case: dict, selected: bool) -> tuple[float | None, str]:
     return row["median_ms"], variant[len("ficco:"):]
 
 
+def _peer_rows(name: str, data: dict | None, case_dims: dict) -> dict:
+    """{shape name: row} of a peer file, Mismatch where a shape's M,K,N differ from bench's."""
+    out = {}
+    for row in (data or {}).get("rows", []):
+        want = case_dims.get(row.get("shape"))
+        if want is not None and (row.get("M"), row.get("K"), row.get("N")) != want:
+            raise Mismatch(f"{name} timed {row['shape']} as {row.get('M')},{row.get('K')},{row.get('N')}, bench as "
+                           f"{','.join(map(str, want))}: one table holds one problem per row")
+        out[row.get("shape")] = row
+    return out
+
+
 def rows(bench: dict, torch: dict | None = None, windowed: dict | None = None) -> list[dict]:
-    """One dict per (op, shape) of bench: every column of COLUMNS as ms (None: not measured)."""
-    others = {name: data for name, data in (("torch_tp", torch), ("jax_tp_windowed", windowed)) if data}
-    _check_same_machine(bench, others)
-    by_shape = {name: {r["shape"]: r for r in data.get("rows", [])} for name, data in others.items()}
+    """One dict per (op, shape) of bench: op, shape, dims, each timed column of COLUMNS in ms (None:
+    not measured), auto's pick and the best schedule, "fastest" (a name of FASTEST) and "auto_fastest"."""
+    peers = {name: data for name, data in zip(PEERS, (torch, windowed)) if data and not _skip_reason(data)}
+    _check(bench, peers)
+    cases = _bench_cases(bench)
+    dims = {shape: case["dims"] for (_, shape), case in cases.items()}
+    by_shape = {name: _peer_rows(name, data, dims) for name, data in peers.items()}
     out = []
-    for (op, shape), case in _bench_cases(bench).items():
+    for (op, shape), case in cases.items():
         prefix = OPS[op]
         peer = by_shape.get("torch_tp", {}).get(shape, {})
-        xla = by_shape.get("jax_tp_windowed", {}).get(shape, {})
+        xla = by_shape.get("jax_tp_windowed", {}).get(shape, {}).get(f"{prefix}_xla_windowed")
         auto_ms, pick = _ficco(case, selected=True)
         best_ms, best = _ficco(case, selected=False)
         row = {"op": op, "shape": shape, "dims": case["dims"], "ideal": _ms(case.get("ideal")),
                "JAX seq": _ms(case.get("jax_seq")),
-               "XLA windowed": _ms(case.get("xla_windowed_einsum")) or xla.get(f"{prefix}_xla_windowed"),
+               "XLA windowed": xla if "jax_tp_windowed" in peers else _ms(case.get("xla_windowed_einsum")),
                "PyTorch seq": peer.get(f"{prefix}_seq"), "PyTorch async-TP": peer.get(f"{prefix}_async_tp"),
                "ficco auto (pick)": auto_ms, "pick": pick, "ficco best (schedule)": best_ms, "best": best}
-        timed = {label: row[c] for c, label in FASTEST.items() if row[c] is not None}
-        row["fastest"] = min(timed, key=timed.get) if timed else None  # a tie goes to the earlier column
-        row["auto_fastest"] = auto_ms is not None and auto_ms <= min(timed.values())  # ties included
+        timed = {name: row[column] for name, column in FASTEST.items() if row[column] is not None}
+        row["fastest"] = min(timed, key=timed.get) if timed else None
+        row["auto_fastest"] = row["fastest"] == "ficco auto"
         out.append(row)
     return out
 
 
-def _cells(r: dict) -> list[str]:
-    """The COLUMNS of one row as text."""
+def _sources(bench: dict, torch: dict | None, windowed: dict | None) -> list[str]:
+    lines = [f"ficco_jax, JAX sequential, ideal: bench at `{bench.get('commit')}`, {bench.get('date')}; "
+             f"{bench.get('method')}"]
+    for label, name, data in (("PyTorch", "torch_tp", torch), ("XLA windowed einsum", "jax_tp --windowed", windowed)):
+        if _skip_reason(data):
+            lines.append(f"{label}: skipped: {_skip_reason(data)}")
+        elif data:
+            version = f" {data['torch']}" if data.get("torch") else ""
+            lines.append(f"{label}{version}: {name} at `{data.get('commit')}`; {data.get('method')}")
+    if not windowed or _skip_reason(windowed):
+        if any(r.get("variant") == "xla_windowed_einsum" for r in bench["rows"]):
+            lines.append("XLA windowed einsum: bench's own child process per shape")
+    return lines
+
+
+def _cells(r: dict, meaningful: bool) -> list[str]:
+    """The COLUMNS of one row as text; ratios and "fastest" only where times mean something."""
     def ms(value, name=""):
         return "—" if value is None else f"{value:.3f} ({name})" if name else f"{value:.3f}"
 
     auto, ideal = r["ficco auto (pick)"], r["ideal"]
+    if not meaningful:
+        ratio = fastest = "n/a"
+    else:
+        ratio, fastest = f"{auto / ideal:.3f}x" if auto and ideal else "—", r["fastest"] or "—"
     return [ms(r[c]) for c in COLUMNS[:5]] + [ms(auto, r["pick"]), ms(r["ficco best (schedule)"], r["best"]),
-                                             f"{auto / ideal:.3f}x" if auto and ideal else "—", r["fastest"] or "—"]
+                                             ratio, fastest]
+
+
+def meaningful(bench: dict) -> bool:
+    """Whether bench's times are a GPU's (on CPU they are host loops: no ratio is drawn from them)."""
+    return bench.get("platform") != "cpu"
 
 
 def markdown(bench: dict, torch: dict | None = None, windowed: dict | None = None) -> str:
     table = rows(bench, torch, windowed)
-    sources = [f"ficco_jax, JAX, ideal: bench at `{bench.get('commit')}`, {bench.get('date')}; {bench.get('method')}"]
-    if torch:
-        sources.append(f"PyTorch {torch.get('torch')}: torch_tp at `{torch.get('commit')}`; {torch.get('method')}")
-    if windowed:
-        sources.append(f"XLA windowed einsum: jax_tp --windowed at `{windowed.get('commit')}`; {windowed.get('method')}")
     lines = [f"{bench.get('n_devices')} x {bench.get('device')}, {bench.get('dtype')}, ms. Sources:", ""]
-    lines += [f"- {s}" for s in sources] + ["", "| op | shape (M,K,N) | " + " | ".join(COLUMNS) + " |",
-                                             "|---" * (len(COLUMNS) + 2) + "|"]
+    lines += [f"- {s}" for s in _sources(bench, torch, windowed)]
+    lines += ["", "| op | shape (M,K,N) | " + " | ".join(COLUMNS) + " |", "|---" * (len(COLUMNS) + 2) + "|"]
     for r in table:
-        lines.append(f"| {r['op']} | {r['shape']} {','.join(map(str, r['dims']))} | " + " | ".join(_cells(r)) + " |")
-    lines += ["", "fastest: the quickest of the timed columns (ideal excluded); —: not measured in these files."]
+        lines.append(f"| {r['op']} | {r['shape']} {','.join(map(str, r['dims']))} | "
+                     + " | ".join(_cells(r, meaningful(bench))) + " |")
+    lines += ["", "ficco best: the fastest of the ficco_jax schedules bench measured (with `--schedules auto`, "
+                  "auto's pick alone); fastest: the quickest of the timed columns, a tie going to the one further "
+                  "left in this note's order: ficco auto, ficco best, JAX seq, XLA windowed, PyTorch seq, PyTorch "
+                  "async-TP (ideal excluded); —: not measured in these files."]
+    if not meaningful(bench):
+        lines.append("On CPU the times are host loops of tiny shapes: no ratio is drawn from them (n/a).")
     return "\n".join(lines) + "\n"
 
 

@@ -74,8 +74,8 @@ def variants(op, shapes, dtype, n, schedules) -> tuple[list, object]:
 
 
 def bench_shape(op, name, M, K, N, dtype, mesh, schedules, progress, rounds: int = 1) -> list[Row]:
-    """The rows of one (op, layer shape): JAX sequential, the listed schedules, JAX's ring, auto's
-    pick, each verified then timed, and the bounds; with `rounds` > 1 every one of them timed that
+    """The rows of one (op, layer shape): JAX sequential, the listed schedules, JAX's ring (`variants`
+    says when), auto's pick, each verified then timed, and the bounds; with `rounds` > 1 every one of them timed that
     many times in all, interleaved (`harness.retime_case`)."""
     n = mesh.shape["tp"]
     shapes = local_shapes(op, M, K, N, n)
@@ -139,7 +139,7 @@ def fp8_gemm(scales):
     """XLA's FP8 dot as JAX sequential runs it, alone: the op's plain path (`comm="none"`) computes its
     product so, and the bound must be the same program's dot. One dot, one autotuning: XLA caches its
     search per fused dot, so JAX sequential and the GEMM alone pay for it once: JAX sequential's step took
-    41-92 s per anchor in a first run on 2 x H200 (2026-11-28), the GEMM alone then about 1 s; nearly all
+    25-92 s per anchor in a first run on 2 x H200 (2026-11-28), the GEMM alone then about 1 s; nearly all
     of such a compile is XLA's search over Triton GEMM configurations (2 x H100, 2026-11-27)."""
     sx, sw = (jnp.float32(s) for s in scales)
     return lambda a, w: xla_lowering.product(a, w, jnp.bfloat16, (sx, sw))
