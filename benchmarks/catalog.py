@@ -80,8 +80,8 @@ def _demo(ctx):
 
 
 #: Seconds a bench case may still take once started: the slowest seen is an FP8 anchor's first run,
-#: whose JAX sequential program autotunes XLA's FP8 dot (2 x H200, 2026-11-28: 41-92 s of 56-105 s per
-#: case with its bf16 twin), with some room to spare.
+#: whose JAX sequential program autotunes XLA's FP8 dot (2 x H200, 2026-11-28: that step took 25-92 s
+#: of an FP8 case's 31-101 s), with some room to spare.
 BENCH_CASE_S = 120
 
 
