@@ -152,3 +152,29 @@ while True:
 def test_no_nvidia_smi_means_no_sampler(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
     assert gpu_monitor.GpuMonitor()._default_command() is None and not gpu_monitor.GpuMonitor().start()
+
+
+RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results",
+                       "2026-11-28_h200x2")
+
+
+def test_a_timing_faster_than_the_tensor_cores_allow_is_flagged():
+    """Recorded runs: XLA's FP8 dot of GPT-3's whole product timed above the dense FP8 peak at the SM clock
+    recorded while it ran; every other matmul row, and the collectives (no matmul), pass."""
+    from ficco_jax.tools import report
+
+    with open(os.path.join(RESULTS, "bench_fp8_resumed_3defb2f.json")) as fh:
+        fp8 = json.load(fh)
+    flagged = report.above_peak(fp8)
+    assert [line.split(":")[0] for line in flagged] == ["ag_matmul gpt3_175b_mlp_M4k gemm_alone",
+                                                        "matmul_rs gpt3_175b_mlp_M4k gemm_alone"]
+    assert "1.14x the dense float8_e4m3fn peak at 1586 MHz" in flagged[1]
+    table = report.markdown_table(fp8)
+    assert "Faster than the tensor cores allow" in table and f"- {flagged[0]}" in table
+    with open(os.path.join(RESULTS, "bench_rounds3_3defb2f.json")) as fh:
+        bf16 = json.load(fh)
+    assert report.above_peak(bf16) == [] and "Faster than the tensor cores allow" not in report.markdown_table(bf16)
+    # the same times on a device kind without a known peak, or without recorded clocks, are not judged
+    assert report.above_peak(dict(fp8, device="NVIDIA A100-SXM4-80GB")) == []
+    unclocked = [dict(r, extra={k: v for k, v in r.get("extra", {}).items() if k != "gpus"}) for r in fp8["rows"]]
+    assert report.above_peak(dict(fp8, rows=unclocked)) == []

@@ -97,8 +97,46 @@ def markdown_table(result: dict) -> str:
     if clocks:
         lines.append(clocks + ".")
     lines += [f"- {f}" for f in failures]
+    suspect = above_peak(result)
+    if suspect:
+        lines.append("Faster than the tensor cores allow at the SM clock recorded while timed (suspect timings: "
+                     "not all of the work ran, or the clock reading is wrong):")
+        lines += [f"- {line}" for line in suspect]
     lines += clocks_table(by_case)
     return "\n".join(lines) + "\n"
+
+
+#: Dense tensor-core peak, TFLOP/s per MHz of SM clock, by device kind and operand dtype: H100 SXM and
+#: H200 (132 SMs) reach 989.4 (bf16, f16) and 1979 (FP8) TFLOP/s at 1830 MHz. Kinds not listed are not
+#: checked.
+TENSOR_PEAK_PER_MHZ = {kind: {"bfloat16": 989.4 / 1830, "float16": 989.4 / 1830, "float8_e4m3fn": 1979 / 1830,
+                              "float8_e5m2": 1979 / 1830}
+                       for kind in ("NVIDIA H100 80GB HBM3", "NVIDIA H200")}
+#: The ops whose every variant does a tensor-parallel layer's whole matmul work per device, 2 M K N / n.
+_TP_OPS = ("ag_matmul", "matmul_rs", "matmul_psum")
+#: Rows of those ops that time no matmul.
+_NO_MATMUL = ("collective_alone", "ideal")
+
+
+def above_peak(result: dict) -> list[str]:
+    """The timed rows of `result` whose matmul work, 2 M K N / n per device, would need more than the
+    tensor cores' dense peak at the highest SM clock recorded while the row was timed: a time no
+    device can reach, so either not all of the work ran or the clock reading is wrong. One line each;
+    none where the device kind, the dtype or the clocks are unknown."""
+    peaks = TENSOR_PEAK_PER_MHZ.get(result.get("device"), {})
+    lines = []
+    for r in result["rows"]:
+        dtype = r.get("extra", {}).get("dtype") or result["dtype"]
+        clocks = [c for w in r.get("extra", {}).get("gpus", []) for c in w["sm_mhz"].values()]
+        if (r["op"] not in _TP_OPS or r["variant"] in _NO_MATMUL or not r.get("median_ms") or dtype not in peaks
+                or not clocks):
+            continue
+        tflops = 2 * r["M"] * r["K"] * r["N"] / result["n_devices"] / (r["median_ms"] * 1e-3) / 1e12
+        peak = peaks[dtype] * max(clocks)
+        if tflops > peak:
+            lines.append(f"{r['op']} {r['shape']} {r['variant']}: {r['median_ms']:.3f} ms is {tflops:.0f} TFLOP/s, "
+                         f"{tflops / peak:.2f}x the dense {dtype} peak at {max(clocks):.0f} MHz ({peak:.0f})")
+    return lines
 
 
 def mean_clock(row: dict | None) -> float | None:
