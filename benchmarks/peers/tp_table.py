@@ -32,7 +32,6 @@ FASTEST = {"ficco auto": "ficco auto (pick)", "ficco best": "ficco best (schedul
            "XLA windowed": "XLA windowed", "PyTorch seq": "PyTorch seq", "PyTorch async-TP": "PyTorch async-TP"}
 #: Each peer file: its "peer" field, and a key every one of its rows holds (bench.json has no "peer").
 PEERS = {"torch_tp": ("pytorch", "ag_async_tp"), "jax_tp_windowed": ("jax", "ag_xla_windowed")}
-FILES = ("bench", *PEERS)
 
 
 class Mismatch(ValueError):

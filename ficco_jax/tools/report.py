@@ -8,6 +8,7 @@ import time
 from collections import defaultdict
 
 from .. import config
+from ..schedule import A2A_OPS
 from . import gpu_monitor
 
 
@@ -112,9 +113,8 @@ def markdown_table(result: dict) -> str:
 TENSOR_PEAK_PER_MHZ = {kind: {"bfloat16": 989.4 / 1830, "float16": 989.4 / 1830, "float8_e4m3fn": 1979 / 1830,
                               "float8_e5m2": 1979 / 1830}
                        for kind in ("NVIDIA H100 80GB HBM3", "NVIDIA H200")}
-#: The ops whose every variant does a tensor-parallel layer's whole matmul work per device, 2 M K N / n.
-_TP_OPS = ("ag_matmul", "matmul_rs", "matmul_psum")
-#: Rows of those ops that time no matmul.
+#: Rows of the tensor-parallel ops (every op but the expert ones) that time no matmul; every other row of
+#: theirs does a layer's whole matmul work per device, 2 M K N / n.
 _NO_MATMUL = ("collective_alone", "ideal")
 
 
@@ -128,7 +128,7 @@ def above_peak(result: dict) -> list[str]:
     for r in result["rows"]:
         dtype = r.get("extra", {}).get("dtype") or result["dtype"]
         clocks = [c for w in r.get("extra", {}).get("gpus", []) for c in w["sm_mhz"].values()]
-        if (r["op"] not in _TP_OPS or r["variant"] in _NO_MATMUL or not r.get("median_ms") or dtype not in peaks
+        if (r["op"] in A2A_OPS or r["variant"] in _NO_MATMUL or not r.get("median_ms") or dtype not in peaks
                 or not clocks):
             continue
         tflops = 2 * r["M"] * r["K"] * r["N"] / result["n_devices"] / (r["median_ms"] * 1e-3) / 1e12
