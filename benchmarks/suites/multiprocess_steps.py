@@ -329,11 +329,10 @@ class Run:
         start = time.perf_counter()
         jax.block_until_ready(small(*args))
         t1 = time.perf_counter() - start
-        repeats = self.store.agree(lambda: int(min(200, max(4, 0.02 / max(t1, 1e-7)))))
-        # target_s so large that device_time takes max_repeats, the agreed count, everywhere; and a fixed
-        # number of estimates (with an adaptive count, a process that takes one more estimate launches
-        # collectives the others never join).
-        return timing.device_time(make, args, target_s=1e9, max_repeats=repeats, adaptive=False)
+        repeats = self.store.agree(lambda: timing.repeats_for(t1))
+        # The agreed count everywhere, and a fixed number of estimates (with an adaptive count, a
+        # process that takes one more estimate launches collectives the others never join).
+        return timing.device_time(make, args, repeats=repeats, adaptive=False)
 
     def candidates(self, op, shapes) -> tuple[list, dict]:
         """The schedules timed for `op` (the model's best, or --schedules) and the row's header."""

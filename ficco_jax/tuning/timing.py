@@ -2,9 +2,17 @@
 
 Method ("in-jit loop differencing"): the op is run R times inside one jitted `fori_loop`, each
 iteration writing one element of its output into its input (a true data dependency, O(1) cost,
-so XLA can neither hoist nor overlap iterations). The wall time of R1 and R2 iterations, each
-the median of several launches, gives `(t(R2) - t(R1)) / (R2 - R1)`: launch, dispatch and the
-final synchronisation cancel. On CPU the numbers are host-memcpy times and not meaningful.
+so XLA can neither hoist nor overlap iterations). The wall time of R and 2R iterations, each
+the median of several launches, gives `(t(2R) - t(R)) / R`: launch, dispatch and the final
+synchronisation cancel, and so does the start of every launch, where a GPU at its power limit
+still runs at its boost clock. R is TARGET_S over the time of one launch of one op (dispatch and
+sync included, so R ops take at most about TARGET_S): on large ops both loops outlast that start,
+some tens of milliseconds. Differencing a loop of one op and a loop of a few timed the start alone:
+on 2 x H200 (2026-11-28) XLA's FP8 dot of [4096, 24576] @ [24576, 12288] took 1.33-1.41 ms per op
+from loops of 1 and 5, 1.91-2.00 from loops of 10 and 20 and 1.98-2.00 over one loop of 40 (its
+clock swung between 1485 and 1965 MHz under the power cap), where bf16 dots and the copy-engine
+ops agreed across all three within their spread. On CPU the numbers are host-memcpy times and
+not meaningful.
 """
 from __future__ import annotations
 
@@ -18,9 +26,13 @@ from jax import lax
 #: Estimates per measurement: at least MIN_ESTIMATES; more, up to MAX_ESTIMATES, while their
 #: half-range exceeds AGREE of their median (copy-engine ops on 4xH200: median spread 4.5 %, p90 18 %).
 MIN_ESTIMATES, MAX_ESTIMATES, AGREE = 3, 7, 0.03
+#: R = TARGET_S / the time of one launch of one op (which bounds the op from above); the longer
+#: loop runs at most MAX_REPEATS iterations.
+TARGET_S, MAX_REPEATS = 0.05, 200
 
-_LOOP = ("device time per op: R iterations inside one jit (fori_loop with a data dependency), "
-         "(t(R2)-t(R1))/(R2-R1), t = median wall time of 5 launches after warm-up")
+_LOOP = ("device time per op: R and 2R iterations inside one jit (fori_loop with a data dependency), "
+         f"(t(2R)-t(R))/R, R = {TARGET_S * 1e3:.0f} ms / the time of one launch of one op, "
+         "t = median wall time of 5 launches after warm-up")
 METHOD = (f"{_LOOP}; median of {MIN_ESTIMATES} such estimates, up to {MAX_ESTIMATES} while they spread by "
           f"more than {AGREE * 100:.0f} %")
 #: The same with adaptive=False (what several processes timing one program use).
@@ -73,31 +85,35 @@ def _settle(fn: Callable, args, seconds: float) -> None:
         jax.block_until_ready(fn(*args))
 
 
-def device_time(make: Callable[[int], Callable], args, *, target_s: float = 0.02,
-                launches: int = 5, max_repeats: int = 200, adaptive: bool = True,
-                spans: list | None = None, settle_s: float = 0.0) -> dict:
+def repeats_for(t1: float, target_s: float = TARGET_S, max_repeats: int = MAX_REPEATS) -> int:
+    """R for an op of which one launch took `t1` seconds (dispatch and sync included: an upper bound
+    of the op): `target_s / t1`, at least 2, and the 2R-loop at most `max_repeats` iterations."""
+    return int(min(max_repeats // 2, max(2, target_s / max(t1, 1e-7))))
+
+
+def device_time(make: Callable[[int], Callable], args, *, target_s: float = TARGET_S,
+                launches: int = 5, max_repeats: int = MAX_REPEATS, repeats: int | None = None,
+                adaptive: bool = True, spans: list | None = None, settle_s: float = 0.0) -> dict:
     """Seconds per op of `make(R)` (a jitted fn running the op R times), by loop differencing.
 
     Returns {"median_s", "spread_s", "repeats", "estimates"}: the median of the differences and
     their half-range; MIN_ESTIMATES of them, more (up to MAX_ESTIMATES) while they disagree.
+    `repeats`: R itself, else sized from one launch of one op (`repeats_for`).
     `adaptive=False`: exactly MIN_ESTIMATES. Programs run by several processes need that (and one
-    repeat count): each process decides from its own timings, and a process that launches its
-    collectives more often than its peers waits for them forever. `spans`, where given, receives
-    the (start, end) `time.monotonic()` readings of every run of timed launches (warm-ups and
-    compiles left out), for what the GPUs did meanwhile (tools/gpu_monitor.py). `settle_s`: run the
-    R-repeat program back to back for that long before the estimates (`_settle`).
+    `repeats` for all of them): each process would decide from its own timings, and a process that
+    launches its collectives more often than its peers waits for them forever. `spans`, where given,
+    receives the (start, end) `time.monotonic()` readings of every run of timed launches (warm-ups
+    and compiles left out), for what the GPUs did meanwhile (tools/gpu_monitor.py). `settle_s`: run
+    the 2R-loop back to back for that long before the estimates (`_settle`).
     """
-    small = make(1)
-    t1 = _wall(small, args, launches, spans)
-    # One launch of one op bounds the op's time from above (it adds dispatch and sync), so
-    # target_s / t1 never asks for more repeats than the target needs: a compile saved per op.
-    repeats = int(min(max_repeats, max(4, target_s / max(t1, 1e-7))))
-    big = make(1 + repeats)
+    if repeats is None:
+        repeats = repeats_for(_wall(make(1), args, launches, spans), target_s, max_repeats)
+    short, long = make(repeats), make(2 * repeats)
     if settle_s > 0:
-        _settle(big, args, settle_s)
+        _settle(long, args, settle_s)
     estimates = []
     while len(estimates) < MIN_ESTIMATES or (adaptive and len(estimates) < MAX_ESTIMATES and _disagree(estimates)):
-        estimates.append((_wall(big, args, launches, spans) - _wall(small, args, launches, spans)) / repeats)
+        estimates.append((_wall(long, args, launches, spans) - _wall(short, args, launches, spans)) / repeats)
     return {"median_s": max(float(np.median(estimates)), 0.0), "spread_s": (max(estimates) - min(estimates)) / 2,
             "repeats": repeats, "estimates": len(estimates)}
 
