@@ -183,6 +183,21 @@ def test_the_jax_peers_on_cpu(tmp_path):
     assert done.stdout.strip().splitlines()[-1].startswith("| tiny_M64_K32_N64 |")
 
 
+def test_the_timing_check_times_each_program_both_ways_on_cpu(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "suites" / "timing_check.py"), "matmul_rs",
+                           "xla/ring/c2", "32", "64", "128", "--long", "6", "--out", str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "timing_check.json").read_text())
+    assert list(result["programs"]) == ["gemm_alone", "jax_seq", "ficco:xla/ring/c2"]
+    for timings in result["programs"].values():
+        assert len(timings["device_time_ms"]) == len(timings["long_loop_ms"]) == 3
+        assert all(t > 0 for t in timings["device_time_ms"] + timings["long_loop_ms"])
+    assert "one loop of 6 ops" in result["method"] and "NOT meaningful" in result["method"]
+    assert len(done.stdout.strip().splitlines()) == 3 and (tmp_path / "trace_jax_seq").is_dir()
+
+
 def test_pack_leaves_the_summary_and_one_archive(tmp_path, monkeypatch):
     run = _entry_module()
     echo = run.catalog.Suite("echo", "prints", "any", 0, 60, lambda ctx: [

@@ -1,0 +1,103 @@
+"""Whether device time (the bench's method) holds on this machine: for one op and shape, its GEMM alone,
+JAX sequential and one ficco schedule, each timed by `harness.device_time` (as `bench` times it) and over
+one long loop, t(L) / L, in turn, three times; then a profiler trace of a 10-op loop of each, for its kernels.
+
+Usage: python benchmarks/suites/timing_check.py OP SCHEDULE M K N [--dtype DTYPE] [--long L] [--out DIR]
+
+One long loop spreads a launch's fixed cost over L ops, so it bounds the op from above by that cost / L
+(on large ops well under a percent) and runs at the clock a long run of the op settles to. Where device
+time is far below it, the differenced loops are timing something a long run does not see: before the
+method took loops of R and 2R ops, loops of 1 and 5 timed XLA's FP8 dots in a launch's first
+milliseconds, at the GPU's boost clock (BENCHMARKS.md, "Timing methods"). Prints one line per program and
+writes DIR/timing_check.json (with provenance) and DIR/trace_<program>/ (perfetto_timeline.py reads them).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from ficco_jax.ops import measure
+from ficco_jax.schedule import Schedule, local_shapes
+from ficco_jax.tools import bench, harness
+from ficco_jax.tools.bench import add_case_arguments
+from ficco_jax.tools.harness import DTYPES
+from ficco_jax.tuning import timing
+
+
+def gemm_alone(mesh, op, M, K, N, dtype):
+    """The bench's GEMM-alone program: every device's full-size matmul at once (bench._bounds)."""
+    n = mesh.shape["tp"]
+    shapes = local_shapes(op, M, K, N, n)
+    gemm = bench.fp8_gemm(bench.fp8_scales(shapes)) if dtype.startswith("float8") else (lambda a, w: a @ w)
+    full_a = (M, K) if op == "ag_matmul" else (M, N // n)
+    keys = jax.random.split(jax.random.PRNGKey(1), 2)
+    a, w = (jax.device_put(jax.random.normal(k, (n * s[0], *s[1:]), jnp.float32).astype(dtype),
+                           NamedSharding(mesh, P("tp"))) for k, s in zip(keys, (full_a, shapes[1])))
+    return functools.cache(lambda r: jax.jit(jax.shard_map(timing.chain(gemm, r), mesh=mesh, in_specs=(P("tp"), P("tp")),
+                                                          out_specs=P("tp")))), (a, w)
+
+
+def op_program(mesh, op, schedule, M, K, N, dtype):
+    """`op` under `schedule` ("ref": JAX sequential) as the bench times it."""
+    args, body_of = bench.case_inputs(op, local_shapes(op, M, K, N, mesh.shape["tp"]), dtype, mesh)
+    body = body_of(op, "ref" if schedule == "ref" else Schedule.parse(schedule))
+    return functools.cache(lambda r: measure.sharded(mesh, op, body, r)), args
+
+
+def long_loop_ms(make, args, length: int, launches: int = 3) -> float:
+    """ms per op over one launch of `length` ops, the median of `launches` after a warm-up."""
+    fn = make(length)
+    jax.block_until_ready(fn(*args))
+    walls = []
+    for _ in range(launches):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        walls.append(time.perf_counter() - start)
+    return float(np.median(walls)) / length * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_case_arguments(parser)
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="operand dtype (default bf16)")
+    parser.add_argument("--long", type=int, default=40, help="ops in the long loop (default 40)")
+    parser.add_argument("--out", default=os.environ.get("OUT") or "out/timing_check", help="results dir")
+    args = parser.parse_args()
+    dtype = DTYPES[args.dtype]
+    os.makedirs(args.out, exist_ok=True)
+    mesh = Mesh(np.array(jax.local_devices()), ("tp",))
+    dims = (args.op, args.M, args.K, args.N)
+    programs = {"gemm_alone": lambda: gemm_alone(mesh, *dims, dtype),
+                "jax_seq": lambda: op_program(mesh, args.op, "ref", *dims[1:], dtype),
+                f"ficco:{args.schedule}": lambda: op_program(mesh, args.op, args.schedule, *dims[1:], dtype)}
+    result = {**bench.provenance(mesh.shape["tp"], dtype), "op": args.op, "shape": [args.M, args.K, args.N],
+              "long_loop": args.long, "programs": {}}
+    result["method"] = f"{result['method']}; beside it one loop of {args.long} ops, the median of 3 launches"
+    for name, build in programs.items():
+        make, operands = build()
+        device, long = [], []
+        for _ in range(3):
+            device.append(harness.device_time(make, operands)["median_s"] * 1e3)
+            long.append(long_loop_ms(make, operands, args.long))
+        result["programs"][name] = {"device_time_ms": device, "long_loop_ms": long}
+        print(f"{name}: device time {' '.join(f'{t:.3f}' for t in device)} ms, one loop of {args.long} "
+              f"{' '.join(f'{t:.3f}' for t in long)} ms, ratio {np.median(device) / np.median(long):.3f}", flush=True)
+        traced = make(10)
+        jax.block_until_ready(traced(*operands))
+        with jax.profiler.trace(os.path.join(args.out, f"trace_{name.replace(':', '_').replace('/', '_')}"),
+                                create_perfetto_trace=True):
+            jax.block_until_ready(traced(*operands))
+    with open(os.path.join(args.out, "timing_check.json"), "w") as fh:
+        json.dump(result, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
