@@ -100,7 +100,7 @@ COMPARE_PEERS_S = 100
 
 
 def _compare(ctx):
-    """bench on the anchors (3 interleaved rounds, no windowed child: XLA's windowed einsum is the
+    """bench on the anchors (2 interleaved rounds, no windowed child: XLA's windowed einsum is the
     peer below), PyTorch sequential and async-TP, XLA's windowed einsum; run.py then prints their one
     table (peers/tp_table.py). Every file lands in the suite's out dir; an earlier run's are removed
     first, so the table and the result line hold this run's alone. A limit too short for the peers
@@ -111,7 +111,7 @@ def _compare(ctx):
     budget = ctx.limit_s - BENCH_CASE_S - COMPARE_PEERS_S
     peers = ctx.gpus >= 2 and budget >= 30
     budget = budget if peers else max(30, ctx.limit_s - BENCH_CASE_S)
-    steps = [Step("bench", _py(ctx, "-m", "ficco_jax", "bench", "--out", ctx.out, "--rounds", 3, "--no-windowed",
+    steps = [Step("bench", _py(ctx, "-m", "ficco_jax", "bench", "--out", ctx.out, "--rounds", 2, "--no-windowed",
                                "--budget-s", budget, *ctx.options))]
     if peers:
         steps += [Step("torch_tp", _py(ctx, "-m", "torch.distributed.run", f"--nproc-per-node={ctx.gpus}",
@@ -344,11 +344,11 @@ SUITES = {s.name: s for s in [
           "any; 2+ GPUs for real numbers", 0, 480, _bench, takes_options=True),
     Suite("peers", "PyTorch async-TP and sequential, JAX seq / ring / XLA (windowed einsum), collectives vs NCCL",
           "2+ GPUs (CPU: the JAX peers at a tiny shape)", 0, 540, _peers, _peers_result, takes_options=True),
-    # On 2 x H200 (2026-11-28) the same commands run by hand: bench started its last anchor case after 219 s
-    # and ended at 251 s; the peers took 51 s more.
+    # On 2 x H200 (2026-11-28) the peers took 51 s. Device time over loops of R and 2R ops costs a large
+    # anchor case about 30 s a round in bf16 (2583d90), so two rounds, not three, and 560 s.
     Suite("compare", "one table of the anchors: ficco_jax's auto, JAX seq, the ideal, PyTorch seq and async-TP, "
-          "XLA's windowed einsum (bench --rounds 3, the peers, peers/tp_table.py)",
-          "2+ GPUs (CPU: bench at a tiny shape, the peers skipped)", 0, 480, _compare, _compare_result,
+          "XLA's windowed einsum (bench --rounds 2, the peers, peers/tp_table.py)",
+          "2+ GPUs (CPU: bench at a tiny shape, the peers skipped)", 0, 560, _compare, _compare_result,
           takes_options=True),
     Suite("accuracy", "held-out check of schedule='auto': its pick vs the best measured vs JAX sequential",
           "2+ GPUs", 2, 600, _accuracy, takes_options=True),

@@ -85,17 +85,20 @@ def monitoring(monitor: gpu_monitor.GpuMonitor | None = None):
 #: 1596, 1536 and 1460 MHz (the first right after its compile, with the GPUs idle). So every variant
 #: is timed in the power state its own load brings.
 SETTLE_S = 0.5
+#: On CPU, where the times mean nothing, short loops: the R-loop about 5 ms (timing.TARGET_S: 50 ms).
+CPU_TARGET_S = 0.005
 
 
 def device_time(make, args) -> dict:
     """timing.device_time as the tools run it: adaptive, after SETTLE_S of the program, on
     accelerators; on CPU, where the times mean nothing, a fixed count of estimates (the adaptive rule
-    would retry noisy host timings to its cap). Under `monitoring`, "gpus": the GPUs' clocks, power
+    would retry noisy host timings to its cap) over short loops. Under `monitoring`, "gpus": the GPUs' clocks, power
     and temperature during the timed launches."""
     monitor = _monitor
     spans = [] if monitor is not None else None
     on_cpu = jax.default_backend() == "cpu"
-    t = timing.device_time(make, args, adaptive=not on_cpu, spans=spans, settle_s=0.0 if on_cpu else SETTLE_S)
+    t = timing.device_time(make, args, adaptive=not on_cpu, spans=spans, settle_s=0.0 if on_cpu else SETTLE_S,
+                           target_s=CPU_TARGET_S if on_cpu else timing.TARGET_S)
     if monitor is not None:
         t["gpus"] = monitor.window(spans)
     return t

@@ -29,10 +29,12 @@ MIN_ESTIMATES, MAX_ESTIMATES, AGREE = 3, 7, 0.03
 #: R = TARGET_S / the time of one launch of one op (which bounds the op from above); the longer
 #: loop runs at most MAX_REPEATS iterations.
 TARGET_S, MAX_REPEATS = 0.05, 200
+#: Timed launches per loop and estimate (each after an untimed one); loops this long vary little.
+LAUNCHES = 3
 
 _LOOP = ("device time per op: R and 2R iterations inside one jit (fori_loop with a data dependency), "
          f"(t(2R)-t(R))/R, R = {TARGET_S * 1e3:.0f} ms / the time of one launch of one op, "
-         "t = median wall time of 5 launches after warm-up")
+         f"t = median wall time of {LAUNCHES} launches after warm-up")
 METHOD = (f"{_LOOP}; median of {MIN_ESTIMATES} such estimates, up to {MAX_ESTIMATES} while they spread by "
           f"more than {AGREE * 100:.0f} %")
 #: The same with adaptive=False (what several processes timing one program use).
@@ -92,7 +94,7 @@ def repeats_for(t1: float, target_s: float = TARGET_S, max_repeats: int = MAX_RE
 
 
 def device_time(make: Callable[[int], Callable], args, *, target_s: float = TARGET_S,
-                launches: int = 5, max_repeats: int = MAX_REPEATS, repeats: int | None = None,
+                launches: int = LAUNCHES, max_repeats: int = MAX_REPEATS, repeats: int | None = None,
                 adaptive: bool = True, spans: list | None = None, settle_s: float = 0.0) -> dict:
     """Seconds per op of `make(R)` (a jitted fn running the op R times), by loop differencing.
 
@@ -107,7 +109,7 @@ def device_time(make: Callable[[int], Callable], args, *, target_s: float = TARG
     the 2R-loop back to back for that long before the estimates (`_settle`).
     """
     if repeats is None:
-        repeats = repeats_for(_wall(make(1), args, launches, spans), target_s, max_repeats)
+        repeats = repeats_for(_wall(make(1), args, 1, spans), target_s, max_repeats)  # an upper bound suffices
     short, long = make(repeats), make(2 * repeats)
     if settle_s > 0:
         _settle(long, args, settle_s)
