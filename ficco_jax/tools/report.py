@@ -101,7 +101,8 @@ def markdown_table(result: dict) -> str:
     suspect = above_peak(result)
     if suspect:
         lines.append("Faster than the tensor cores allow at the SM clock recorded while timed (suspect timings: "
-                     "not all of the work ran, or the clock reading is wrong):")
+                     "not all of the work ran, the timing caught a clock the recording missed, or the clock reading is wrong; "
+                     "benchmarks/suites/timing_check.py compares the row's program with one long loop):")
         lines += [f"- {line}" for line in suspect]
     lines += clocks_table(by_case)
     return "\n".join(lines) + "\n"
@@ -121,7 +122,8 @@ _NO_MATMUL = ("collective_alone", "ideal")
 def above_peak(result: dict) -> list[str]:
     """The timed rows of `result` whose matmul work, 2 M K N / n per device, would need more than the
     tensor cores' dense peak at the highest SM clock recorded while the row was timed: a time no
-    device can reach, so either not all of the work ran or the clock reading is wrong. One line each;
+    device can reach, so not all of the work ran, the timing caught a clock the recording missed (loops
+    of 1 and 5 ops timed a launch's boost: timing.py), or the clock reading is wrong. One line each;
     none where the device kind, the dtype or the clocks are unknown."""
     peaks = TENSOR_PEAK_PER_MHZ.get(result.get("device"), {})
     lines = []
