@@ -115,7 +115,7 @@ AUTOTUNE_CACHE_DIR: str = os.environ.get(
 
 #: GPUs that no shipped profile describes exactly (another GPU, another group size) get a cost
 #: profile measured on first use — matmul rate, NCCL and copy-engine transfers, a copy-engine
-#: call's fixed costs; about 20 s, with a progress line — cached per device kind and group size
+#: call's fixed costs; tens of seconds, announced on stderr — cached per device kind and group size
 #: in FICCO_PROFILE_CACHE (default: AUTOTUNE_CACHE_DIR/profiles). "0" skips the measurement: the
 #: same GPU's profile of the nearest group size, else the conservative default.
 PROFILE_MEASURE: bool = os.environ.get("FICCO_PROFILE_MEASURE", "1") != "0"

@@ -13,7 +13,9 @@ devices, bf16, each probe timed by in-jit loop differencing (timing.py):
   op-level costs (a copy-engine call's fixed device and host cost, per-copy latency, contention)
   are fitted as `calibrate` fits them (fitting.fit_to_ops).
 
-About 20 s on 2 x H100, announced by one line on stderr and closed by another.
+About 20 s on 2 x H100 (2026-11-27) when device time differenced loops of 1 and 1 + R ops; its loops
+of R and 2R ops add a compile and longer loops to each timing. Announced by one line on stderr and
+closed by another, which gives the time it took.
 FICCO_PROFILE_MEASURE=0 skips it (config.PROFILE_MEASURE). Only one process measures: a program
 run by several processes would pick schedules from timings that differ between them, so there
 the shipped profiles apply (a cached profile measured by a one-process run is not read either).
@@ -114,8 +116,8 @@ def measure(devices: Sequence, timer: Timer, probes: Sequence[Probe] = PROBES, *
     copy-engine probes only `with_dma`."""
     n, kind = len(devices), devices[0].device_kind
     probes = [p for p in probes if with_dma or not (p.what == "dma" or "dma" in p.schedule)]
-    print(f"ficco_jax: no cost profile ships for {n} x {kind}; measuring one ({len(probes)} timings, about "
-          f"20 s, once per machine; FICCO_PROFILE_MEASURE=0 skips it) ...", file=sys.stderr, flush=True)
+    print(f"ficco_jax: no cost profile ships for {n} x {kind}; measuring one ({len(probes)} timings, "
+          f"once per machine; FICCO_PROFILE_MEASURE=0 skips it) ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
     # The first op is often resolved while the user's function is traced, under its `jax.set_mesh`
     # mesh; the probes are programs of their own, on their own meshes. They run in a thread of their
