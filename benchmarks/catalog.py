@@ -344,8 +344,8 @@ SUITES = {s.name: s for s in [
           "any; 2+ GPUs for real numbers", 0, 480, _bench, takes_options=True),
     Suite("peers", "PyTorch async-TP and sequential, JAX seq / ring / XLA (windowed einsum), collectives vs NCCL",
           "2+ GPUs (CPU: the JAX peers at a tiny shape)", 0, 540, _peers, _peers_result, takes_options=True),
-    # On 2 x H200 (2026-11-28) the peers took 51 s. Device time over loops of R and 2R ops costs a large
-    # anchor case about 30 s a round in bf16 (2583d90), so two rounds, not three, and 560 s.
+    # On 2 x H200 (2026-11-28, 4223bb0) bench --rounds 2 took 350 s over the ten anchor cases (its budget,
+    # 340 s, is this limit's), the peers 75 s: 443 s in all.
     Suite("compare", "one table of the anchors: ficco_jax's auto, JAX seq, the ideal, PyTorch seq and async-TP, "
           "XLA's windowed einsum (bench --rounds 2, the peers, peers/tp_table.py)",
           "2+ GPUs (CPU: bench at a tiny shape, the peers skipped)", 0, 560, _compare, _compare_result,
