@@ -41,8 +41,8 @@ def gemm_alone(mesh, op, M, K, N, dtype):
     keys = jax.random.split(jax.random.PRNGKey(1), 2)
     a, w = (jax.device_put(jax.random.normal(k, (n * s[0], *s[1:]), jnp.float32).astype(dtype),
                            NamedSharding(mesh, P("tp"))) for k, s in zip(keys, (full_a, shapes[1])))
-    return functools.cache(lambda r: jax.jit(jax.shard_map(timing.chain(gemm, r), mesh=mesh, in_specs=(P("tp"), P("tp")),
-                                                          out_specs=P("tp")))), (a, w)
+    specs = dict(mesh=mesh, in_specs=(P("tp"), P("tp")), out_specs=P("tp"))
+    return functools.cache(lambda r: jax.jit(jax.shard_map(timing.chain(gemm, r), **specs))), (a, w)
 
 
 def op_program(mesh, op, schedule, M, K, N, dtype):

@@ -92,8 +92,8 @@ CPU_TARGET_S = 0.005
 def device_time(make, args) -> dict:
     """timing.device_time as the tools run it: adaptive, after SETTLE_S of the program, on
     accelerators; on CPU, where the times mean nothing, a fixed count of estimates (the adaptive rule
-    would retry noisy host timings to its cap) over short loops. Under `monitoring`, "gpus": the GPUs' clocks, power
-    and temperature during the timed launches."""
+    would retry noisy host timings to its cap) over short loops. Under `monitoring`, "gpus": the
+    GPUs' clocks, power and temperature during the timed launches."""
     monitor = _monitor
     spans = [] if monitor is not None else None
     on_cpu = jax.default_backend() == "cpu"

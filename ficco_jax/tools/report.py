@@ -101,8 +101,9 @@ def markdown_table(result: dict) -> str:
     suspect = above_peak(result)
     if suspect:
         lines.append("Faster than the tensor cores allow at the SM clock recorded while timed (suspect timings: "
-                     "not all of the work ran, the timing caught a clock the recording missed, or the clock reading is wrong; "
-                     "benchmarks/suites/timing_check.py compares the row's program with one long loop):")
+                     "not all of the work ran, the timing caught a clock the recording missed, or the clock "
+                     "reading is wrong; benchmarks/suites/timing_check.py compares the row's program with one "
+                     "long loop):")
         lines += [f"- {line}" for line in suspect]
     lines += clocks_table(by_case)
     return "\n".join(lines) + "\n"
