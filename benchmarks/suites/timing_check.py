@@ -1,6 +1,7 @@
 """Whether device time (the bench's method) holds on this machine: for one op and shape, its GEMM alone,
 JAX sequential and one ficco schedule, each timed by `harness.device_time` (as `bench` times it) and over
-one long loop, t(L) / L, in turn, three times; then a profiler trace of a 10-op loop of each, for its kernels.
+one long loop, t(L) / L, in turn, three times (the GEMM alone as `bench` builds it: bench.gemm_alone,
+harness.gemm_program); then a profiler trace of a 10-op loop of each, for its kernels.
 
 Usage: python benchmarks/suites/timing_check.py OP SCHEDULE M K N [--dtype DTYPE] [--long L] [--out DIR]
 
@@ -20,32 +21,17 @@ import os
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
 from ficco_jax.ops import measure
 from ficco_jax.schedule import Schedule, local_shapes
 from ficco_jax.tools import bench, harness
 from ficco_jax.tools.bench import add_case_arguments
 from ficco_jax.tools.harness import DTYPES
-from ficco_jax.tuning import timing
 
 
-def gemm_alone(mesh, op, M, K, N, dtype):
-    """The bench's GEMM-alone program: every device's full-size matmul at once (bench._bounds)."""
-    n = mesh.shape["tp"]
-    shapes = local_shapes(op, M, K, N, n)
-    gemm = bench.fp8_gemm(bench.fp8_scales(shapes)) if dtype.startswith("float8") else (lambda a, w: a @ w)
-    full_a = (M, K) if op == "ag_matmul" else (M, N // n)
-    keys = jax.random.split(jax.random.PRNGKey(1), 2)
-    a, w = (jax.device_put(jax.random.normal(k, (n * s[0], *s[1:]), jnp.float32).astype(dtype),
-                           NamedSharding(mesh, P("tp"))) for k, s in zip(keys, (full_a, shapes[1])))
-    specs = dict(mesh=mesh, in_specs=(P("tp"), P("tp")), out_specs=P("tp"))
-    return functools.cache(lambda r: jax.jit(jax.shard_map(timing.chain(gemm, r), **specs))), (a, w)
-
-
-def op_program(mesh, op, schedule, M, K, N, dtype):
+def op_program(mesh, schedule, op, M, K, N, dtype):
     """`op` under `schedule` ("ref": JAX sequential) as the bench times it."""
     args, body_of = bench.case_inputs(op, local_shapes(op, M, K, N, mesh.shape["tp"]), dtype, mesh)
     body = body_of(op, "ref" if schedule == "ref" else Schedule.parse(schedule))
@@ -74,10 +60,11 @@ def main() -> None:
     dtype = DTYPES[args.dtype]
     os.makedirs(args.out, exist_ok=True)
     mesh = Mesh(np.array(jax.local_devices()), ("tp",))
-    dims = (args.op, args.M, args.K, args.N)
-    programs = {"gemm_alone": lambda: gemm_alone(mesh, *dims, dtype),
-                "jax_seq": lambda: op_program(mesh, args.op, "ref", *dims[1:], dtype),
-                f"ficco:{args.schedule}": lambda: op_program(mesh, args.op, args.schedule, *dims[1:], dtype)}
+    case = (args.op, args.M, args.K, args.N)
+    gemm = bench.gemm_alone(*case, dtype, mesh.shape["tp"])
+    programs = {"gemm_alone": lambda: harness.gemm_program(mesh, dtype, *gemm),
+                "jax_seq": lambda: op_program(mesh, "ref", *case, dtype),
+                f"ficco:{args.schedule}": lambda: op_program(mesh, args.schedule, *case, dtype)}
     result = {**bench.provenance(mesh.shape["tp"], dtype), "op": args.op, "shape": [args.M, args.K, args.N],
               "long_loop": args.long, "programs": {}}
     result["method"] = f"{result['method']}; beside it one loop of {args.long} ops, the median of 3 launches"

@@ -97,24 +97,32 @@ def case_inputs(op, shapes, dtype, mesh, seed: int = 0):
     return measure.make_inputs(op, shapes, dtype, mesh, seed=seed), op_body
 
 
+def gemm_alone(op, M, K, N, dtype, n) -> tuple:
+    """(gemm, per-device shapes) of a case's GEMM alone: the op's whole per-device product, [M, K] @ w
+    for the all-gather (its gathered rows), [M, N/n] @ w otherwise; XLA's FP8 dot as JAX sequential
+    runs it on FP8 operands (`fp8_gemm`)."""
+    shapes = local_shapes(op, M, K, N, n)
+    full_a = (M, K) if op == "ag_matmul" else (M, N // n)
+    gemm = fp8_gemm(fp8_scales(shapes)) if config.is_fp8(dtype) else (lambda a, w: a @ w)
+    return gemm, (full_a, shapes[1])
+
+
 def _bounds(op, name, M, K, N, dtype, mesh, progress, timers=None) -> list[Row]:
     """GEMM alone (full size, every device at once), the collective alone, and the ideal max of the two."""
     n = mesh.shape["tp"]
-    _, w_shape = local_shapes(op, M, K, N, n)
-    fp8 = config.is_fp8(dtype)
     if op == "ag_matmul":  # all-gathers x [M/n, K] per device into [M, K]
-        full_a, coll_shape, coll_dtype = (M, K), (M, K), dtype
+        coll_shape, coll_dtype = (M, K), dtype
         collective = lambda x: jax.lax.all_gather(x, "tp", axis=0, tiled=True)  # noqa: E731
     elif op == "matmul_psum":  # all-reduces every device's [M, K] product
-        full_a, coll_shape, coll_dtype = (M, N // n), (M * n, K), dtype
+        coll_shape, coll_dtype = (M * n, K), dtype
         collective = lambda y: jax.lax.psum(y, "tp")  # noqa: E731
     else:  # reduce-scatters every device's [M, K] product (an FP8 matmul's partials are bf16)
-        full_a, coll_shape, coll_dtype = (M, N // n), (M * n, K), "bfloat16" if fp8 else dtype
+        coll_shape, coll_dtype = (M * n, K), "bfloat16" if config.is_fp8(dtype) else dtype
         collective = lambda y: jax.lax.psum_scatter(y, "tp", scatter_dimension=0, tiled=True)  # noqa: E731
-    gemm = fp8_gemm(fp8_scales(local_shapes(op, M, K, N, n))) if fp8 else (lambda a, w: a @ w)
-    return bound_rows(Row(op, name, M, K, N, ""), mesh, dtype, progress, gemm=gemm,
-                      gemm_shapes=(full_a, w_shape), collective=collective, collective_shape=coll_shape,
-                      spec=P("tp", None), collective_dtype=coll_dtype, timers=timers)
+    gemm, gemm_shapes = gemm_alone(op, M, K, N, dtype, n)
+    return bound_rows(Row(op, name, M, K, N, ""), mesh, dtype, progress, gemm=gemm, gemm_shapes=gemm_shapes,
+                      collective=collective, collective_shape=coll_shape, spec=P("tp", None),
+                      collective_dtype=coll_dtype, timers=timers)
 
 
 # ------------------------------------------------------------------------------------------------

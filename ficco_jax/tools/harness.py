@@ -215,6 +215,18 @@ GEMM_BOUND = "every device at once"
 BOUND_STEPS = 2
 
 
+def gemm_program(mesh, dtype, gemm, gemm_shapes):
+    """(make, args) of the GEMM alone: `make(R)` runs `gemm(a, w)` R times (timing.chain) on every
+    device at once, one program under shard_map over "tp" without communication, on random
+    per-device operands of `gemm_shapes` (args)."""
+    n, per_device = mesh.shape["tp"], NamedSharding(mesh, P("tp"))
+    keys = jax.random.split(jax.random.PRNGKey(1), len(gemm_shapes))
+    args = tuple(jax.device_put(jax.random.normal(k, (n * shape[0], *shape[1:]), jnp.float32).astype(dtype),
+                                per_device) for k, shape in zip(keys, gemm_shapes))
+    specs = dict(mesh=mesh, in_specs=(P("tp"),) * len(gemm_shapes), out_specs=P("tp"))
+    return functools.cache(lambda r: jax.jit(jax.shard_map(timing.chain(gemm, r), **specs))), args
+
+
 def bound_rows(case: Row, mesh, dtype, progress, *, gemm, gemm_shapes, collective, collective_shape,
                spec, collective_dtype=None, timers: dict | None = None) -> list[Row]:
     """The bounds of a case, as rows like `case`: `gemm(a, w)` alone on every device at once with
@@ -223,16 +235,11 @@ def bound_rows(case: Row, mesh, dtype, progress, *, gemm, gemm_shapes, collectiv
     `collective(x)` alone under shard_map (a global `collective_shape` of `collective_dtype`, default
     `dtype`, sharded as `spec`), and the ideal, the max of the two. `timers`, where given, receives a
     timer for each bound (`retime_case`)."""
-    n, per_device = mesh.shape["tp"], NamedSharding(mesh, P("tp"))
-    keys = jax.random.split(jax.random.PRNGKey(1), len(gemm_shapes))
-    a, w = (jax.device_put(jax.random.normal(k, (n * shape[0], *shape[1:]), jnp.float32).astype(dtype), per_device)
-            for k, shape in zip(keys, gemm_shapes))
+    gemm_make, gemm_args = gemm_program(mesh, dtype, gemm, gemm_shapes)
     x = jax.device_put(jnp.ones(collective_shape, collective_dtype or dtype) * 0.5, NamedSharding(mesh, spec))
-    gemm_make = functools.cache(lambda r: jax.jit(jax.shard_map(timing.chain(gemm, r), mesh=mesh,
-                                                                in_specs=(P("tp"), P("tp")), out_specs=P("tp"))))
     coll_make = functools.cache(lambda r: jax.jit(jax.shard_map(timing.chain(collective, r), mesh=mesh,
                                                                 in_specs=(spec,), out_specs=spec)))
-    bounds = {"gemm_alone": lambda: device_time(gemm_make, (a, w)),
+    bounds = {"gemm_alone": lambda: device_time(gemm_make, gemm_args),
               "collective_alone": lambda: device_time(coll_make, (x,))}
     rows = []
     for variant, timer in bounds.items():
