@@ -126,7 +126,8 @@ def _compare(ctx):
 
 
 def _compare_result(out: str) -> str:
-    """In how many cases `auto` was the fastest of the table's timed columns, and which peers ran."""
+    """In how many cases `auto` was the fastest of the table's timed columns (and in how many more within
+    its spread of the fastest), and which peers ran."""
     from peers import tp_table  # noqa: PLC0415 - benchmarks/ is on run.py's path, not a package
 
     bench, *peers = tp_table.from_dirs(out, out)
@@ -136,7 +137,9 @@ def _compare_result(out: str) -> str:
     ran = ", ".join(name for name, data in zip(tp_table.PEERS, peers) if data and "skipped" not in data) or "none"
     if not tp_table.meaningful(bench):
         return f"{len(rows)} cases on CPU (times meaningless); peers: {ran}"
-    return f"auto the fastest in {sum(r['auto_fastest'] for r in rows)} of {len(rows)} cases; peers: {ran}"
+    fastest, close = sum(r["auto_fastest"] for r in rows), sum(r["auto_within_spread"] for r in rows)
+    return (f"auto the fastest in {fastest} of {len(rows)} cases, within its spread of the fastest in {close} "
+            f"more; peers: {ran}")
 
 
 def _peers(ctx):

@@ -193,7 +193,8 @@ def test_the_timing_check_times_each_program_both_ways_on_cpu(tmp_path):
     assert list(result["programs"]) == ["gemm_alone", "jax_seq", "ficco:xla/ring/c2"]
     for timings in result["programs"].values():
         assert len(timings["device_time_ms"]) == len(timings["long_loop_ms"]) == 3
-        assert all(t > 0 for t in timings["device_time_ms"] + timings["long_loop_ms"])
+        # On a loaded CPU a difference of two loops can come out at 0 (device time never reports less).
+        assert all(t >= 0 for t in timings["device_time_ms"]) and all(t > 0 for t in timings["long_loop_ms"])
     assert "one loop of 6 ops" in result["method"] and "NOT meaningful" in result["method"]
     assert len(done.stdout.strip().splitlines()) == 3 and (tmp_path / "trace_jax_seq").is_dir()
 

@@ -61,6 +61,26 @@ def test_one_row_per_case_with_every_peer():
     assert "torch_tp at `abc1234`; CUDA events" in text and "jax_tp --windowed at `abc1234`" in text
 
 
+def test_a_peer_faster_by_less_than_autos_spread_is_marked():
+    """A peer ahead of auto by less than auto's half-range is named fastest, with the mark that the timing
+    cannot tell them apart; the auto cell shows that spread. Further away than the spread: no mark."""
+    bench = _bench()
+    for r in bench["rows"]:
+        if r.get("selected"):
+            r["spread_ms"] = 0.04
+    ag, rs = tp_table.rows(bench, _torch(), _windowed())
+    assert ag["fastest"] == "PyTorch async-TP" and ag["auto_within_spread"] and not ag["auto_fastest"]
+    assert rs["auto_fastest"] and not rs["auto_within_spread"]  # the fastest itself is never "within"
+    text = tp_table.markdown(bench, _torch(), _windowed())
+    assert "| 1.020 ± 0.040 (dma/direct/c1) |" in text and "| PyTorch async-TP (auto within its ±) |" in text
+    for r in bench["rows"]:
+        if r.get("selected"):
+            r["spread_ms"] = 0.02  # 1.02 - 0.02 = 1.00 > 0.99: a real difference
+    ag, _ = tp_table.rows(bench, _torch(), _windowed())
+    text = tp_table.markdown(bench, _torch(), _windowed())
+    assert not ag["auto_within_spread"] and "| PyTorch async-TP |" in text and "its ±) |" not in text
+
+
 def test_missing_or_skipped_peers_leave_dashes():
     (ag, _) = tp_table.rows(_bench())
     assert ag["PyTorch seq"] is None and ag["XLA windowed"] is None and ag["fastest"] == "ficco best"
@@ -151,7 +171,8 @@ def test_run_prints_the_compare_suites_table(tmp_path):
     (tmp_path / "compare" / "torch_tp.json").write_text(json.dumps(_torch()))
     table = run.comparison_table(str(tmp_path), ["build", "compare"], since=0)
     assert "| 1.250 | — | 1.300 | 0.990 |" in table  # PyTorch in its columns, XLA windowed not run
-    assert catalog._compare_result(str(tmp_path / "compare")) == "auto the fastest in 1 of 2 cases; peers: torch_tp"
+    assert catalog._compare_result(str(tmp_path / "compare")) == \
+        "auto the fastest in 1 of 2 cases, within its spread of the fastest in 0 more; peers: torch_tp"
 
 
 def test_compare_starts_without_an_earlier_runs_files(tmp_path):

@@ -102,15 +102,15 @@ def _ms(row: dict | None) -> float | None:
     return None if row is None else row.get("median_ms")
 
 
-def _ficco(case: dict, selected: bool) -> tuple[float | None, str]:
-    """(ms, schedule) of `auto`'s pick (selected) or of the fastest timed ficco_jax variant."""
+def _ficco(case: dict, selected: bool) -> tuple[float | None, str, float | None]:
+    """(ms, schedule, ± ms) of `auto`'s pick (selected) or of the fastest timed ficco_jax variant."""
     rows = [(v, r) for v, r in case.items() if v.startswith("ficco:") and _ms(r) is not None]
     if selected:
         rows = [(v, r) for v, r in rows if r.get("selected")]
     if not rows:
-        return None, ""
+        return None, "", None
     variant, row = min(rows, key=lambda vr: vr[1]["median_ms"])
-    return row["median_ms"], variant[len("ficco:"):]
+    return row["median_ms"], variant[len("ficco:"):], row.get("spread_ms")
 
 
 def _peer_rows(name: str, data: dict | None, case_dims: dict) -> dict:
@@ -127,7 +127,9 @@ def _peer_rows(name: str, data: dict | None, case_dims: dict) -> dict:
 
 def rows(bench: dict, torch: dict | None = None, windowed: dict | None = None) -> list[dict]:
     """One dict per (op, shape) of bench: op, shape, dims, each timed column of COLUMNS in ms (None:
-    not measured), auto's pick and the best schedule, "fastest" (a name of FASTEST) and "auto_fastest"."""
+    not measured), auto's pick, its spread ("auto_spread", ± ms) and the best schedule, "fastest" (a name
+    of FASTEST), "auto_fastest", and "auto_within_spread": auto is not the fastest, but no further from it
+    than its own spread (bench's half-range of its timings), a difference the timing cannot tell."""
     peers = {name: data for name, data in zip(PEERS, (torch, windowed)) if data and not _skip_reason(data)}
     _check(bench, peers)
     cases = _bench_cases(bench)
@@ -138,16 +140,19 @@ def rows(bench: dict, torch: dict | None = None, windowed: dict | None = None) -
         prefix = OPS[op]
         peer = by_shape.get("torch_tp", {}).get(shape, {})
         xla = by_shape.get("jax_tp_windowed", {}).get(shape, {}).get(f"{prefix}_xla_windowed")
-        auto_ms, pick = _ficco(case, selected=True)
-        best_ms, best = _ficco(case, selected=False)
+        auto_ms, pick, auto_spread = _ficco(case, selected=True)
+        best_ms, best, _ = _ficco(case, selected=False)
         row = {"op": op, "shape": shape, "dims": case["dims"], "ideal": _ms(case.get("ideal")),
                "JAX seq": _ms(case.get("jax_seq")),
                "XLA windowed": xla if "jax_tp_windowed" in peers else _ms(case.get("xla_windowed_einsum")),
                "PyTorch seq": peer.get(f"{prefix}_seq"), "PyTorch async-TP": peer.get(f"{prefix}_async_tp"),
-               "ficco auto (pick)": auto_ms, "pick": pick, "ficco best (schedule)": best_ms, "best": best}
+               "ficco auto (pick)": auto_ms, "pick": pick, "auto_spread": auto_spread,
+               "ficco best (schedule)": best_ms, "best": best}
         timed = {name: row[column] for name, column in FASTEST.items() if row[column] is not None}
         row["fastest"] = min(timed, key=timed.get) if timed else None
         row["auto_fastest"] = row["fastest"] == "ficco auto"
+        row["auto_within_spread"] = (not row["auto_fastest"] and auto_ms is not None and auto_spread is not None
+                                     and auto_ms - auto_spread <= timed[row["fastest"]])
         out.append(row)
     return out
 
@@ -169,16 +174,21 @@ def _sources(bench: dict, torch: dict | None, windowed: dict | None) -> list[str
 
 def _cells(r: dict, meaningful: bool) -> list[str]:
     """The COLUMNS of one row as text; ratios and "fastest" only where times mean something."""
-    def ms(value, name=""):
-        return "—" if value is None else f"{value:.3f} ({name})" if name else f"{value:.3f}"
+    def ms(value, name="", spread=None):
+        if value is None:
+            return "—"
+        text = f"{value:.3f}" + (f" ± {spread:.3f}" if spread and meaningful else "")
+        return f"{text} ({name})" if name else text
 
     auto, ideal = r["ficco auto (pick)"], r["ideal"]
     if not meaningful:
         ratio = fastest = "n/a"
     else:
         ratio, fastest = f"{auto / ideal:.3f}x" if auto and ideal else "—", r["fastest"] or "—"
-    return [ms(r[c]) for c in COLUMNS[:5]] + [ms(auto, r["pick"]), ms(r["ficco best (schedule)"], r["best"]),
-                                             ratio, fastest]
+        if r["auto_within_spread"]:
+            fastest += " (auto within its ±)"
+    return [ms(r[c]) for c in COLUMNS[:5]] + [ms(auto, r["pick"], r["auto_spread"]),
+                                             ms(r["ficco best (schedule)"], r["best"]), ratio, fastest]
 
 
 def meaningful(bench: dict) -> bool:
@@ -197,7 +207,9 @@ def markdown(bench: dict, torch: dict | None = None, windowed: dict | None = Non
     lines += ["", "ficco best: the fastest of the ficco_jax schedules bench measured (with `--schedules auto`, "
                   "auto's pick alone); fastest: the quickest of the timed columns, a tie going to the one further "
                   "left in this note's order: ficco auto, ficco best, JAX seq, XLA windowed, PyTorch seq, PyTorch "
-                  "async-TP (ideal excluded); —: not measured in these files."]
+                  "async-TP (ideal excluded); \"(auto within its ±)\": auto's time less its spread (the "
+                  "half-range of bench's timings of it) reaches the fastest, a difference the timing cannot "
+                  "tell; —: not measured in these files."]
     if not meaningful(bench):
         lines.append("On CPU the times are host loops of tiny shapes: no ratio is drawn from them (n/a).")
     return "\n".join(lines) + "\n"
