@@ -18,7 +18,6 @@ import argparse
 import functools
 import json
 import os
-import time
 
 import jax
 import numpy as np
@@ -29,6 +28,7 @@ from ficco_jax.schedule import Schedule, local_shapes
 from ficco_jax.tools import bench, harness
 from ficco_jax.tools.bench import add_case_arguments
 from ficco_jax.tools.harness import DTYPES
+from ficco_jax.tuning import timing
 
 
 def op_program(mesh, schedule, op, M, K, N, dtype):
@@ -38,16 +38,10 @@ def op_program(mesh, schedule, op, M, K, N, dtype):
     return functools.cache(lambda r: measure.sharded(mesh, op, body, r)), args
 
 
-def long_loop_ms(make, args, length: int, launches: int = 3) -> float:
-    """ms per op over one launch of `length` ops, the median of `launches` after a warm-up."""
-    fn = make(length)
-    jax.block_until_ready(fn(*args))
-    walls = []
-    for _ in range(launches):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        walls.append(time.perf_counter() - start)
-    return float(np.median(walls)) / length * 1e3
+def long_loop_ms(make, args, length: int) -> float:
+    """ms per op over one launch of `length` ops: device time's own wall timing of a loop (the median of
+    timing.LAUNCHES launches after a warm-up)."""
+    return timing._wall(make(length), args, timing.LAUNCHES) / length * 1e3
 
 
 def main() -> None:
@@ -67,7 +61,7 @@ def main() -> None:
                 f"ficco:{args.schedule}": lambda: op_program(mesh, args.schedule, *case, dtype)}
     result = {**bench.provenance(mesh.shape["tp"], dtype), "op": args.op, "shape": [args.M, args.K, args.N],
               "long_loop": args.long, "programs": {}}
-    result["method"] = f"{result['method']}; beside it one loop of {args.long} ops, the median of 3 launches"
+    result["method"] = f"{result['method']}; beside it one loop of {args.long} ops, the median of {timing.LAUNCHES} launches"
     for name, build in programs.items():
         make, operands = build()
         device, long = [], []
