@@ -178,3 +178,16 @@ def test_a_timing_faster_than_the_tensor_cores_allow_is_flagged():
     assert report.above_peak(dict(fp8, device="NVIDIA A100-SXM4-80GB")) == []
     unclocked = [dict(r, extra={k: v for k, v in r.get("extra", {}).items() if k != "gpus"}) for r in fp8["rows"]]
     assert report.above_peak(dict(fp8, rows=unclocked)) == []
+
+
+def test_a_timing_the_loops_could_not_resolve_is_named_an_upper_bound():
+    from ficco_jax.tools import report
+
+    with open(os.path.join(RESULTS, "bench_rounds3_3defb2f.json")) as fh:
+        bf16 = json.load(fh)
+    assert "Upper bounds" not in report.markdown_table(bf16)
+    row = next(r for r in bf16["rows"] if r["variant"] == "jax_seq")
+    row["extra"] = dict(row.get("extra", {}), upper_bound=True)
+    line = next(x for x in report.markdown_table(bf16).splitlines() if x.startswith("Upper bounds"))
+    assert line.endswith(f": {row['op']} {row['shape']} jax_seq.")
+    assert "Upper bounds" not in report.markdown_table(dict(bf16, platform="cpu"))  # CPU times are n/a anyway

@@ -105,10 +105,13 @@ def device_time(make, args) -> dict:
     return t
 
 
-def _keep_clocks(row: Row, t: dict) -> None:
-    """Add what the GPUs ran at during timing `t` (under `monitoring`) to `row`."""
+def _keep_facts(row: Row, t: dict) -> None:
+    """Add to `row` what the GPUs ran at during timing `t` (under `monitoring`), and mark it
+    extra["upper_bound"] where the timing's loops did not tell R ops from 2R (timing.device_time)."""
     if t.get("gpus"):
         row.extra.setdefault("gpus", []).append(t["gpus"])
+    if t.get("resolved") is False:
+        row.extra["upper_bound"] = True
 
 
 def use_xla_cache(path: str | None) -> str | None:
@@ -164,7 +167,7 @@ def verify_then_time(row: Row, make, args, want, dtype, time: bool = True) -> Ro
         if row.verified and time:
             t = device_time(make, args)
             row.median_ms, row.spread_ms = t["median_s"] * 1e3, t["spread_s"] * 1e3
-            _keep_clocks(row, t)
+            _keep_facts(row, t)
         else:
             row.note = f"WRONG RESULT: rel err {row.rel_err:.3g}; not timed"
     except Exception as exc:  # noqa: BLE001 - the run goes on and the table says what broke
@@ -248,7 +251,7 @@ def bound_rows(case: Row, mesh, dtype, progress, *, gemm, gemm_shapes, collectiv
         t = timer()
         rows.append(replace(case, variant=variant, median_ms=t["median_s"] * 1e3, spread_ms=t["spread_s"] * 1e3,
                             extra=dict(case.extra)))
-        _keep_clocks(rows[-1], t)
+        _keep_facts(rows[-1], t)
     rows.append(replace(case, variant="ideal", median_ms=_ideal(rows), note="max(gemm_alone, collective_alone)",
                         extra=dict(case.extra)))
     if timers is not None:
@@ -282,7 +285,7 @@ def retime(rows, timers: dict, rounds: int) -> None:
                 r.note = f"re-timing failed: {error_line(exc, 160)}"
                 continue
             r.extra["timings_ms"].append(t["median_s"] * 1e3)
-            _keep_clocks(r, t)
+            _keep_facts(r, t)
     for r in rows:
         ts = r.extra["timings_ms"]
         r.median_ms = float(np.median(ts))

@@ -98,6 +98,10 @@ def markdown_table(result: dict) -> str:
     if clocks:
         lines.append(clocks + ".")
     lines += [f"- {f}" for f in failures]
+    bounded = [f"{r['op']} {r['shape']} {r['variant']}" for r in result["rows"] if r.get("extra", {}).get("upper_bound")]
+    if bounded and meaningful:
+        lines.append("Upper bounds (R more ops took no measurable time; the longer loop's time per op, dispatch "
+                     "included): " + ", ".join(bounded) + ".")
     suspect = above_peak(result)
     if suspect:
         lines.append("Faster than the tensor cores allow at the SM clock recorded while timed (suspect timings: "
