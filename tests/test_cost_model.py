@@ -4,6 +4,7 @@ import json
 import jax
 import pytest
 
+from ficco_jax import config
 from ficco_jax.tuning import autotune, cost_model, select
 from ficco_jax.schedule import Schedule
 
@@ -195,6 +196,43 @@ def test_autotune_cache_round_trips_and_survives_corruption(tmp_path):
     assert cache.get(key) is None  # a corrupt file is a miss, with a warning, not a crash
     cache.put(key, sched, {})
     assert cache.get(key) == sched
+
+
+def test_an_autotune_cache_that_cannot_be_written_leaves_the_pick_standing(tmp_path, monkeypatch, caplog):
+    """A cache lock held elsewhere is waited for only so long, and an unwritable folder is no
+    error of the op: the measured winner is returned either way, with a warning."""
+    import fcntl
+
+    monkeypatch.setattr(config, "CACHE_LOCK_TIMEOUT_S", 0.2)
+    cache = autotune.AutotuneCache(str(tmp_path))
+    with open(cache.path + ".lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another process's lock (flock locks are per open file)
+        with pytest.raises(TimeoutError, match=r"autotune.json.lock stayed held by another process for 0.2 s"):
+            cache.put("k", Schedule(comm="none"), {})
+        args = ("matmul_rs", ((256, 64), (64, 32)), "float32", 4)
+        timed = lambda op, s, shapes, dtype, n: 1.0 if s.comm == "none" else 2.0  # noqa: E731
+        with caplog.at_level("WARNING", logger="ficco_jax"):
+            assert autotune.autotune_schedule(*args, cache=cache, measure=timed) == Schedule(comm="none")
+    assert "could not cache the pick" in caplog.text
+    blocked = tmp_path / "a_file"
+    blocked.write_text("")
+    unwritable = autotune.AutotuneCache(str(blocked / "cache"))
+    assert autotune.autotune_schedule(*args, cache=unwritable, measure=timed) == Schedule(comm="none")
+
+
+def test_autotune_passes_over_a_candidate_that_cannot_run(tmp_path, caplog):
+    def timed(op, s, shapes, dtype, n):
+        if s.comm == "none":
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+        return 1.0 + s.chunks
+
+    cache = autotune.AutotuneCache(str(tmp_path))
+    args = ("matmul_rs", ((256, 64), (64, 32)), "float32", 4)
+    with caplog.at_level("WARNING", logger="ficco_jax"):
+        got = autotune.autotune_schedule(*args, cache=cache, measure=timed)
+    assert got.comm != "none" and "could not time {'none': 'RuntimeError: RESOURCE_EXHAUSTED" in caplog.text
+    with pytest.raises(RuntimeError, match="no candidate could be timed"):
+        autotune.autotune_schedule(*args[:3], 2, cache=cache, measure=lambda *a: 1 / 0)
 
 
 def test_autotune_measures_once_then_uses_the_cache(tmp_path, monkeypatch):

@@ -2,6 +2,7 @@
 probes' times, where it is cached, when it is measured, and that its programs run (on CPU devices,
 inside a trace as when the first op is resolved)."""
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -85,6 +86,43 @@ def test_a_cache_of_another_model_version_is_measured_again(cache):
     calls = []
     fresh = first_use.profile(kind, 2, timer=stub_timer(calls), devices=devices)
     assert calls and fresh["peak_tflops"]["bfloat16"] == pytest.approx(780.0, rel=1e-3)
+
+
+def test_a_profile_measured_without_copy_engines_never_prices_them(cache, capsys):
+    """Measured where copy engines cannot run, a profile's copy-engine terms are the fit's guesses:
+    it is cached apart, and a process that can use copy engines measures its own."""
+    devices, kind = jax.devices()[:2], jax.devices()[0].device_kind
+    calls = []
+    first_use.profile(kind, 2, with_dma=False, timer=stub_timer(calls), devices=devices)
+    assert calls and not any(p.what == "dma" or "dma" in p.schedule for p in calls)
+    assert "copy engines not measured" in capsys.readouterr().err
+    calls.clear()
+    with_dma = first_use.profile(kind, 2, with_dma=True, timer=stub_timer(calls), devices=devices)
+    assert any(p.what == "dma" for p in calls) and with_dma["dma_ingress_gbps"] == pytest.approx(310.0, rel=1e-3)
+    assert sorted(p.name for p in cache.iterdir()) == sorted(
+        os.path.basename(first_use.cache_path(kind, 2, d)) for d in (True, False))
+
+
+@pytest.mark.parametrize("damage", ["null", "[1, 2]", "{ not json"])
+def test_a_damaged_cache_file_is_measured_again(cache, damage):
+    devices, kind = jax.devices()[:2], jax.devices()[0].device_kind
+    path = first_use.cache_path(kind, 2)
+    with open(path, "w") as fh:
+        fh.write(damage)
+    calls = []
+    fresh = first_use.profile(kind, 2, timer=stub_timer(calls), devices=devices)
+    assert calls and fresh["peak_tflops"]["bfloat16"] == pytest.approx(780.0, rel=1e-3)
+    assert json.load(open(path))["model_version"] == first_use.MODEL_VERSION
+
+
+def test_a_cache_that_cannot_be_written_serves_this_process(cache, monkeypatch, capsys):
+    blocker = cache / "a_file"
+    blocker.write_text("")
+    monkeypatch.setattr(config, "PROFILE_CACHE_DIR", str(blocker / "profiles"))  # under a file: not a folder
+    devices, kind = jax.devices()[:2], jax.devices()[0].device_kind
+    found = first_use.profile(kind, 2, timer=stub_timer(), devices=devices)
+    assert found["peak_tflops"]["bfloat16"] == pytest.approx(780.0, rel=1e-3)
+    assert "could not be cached in" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("why", ["switched off", "one device", "several processes", "too few devices",

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 from typing import Callable, Sequence
 
 import jax
@@ -17,7 +18,7 @@ import numpy as np
 
 from .. import config
 from ..schedule import Schedule
-from . import cost_model
+from . import cost_model, timing
 from .select import available_comms, candidates, profile_for, select_schedule
 
 log = logging.getLogger("ficco_jax")
@@ -70,8 +71,18 @@ class AutotuneCache:
 
     @contextlib.contextmanager
     def _locked(self):
+        """The file's lock, waited for at most config.CACHE_LOCK_TIMEOUT_S (TimeoutError, naming it)."""
         with open(self.path + ".lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+            deadline = time.monotonic() + config.CACHE_LOCK_TIMEOUT_S
+            while True:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{self.path}.lock stayed held by another process for "
+                                           f"{config.CACHE_LOCK_TIMEOUT_S:g} s") from None
+                    time.sleep(0.05)
             try:
                 yield
             finally:
@@ -107,8 +118,26 @@ def autotune_schedule(op, shapes, dtype, axis_size, *, measure: Callable | None,
     shortlist = [s for _, s in ranked[:AUTOTUNE_TOP_K]]
     if Schedule(comm="none") not in shortlist:
         shortlist.append(Schedule(comm="none"))
-    times = {str(s): measure(op, s, shapes, dtype, axis_size) for s in shortlist}
-    best = min(shortlist, key=lambda s: times[str(s)])
+    failed: dict = {}
+
+    def timed(schedule):
+        try:
+            return measure(op, schedule, shapes, dtype, axis_size)
+        except Exception as exc:  # noqa: BLE001 - one candidate that cannot run (out of memory) is no pick
+            failed[str(schedule)] = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+            return None
+
+    times = timing.outside_trace(lambda: {str(s): timed(s) for s in shortlist})
+    measured = [s for s in shortlist if times[str(s)] is not None]
+    if failed:
+        log.warning("ficco_jax autotune %s: could not time %s", key, failed)
+    if not measured:
+        raise RuntimeError(f"autotune {key}: no candidate could be timed: {failed}")
+    best = min(measured, key=lambda s: times[str(s)])
     log.info("ficco_jax autotune %s: chose %s (%.3f ms) of %s", key, best, times[str(best)], times)
-    cache.put(key, best, times)
+    try:
+        cache.put(key, best, times)
+    except OSError as exc:  # the pick stands; only remembering it failed
+        log.warning("ficco_jax autotune %s: could not cache the pick (%s); it serves this trace only "
+                    "(FICCO_AUTOTUNE_CACHE names another folder)", key, exc)
     return best

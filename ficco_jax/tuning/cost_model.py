@@ -94,7 +94,34 @@ def load_profile(name_or_path: str) -> dict:
                                 f"make one with `python -m ficco_jax calibrate --out FILE`")
     with open(path) as fh:
         profile = json.load(fh)
-    return {**DEFAULT_PROFILE, **profile}
+    return check_profile({**DEFAULT_PROFILE, **profile}, path) if isinstance(profile, dict) else \
+        check_profile(profile, path)
+
+
+#: The profile's rates, which the model divides by (positive), and its other numbers (at least 0).
+_RATES = ("hbm_gbps", "dma_ingress_gbps", "dma_stream_gbps", "dma_multistream_gbps", "xla_ingress_gbps")
+_TERMS = ("rows_half", "gemm_launch_us", "executor_gemm_slowdown", "dma_latency_us", "dma_call_us", "dma_host_us",
+          "dma_host_copy_us", "xla_latency_us", "collective_latency_us", "contention_dma", "contention_xla")
+
+
+def check_profile(profile, source: str) -> dict:
+    """`profile` itself where the model can price schedules with it, else a ValueError that names
+    `source` (its file, or how it was made) and the first bad entry."""
+    def bad(what):
+        return ValueError(f"machine profile {source}: {what}; make one with `python -m ficco_jax calibrate --out FILE`")
+
+    if not isinstance(profile, dict):
+        raise bad(f"expected a JSON object, found {type(profile).__name__}")
+    peaks = profile.get("peak_tflops")
+    if not isinstance(peaks, dict) or "bfloat16" not in peaks:
+        raise bad(f"peak_tflops must map dtypes to TFLOP/s, bfloat16 among them; found {peaks!r}")
+    entries = ([(f"peak_tflops.{k}", v, True) for k, v in peaks.items()] + [(k, profile.get(k), True) for k in _RATES]
+               + [(k, profile.get(k), False) for k in _TERMS])
+    for key, value, rate in entries:
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and bool(np.isfinite(value))
+        if not number or value < 0 or (rate and value == 0):
+            raise bad(f"{key} = {value!r}, expected a finite number {'> 0' if rate else '>= 0'}")
+    return profile
 
 
 def _peak_tflops(dtype: str, peaks: Mapping) -> float:

@@ -22,7 +22,6 @@ the shipped profiles apply (a cached profile measured by a one-process run is no
 """
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import datetime
 import json
@@ -42,7 +41,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from .. import config
 from ..lowering import dma
 from ..schedule import Schedule, local_shapes
-from . import fitting, timing
+from . import cost_model, fitting, timing
 
 #: Bumped when what a profile holds, or how the model reads it, changes: older caches are measured again.
 MODEL_VERSION = 1
@@ -72,12 +71,15 @@ PROBES = (
 Timer = Callable[[Probe, Sequence], float]
 
 
-def cache_path(device_kind: str, axis_size: int) -> str:
+def cache_path(device_kind: str, axis_size: int, with_dma: bool = True) -> str:
+    """Where the profile of `axis_size` devices of `device_kind` is cached; one measured without the
+    copy-engine probes (`with_dma` False) has a file of its own, since its copy-engine terms are the
+    fit's guesses and must not price copy engines for a process that can use them."""
     slug = re.sub(r"[^a-z0-9]+", "-", device_kind.lower()).strip("-") or "device"
-    return os.path.join(config.PROFILE_CACHE_DIR, f"{slug}_x{axis_size}.json")
+    return os.path.join(config.PROFILE_CACHE_DIR, f"{slug}_x{axis_size}{'' if with_dma else '_no-dma'}.json")
 
 
-_memo: dict[tuple[str, int], dict | None] = {}
+_memo: dict[tuple[str, int, bool], dict | None] = {}
 
 
 def profile(device_kind: str, axis_size: int, *, with_dma: bool = True, timer: Timer | None = None,
@@ -87,26 +89,31 @@ def profile(device_kind: str, axis_size: int, *, with_dma: bool = True, timer: T
     probes only `with_dma` (the caller knows whether copy engines can run here). None where
     measuring is off (config.PROFILE_MEASURE), for a group of one, where several processes run the
     program, or where this process has fewer than `axis_size` such devices."""
-    key = (device_kind, axis_size)
+    key = (device_kind, axis_size, with_dma)
     if key in _memo:
         return _memo[key]
     if not config.PROFILE_MEASURE or axis_size < 2 or jax.process_count() > 1:
         return None
-    path = cache_path(device_kind, axis_size)
+    path = cache_path(device_kind, axis_size, with_dma)
     found = _read(path)
     if found is None:
         devices = list(devices or jax.local_devices())[:axis_size]
         if len(devices) < axis_size or any(d.device_kind != device_kind for d in devices):
             return None
         try:
-            found = measure(devices, timer or device_seconds, with_dma=with_dma)
+            found = cost_model.check_profile(measure(devices, timer or device_seconds, with_dma=with_dma),
+                                             "measured on first use")
         except Exception as exc:  # noqa: BLE001 - a profile that cannot be measured here is not an error of the op
             print(f"ficco_jax: the cost profile could not be measured here ({type(exc).__name__}: {exc}); "
                   f"auto uses a shipped or the default profile in this process", file=sys.stderr)
             _memo[key] = None
             return None
-        _write(path, found)
-        print(f"ficco_jax: cost profile cached in {path}", file=sys.stderr)
+        try:
+            _write(path, found)
+            print(f"ficco_jax: cost profile cached in {path}", file=sys.stderr)
+        except OSError as exc:
+            print(f"ficco_jax: the measured cost profile could not be cached in {path} ({exc}); it serves this "
+                  f"process only (FICCO_PROFILE_CACHE names another folder)", file=sys.stderr)
     _memo[key] = found
     return found
 
@@ -119,17 +126,14 @@ def measure(devices: Sequence, timer: Timer, probes: Sequence[Probe] = PROBES, *
     print(f"ficco_jax: no cost profile ships for {n} x {kind}; measuring one ({len(probes)} timings, "
           f"once per machine; FICCO_PROFILE_MEASURE=0 skips it) ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
-    # The first op is often resolved while the user's function is traced, under its `jax.set_mesh`
-    # mesh; the probes are programs of their own, on their own meshes. They run in a thread of their
-    # own, which starts outside every trace and context mesh (jax keeps both per thread), so no
-    # private jax state is swapped.
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ficco-profile") as pool:
-        seconds = pool.submit(lambda: {probe: timer(probe, devices) for probe in probes}).result()
+    seconds = timing.outside_trace(lambda: {probe: timer(probe, devices) for probe in probes})
     fitted = fit(kind, n, seconds)
+    dma_terms = (f", copy engines {fitted['dma_ingress_gbps']:.0f} GB/s, a copy-engine call "
+                 f"{fitted['dma_call_us']:.0f} us on the GPU" if with_dma else " (copy engines not measured: "
+                 "they cannot run in this process)")
     print(f"ficco_jax: measured in {time.perf_counter() - start:.1f} s: matmul "
-          f"{fitted['peak_tflops']['bfloat16']:.0f} TFLOP/s, NCCL {fitted['xla_ingress_gbps']:.0f} GB/s, "
-          f"copy engines {fitted['dma_ingress_gbps']:.0f} GB/s, a copy-engine call {fitted['dma_call_us']:.0f} us "
-          f"on the GPU", file=sys.stderr, flush=True)
+          f"{fitted['peak_tflops']['bfloat16']:.0f} TFLOP/s, NCCL {fitted['xla_ingress_gbps']:.0f} GB/s{dma_terms}",
+          file=sys.stderr, flush=True)
     return fitted
 
 
@@ -215,7 +219,12 @@ def _read(path: str) -> dict | None:
             found = json.load(fh)
     except (OSError, ValueError):
         return None
-    return found if found.get("model_version") == MODEL_VERSION else None
+    if not isinstance(found, dict) or found.get("model_version") != MODEL_VERSION:
+        return None
+    try:
+        return cost_model.check_profile(found, path)
+    except ValueError:  # damaged, or fitted to bad timings: measured again
+        return None
 
 
 def _write(path: str, found: dict) -> None:

@@ -16,6 +16,7 @@ not meaningful.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from typing import Callable
 
@@ -40,6 +41,15 @@ METHOD = (f"{_LOOP}; median of {MIN_ESTIMATES} such estimates, up to {MAX_ESTIMA
           f"more than {AGREE * 100:.0f} %")
 #: The same with adaptive=False (what several processes timing one program use).
 METHOD_FIXED = f"{_LOOP}; median of {MIN_ESTIMATES} such estimates (a fixed count)"
+
+
+def outside_trace(fn: Callable):
+    """`fn()` run in a thread of its own and its result (or its exception). An op's schedule is often
+    resolved while the user's function is traced, inside its shard_map and under its context mesh;
+    a timed program is a program of its own, on a mesh of its own, and jax keeps the trace and the
+    context mesh per thread, so a fresh thread starts outside both (no private jax state swapped)."""
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ficco-timing") as pool:
+        return pool.submit(fn).result()
 
 
 def chain(step: Callable, repeats: int) -> Callable:
