@@ -10,21 +10,42 @@ import os
 import numpy as np
 
 
-def _env_float(name: str, default: float) -> float:
+def _env_float(name: str, default: float, *, unit: str = "seconds", low: float = 0.0,
+               high: float = 1e6) -> float:
+    """The number in environment variable `name` (`default` where unset or ""), within [low, high]."""
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
     try:
-        return float(raw)
-    except ValueError as exc:
-        raise ValueError(f"{name}={raw!r} is not a number; unset it or give seconds, e.g. {name}=10") from exc
+        value = float(raw)
+    except ValueError:
+        value = None
+    if value is None or not low <= value <= high:  # (NaN compares false: refused too)
+        raise ValueError(f"{name}={raw!r}: expected {unit} from {low:g} to {high:g}; unset it for the default "
+                         f"({default:g}), e.g. {name}={default:g}")
+    return value
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    """Environment variable `name` as a switch: 1/true/yes/on or 0/false/no/off (any case); unset or
+    "" gives `default`."""
+    raw = os.environ.get(name, "")
+    if raw == "":
+        return default
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={raw!r}: expected 1 or 0 (true/false, yes/no, on/off); unset it for the default "
+                     f"({int(default)})")
 
 
 #: Seconds a device waits in a host rendezvous for the other devices of its group before the call
 #: fails with an error that names the op, the group and the missing ranks. The rendezvous happens
 #: when the handlers enqueue work, not when the GPU runs it, so peers arrive within microseconds
 #: of each other in a healthy program; 5 s only guards against a missing peer.
-RENDEZVOUS_TIMEOUT_S: float = _env_float("FICCO_RENDEZVOUS_TIMEOUT_S", 5.0)
+RENDEZVOUS_TIMEOUT_S: float = _env_float("FICCO_RENDEZVOUS_TIMEOUT_S", 5.0, low=1e-3)
 
 #: Seconds a copy-engine call's device work may take once it has started before the watchdog
 #: (xla_ffi/runtime/watchdog.h) reports what the call waits for on stderr — the op, where it was
@@ -40,7 +61,7 @@ WATCHDOG_S: float = _env_float("FICCO_WATCHDOG_S", 60.0)
 #: 5 % of one process; on 4 GPUs the best schedule of six timed cases -2 % to +7.5 % against one
 #: process (2026-11-22, 2 and 4 x H200, BENCHMARKS.md).
 #: Off: such groups use XLA's collectives (comm="xla") and an explicit comm="dma" there is a ValueError.
-CROSS_PROCESS_DMA: bool = os.environ.get("FICCO_CROSS_PROCESS_DMA", "") not in ("", "0")
+CROSS_PROCESS_DMA: bool = _env_flag("FICCO_CROSS_PROCESS_DMA", False)
 
 #: Chunk counts (sub-shard decomposition factors) the design space enumerates.
 CHUNK_CHOICES: tuple[int, ...] = (1, 2, 4, 8)
@@ -69,7 +90,7 @@ DMA_COLLECTIVE_MIN_BYTES: int = 8 << 20
 #: matmul_rs [1024, 1024] @ [1024, 1024] on dma/direct/c2) it took 107.8 against 153.2 us per call in
 #: one run and 116.0 against 106.8 in another (docs/design.md, "Group channels"). Read when an op
 #: is traced.
-CHANNEL_BYTES: int = int(_env_float("FICCO_CHANNEL_BYTES", 0))
+CHANNEL_BYTES: int = int(_env_float("FICCO_CHANNEL_BYTES", 0, unit="bytes", high=float(1 << 40)))
 
 #: dtypes the DMA executor handles; others take the XLA path (`comm="xla"`).
 DMA_DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")
@@ -113,12 +134,16 @@ AUTOTUNE_CACHE_DIR: str = os.environ.get(
     "FICCO_AUTOTUNE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "ficco_jax")
 )
 
+#: Seconds a process waits for another's lock on the autotune cache file before it gives up caching
+#: its pick (with a warning; the pick is still used).
+CACHE_LOCK_TIMEOUT_S: float = 30.0
+
 #: GPUs that no shipped profile describes exactly (another GPU, another group size) get a cost
 #: profile measured on first use — matmul rate, NCCL and copy-engine transfers, a copy-engine
 #: call's fixed costs; tens of seconds, announced on stderr — cached per device kind and group size
 #: in FICCO_PROFILE_CACHE (default: AUTOTUNE_CACHE_DIR/profiles). "0" skips the measurement: the
 #: same GPU's profile of the nearest group size, else the conservative default.
-PROFILE_MEASURE: bool = os.environ.get("FICCO_PROFILE_MEASURE", "1") != "0"
+PROFILE_MEASURE: bool = _env_flag("FICCO_PROFILE_MEASURE", True)
 PROFILE_CACHE_DIR: str = os.environ.get("FICCO_PROFILE_CACHE", os.path.join(AUTOTUNE_CACHE_DIR, "profiles"))
 
 #: Where the benchmark tools (`bench`, `accuracy`) keep JAX's persistent compilation cache, and in it

@@ -285,3 +285,25 @@ def test_every_environment_variable_is_named_in_config():
     with open(package / "config.py") as fh:
         in_config = set(re.findall(r'"(FICCO_[A-Z0-9_]+)"', fh.read()))
     assert python <= in_config, f"read outside config.py and not named there: {sorted(python - in_config)}"
+
+
+@pytest.mark.parametrize("name,raw,expected", [
+    ("FICCO_CHANNEL_BYTES", "inf", "expected bytes from 0 to"), ("FICCO_CHANNEL_BYTES", "abc", "expected bytes"),
+    ("FICCO_RENDEZVOUS_TIMEOUT_S", "nan", "expected seconds from 0.001 to"),
+    ("FICCO_WATCHDOG_S", "-3", "expected seconds from 0 to"),
+    ("FICCO_CROSS_PROCESS_DMA", "maybe", "expected 1 or 0"), ("FICCO_PROFILE_MEASURE", "2", "expected 1 or 0"),
+])
+def test_a_bad_environment_variable_is_refused_at_import_by_name(name, raw, expected):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", "import ficco_jax.config"], capture_output=True, text=True,
+                          env={**os.environ, name: raw}, timeout=120)
+    assert done.returncode != 0 and f"{name}={raw!r}: {expected}" in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("raw,expected", [("false", False), ("OFF", False), ("0", False), ("", False),
+                                          ("true", True), ("1", True), ("yes", True)])
+def test_a_switch_reads_the_words_users_write(monkeypatch, raw, expected):
+    monkeypatch.setenv("FICCO_CROSS_PROCESS_DMA", raw)
+    assert config._env_flag("FICCO_CROSS_PROCESS_DMA", False) is expected

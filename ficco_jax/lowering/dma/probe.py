@@ -57,6 +57,6 @@ def matmuls_beside_pulls(a, w, x, axis_name: str, *, repeats: int, pull: bool, o
     out, _gathered = _PRIMITIVE.bind(
         a, w, x, axis_name=axis_name, axis_size=registry.axis_size_of(axis_name, "contention_probe"),
         op_id=registry.next_op_id(), repeats=repeats, pull=bool(pull),
-        timeout_ms=int(round(config.RENDEZVOUS_TIMEOUT_S * 1000)), watchdog_ms=registry.watchdog_ms(),
+        timeout_ms=registry.timeout_ms(), watchdog_ms=registry.watchdog_ms(),
         out_dtype=out_dtype)
     return out

@@ -170,9 +170,18 @@ def channel_bytes() -> int:
 
 def watchdog_ms() -> int:
     """config.WATCHDOG_S as the executor's attribute: milliseconds, 0 for off."""
-    if config.WATCHDOG_S < 0:
-        raise ValueError(f"config.WATCHDOG_S={config.WATCHDOG_S!r} must be >= 0 seconds (0 turns the watchdog off)")
+    if not 0 <= config.WATCHDOG_S <= 1e6:  # (NaN fails too)
+        raise ValueError(f"config.WATCHDOG_S={config.WATCHDOG_S!r} must be from 0 to 1e6 seconds "
+                         "(0 turns the watchdog off)")
     return int(round(config.WATCHDOG_S * 1000))
+
+
+def timeout_ms() -> int:
+    """config.RENDEZVOUS_TIMEOUT_S as the executor's attribute: milliseconds, at least 1."""
+    if not 1e-3 <= config.RENDEZVOUS_TIMEOUT_S <= 1e6:  # (NaN fails too)
+        raise ValueError(f"config.RENDEZVOUS_TIMEOUT_S={config.RENDEZVOUS_TIMEOUT_S!r} must be from 0.001 to 1e6 "
+                         "seconds (how long a call waits for its peers; the default is 5)")
+    return int(round(config.RENDEZVOUS_TIMEOUT_S * 1000))
 
 
 def match_varying(*values, axis_name=None):
@@ -407,7 +416,7 @@ def bind(op: str, operands, axis_name: str, axis_size: int, schedule: Schedule, 
     out_dtype = np.dtype(out_dtype or operands[0].dtype)
     return _PRIMITIVES[op].bind(
         *operands, op=op, axis_name=axis_name, axis_size=axis_size, op_id=next_op_id(), schedule=schedule,
-        timeout_ms=int(round(config.RENDEZVOUS_TIMEOUT_S * 1000)), watchdog_ms=watchdog_ms(), site=current_site(),
+        timeout_ms=timeout_ms(), watchdog_ms=watchdog_ms(), site=current_site(),
         channel_bytes=channel_bytes(), skip_own_rows=skip_own_rows, out_dtype=out_dtype,
         w_col_major=bool(w_col_major) or op in _SCALED,
     )
