@@ -63,6 +63,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "machine that hands back only a few files)")
     args = parser.parse_args(argv)
     args.options = tuple(options)
+    for flag in ("budget", "limit"):
+        value = getattr(args, flag)
+        if value is not None and not value > MARGIN_S + 1:  # (NaN fails too)
+            parser.error(f"--{flag} {value:g}: give more than {MARGIN_S + 1:g} seconds (a suite is stopped "
+                         f"{MARGIN_S:g} s before its limit)")
     if not args.list and not args.suites:
         parser.error("name at least one suite (or --list); known: " + ", ".join(catalog.SUITES))
     unknown = [s for s in args.suites if s not in catalog.SUITES and s != "all"]
@@ -246,16 +251,19 @@ def main(argv: list[str] | None = None) -> int:
         with open(os.path.join(args.out, "gpus.txt"), "w") as fh:
             for cmd in (["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
                         ["nvidia-smi", "topo", "-m"]):
-                fh.write(subprocess.run(cmd, capture_output=True, text=True).stdout)
+                try:
+                    fh.write(subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout)
+                except (OSError, subprocess.TimeoutExpired) as exc:
+                    fh.write(f"{' '.join(cmd)}: {exc}\n")
     print(f"benchmarks: {gpus} GPU(s){'' if gpus else ' (CPU run: 8 virtual CPU devices)'}; "
           f"commit {env.get('FICCO_COMMIT', 'from git')}; out {os.path.abspath(args.out)}", flush=True)
     start, started_at, rows = time.monotonic(), time.time(), []
     for name in args.suites:
         suite = catalog.SUITES[name]
-        limit = args.limit or suite.limit_s
+        limit = suite.limit_s if args.limit is None else args.limit
         if args.budget is not None:
             limit = min(limit, args.budget - (time.monotonic() - start))
-        if limit < MARGIN_S + 1:
+        if limit < MARGIN_S + 1:  # only a spent --budget gets here (parse_args refuses a short --limit)
             print(f"CUT: {name} not started: --budget {args.budget:.0f} s is spent", flush=True)
             rows.append((name, "CUT", 0.0, "not started: --budget spent"))
             continue

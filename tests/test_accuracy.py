@@ -268,13 +268,15 @@ def test_confirm_keeps_a_real_miss(monkeypatch):
     assert "1.110 †" in text and "re-timed" in text
 
 
-def test_accuracy_cli_rejects_negative_confirm_rounds():
+def test_accuracy_cli_rejects_counts_out_of_range():
     proc = subprocess.run([sys.executable, "-m", "ficco_jax", "accuracy", "--confirm-rounds", "-1"],
                           capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "--confirm-rounds must be >= 0" in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "ficco_jax", "accuracy", "--rounds", "0"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "--rounds 0: time each candidate at least once" in proc.stderr, proc.stderr[-800:]
+    assert proc.returncode == 2 and "argument --confirm-rounds: expected an integer >= 0, found '-1'" in proc.stderr
+    for flag, value, minimum in (("--rounds", "0", 1), ("--axis-size", "-6", 2), ("--top", "x", 0)):
+        proc = subprocess.run([sys.executable, "-m", "ficco_jax", "accuracy", flag, value],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and f"argument {flag}: expected an integer >= {minimum}, found '{value}'" \
+            in proc.stderr, proc.stderr[-800:]
 
 
 def _recorded(variant_times: dict, op="ag_matmul", M=8192, K=8192, N=10240, verified=True, bench_format=True):

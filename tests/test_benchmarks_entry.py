@@ -51,6 +51,23 @@ def test_no_suite_is_a_clear_error():
     assert done.returncode == 2 and "name at least one suite" in done.stderr
 
 
+@pytest.mark.parametrize("flag,value", [("--limit", "3"), ("--limit", "0"), ("--budget", "-1"), ("--budget", "nan")])
+def test_a_limit_too_short_to_run_in_is_a_clear_error(flag, value):
+    done = _run("demo", "--cpu", flag, value)
+    assert done.returncode == 2 and f"{flag} {float(value):g}: give more than 6 seconds" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("script,argv,says", [
+    ("peers/torch_tp.py", ["--iters", "0"], "time at least one iteration"),
+    ("suites/timing_check.py", ["--long", "0"], "argument --long: expected an integer >= 2, found '0'"),
+])
+def test_a_benchmark_script_refuses_a_count_it_cannot_time(script, argv, says):
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *argv], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
 def test_gpu_suites_are_skipped_on_a_cpu_machine(tmp_path):
     done = _run("accuracy", "soak", "characterize", "--cpu", "--out", str(tmp_path))
     assert done.returncode == 0, done.stdout + done.stderr

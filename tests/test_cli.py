@@ -66,6 +66,35 @@ def test_rank_rejects_an_unknown_dtype():
     assert done.returncode != 0 and "rank --dtype 'int3'" in done.stderr and "Traceback" not in done.stderr
 
 
+def _bad_inputs(tmp):
+    """(argv, what the error must say) of inputs the command line refuses without a traceback."""
+    (tmp / "flat.json").write_text(json.dumps({"name": "flat", "peak_tflops": {"bfloat16": 0.0}}))
+    (tmp / "list.json").write_text("[1, 2]")
+    rank = ["rank", "--op", "ag_matmul"]
+    return [
+        ([*rank, "--shape", "64,64,64", "--axis-size", "0"], "argument --axis-size: expected an integer >= 1, found '0'"),
+        ([*rank, "--shape", "0,0,0"], "--shape '0,0,0': expected M,K,N (three integers > 0"),
+        ([*rank, "--shape", "64,64,64", "--profile", str(tmp)], f"rank --profile: [Errno 21] Is a directory"),
+        ([*rank, "--shape", "64,64,64", "--profile", str(tmp / "flat.json")],
+         "peak_tflops.bfloat16 = 0.0, expected a finite number > 0"),
+        ([*rank, "--shape", "64,64,64", "--profile", str(tmp / "list.json")], "expected a JSON object, found list"),
+        (["calibrate", "--characterization", str(tmp / "missing.json")],
+         f"calibrate --characterization {tmp / 'missing.json'}: cannot read it as JSON"),
+        (["calibrate", "--characterization", str(tmp / "list.json"), "--out", str(tmp / "new" / "p.json")],
+         f"calibrate: {tmp / 'list.json'}: cannot fit it"),
+        (["accuracy", "--replay", str(tmp / "list.json")], "accuracy --replay: cannot fit it"),
+        (["bench", "--op", "moe", "--moe-shape", "0,0,0,0,0"], "--moe-shape '0,0,0,0,0': expected T,d,f,E,k (integers > 0"),
+    ]
+
+
+def test_bad_input_is_a_clear_error_not_a_traceback(tmp_path, capsys):
+    for argv, says in _bad_inputs(tmp_path):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(argv)
+        text = f"{exit_.value.code} {capsys.readouterr().err}"
+        assert exit_.value.code != 0 and says in text, (argv, text)
+
+
 def test_windowed_child_parses_apart_from_the_listing(capsys, monkeypatch):
     seen = []
     monkeypatch.setattr(bench, "windowed_einsum_child",

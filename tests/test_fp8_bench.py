@@ -41,6 +41,17 @@ def test_a_wrong_gemm_is_reported_not_timed(monkeypatch, variant):
     assert row["verified"] is False and row["ms"] is None and row["note"].startswith("WRONG RESULT"), row
 
 
+@pytest.mark.parametrize("t1,t2", [(0.0077, 0.0033), (0.005, 0.005)])
+def test_executor_matmuls_too_small_to_tell_apart_give_an_upper_bound(monkeypatch, t1, t2):
+    """Two probe calls whose longer one is not the slower (on CPU, 8x8x8: 0.0077 and 0.0033 ms) give
+    the longer call's time per matmul, marked an upper bound: never 0 ms, and the table prints it."""
+    calls = iter([(t1, 0.0), (t2, 0.0)])
+    monkeypatch.setattr(gemm_rates, "_device_ms", lambda make, args: next(calls))
+    row = gemm_rates.executor_ms((), repeats=(1, 2))
+    assert row["upper_bound"] is True and row["ms"] > 0 and row["ms"] == pytest.approx(t2 / 2)
+    assert gemm_rates._cell(dict(row, tflops=None)) == f"≤ {t2 / 2:.3f}"
+
+
 def test_dequant_dot_reference_carries_the_scales():
     ops = gemm_rates.operands(8, 32, 16)
     row = gemm_rates.measure_variant("jax_dequant_dot", ops)

@@ -51,7 +51,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default=os.environ.get("OUT", "out/peers"))
     parser.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if min(args.iters, args.rounds) < 1 or args.warmup < 0:
+        parser.error(f"--iters {args.iters}, --rounds {args.rounds}, --warmup {args.warmup}: time at least one "
+                     f"iteration in at least one round (--iters, --rounds >= 1; --warmup >= 0)")
+    return args
 
 
 def why_not(torch) -> str | None:

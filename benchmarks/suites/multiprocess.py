@@ -100,7 +100,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", default=os.environ.get("OUT", "out"))
     parser.add_argument("--json", default="mp_gpu.json")
     parser.add_argument("--budget-s", type=float, default=480.0, help="skip the remaining steps after this")
-    parser.add_argument("--quick", action="store_true", default=bool(os.environ.get("FICCO_MP_QUICK")),
+    parser.add_argument("--quick", action="store_true", default=os.environ.get("FICCO_MP_QUICK", "") not in ("", "0"),
                         help="small checks only (no anchor check, one timed shape); also FICCO_MP_QUICK=1")
     parser.add_argument("--trace", default=os.environ.get("FICCO_MP_TRACE") or None, metavar="OP:SCHEDULE:M,K,N",
                         help="also record a GPU timeline of this op (JAX's profiler) after the first checks")

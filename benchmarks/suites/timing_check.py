@@ -48,7 +48,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_case_arguments(parser)
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="operand dtype (default bf16)")
-    parser.add_argument("--long", type=int, default=40, help="ops in the long loop (default 40)")
+    parser.add_argument("--long", type=harness.at_least(2), default=40, help="ops in the long loop (default 40)")
     parser.add_argument("--out", default=os.environ.get("OUT") or "out/timing_check", help="results dir")
     args = parser.parse_args()
     dtype = DTYPES[args.dtype]

@@ -8,17 +8,29 @@ import os
 import sys
 
 import jax
+import numpy as np
 
 from .. import config
 from ..schedule import Schedule, local_shapes
 from ..tuning import cost_model, fitting, select
 from . import accuracy, bench, characterize, demo
-from .harness import DTYPES, listed_schedules, use_xla_cache
+from .harness import DTYPES, at_least, listed_schedules, use_xla_cache
 
 # Without GPUs, run on 8 virtual CPU devices. The flag only affects JAX's CPU platform, so it is
 # harmless on a GPU host; it must be set before JAX's backend starts (the first device query).
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+
+def _positive_ints(text: str, count: int, flag: str, expected: str) -> tuple[int, ...]:
+    """`count` comma-separated integers > 0, else a clear error naming `flag` and what it expects."""
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != count or min(values) < 1:
+        raise SystemExit(f"{flag} {text!r}: expected {expected}")
+    return values
 
 
 def _shapes(args_shapes, default):
@@ -34,11 +46,8 @@ def _shapes(args_shapes, default):
         if text in named:
             shapes[text] = named[text]
             continue
-        try:
-            M, K, N = (int(v) for v in text.split(","))
-        except ValueError:
-            raise SystemExit(f"--shape {text!r}: expected M,K,N (three integers, e.g. 8192,8192,28672), a shape "
-                             f"name ({', '.join(sorted(named))}) or a set ({', '.join(sorted(bench.SHAPE_SETS))})")
+        M, K, N = _positive_ints(text, 3, "--shape", "M,K,N (three integers > 0, e.g. 8192,8192,28672), a shape "
+                                 f"name ({', '.join(sorted(named))}) or a set ({', '.join(sorted(bench.SHAPE_SETS))})")
         shapes[f"M{M}_K{K}_N{N}"] = (M, K, N)
     return shapes
 
@@ -48,7 +57,7 @@ def _load_profile(name: str | None, flag: str):
     missing or unreadable is a clear error naming the option."""
     try:
         return cost_model.load_profile(name) if name else None
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:
         raise SystemExit(f"{flag}: {exc}")
 
 
@@ -73,7 +82,7 @@ def _add_bench(sub):
                                                   "cases left are listed, and --resume adds them later")
     p.add_argument("--resume", metavar="JSON", help="keep the cases of this earlier bench.json (same machine, devices, "
                                                     "--dtype and --rounds) and measure only those it lacks")
-    p.add_argument("--rounds", type=int, default=1,
+    p.add_argument("--rounds", type=at_least(1), default=1,
                    help="time every variant and bound of a case this many times, interleaved (one timing of each in "
                         "turn per round), and report the median: drift over a case's minutes then hits them alike "
                         "(default 1)")
@@ -116,11 +125,8 @@ def _moe_shapes(texts):
         return None  # bench_moe's defaults: a Mixtral-8x7B-like layer on GPUs, a tiny one on CPU
     shapes = {}
     for text in texts:
-        try:
-            T, d, f, E, k = (int(v) for v in text.split(","))
-        except ValueError:
-            raise SystemExit(f"--moe-shape {text!r}: expected T,d,f,E,k (tokens per device, model dim, "
-                             f"expert hidden dim, experts, experts per token), e.g. 8192,4096,14336,8,2")
+        T, d, f, E, k = _positive_ints(text, 5, "--moe-shape", "T,d,f,E,k (integers > 0: tokens per device, model "
+                                       "dim, expert hidden dim, experts, experts per token), e.g. 8192,4096,14336,8,2")
         shapes[f"T{T}_d{d}_f{f}_E{E}_k{k}"] = (T, d, f, E, k)
     return shapes
 
@@ -141,10 +147,10 @@ def _add_rank(sub):
     p.add_argument("--op", choices=["ag_matmul", "matmul_rs", "matmul_psum"], required=True,
                    help="the op to rank schedules for")
     p.add_argument("--shape", required=True, help="M,K,N of the whole layer, or a shape name")
-    p.add_argument("--axis-size", type=int, default=4, help="devices in the group (default 4)")
+    p.add_argument("--axis-size", type=at_least(1), default=4, help="devices in the group (default 4)")
     p.add_argument("--dtype", default="bf16", help=f"operand dtype, one of {', '.join(sorted(DTYPES))} (default bf16)")
     p.add_argument("--profile", default=None, help="profile name or JSON path (default: this machine's)")
-    p.add_argument("--top", type=int, default=15, help="how many schedules to list (default 15)")
+    p.add_argument("--top", type=at_least(1), default=15, help="how many schedules to list (default 15)")
     p.set_defaults(fn=_cmd_rank)
 
 
@@ -197,25 +203,33 @@ def _add_calibrate(sub):
 
 
 def _cmd_calibrate(args):
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     if args.characterization:
-        with open(args.characterization) as fh:
-            char = json.load(fh)
+        char = _read_json(args.characterization, "calibrate --characterization")
     else:
-        char = characterize.run(os.path.dirname(os.path.abspath(args.out)) or ".", plot=False)
-    profile = fitting.fit_profile(char)
+        char = characterize.run(os.path.dirname(os.path.abspath(args.out)), plot=False)
+    profile = _fitted(fitting.fit_profile, char, f"calibrate: {args.characterization or 'the characterization'}")
     if args.name:
         profile["name"] = args.name
     if args.bench:  # one fit over the op times of every bench file given
         obs = []
         for path in args.bench:
-            with open(path) as fh:
-                obs += fitting.op_observations(json.load(fh))
+            obs += _fitted(fitting.op_observations, _read_json(path, "calibrate --bench"), f"calibrate --bench {path}")
         profile, err = fitting.fit_to_ops(profile, obs)
         profile["fitted_to_ops"]["source"] = ", ".join(os.path.basename(p) for p in args.bench)
         print(f"fitted to {len(obs)} op times: RMS log error {err:.3f}; {profile['fitted_to_ops']['parameters']}")
     with open(args.out, "w") as fh:
         json.dump(profile, fh, indent=1, sort_keys=True)
     print(f"profile written to {args.out}: " + json.dumps({k: profile[k] for k in ("peak_tflops", "rows_half", "dma_latency_us", "dma_ingress_gbps", "xla_latency_us", "xla_ingress_gbps", "contention_xla")}))
+
+
+def _fitted(fit, data, what: str):
+    """`fit(data)`, or a clear error where `data` (read from a file) is not what `fit` reads."""
+    try:
+        return fit(data)
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError, np.linalg.LinAlgError) as exc:
+        raise SystemExit(f"{what}: cannot fit it ({type(exc).__name__}: {exc}); give a file that "
+                         f"`python -m ficco_jax characterize` or `bench` wrote")
 
 
 def _read_json(path: str, flag: str):
@@ -229,17 +243,17 @@ def _read_json(path: str, flag: str):
 
 def _add_accuracy(sub):
     p = sub.add_parser("accuracy", help="held-out check of schedule='auto': pick vs best measured vs JAX sequential")
-    p.add_argument("--axis-size", type=int, help="devices in the tp group (default: all local devices)")
-    p.add_argument("--top", type=int, default=3, help="the model's next candidates measured besides its pick")
+    p.add_argument("--axis-size", type=at_least(2), help="devices in the tp group (default: all local devices)")
+    p.add_argument("--top", type=at_least(0), default=3, help="the model's next candidates measured besides its pick")
     p.add_argument("--shape", action="append", help="M,K,N or a shape name (default: the 20 held-out shapes)")
     p.add_argument("--op", choices=[*accuracy.OPS, "both"], default="both",
                    help="the op(s) to measure (default both); e.g. matmul_rs alone after a change to its executor")
     p.add_argument("--profile", default=None, help="profile name or JSON path (default: this machine's)")
     p.add_argument("--budget-s", type=float, help="stop starting new cases after this many seconds")
     p.add_argument("--out", default="out/accuracy", help="folder for accuracy.json (default out/accuracy)")
-    p.add_argument("--confirm-rounds", type=int, default=None,
+    p.add_argument("--confirm-rounds", type=at_least(0), default=None,
                    help="re-timings of the pick, the best and JAX seq when a case first looks like a miss (default 2; 0: none)")
-    p.add_argument("--rounds", type=int, default=1,
+    p.add_argument("--rounds", type=at_least(1), default=1,
                    help="time every candidate of a case this many times, interleaved (one timing of each in turn per "
                         "round), and judge the medians; then no miss is re-timed (default 1)")
     p.add_argument("--plot", action="store_true", help="write accuracy.png (needs matplotlib)")
@@ -256,10 +270,8 @@ def _cmd_accuracy(args):
     if args.replay:  # offline: re-score recorded times, no device needed
         results = [_read_json(path, "accuracy --replay") for path in args.replay]
         profile = _load_profile(args.profile, "accuracy --replay")
-        try:
-            print(accuracy.replay_markdown(accuracy.replay(results, profile)), end="")
-        except ValueError as exc:
-            raise SystemExit(f"accuracy --replay: {exc}")
+        print(accuracy.replay_markdown(_fitted(lambda r: accuracy.replay(r, profile), results, "accuracy --replay")),
+              end="")
         return
     shapes = None
     if args.shape:
@@ -269,8 +281,6 @@ def _cmd_accuracy(args):
     profile = _load_profile(args.profile, "accuracy --profile")
     resume = _read_json(args.resume, "accuracy --resume") if args.resume else None
     rounds = accuracy.CONFIRM_ROUNDS if args.confirm_rounds is None else args.confirm_rounds
-    if rounds < 0:
-        raise SystemExit(f"accuracy: --confirm-rounds must be >= 0 (0 turns re-timing off), got {rounds}")
     use_xla_cache(args.xla_cache)
     try:
         accuracy.run(args.out, axis_size=args.axis_size, shapes=shapes, top=args.top, profile=profile,
@@ -308,7 +318,10 @@ def main(argv=None):
         _windowed(argv[1:])
         return 0
     args = build_parser().parse_args(argv)
-    args.fn(args)
+    try:
+        args.fn(args)
+    except (ValueError, OSError) as exc:  # bad input found past parsing (a file, a shape the devices cannot take)
+        raise SystemExit(f"python -m ficco_jax {args.cmd}: {type(exc).__name__}: {exc}")
     return 0
 
 

@@ -4,6 +4,7 @@ timing a case's rows again in interleaved rounds; what the GPUs ran at during ea
 (`monitoring`); the dtypes and tolerances; and the schedules a `--schedules` argument names."""
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import os
@@ -345,3 +346,18 @@ def extension_info() -> dict | None:
         return dict(extension.build_info()) if extension.available() else None
     except ImportError:
         return None
+
+
+def at_least(minimum: int):
+    """An argparse type: an integer >= `minimum`, else a usage error that says so."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, found {text!r}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
