@@ -1,5 +1,7 @@
 """overlap() / explain() on programs written as the README shows them: a shard_map'd Megatron MLP
 called with Python options, integer matmuls, and what explain() says of each site (8 CPU devices)."""
+import dataclasses
+import enum
 import logging
 import os
 
@@ -98,16 +100,21 @@ def stacked(mesh, params, x, layers):
     return x
 
 
-def test_python_int_static_under_jit_and_explained_outside(mesh1d):
+def test_python_int_static_under_jit_and_as_fn_needs_it_outside(mesh1d):
     params, x = mlp_inputs(9)
     fn = lambda params, x, layers: stacked(mesh1d, params, x, layers)
     step = jax.jit(overlap(fn, schedule=XLA), static_argnames="layers")
     for layers in (1, 2):
         assert_close(step(params, x, layers=layers), fn(params, x, layers))
-    with pytest.raises(jax.errors.TracerIntegerConversionError) as err:
-        overlap(fn)(params, x, 2)  # traced as jax.jit traces it: the error says how to make it static
-    if hasattr(err.value, "add_note"):  # Python 3.11+
-        assert "static_argnames" in "\n".join(getattr(err.value, "__notes__", [])), err.value
+    # Outside jit: traced first, as jax.jit traces it; fn needs the value (range(layers)), so it is
+    # traced again with the number static, once per value, and equals fn.
+    fused = overlap(fn, schedule=XLA)
+    for layers in (2, 1, 2):
+        assert_close(fused(params, x, layers), fn(params, x, layers))
+        assert [r.op for r in explain(fused, params, x, layers).sites] == ["ag_matmul", "matmul_rs"] * layers
+    # A jitted fn with a static argument, wrapped as it is.
+    jitted = jax.jit(fn, static_argnums=2)
+    assert_close(overlap(jitted, schedule=XLA)(params, x, 2), fn(params, x, 2))
 
 
 # --------------------------------------------------------------------------------------------
@@ -196,6 +203,152 @@ def test_autotune_shows_the_pick_or_when_it_is_measured(mesh1d, monkeypatch, tmp
                    for r in report.sites), str(report)
         assert all(r.schedule.startswith("none ") == ("autotune measured it fastest" in r.note)
                    for r in report.sites), str(report)
+
+
+@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs"])
+def test_an_explicit_op_autotuned_inside_shard_map_measures_outside_the_trace(mesh1d, monkeypatch, tmp_path, op):
+    """schedule="autotune" on an op called in the user's shard_map: its candidates are programs of
+    their own, on a mesh of their own, timed outside the trace (in the trace jax refused the
+    measuring program's mesh); the result equals the reference and the winner is cached."""
+    import ficco_jax
+
+    monkeypatch.setattr(policy, "MODEL_ON_CPU", True)
+    monkeypatch.setattr(config, "AUTOTUNE_CACHE_DIR", str(tmp_path))
+    n = mesh1d.shape["tp"]
+    kx, kw = jax.random.split(jax.random.PRNGKey(11))
+    if op == "ag_matmul":
+        x, w = jax.random.normal(kx, (8 * n, 16)), jax.random.normal(kw, (16, 4 * n))
+        specs, out = (P("tp"), P(None, "tp")), P(None, "tp")
+    else:
+        x, w = jax.random.normal(kx, (8 * n, 4 * n)), jax.random.normal(kw, (4 * n, 16))
+        specs, out = (P(None, "tp"), P("tp")), P("tp")
+    fn = getattr(ficco_jax, op)
+    run = lambda schedule: jax.jit(jax.shard_map(lambda x, w: fn(x, w, "tp", schedule=schedule), mesh=mesh1d,
+                                                 in_specs=specs, out_specs=out))(x, w)  # noqa: E731
+    assert_close(run("autotune"), run("none"))
+    assert op in (tmp_path / "autotune.json").read_text()
+
+
+def test_an_object_that_would_be_frozen_into_the_trace_is_refused_by_path(mesh1d):
+    """A plain object holding parameters is no JAX type: closed over as a static value, its arrays
+    would be constants of the trace and a later change to them unseen. Refused, naming the argument
+    and the fix; registered as a pytree, the same object is traced and a change shows."""
+    class Params:
+        def __init__(self, params):
+            self.params = params
+
+    params, x = mlp_inputs(12)
+    mlp = lambda p, x: megatron_mlp(mesh1d, p.params, x)  # noqa: E731
+    fused = overlap(mlp, schedule=XLA)
+    with pytest.raises(TypeError, match=r"args\[0\] \(Params\): not a JAX type, nor hashable by value.*pytree"):
+        fused(Params(params), x)
+
+    @jax.tree_util.register_dataclass
+    @dataclasses.dataclass
+    class Tree:
+        params: dict
+
+    tree = Tree(params)
+    assert_close(fused(tree, x), mlp(tree, x))
+    tree.params = jax.tree.map(lambda a: 2 * a, params)
+    assert_close(fused(tree, x), mlp(tree, x))
+    # Options by value stay static: a frozen dataclass, an enum member, a function.
+    Act = enum.Enum("Act", "GELU TANH")
+    act = lambda p, x, how, cfg: megatron_mlp(mesh1d, p, x, act={Act.GELU: "gelu", Act.TANH: "tanh"}[how],  # noqa: E731
+                                              use_bias=cfg.bias)
+    cfg = dataclasses.make_dataclass("Cfg", [("bias", bool)], frozen=True)(False)
+    assert_close(overlap(act, schedule=XLA)(params, x, Act.TANH, cfg), act(params, x, Act.TANH, cfg))
+    rows = lambda p, x, which: megatron_mlp(mesh1d, p, x)[which]  # noqa: E731  (a slice: equal by value)
+    fused_rows = overlap(rows, schedule=XLA)
+    for which in (slice(0, 8), slice(8, None, 2), slice(0, 8)):
+        assert_close(fused_rows(params, x, which), rows(params, x, which))
+    assert len(fused_rows._traced) == 2
+
+
+def test_one_function_under_two_meshes_is_traced_for_each(mesh1d):
+    """jax.set_mesh is part of what a trace depends on (as for jax.jit): the same overlapped function
+    called under a 1-D, then a 2-D mesh of the same devices, then a permuted one, equals fn each time."""
+    def fn(x, w):
+        body = lambda x, w: jax.lax.all_gather(x, "tp", axis=0, tiled=True) @ w  # noqa: E731
+        return jax.shard_map(body, in_specs=(P("tp"), P(None, "tp")), out_specs=P(None, "tp"))(x, w)
+
+    kx, kw = jax.random.split(jax.random.key(13))
+    x, w = np.asarray(jax.random.normal(kx, (64, 16))), np.asarray(jax.random.normal(kw, (16, 32)))
+    fused = overlap(fn, schedule=XLA)
+    devices = np.array(jax.devices()[:8])
+    for mesh in (Mesh(devices, ("tp",)), Mesh(devices.reshape(2, 4), ("dp", "tp")),
+                 Mesh(devices[::-1].reshape(2, 4), ("dp", "tp"))):
+        with jax.set_mesh(mesh):
+            assert_close(fused(x, w), fn(x, w))
+            assert [r.op for r in explain(fused, x, w).sites] == ["ag_matmul"]
+
+
+@pytest.mark.parametrize("schedule", [XLA, Schedule.parse("dma/direct/c2")])
+def test_overlap_of_a_shard_map_body(mesh1d, schedule):
+    """``shard_map(overlap(block))``: `block` is traced under the shard_map's manual axes, so its
+    sites are the sites of a shard_map body; values and gradients equal the plain body's."""
+    def block(params, x):
+        h = jax.lax.all_gather(x, "tp", axis=0, tiled=True) @ params["w1"]
+        return jax.lax.psum_scatter(jax.nn.gelu(h) @ params["w2"], "tp", scatter_dimension=0, tiled=True)
+
+    sharded = lambda body: jax.shard_map(body, mesh=mesh1d, in_specs=(PARAM_SPECS, P("tp")), out_specs=P("tp"))  # noqa: E731
+    params, x = mlp_inputs(15)
+    fused, plain = sharded(overlap(block, schedule=schedule)), sharded(block)
+    assert_close(fused(params, x), plain(params, x))
+    loss = lambda f: lambda p, x: jnp.sum(f(p, x) ** 2)  # noqa: E731
+    for got, want in zip(jax.tree.leaves(jax.grad(loss(fused))(params, x)), jax.tree.leaves(jax.grad(loss(plain))(params, x))):
+        assert_close(got, want)
+    reports = []
+    sharded(lambda p, x: (reports.append(explain(overlap(block, schedule=schedule), p, x)), block(p, x))[1])(params, x)
+    assert [r.op for r in reports[0].sites] == ["ag_matmul", "matmul_rs"], str(reports[0])
+
+
+def test_outputs_that_are_no_jax_values_come_back_as_fn_returned_them(mesh1d):
+    params, x = mlp_inputs(16)
+    fn = lambda p, x: {"y": megatron_mlp(mesh1d, p, x), "tag": "mlp", "layers": 3, "scale": 0.5}  # noqa: E731
+    got, want = overlap(fn, schedule=XLA)(params, x), fn(params, x)
+    assert_close(got["y"], want["y"])
+    assert {k: (type(v), v) for k, v in got.items() if k != "y"} == {"tag": (str, "mlp"), "layers": (int, 3),
+                                                                     "scale": (float, 0.5)}
+
+
+def test_a_function_that_needs_its_values_runs_as_written_outside_jit(mesh1d, caplog):
+    """Python control flow on an array's value cannot be traced: called outside any
+    transformation, overlap(fn) is fn (nothing overlapped, said once, and by explain); under jit it
+    fails as jax.jit(fn) fails."""
+    params, x = mlp_inputs(17)
+
+    def eager(params, x):
+        y = megatron_mlp(mesh1d, params, x)
+        return y if float(y.sum()) > 0 else -y
+
+    fused = overlap(eager, schedule=XLA)
+    with caplog.at_level(logging.WARNING, logger="ficco_jax"):
+        assert_close(fused(params, x), eager(params, x))
+        assert_close(fused(params, 2 * x), eager(params, 2 * x))
+    assert caplog.text.count("eager cannot be traced (ConcretizationTypeError") == 1, caplog.text
+    report = explain(fused, params, x)
+    assert not report.sites and "runs as written, nothing in it overlapped" in str(report)
+    with pytest.raises(jax.errors.ConcretizationTypeError):
+        jax.jit(fused)(params, x)
+
+
+def test_overlap_decorates_a_method(mesh1d):
+    """``@overlap`` on a method binds like a function (and like jax.jit): the instance is the first
+    argument, its arrays traced where its class is a pytree."""
+    @jax.tree_util.register_dataclass
+    @dataclasses.dataclass
+    class Mlp:
+        params: dict
+
+        @overlap(schedule=XLA)
+        def __call__(self, x):
+            return megatron_mlp(mesh1d, self.params, x)
+
+    params, x = mlp_inputs(14)
+    layer = Mlp(params)
+    assert_close(layer(x), megatron_mlp(mesh1d, params, x))
+    assert [r.op for r in explain(Mlp.__call__, layer, x).sites] == ["ag_matmul", "matmul_rs"]
 
 
 def test_where_names_the_source_line(mesh1d):

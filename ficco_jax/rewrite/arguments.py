@@ -6,7 +6,8 @@ flow, `if use_bias:`) are static; arrays are traced. Python numbers are traced w
 called outside any transformation, as `jax.jit` traces them, so a new value reuses the program. A
 Python number that reaches `overlap(f)` while its other arguments are tracers was kept static by
 the enclosing transformation (`jax.jit(overlap(f), static_argnames=...)`), so it stays static here.
-Where a traced Python number meets Python control flow, the error says how to make it static.
+Where `fn` cannot be traced with its Python numbers traced (it needs their values: a loop count, a
+shape, a jitted fn's static argument), it is traced again with them static, once per value.
 Every static value is part of the trace's cache key: two calls with different options are traced
 separately.
 
@@ -23,7 +24,9 @@ the node at a path.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import sys
+import types
 from typing import Any
 
 import jax
@@ -47,6 +50,8 @@ class _ByIdentity:
 
 
 def _static_key(value):
+    if isinstance(value, slice):  # unhashable before Python 3.12, and equal by value
+        return slice, _static_key(value.start), _static_key(value.stop), _static_key(value.step)
     try:
         hash(value)
     except TypeError:
@@ -68,6 +73,31 @@ def _is_static(leaf, under_trace: bool) -> bool:
     return False
 
 
+def _stateful(leaf) -> bool:
+    """Whether a static leaf is an object whose contents could change between calls unseen by the
+    cache key: neither hashable by value (its class keeps object's identity hash, or has none) nor
+    a function, class, module or enum member (fixed once made; a function's closure is jax.jit's
+    rule too)."""
+    if callable(leaf) or isinstance(leaf, (type, types.ModuleType, enum.Enum, slice, type(...), type(None))):
+        return False
+    return type(leaf).__hash__ in (object.__hash__, None)
+
+
+def _refuse_stateful(arguments, positions) -> None:
+    if not positions:
+        return
+    paths = [path for path, _ in tree_flatten_with_path(arguments)[0]]
+    leaves = jax.tree.leaves(arguments)
+    where = ", ".join(f"{describe(paths[i])} ({type(leaves[i]).__name__})" for i in positions)
+    raise TypeError(
+        f"ficco_jax.overlap: {where}: not a JAX type, nor hashable by value. overlap traces fn once per "
+        "argument structure, as jax.jit does, and closes over such an object as a static value: the arrays "
+        "it holds would be frozen into the trace, and a later change to it would not be seen. Make its "
+        "class a pytree (jax.tree_util.register_dataclass or register_pytree_node_class, flax.nnx.Pytree) "
+        "so that its arrays are traced; or, for an object of options only, give it __eq__ and __hash__ by "
+        "value (a frozen dataclass); or call overlap(f) inside jax.jit with the argument static.")
+
+
 @dataclasses.dataclass(frozen=True)
 class CallArgs:
     """The leaves of `(args, kwargs)`: the traced ones, and the static ones by position."""
@@ -83,6 +113,8 @@ class CallArgs:
         leaves, in_tree = jax.tree.flatten((args, kwargs))
         under_trace = any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
         static = tuple((i, leaf) for i, leaf in enumerate(leaves) if _is_static(leaf, under_trace))
+        if not under_trace:
+            _refuse_stateful((args, kwargs), [i for i, leaf in static if _stateful(leaf)])
         positions = {i for i, _ in static}
         traced = [i for i in range(len(leaves)) if i not in positions]
         return cls(in_tree, static, tuple(leaves[i] for i in traced), _shared_objects((args, kwargs), leaves, traced))
@@ -96,6 +128,15 @@ class CallArgs:
     def traced_python_numbers(self) -> list[int]:
         """Positions among the traced leaves of plain Python numbers (their values became tracers)."""
         return [i for i, leaf in enumerate(self.traced) if type(leaf) in (int, float, complex)]
+
+    def with_numbers_static(self) -> "CallArgs":
+        """The same call with its traced Python numbers static (for a `fn` that needs their values)."""
+        static = dict(self.static)
+        positions = [i for i in range(len(self.static) + len(self.traced)) if i not in static]
+        numbers = {positions[j] for j in self.traced_python_numbers()}
+        static.update((i, leaf) for i, leaf in zip(positions, self.traced) if i in numbers)
+        traced = tuple(leaf for i, leaf in zip(positions, self.traced) if i not in numbers)
+        return dataclasses.replace(self, static=tuple(sorted(static.items())), traced=traced)
 
     @property
     def static_positions(self) -> tuple[int, ...]:

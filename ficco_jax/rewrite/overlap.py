@@ -22,8 +22,11 @@ is updated by the program itself.
 
 Composition: the result is an ordinary traceable function, so ``jit(overlap(f))``,
 ``grad(overlap(f))`` (the ops' transposes overlap the backward pass) and ``overlap(grad(f))``
-(the backward collectives are in the traced jaxpr and are rewritten too) all work. Functions
-with no site are called unchanged.
+(the backward collectives are in the traced jaxpr and are rewritten too) all work, and so does
+``shard_map(overlap(body))`` (traced under the manual axes, `body` is a shard_map body). Functions
+with no site are called unchanged; one that cannot be traced (Python control flow on an array's
+value) runs as written when called outside any transformation, with a warning. A trace is keyed by
+the arguments and by the context (the `jax.set_mesh` mesh, the default matmul precision).
 
 ``explain(fn, *args)`` returns the sites and near-misses as a `Report`; the same records are
 logged at DEBUG level on the ``"ficco_jax"`` logger when a signature is first traced.
@@ -37,6 +40,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.extend.core as jex
+import numpy as np
 
 from ..runtime import topology
 from ..schedule import Schedule
@@ -58,7 +62,12 @@ _CUSTOM_RULES = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", 
 
 
 class Report(list):
-    """The `SiteRecord`s of one traced function: rewritten sites, then near-misses."""
+    """The `SiteRecord`s of one traced function: rewritten sites, then near-misses; `untraceable`
+    says why a function that could not be traced runs as written."""
+
+    def __init__(self, records=(), untraceable: str = ""):
+        super().__init__(records)
+        self.untraceable = untraceable
 
     @property
     def sites(self) -> list[SiteRecord]:
@@ -74,6 +83,8 @@ class Report(list):
         return any(r.schedule == AUTOTUNE_LATER for r in self.sites)
 
     def __str__(self) -> str:
+        if self.untraceable:
+            return f"ficco_jax.overlap: {self.untraceable}"
         if not self:
             return ("ficco_jax.overlap: no all_gather/psum_scatter/all_to_all found inside a shard_map, and no "
                     "matmul next to a resharding in explicitly sharded code")
@@ -255,6 +266,9 @@ def _trace_like(fn: Callable, in_avals) -> jex.ClosedJaxpr:
 class _Traced:
     rewritten: jex.ClosedJaxpr | None  # None: nothing to rewrite, call the function itself
     out_tree: Any
+    # fn's outputs that are no JAX values (a str, a Python number), by position among its output
+    # leaves: returned as fn returned them, not through the program
+    static_out: dict
     report: Report
     effects: Effects  # the argument leaves fn replaced: `rewritten` outputs them after fn's outputs
     call: Callable | None = None  # flat args -> flat outputs of `rewritten`
@@ -272,9 +286,13 @@ class _Traced:
         self.call = jax.jit(overlapped)
 
 
-_TRACED_NUMBER_NOTE = (
-    "ficco_jax.overlap traces Python int/float arguments, as jax.jit does. To use one in Python control "
-    "flow, make it static: jax.jit(overlap(f), static_argnames=...) or functools.partial(f, n=...)")
+# What fn raises when traced where it needs its arrays' values (Python control flow on them).
+_NEEDS_VALUES = (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError,
+                 jax.errors.TracerArrayConversionError)
+
+# Output leaves that are values of the program; any other (a str, a Python number: constants of
+# the trace) is returned as it is.
+_COMPUTED = (jax.core.Tracer, jax.Array, np.ndarray, np.generic)
 
 
 class Overlapped:
@@ -285,44 +303,78 @@ class Overlapped:
         self._fn = fn
         self._options = options
         self._traced: dict = {}
+        self._needs_numbers: set = set()  # keys of calls traced with their Python numbers static
 
     def __call__(self, *args, **kwargs):
-        call = CallArgs.of(args, kwargs)
-        traced = self._trace(call, measure=True)
+        traced, call = self._trace(CallArgs.of(args, kwargs), measure=True)
         if traced.rewritten is None:
             return self._fn(*args, **kwargs)
         if traced.effects.refusal:
             raise ValueError(traced.effects.refusal)
         outs = traced.call(*call.traced)
-        n_out = traced.out_tree.num_leaves
+        n_out = traced.out_tree.num_leaves - len(traced.static_out)
         write_back(self._name(), (args, kwargs), traced.effects, outs[n_out:])
-        return jax.tree.unflatten(traced.out_tree, outs[:n_out])
+        computed = iter(outs[:n_out])
+        leaves = [traced.static_out[i] if i in traced.static_out else next(computed)
+                  for i in range(traced.out_tree.num_leaves)]
+        return jax.tree.unflatten(traced.out_tree, leaves)
 
     def _name(self) -> str:
         return getattr(self, "__name__", "fn")
 
     def explain(self, *args, **kwargs) -> Report:
-        return self._trace(CallArgs.of(args, kwargs)).report
+        return self._trace(CallArgs.of(args, kwargs))[0].report
 
-    def _trace(self, call: CallArgs, measure: bool = False) -> _Traced:
-        """The rewrite for these arguments; a call (`measure`) redoes one that explain() made with
-        autotune's picks left to measure."""
-        key = call.key()
+    def __get__(self, instance, owner=None):
+        """As a method (``@overlap`` on a ``def __call__(self, x)``), bound to its instance, which
+        becomes the first argument (a pytree's leaves traced, as jax.jit does)."""
+        return self if instance is None else functools.partial(self, instance)
+
+    def _trace(self, call: CallArgs, measure: bool = False) -> tuple[_Traced, CallArgs]:
+        """The rewrite for these arguments in this context, and the arguments it takes (`call`, or
+        `call` with its Python numbers static where fn needs their values); a call (`measure`)
+        redoes one that explain() made with autotune's picks left to measure."""
+        context = _trace_context()
+        key = (call.key(), *context)
+        if key in self._needs_numbers:
+            call = call.with_numbers_static()
+            key = (call.key(), *context)
         traced = self._traced.get(key)
         if traced is None or (measure and traced.report.awaiting_autotune):
             options = self._options.measuring() if measure else self._options
-            traced = self._traced[key] = self._rewrite(call, options)
-        return traced
+            try:
+                traced = self._rewrite(call, options)
+            except Exception as err:
+                if call.traced_python_numbers():
+                    # fn needs a number's value (range(n), a shape, a jitted fn's static argument):
+                    # as a Python number, which is what fn is given outside overlap.
+                    self._needs_numbers.add(key)
+                    return self._trace(call, measure)
+                if not isinstance(err, _NEEDS_VALUES) or any(isinstance(x, jax.core.Tracer) for x in call.traced):
+                    raise
+                traced = self._untraceable(err)
+            self._traced[key] = traced
+        return traced, call
+
+    def _untraceable(self, err: Exception) -> _Traced:
+        """What a call does where `fn` needs its arrays' values (Python control flow on them) and is
+        called outside any transformation: `fn` itself, nothing overlapped, said once."""
+        why = (f"{self._name()} cannot be traced ({type(err).__name__}: {(str(err).splitlines() or [''])[0][:160]}); "
+               "it runs as written, nothing in it overlapped")
+        logger.warning("ficco_jax.overlap: %s", why)
+        return _Traced(None, None, {}, Report(untraceable=why), Effects())
 
     def _rewrite(self, call: CallArgs, options: Options) -> _Traced:
         """Trace `fn` over the traced leaves of `call` (its static ones closed over) and rewrite it."""
-        out_trees, found = [], []
+        out_trees, static_outs, found = [], [], []
         leaves = call.traced
 
         def flat_fn(*flat):
             arguments, unshared = call.rebuild(flat)
             before = jax.tree_util.tree_flatten_with_path(arguments)
             out_leaves, out_tree = jax.tree.flatten(self._fn(*arguments[0], **arguments[1]))
+            static_outs.append({i: v for i, v in enumerate(out_leaves) if not isinstance(v, _COMPUTED)})
+            out_leaves = [v for v in out_leaves if isinstance(v, _COMPUTED)]
             # fn may have updated its (rebuilt) arguments in place: the leaves it replaced are
             # outputs too, written back into the caller's objects by __call__ (effects.py).
             effects, replaced = replaced_leaves(self._name(), before, call.static_positions, arguments, unshared)
@@ -330,14 +382,9 @@ class Overlapped:
             found.append(effects)
             return [*out_leaves, *replaced]
 
-        try:
-            closed = jax.make_jaxpr(flat_fn)(*leaves)
-        except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError) as err:
-            if call.traced_python_numbers() and hasattr(err, "add_note"):  # Python 3.11+
-                err.add_note(_TRACED_NUMBER_NOTE)
-            raise
+        closed = jax.make_jaxpr(flat_fn)(*leaves)
         records: list = []
-        plan = _analyse(closed.jaxpr, _Scope(mesh=_concrete_mesh(leaves)), options, records)
+        plan = _analyse(closed.jaxpr, _Scope(axis_sizes=_manual_axes(), mesh=_concrete_mesh(leaves)), options, records)
         report = Report(records)
         for record in report:
             logger.debug("ficco_jax.overlap %s: %s %s at %s, axis %s, %s", self._name(),
@@ -347,7 +394,23 @@ class Overlapped:
         # A site whose autotune pick is not measured yet is only reported: the call measures it.
         if plan.changed and not report.awaiting_autotune:
             rewritten = jax.make_jaxpr(lambda *flat: _run(plan, closed.jaxpr, closed.consts, flat))(*leaves)
-        return _Traced(rewritten, out_trees[0], report, found[0])
+        return _Traced(rewritten, out_trees[0], static_outs[0], report, found[0])
+
+
+def _trace_context() -> tuple:
+    """What a trace depends on besides the arguments: the `jax.set_mesh` context (its devices, and
+    the abstract mesh, whose axis types a shard_map in `fn` reads) and the default matmul precision.
+    A function called under another mesh is traced again, as jax.jit retraces it."""
+    return (topology.context_mesh(), jax.sharding.get_abstract_mesh(), jax.config.jax_default_matmul_precision)
+
+
+def _manual_axes() -> dict | None:
+    """The manual mesh axes `fn` is traced under (``shard_map(overlap(body), ...)``: its body is a
+    shard_map body), by size; None outside every shard_map."""
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = {name: size for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types)
+              if kind == jax.sharding.AxisType.Manual}
+    return manual or None
 
 
 def _concrete_mesh(leaves) -> jax.sharding.Mesh | None:
@@ -383,7 +446,7 @@ def overlap(fn: Callable | None = None, *, schedule="auto", autotune: bool = Fal
     return Overlapped(fn, options)
 
 
-def explain(fn: Callable, *args, **kwargs) -> Report:
+def explain(fn: Callable, /, *args, **kwargs) -> Report:
     """The sites `overlap(fn)` rewrites for these arguments, and the near-misses with reasons.
 
     `fn` may be an `overlap`-wrapped function (its options are used) or a plain one (defaults).
