@@ -94,8 +94,7 @@ def load_profile(name_or_path: str) -> dict:
                                 f"make one with `python -m ficco_jax calibrate --out FILE`")
     with open(path) as fh:
         profile = json.load(fh)
-    return check_profile({**DEFAULT_PROFILE, **profile}, path) if isinstance(profile, dict) else \
-        check_profile(profile, path)
+    return check_profile({**DEFAULT_PROFILE, **profile} if isinstance(profile, dict) else profile, path)
 
 
 #: The profile's rates, which the model divides by (positive), and its other numbers (at least 0).
