@@ -74,7 +74,7 @@ def _bad_inputs(tmp):
     return [
         ([*rank, "--shape", "64,64,64", "--axis-size", "0"], "argument --axis-size: expected an integer >= 1, found '0'"),
         ([*rank, "--shape", "0,0,0"], "--shape '0,0,0': expected M,K,N (three integers > 0"),
-        ([*rank, "--shape", "64,64,64", "--profile", str(tmp)], f"rank --profile: [Errno 21] Is a directory"),
+        ([*rank, "--shape", "64,64,64", "--profile", str(tmp)], "rank --profile: [Errno 21] Is a directory"),
         ([*rank, "--shape", "64,64,64", "--profile", str(tmp / "flat.json")],
          "peak_tflops.bfloat16 = 0.0, expected a finite number > 0"),
         ([*rank, "--shape", "64,64,64", "--profile", str(tmp / "list.json")], "expected a JSON object, found list"),
