@@ -320,7 +320,8 @@ def test_rounds_time_every_variant_and_bound_interleaved(tmp_path, monkeypatch, 
 def test_cli_rejects_zero_rounds(tmp_path):
     done = subprocess.run([sys.executable, "-m", "ficco_jax", "bench", "--op", "ag_matmul", "--shape", "64,32,64",
                            "--rounds", "0", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
-    assert done.returncode != 0 and "--rounds 0: time each variant at least once" in done.stderr, done.stderr[-800:]
+    assert done.returncode == 2 and "argument --rounds: expected an integer >= 1, found '0'" in done.stderr, \
+        done.stderr[-800:]
 
 
 def test_a_variant_failing_without_a_message_is_reported():
