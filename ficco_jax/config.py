@@ -10,8 +10,13 @@ import os
 import numpy as np
 
 
+#: The longest wait a limit may name, seconds (the executor counts its deadlines in 64-bit nanoseconds),
+#: and the shortest rendezvous timeout (the executor takes whole milliseconds).
+MAX_LIMIT_S, MIN_RENDEZVOUS_TIMEOUT_S = 1e6, 1e-3
+
+
 def _env_float(name: str, default: float, *, unit: str = "seconds", low: float = 0.0,
-               high: float = 1e6) -> float:
+               high: float = MAX_LIMIT_S) -> float:
     """The number in environment variable `name` (`default` where unset or ""), within [low, high]."""
     raw = os.environ.get(name)
     if raw is None or raw == "":
@@ -45,7 +50,7 @@ def _env_flag(name: str, default: bool) -> bool:
 #: fails with an error that names the op, the group and the missing ranks. The rendezvous happens
 #: when the handlers enqueue work, not when the GPU runs it, so peers arrive within microseconds
 #: of each other in a healthy program; 5 s only guards against a missing peer.
-RENDEZVOUS_TIMEOUT_S: float = _env_float("FICCO_RENDEZVOUS_TIMEOUT_S", 5.0, low=1e-3)
+RENDEZVOUS_TIMEOUT_S: float = _env_float("FICCO_RENDEZVOUS_TIMEOUT_S", 5.0, low=MIN_RENDEZVOUS_TIMEOUT_S)
 
 #: Seconds a copy-engine call's device work may take once it has started before the watchdog
 #: (xla_ffi/runtime/watchdog.h) reports what the call waits for on stderr — the op, where it was

@@ -106,18 +106,12 @@ def _cmd_bench(args):
     if config.is_fp8(dtype) and args.op not in ("all", "ag_matmul", "matmul_rs"):
         raise SystemExit(f"bench --dtype {args.dtype} --op {args.op}: FP8 runs ag_matmul and matmul_rs only "
                          f"(--op all, ag_matmul or matmul_rs)")
-    try:
-        listed_schedules(ops[0], args.schedules, 1, ("none", "xla", "dma"))  # parse before any compile
-    except ValueError as exc:
-        raise SystemExit(str(exc))
+    listed_schedules(ops[0], args.schedules, 1, ("none", "xla", "dma"))  # parse before any compile
     resume = _read_json(args.resume, "bench --resume") if args.resume else None
     use_xla_cache(args.xla_cache)
-    try:
-        bench.run(ops, _shapes(args.shape, default), dtype, args.schedules, args.out, plot=args.plot,
-                  windowed=not args.no_windowed, moe_shapes=_moe_shapes(args.moe_shape), budget_s=args.budget_s,
-                  resume=resume, rounds=args.rounds)
-    except ValueError as exc:  # an earlier run to resume that is not comparable, a shape the devices cannot take
-        raise SystemExit(str(exc))
+    bench.run(ops, _shapes(args.shape, default), dtype, args.schedules, args.out, plot=args.plot,
+              windowed=not args.no_windowed, moe_shapes=_moe_shapes(args.moe_shape), budget_s=args.budget_s,
+              resume=resume, rounds=args.rounds)
 
 
 def _moe_shapes(texts):
@@ -282,12 +276,9 @@ def _cmd_accuracy(args):
     resume = _read_json(args.resume, "accuracy --resume") if args.resume else None
     rounds = accuracy.CONFIRM_ROUNDS if args.confirm_rounds is None else args.confirm_rounds
     use_xla_cache(args.xla_cache)
-    try:
-        accuracy.run(args.out, axis_size=args.axis_size, shapes=shapes, top=args.top, profile=profile,
-                     budget_s=args.budget_s, plot=args.plot, confirm_rounds=rounds, resume=resume,
-                     ops=accuracy.OPS if args.op == "both" else (args.op,), rounds=args.rounds)
-    except ValueError as exc:  # a device count or shape the run cannot take: say so, no traceback
-        raise SystemExit(str(exc))
+    accuracy.run(args.out, axis_size=args.axis_size, shapes=shapes, top=args.top, profile=profile,
+                 budget_s=args.budget_s, plot=args.plot, confirm_rounds=rounds, resume=resume,
+                 ops=accuracy.OPS if args.op == "both" else (args.op,), rounds=args.rounds)
 
 
 def _windowed(argv):
@@ -320,7 +311,8 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
         args.fn(args)
-    except (ValueError, OSError) as exc:  # bad input found past parsing (a file, a shape the devices cannot take)
+    except (ValueError, OSError) as exc:  # bad input found past parsing: a file, a schedule list, a shape or a
+        # device count the run cannot take, an earlier run to resume that is not comparable
         raise SystemExit(f"python -m ficco_jax {args.cmd}: {type(exc).__name__}: {exc}")
     return 0
 

@@ -170,18 +170,22 @@ def channel_bytes() -> int:
 
 def watchdog_ms() -> int:
     """config.WATCHDOG_S as the executor's attribute: milliseconds, 0 for off."""
-    if not 0 <= config.WATCHDOG_S <= 1e6:  # (NaN fails too)
-        raise ValueError(f"config.WATCHDOG_S={config.WATCHDOG_S!r} must be from 0 to 1e6 seconds "
-                         "(0 turns the watchdog off)")
-    return int(round(config.WATCHDOG_S * 1000))
+    return _limit_ms("WATCHDOG_S", 0.0, "0 turns the watchdog off")
 
 
 def timeout_ms() -> int:
     """config.RENDEZVOUS_TIMEOUT_S as the executor's attribute: milliseconds, at least 1."""
-    if not 1e-3 <= config.RENDEZVOUS_TIMEOUT_S <= 1e6:  # (NaN fails too)
-        raise ValueError(f"config.RENDEZVOUS_TIMEOUT_S={config.RENDEZVOUS_TIMEOUT_S!r} must be from 0.001 to 1e6 "
-                         "seconds (how long a call waits for its peers; the default is 5)")
-    return int(round(config.RENDEZVOUS_TIMEOUT_S * 1000))
+    return _limit_ms("RENDEZVOUS_TIMEOUT_S", config.MIN_RENDEZVOUS_TIMEOUT_S,
+                     "how long a call waits for its peers; the default is 5")
+
+
+def _limit_ms(name: str, low: float, what: str) -> int:
+    """config.`name` (seconds) in milliseconds, within [low, config.MAX_LIMIT_S] (set directly, it
+    bypassed the environment's check), else a ValueError naming it."""
+    value = getattr(config, name)
+    if not low <= value <= config.MAX_LIMIT_S:  # (NaN fails too)
+        raise ValueError(f"config.{name}={value!r} must be from {low:g} to {config.MAX_LIMIT_S:g} seconds ({what})")
+    return int(round(value * 1000))
 
 
 def match_varying(*values, axis_name=None):
