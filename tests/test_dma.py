@@ -345,15 +345,19 @@ def test_chained_ops_and_buffer_reuse(rng, suffix):
 # ------------------------------------------------------------------------------------------------
 # The FFI target directly, and errors
 # ------------------------------------------------------------------------------------------------
-def _direct_all_gather(groups, x, gemm=0):
+def _direct_attrs(groups, gemm=0, copy_streams=2, w_col_major=0):
+    flat = groups.reshape(-1).astype(np.int64)
+    return dict(op_id=np.int64(10**9), groups=flat, local_ordinals=flat, ipc_job=np.int64(0),
+                group_size=np.int64(groups.shape[1]), chunks=np.int64(2), order=np.int64(1), gemm=np.int64(gemm),
+                copy_streams=np.int64(copy_streams), timeout_ms=np.int64(5000), watchdog_ms=np.int64(0),
+                site="test_dma.py", skip_own_rows=np.int64(0), transfer=np.int64(0),
+                w_col_major=np.int64(w_col_major), channel_bytes=np.int64(1 << 20))
+
+
+def _direct_all_gather(groups, x, gemm=0, copy_streams=2):
     n = groups.shape[1]
     call = jax.ffi.ffi_call("ficco_all_gather", jax.ShapeDtypeStruct((n * x.shape[0], *x.shape[1:]), x.dtype))
-    flat = groups.reshape(-1).astype(np.int64)
-    return call(x, op_id=np.int64(10**9), groups=flat, local_ordinals=flat, ipc_job=np.int64(0), group_size=np.int64(n),
-                chunks=np.int64(2), order=np.int64(1), gemm=np.int64(gemm), copy_streams=np.int64(2),
-                timeout_ms=np.int64(5000), watchdog_ms=np.int64(0), site="test_dma.py",
-                skip_own_rows=np.int64(0), transfer=np.int64(0), w_col_major=np.int64(0),
-                channel_bytes=np.int64(1 << 20))
+    return call(x, **_direct_attrs(groups, gemm=gemm, copy_streams=copy_streams))
 
 
 def test_direct_ffi_target():
@@ -370,6 +374,38 @@ def test_direct_ffi_target_refuses_column_chunks_of_a_gather():
     groups = np.array([[0, 1, 2, 3], [4, 5, 6, 7]], np.int64)
     with pytest.raises(Exception, match="gemm=columns cuts the columns of a reduce-scatter's blocks"):
         _run(mesh, lambda a: _direct_all_gather(groups, a, gemm=2), P("tp"), np.zeros((32, 2), np.float32))
+
+
+@pytest.mark.parametrize("copy_streams", [9, 2**32])
+def test_direct_ffi_target_refuses_more_copy_streams_than_a_device_has(copy_streams):
+    mesh = MESHES["1d"]
+    groups = np.array([[0, 1, 2, 3], [4, 5, 6, 7]], np.int64)
+    x = np.random.default_rng(0).standard_normal((32, 2)).astype(np.float32)
+    with pytest.raises(Exception, match=rf"copy_streams={copy_streams}: a device has at most 8 copy streams"):
+        _run(mesh, lambda a: _direct_all_gather(groups, a, copy_streams=copy_streams), P("tp"), x)
+
+
+@pytest.mark.parametrize("x_dtype, w_dtype, found", [
+    (jnp.bfloat16, jnp.bfloat16, "bfloat16"), (jnp.float8_e4m3fn, jnp.bfloat16, "bfloat16"),
+    (jnp.float32, jnp.float8_e4m3fn, "float32"),
+])
+def test_direct_fp8_target_refuses_operands_that_are_not_fp8(x_dtype, w_dtype, found):
+    """The scaled targets multiply FP8 operands; any other dtype is refused by name, not multiplied."""
+    mesh = MESHES["1d"]
+    groups = np.array([[0, 1, 2, 3], [4, 5, 6, 7]], np.int64)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((32, 8)), x_dtype)
+    w = jnp.asarray(rng.standard_normal((8, 4)), w_dtype)
+    scale = jnp.ones((), jnp.float32)
+
+    def body(a, b):
+        call = jax.ffi.ffi_call("ficco_ag_matmul_scaled", (jax.ShapeDtypeStruct((4 * a.shape[0], 4), jnp.bfloat16),
+                                                           jax.ShapeDtypeStruct((4 * a.shape[0], 8), a.dtype)))
+        return call(a, b, scale, scale, **_direct_attrs(groups, w_col_major=1))[0]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P()), out_specs=P("tp"), check_vma=False))
+    with pytest.raises(Exception, match=rf"unsupported dtype {found}; expected float8_e4m3fn or float8_e5m2"):
+        jax.block_until_ready(f(x, w))
 
 
 def test_direct_ffi_target_device_not_in_groups():

@@ -219,3 +219,22 @@ def test_repeated_faults_do_not_accumulate(short_timeout, inject_fault):
         out = program(*args)
     np.testing.assert_array_equal(np.asarray(out), expected)
     assert time.monotonic() - start < TIMEOUT_S, "healthy launches after faults waited on something"
+
+
+@pytest.mark.parametrize("op, transfer", OPS_AND_TRANSFERS[:-1])
+@pytest.mark.parametrize("at", [2, 4, 7])
+def test_a_transfer_failing_midway_returns_only_after_xlas_stream_waits_for_what_was_enqueued(
+        op, transfer, at, short_timeout, inject_fault):
+    """Rank 3 fails at its at-th copy-stream operation, after copies into its or its peers' buffers were
+    enqueued. XLA frees a failed call's buffers, so the handler may return its error only once XLA's
+    stream waits for every one of those copies (the fault's backend checks it on each call and
+    counts the calls that did not); then the program runs again correctly."""
+    mesh = _mesh()
+    program, args, expected = _program(mesh, op, transfer)
+    before = _ext.testing().unjoined_copy_calls()
+    inject_fault(f"fail:3:{at}")
+    with pytest.raises(Exception, match=r"missing ranks \[3\]|injected fault 'fail' on rank 3|rank 3 \(device \d+\) failed"):
+        jax.block_until_ready(program(*args))
+    inject_fault("")
+    assert _ext.testing().unjoined_copy_calls() == before, "a failed call returned before its copies were joined"
+    np.testing.assert_allclose(np.asarray(program(*args)), expected, rtol=1e-5, atol=1e-6)

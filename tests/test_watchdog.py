@@ -65,6 +65,13 @@ def test_a_stalled_peer_is_reported_and_ends_the_process(op, schedule, target, c
     if channel:
         assert re.search(r"waits for rank 1 \(device 1\): its 'ready' word 0 of the group's channel to reach "
                          r"(\d+), it holds (\d+)", err), err
+        # Each reader names only the words of rank 1's send slot for it: slot s = reader - 2 (mod 4),
+        # 2 chunks per slot, so words 2s and 2s + 1; the other slots' words are for the other readers.
+        named = {}
+        for block in re.split(r"\n  op \d+ ", err)[1:]:
+            reader = int(re.search(r"rank (\d+) of group", block).group(1))
+            named[reader] = sorted(int(w) for w in re.findall(r"rank 1 \(device 1\): its 'ready' word (\d+)", block))
+        assert named and all(words == [2 * ((r - 2) % 4), 2 * ((r - 2) % 4) + 1] for r, words in named.items()), named
     else:
         assert re.search(r"waits for rank 1 \(device 1\): event \d+ of its 'exchange' post, not complete", err), err
     assert "ending the process" in err and "FICCO_WATCHDOG_S" in err

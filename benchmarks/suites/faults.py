@@ -22,7 +22,10 @@ How the faults are armed: the extension's test-only entry point
 for every copy-engine call of the process until it is disarmed; the rendezvous timeout is
 FICCO_RENDEZVOUS_TIMEOUT_S=<--timeout-s> in each child's environment, read at import into
 config.RENDEZVOUS_TIMEOUT_S and written into the program when it is traced. Each child arms
-skip:1, runs the case, disarms, runs the next calls; then the same with fail:<n-1>.
+skip:1, runs the case, disarms, runs the next calls; then the same with fail:<n-1>, and with
+fail:<n-1>:4 (that rank's 4th copy-stream operation fails, after copies were enqueued: its call may
+return the error only once XLA's stream waits for them, which the fault's backend checks on every
+call, `copies_joined`).
 
 One more child launches a group of n devices on only n/2 of them (a direct FFI call, as in
 tests/test_executor_faults.py, with the attributes lowering/dma/registry.py itself writes for the whole group) and
@@ -130,9 +133,10 @@ def _one_fault(op, spec, mesh, case, expected, timeout_s, margin_s) -> dict:
     from ficco_jax.runtime import extension
 
     make, args, in_specs, out_spec, _ = case
-    mode, rank = spec.split(":")
+    mode, rank = spec.split(":")[:2]
     record = {"case": f"{op} {spec}", "op": op, "fault": spec, "rank": int(rank)}
     program = _compile(mesh, make(), in_specs, out_spec, args)
+    unjoined = extension.testing().unjoined_copy_calls()
     extension.testing().inject_fault(spec)
     start = time.monotonic()
     try:
@@ -147,10 +151,11 @@ def _one_fault(op, spec, mesh, case, expected, timeout_s, margin_s) -> dict:
     record["names_rank"] = bool(names)
     record["reported_by"] = ("" if not names else "faulty rank" if "injected" in names.group(0) else "waiting peer")
     record["within_time"] = record["error_s"] < timeout_s + margin_s
+    record["copies_joined"] = extension.testing().unjoined_copy_calls() == unjoined
     _equal(record, "next_call_precompiled", lambda: program(*args), expected)
     _equal(record, "next_call_fresh_trace", lambda: _compile(mesh, make(), in_specs, out_spec, args)(*args), expected)
-    record["pass"] = all(record[k] for k in ("raised", "names_rank", "within_time", "next_call_precompiled",
-                                             "next_call_fresh_trace"))
+    record["pass"] = all(record[k] for k in ("raised", "names_rank", "within_time", "copies_joined",
+                                             "next_call_precompiled", "next_call_fresh_trace"))
     return record
 
 
@@ -195,7 +200,7 @@ def child_op(op, timeout_s, margin_s) -> None:
         mesh = Mesh(np.array(devices), ("tp",))
     case = _case(op, mesh)
     expected = _reference(mesh, case)
-    for spec in ("skip:1", f"fail:{n - 1}"):
+    for spec in ("skip:1", f"fail:{n - 1}", f"fail:{n - 1}:4"):
         _emit(_one_fault(op, spec, mesh, case, expected, timeout_s, margin_s))
     _emit(_still_usable(op, mesh, case, expected, timeout_s))
 
@@ -308,6 +313,7 @@ def _run_child(target, args, timeout_s, budget_cut) -> tuple[list[dict], str, bo
 
 def _expected_cases(target) -> list[str]:
     return [f"{PARTIAL}", f"{PARTIAL} usable"] if target == PARTIAL else [f"{target} skip", f"{target} fail",
+                                                                          f"{target} fail midway",
                                                                           f"{target} usable"]
 
 
@@ -339,8 +345,9 @@ def run(args) -> dict:
 
 def table(result: dict) -> str:
     lines = [f"rendezvous timeout {result['timeout_s']} s, margin {result['margin_s']} s",
-             "| case | error after (s) | names rank (by) | next call: compiled before / fresh trace | verdict |",
-             "|---|---|---|---|---|"]
+             "| case | error after (s) | names rank (by) | copies joined | next call: compiled before / fresh trace "
+             "| verdict |",
+             "|---|---|---|---|---|---|"]
     yes = lambda v: "—" if v is None else ("yes" if v else "NO")
     for r in result["cases"]:
         err = f"{r['error_s']:.3f}" if "error_s" in r else (f"{HEALTHY_LAUNCHES} launches in {r['launches_s']:.3f}"
@@ -350,7 +357,7 @@ def table(result: dict) -> str:
                if "next_call_precompiled" in r else (f"equal {yes(r.get('equal'))}" if "equal" in r else "—"))
         verdict = "PASS" if r["pass"] else ("SKIPPED" if r.get("skipped") else "FAIL")
         note = f" ({r['note'].splitlines()[0]})" if r.get("note") else ""
-        lines.append(f"| {r['case']} | {err} | {named} | {nxt} | {verdict}{note} |")
+        lines.append(f"| {r['case']} | {err} | {named} | {yes(r.get('copies_joined'))} | {nxt} | {verdict}{note} |")
     unrun = sum(1 for r in result["cases"] if r.get("skipped"))
     lines.append(f"\nOverall: {result['overall']}" + (f" ({unrun} case(s) not run or not judged within --budget-s "
                                                     f"{result['budget_s']:g}: give it more time)" if unrun else ""))

@@ -67,6 +67,7 @@ class Gather {
   int64_t SourceBlock(int to) const { return a_.x_per_peer ? to : 0; }
   ffi::Error Pull(CallSession& session, const Exposure& exposure, Event entry, std::vector<std::vector<Event>>* landed);
   ffi::Error Push(CallSession& session, Event ready, std::vector<std::vector<Event>>* landed);
+  ffi::Error CopyOwnBlock(Event ready);
   ffi::Error Consume(const std::vector<std::vector<Event>>& landed);
   // Only per-chunk matmuls take a chunk as it lands (call_session.h, LandedEvents).
   LandedEvents Marks() const {
@@ -89,24 +90,28 @@ ffi::Error Gather::Run(CallSession& session) {
   FICCO_RETURN_IF_ERROR(session.Stage(backend_, exposure));  // across processes: before the matmuls (Stage)
   if (matmul_) FICCO_RETURN_IF_ERROR(mm_.Run(backend_, a_.x, SourceBlock(r), a_.out, r, 0, a_.layout.rows));
   std::vector<std::vector<Event>> landed(config_.n() - 1, std::vector<Event>(config_.chunks));
-  FICCO_RETURN_IF_ERROR(config_.push ? Push(session, ready, &landed) : Pull(session, exposure, ready, &landed));
-  // Our own block of `received` goes last on the last copy stream: the copy is only needed by the
-  // join, so it must not delay the first peer chunk the matmuls wait for. When nobody reads
-  // `received` (skip_own_rows: ag_matmul's plain forward, a2a_matmul whose caller drops it) it is
-  // skipped, the matmuls read x: a 1-device ag_matmul at [8192,8192]@[8192,5120] took 1.018 ms with
-  // the copy and 0.985 without (one H200).
-  if (!(matmul_ && config_.skip_own_rows)) {
-    const int last_stream = CopyStreamsUsed(config_) - 1;
-    // A pull's copy streams have all waited for `ready` already, as their entry (CopyChunks).
-    if (config_.push || config_.n() == 1) FICCO_RETURN_IF_ERROR(backend_.Wait(last_stream, ready));
-    FICCO_RETURN_IF_ERROR(backend_.Copy(last_stream, Offset(a_.received, a_.layout.At(r, 0, 0)),
-                                        Offset(a_.x, a_.layout.At(SourceBlock(r), 0, 0)), a_.layout.Block()));
-  }
-  if (matmul_) {
-    ffi::Error multiplied = Consume(landed);
-    if (multiplied.failure()) return AwaitLanded(backend_, config_, landed, std::move(multiplied));
-  }
+  // From the first enqueued transfer on, a failure must not return before XLA's stream waits for
+  // what was enqueued: XLA frees this call's buffers with the error (AwaitLanded).
+  ffi::Error moved = config_.push ? Push(session, ready, &landed) : Pull(session, exposure, ready, &landed);
+  if (moved.success()) moved = CopyOwnBlock(ready);
+  if (moved.success() && matmul_) moved = Consume(landed);
+  if (moved.failure()) return AwaitLanded(backend_, config_, landed, std::move(moved));
   return JoinAndRelease(backend_, config_, session);
+}
+
+// Our own block of `received` goes last on the last copy stream: the copy is only needed by the
+// join, so it must not delay the first peer chunk the matmuls wait for. When nobody reads
+// `received` (skip_own_rows: ag_matmul's plain forward, a2a_matmul whose caller drops it) it is
+// skipped, the matmuls read x: a 1-device ag_matmul at [8192,8192]@[8192,5120] took 1.018 ms with
+// the copy and 0.985 without (one H200).
+ffi::Error Gather::CopyOwnBlock(Event ready) {
+  if (matmul_ && config_.skip_own_rows) return ffi::Error::Success();
+  const int r = config_.rank;
+  const int last_stream = CopyStreamsUsed(config_) - 1;
+  // A pull's copy streams have all waited for `ready` already, as their entry (CopyChunks).
+  if (config_.push || config_.n() == 1) FICCO_RETURN_IF_ERROR(backend_.Wait(last_stream, ready));
+  return backend_.Copy(last_stream, Offset(a_.received, a_.layout.At(r, 0, 0)),
+                       Offset(a_.x, a_.layout.At(SourceBlock(r), 0, 0)), a_.layout.Block());
 }
 
 // Puller: peers by ring distance (r-1 first); peer p's block for us (x_p's only block, or x_p[r])

@@ -92,12 +92,12 @@ ffi::Error Scatter::Run(CallSession& session) {
     exposed.assign((config_.n() - 1) * config_.chunks, entry);
   }
   std::vector<std::vector<Event>> landed(config_.n() - 1, std::vector<Event>(config_.chunks));
-  FICCO_RETURN_IF_ERROR(config_.push ? Push(session, send, entry, exposed, &landed)
-                                     : Pull(session, send, entry, exposed, &landed));
-  if (reduce_) {
-    ffi::Error reduced = SumsInMatmuls() ? SumInMatmuls(landed) : ReduceChunks(landed);
-    if (reduced.failure()) return AwaitLanded(backend_, config_, landed, std::move(reduced));
-  }
+  // From the first enqueued transfer on, a failure must not return before XLA's stream waits for
+  // what was enqueued: XLA frees this call's buffers with the error (AwaitLanded).
+  ffi::Error moved = config_.push ? Push(session, send, entry, exposed, &landed)
+                                  : Pull(session, send, entry, exposed, &landed);
+  if (moved.success() && reduce_) moved = SumsInMatmuls() ? SumInMatmuls(landed) : ReduceChunks(landed);
+  if (moved.failure()) return AwaitLanded(backend_, config_, landed, std::move(moved));
   return JoinAndRelease(backend_, config_, session);
 }
 

@@ -2,6 +2,8 @@
 
 #include <string>
 
+#include "device/backend.h"
+
 namespace ficco {
 
 ffi::Error DecodeConfig(const OpAttrs& attrs, const char* target, int32_t device_ordinal, int64_t run_id,
@@ -43,6 +45,11 @@ ffi::Error DecodeConfig(const OpAttrs& attrs, const char* target, int32_t device
                                 " transfer=" + std::to_string(attrs.transfer) +
                                 " w_col_major=" + std::to_string(attrs.w_col_major) +
                                 " channel_bytes=" + std::to_string(attrs.channel_bytes));
+  }
+  if (attrs.copy_streams > kMaxCopyStreams) {
+    return MakeInvalid(ctx, "copy_streams=" + std::to_string(attrs.copy_streams) + ": a device has at most " +
+                                std::to_string(kMaxCopyStreams) + " copy streams (schedule suffix /s1 ... /s" +
+                                std::to_string(kMaxCopyStreams) + ")");
   }
   config->chunks = attrs.chunks;
   config->order = static_cast<Order>(attrs.order);

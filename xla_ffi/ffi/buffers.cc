@@ -9,18 +9,23 @@ std::string Shape(ffi::AnyBuffer buffer) {
   return "[" + JoinNumbers(buffer.dimensions()) + "]";
 }
 
+// An operand's dtype: FP8 where `fp8` (the scaled targets), else bf16, f16 or f32 — never the
+// other kind, which a matmul of the wrong form would read as garbage.
 static ffi::Error ToDtype(const CallContext& ctx, ffi::DataType type, Dtype* dtype, bool fp8 = false) {
+  const char* name = nullptr;
   switch (type) {
-    case ffi::DataType::F32: *dtype = Dtype::kF32; return ffi::Error::Success();
-    case ffi::DataType::BF16: *dtype = Dtype::kBF16; return ffi::Error::Success();
-    case ffi::DataType::F16: *dtype = Dtype::kF16; return ffi::Error::Success();
-    case ffi::DataType::F8E4M3FN: *dtype = Dtype::kF8E4M3; break;
-    case ffi::DataType::F8E5M2: *dtype = Dtype::kF8E5M2; break;
+    case ffi::DataType::F32: *dtype = Dtype::kF32; name = "float32"; break;
+    case ffi::DataType::BF16: *dtype = Dtype::kBF16; name = "bfloat16"; break;
+    case ffi::DataType::F16: *dtype = Dtype::kF16; name = "float16"; break;
+    case ffi::DataType::F8E4M3FN: *dtype = Dtype::kF8E4M3; name = "float8_e4m3fn"; break;
+    case ffi::DataType::F8E5M2: *dtype = Dtype::kF8E5M2; name = "float8_e5m2"; break;
     default: break;
   }
-  if (fp8 && IsFp8(*dtype)) return ffi::Error::Success();
-  return MakeInvalid(ctx, "unsupported dtype " + std::to_string(static_cast<int>(type)) + "; expected " +
-                              (fp8 ? "float8_e4m3fn or float8_e5m2 with scales" : "bfloat16, float16 or float32"));
+  if (name != nullptr && IsFp8(*dtype) == fp8) return ffi::Error::Success();
+  const std::string found = name != nullptr ? name : "type " + std::to_string(static_cast<int>(type));
+  return MakeInvalid(ctx, "unsupported dtype " + found + "; expected " +
+                              (fp8 ? "float8_e4m3fn or float8_e5m2 (the scaled FP8 targets)"
+                                   : "bfloat16, float16 or float32"));
 }
 
 // `buffer` must have exactly `dims`; `name` and `role` go into the message.

@@ -136,12 +136,14 @@ struct Target {
       }
       CallWatch watch(*backend, config);
       config.watch = &watch;
-      ffi::Error result = ffi::Error::Success();
-      if constexpr (std::is_same_v<Attrs, OpAttrs>) {
-        result = kImpl(*backend, config, buffers...);
-      } else {
-        result = kImpl(*backend, config, attrs, buffers...);
-      }
+      // Something thrown inside the op is its error too: the watch and the channel below still hear of it.
+      ffi::Error result = Guard(kName, [&]() -> ffi::Error {
+        if constexpr (std::is_same_v<Attrs, OpAttrs>) {
+          return kImpl(*backend, config, buffers...);
+        } else {
+          return kImpl(*backend, config, attrs, buffers...);
+        }
+      });
       watch.Finish(*backend);
       if (result.failure()) {
         std::fprintf(stderr, "%s\n", result.message().c_str());

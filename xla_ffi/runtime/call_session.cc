@@ -168,12 +168,11 @@ ffi::Error CallSession::Stage(Backend& backend, const Exposure& exposure) {
 // The staging stream (the slot after the copy streams, so their count must leave it free) and this
 // device's staging region of `bytes`, from now on exposed: retired if the call fails before
 // ProtectStaging (~CallSession).
+// A group that gave up is refused first: a region taken and then retired by every failing call
+// would stay allocated for each of them.
 ffi::Error CallSession::AcquireStaging(Backend& backend, int64_t bytes, void** region) {
-  if (CopyStreamsUsed(config_) > kMaxCopyStreams) {
-    return MakeInvalid(config_.ctx, "copy_streams = " + std::to_string(config_.copy_streams) + " exceeds the maximum " +
-                                        std::to_string(kMaxCopyStreams));
-  }
   FICCO_RETURN_IF_ERROR(backend.Prepare(kCopyStreamSlots, config_.LocalOrdinals()));
+  FICCO_RETURN_IF_ERROR(FailIfGroupGaveUp(config_));
   FICCO_RETURN_IF_ERROR(StagingBuffer(config_, static_cast<uint64_t>(bytes), region));
   staging_exposed_ = true;
   return ffi::Error::Success();
@@ -333,7 +332,10 @@ ffi::Error CallSession::ChannelPosts(const Exposure& exposure, std::vector<Post>
     post.done = gen_->Done(owner, config_.rank);
     post.value = call_;
     if (config_.watch == nullptr) continue;
-    for (int64_t piece = 0; piece < exposure.pieces; ++piece) {
+    // This device reads only the owner's send slot for it (Publish sets no other word for it).
+    const int64_t slot = (config_.rank - owner - 1 + config_.n()) % config_.n();
+    const int64_t per_slot = exposure.pieces / (config_.n() - 1);
+    for (int64_t piece = slot * per_slot; piece < (slot + 1) * per_slot; ++piece) {
       config_.watch->NoteWord(config_, owner, "ready", piece, gen_->Ready(owner, config_.rank, piece), call_);
     }
   }

@@ -49,6 +49,10 @@ ffi::Error MeetAcrossProcesses(const OpConfig& config, Phase phase, const Post& 
 // until IpcClose (regions grow at least twofold: the retired ones add up to less than the current).
 ffi::Error StagingBuffer(const OpConfig& config, uint64_t bytes, void** staging);
 
+// The error a meeting of this call's group would fail with at once because a rank gave up (a peer
+// failed or timed out earlier: the processes' calls are out of step for good), if one did.
+ffi::Error FailIfGroupGaveUp(const OpConfig& config);
+
 // A call failed between filling the staging buffer and protecting it (call_session.cc): a peer may
 // still read the current region, so the next call must not overwrite it. Retires it (kept until
 // IpcClose); the next call allocates a new one.
@@ -95,6 +99,7 @@ inline ffi::Error StagingBuffer(const OpConfig& config, uint64_t, void**) {
   return MakeInvalid(config.ctx, "this group spans processes, which needs the CUDA build's IPC path; the CPU "
                                  "backend reaches only the devices of its own process (use comm='xla')");
 }
+inline ffi::Error FailIfGroupGaveUp(const OpConfig&) { return ffi::Error::Success(); }
 inline void RetireStaging(int) {}
 #endif
 

@@ -241,6 +241,13 @@ ffi::Error OpenEvent(const IpcCall& call, int peer, int32_t id, Event* event) {
 
 }  // namespace
 
+ffi::Error FailIfGroupGaveUp(const OpConfig& config) {
+  HostMailbox* mailbox = nullptr;
+  FICCO_RETURN_IF_ERROR(Registry::Get().Mailbox(config.ctx, config.ipc_job, &mailbox));
+  const MailboxArrival who{&config.ctx, &config.group, config.rank, PhaseName(Phase::kExchange), config.timeout_s};
+  return mailbox->FailIfGaveUp(who);
+}
+
 ffi::Error MeetAcrossProcesses(const OpConfig& config, Phase phase, const Post& mine, std::vector<Post>* posts) {
   const CallContext& ctx = config.ctx;
   HostMailbox* mailbox = nullptr;

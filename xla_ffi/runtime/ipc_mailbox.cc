@@ -297,6 +297,12 @@ ffi::Error HostMailbox::Exchange(const MailboxArrival& who, const WirePost& mine
   return ffi::Error::Success();
 }
 
+ffi::Error HostMailbox::FailIfGaveUp(const MailboxArrival& who) {
+  GroupEntry* group = nullptr;
+  FICCO_RETURN_IF_ERROR(FindGroup(who, &group));
+  return FailIfAbandoned(who, name_, group->ranks, group->size);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Device tables
 // ---------------------------------------------------------------------------------------------

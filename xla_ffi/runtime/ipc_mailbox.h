@@ -81,6 +81,8 @@ class HostMailbox {
   // Posts `mine` as this rank's next post and returns every rank's (indexed by rank; ours
   // included) once all have posted it. Errors: see the protocol above.
   ffi::Error Exchange(const MailboxArrival& who, const WirePost& mine, std::vector<WirePost>* posts);
+  // The error Exchange would return at once because a rank of the group gave up, if one did.
+  ffi::Error FailIfGaveUp(const MailboxArrival& who);
 
   // Device tables: `member` publishes handles; peers read them by (member, id). An id is
   // published before any post refers to it, so a reader that got the id from a post finds it.

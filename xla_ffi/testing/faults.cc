@@ -1,6 +1,9 @@
 #include "testing/faults.h"
 
+#include <algorithm>
 #include <charconv>
+#include <cstdio>
+#include <unordered_map>
 #include <utility>
 
 namespace ficco {
@@ -15,11 +18,25 @@ const char* ModeName(InjectedFault::Mode mode) {
   return "?";
 }
 
-// The armed rank's backend: forwards everything to the real one, except where the fault strikes.
+std::atomic<int64_t> unjoined_calls{0};
+
+// The armed rank's backend: forwards everything to the real one, except where the fault strikes,
+// and checks that every copy it enqueued is joined by XLA's stream before the call returns.
 class FaultyBackend final : public Backend {
  public:
   FaultyBackend(std::unique_ptr<Backend> inner, InjectedFault fault, const OpConfig& config)
       : inner_(std::move(inner)), fault_(fault), config_(config) {}
+  // The backend goes when its call's handler returns.
+  ~FaultyBackend() override {
+    for (int stream = 0; stream < kCopyStreamSlots; ++stream) {
+      if (copies_[stream] <= joined_[stream]) continue;
+      unjoined_calls.fetch_add(1, std::memory_order_relaxed);
+      std::fprintf(stderr, "ficco_jax test check: %s returned while %lld copies on copy stream %d were not "
+                           "waited for by XLA's stream\n",
+                   config_.ctx.target, static_cast<long long>(copies_[stream] - joined_[stream]), stream);
+      return;
+    }
+  }
 
   ffi::Error Prepare(int copy_streams, const std::vector<int>& group) override {
     if (fault_.mode == InjectedFault::Mode::kSkip) return Injected();
@@ -34,8 +51,10 @@ class FaultyBackend final : public Backend {
       *event = never_;
       return ffi::Error::Success();
     }
-    FICCO_RETURN_IF_ERROR(FailFirstTransfer(stream));
-    return inner_->Record(stream, event);
+    FICCO_RETURN_IF_ERROR(FailAtTransfer(stream));
+    FICCO_RETURN_IF_ERROR(inner_->Record(stream, event));
+    if (IsCopyStream(stream)) covers_[*event] = {stream, copies_[stream]};
+    return ffi::Error::Success();
   }
   ffi::Error Wait(int stream, Event event) override {
     // stall: this rank's own streams do not wait for the event it posts in place of its records,
@@ -44,22 +63,30 @@ class FaultyBackend final : public Backend {
     if (fault_.mode == InjectedFault::Mode::kStall && event != nullptr && event == never_) {
       return ffi::Error::Success();
     }
-    FICCO_RETURN_IF_ERROR(FailFirstTransfer(stream));
-    return inner_->Wait(stream, event);
+    FICCO_RETURN_IF_ERROR(FailAtTransfer(stream));
+    FICCO_RETURN_IF_ERROR(inner_->Wait(stream, event));
+    const auto covered = covers_.find(event);
+    if (stream == kCompute && covered != covers_.end()) {
+      int64_t& joined = joined_[covered->second.first];
+      joined = std::max(joined, covered->second.second);
+    }
+    return ffi::Error::Success();
   }
   ffi::Error CopyPieces(int stream, void* dst, const void* src, size_t bytes, int64_t pieces,
                         int64_t pitch) override {
-    FICCO_RETURN_IF_ERROR(FailFirstTransfer(stream));
-    return inner_->CopyPieces(stream, dst, src, bytes, pieces, pitch);
+    FICCO_RETURN_IF_ERROR(FailAtTransfer(stream));
+    FICCO_RETURN_IF_ERROR(inner_->CopyPieces(stream, dst, src, bytes, pieces, pitch));
+    if (IsCopyStream(stream)) ++copies_[stream];
+    return ffi::Error::Success();
   }
   // stall: the words it sets are never set, as its device never gets there.
   ffi::Error SetWord(int stream, uint32_t* word, uint32_t value) override {
     if (fault_.mode == InjectedFault::Mode::kStall) return ffi::Error::Success();
-    FICCO_RETURN_IF_ERROR(FailFirstTransfer(stream));
+    FICCO_RETURN_IF_ERROR(FailAtTransfer(stream));
     return inner_->SetWord(stream, word, value);
   }
   ffi::Error WaitWord(int stream, const uint32_t* word, uint32_t value) override {
-    FICCO_RETURN_IF_ERROR(FailFirstTransfer(stream));
+    FICCO_RETURN_IF_ERROR(FailAtTransfer(stream));
     return inner_->WaitWord(stream, word, value);
   }
   ffi::Error AllocateWords(int64_t count, uint32_t** words) override { return inner_->AllocateWords(count, words); }
@@ -77,11 +104,13 @@ class FaultyBackend final : public Backend {
     return MakeError(config_.ctx, std::string("injected fault '") + ModeName(fault_.mode) + "' on rank " +
                                       std::to_string(config_.rank) + " (ficco_jax._ffi.testing.inject_fault)");
   }
+  static bool IsCopyStream(int stream) { return stream >= 0 && stream < kCopyStreamSlots; }
   // The transfers are the copy streams' work; the staging stream (kStaging) copies within the device.
-  ffi::Error FailFirstTransfer(int stream) {
+  ffi::Error FailAtTransfer(int stream) {
     if (fault_.mode != InjectedFault::Mode::kFail || failed_ || stream < 0 || stream >= kMaxCopyStreams) {
       return ffi::Error::Success();
     }
+    if (++transfers_ < fault_.fail_at) return ffi::Error::Success();
     failed_ = true;
     return Injected();
   }
@@ -90,7 +119,13 @@ class FaultyBackend final : public Backend {
   const InjectedFault fault_;
   const OpConfig& config_;
   Event never_ = nullptr;  // stall: this call's one event that never completes
-  bool failed_ = false;    // fail: the first transfer has failed; the cleanup after it runs as usual
+  int64_t transfers_ = 0;  // fail: copy-stream operations so far
+  bool failed_ = false;    // fail: the fault has struck; the cleanup after it runs as usual
+  // The check: copies enqueued per stream, how many of them XLA's stream has waited for, and for each
+  // event recorded on a copy stream, that stream and its copies so far.
+  int64_t copies_[kCopyStreamSlots] = {};
+  int64_t joined_[kCopyStreamSlots] = {};
+  std::unordered_map<Event, std::pair<int, int64_t>> covers_;
 };
 
 }  // namespace
@@ -102,7 +137,15 @@ bool ParseFault(std::string_view spec, std::optional<InjectedFault>* fault) {
   }
   const size_t colon = spec.find(':');
   if (colon == std::string_view::npos) return false;
-  const std::string_view mode = spec.substr(0, colon), rank = spec.substr(colon + 1);
+  const std::string_view mode = spec.substr(0, colon);
+  std::string_view rank = spec.substr(colon + 1);
+  const size_t second = rank.find(':');
+  std::string_view at;
+  if (second != std::string_view::npos) {
+    if (mode != "fail") return false;
+    at = rank.substr(second + 1);
+    rank = rank.substr(0, second);
+  }
   InjectedFault parsed{};
   if (mode == "skip") {
     parsed.mode = InjectedFault::Mode::kSkip;
@@ -115,9 +158,15 @@ bool ParseFault(std::string_view spec, std::optional<InjectedFault>* fault) {
   }
   const auto [end, status] = std::from_chars(rank.data(), rank.data() + rank.size(), parsed.rank);
   if (rank.empty() || status != std::errc() || end != rank.data() + rank.size() || parsed.rank < 0) return false;
+  if (second != std::string_view::npos) {
+    const auto [at_end, at_status] = std::from_chars(at.data(), at.data() + at.size(), parsed.fail_at);
+    if (at.empty() || at_status != std::errc() || at_end != at.data() + at.size() || parsed.fail_at < 1) return false;
+  }
   *fault = parsed;
   return true;
 }
+
+int64_t UnjoinedCopyCalls() { return unjoined_calls.load(std::memory_order_relaxed); }
 
 void FaultPlan::Arm(std::optional<InjectedFault> fault) {
   std::lock_guard<std::mutex> lock(mu_);

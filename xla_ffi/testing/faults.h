@@ -6,6 +6,8 @@
 //   skip:<rank>   that rank of every group fails before it meets its peers (its backend's Prepare);
 //   fail:<rank>   it joins the exchange, then fails at its first transfer (its first operation on
 //                 a copy stream); the cleanup that follows runs as after any failed transfer;
+//   fail:<rank>:<k>  the same at its k-th operation on a copy stream (k >= 1), so that k - 1 of them,
+//                 copies among them, were enqueued before the failure;
 //   stall:<rank>  everything it records on XLA's stream is one event that never completes, and the
 //                 channel words it would set are never set, as if its device never reached the
 //                 call: the events it posts never complete, its peers'
@@ -27,14 +29,24 @@
 
 namespace ficco {
 
+//
+// Every call of the armed rank is also checked for the rule that a call never returns, failed or
+// not, while a copy it enqueued is not yet waited for by XLA's stream: XLA frees or reuses the
+// call's buffers once it returns. A call that breaks it counts in UnjoinedCopyCalls().
 struct InjectedFault {
   enum class Mode : int { kSkip, kFail, kStall };
   Mode mode;
-  int rank;  // the rank of every group it applies to
+  int rank;                   // the rank of every group it applies to
+  int64_t fail_at = 1;        // fail: the copy-stream operation that fails, counting from 1
 };
 
-// "skip:<rank>", "fail:<rank>" or "stall:<rank>"; "" is no fault. False for anything else.
+// "skip:<rank>", "fail:<rank>", "fail:<rank>:<k>" or "stall:<rank>"; "" is no fault. False for
+// anything else.
 bool ParseFault(std::string_view spec, std::optional<InjectedFault>* fault);
+
+// How many calls of an armed rank returned while a copy they enqueued on a copy stream was not yet
+// waited for by XLA's stream (a later record of that stream, waited on by XLA's stream).
+int64_t UnjoinedCopyCalls();
 
 // The fault armed for the whole process, if any; the registry holds the one plan.
 class FaultPlan {

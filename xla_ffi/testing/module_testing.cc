@@ -27,7 +27,8 @@ void InjectFault(const std::string& spec) {
   std::optional<InjectedFault> fault;
   if (!ParseFault(spec, &fault)) {
     throw std::invalid_argument("inject_fault('" + spec +
-                                "'): expected '' (no fault), 'skip:<rank>', 'fail:<rank>' or 'stall:<rank>'");
+                                "'): expected '' (no fault), 'skip:<rank>', 'fail:<rank>', 'fail:<rank>:<k>' (k >= 1) "
+                                "or 'stall:<rank>'");
   }
   Registry::Get().faults().Arm(fault);
 }
@@ -97,9 +98,13 @@ void DefineTestingModule(nb::module_& m) {
   testing.def("inject_fault", &InjectFault, nb::arg("spec"),
               "Arms a fault for every later copy-engine call of this process until the next call of this "
               "function: 'skip:<rank>' (that rank of every group fails before it meets its peers), "
-              "'fail:<rank>' (it joins the exchange, then fails at its first transfer), 'stall:<rank>' (the "
-              "events it records on XLA's stream never complete; only the watchdog ends the process), or '' "
-              "(none). xla_ffi/testing/faults.h.");
+              "'fail:<rank>' (it joins the exchange, then fails at its first transfer), 'fail:<rank>:<k>' (the "
+              "same at its k-th operation on a copy stream), 'stall:<rank>' (the events it records on XLA's "
+              "stream never complete; only the watchdog ends the process), or '' (none). "
+              "xla_ffi/testing/faults.h.");
+  testing.def("unjoined_copy_calls", &UnjoinedCopyCalls,
+              "How many calls of an armed rank returned, failed or not, while a copy they enqueued was not yet "
+              "waited for by XLA's stream (0 unless the executor breaks that rule).");
   testing.def("host_meetings", [] { return Registry::Get().rendezvous().meetings().Calls(); },
               "How many times a rank of an in-process group has waited for its group on the host so far.");
   testing.def("host_time",
