@@ -210,7 +210,7 @@ def test_an_autotune_cache_that_cannot_be_written_leaves_the_pick_standing(tmp_p
         with pytest.raises(TimeoutError, match=r"autotune.json.lock stayed held by another process for 0.2 s"):
             cache.put("k", Schedule(comm="none"), {})
         args = ("matmul_rs", ((256, 64), (64, 32)), "float32", 4)
-        timed = lambda op, s, shapes, dtype, n: 1.0 if s.comm == "none" else 2.0  # noqa: E731
+        timed = lambda op, s, shapes, dtype, n, out_dtype=None: 1.0 if s.comm == "none" else 2.0  # noqa: E731
         with caplog.at_level("WARNING", logger="ficco_jax"):
             assert autotune.autotune_schedule(*args, cache=cache, measure=timed) == Schedule(comm="none")
     assert "could not cache the pick" in caplog.text
@@ -221,12 +221,12 @@ def test_an_autotune_cache_that_cannot_be_written_leaves_the_pick_standing(tmp_p
 
 
 def test_autotune_passes_over_a_candidate_that_cannot_run(tmp_path, caplog):
-    def timed(op, s, shapes, dtype, n):
+    def timed(op, s, shapes, dtype, n, out_dtype=None):
         if s.comm == "none":
             raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
         return 1.0 + s.chunks
 
-    def timed_nothing(op, s, shapes, dtype, n):
+    def timed_nothing(op, s, shapes, dtype, n, out_dtype=None):
         raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
 
     cache = autotune.AutotuneCache(str(tmp_path))
@@ -241,7 +241,7 @@ def test_autotune_passes_over_a_candidate_that_cannot_run(tmp_path, caplog):
 def test_autotune_measures_once_then_uses_the_cache(tmp_path, monkeypatch):
     calls = []
 
-    def fake_time(op, s, shapes, dtype, n):
+    def fake_time(op, s, shapes, dtype, n, out_dtype=None):
         calls.append(s)
         return 1.0 if s.comm == "none" else 2.0 + s.chunks  # make "none" the measured winner
 
@@ -352,3 +352,24 @@ def test_explain_cli_chooses_none_for_one_device(op):
                               "--axis-size", "1", "--profile", "h200x4"], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr[-2000:]
         assert out.stdout.strip().splitlines()[-1] == "choice: none", out.stdout
+
+
+def test_autotune_measures_and_caches_each_result_dtype_apart(tmp_path):
+    """bf16 operands into f32 results run other matmuls than into bf16: a winner measured for one
+    must not serve the other, and the candidates are timed with the result dtype asked for."""
+    seen = []
+
+    def fake_time(op, s, shapes, dtype, n, out_dtype=None):
+        seen.append(out_dtype)
+        return 1.0 if s.comm == "none" else 2.0
+
+    cache = autotune.AutotuneCache(str(tmp_path))
+    args = ("matmul_rs", ((256, 64), (64, 32)), "bfloat16", 4)
+    autotune.autotune_schedule(*args, cache=cache, measure=fake_time)
+    assert seen and set(seen) == {None}
+    seen.clear()
+    autotune.autotune_schedule(*args, cache=cache, measure=fake_time, out_dtype="float32")
+    assert seen and set(seen) == {"float32"}, "the f32-result call was served the bf16 winner"
+    kind = jax.devices()[0].device_kind
+    assert autotune.cache_key(*args, kind, "bfloat16") == autotune.cache_key(*args, kind)
+    assert cache.get(autotune.cache_key(*args, kind, "float32")) is not None

@@ -47,12 +47,13 @@ def make_inputs(op: str, local_shapes, dtype, mesh, seed: int = 0):
     return [jax.device_put(v, NamedSharding(mesh, s)) for v, s in zip((a, w), in_specs)]
 
 
-def op_body(op: str, schedule):
-    """The per-device body of `op` under `schedule` ("ref": the plain-JAX reference)."""
+def op_body(op: str, schedule, out_dtype=None):
+    """The per-device body of `op` under `schedule` ("ref": the plain-JAX reference), its matmuls'
+    results in `out_dtype` (None: the operands' dtype)."""
     if schedule == "ref":
         ref = reference(op)
         return lambda a, w: ref(a, w, AXIS)
-    return lambda a, w: call(op, a, w, AXIS, schedule, measure=time_op)
+    return lambda a, w: call(op, a, w, AXIS, schedule, measure=time_op, out_dtype=out_dtype)
 
 
 def sharded(mesh, op: str, body, repeats: int | None = None):
@@ -64,10 +65,10 @@ def sharded(mesh, op: str, body, repeats: int | None = None):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
 
 
-def time_op(op: str, schedule, shapes, dtype, axis_size: int) -> float:
+def time_op(op: str, schedule, shapes, dtype, axis_size: int, out_dtype=None) -> float:
     """Milliseconds per call of `op` under `schedule` with per-device `shapes` on the first
-    `axis_size` local devices (autotune's measurement)."""
+    `axis_size` local devices, results in `out_dtype` (autotune's measurement)."""
     mesh = Mesh(np.array(jax.local_devices()[:axis_size]), (AXIS,))
     args = make_inputs(op, shapes, dtype, mesh)
-    body = op_body(op, schedule)
+    body = op_body(op, schedule, out_dtype)
     return timing.device_time(lambda r: sharded(mesh, op, body, r), args)["median_s"] * 1e3

@@ -25,7 +25,7 @@ class _WouldMeasure(Exception):
     """Autotune's pick for a site needs timing runs, which explain() does not make."""
 
 
-def _refuse_to_measure(*_args):
+def _refuse_to_measure(*_args, **_kwargs):
     raise _WouldMeasure
 
 

@@ -1,5 +1,5 @@
 """`schedule="autotune"`: time the cost model's best candidates once on this process's devices and
-cache the winner on disk, by op, shapes, dtype, axis size and device kind. The timing itself is
+cache the winner on disk, by op, shapes, dtype (and result dtype), axis size and device kind. The timing itself is
 passed in (`measure`): the ops layer knows how to build and run an op; this layer only ranks,
 measures through that callable and remembers."""
 from __future__ import annotations
@@ -27,9 +27,12 @@ log = logging.getLogger("ficco_jax")
 AUTOTUNE_TOP_K = 6
 
 
-def cache_key(op, shapes, dtype, axis_size, device_kind) -> str:
+def cache_key(op, shapes, dtype, axis_size, device_kind, out_dtype=None) -> str:
+    """The cache's key of one call; the matmuls' result dtype is in it where it is not `dtype`'s."""
     dims = "x".join(",".join(str(int(d)) for d in s) for s in shapes)
-    return f"{op}|{dims}|{np.dtype(dtype).name}|n{axis_size}|{device_kind}"
+    name = np.dtype(dtype).name
+    out = np.dtype(out_dtype or dtype).name
+    return f"{op}|{dims}|{name}|n{axis_size}|{device_kind}" + ("" if out == name else f"|out={out}")
 
 
 class AutotuneCache:
@@ -90,13 +93,14 @@ class AutotuneCache:
 
 
 def autotune_schedule(op, shapes, dtype, axis_size, *, measure: Callable | None,
-                      cache: AutotuneCache | None = None, comms: Sequence[str] | None = None) -> Schedule:
+                      cache: AutotuneCache | None = None, comms: Sequence[str] | None = None,
+                      out_dtype=None) -> Schedule:
     """Measure the model's top candidates (among `comms`) once on local devices; cache and return the fastest.
 
-    `measure(op, schedule, shapes, dtype, axis_size)` returns milliseconds per call (for the ops,
-    `ficco_jax.ops.measure.time_op`)."""
+    `measure(op, schedule, shapes, dtype, axis_size, out_dtype=out_dtype)` returns milliseconds per
+    call with `out_dtype` results (None: `dtype`; for the ops, `ficco_jax.ops.measure.time_op`)."""
     cache = cache or AutotuneCache()
-    key = cache_key(op, shapes, dtype, axis_size, jax.devices()[0].device_kind)
+    key = cache_key(op, shapes, dtype, axis_size, jax.devices()[0].device_kind, out_dtype)
     if comms is not None and "dma" not in comms:
         key += "|no-dma"  # a winner measured with copy engines must not serve a call that cannot use them
     hit = cache.get(key)
@@ -106,7 +110,7 @@ def autotune_schedule(op, shapes, dtype, axis_size, *, measure: Callable | None,
     if axis_size > local:
         # Measuring runs the op on this process's devices; a group spanning processes cannot be
         # timed from one of them. The model's pick it is, said once per call site at trace time.
-        chosen = select_schedule(op, shapes, dtype, axis_size, comms=comms)
+        chosen = select_schedule(op, shapes, dtype, axis_size, comms=comms, out_dtype=out_dtype)
         log.warning("ficco_jax autotune %s: the group of %d devices spans processes (%d local), so it cannot be "
                     "measured here; using the cost model's pick %s (not cached)", key, axis_size, local, chosen)
         return chosen
@@ -114,7 +118,7 @@ def autotune_schedule(op, shapes, dtype, axis_size, *, measure: Callable | None,
         raise ValueError(f"autotune {key}: no `measure` callable to time the candidates with")
     comms = tuple(comms or available_comms())
     ranked = cost_model.rank(op, shapes, dtype, axis_size, candidates(op, axis_size, comms, dtype),
-                             profile_for(axis_size))
+                             profile_for(axis_size), out_dtype)
     shortlist = [s for _, s in ranked[:AUTOTUNE_TOP_K]]
     if Schedule(comm="none") not in shortlist:
         shortlist.append(Schedule(comm="none"))
@@ -122,7 +126,7 @@ def autotune_schedule(op, shapes, dtype, axis_size, *, measure: Callable | None,
 
     def timed(schedule):
         try:
-            return measure(op, schedule, shapes, dtype, axis_size)
+            return measure(op, schedule, shapes, dtype, axis_size, out_dtype=out_dtype)
         except RuntimeError as exc:  # one that cannot run (XLA's out-of-memory error is one) is no pick
             failed[str(schedule)] = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
             return None

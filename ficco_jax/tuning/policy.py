@@ -49,7 +49,8 @@ def choose(op: str, shapes, dtype, axis_size: int, *, autotune: bool = False, to
     if autotune and op in A2A_OPS:
         log.info("%s: schedule='autotune' is not implemented for the expert-parallel ops; using 'auto'", op)
         autotune = False
-    chosen = (autotune_schedule(op, shapes, dtype, axis_size, comms=comms, measure=measure) if autotune
+    chosen = (autotune_schedule(op, shapes, dtype, axis_size, comms=comms, measure=measure, out_dtype=out_dtype)
+              if autotune
               else select_schedule(op, shapes, dtype, axis_size, comms=comms, out_dtype=out_dtype))
     if why_not_dma:
         log.info("ficco_jax %s %s over axis %r: %s, so %s (XLA's collectives)", op, shapes,
