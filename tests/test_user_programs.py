@@ -386,3 +386,22 @@ def test_plain_path_sites_are_left_as_written(mesh1d, schedule):
     want = jax.grad(lambda p: mlp(p, x).sum())(params)
     for name in grads:
         assert_close(grads[name], want[name])
+
+
+def test_a_jitted_functions_donations_are_kept(mesh1d):
+    """overlap(jax.jit(step, donate_argnums=...)) donates what step's jit donates, as step does: the
+    donated arrays are consumed, the others kept."""
+    def step(params, x):
+        return jax.tree.map(lambda p: p * 0.5, params), megatron_mlp(mesh1d, params, x)
+
+    jitted = jax.jit(step, donate_argnums=0)
+    params, x = mlp_inputs(3)
+    expected = step(params, x)
+    # placed as a training loop keeps them (uncommitted arrays are not always consumed on CPU)
+    params = {k: jax.device_put(v, jax.sharding.NamedSharding(mesh1d, PARAM_SPECS[k])) for k, v in params.items()}
+    fused = overlap(jitted, schedule=XLA)
+    assert [r.op for r in explain(fused, params, x).sites] == ["ag_matmul", "matmul_rs"]
+    new_params, out = fused(params, x)
+    assert_close(out, expected[1])
+    assert_close(new_params["w1"], expected[0]["w1"])
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(params)) and not x.is_deleted()

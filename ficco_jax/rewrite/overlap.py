@@ -282,8 +282,21 @@ class _Traced:
             return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *flat)
 
         # Always staged: the ops' equations need a traced shard_map, and eager evaluation
-        # would re-issue each shard_map per call.
-        self.call = jax.jit(overlapped)
+        # would re-issue each shard_map per call. Inside this jit a jitted fn's donations would be
+        # dropped (only the outermost jit donates), so they are made this jit's own.
+        self.call = jax.jit(overlapped, donate_argnums=_donated_arguments(closed.jaxpr))
+
+
+def _donated_arguments(jaxpr) -> tuple[int, ...]:
+    """The positions of `jaxpr`'s arguments that a jitted function called at its top level donates
+    (``overlap(jax.jit(step, donate_argnums=0))``)."""
+    position = {var: i for i, var in enumerate(jaxpr.invars)}
+    donated = set()
+    for eqn in jaxpr.eqns:
+        for var, donates in zip(eqn.invars, eqn.params.get("donated_invars", ())):
+            if donates and var in position:
+                donated.add(position[var])
+    return tuple(sorted(donated))
 
 
 # What fn raises when traced where it needs its arrays' values (Python control flow on them).
