@@ -78,7 +78,7 @@ def test_device_time_leaves_out_the_boost_at_the_start_of_each_launch(monkeypatc
         boost_ops = min(r, 8)
         return 3e-3 + boost_ops * 1e-3 + (r - boost_ops) * 1.5e-3
 
-    monkeypatch.setattr(timing, "_wall", lambda fn, args, launches, spans=None: launch(fn))
+    monkeypatch.setattr(timing, "wall_time", lambda fn, args, launches, spans=None: launch(fn))
     t = timing.device_time(lambda r: r, ())
     assert t["repeats"] == 12  # one launch of one op takes 4 ms: R = 50 ms / 4 ms
     assert abs(t["median_s"] - 1.5e-3) < 1e-9 and t["resolved"] is True
@@ -91,7 +91,7 @@ def test_device_time_is_never_zero_where_the_loops_do_not_differ(monkeypatch, lo
     equal, or the longer one faster) gets the longer loop's wall time per op, an upper bound, marked
     unresolved; every ratio and rate computed from a time stays finite."""
     walls = {1: 1e-3, 50: 2e-3, 100: 2e-3 + long_minus_short}
-    monkeypatch.setattr(timing, "_wall", lambda fn, args, launches, spans=None: walls[fn])
+    monkeypatch.setattr(timing, "wall_time", lambda fn, args, launches, spans=None: walls[fn])
     t = timing.device_time(lambda r: r, ())
     assert t["repeats"] == 50 and t["resolved"] is False
     assert t["median_s"] == pytest.approx(walls[100] / 100) and t["spread_s"] == 0
@@ -164,7 +164,7 @@ def test_device_time_adds_estimates_only_while_they_disagree(monkeypatch):
 
     def run(walls):
         it = iter(walls)
-        monkeypatch.setattr(timing, "_wall", lambda fn, args, launches, spans=None: next(it))
+        monkeypatch.setattr(timing, "wall_time", lambda fn, args, launches, spans=None: next(it))
         return timing.device_time(lambda r: r, (), target_s=1e-3)
 
     # t1 (sizing), then (big, small) pairs; repeats = 1e-3 / 1e-4 = 10, so estimate = (big - small) / 10
@@ -226,7 +226,7 @@ def test_device_time_fixed_estimates_for_several_processes(monkeypatch):
     from ficco_jax.tuning import timing
 
     walls = iter([1e-4, 1.1e-3, 1e-4, 1.5e-3, 1e-4, 1.1e-3, 1e-4] + [1.1e-3, 1e-4] * 4)
-    monkeypatch.setattr(timing, "_wall", lambda fn, args, launches, spans=None: next(walls))
+    monkeypatch.setattr(timing, "wall_time", lambda fn, args, launches, spans=None: next(walls))
     t = timing.device_time(lambda r: r, (), target_s=1e-3, adaptive=False)
     assert t["estimates"] == timing.MIN_ESTIMATES == 3 and t["spread_s"] > 0
 

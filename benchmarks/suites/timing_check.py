@@ -41,7 +41,7 @@ def op_program(mesh, schedule, op, M, K, N, dtype):
 def long_loop_ms(make, args, length: int) -> float:
     """ms per op over one launch of `length` ops: device time's own wall timing of a loop (the median of
     timing.LAUNCHES launches after a warm-up)."""
-    return timing._wall(make(length), args, timing.LAUNCHES) / length * 1e3
+    return timing.wall_time(make(length), args, timing.LAUNCHES) / length * 1e3
 
 
 def main() -> None:

@@ -75,7 +75,9 @@ def chain(step: Callable, repeats: int) -> Callable:
     return body
 
 
-def _wall(fn: Callable, args, launches: int, spans: list | None = None) -> float:
+def wall_time(fn: Callable, args, launches: int, spans: list | None = None) -> float:
+    """Median wall seconds of `launches` runs of `fn(*args)` after one warm-up run (which compiles),
+    each to `block_until_ready`; with `spans`, the (start, end) of the timed runs appended to it."""
     jax.block_until_ready(fn(*args))  # warm-up (compiles)
     times = []
     start = time.monotonic()
@@ -123,14 +125,14 @@ def device_time(make: Callable[[int], Callable], args, *, target_s: float = TARG
     the 2R-loop back to back for that long before the estimates (`_settle`).
     """
     if repeats is None:
-        repeats = repeats_for(_wall(make(1), args, 1, spans), target_s, max_repeats)  # an upper bound suffices
+        repeats = repeats_for(wall_time(make(1), args, 1, spans), target_s, max_repeats)  # an upper bound suffices
     short, long = make(repeats), make(2 * repeats)
     if settle_s > 0:
         _settle(long, args, settle_s)
     estimates, bounds = [], []
     while len(estimates) < MIN_ESTIMATES or (adaptive and len(estimates) < MAX_ESTIMATES and _disagree(estimates)):
-        t_long = _wall(long, args, launches, spans)
-        estimates.append((t_long - _wall(short, args, launches, spans)) / repeats)
+        t_long = wall_time(long, args, launches, spans)
+        estimates.append((t_long - wall_time(short, args, launches, spans)) / repeats)
         bounds.append(t_long / (2 * repeats))
     median = float(np.median(estimates))
     if median <= 0:  # R more ops cost nothing measurable: report the long loop per op, an upper bound
