@@ -195,7 +195,7 @@ def _hang(ctx):
     if ctx.options:
         return [Step("hang", _py(ctx, f"{SUITES_DIR}/hang.py", "--out", ctx.out, *ctx.options))]
     # On GPUs every run compiles, as separate jobs do: runs sharing a compilation cache never got
-    # stuck where fresh ones did (RELIABILITY.md, "Long runs on 2 x H100").
+    # stuck where fresh ones did (RELIABILITY.md, "Long runs on 2 × H100 and 2 × H200").
     runs = ["--no-cache", "--runs", "9", "--steps", "40", "--budget-s", max(60, ctx.limit_s - 150)] if ctx.gpus else \
         ["--runs", "3", "--steps", "4", "--start-s", "120", "--stall-s", "60"]
     example = ["--preset", "llama70b-layer", "--attention", "cudnn"] if ctx.gpus else ["--preset", "tiny"]

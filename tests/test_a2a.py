@@ -243,11 +243,11 @@ def test_every_local_expert_shares_one_copy_and_one_matmul_launch(mesh1d, rng, o
 # dma.all_to_all: exact, origin-coded
 # ------------------------------------------------------------------------------------------------
 def _origin_coded(mesh, shape_per_device, dtype):
-    """Device of tp rank r holds r * 10000 + flat index: every value says where it came from."""
-    tp = mesh.shape["tp"]
+    """Block d of the sharded axis (device d's, over dp and tp) holds d * 10000 + flat index: every
+    value says which device it came from, so a block pulled from the same tp rank of the other dp
+    group shows too."""
     per = int(np.prod(shape_per_device))
-    ranks = np.arange(mesh.devices.size) % tp  # rank of each device block along the sharded axis
-    blocks = [r * 10000 + np.arange(per).reshape(shape_per_device) for r in ranks]
+    blocks = [d * 10000 + np.arange(per).reshape(shape_per_device) for d in range(mesh.devices.size)]
     return jnp.asarray(np.concatenate(blocks, axis=0), dtype)
 
 
@@ -260,8 +260,9 @@ def _origin_coded(mesh, shape_per_device, dtype):
 def test_dma_all_to_all_is_exact(request, mesh_name, split_axis, concat_axis, sched, dtype):
     mesh = request.getfixturevalue(mesh_name)
     tp = mesh.shape["tp"]
-    if sched is not None and Schedule.parse(sched).copy_streams > tp - 1:
-        sched = "dma/direct/c2" + ("/push" if sched.endswith("push") else "")  # fewer peers than streams
+    if sched is not None and Schedule.parse(sched).copy_streams > tp - 1:  # fewer peers than streams
+        sched = sched.replace(f"/s{Schedule.parse(sched).copy_streams}", f"/s{tp - 1}")
+        assert Schedule.parse(sched).copy_streams == tp - 1
     shape = (tp * 4, 8, tp) if split_axis != 2 else (4, 8, tp * 2)
     x = _origin_coded(mesh, shape, dtype)
     spec = _tokens_spec(mesh)

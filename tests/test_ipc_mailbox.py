@@ -30,10 +30,23 @@ pytestmark = pytest.mark.skipif(not extension.available(), reason="ficco_jax._ff
 WORKER_TIMEOUT_S = 120
 
 
-def _post(rank: int, k: int):
-    """What rank `rank` posts as its k-th post: every field says who and when."""
-    return dict(op_id=k, signature=[rank, k, rank * 1000 + k], buffer_export=rank * 1000 + k,
-                buffer_offset=7 * k + rank, event_ids=[rank, k, rank + k])
+def _post(rank: int, k: int, member: int):
+    """What rank `rank` (global member id `member`) posts as its k-th post: every field says who and
+    when, so a post of another group, another rank or another round shows."""
+    return dict(op_id=k, signature=[member, rank, k, rank * 1000 + k], buffer_export=member * 10**6 + rank * 1000 + k,
+                buffer_offset=7 * k + rank + 100 * member, event_ids=[member, rank, k, rank + k])
+
+
+def _assert_posts(res, members, posts):
+    """Worker result `res` saw, in every round, exactly its own group's posts of that round."""
+    assert not res["errors"], res["errors"]
+    assert len(res["seen"]) == posts
+    for k, got in enumerate(res["seen"]):
+        for r, (op_id, signature, buffer_export, buffer_offset, event_ids) in enumerate(got):
+            want = _post(r, k, members[r])
+            assert (op_id, signature, buffer_export, buffer_offset, event_ids) == (
+                want["op_id"], want["signature"], want["buffer_export"], want["buffer_offset"],
+                want["event_ids"]), (res["rank"], k, r)
 
 
 def _worker(job: int, rank: int, n: int, posts: int, members, timeout_s: float) -> dict:
@@ -42,7 +55,7 @@ def _worker(job: int, rank: int, n: int, posts: int, members, timeout_s: float) 
     for k in range(posts):
         if rng.random() < 0.2:  # uneven speeds: some ranks run ahead by a post, others lag
             time.sleep(rng.random() * 2e-3)
-        p = _post(rank, k)
+        p = _post(rank, k, members[rank])
         start = time.monotonic()
         try:
             got = _ffi.testing.mailbox_exchange(job, members, rank, p["op_id"], p["signature"], p["buffer_export"],
@@ -85,16 +98,8 @@ def job():
 def test_every_rank_sees_every_post_of_its_group_in_order(job):
     n, posts = 4, 300
     members = [100 + 3 * r for r in range(n)]  # member ids are global device ids, any ints
-    results = _launch(job, range(n), n, posts, members, 30.0)
-    for res in results:
-        assert not res["errors"], res["errors"]
-        assert len(res["seen"]) == posts
-        for k, got in enumerate(res["seen"]):
-            for r, (op_id, signature, buffer_export, buffer_offset, event_ids) in enumerate(got):
-                want = _post(r, k)
-                assert (op_id, signature, buffer_export, buffer_offset, event_ids) == (
-                    want["op_id"], want["signature"], want["buffer_export"], want["buffer_offset"],
-                    want["event_ids"]), (res["rank"], k, r)
+    for res in _launch(job, range(n), n, posts, members, 30.0):
+        _assert_posts(res, members, posts)
 
 
 def test_a_missing_rank_is_named_within_the_timeout_and_a_late_one_fails_at_once(job):
@@ -127,9 +132,7 @@ def test_two_groups_of_one_job_do_not_mix(job):
     for members, rank, p in procs:
         out, err = p.communicate(timeout=WORKER_TIMEOUT_S)
         assert p.returncode == 0, err[-3000:]
-        res = json.loads(out.strip().splitlines()[-1])
-        assert not res["errors"] and len(res["seen"]) == posts, res["errors"]
-        assert [g[1][2] for g in res["seen"][-1]] == [0 * 1000 + posts - 1, 1 * 1000 + posts - 1]
+        _assert_posts(json.loads(out.strip().splitlines()[-1]), members, posts)
 
 
 

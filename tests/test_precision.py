@@ -99,8 +99,9 @@ def test_mixed_precision_forward_mode(mesh2d, rng):
     f = lambda a, w: run(lambda a, w: ficco_jax.matmul_rs(a, w, "tp", schedule="xla/ring/c2", out_dtype=F32),
                          specs, a, w)
     r = lambda a, w: run(lambda a, w: ficco_jax.matmul_rs_ref(a, w, "tp", out_dtype=F32), specs, a, w)
-    _, got = jax.jvp(f, (a, w), (a, w))
-    _, want = jax.jvp(r, (a, w), (a, w))
+    tangents = (random(rng, a_shape, jnp.bfloat16), random(rng, w_shape, jnp.bfloat16))  # not the primals: a
+    _, got = jax.jvp(f, (a, w), tangents)                                                # swap would show
+    _, want = jax.jvp(r, (a, w), tangents)
     assert got.dtype == F32 and rel_err(got, want) < TOLERANCE["float32"]
 
 

@@ -340,9 +340,9 @@ def _assert_same(got, want, dtype: str, what: str):
     assert err < TOLERANCE[dtype], f"{what}: relative error {err:.2e} >= {TOLERANCE[dtype]}"
 
 
-def check_program(program, schedule: str, seed: int) -> None:
+def check_program(program, schedule: str, seed: int) -> Report:
     """`program` equals itself overlapped under `schedule` and under "auto" (values and types),
-    and explain() reports it."""
+    and explain() reports it; returns the report under `schedule`."""
     args = _inputs(program, seed)
     with jax.set_mesh(program.mesh):
         want = jax.jit(program)(*args)
@@ -353,6 +353,7 @@ def check_program(program, schedule: str, seed: int) -> None:
         _assert_same(jax.jit(overlap(program, schedule=schedule))(*args), want, program.dtype, f"{schedule}\n{report}")
         assert isinstance(explain(program, *args), Report)
         _assert_same(overlap(jax.jit(program), schedule="auto")(*args), want, program.dtype, "auto")
+    return report
 
 
 @pytest.mark.parametrize("mesh_name", sorted(MESH_LAYOUTS))
@@ -384,7 +385,13 @@ def test_shard_map_programs_with_group_channels(mesh_name, data, schedule, seed)
 
     program = data.draw(shard_map_programs(mesh_name).filter(runs))
     saved, config.CHANNEL_BYTES = config.CHANNEL_BYTES, 8 << 20
+    words = extension.testing().backend_calls()["set_word"]
     try:
-        check_program(program, schedule, seed)
+        report = check_program(program, schedule, seed)
     finally:
         config.CHANNEL_BYTES = saved
+    on_channel = [r for r in report.sites if r.rewritten and r.op in ("matmul_rs", "matmul_a2a")
+                  and r.schedule.startswith("dma/") and program.mesh.shape.get(r.axis_name, 1) > 1]
+    event(f"sites on a channel: {len(on_channel)}")
+    if on_channel:  # their partials moved on the channel: its words were set
+        assert extension.testing().backend_calls()["set_word"] > words, str(report)
