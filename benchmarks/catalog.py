@@ -340,7 +340,7 @@ SUITES = {s.name: s for s in [
     # On 2 x H100 (2026-11-27) tests/gpu ran 188 of its 198 tests in 390 s, and the CPU tests of the
     # scripts take 1-2 min: the limit is one command's whole 10 minutes.
     Suite("tests", "pytest tests/gpu (skips without GPUs) and the CPU tests of the benchmark scripts",
-          "any; tests/gpu need 1+ GPU", 0, 600, _tests, r"(passed|failed|error|skipped)", takes_options=True),
+          "any; tests/gpu need 2+ GPUs", 0, 600, _tests, r"(passed|failed|error|skipped)", takes_options=True),
     Suite("demo", "every schedule checked on all local devices, then a timing table (python -m ficco_jax demo)",
           "any", 0, 420, _demo, takes_options=True),
     Suite("bench", "ficco_jax vs JAX sequential, ring, windowed einsum and the bound (python -m ficco_jax bench)",

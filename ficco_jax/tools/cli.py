@@ -73,7 +73,7 @@ def _add_bench(sub):
                    help=f"operand dtype, one of {', '.join(sorted(DTYPES))} (default bf16). fp8: e4m3 operands with "
                         f"per-tensor scales and bf16 results (ag_matmul / matmul_rs only), JAX's FP8 path "
                         f"(the collective, then XLA's FP8 dot) as JAX seq, JAX's ring only if listed "
-                        f"(xla/ring), and every shape again in bf16 beside it")
+                        f"(xla/ring/c1), and every shape again in bf16 beside it")
     p.add_argument("--schedules", default="auto", help="auto | all | dma | xla | comma-separated list like dma/direct/c4/s2,xla/ring/c1")
     p.add_argument("--out", default="out/bench", help="folder for bench.json and bench.md (default out/bench)")
     p.add_argument("--plot", action="store_true", help="write speedup PNGs (needs matplotlib)")
