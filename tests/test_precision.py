@@ -12,8 +12,8 @@ import ficco_jax
 from ficco_jax import Schedule
 from ficco_jax.runtime import extension
 from ficco_jax.ops import table
-from helpers import (TOLERANCE, ag_specs, ffi_calls, global_shapes, mixed_precision_mlp, random, rel_err, rs_specs,
-                     run_sharded)
+from helpers import (TOLERANCE, ag_specs, ffi_calls, global_shapes, mixed_precision_mlp, psum_specs, random, rel_err,
+                     rs_specs, run_sharded)
 
 OPS = {
     "ag_matmul": (ficco_jax.ag_matmul, ficco_jax.ag_matmul_ref, ag_specs),
@@ -103,6 +103,37 @@ def test_mixed_precision_forward_mode(mesh2d, rng):
     _, got = jax.jvp(f, (a, w), tangents)                                                # swap would show
     _, want = jax.jvp(r, (a, w), tangents)
     assert got.dtype == F32 and rel_err(got, want) < TOLERANCE["float32"]
+
+
+@pytest.mark.parametrize("op", list(OPS) + ["matmul_psum", "a2a_matmul", "matmul_a2a"])
+@pytest.mark.parametrize("sched", ["xla/ring/c2", "none"])
+def test_results_rounded_to_fewer_bits_keep_float32_gradients(mesh1d, rng, op, sched):
+    """f32 operands into bf16 results are the f32 product rounded, ``(a @ w).astype(bf16)``: JAX's
+    gradients of that widen the cotangent and run f32 matmuls, and so must the op's (a bf16
+    backward is off by ~3e-3)."""
+    fn, ref = getattr(ficco_jax, op), getattr(ficco_jax, f"{op}_ref")
+    if op in ("a2a_matmul", "matmul_a2a"):
+        n, e, c, d, f = 8, 2, 4, 16, 8
+        a, w = random(rng, (n * n, e, c, d), F32), random(rng, (n * e, d, f), F32)
+        specs = ((P("tp"), P("tp")), P("tp"))
+        sched = sched.replace("ring", "direct")
+    else:
+        a_shape, w_shape = global_shapes(op, mesh1d, M_ROWS, K, N_COLS)
+        a, w = random(rng, a_shape, F32), random(rng, w_shape, F32)
+        specs = {"ag_matmul": ag_specs, "matmul_rs": rs_specs, "matmul_psum": psum_specs}[op](mesh1d)
+
+    cotangent = []
+
+    def loss(body, a, w):  # linear in the result: the gradients do not depend on its rounding
+        out = run_sharded(mesh1d, body, specs, a, w).astype(F32)
+        cotangent.append(cotangent[0] if cotangent else random(rng, out.shape, jnp.bfloat16).astype(F32))
+        return jnp.sum(out * cotangent[0])
+
+    got = jax.grad(functools.partial(loss, lambda a, w: fn(a, w, "tp", schedule=sched, out_dtype=jnp.bfloat16)),
+                   (0, 1))(a, w)
+    want = jax.grad(functools.partial(loss, lambda a, w: ref(a, w, "tp", out_dtype=jnp.bfloat16)), (0, 1))(a, w)
+    for g, r in zip(got, want):
+        assert g.dtype == F32 and rel_err(g, r) < TOLERANCE["float32"], rel_err(g, r)
 
 
 @pytest.mark.parametrize("op", ["a2a_matmul", "matmul_a2a"])

@@ -33,6 +33,7 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from ..lowering.dma.registry import aval
+from ..lowering.xla import narrowing
 from ..schedule import Schedule
 from .core import axis_size, varying_axes, without_varying
 from .linear import Folded, LinearMap, bind
@@ -70,10 +71,14 @@ def _backward_numerics(static: Static, operand_dtype):
     its primal's dtype; where that conversion comes before the backward's reduce-scatter, the
     partials that move and are summed are rounded to the primal's dtype (bf16), as JAX's are in a
     shard_map body. The partitioner of global-view code sums the f32 partials and casts the sum
-    (`Static.sum_first`): there they move in f32."""
+    (`Static.sum_first`): there they move in f32. A narrower `out` (bf16 from f32 operands) is the
+    f32 product rounded, ``(a @ w).astype(out)``: its transpose widens the cotangent back, and the
+    gradients are f32 matmuls whose partials move in f32."""
     out = static.out_dtype
     if out is None:
         return None, None
+    if narrowing(operand_dtype, out):
+        return operand_dtype, None
     return out, (None if static.sum_first else operand_dtype)
 
 
