@@ -220,3 +220,21 @@ def test_a_batch_of_one_sequence_reaches_the_op_without_a_transpose(mesh1d, batc
     fused = overlap(f, schedule="xla/ring/c2")
     assert _transposes(jax.make_jaxpr(fused)(x, w).jaxpr) == (0 if batch == 1 else 2)
     np.testing.assert_allclose(np.asarray(jax.jit(fused)(x, w)), np.asarray(jax.jit(f)(x, w)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("schedule", ["xla/ring/c2"] + (["dma/direct/c2"] if extension.available() else []))
+def test_a_matmul_of_two_gathered_operands_is_one_site(mesh2d, schedule):
+    """x gathered over tp times w gathered over dp: the first gather's site takes the matmul, the
+    second is reported as a near-miss (it had claimed the same matmul and read a value the first
+    site no longer computes)."""
+    fn = jax.shard_map(lambda x, w: jax.lax.all_gather(x, "tp", axis=0, tiled=True)
+                       @ jax.lax.all_gather(w, "dp", axis=1, tiled=True),
+                       mesh=mesh2d, in_specs=(P("tp"), P(None, "dp")), out_specs=P("tp"), check_vma=False)
+    kx, kw = jax.random.split(jax.random.key(5))
+    x, w = jax.random.normal(kx, (16, 8)), jax.random.normal(kw, (8, 16))
+    fused = overlap(fn, schedule=schedule)
+    report = explain(fused, x, w)
+    assert [r.op for r in report.sites] == ["ag_matmul"], str(report)
+    assert [r.reason.split(": ", 1)[-1] for r in report.near_misses] == [
+        "the matmul already belongs to another site (both of its operands are gathered)"], str(report)
+    np.testing.assert_allclose(np.asarray(fused(x, w)), np.asarray(fn(x, w)), rtol=1e-5, atol=1e-5)

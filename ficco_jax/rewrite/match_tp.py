@@ -156,6 +156,8 @@ def match_gather(ctx: MatchContext, i: int) -> TensorSite | SiteRecord:
         problem = _dot_problem(dot)
         if problem is None and axis in (lc, rc)[pos]:
             problem = "the matmul contracts over the gathered dimension (a weight-gradient matmul)"
+        if problem is None and j in ctx.taken_dots:
+            problem = "the matmul already belongs to another site (both of its operands are gathered)"
         w, first_use = dot.invars[1 - pos], min(k for k, _ in uses)
         problem = (problem or ctx.weight_problem(w, first_use, "gathered tensor's")
                    or moved_dtype_problem(dot, pos, "gathered tensor", "gather", "gather"))
