@@ -404,3 +404,23 @@ def test_a_jitted_functions_donations_are_kept(mesh1d):
     assert_close(out, expected[1])
     assert_close(new_params["w1"], expected[0]["w1"])
     assert all(leaf.is_deleted() for leaf in jax.tree.leaves(params)) and not x.is_deleted()
+
+
+def test_a_call_under_other_jax_flags_is_traced_again(mesh1d):
+    """A trace depends on jax's flags as jax.jit's does: a later call under x64 or the other
+    threefry partitioning is traced anew, not served the first call's program."""
+    def step(params, x, key):
+        out = megatron_mlp(mesh1d, params, x)
+        return out + jax.random.normal(key, out.shape, out.dtype)
+
+    params, x = mlp_inputs(4)
+    key = jax.random.key(1)
+    fused = overlap(step, schedule=XLA)
+    assert_close(fused(params, x, key), step(params, x, key))
+    with jax.threefry_partitionable(not jax.config.jax_threefry_partitionable):
+        assert_close(fused(params, x, key), step(params, x, key))
+    with jax.enable_x64(True):
+        wide = jax.tree.map(lambda a: a.astype(jnp.float64), (params, x))
+        got, want = fused(*wide, key), step(*wide, key)
+        assert got.dtype == want.dtype == jnp.float64
+        assert_close(got, want)

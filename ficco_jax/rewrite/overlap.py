@@ -412,9 +412,22 @@ class Overlapped:
 
 def _trace_context() -> tuple:
     """What a trace depends on besides the arguments: the `jax.set_mesh` context (its devices, and
-    the abstract mesh, whose axis types a shard_map in `fn` reads) and the default matmul precision.
-    A function called under another mesh is traced again, as jax.jit retraces it."""
-    return (topology.context_mesh(), jax.sharding.get_abstract_mesh(), jax.config.jax_default_matmul_precision)
+    the abstract mesh, whose axis types a shard_map in `fn` reads), the default matmul precision, and
+    every configuration flag that changes what jax traces (x64, the PRNG implementation and
+    partitioning, dtype promotion...: the key jax.jit itself retraces on). A function called under
+    another mesh or flags is traced again, as jax.jit retraces it."""
+    return (topology.context_mesh(), jax.sharding.get_abstract_mesh(), jax.config.jax_default_matmul_precision,
+            _jax_trace_flags())
+
+
+def _jax_trace_flags() -> tuple:
+    # jax keeps the flags its jit cache is keyed by in one internal tuple (jax._src.config, present in
+    # jax 0.10 and 0.11); without it, the flags that most change a trace.
+    from jax._src import config as jax_config
+    if hasattr(jax_config, "trace_context"):
+        return jax_config.trace_context()
+    return (jax.config.jax_enable_x64, jax.config.jax_threefry_partitionable, jax.config.jax_default_prng_impl,
+            jax.config.jax_numpy_dtype_promotion)
 
 
 def _manual_axes() -> dict | None:
