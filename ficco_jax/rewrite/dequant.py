@@ -13,7 +13,7 @@ from typing import Any
 
 from .. import config
 from .jaxpr_util import is_var
-from .site import MatchContext
+from .site import MatchContext, cast_scale
 
 CONVERT, MUL, DOT = "convert_element_type", "mul", "dot_general"
 # What a scale may pass through between the scalar and the multiply: shape, dtype and the
@@ -30,20 +30,27 @@ class Dequantized:
     scale: Any  # the scalar the multiply's scale is broadcast or cast from
     dtype: Any  # the dequantized dtype
     eqns: tuple[int, int]  # the convert's and the multiply's equation indices
+    # the dtypes the program casts the scalar to on its way to the multiply, first to last: a cast
+    # that rounds (an f32 scale cast to bf16, as flax's dequantize writes it) changes its value
+    scale_casts: tuple = ()
 
     def rebuild(self, v8, scale):
         """The dequantization on blocks, written as the recipes write it."""
-        return v8.astype(self.dtype) * scale.astype(self.dtype)
+        return v8.astype(self.dtype) * cast_scale(scale, self.scale_casts).astype(self.dtype)
 
 
 def _scale_atom(ctx: MatchContext, atom):
-    """The scalar a dequantizing multiply scales by: the value `atom` broadcasts or casts from
-    (itself if neither); None if that is not one value."""
+    """(The scalar a dequantizing multiply scales by: the value `atom` broadcasts or casts from,
+    itself if neither; the dtypes it is cast to on the way, first to last), or None if that is not
+    one value."""
+    casts = []
     j = ctx.producer(atom)
     while j >= 0 and ctx.eqns[j].primitive.name in _SCALE_PASSES:
+        if ctx.eqns[j].primitive.name == CONVERT:
+            casts.append(ctx.eqns[j].params["new_dtype"])
         atom = ctx.eqns[j].invars[0]
         j = ctx.producer(atom)
-    return atom if atom.aval.shape == () else None
+    return (atom, tuple(reversed(casts))) if atom.aval.shape == () else None
 
 
 def dequantized(ctx: MatchContext, atom) -> Dequantized | None:
@@ -55,9 +62,10 @@ def dequantized(ctx: MatchContext, atom) -> Dequantized | None:
     for pos in (0, 1):
         c = ctx.producer(mul.invars[pos])
         if c >= 0 and ctx.eqns[c].primitive.name == CONVERT and config.is_fp8(ctx.eqns[c].invars[0].aval.dtype):
-            scale = _scale_atom(ctx, mul.invars[1 - pos])
-            if scale is not None:
-                return Dequantized(ctx.eqns[c].invars[0], scale, atom.aval.dtype, (c, j))
+            found = _scale_atom(ctx, mul.invars[1 - pos])
+            if found is not None:
+                scale, casts = found
+                return Dequantized(ctx.eqns[c].invars[0], scale, atom.aval.dtype, (c, j), casts)
     return None
 
 
@@ -71,7 +79,8 @@ def scaled_operands(ctx: MatchContext, act, w) -> dict:
     a, b = dequantized(ctx, act), dequantized(ctx, w)
     if a is None or b is None or _e5m2_pair(a, b):
         return {}
-    return {"fp8_act": a.v8, "fp8_weight": b.v8, "scales": (a.scale, b.scale)}
+    return {"fp8_act": a.v8, "fp8_weight": b.v8, "scales": (a.scale, b.scale),
+            "scale_casts": (a.scale_casts, b.scale_casts)}
 
 
 def fp8_dots(ctx: MatchContext, g) -> tuple[list, list[str]]:

@@ -145,7 +145,7 @@ def global_site(ctx: MatchContext, local_fn: Callable, reads: tuple, writes: tup
     if local.scales is not None:  # the global values the local site's FP8 operands and scales are blocks of
         outer = dict(zip(local_in, reads))
         fp8 = {"fp8_act": outer.get(local.fp8_act), "fp8_weight": outer[local.fp8_weight],
-               "scales": tuple(outer[s] for s in local.scales)}
+               "scales": tuple(outer[s] for s in local.scales), "scale_casts": local.scale_casts}
     elif any(config.is_fp8(v.aval.dtype) for v in reads):
         return ("the matmul multiplies FP8 tensors as they are; the FP8 ops take them dequantized as "
                 "convert → multiply by a scalar scale, with the scale")

@@ -271,7 +271,8 @@ def _match_scaled_gather(ctx: MatchContext, i: int, shapes: str) -> TensorSite |
             continue
         site = TensorSite(op=AG, **ctx.axis(gather), exec_index=first_use, skip=tuple(sorted({i, *deq.eqns, j})),
                           dot=dot, collective=gather, act_side=pos, act_dim=axis,
-                          returns_collective=ctx.read_elsewhere(g), fp8_weight=w_deq.v8, scales=(deq.scale, w_deq.scale))
+                          returns_collective=ctx.read_elsewhere(g), fp8_weight=w_deq.v8, scales=(deq.scale, w_deq.scale),
+                          scale_casts=(deq.scale_casts, w_deq.scale_casts))
         return ctx.found(site, i, f"{shapes} · w {fmt(w_deq.v8.aval)} (FP8, scaled) -> {fmt(dot.outvars[0].aval)}")
     if reasons:
         return ctx.miss(AG, i, shapes, "; ".join(reasons))

@@ -66,6 +66,7 @@ class Site:
     fp8_act: Any = None
     fp8_weight: Any = None
     scales: tuple | None = None
+    scale_casts: tuple = ((), ())  # how the program casts each scale before it multiplies (dequant.py)
     # A dot of operands of two dtypes (the f32 cotangent times a bf16 weight in JAX's backward):
     # the dtype JAX converts both to (its result's), which the op's operands are converted to.
     operand_dtype: Any = None
@@ -130,7 +131,8 @@ class Site:
         if self.w_col_major:
             numerics["w_col_major"] = True
         if self.scales is not None:
-            numerics.update(x_scale=_scalar(read(self.scales[0])), w_scale=_scalar(read(self.scales[1])))
+            x_scale, w_scale = (_scalar(cast_scale(read(s), casts)) for s, casts in zip(self.scales, self.scale_casts))
+            numerics.update(x_scale=x_scale, w_scale=w_scale)
         operands = self.operands(read)
         if self.operand_dtype is not None:  # exact: the narrower operand is widened, as JAX's dot does
             operands = [v.astype(self.operand_dtype) for v in operands]
@@ -153,6 +155,14 @@ class Site:
             logger.warning("ficco_jax.overlap: %s rejected %s at %s (%s); using 'auto'", self.op, self.schedule,
                            self.record.where, err)
             return fn(operand, weight, self.axis_name, schedule="auto", **kwargs, **numerics)
+
+
+def cast_scale(scale, casts: tuple):
+    """`scale` cast as the program casts it on its way to the dequantizing multiply (rewrite/dequant.py,
+    Dequantized.scale_casts), so that it has the program's value: an f32 scale cast to bf16 is rounded."""
+    for dtype in casts:
+        scale = scale.astype(dtype)
+    return scale
 
 
 def _scalar(value):
