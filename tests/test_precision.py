@@ -742,3 +742,29 @@ def test_fp8_traces_its_lowering_once(monkeypatch, mesh2d, rng, op):
                                                       a, w, *scales)), argnums=(0, 1))
     grads(a, w)
     assert traced == [own, other]
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["op", "overlap"])
+def test_matmuls_keep_the_precision_their_call_asked_for(mesh1d, wrapped):
+    """`with jax.default_matmul_precision("highest")` around a call holds for the op's matmuls, forward
+    and backward, as for JAX's own dots (the op's matmuls are traced again when it is lowered, outside
+    that block; they had fallen back to the default precision, TF32 for f32 on GPUs)."""
+    def body(x, w):
+        if wrapped:
+            return jax.lax.all_gather(x, "tp", axis=0, tiled=True) @ w
+        return ficco_jax.ag_matmul(x, w, "tp", schedule="xla/ring/c2")
+
+    fn = jax.shard_map(body, mesh=mesh1d, in_specs=(P("tp"), P()), out_specs=P("tp"))
+    fn = ficco_jax.overlap(fn, schedule="xla/ring/c2") if wrapped else fn
+    x, w = jnp.ones((16, 8)), jnp.ones((8, 6))
+
+    def dots(precision):
+        def step(x, w):
+            with jax.default_matmul_precision(precision):
+                return jnp.sum(jnp.sin(fn(x, w)))
+        text = jax.jit(jax.value_and_grad(step, argnums=(0, 1))).lower(x, w).as_text()
+        return [line for line in text.splitlines() if "dot_general" in line]
+
+    highest = dots("highest")
+    assert highest and all("HIGHEST" in line for line in highest), highest
+    assert not any("HIGHEST" in line for line in dots("default"))

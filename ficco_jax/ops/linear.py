@@ -29,6 +29,7 @@ transpose, which is what this primitive is.
 from __future__ import annotations
 
 import abc
+import contextlib
 from typing import Callable, NamedTuple, Optional
 
 import jax
@@ -91,7 +92,14 @@ def bind(lmap: LinearMap, static, res, lin, out_avals) -> list:
     lin_mask = tuple(v is not None for v in lin)
     operands = [r for r in res if r is not None] + [v for v in lin if v is not None]
     return linear_p.bind(*operands, lmap=lmap, static=static, res_mask=res_mask, lin_mask=lin_mask,
-                         out_avals=tuple(out_avals), site=current_site())
+                         out_avals=tuple(out_avals), site=current_site(),
+                         precision=jax.config.jax_default_matmul_precision)
+
+
+def _matmul_precision(precision):
+    """The `jax.default_matmul_precision` in force where the equation was bound: its matmuls are
+    traced again when it is lowered (or transposed), outside the user's `with` block."""
+    return contextlib.nullcontext() if precision is None else jax.default_matmul_precision(precision)
 
 
 def _split(args, res_mask, lin_mask):
@@ -102,9 +110,9 @@ def _split(args, res_mask, lin_mask):
     return res, lin
 
 
-def _apply(*args, lmap, static, res_mask, lin_mask, out_avals, site):
+def _apply(*args, lmap, static, res_mask, lin_mask, out_avals, site, precision):
     res, lin = _split(args, res_mask, lin_mask)
-    with site_label(site):
+    with site_label(site), _matmul_precision(precision):
         outs = lmap.apply(static, res, lin)
     return [jnp.zeros(a.shape, a.dtype) if o is None else o for o, a in zip(outs, out_avals)]
 
@@ -121,14 +129,15 @@ def _add(a, b):
     return b if a is None else a if b is None else a + b
 
 
-def _jvp(primals, tangents, *, lmap, static, res_mask, lin_mask, out_avals, site):
+def _jvp(primals, tangents, *, lmap, static, res_mask, lin_mask, out_avals, site, precision):
     """d map(res, lin) = map(res, d lin) + (d/d res) map(res, lin) [d res]: linear in both."""
-    params = dict(lmap=lmap, static=static, res_mask=res_mask, lin_mask=lin_mask, out_avals=out_avals, site=site)
+    params = dict(lmap=lmap, static=static, res_mask=res_mask, lin_mask=lin_mask, out_avals=out_avals, site=site,
+                  precision=precision)
     outs = linear_p.bind(*primals, **params)
     res, lin = _split(primals, res_mask, lin_mask)
     t_res, t_lin = _split([_nonzero(t) for t in tangents], res_mask, lin_mask)
     total = [None] * len(outs)
-    with site_label(site):
+    with site_label(site), _matmul_precision(precision):
         if any(t is not None for t in t_lin):
             total = list(bind(lmap, static, res, t_lin, out_avals))
         if any(t is not None for t in t_res):
@@ -136,13 +145,13 @@ def _jvp(primals, tangents, *, lmap, static, res_mask, lin_mask, out_avals, site
     return outs, [ad.Zero(a.to_tangent_aval()) if t is None else t for t, a in zip(total, out_avals)]
 
 
-def _transpose(cts, *args, lmap, static, res_mask, lin_mask, out_avals, site):
+def _transpose(cts, *args, lmap, static, res_mask, lin_mask, out_avals, site, precision):
     """The op's overlapped backward; residuals are always known here (the primals of a tangent)."""
     res, lin = _split(args, res_mask, lin_mask)
     if any(ad.is_undefined_primal(r) for r in res if r is not None):
         raise NotImplementedError(f"{lmap.name}: transposing with respect to a residual operand")
     wanted = tuple(v is not None and ad.is_undefined_primal(v) for v in lin)
-    with site_label(site):
+    with site_label(site), _matmul_precision(precision):
         lin_cts = lmap.transpose(static, res, tuple(_nonzero(c) for c in cts), wanted)
     out = [None] * sum(res_mask)
     for v, want, ct in zip(lin, wanted, lin_cts):
