@@ -421,13 +421,13 @@ def _trace_context() -> tuple:
 
 
 def _jax_trace_flags() -> tuple:
-    # jax keeps the flags its jit cache is keyed by in one internal tuple (jax._src.config, present in
-    # jax 0.10 and 0.11); without it, the flags that most change a trace.
+    # jax keeps the flags its jit cache is keyed by in one internal tuple (jax._src.config.trace_context);
+    # in a jax without it, the flags that most change a trace.
     from jax._src import config as jax_config
     if hasattr(jax_config, "trace_context"):
         return jax_config.trace_context()
-    return (jax.config.jax_enable_x64, jax.config.jax_threefry_partitionable, jax.config.jax_default_prng_impl,
-            jax.config.jax_numpy_dtype_promotion)
+    return tuple(getattr(jax.config, name, None) for name in ("jax_enable_x64", "jax_threefry_partitionable",
+                                                               "jax_default_prng_impl", "jax_numpy_dtype_promotion"))
 
 
 def _manual_axes() -> dict | None:
