@@ -334,6 +334,46 @@ def _host_result(out: str) -> str:
     return "; ".join(parts) or "no host_time result"
 
 
+#: (pair, bytes per block) of the capture suite: small blocks, whose calls cost their fixed cost.
+CAPTURE_CASES_GPU = (("collectives", 1 << 20), ("collectives", 64 << 10), ("matmuls", 1 << 20))
+CAPTURE_CASES_CPU = (("collectives", 8 << 10), ("matmuls", 8 << 10))
+
+
+def _capture(ctx):
+    """capture_cost.py for each case, XLA's command buffers as they are (on: symmetric calls are
+    captured), then the symmetric schedule once more with them off (XLA_FLAGS
+    --xla_gpu_enable_command_buffer=), to show what the capture saves."""
+    loop = ["--calls", "32", "--launches", "20"] if ctx.gpus else ["--calls", "4", "--launches", "2"]
+    steps = []
+    for pair, nbytes in CAPTURE_CASES_GPU if ctx.gpus else CAPTURE_CASES_CPU:
+        name = f"capture_{pair}_{nbytes}"
+        common = ["--pair", pair, "--bytes", str(nbytes), *loop]
+        steps.append(Step(name, _py(ctx, f"{SUITES_DIR}/capture_cost.py", *common,
+                                    "--out", os.path.join(ctx.out, f"{name}.json"))))
+        if ctx.gpus:
+            steps.append(Step(f"{name}_no_command_buffers",
+                              _py(ctx, f"{SUITES_DIR}/capture_cost.py", *common, "--schedules", "dma/direct/c1/symmetric",
+                                  "--out", os.path.join(ctx.out, f"{name}_no_command_buffers.json")),
+                              env={"XLA_FLAGS": "--xla_gpu_enable_command_buffer="}))
+    return steps
+
+
+def _capture_result(out: str) -> str:
+    """Microseconds per call of each schedule, per case, from capture_cost's JSONs."""
+    parts = []
+    for pair, nbytes in CAPTURE_CASES_GPU + CAPTURE_CASES_CPU:
+        rows = []
+        for suffix in ("", "_no_command_buffers"):
+            name = os.path.join(out, f"capture_{pair}_{nbytes}{suffix}.json")
+            if os.path.isfile(name):
+                with open(name) as fh:
+                    rows += [(r["schedule"] + (" (no command buffers)" if suffix else ""), r["us_per_call"])
+                             for r in json.load(fh)]
+        if rows:
+            parts.append(f"{pair} {nbytes >> 10} KiB: " + ", ".join(f"{s} {us:.1f} us" for s, us in rows))
+    return "; ".join(parts) or "no capture_cost result"
+
+
 SUITES = {s.name: s for s in [
     Suite("build", "editable install with the CUDA backend (FICCO_CUDA=ON on GPUs) and the extension's build info",
           "any (CUDA toolkit on GPUs)", 0, 600, _build, r"\{.*\}"),
@@ -376,6 +416,9 @@ SUITES = {s.name: s for s in [
     Suite("host", "host time per call of small copy-engine calls, meeting their group and on its channel "
           "(benchmarks/suites/host_time.py, FICCO_CHANNEL_BYTES off and on)", "2+ GPUs (CPU: tiny calls)", 0, 300,
           _host, _host_result),
+    Suite("capture", "the cost of one call, calls back to back: meetings against symmetric sites, inside XLA's "
+          "command buffers and without them, beside the plain path (benchmarks/suites/capture_cost.py)",
+          "any; 1+ GPU for real numbers", 0, 300, _capture, _capture_result),
     Suite("trace", "a GPU timeline of one op (nsys, else JAX's profiler): OP SCHEDULE M K N [ITERS] after --",
           "any; 1+ GPU for a GPU timeline", 0, 240, _trace, r"^\d+ .*events (of|on) ", takes_options=True),
     Suite("timeline", "a device timeline of the flagship example's training steps with and without overlap: "

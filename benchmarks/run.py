@@ -5,7 +5,7 @@
 
 Suites (benchmarks/catalog.py; benchmarks/README.md says what each measures and how long it
 takes): build, tests, demo, bench, peers, compare, accuracy, e2e, hang, faults, soak, load, multiprocess,
-characterize, fp8, host, trace, timeline. `all` runs every suite the machine can.
+characterize, fp8, host, capture, trace, timeline. `all` runs every suite the machine can.
 
 Each suite writes its logs and JSON under OUT/<suite>/ (OUT: --out, else $OUT, else out/) and the
 run prints a table last: suite, exit status, seconds, one-line result. A suite that reaches its

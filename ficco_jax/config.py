@@ -76,7 +76,8 @@ COPY_STREAM_CHOICES: tuple[int, ...] = (1, 2, 4)
 
 #: Transfer directions the design space enumerates for `comm="dma"` (Schedule.transfer): "pull"
 #: only — on 2 x H200 pushes timed level with pulls (36 op/schedule pairs, median 1.3 % slower,
-#: 2026-11-22; tp = 4 not measured); "push" is always accepted where it is named ("dma/direct/c2/push").
+#: 2026-11-22; tp = 4 not measured); "push" and "symmetric" are always accepted where they are named
+#: ("dma/direct/c2/push", "dma/direct/c1/symmetric").
 TRANSFER_CHOICES: tuple[str, ...] = ("pull",)
 
 #: The smallest block one peer sends (bytes) for which `ficco_jax.dma.*(..., schedule="auto")` uses

@@ -28,6 +28,11 @@ takes exactly `matmul_rs`'s schedules:
   A probe with PyTorch streams had writes ahead of reads when every GPU receives at once (2 x H200:
   262 vs 162 GB/s at 8 MiB blocks), but through the executor pushes timed level with pulls on
   2 x H200 (2026-11-22, BENCHMARKS.md): `push` is opt-in, not enumerated (config.TRANSFER_CHOICES).
+  ``"symmetric"``: each sender writes into its peers' buffers of the call site, allocated and
+  exchanged once, and the devices order the copies with counters they compare themselves, so a
+  call meets no peer on the host after its site's first one and XLA can capture it in its command
+  buffers (CUDA graphs); it costs a buffer per site and device of the blocks it receives
+  (docs/design.md, "Symmetric sites"). Opt-in, not enumerated.
 
 Chunks cut rows (the gathered / scattered dimension), so every chunk matmul keeps the full K and
 N of the shard matmul, except under ``gemm="columns"``. For the expert-parallel ops `a2a_matmul` / `matmul_a2a`
@@ -49,7 +54,7 @@ ORDERS = ("ring", "bidirectional", "direct")
 GEMMS = ("per_chunk", "grouped", "columns")
 #: The ops whose blocks gemm="columns" can cut by columns: the reduce-scatter's (exec/scatter.cc).
 COLUMN_OPS = ("matmul_rs", "matmul_psum")
-TRANSFERS = ("pull", "push")
+TRANSFERS = ("pull", "push", "symmetric")
 
 # Which orders each (op, comm) pair implements.
 _ORDERS_FOR = {
@@ -154,14 +159,14 @@ class Schedule:
     @classmethod
     def parse(cls, text: str) -> "Schedule":
         """Inverse of `str()`: ``"none"``, ``"dma/direct/c4/s2"``, ``"xla/ring/c2/grouped"``,
-        ``"dma/direct/c2/columns"``, ``"dma/direct/c2/push"``."""
+        ``"dma/direct/c2/columns"``, ``"dma/direct/c2/push"``, ``"dma/direct/c1/symmetric"``."""
         parts = text.strip().split("/")
         if parts == ["none"]:
             return cls(comm="none")
         if len(parts) < 3 or not parts[2].startswith("c"):
             raise ValueError(
                 f"cannot parse schedule {text!r}: expected 'none' or "
-                f"COMM/ORDER/cCHUNKS[/grouped|/columns][/sSTREAMS][/push], "
+                f"COMM/ORDER/cCHUNKS[/grouped|/columns][/sSTREAMS][/push|/symmetric], "
                 f"e.g. 'dma/direct/c4/s2'"
             )
         if not parts[2][1:].isdigit():

@@ -60,9 +60,10 @@ def _cases(tps=(8, 4)):
         for sched in Schedule.enumerate("a2a_matmul", tp):
             if C % sched.chunks == 0:  # invalid points filtered here, not skipped in the test
                 yield pytest.param(tp, sched, id=f"tp{tp}-{sched}")
-                if sched.comm == "dma" and sched.transfer == "pull":  # every dma point pushed as well
-                    push = sched.replace(transfer="push")
-                    yield pytest.param(tp, push, id=f"tp{tp}-{push}")
+                if sched.comm == "dma" and sched.transfer == "pull":  # every dma point pushed and symmetric as well
+                    for transfer in ("push", "symmetric"):
+                        moved = sched.replace(transfer=transfer)
+                        yield pytest.param(tp, moved, id=f"tp{tp}-{moved}")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from ficco_jax.runtime import extension
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RUN = REPO / "benchmarks" / "run.py"
 SUITES = ["build", "tests", "demo", "bench", "peers", "compare", "accuracy", "e2e", "hang", "faults", "soak", "load",
-          "multiprocess", "characterize", "fp8", "host", "trace", "timeline"]
+          "multiprocess", "characterize", "fp8", "host", "capture", "trace", "timeline"]
 
 
 def _run(*args, timeout=120):
@@ -31,6 +31,20 @@ def _entry_module():
     import run  # noqa: PLC0415 - benchmarks/ is not a package
 
     return run
+
+
+def test_the_capture_suite_runs_on_cpu(tmp_path):
+    """Every schedule of each case runs, and symmetric calls meet nobody after their sites' first calls."""
+    done = _run("capture", "--cpu", "--out", str(tmp_path), timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [row for path in sorted((tmp_path / "capture").glob("capture_*.json")) for row in json.loads(path.read_text())]
+    assert {(r["pair"], r["schedule"]) for r in rows} == {
+        (pair, schedule) for pair in ("collectives", "matmuls")
+        for schedule in ("none", "dma/direct/c1", "dma/direct/c1/symmetric")}
+    for row in rows:
+        assert row["us_per_call"] > 0, row
+        assert (row["meetings_per_launch"] == 0) == (row["schedule"] != "dma/direct/c1"), row
+    assert "| capture | 0 |" in done.stdout and "symmetric" in done.stdout
 
 
 def test_lists_every_suite():

@@ -72,8 +72,9 @@ def _schedules(op, n):
 
 
 def _cases(op, dtypes):
-    """(mesh, dtype, schedule, channel): every f32 point is also pushed, and a matmul_rs point pulled on
-    its group's channel (`channel`: config.CHANNEL_BYTES = CHANNEL_BYTES) as well as with meetings."""
+    """(mesh, dtype, schedule, channel): every f32 point is also pushed and run symmetric, and a matmul_rs
+    point pulled on its group's channel (`channel`: config.CHANNEL_BYTES = CHANNEL_BYTES) as well as with
+    meetings."""
     for mesh_name, mesh in MESHES.items():
         n = mesh.shape["tp"]
         for dtype in dtypes:
@@ -85,8 +86,10 @@ def _cases(op, dtypes):
                 yield pytest.param(mesh_name, dtype, sched, False, id=name)
                 # Every point pushed and met as well (f32; bf16 changes the rounding, not the indexing).
                 if dtype == jnp.float32 and sched.transfer == "pull":
-                    push = sched.replace(transfer="push")
-                    yield pytest.param(mesh_name, dtype, push, False, id=f"{mesh_name}-{jnp.dtype(dtype).name}-{push}")
+                    for transfer in ("push", "symmetric"):
+                        moved = sched.replace(transfer=transfer)
+                        yield pytest.param(mesh_name, dtype, moved, False,
+                                           id=f"{mesh_name}-{jnp.dtype(dtype).name}-{moved}")
                     if op == "matmul_rs":
                         yield pytest.param(mesh_name, dtype, sched, True, id=f"{name}-channel")
 
@@ -109,7 +112,8 @@ def channel(request, monkeypatch):
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("mesh_name", ["1d", "2d"])
 @pytest.mark.parametrize("sched", ["dma/direct/c1", "dma/ring/c2", "dma/direct/c4/s2", "dma/direct/c8/s4",
-                                   "dma/direct/c1/push", "dma/direct/c4/s2/push", "dma/direct/c8/s4/push"])
+                                   "dma/direct/c1/push", "dma/direct/c4/s2/push", "dma/direct/c8/s4/push",
+                                   "dma/ring/c2/symmetric", "dma/direct/c8/s4/symmetric"])
 def test_all_gather_origin_coded(mesh_name, sched):
     mesh = MESHES[mesh_name]
     if mesh.shape["tp"] < 8 and "/s4" in sched:
@@ -127,7 +131,8 @@ def test_all_gather_origin_coded(mesh_name, sched):
 @pytest.mark.parametrize("channel", [False, True], indirect=True)
 @pytest.mark.parametrize("mesh_name", ["1d", "2d"])
 @pytest.mark.parametrize("sched", ["dma/direct/c1", "dma/direct/c2/grouped/s2", "dma/direct/c4/s2",
-                                   "dma/direct/c1/push", "dma/direct/c2/grouped/s2/push", "dma/direct/c4/push"])
+                                   "dma/direct/c1/push", "dma/direct/c2/grouped/s2/push", "dma/direct/c4/push",
+                                   "dma/direct/c1/symmetric", "dma/direct/c2/grouped/s2/symmetric"])
 def test_matmuls_origin_coded(mesh_name, sched, channel):
     """With w = identity both ops are exact in f32: out = gathered rows, and sums of coded blocks."""
     mesh = MESHES[mesh_name]
@@ -150,7 +155,8 @@ def test_matmuls_origin_coded(mesh_name, sched, channel):
 
 @pytest.mark.parametrize("channel", [False, True], indirect=True)
 @pytest.mark.parametrize("mesh_name", ["1d", "2d", "pair"])
-@pytest.mark.parametrize("sched", ["dma/direct/c2/columns", "dma/direct/c4/columns/s2", "dma/direct/c4/columns/push"])
+@pytest.mark.parametrize("sched", ["dma/direct/c2/columns", "dma/direct/c4/columns/s2", "dma/direct/c4/columns/push",
+                                   "dma/direct/c4/columns/s2/symmetric"])
 def test_column_chunks_origin_coded(mesh_name, sched, channel):
     """gemm=columns: chunk j of a block is its columns [j N/c, (j+1) N/c), all of its rows. With w = identity
     the reduce-scatter is exact, so every column of every coded block must land in its place."""

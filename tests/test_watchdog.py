@@ -77,6 +77,30 @@ def test_a_stalled_peer_is_reported_and_ends_the_process(op, schedule, target, c
     assert "ending the process" in err and "FICCO_WATCHDOG_S" in err
 
 
+@pytest.mark.parametrize("op, schedule", [("ag_matmul", "dma/direct/c2/symmetric"),
+                                          ("matmul_rs", "dma/direct/c1/s2/symmetric")])
+def test_a_stalled_peer_of_a_symmetric_site_is_reported(op, schedule):
+    """A symmetric call registers nothing per call (a command buffer may replay it without its
+    handler): the watchdog reads the counters its devices post as its calls start and end, and names
+    the site whose call started and did not finish, with every rank's counts of it in this process."""
+    done, _ = run_program(op, schedule)
+    assert done.returncode == -signal.SIGABRT, (done.returncode, done.stderr[-3000:])
+    err = done.stderr
+    head = re.search(r"ficco_jax watchdog: op \d+ \((\w+)\), (\S+), on device (\d+): rank (\d+) of group "
+                     r"\[0, 1, 2, 3\], written at \S*watchdog_program\.py:\d+\S* \([^)]+\): its call (\d+) started "
+                     r"[\d.]+ s ago and has not finished", err)
+    assert head, err[-3000:]
+    assert head.group(1) == f"ficco_{op}" and head.group(2) == schedule
+    assert "Symmetric sites of this process with a call in flight:" in err, err
+    # The stalled rank's device never reaches the call its peers are in: its counts say so, once.
+    call = int(head.group(5))
+    assert len(re.findall(rf"rank 1 \(device 1\): started call {call - 1}, finished {call - 1}; has not started "
+                          rf"call {call}, which its peers are in", err)) == 1, err
+    assert len(re.findall(rf"rank [023] \(device [023]\): started call {call}, finished {call - 1}; waits for its "
+                          rf"peers' counters of that call", err)) == 3, err
+    assert "ending the process" in err
+
+
 def test_the_report_comes_after_the_limit_not_before():
     """The limit counts from the start of the call's device work: with a 6 s limit the report
     cannot come before 6 s (nor much after: it ends the process)."""

@@ -24,7 +24,9 @@ constexpr bool kCudaBuilt = true;
 constexpr bool kCudaBuilt = false;
 #endif
 
-// {target: {"cpu": capsule, "CUDA": capsule}} (CUDA only in the CUDA build).
+// {target: {"cpu": capsule, "CUDA": capsule}} (CUDA only in the CUDA build), and for every target with
+// a symmetric form {target + "_symmetric": ...}: the same CPU entry (no command buffers there), and
+// the CUDA entry marked command-buffer compatible (ffi/handler.h).
 nb::dict Registrations() {
   nb::dict targets;
   for (const TargetEntries& target : Targets()) {
@@ -32,6 +34,13 @@ nb::dict Registrations() {
     platforms["cpu"] = nb::capsule(reinterpret_cast<void*>(target.cpu));
     if (target.cuda != nullptr) platforms["CUDA"] = nb::capsule(reinterpret_cast<void*>(target.cuda));
     targets[target.name] = platforms;
+    if (!target.symmetric) continue;
+    nb::dict symmetric;
+    symmetric["cpu"] = nb::capsule(reinterpret_cast<void*>(target.cpu));
+    if (target.cuda_symmetric != nullptr) {
+      symmetric["CUDA"] = nb::capsule(reinterpret_cast<void*>(target.cuda_symmetric));
+    }
+    targets[(std::string(target.name) + "_symmetric").c_str()] = symmetric;
   }
   return targets;
 }
@@ -43,6 +52,7 @@ nb::dict BuildInfo() {
   info["version"] = nb::str(FICCO_VERSION);
   info["cuda"] = nb::bool_(kCudaBuilt);
   info["ipc"] = nb::bool_(kCudaBuilt);  // copy engines across processes of one host (runtime/ipc.h)
+  info["symmetric"] = nb::bool_(true);   // the <target>_symmetric forms (transfer=symmetric: runtime/symmetric.h)
   info["abi"] = nb::str(abi.c_str());
   return info;
 }

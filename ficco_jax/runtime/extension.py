@@ -10,6 +10,9 @@ import jax
 
 #: The extension version this Python package expects (CMakeLists.txt's project VERSION).
 EXPECTED_VERSION = "0.1.0"
+#: Keys of `build_info()` that sources of this version report: one missing means a build from older
+#: sources of the same version (e.g. without the `<target>_symmetric` forms of transfer="symmetric").
+REQUIRED_CAPABILITIES = ("symmetric",)
 
 _REBUILD_HINT = (
     "rebuild it from the repository root with `pip install --no-build-isolation -e .` "
@@ -35,6 +38,10 @@ def _load() -> dict:
             f"ficco_jax: the compiled extension is stale: version {info.get('version')!r}, "
             f"expected {EXPECTED_VERSION!r}; {_REBUILD_HINT}"
         )
+    missing = [key for key in REQUIRED_CAPABILITIES if key not in info]
+    if missing:
+        raise ImportError(f"ficco_jax: the compiled extension is stale: it lacks {', '.join(missing)} "
+                          f"(built from older sources); {_REBUILD_HINT}")
     if not _registered:
         for name, platforms in _ffi.registrations().items():
             for platform, capsule in platforms.items():

@@ -19,3 +19,9 @@ GPU_MARKS = [
     pytest.mark.skipif(len(GPUS) < 2, reason="needs >= 2 CUDA GPUs"),
     pytest.mark.skipif(not _ext.cuda_built(), reason="ficco_jax._ffi was built without CUDA"),
 ]
+#: The same for a module that needs one GPU only (test_shared_gpu.py: two processes share it).
+ONE_GPU_MARKS = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(len(GPUS) < 1, reason="needs a CUDA GPU"),
+    pytest.mark.skipif(not _ext.cuda_built(), reason="ficco_jax._ffi was built without CUDA"),
+]

@@ -77,7 +77,8 @@ class Backend {
   // Words: 32-bit counters in host memory that every device of the process reads and writes (the
   // group channels of runtime/channel.h). `count` of them, zeroed; never freed.
   virtual ffi::Error AllocateWords(int64_t count, uint32_t** words) = 0;
-  // `bytes` of this device's memory that every device of the process can read; never freed.
+  // `bytes` of this device's memory, zeroed, that every device of the process can read and write;
+  // never freed.
   virtual ffi::Error AllocateRegion(int64_t bytes, void** region) = 0;
   // `stream` writes `value` into `word` once its earlier work is done, after a fence that makes that
   // work's writes visible to every device first.
@@ -87,6 +88,22 @@ class Backend {
   // CPU the calling thread waits at most the call's timeout, then returns an error whose message is
   // kWordTimedOut (the executor says whose word it was).
   virtual ffi::Error WaitWord(int stream, const uint32_t* word, uint32_t value) = 0;
+  // Counters of the calls that order themselves on the devices (transfer=symmetric,
+  // runtime/symmetric.h): 32-bit words in memory every device of the group reaches (device memory,
+  // peer-mapped or opened through CUDA IPC; host memory on CPU), read and written by small kernels
+  // on `stream`, so that a call replayed from a CUDA graph compares what the devices counted, never a
+  // value the host wrote into the graph when it was captured.
+  // ++*counter, then *mirror = *counter where `mirror` is given (host memory the watchdog reads).
+  virtual ffi::Error CountCall(int stream, uint32_t* counter, uint32_t* mirror) = 0;
+  // `stream`'s later work waits until *word == *counter + offset. On CUDA the device waits, for as
+  // long as it takes (the watchdog reports one that never ends); on CPU the calling thread waits at
+  // most the call's timeout, then returns an error whose message is kWordTimedOut.
+  virtual ffi::Error WaitCounter(int stream, const uint32_t* word, const uint32_t* counter, int32_t offset) = 0;
+  // Once `stream`'s earlier work is done and visible to every device: *word = *counter, for each word.
+  virtual ffi::Error PostCounter(int stream, const std::vector<uint32_t*>& words, const uint32_t* counter) = 0;
+  // Whether XLA's stream is being captured into a CUDA graph (XLA's command buffers): the call's work
+  // is recorded, not run, and may be replayed later without its handler.
+  virtual bool Capturing() = 0;
   virtual ffi::Error Gemm(const GemmProblem& problem) = 0;       // on the compute stream
   virtual ffi::Error Reduce(const ReduceProblem& problem) = 0;   // on the compute stream
   // This call's events may be re-recorded once its device work is done. Called only after the

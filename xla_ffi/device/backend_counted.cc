@@ -1,5 +1,6 @@
 // CountCalls (device/backends.h): how often, and for how long on the host, the executor asks a
-// backend to record, wait, copy, multiply, sum, and set and wait for words.
+// backend to record, wait, copy, multiply, sum, set and wait for words, and count, wait for and post
+// counters.
 #include <utility>
 
 #include "base/timed.h"
@@ -9,7 +10,7 @@ namespace ficco {
 namespace {
 
 struct Counters {
-  TimedCount record, mark, wait, copy, gemm, reduce, set_word, wait_word;
+  TimedCount record, mark, wait, copy, gemm, reduce, set_word, wait_word, counter;
 };
 Counters& Totals() {
   static Counters totals;
@@ -51,6 +52,19 @@ class CountedBackend final : public Backend {
     TimeSection timed(Totals().wait_word);
     return inner_->WaitWord(stream, word, value);
   }
+  ffi::Error CountCall(int stream, uint32_t* counter, uint32_t* mirror) override {
+    TimeSection timed(Totals().counter);
+    return inner_->CountCall(stream, counter, mirror);
+  }
+  ffi::Error WaitCounter(int stream, const uint32_t* word, const uint32_t* counter, int32_t offset) override {
+    TimeSection timed(Totals().counter);
+    return inner_->WaitCounter(stream, word, counter, offset);
+  }
+  ffi::Error PostCounter(int stream, const std::vector<uint32_t*>& words, const uint32_t* counter) override {
+    TimeSection timed(Totals().counter);
+    return inner_->PostCounter(stream, words, counter);
+  }
+  bool Capturing() override { return inner_->Capturing(); }
   ffi::Error Gemm(const GemmProblem& problem) override {
     TimeSection timed(Totals().gemm);
     return inner_->Gemm(problem);
@@ -77,8 +91,8 @@ std::unique_ptr<Backend> CountCalls(std::unique_ptr<Backend> backend) {
 
 BackendCalls BackendCallTotals() {
   const Counters& c = Totals();
-  return {Read(c.record), Read(c.mark), Read(c.wait),   Read(c.copy),
-          Read(c.gemm),   Read(c.reduce), Read(c.set_word), Read(c.wait_word)};
+  return {Read(c.record), Read(c.mark),     Read(c.wait),      Read(c.copy),   Read(c.gemm),
+          Read(c.reduce), Read(c.set_word), Read(c.wait_word), Read(c.counter)};
 }
 
 }  // namespace ficco

@@ -95,7 +95,7 @@ class CpuBackend final : public Backend {
     return ffi::Error::Success();
   }
   ffi::Error AllocateRegion(int64_t bytes, void** region) override {
-    *region = new (std::nothrow) char[bytes];
+    *region = new (std::nothrow) char[bytes]();
     if (*region == nullptr) return MakeError(ctx_, "out of host memory for a region of " + std::to_string(bytes) + " bytes");
     return ffi::Error::Success();
   }
@@ -103,15 +103,24 @@ class CpuBackend final : public Backend {
     __atomic_store_n(word, value, __ATOMIC_RELEASE);
     return ffi::Error::Success();
   }
-  // The peer that sets the word is another thread: poll, as Wait does, until the timeout.
   ffi::Error WaitWord(int, const uint32_t* word, uint32_t value) override {
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s_);
-    while (!WordReached(ReadWord(word), value)) {
-      if (std::chrono::steady_clock::now() > deadline) return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, kWordTimedOut);
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
-    }
+    return WaitUntil([&] { return WordReached(ReadWord(word), value); });
+  }
+  ffi::Error CountCall(int, uint32_t* counter, uint32_t* mirror) override {
+    const uint32_t value = __atomic_add_fetch(counter, 1u, __ATOMIC_ACQ_REL);
+    if (mirror != nullptr) __atomic_store_n(mirror, value, __ATOMIC_RELEASE);
     return ffi::Error::Success();
   }
+  ffi::Error WaitCounter(int, const uint32_t* word, const uint32_t* counter, int32_t offset) override {
+    const uint32_t want = ReadWord(counter) + static_cast<uint32_t>(offset);
+    return WaitUntil([&] { return ReadWord(word) == want; });
+  }
+  ffi::Error PostCounter(int, const std::vector<uint32_t*>& words, const uint32_t* counter) override {
+    const uint32_t value = ReadWord(counter);
+    for (uint32_t* word : words) __atomic_store_n(word, value, __ATOMIC_RELEASE);
+    return ffi::Error::Success();
+  }
+  bool Capturing() override { return false; }
   ffi::Error Gemm(const GemmProblem& problem) override {
     GemmHost(problem);
     return ffi::Error::Success();
@@ -129,6 +138,17 @@ class CpuBackend final : public Backend {
   EventPool& Pool() override { return pool_; }
 
  private:
+  // The peer that sets a word is another thread: poll, as Wait does, until the timeout.
+  template <typename Reached>
+  ffi::Error WaitUntil(const Reached& reached) const {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s_);
+    while (!reached()) {
+      if (std::chrono::steady_clock::now() > deadline) return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, kWordTimedOut);
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+    return ffi::Error::Success();
+  }
+
   CallContext ctx_;
   HostEventPool& pool_;
   const double timeout_s_;  // the longest WaitWord waits

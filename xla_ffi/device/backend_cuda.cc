@@ -1,6 +1,9 @@
 // The CUDA backend: XLA's stream is the compute stream; transfers run on the device's copy
 // streams (device/cuda_device.h) and are ordered against it with pooled events.
+#include <algorithm>
+
 #include "device/backends.h"
+#include "device/counters.h"
 #include "device/dma.h"
 #include "device/cuda_device.h"
 
@@ -78,10 +81,36 @@ class CudaBackend final : public Backend {
     return CudaDevice::WaitWord(ctx_, StreamOf(stream), word, value);
   }
 
+  ffi::Error CountCall(int stream, uint32_t* counter, uint32_t* mirror) override {
+    const CallContext& ctx = ctx_;
+    FICCO_CHECK_CUDA(LaunchCountCall(counter, mirror, StreamOf(stream)));
+    return ffi::Error::Success();
+  }
+
+  ffi::Error WaitCounter(int stream, const uint32_t* word, const uint32_t* counter, int32_t offset) override {
+    const CallContext& ctx = ctx_;
+    FICCO_CHECK_CUDA(LaunchWaitCounter(word, counter, offset, StreamOf(stream)));
+    return ffi::Error::Success();
+  }
+
+  ffi::Error PostCounter(int stream, const std::vector<uint32_t*>& words, const uint32_t* counter) override {
+    const CallContext& ctx = ctx_;
+    for (size_t first = 0; first < words.size(); first += kPostCounterWords) {
+      const int count = static_cast<int>(std::min<size_t>(kPostCounterWords, words.size() - first));
+      FICCO_CHECK_CUDA(LaunchPostCounter(words.data() + first, count, counter, StreamOf(stream)));
+    }
+    return ffi::Error::Success();
+  }
+
+  bool Capturing() override {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    return cudaStreamIsCapturing(compute_, &status) == cudaSuccess && status != cudaStreamCaptureStatusNone;
+  }
+
   ffi::Error Gemm(const GemmProblem& problem) override {
     const CallContext& ctx = ctx_;
     FICCO_CHECK_CUDA(resources_->gemm_plans->Run(problem, resources_->lt, resources_->workspace,
-                                                   resources_->workspace_bytes, compute_));
+                                                   resources_->workspace_bytes, compute_, Capturing()));
     return ffi::Error::Success();
   }
 

@@ -32,7 +32,7 @@ struct BackendCalls {
   struct Kind {
     int64_t calls = 0, ns = 0;
   };
-  Kind record, mark, wait, copy, gemm, reduce, set_word, wait_word;
+  Kind record, mark, wait, copy, gemm, reduce, set_word, wait_word, counter;
 };
 BackendCalls BackendCallTotals();
 

@@ -16,9 +16,13 @@ namespace {
 constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;
 }  // namespace
 
+CaptureRelaxed::CaptureRelaxed() { (void)cudaThreadExchangeStreamCaptureMode(&mode_); }
+CaptureRelaxed::~CaptureRelaxed() { (void)cudaThreadExchangeStreamCaptureMode(&mode_); }
+
 ffi::Error CudaDevice::Prepare(const CallContext& ctx, int copy_streams,
                                     const std::vector<int>& peers, CudaResources** out) {
   std::lock_guard<std::mutex> lock(mu_);
+  const CaptureRelaxed relaxed;  // a first call may be captured (command buffers)
   FICCO_CHECK_CUDA(cudaSetDevice(ordinal_));
   if (copy_streams > kCopyStreamSlots) {  // kMaxCopyStreams pull streams + the staging stream
     return MakeInvalid(ctx, "copy_streams = " + std::to_string(copy_streams) + " exceeds the maximum " +
@@ -101,14 +105,21 @@ ffi::Error CudaDevice::BlockForever(const CallContext& ctx, cudaStream_t stream)
   return ffi::Error::Success();
 }
 
+// Zeroed on a stream of its own, waited for here: XLA's stream may be capturing, and the copy
+// streams may hold transfers that wait for peers.
 ffi::Error CudaDevice::AllocateRegion(const CallContext& ctx, int64_t bytes, void** region) {
   std::lock_guard<std::mutex> lock(mu_);
+  const CaptureRelaxed relaxed;
   FICCO_CHECK_CUDA(cudaSetDevice(ordinal_));
+  if (setup_stream_ == nullptr) FICCO_CHECK_CUDA(cudaStreamCreateWithFlags(&setup_stream_, cudaStreamNonBlocking));
   FICCO_CHECK_CUDA(cudaMalloc(region, static_cast<size_t>(bytes)));
+  FICCO_CHECK_CUDA(cudaMemsetAsync(*region, 0, static_cast<size_t>(bytes), setup_stream_));
+  FICCO_CHECK_CUDA(cudaStreamSynchronize(setup_stream_));
   return ffi::Error::Success();
 }
 
 ffi::Error CudaDevice::AllocateWords(const CallContext& ctx, int64_t count, uint32_t** words) {
+  const CaptureRelaxed relaxed;
   void* host = nullptr;
   FICCO_CHECK_CUDA(cudaHostAlloc(&host, static_cast<size_t>(count) * sizeof(uint32_t),
                                  cudaHostAllocPortable | cudaHostAllocMapped));

@@ -50,6 +50,9 @@ struct CudaResources {
   };
   StagingRegion staging;
   std::vector<StagingRegion> retired_staging;
+  // The allocations of symmetric sites (runtime/symmetric.h) of groups across processes, exported
+  // like the staging buffer; never freed (IpcClose leaves them: a site's peers may still post into them).
+  std::vector<StagingRegion> symmetric_regions;
   int64_t staging_generations = 0;  // regions allocated so far
   struct Opened {
     char* base = nullptr;
@@ -58,6 +61,20 @@ struct CudaResources {
   std::map<std::pair<int, int32_t>, Opened> opened_allocations;    // (peer device, its id) -> mapping
   std::map<std::pair<int, int32_t>, cudaEvent_t> opened_events;    // (peer device, its id) -> event
   int64_t ipc_exchanges = 0;
+};
+
+// Lets this thread make the calls a stream capture forbids (allocations, enabling peer access,
+// synchronising a stream of its own) while XLA captures its stream into a command buffer: the
+// thread's capture mode is relaxed for the guard's life, then restored.
+class CaptureRelaxed {
+ public:
+  CaptureRelaxed();
+  ~CaptureRelaxed();
+  CaptureRelaxed(const CaptureRelaxed&) = delete;
+  CaptureRelaxed& operator=(const CaptureRelaxed&) = delete;
+
+ private:
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
 };
 
 class CudaDevice final : public EventPool {
@@ -80,7 +97,8 @@ class CudaDevice final : public EventPool {
   ffi::Error BlockForever(const CallContext& ctx, cudaStream_t stream);
   // The resources Prepare made (nullptr before the first Prepare).
   CudaResources* resources();
-  // A region of `bytes` of this device's memory, for the group channels (runtime/channel.h).
+  // A zeroed region of `bytes` of this device's memory (Backend::AllocateRegion): the group
+  // channels' (runtime/channel.h), the symmetric sites' (runtime/symmetric.h).
   ffi::Error AllocateRegion(const CallContext& ctx, int64_t bytes, void** region);
 
   // Words (device/backend.h): pinned host memory mapped into every device, at the same address
@@ -96,6 +114,7 @@ class CudaDevice final : public EventPool {
   std::atomic<int64_t> made_{0};  // events created, both pools
   std::mutex mu_;
   CudaResources cuda_;
+  cudaStream_t setup_stream_ = nullptr;  // AllocateRegion's zeroing
 };
 
 }  // namespace ficco

@@ -322,13 +322,14 @@ void LogPlan(const GemmProblem& p, const GemmPlan& plan, int found, float ms) {
 // (as XLA's GEMM autotuner does at compile time). The synchronisations this costs happen on the
 // first call of each shape only.
 cublasStatus_t MakePlan(const GemmProblem& p, cublasLtHandle_t handle, void* workspace,
-                        size_t workspace_bytes, cudaStream_t stream, GemmPlan* plan) {
+                        size_t workspace_bytes, cudaStream_t stream, bool timed, GemmPlan* plan) {
   std::vector<cublasLtMatmulHeuristicResult_t> candidates;
   int found = 0;
   const cublasStatus_t status = FindCandidates(p, handle, workspace_bytes, plan, &candidates, &found);
   if (status != CUBLAS_STATUS_SUCCESS) return status;
   if (found == 0) return CUBLAS_STATUS_NOT_SUPPORTED;
   plan->algo = candidates[0].algo;
+  if (!timed) return CUBLAS_STATUS_SUCCESS;
   cudaEvent_t start = nullptr, stop = nullptr;
   if (found > 1 && cudaEventCreate(&start) == cudaSuccess && cudaEventCreate(&stop) == cudaSuccess) {
     ChooseFastest(p, handle, workspace, workspace_bytes, stream, start, stop, candidates, found, plan);
@@ -356,16 +357,25 @@ GemmPlans::GemmPlans() : impl_(new Impl) {}
 GemmPlans::~GemmPlans() { delete impl_; }
 
 cublasStatus_t GemmPlans::Run(const GemmProblem& p, cublasLtHandle_t handle, void* workspace,
-                              size_t workspace_bytes, cudaStream_t stream) {
+                              size_t workspace_bytes, cudaStream_t stream, bool capturing) {
   // Held through the enqueue: an FP8 plan's scale pointers are set per call on its descriptor.
   std::lock_guard<std::mutex> lock(impl_->mu);
-  std::unique_ptr<GemmPlan>& slot = impl_->plans[KeyOf(p)];
-  if (!slot) {
+  const PlanKey key = KeyOf(p);
+  auto found = impl_->plans.find(key);
+  std::unique_ptr<GemmPlan> untimed;  // a capture's plan of a new shape, gone after its enqueue
+  const GemmPlan* plan = nullptr;
+  if (found != impl_->plans.end()) {
+    plan = found->second.get();
+  } else if (capturing) {
+    untimed = std::make_unique<GemmPlan>();
+    FICCO_LT_RETURN_IF_ERROR(MakePlan(p, handle, workspace, workspace_bytes, stream, /*timed=*/false, untimed.get()));
+    plan = untimed.get();
+  } else {
     auto fresh = std::make_unique<GemmPlan>();
-    FICCO_LT_RETURN_IF_ERROR(MakePlan(p, handle, workspace, workspace_bytes, stream, fresh.get()));
-    slot = std::move(fresh);
+    FICCO_LT_RETURN_IF_ERROR(MakePlan(p, handle, workspace, workspace_bytes, stream, /*timed=*/true, fresh.get()));
+    plan = fresh.get();
+    impl_->plans[key] = std::move(fresh);
   }
-  const GemmPlan* plan = slot.get();
   FICCO_LT_RETURN_IF_ERROR(SetScales(p, plan->op));
   return Enqueue(p, handle, *plan, plan->algo, workspace, workspace_bytes, stream);
 }

@@ -68,9 +68,12 @@ class GemmPlans {
  public:
   GemmPlans();
   ~GemmPlans();
-  // cuBLASLt on `stream`. Returns the first failing status.
+  // cuBLASLt on `stream`. Returns the first failing status. While `stream` is being captured into a
+  // CUDA graph (`capturing`) nothing may run or synchronise: a shape without a plan then takes the
+  // heuristic's first algorithm, untimed and not kept, so that the next call run outside a capture
+  // plans it as usual.
   cublasStatus_t Run(const GemmProblem& problem, cublasLtHandle_t handle, void* workspace,
-                     size_t workspace_bytes, cudaStream_t stream);
+                     size_t workspace_bytes, cudaStream_t stream, bool capturing = false);
 
  private:
   struct Impl;

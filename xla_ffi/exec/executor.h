@@ -49,6 +49,7 @@
 #define FICCO_JAX_XLA_FFI_EXEC_EXECUTOR_H_
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "base/dtype.h"
@@ -138,6 +139,18 @@ std::vector<int64_t> ScheduleSignature(const OpConfig& config, SignatureKind kin
 ffi::Error CopyBlockChunks(Backend& backend, const OpConfig& config, const BlockLayout& layout, int stream,
                            const void* src, int64_t src_block, void* dst, int64_t dst_block, int64_t j,
                            int64_t count);
+// transfer=symmetric, the receive slots whose blocks are a result (not the op's scratch): slot s on
+// its copy stream, after `entry` (XLA's buffers are this call's from there) and its landed words,
+// from the site into block `dst_block(s)` of `dst` (laid out as `layout`); `*copied` gets the event
+// of each slot's copy, which XLA's stream waits for before the slots are released.
+ffi::Error CopyOutSymmetric(Backend& backend, const OpConfig& config, const SymmetricCall& symmetric, Event entry,
+                            const Landed& landed, const BlockLayout& layout, void* dst,
+                            const std::function<int64_t(int slot)>& dst_block, std::vector<Event>* copied);
+// transfer=symmetric, the end of the pipelines: XLA's stream waits for the copy-outs (`copied`: they
+// write XLA's buffers, so on every path), then, if `status` is still success, releases the slots
+// (every reader of them is enqueued before on XLA's stream). Returns the first error.
+ffi::Error ReleaseSymmetric(Backend& backend, const SymmetricCall& symmetric, const std::vector<Event>& copied,
+                            ffi::Error status);
 // The matmuls of rows [row, row + count) of one block, for every group g:
 // out block = in block @ w[g] (in: [.., groups, rows, inner], out: [.., groups, rows, cols]).
 struct BlockMatmul {

@@ -50,6 +50,37 @@ ffi::Error BlockMatmul::RunColumns(Backend& backend, const void* in_base, int64_
   return backend.Gemm(problem);
 }
 
+ffi::Error CopyOutSymmetric(Backend& backend, const OpConfig& config, const SymmetricCall& symmetric, Event entry,
+                            const Landed& landed, const BlockLayout& layout, void* dst,
+                            const std::function<int64_t(int slot)>& dst_block, std::vector<Event>* copied) {
+  // Copies within the device, on the stream of the staging copies (Backend::kStaging), off the way of
+  // this call's own sends on the copy streams.
+  const int stream = Backend::kStaging;
+  FICCO_RETURN_IF_ERROR(backend.Wait(stream, entry));
+  for (int slot = 0; slot < config.n() - 1; ++slot) {
+    Ready waited;
+    for (const Ready& ready : landed[slot]) {
+      FICCO_RETURN_IF_ERROR(WaitOnce(backend, config, stream, ready, &waited, config.SourceOfSlot(slot), "landed"));
+    }
+    FICCO_RETURN_IF_ERROR(
+        backend.Copy(stream, Offset(dst, layout.At(dst_block(slot), 0, 0)), symmetric.Landing(slot), layout.Block()));
+    Event done;
+    FICCO_RETURN_IF_ERROR(backend.Record(stream, &done));
+    copied->push_back(done);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error ReleaseSymmetric(Backend& backend, const SymmetricCall& symmetric, const std::vector<Event>& copied,
+                            ffi::Error status) {
+  for (Event event : copied) {  // on any path: these copies write XLA's buffers
+    ffi::Error waited = backend.Wait(Backend::kCompute, event);
+    if (status.success()) status = std::move(waited);
+  }
+  if (status.success()) status = symmetric.ReleaseSlots(backend, Backend::kCompute);
+  return status;
+}
+
 namespace {
 
 // One call of the gather pipeline on rank r.
@@ -63,12 +94,18 @@ class Gather {
   ffi::Error Run(CallSession& session);
 
  private:
+  // transfer=symmetric (runtime/symmetric.h): pushes into the peers' slots of the site, no meeting.
+  ffi::Error RunSymmetric(CallSession& session);
   // The block of x that goes to rank `to`.
   int64_t SourceBlock(int to) const { return a_.x_per_peer ? to : 0; }
-  ffi::Error Pull(CallSession& session, const Exposure& exposure, Event entry, std::vector<std::vector<Event>>* landed);
-  ffi::Error Push(CallSession& session, Event ready, std::vector<std::vector<Event>>* landed);
+  ffi::Error Pull(CallSession& session, const Exposure& exposure, Event entry, Landed* landed);
+  ffi::Error Push(CallSession& session, Event ready, Landed* landed);
+  ffi::Error SendSymmetric(const SymmetricCall& symmetric, Event ready, Landed* pushed);
   ffi::Error CopyOwnBlock(Event ready);
-  ffi::Error Consume(const std::vector<std::vector<Event>>& landed);
+  // The matmuls of the landed blocks: read from `received`, or, on a symmetric site, where they landed.
+  ffi::Error Consume(const Landed& landed, const SymmetricCall* symmetric = nullptr);
+  // Whether `received` is a result someone reads (else the caller drops it: skip_own_rows).
+  bool ReceivedIsRead() const { return !(matmul_ && config_.skip_own_rows); }
   // Only per-chunk matmuls take a chunk as it lands (call_session.h, LandedEvents).
   LandedEvents Marks() const {
     return matmul_ && config_.gemm == GemmMode::kPerChunk ? LandedEvents::kPerChunk : LandedEvents::kPerSlot;
@@ -82,6 +119,7 @@ class Gather {
 };
 
 ffi::Error Gather::Run(CallSession& session) {
+  if (config_.symmetric) return RunSymmetric(session);
   const int r = config_.rank;
   // Owner: x is valid from `ready`; own work that needs no peer starts at once.
   Event ready;
@@ -89,7 +127,7 @@ ffi::Error Gather::Run(CallSession& session) {
   const Exposure exposure{a_.x, (a_.x_per_peer ? config_.n() : 1) * a_.layout.Block(), 1, {ready}};
   FICCO_RETURN_IF_ERROR(session.Stage(backend_, exposure));  // across processes: before the matmuls (Stage)
   if (matmul_) FICCO_RETURN_IF_ERROR(mm_.Run(backend_, a_.x, SourceBlock(r), a_.out, r, 0, a_.layout.rows));
-  std::vector<std::vector<Event>> landed(config_.n() - 1, std::vector<Event>(config_.chunks));
+  Landed landed(config_.n() - 1, std::vector<Ready>(config_.chunks));
   // From the first enqueued transfer on, a failure must not return before XLA's stream waits for
   // what was enqueued: XLA frees this call's buffers with the error (AwaitLanded).
   ffi::Error moved = config_.push ? Push(session, ready, &landed) : Pull(session, exposure, ready, &landed);
@@ -97,6 +135,44 @@ ffi::Error Gather::Run(CallSession& session) {
   if (moved.success() && matmul_) moved = Consume(landed);
   if (moved.failure()) return AwaitLanded(backend_, config_, landed, std::move(moved));
   return JoinAndRelease(backend_, config_, session);
+}
+
+// The sends enqueue first (each after its target freed its slot), then our own block's matmul, then
+// the landed blocks: where `received` is a result they are copied into it (CopyOutSymmetric), and the
+// matmuls read them where they landed; once nothing reads the slots any more they are released.
+ffi::Error Gather::RunSymmetric(CallSession& session) {
+  std::shared_ptr<SymmetricSite> site;
+  FICCO_RETURN_IF_ERROR(session.SymmetricSiteOf(backend_, a_.layout.Block(), &site));
+  const SymmetricCall symmetric(config_, std::move(site), Marks() == LandedEvents::kPerChunk);
+  FICCO_RETURN_IF_ERROR(symmetric.Begin(backend_));
+  // x is valid, and this call's epoch counted, from `ready`: the copy streams start there.
+  Event ready;
+  FICCO_RETURN_IF_ERROR(backend_.Record(Backend::kCompute, &ready));
+  Landed pushed(config_.n() - 1, std::vector<Ready>(config_.chunks));
+  ffi::Error moved = SendSymmetric(symmetric, ready, &pushed);
+  if (moved.success() && matmul_) moved = mm_.Run(backend_, a_.x, SourceBlock(config_.rank), a_.out, config_.rank, 0, a_.layout.rows);
+  if (moved.success()) moved = CopyOwnBlock(ready);
+  const Landed landed = SymmetricLanded(config_, symmetric);
+  std::vector<Event> copied;
+  if (moved.success() && ReceivedIsRead()) {
+    moved = CopyOutSymmetric(backend_, config_, symmetric, ready, landed, a_.layout, a_.received,
+                             [&](int slot) { return config_.SourceOfSlot(slot); }, &copied);
+  }
+  if (moved.success() && matmul_) moved = Consume(landed, &symmetric);
+  moved = ReleaseSymmetric(backend_, symmetric, copied, std::move(moved));
+  if (moved.failure()) return AwaitLanded(backend_, config_, pushed, std::move(moved));
+  return JoinAndRelease(backend_, config_, session, &symmetric);
+}
+
+// Sender: our block for the peer t = r+1+s into t's slot s of the site, chunk by chunk.
+ffi::Error Gather::SendSymmetric(const SymmetricCall& symmetric, Event ready, Landed* pushed) {
+  return PushSymmetric(backend_, config_, symmetric, ready, [&](int, int64_t) { return Ready(ready); },
+                       ReadyMarks::kPerSlot,
+                       [&](int stream, int target, const Post&, int slot, int64_t j, int64_t count) {
+                         return CopyBlockChunks(backend_, config_, a_.layout, stream, a_.x, SourceBlock(target),
+                                                symmetric.Destination(slot), 0, j, count);
+                       },
+                       Marks(), pushed);
 }
 
 // Our own block of `received` goes last on the last copy stream: the copy is only needed by the
@@ -116,8 +192,7 @@ ffi::Error Gather::CopyOwnBlock(Event ready) {
 
 // Puller: peers by ring distance (r-1 first); peer p's block for us (x_p's only block, or x_p[r])
 // lands chunk by chunk in received[p], once this device entered the call (`entry`, our `ready`).
-ffi::Error Gather::Pull(CallSession& session, const Exposure& exposure, Event entry,
-                        std::vector<std::vector<Event>>* landed) {
+ffi::Error Gather::Pull(CallSession& session, const Exposure& exposure, Event entry, Landed* landed) {
   std::vector<Post> posts;
   FICCO_RETURN_IF_ERROR(session.Exchange(backend_, exposure, &posts));
   return PullChunks(
@@ -132,8 +207,8 @@ ffi::Error Gather::Pull(CallSession& session, const Exposure& exposure, Event en
 
 // Sender: our block for the peer t = r+1+s, chunk by chunk, into block r of its `received`, once t
 // entered the call (its `ready` doubles as entry) and x is valid (our `ready`).
-ffi::Error Gather::Push(CallSession& session, Event ready, std::vector<std::vector<Event>>* landed) {
-  auto push = [&](const std::vector<Post>& targets, std::vector<std::vector<Event>>* pushed) {
+ffi::Error Gather::Push(CallSession& session, Event ready, Landed* landed) {
+  auto push = [&](const std::vector<Post>& targets, Landed* pushed) {
     return PushChunks(backend_, config_, targets, [&](int, int64_t) { return Ready(ready); }, ReadyMarks::kPerSlot,
                       [&](int stream, int target, const Post& post, int, int64_t j, int64_t count) {
                         return CopyBlockChunks(backend_, config_, a_.layout, stream, a_.x, SourceBlock(target),
@@ -146,19 +221,22 @@ ffi::Error Gather::Push(CallSession& session, Event ready, std::vector<std::vect
 
 // Compute stream: the matmuls of every landed chunk, peers in pull order (gemm=grouped: one per
 // peer block once all of its chunks landed).
-ffi::Error Gather::Consume(const std::vector<std::vector<Event>>& landed) {
+ffi::Error Gather::Consume(const Landed& landed, const SymmetricCall* symmetric) {
   const int64_t q = a_.layout.rows / config_.chunks;
-  Event waited = nullptr;
+  Ready waited;
   for (int slot = 0; slot < config_.n() - 1; ++slot) {
     const int peer = config_.SourceOfSlot(slot);
+    // The block: `received`'s block of that peer, or the one block of its slot of the site.
+    const void* in = symmetric != nullptr ? symmetric->Landing(slot) : a_.received;
+    const int64_t in_block = symmetric != nullptr ? 0 : peer;
     for (int64_t j = 0; j < config_.chunks; ++j) {
-      FICCO_RETURN_IF_ERROR(WaitOnce(backend_, Backend::kCompute, landed[slot][j], &waited));
+      FICCO_RETURN_IF_ERROR(WaitOnce(backend_, config_, Backend::kCompute, landed[slot][j], &waited, peer, "landed"));
       if (config_.gemm == GemmMode::kPerChunk) {
-        FICCO_RETURN_IF_ERROR(mm_.Run(backend_, a_.received, peer, a_.out, peer, j * q, q));
+        FICCO_RETURN_IF_ERROR(mm_.Run(backend_, in, in_block, a_.out, peer, j * q, q));
       }
     }
     if (config_.gemm == GemmMode::kGrouped) {
-      FICCO_RETURN_IF_ERROR(mm_.Run(backend_, a_.received, peer, a_.out, peer, 0, a_.layout.rows));
+      FICCO_RETURN_IF_ERROR(mm_.Run(backend_, in, in_block, a_.out, peer, 0, a_.layout.rows));
     }
   }
   return ffi::Error::Success();

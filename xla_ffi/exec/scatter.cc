@@ -12,7 +12,7 @@ namespace {
 class Scatter {
  public:
   Scatter(Backend& backend, const OpConfig& config, const ScatterArgs& a)
-      : backend_(backend), config_(config), a_(a), matmul_(a.w != nullptr), reduce_(a.recv != nullptr),
+      : backend_(backend), config_(config), a_(a), matmul_(a.w != nullptr), reduce_(a.recv != nullptr), recv_(a.recv),
         layout_{a.groups, a.rows, a.cols * static_cast<int64_t>(ByteWidth(a.types.c))},
         mm_{{a.groups, a.rows, a.inner * static_cast<int64_t>(ByteWidth(a.types.a))}, layout_, a.w, a.inner, a.cols,
             a.types} {}
@@ -20,19 +20,22 @@ class Scatter {
   ffi::Error Run(CallSession& session);
 
  private:
+  // transfer=symmetric (runtime/symmetric.h): pushes into the peers' slots of the site, no meeting.
+  ffi::Error RunSymmetric(CallSession& session);
+  ffi::Error SendSymmetric(const SymmetricCall& symmetric, const void* send, Event entry,
+                           const std::vector<Event>& exposed, Landed* pushed);
   // Where the peer of slot `slot` (rank `peer`) sends its block for us: a reduce's receive slot,
   // else our output's block of that rank.
   void* Landing() const { return reduce_ ? a_.recv : a_.out; }
   int64_t LandingBlock(int slot, int peer) const { return reduce_ ? slot : peer; }
   ffi::Error Produce(CallSession& session, void* send, std::vector<Event>* written);
   ffi::Error Pull(CallSession& session, const void* send, Event entry, const std::vector<Event>& exposed,
-                  std::vector<std::vector<Event>>* landed);
+                  Landed* landed);
   ffi::Error Push(CallSession& session, const void* send, Event entry, const std::vector<Event>& exposed,
-                  std::vector<std::vector<Event>>* landed);
-  ffi::Error ReduceChunks(const std::vector<std::vector<Event>>& landed);
-  ffi::Error SumInMatmuls(const std::vector<std::vector<Event>>& landed);
-  ffi::Error AwaitChunks(const std::vector<std::vector<Event>>& landed, int first_slot, int end_slot, int64_t first,
-                         int64_t end);
+                  Landed* landed);
+  ffi::Error ReduceChunks(const Landed& landed);
+  ffi::Error SumInMatmuls(const Landed& landed);
+  ffi::Error AwaitChunks(const Landed& landed, int first_slot, int end_slot, int64_t first, int64_t end);
   // Enqueues chunks [j, j + count) of block `src_block` of `src` into block `dst_block` of `dst`: row
   // chunks (CopyBlockChunks), or column chunks, each row's piece of them in one 2D copy.
   ffi::Error CopyChunks(int stream, const void* src, int64_t src_block, void* dst, int64_t dst_block, int64_t j,
@@ -70,11 +73,15 @@ class Scatter {
   const ScatterArgs& a_;
   const bool matmul_;
   const bool reduce_;
+  // Where a reduce reads the received partials, slot-major [n-1, rows, cols]: a_.recv, or a
+  // symmetric site's slots, where they landed.
+  const void* recv_;
   const BlockLayout layout_;
   const BlockMatmul mm_;
 };
 
 ffi::Error Scatter::Run(CallSession& session) {
+  if (config_.symmetric) return RunSymmetric(session);
   // `entry`, this call's start on XLA's stream, opens our landing buffer to the copies that write
   // it, before our matmuls: the peers' pushes, or our own pulls. Owner: the matmuls expose their
   // send slots (one event per chunk); reduce_scatter exposes y, valid from `entry`. Across
@@ -91,7 +98,7 @@ ffi::Error Scatter::Run(CallSession& session) {
   } else {
     exposed.assign((config_.n() - 1) * config_.chunks, entry);
   }
-  std::vector<std::vector<Event>> landed(config_.n() - 1, std::vector<Event>(config_.chunks));
+  Landed landed(config_.n() - 1, std::vector<Ready>(config_.chunks));
   // From the first enqueued transfer on, a failure must not return before XLA's stream waits for
   // what was enqueued: XLA frees this call's buffers with the error (AwaitLanded).
   ffi::Error moved = config_.push ? Push(session, send, entry, exposed, &landed)
@@ -99,6 +106,53 @@ ffi::Error Scatter::Run(CallSession& session) {
   if (moved.success() && reduce_) moved = SumsInMatmuls() ? SumInMatmuls(landed) : ReduceChunks(landed);
   if (moved.failure()) return AwaitLanded(backend_, config_, landed, std::move(moved));
   return JoinAndRelease(backend_, config_, session);
+}
+
+// The partials are computed into XLA's `send` as before, and each send chunk moves, once written,
+// into its target's slot of the site; a reduce then sums where the partials landed, and the other
+// ops (matmul_a2a) copy them into their result (CopyOutSymmetric). Once nothing reads the slots any
+// more they are released.
+ffi::Error Scatter::RunSymmetric(CallSession& session) {
+  std::shared_ptr<SymmetricSite> site;
+  FICCO_RETURN_IF_ERROR(session.SymmetricSiteOf(backend_, layout_.Block(), &site));
+  const SymmetricCall symmetric(config_, std::move(site), Marks() == LandedEvents::kPerChunk);
+  FICCO_RETURN_IF_ERROR(symmetric.Begin(backend_));
+  // y is valid, and this call's epoch counted, from `entry`: the copy streams start there.
+  Event entry;
+  FICCO_RETURN_IF_ERROR(backend_.Record(Backend::kCompute, &entry));
+  std::vector<Event> exposed;
+  if (matmul_) {
+    FICCO_RETURN_IF_ERROR(Produce(session, a_.send, &exposed));
+  } else {
+    exposed.assign((config_.n() - 1) * config_.chunks, entry);
+  }
+  Landed pushed(config_.n() - 1, std::vector<Ready>(config_.chunks));
+  ffi::Error moved = SendSymmetric(symmetric, a_.send, entry, exposed, &pushed);
+  const Landed landed = SymmetricLanded(config_, symmetric);
+  std::vector<Event> copied;
+  if (moved.success() && reduce_) {
+    recv_ = symmetric.Landing(0);
+    moved = SumsInMatmuls() ? SumInMatmuls(landed) : ReduceChunks(landed);
+  } else if (moved.success()) {
+    moved = CopyOutSymmetric(backend_, config_, symmetric, entry, landed, layout_, a_.out,
+                             [&](int slot) { return config_.SourceOfSlot(slot); }, &copied);
+  }
+  moved = ReleaseSymmetric(backend_, symmetric, copied, std::move(moved));
+  if (moved.failure()) return AwaitLanded(backend_, config_, pushed, std::move(moved));
+  return JoinAndRelease(backend_, config_, session, &symmetric);
+}
+
+// Sender: to the peer t = r+1+s its block — our send slot s, or block t of y — into t's slot s of
+// the site, chunk by chunk once each is written.
+ffi::Error Scatter::SendSymmetric(const SymmetricCall& symmetric, const void* send, Event entry,
+                                  const std::vector<Event>& exposed, Landed* pushed) {
+  return PushSymmetric(backend_, config_, symmetric, entry,
+                       [&](int slot, int64_t j) { return Ready(exposed[slot * config_.chunks + j]); }, Readiness(),
+                       [&](int stream, int target, const Post&, int slot, int64_t j, int64_t count) {
+                         return CopyChunks(stream, matmul_ ? send : a_.y, matmul_ ? slot : target,
+                                           symmetric.Destination(slot), 0, j, count);
+                       },
+                       Marks(), pushed);
 }
 
 // Compute stream, before the exchange: the block for each peer (in the order that peer pulls
@@ -137,7 +191,7 @@ ffi::Error Scatter::Produce(CallSession& session, void* send, std::vector<Event>
 // Puller: from peer p = r-1-s its block for us, p's send slot s (or block r of p's y), chunk by
 // chunk once each is written, into our landing buffer once we entered the call (`entry`).
 ffi::Error Scatter::Pull(CallSession& session, const void* send, Event entry, const std::vector<Event>& exposed,
-                         std::vector<std::vector<Event>>* landed) {
+                         Landed* landed) {
   // Peers read send's n-1 blocks (SendPieces), or y's other blocks.
   const int n = config_.n();
   const Exposure exposure = matmul_ ? Exposure{send, (n - 1) * layout_.Block(), SendPieces(), exposed}
@@ -158,8 +212,8 @@ ffi::Error Scatter::Pull(CallSession& session, const void* send, Event entry, co
 // Sender: to the peer t = r+1+s its block — our send slot s, or block t of y — into t's landing
 // buffer (t's receive slot s is fed by t-1-s = r), chunk by chunk once each is written.
 ffi::Error Scatter::Push(CallSession& session, const void* send, Event entry, const std::vector<Event>& exposed,
-                         std::vector<std::vector<Event>>* landed) {
-  auto push = [&](const std::vector<Post>& targets, std::vector<std::vector<Event>>* pushed) {
+                         Landed* landed) {
+  auto push = [&](const std::vector<Post>& targets, Landed* pushed) {
     return PushChunks(backend_, config_, targets,
                       [&](int slot, int64_t j) { return Ready(exposed[slot * config_.chunks + j]); }, Readiness(),
                       [&](int stream, int target, const Post& post, int slot, int64_t j, int64_t count) {
@@ -184,12 +238,12 @@ ffi::Error Scatter::CopyChunks(int stream, const void* src, int64_t src_block, v
 
 // XLA's stream waits until chunks [first, end) of receive slots [first_slot, end_slot) have landed
 // (each distinct event once: a slot's chunks may share one, call_session.h).
-ffi::Error Scatter::AwaitChunks(const std::vector<std::vector<Event>>& landed, int first_slot, int end_slot,
-                                int64_t first, int64_t end) {
+ffi::Error Scatter::AwaitChunks(const Landed& landed, int first_slot, int end_slot, int64_t first, int64_t end) {
   for (int slot = first_slot; slot < end_slot; ++slot) {
-    Event waited = nullptr;
+    Ready waited;
     for (int64_t j = first; j < end; ++j) {
-      FICCO_RETURN_IF_ERROR(WaitOnce(backend_, Backend::kCompute, landed[slot][j], &waited));
+      FICCO_RETURN_IF_ERROR(WaitOnce(backend_, config_, Backend::kCompute, landed[slot][j], &waited,
+                                     config_.SourceOfSlot(slot), "landed"));
     }
   }
   return ffi::Error::Success();
@@ -197,7 +251,7 @@ ffi::Error Scatter::AwaitChunks(const std::vector<std::vector<Event>>& landed, i
 
 // Compute stream after the transfers: out[chunk] = own[chunk] + sum over slots of recv[slot][chunk].
 // matmul_rs with gemm=grouped reduces the whole block once after every chunk has landed.
-ffi::Error Scatter::ReduceChunks(const std::vector<std::vector<Event>>& landed) {
+ffi::Error Scatter::ReduceChunks(const Landed& landed) {
   const int64_t esize = static_cast<int64_t>(ByteWidth(a_.types.c));
   const void* own = matmul_ ? static_cast<const void*>(a_.out) : Offset(a_.y, config_.rank * layout_.Block());
   const int64_t block_elems = a_.rows * a_.cols;
@@ -208,7 +262,7 @@ ffi::Error Scatter::ReduceChunks(const std::vector<std::vector<Event>>& landed) 
     FICCO_RETURN_IF_ERROR(AwaitChunks(landed, 0, config_.n() - 1, piece * chunks_per_piece,
                                       (piece + 1) * chunks_per_piece));
     const int64_t offset = piece * piece_elems * esize;
-    FICCO_RETURN_IF_ERROR(backend_.Reduce({Offset(a_.out, offset), Offset(own, offset), Offset(a_.recv, offset),
+    FICCO_RETURN_IF_ERROR(backend_.Reduce({Offset(a_.out, offset), Offset(own, offset), Offset(recv_, offset),
                                            block_elems, config_.n() - 1, piece_elems, a_.types.c}));
   }
   return ffi::Error::Success();
@@ -223,7 +277,7 @@ ffi::Error Scatter::ReduceChunks(const std::vector<std::vector<Event>>& landed) 
 // per chunk, keep the own block's matmuls large. gemm=columns: the halves are the block's left and
 // right columns, and on more than two devices the other slots' partials are summed once, after both
 // (their column halves are not contiguous).
-ffi::Error Scatter::SumInMatmuls(const std::vector<std::vector<Event>>& landed) {
+ffi::Error Scatter::SumInMatmuls(const Landed& landed) {
   const int64_t q = a_.rows / config_.chunks;
   const int64_t esize = static_cast<int64_t>(ByteWidth(a_.types.c));
   const int64_t block_elems = a_.rows * a_.cols;
@@ -232,19 +286,19 @@ ffi::Error Scatter::SumInMatmuls(const std::vector<std::vector<Event>>& landed) 
     const int64_t first = bounds[half], end = bounds[half + 1];
     FICCO_RETURN_IF_ERROR(AwaitChunks(landed, 0, 1, first, end));  // the matmul adds slot 0 only
     FICCO_RETURN_IF_ERROR(Columns() ? mm_.RunColumns(backend_, a_.y, config_.rank, a_.out, 0, 0, a_.rows,
-                                                     first * ChunkCols(), (end - first) * ChunkCols(), a_.recv, 0)
+                                                     first * ChunkCols(), (end - first) * ChunkCols(), recv_, 0)
                                     : mm_.Run(backend_, a_.y, config_.rank, a_.out, 0, first * q, (end - first) * q,
-                                              a_.recv, 0));
+                                              recv_, 0));
     if (config_.n() == 2 || Columns()) continue;
     FICCO_RETURN_IF_ERROR(AwaitChunks(landed, 1, config_.n() - 1, first, end));
     const int64_t offset = first * q * a_.cols * esize;
     FICCO_RETURN_IF_ERROR(backend_.Reduce({Offset(a_.out, offset), Offset(a_.out, offset),
-                                           Offset(a_.recv, block_elems * esize + offset), block_elems,
+                                           Offset(recv_, block_elems * esize + offset), block_elems,
                                            config_.n() - 2, (end - first) * q * a_.cols, a_.types.c}));
   }
   if (config_.n() == 2 || !Columns()) return ffi::Error::Success();
   FICCO_RETURN_IF_ERROR(AwaitChunks(landed, 1, config_.n() - 1, 0, config_.chunks));
-  return backend_.Reduce({a_.out, a_.out, Offset(a_.recv, block_elems * esize), block_elems, config_.n() - 2,
+  return backend_.Reduce({a_.out, a_.out, Offset(recv_, block_elems * esize), block_elems, config_.n() - 2,
                           block_elems, a_.types.c});
 }
 

@@ -37,7 +37,7 @@ ffi::Error DecodeConfig(const OpAttrs& attrs, const char* target, int32_t device
                                 "not match the devices it runs on");
   }
   if (attrs.chunks < 1 || attrs.copy_streams < 1 || (attrs.order != 0 && attrs.order != 1) ||
-      (attrs.gemm < 0 || attrs.gemm > 2) || (attrs.transfer != 0 && attrs.transfer != 1) || attrs.timeout_ms < 0 ||
+      (attrs.gemm < 0 || attrs.gemm > 2) || (attrs.transfer < 0 || attrs.transfer > 2) || attrs.timeout_ms < 0 ||
       attrs.watchdog_ms < 0 || (attrs.w_col_major != 0 && attrs.w_col_major != 1) || attrs.channel_bytes < 0) {
     return MakeInvalid(ctx, "bad schedule attributes: chunks=" + std::to_string(attrs.chunks) +
                                 " order=" + std::to_string(attrs.order) + " gemm=" + std::to_string(attrs.gemm) +
@@ -60,6 +60,7 @@ ffi::Error DecodeConfig(const OpAttrs& attrs, const char* target, int32_t device
   config->site = attrs.site;
   config->skip_own_rows = attrs.skip_own_rows != 0;
   config->push = attrs.transfer == 1;
+  config->symmetric = attrs.transfer == 2;
   config->w_col_major = attrs.w_col_major == 1;
   config->channel_bytes = attrs.channel_bytes;
   return ffi::Error::Success();

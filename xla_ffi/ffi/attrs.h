@@ -31,7 +31,9 @@ struct OpAttrs {
   // residual): this device's own rows / block are then not copied in (the matmuls read them from x);
   // the peers' rows still land there.
   int64_t skip_own_rows;
-  int64_t transfer;               // 0 pull (the receiver's copy streams read), 1 push (the sender's write)
+  // 0 pull (the receiver's copy streams read), 1 push (the sender's write into the peers' buffers),
+  // 2 symmetric (the sender's write into the peers' slots of the site: runtime/symmetric.h)
+  int64_t transfer;
   // 1: the matmul's w is column-major ([N, K] in memory for w [K, N]; per expert for [E, K, N]), as
   // a transpose of a row-major array is laid out; always for FP8. 0 for the collectives.
   int64_t w_col_major;

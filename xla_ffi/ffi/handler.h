@@ -11,12 +11,18 @@
 //
 // The entries are not marked command-buffer compatible: a call that meets its group must meet at
 // every execution, and every call registers its watch and counts its calls on the host (a channel's
-// words hold per-call values), all of which a captured CUDA graph would skip.
+// words hold per-call values), all of which a captured CUDA graph would skip. Each target has a
+// second CUDA entry that is, for the calls of transfer=symmetric (the lowering names the target
+// <name>_symmetric): they meet nobody after their site's first call, their devices count and compare
+// everything (runtime/symmetric.h), and the watchdog reads what the devices post, so a replay without
+// the handler runs as a call would. XLA calls such a handler under stream capture whenever it
+// records the call again (its buffers moved); device/gemm.h and CaptureRelaxed say what then differs.
 #ifndef FICCO_JAX_XLA_FFI_FFI_HANDLER_H_
 #define FICCO_JAX_XLA_FFI_FFI_HANDLER_H_
 
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <type_traits>
 #include <utility>
 
@@ -83,9 +89,10 @@ struct CudaPlatform {
   static constexpr double kSpinSeconds = 100e-6;
   cudaStream_t stream;
   std::unique_ptr<Backend> MakeBackend(const OpConfig& config) const {
-    // A group across processes records interprocess events: peers in other processes wait on them.
+    // A group across processes records interprocess events: peers in other processes wait on them
+    // (not on a symmetric call's: its peers read the site's words).
     return MakeCudaBackend(config.ctx, Registry::Get().Device(config.ctx.device_ordinal).cuda(), stream,
-                           /*interprocess_events=*/config.cross_process());
+                           /*interprocess_events=*/config.cross_process() && !config.symmetric);
   }
 };
 #endif
@@ -110,13 +117,17 @@ struct Target {
                            Attrs attrs) {
     return Run(CudaPlatform{stream}, ordinal, run, attrs, Operands::Get(operands)...);
   }
+  static auto CudaBinding() {
+    return BindSteps<Operands..., AttrsOf<Attrs>>::To(
+        ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>().Ctx<ffi::RunId>());
+  }
   static XLA_FFI_Error* CudaEntry(XLA_FFI_CallFrame* frame) {
-    static auto* handler = BindSteps<Operands..., AttrsOf<Attrs>>::To(ffi::Ffi::Bind()
-                                                                          .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                                                          .Ctx<ffi::DeviceOrdinal>()
-                                                                          .Ctx<ffi::RunId>())
-                               .To(OnCuda)
-                               .release();
+    static auto* handler = CudaBinding().To(OnCuda).release();
+    return handler->Call(frame);
+  }
+  // The same handler, marked command-buffer compatible: for transfer=symmetric calls only.
+  static XLA_FFI_Error* CudaSymmetricEntry(XLA_FFI_CallFrame* frame) {
+    static auto* handler = CudaBinding().To(OnCuda, {ffi::Traits::kCmdBufferCompatible}).release();
     return handler->Call(frame);
   }
 #endif
@@ -134,8 +145,12 @@ struct Target {
       if constexpr (std::is_same_v<Attrs, OpAttrs>) {  // a test's armed fault (none in a measurement)
         backend = Registry::Get().faults().Apply(std::move(backend), config);
       }
-      CallWatch watch(*backend, config);
-      config.watch = &watch;
+      // A symmetric call's site is watched instead (runtime/symmetric.h): a replayed call registers nothing.
+      std::optional<CallWatch> watch;
+      if (!config.symmetric) {
+        watch.emplace(*backend, config);
+        config.watch = &*watch;
+      }
       // Something thrown inside the op is its error too: the watch and the channel below still hear of it.
       ffi::Error result = Guard(kName, [&]() -> ffi::Error {
         if constexpr (std::is_same_v<Attrs, OpAttrs>) {
@@ -144,13 +159,17 @@ struct Target {
           return kImpl(*backend, config, attrs, buffers...);
         }
       });
-      watch.Finish(*backend);
+      if (watch) watch->Finish(*backend);
       if (result.failure()) {
         std::fprintf(stderr, "%s\n", result.message().c_str());
         // Its peers may wait for words this call never set: the group starts over on a new generation
-        // of its channel (runtime/channel.h).
+        // of its channel (runtime/channel.h); a symmetric site's counters may be out of step for good.
         Channel* channel = config.cross_process() ? nullptr : Registry::Get().channels().Find(config.group);
         if (channel != nullptr) channel->Retire(config.run_id, config.rank, result.message());
+        if (config.symmetric) {
+          std::shared_ptr<SymmetricSite> site = Registry::Get().symmetric().Find(config.ctx.op_id, config.group);
+          if (site != nullptr) site->Fail(config.rank, result.message());
+        }
       }
       return result;
     });

@@ -14,6 +14,8 @@
 //   ficco_contention_probe a [M, K], w [K, N], x [m, ...] -> out [M, N], gathered [n*m, ...]
 #include "ffi/targets.h"
 
+#include <type_traits>
+
 #include "ffi/handler.h"
 #include "ffi/ops.h"
 
@@ -34,10 +36,12 @@ using ContentionProbe = Target<kContentionProbeTarget, &ContentionProbeImpl, Pro
 
 template <typename T>
 TargetEntries EntriesOf() {
+  // The probe meets its group at every call: it has no symmetric form.
+  constexpr bool symmetric = !std::is_same_v<T, ContentionProbe>;
 #ifdef FICCO_WITH_CUDA
-  return {T::name, &T::CpuEntry, &T::CudaEntry};
+  return {T::name, &T::CpuEntry, &T::CudaEntry, symmetric, symmetric ? &T::CudaSymmetricEntry : nullptr};
 #else
-  return {T::name, &T::CpuEntry, nullptr};
+  return {T::name, &T::CpuEntry, nullptr, symmetric, nullptr};
 #endif
 }
 

@@ -13,7 +13,9 @@ using FfiEntry = XLA_FFI_Error* (*)(XLA_FFI_CallFrame*);
 struct TargetEntries {
   const char* name;
   FfiEntry cpu;
-  FfiEntry cuda;  // nullptr without the CUDA build
+  FfiEntry cuda;            // nullptr without the CUDA build
+  bool symmetric;           // has a transfer=symmetric form, registered as <name>_symmetric
+  FfiEntry cuda_symmetric;  // its CUDA entry, marked command-buffer compatible (ffi/handler.h); nullptr without CUDA
 };
 
 const std::vector<TargetEntries>& Targets();

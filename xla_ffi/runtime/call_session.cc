@@ -37,6 +37,20 @@ ffi::Error WaitPeerWord(Backend& backend, const OpConfig& config, int stream, co
                                             ") within " + ShortNumber(config.timeout_s) + " s");
 }
 
+// `stream` waits until `word`, posted by rank `peer`'s device, equals this call's `epoch` (a symmetric
+// site's). A CPU backend that gave up returns an error naming the peer, the word and the call.
+ffi::Error WaitPeerCounter(Backend& backend, const OpConfig& config, int stream, const uint32_t* word,
+                           const uint32_t* epoch, int peer, const char* what) {
+  ffi::Error status = backend.WaitCounter(stream, word, epoch, 0);
+  if (status.success() || status.message() != kWordTimedOut) return status;
+  return MissingPeerError(config, peer, std::string("did not post its '") + what + "' counter of call " +
+                                            std::to_string(ReadWord(epoch)) + " of this symmetric site (it holds " +
+                                            std::to_string(ReadWord(word)) + ") within " +
+                                            ShortNumber(config.timeout_s) + " s",
+                          "; a peer failed, or runs another copy-engine call: the devices of a group must run "
+                          "the same calls in the same order");
+}
+
 // Waits on the host until peer `peer`'s host has enqueued what `counter` counts up to call `call`
 // (runtime/channel.h says why), spinning for config.spin_s, then sleeping, at most config.timeout_s.
 ffi::Error WaitForPeerHost(const OpConfig& config, const std::atomic<uint32_t>& counter, uint32_t call, int peer,
@@ -64,6 +78,15 @@ ffi::Error WaitForPeerHost(const OpConfig& config, const std::atomic<uint32_t>& 
 }
 }  // namespace
 
+ffi::Error WaitOnce(Backend& backend, const OpConfig& config, int stream, const Ready& ready, Ready* waited,
+                    int peer, const char* what) {
+  if (ready.Same(*waited)) return ffi::Error::Success();
+  *waited = ready;
+  if (ready.word == nullptr) return backend.Wait(stream, ready.event);
+  if (ready.epoch != nullptr) return WaitPeerCounter(backend, config, stream, ready.word, ready.epoch, peer, what);
+  return WaitPeerWord(backend, config, stream, ready.word, ready.value, peer, what);
+}
+
 std::vector<int> OpConfig::LocalOrdinals() const {
   std::vector<int> local;
   for (int ordinal : group_local) {
@@ -74,7 +97,8 @@ std::vector<int> OpConfig::LocalOrdinals() const {
 
 CallSession::CallSession(const OpConfig& config, std::vector<int64_t> signature)
     : config_(config), signature_(std::move(signature)) {
-  signature_.push_back(config.push ? 1 : 0);  // a group mixing pull and push is an error, not a hang
+  // A group mixing pull, push and symmetric calls is an error, not a hang.
+  signature_.push_back(config.symmetric ? 2 : config.push ? 1 : 0);
   occurrence_ = Registry::Get().Device(config.ctx.device_ordinal).NextOccurrence(config.run_id, config.ctx.op_id);
 }
 
@@ -236,7 +260,8 @@ ffi::Error CallSession::MeetAt(const RendezvousKey& key, Phase phase, Post post,
 }
 
 ffi::Error CallSession::EnterChannel(Backend& backend, int64_t bytes, int64_t pieces) {
-  if (config_.cross_process() || config_.push || config_.n() < 2 || bytes <= 0 || bytes > config_.channel_bytes ||
+  if (config_.cross_process() || config_.push || config_.symmetric || config_.n() < 2 || bytes <= 0 ||
+      bytes > config_.channel_bytes ||
       pieces > kChannelMaxPieces) {
     return ffi::Error::Success();
   }
@@ -299,6 +324,44 @@ ffi::Error CallSession::SetUpChannel(Backend& backend, Channel& channel, int64_t
   std::vector<Post> posts;
   FICCO_RETURN_IF_ERROR(MeetAt(key, Phase::kSetup, std::move(post), &posts));
   *generation = channel.Install(number, capacity, posts);
+  return ffi::Error::Success();
+}
+
+// The site's allocations are made and exchanged in one meeting at its first call on each device (keyed
+// by this launch: a setup that failed on some rank is tried again, afresh, at the next launch); the
+// signature compared there covers the shapes, dtypes and schedule, hence the slots' size and chunks.
+ffi::Error CallSession::SymmetricSiteOf(Backend& backend, int64_t slot_bytes, std::shared_ptr<SymmetricSite>* out) {
+  SymmetricSites& sites = Registry::Get().symmetric();
+  std::shared_ptr<SymmetricSite> site = sites.Find(config_.ctx.op_id, config_.group);
+  if (site == nullptr || site->WatchOf(config_.rank).started == nullptr) {
+    const int64_t bytes = SymmetricSite::Bytes(config_.n(), config_.chunks, slot_bytes);
+    void* region = nullptr;
+    FICCO_RETURN_IF_ERROR(backend.AllocateRegion(bytes, &region));
+    if (config_.cross_process()) FICCO_RETURN_IF_ERROR(ExportRegion(config_, region, static_cast<uint64_t>(bytes)));
+    uint32_t* watch = nullptr;  // started, finished
+    FICCO_RETURN_IF_ERROR(backend.AllocateWords(2, &watch));
+    const RendezvousKey key{config_.run_id, config_.ctx.op_id, -1, Phase::kSymmetric, config_.group_index};
+    std::vector<Post> posts;
+    FICCO_RETURN_IF_ERROR(MeetAt(key, Phase::kSymmetric, Post{config_.ctx.device_ordinal, signature_, region, {}}, &posts));
+    std::vector<char*> bases;
+    for (const Post& post : posts) bases.push_back(static_cast<char*>(const_cast<void*>(post.buffer)));
+    site = sites.Install(config_.ctx.op_id, config_.group, config_.chunks, slot_bytes, std::move(bases));
+    site->SetWatch(config_.rank, {watch, watch + 1});
+    if (config_.watchdog_s > 0) Registry::Get().watchdog().WatchSite(config_, site, watch, watch + 1);
+  }
+  const std::string failed = site->Failed();
+  if (!failed.empty()) {
+    return MakeError(config_.ctx, "an earlier call of this copy-engine site failed in this process (" + failed +
+                                      "); the group's counters may be out of step, so the site cannot run again "
+                                      "here: restart the process");
+  }
+  if (site->slot_bytes() != slot_bytes || site->chunks() != config_.chunks) {
+    return MakeInvalid(config_.ctx, "the symmetric site was set up for " + std::to_string(site->chunks()) +
+                                        " chunks of " + std::to_string(site->slot_bytes()) + "-byte blocks, this "
+                                        "call moves " + std::to_string(config_.chunks) + " of " +
+                                        std::to_string(slot_bytes) + " (a bug: one op id, two shapes)");
+  }
+  *out = std::move(site);
   return ffi::Error::Success();
 }
 
@@ -373,13 +436,13 @@ ffi::Error JoinCopyStreams(Backend& backend, const OpConfig& config) {
 // failed, is null and skipped; the CPU backend's are null and need no wait). Every wait is tried,
 // even after one fails (the point is that none of the writes into this device is left unwaited);
 // the first error is returned.
-ffi::Error WaitForLanded(Backend& backend, const std::vector<std::vector<Event>>& landed) {
+ffi::Error WaitForLanded(Backend& backend, const Landed& landed) {
   ffi::Error first = ffi::Error::Success();
   Event waited = nullptr;
-  for (const std::vector<Event>& slot : landed) {
-    for (Event event : slot) {
-      if (event == nullptr) continue;
-      ffi::Error status = WaitOnce(backend, Backend::kCompute, event, &waited);
+  for (const std::vector<Ready>& slot : landed) {
+    for (const Ready& ready : slot) {
+      if (ready.event == nullptr) continue;  // (a word: what a symmetric call's peers post, not its own copies)
+      ffi::Error status = WaitOnce(backend, Backend::kCompute, ready.event, &waited);
       if (status.failure() && first.success()) first = std::move(status);
     }
   }
@@ -404,40 +467,41 @@ ffi::Error WaitForLanded(Backend& backend, const std::vector<std::vector<Event>>
 // (docs/design.md, "Copies wait for the device they write").
 ffi::Error CopyChunks(Backend& backend, const OpConfig& config, bool push, const std::vector<Post>& peers,
                       Event own_entry, const ChunkReady& source_ready, ReadyMarks readiness,
-                      const ChunkCopy& copy_chunks, LandedEvents marks, std::vector<std::vector<Event>>* recorded) {
-  std::vector<Event> waited(CopyStreamsUsed(config), nullptr);
-  std::vector<const uint32_t*> waited_word(CopyStreamsUsed(config), nullptr);
+                      const ChunkCopy& copy_chunks, LandedEvents marks, const SymmetricCall* symmetric,
+                      Landed* recorded) {
+  std::vector<Ready> waited(CopyStreamsUsed(config));
   std::vector<Event> entered(CopyStreamsUsed(config), nullptr);
   const bool whole_slots = readiness == ReadyMarks::kPerSlot && marks == LandedEvents::kPerSlot;
   const int64_t span = whole_slots ? config.chunks : 1;  // chunks per copy
   for (int slot = 0; slot < config.n() - 1; ++slot) {
     const int peer = push ? config.TargetOfSlot(slot) : config.SourceOfSlot(slot);
     const int stream = config.StreamOfSlot(slot);
-    FICCO_RETURN_IF_ERROR(WaitOnce(backend, stream, push ? peers[peer].events[0] : own_entry, &entered[stream]));
-    std::vector<Event>& marked = (*recorded)[slot];
+    // A symmetric call writes the target's slot of its site, which XLA never uses: instead of the
+    // target's entry it waits until the target has read the previous call's block from it.
+    FICCO_RETURN_IF_ERROR(
+        WaitOnce(backend, stream, push && symmetric == nullptr ? peers[peer].events[0] : own_entry, &entered[stream]));
+    if (symmetric != nullptr) FICCO_RETURN_IF_ERROR(symmetric->WaitSlotFree(backend, stream, slot));
+    std::vector<Ready>& marked = (*recorded)[slot];
     for (int64_t j = 0; j < config.chunks; j += span) {
       const int64_t end = j + span;
       ffi::Error status = ffi::Error::Success();
       for (int64_t i = j; i < end && status.success(); ++i) {
-        const Ready ready = source_ready(slot, i);
-        if (ready.word == nullptr) {
-          status = WaitOnce(backend, stream, ready.event, &waited[stream]);
-        } else if (ready.word != waited_word[stream]) {
-          waited_word[stream] = ready.word;
-          status = WaitPeerWord(backend, config, stream, ready.word, ready.value, peer, "ready");
-        }
+        status = WaitOnce(backend, config, stream, source_ready(slot, i), &waited[stream], peer, "ready");
       }
       if (status.success()) status = copy_chunks(stream, peer, peers[peer], slot, j, span);
       // The owner may overwrite its region once this device pulled everything of it.
       if (status.success() && end == config.chunks && peers[peer].done != nullptr) {
         status = backend.SetWord(stream, peers[peer].done, peers[peer].value);
       }
+      // A symmetric target learns from the site's words what landed (per chunk, or once per slot).
+      const int64_t first = marks == LandedEvents::kPerSlot ? 0 : j;
+      if (status.success() && symmetric != nullptr) status = symmetric->PostLanded(backend, stream, slot, first, end);
       // A failed chunk is marked too: whatever of the slot was enqueued before the failure must
       // still be waited for by the device it writes (AwaitLanded).
       if (status.success() && marks == LandedEvents::kPerSlot && end < config.chunks) continue;
       Event event = nullptr;
       ffi::Error recorded_status = backend.Record(stream, &event);
-      std::fill(marked.begin() + (marks == LandedEvents::kPerSlot ? 0 : j), marked.begin() + end, event);
+      std::fill(marked.begin() + first, marked.begin() + end, Ready(event));
       FICCO_RETURN_IF_ERROR(status);
       FICCO_RETURN_IF_ERROR(recorded_status);
     }
@@ -446,8 +510,7 @@ ffi::Error CopyChunks(Backend& backend, const OpConfig& config, bool push, const
 }
 }  // namespace
 
-ffi::Error AwaitLanded(Backend& backend, const OpConfig& config, const std::vector<std::vector<Event>>& landed,
-                       ffi::Error error) {
+ffi::Error AwaitLanded(Backend& backend, const OpConfig& config, const Landed& landed, ffi::Error error) {
   (void)WaitForLanded(backend, landed);  // best effort: the call fails anyway
   (void)JoinCopyStreams(backend, config);
   return error;
@@ -455,27 +518,45 @@ ffi::Error AwaitLanded(Backend& backend, const OpConfig& config, const std::vect
 
 ffi::Error PullChunks(Backend& backend, const OpConfig& config, const std::vector<Post>& owners, Event entry,
                       const ChunkReady& source_ready, ReadyMarks readiness, const ChunkCopy& copy_chunks,
-                      LandedEvents marks, std::vector<std::vector<Event>>* landed) {
+                      LandedEvents marks, Landed* landed) {
   return CopyChunks(backend, config, /*push=*/false, owners, entry, source_ready, readiness, copy_chunks, marks,
-                    landed);
+                    /*symmetric=*/nullptr, landed);
 }
 
 ffi::Error PushChunks(Backend& backend, const OpConfig& config, const std::vector<Post>& targets,
                       const ChunkReady& source_ready, ReadyMarks readiness, const ChunkCopy& copy_chunks,
-                      LandedEvents marks, std::vector<std::vector<Event>>* pushed) {
+                      LandedEvents marks, Landed* pushed) {
   return CopyChunks(backend, config, /*push=*/true, targets, /*own_entry=*/nullptr, source_ready, readiness,
-                    copy_chunks, marks, pushed);
+                    copy_chunks, marks, /*symmetric=*/nullptr, pushed);
+}
+
+ffi::Error PushSymmetric(Backend& backend, const OpConfig& config, const SymmetricCall& symmetric, Event entry,
+                         const ChunkReady& source_ready, ReadyMarks readiness, const ChunkCopy& copy_chunks,
+                         LandedEvents marks, Landed* pushed) {
+  const std::vector<Post> none(config.n());  // the destinations are the site's slots (copy_chunks knows them)
+  return CopyChunks(backend, config, /*push=*/true, none, entry, source_ready, readiness, copy_chunks, marks,
+                    &symmetric, pushed);
+}
+
+Landed SymmetricLanded(const OpConfig& config, const SymmetricCall& symmetric) {
+  Landed landed(config.n() - 1, std::vector<Ready>(config.chunks));
+  for (int slot = 0; slot < config.n() - 1; ++slot) {
+    for (int64_t j = 0; j < config.chunks; ++j) landed[slot][j] = Ready(symmetric.LandedWord(slot, j), symmetric.Epoch());
+  }
+  return landed;
 }
 
 ffi::Error CallSession::Push(Backend& backend, void* destination, Event entry, const PushFn& push, bool consumed,
-                             std::vector<std::vector<Event>>* landed) {
+                             Landed* landed) {
   std::vector<Post> posts;
   FICCO_RETURN_IF_ERROR(Meet(Phase::kExchange, destination, {entry}, &posts));  // all or none: no push yet
   const int slots = config_.n() - 1;
-  std::vector<std::vector<Event>> pushed(slots, std::vector<Event>(config_.chunks, nullptr));
+  Landed pushed(slots, std::vector<Ready>(config_.chunks));
   ffi::Error mine = push(posts, &pushed);
   std::vector<Event> flat;
-  for (const std::vector<Event>& slot : pushed) flat.insert(flat.end(), slot.begin(), slot.end());
+  for (const std::vector<Ready>& slot : pushed) {
+    for (const Ready& ready : slot) flat.push_back(ready.event);
+  }
   ffi::Error met = Meet(Phase::kPushed, mine.failure() ? &kPushFailed : nullptr, std::move(flat), &posts);
   if (met.failure()) {
     // A peer never came (stuck or gone: every failure path meets here); what it pushed is unknown.
@@ -525,11 +606,20 @@ int CopyStreamsUsed(const OpConfig& config) {
 // for work behind the peer's own next call: a deadlock — and the announcement rules that out as the
 // meeting did, without the third host meeting per call. Across processes the events are exported
 // into a bounded table (ipc_mailbox.h) and go back at a release meeting, as before.
-ffi::Error JoinAndRelease(Backend& backend, const OpConfig& config, CallSession& session) {
+ffi::Error JoinAndRelease(Backend& backend, const OpConfig& config, CallSession& session,
+                          const SymmetricCall* symmetric) {
   std::vector<Event> pulls_done(CopyStreamsUsed(config));
   for (int stream = 0; stream < static_cast<int>(pulls_done.size()); ++stream) {
     FICCO_RETURN_IF_ERROR(backend.Record(stream, &pulls_done[stream]));
     FICCO_RETURN_IF_ERROR(backend.Wait(Backend::kCompute, pulls_done[stream]));
+  }
+  if (symmetric != nullptr) {
+    // No peer waits on this call's events (its peers read the site's words), and its own streams
+    // have enqueued their waits on them: they go back to the pool at once. Nothing to meet.
+    FICCO_RETURN_IF_ERROR(symmetric->End(backend));
+    backend.ReleaseEvents();
+    backend.Pool().Release(backend.TakeReusable());
+    return ffi::Error::Success();
   }
   if (session.on_channel()) {
     // Peers read only the channel's region, which the next call's waits protect (EnterChannel), and
@@ -573,7 +663,8 @@ ffi::Error BeginCall(Backend& backend, const OpConfig& config, int64_t rows, con
     return MakeInvalid(config.ctx, std::string(what) + " = " + std::to_string(rows) +
                                        " must divide by chunks = " + std::to_string(config.chunks));
   }
-  return backend.Prepare(CopyStreamsUsed(config), config.LocalOrdinals());
+  // A symmetric call copies its results out of the site on the staging stream (exec/gather.cc).
+  return backend.Prepare(config.symmetric ? kCopyStreamSlots : CopyStreamsUsed(config), config.LocalOrdinals());
 }
 
 }  // namespace ficco

@@ -13,6 +13,7 @@
 #include "runtime/channel.h"
 #include "runtime/op_config.h"
 #include "runtime/registry.h"
+#include "runtime/symmetric.h"
 
 namespace ficco {
 
@@ -35,15 +36,25 @@ struct Exposure {
   std::vector<Event> events;
 };
 
-// What a copy waits for before it reads an owner's data: the owner's event, or, on a channel, the
-// owner's word reaching a value (Post::ready).
+// What a stream waits for before it touches data another stream or device wrote: an event; on a
+// channel, a word reaching a value (Post::ready); on a symmetric site, a word equal to this call's
+// epoch (runtime/symmetric.h), both compared on the device.
 struct Ready {
   Ready(Event event = nullptr) : event(event) {}  // NOLINT: an event is a Ready
   Ready(const uint32_t* word, uint32_t value) : word(word), value(value) {}
+  Ready(const uint32_t* word, const uint32_t* epoch) : word(word), epoch(epoch) {}
+  // The same wait: waiting for it twice on one stream changes nothing.
+  bool Same(const Ready& other) const {
+    return word != nullptr ? word == other.word : event != nullptr && event == other.event;
+  }
   Event event = nullptr;
   const uint32_t* word = nullptr;
   uint32_t value = 0;
+  const uint32_t* epoch = nullptr;
 };
+// What landed of each receive slot s, chunk j: landed[s][j] (the same Ready for every chunk of a
+// slot marked once: LandedEvents::kPerSlot).
+using Landed = std::vector<std::vector<Ready>>;
 // What event (or word) i of `post` stands for.
 inline Ready ReadyOf(const Post& post, int64_t i) {
   return post.ready.empty() ? Ready(post.events[i]) : Ready(post.ready[i], post.value);
@@ -108,9 +119,13 @@ class CallSession {
   // device's copy streams before the error returns. With `consumed` false (nothing on this device
   // reads the landed data: all_gather, all_to_all, matmul_a2a) XLA's stream waits for them on
   // success too; consumers wait per chunk (and AwaitLanded on a later error).
-  using PushFn = std::function<ffi::Error(const std::vector<Post>&, std::vector<std::vector<Event>>*)>;
+  using PushFn = std::function<ffi::Error(const std::vector<Post>&, Landed*)>;
   ffi::Error Push(Backend& backend, void* destination, Event entry, const PushFn& push, bool consumed,
-                  std::vector<std::vector<Event>>* landed);
+                  Landed* landed);
+  // transfer=symmetric: this call's site (runtime/symmetric.h) for blocks of `slot_bytes`, made in
+  // one meeting of the group at the site's first call on this device; an error where an earlier
+  // call of the site failed in this process.
+  ffi::Error SymmetricSiteOf(Backend& backend, int64_t slot_bytes, std::shared_ptr<SymmetricSite>* site);
   // Across processes, within JoinAndRelease (a no-op otherwise): once the peers' pulls_done events
   // are known, the staging stream waits for them (see call_session.cc for why).
   ffi::Error ProtectStaging(Backend& backend, const std::vector<Post>& done_posts);
@@ -151,8 +166,10 @@ int CopyStreamsUsed(const OpConfig& config);
 // The first steps of every op: `rows` (of the chunked dimension, named by `what`) must divide by
 // config.chunks, then the device's copy streams and peers.
 ffi::Error BeginCall(Backend& backend, const OpConfig& config, int64_t rows, const char* what);
-// The join and the release of the call's events that end every call (see call_session.cc).
-ffi::Error JoinAndRelease(Backend& backend, const OpConfig& config, CallSession& session);
+// The join and the release of the call's events that end every call (see call_session.cc); a
+// symmetric call's end is posted for the watchdog (runtime/symmetric.h).
+ffi::Error JoinAndRelease(Backend& backend, const OpConfig& config, CallSession& session,
+                          const SymmetricCall* symmetric = nullptr);
 // How finely the chunk loops below mark what landed: an event per chunk, for a consumer that takes
 // each chunk as it lands (per-chunk matmuls, a reduce-scatter's per-chunk sums), or one per slot,
 // recorded after its last chunk and stored for every chunk of it, for a consumer that takes a slot
@@ -174,7 +191,15 @@ using ChunkCopy =
     std::function<ffi::Error(int stream, int target, const Post& post, int slot, int64_t chunk, int64_t count)>;
 ffi::Error PushChunks(Backend& backend, const OpConfig& config, const std::vector<Post>& targets,
                       const ChunkReady& source_ready, ReadyMarks readiness, const ChunkCopy& copy_chunks,
-                      LandedEvents marks, std::vector<std::vector<Event>>* pushed);
+                      LandedEvents marks, Landed* pushed);
+// The same loop for transfer=symmetric (runtime/symmetric.h): no posts; each slot's stream waits for
+// `entry` (this call's epoch is counted, the data it sends is valid), then until the target has
+// read the previous call's block from its slot, and posts `landed` to the target after each mark.
+ffi::Error PushSymmetric(Backend& backend, const OpConfig& config, const SymmetricCall& symmetric, Event entry,
+                         const ChunkReady& source_ready, ReadyMarks readiness, const ChunkCopy& copy_chunks,
+                         LandedEvents marks, Landed* pushed);
+// The receiver's waits of a symmetric call: landed[s][j], each chunk's word equal to the epoch.
+Landed SymmetricLanded(const OpConfig& config, const SymmetricCall& symmetric);
 // The receivers' loop of every transfer=pull op, its mirror: receive slot s comes from
 // SourceOfSlot(s) on StreamOfSlot(s), after `entry` (this call's start on XLA's stream, which opens
 // this device's buffers to the copies: call_session.cc says why); chunk j after `source_ready(s, j)`
@@ -183,19 +208,21 @@ ffi::Error PushChunks(Backend& backend, const OpConfig& config, const std::vecto
 // the slot's stream then sets the owner's done word (Post::done).
 ffi::Error PullChunks(Backend& backend, const OpConfig& config, const std::vector<Post>& owners, Event entry,
                       const ChunkReady& source_ready, ReadyMarks readiness, const ChunkCopy& copy_chunks,
-                      LandedEvents marks, std::vector<std::vector<Event>>* landed);
+                      LandedEvents marks, Landed* landed);
 // On an error after transfers were enqueued: XLA's stream waits for every landed chunk (pulled by
 // this device's copy streams or pushed by its peers) and for this device's copy streams, so the
 // buffers XLA frees with the error are no longer written or read. Returns `error`.
-ffi::Error AwaitLanded(Backend& backend, const OpConfig& config, const std::vector<std::vector<Event>>& landed,
-                       ffi::Error error);
-// `stream` waits for `event` unless `*waited` (the event it waited for last, in this loop) is the
-// same: a block computed by one matmul (gemm=grouped) posts one event for all of its chunks. Within
-// a call no event is re-recorded, so the second wait would change nothing — but across processes
-// each wait on a peer's IPC event is not free: 4 x H200, one process per GPU, matmul_rs
-// [2048,8192]@[8192,28672] dma/direct/c8/grouped left XLA's stream idle ~250 us per call after its
-// matmuls, waiting for pulls that waited 24 times on 3 distinct IPC events (0.613 ms vs 0.388 in
-// one process); waiting once per distinct event: 0.437 ms, the idle time ~64 us.
+ffi::Error AwaitLanded(Backend& backend, const OpConfig& config, const Landed& landed, ffi::Error error);
+// `stream` waits for `ready` unless `*waited` (what it waited for last, in this loop) is the same: a
+// block computed by one matmul (gemm=grouped) posts one event for all of its chunks. Within a call no
+// event is re-recorded and no word changes back, so the second wait would change nothing — but
+// across processes each wait on a peer's IPC event is not free: 4 x H200, one process per GPU,
+// matmul_rs [2048,8192]@[8192,28672] dma/direct/c8/grouped left XLA's stream idle ~250 us per call
+// after its matmuls, waiting for pulls that waited 24 times on 3 distinct IPC events (0.613 ms vs
+// 0.388 in one process); waiting once per distinct event: 0.437 ms, the idle time ~64 us. A word is
+// `peer`'s (`what` names it in the error of a CPU wait that gave up).
+ffi::Error WaitOnce(Backend& backend, const OpConfig& config, int stream, const Ready& ready, Ready* waited,
+                    int peer, const char* what);
 inline ffi::Error WaitOnce(Backend& backend, int stream, Event event, Event* waited) {
   if (event != nullptr && event == *waited) return ffi::Error::Success();  // (the CPU backend's events are null)
   *waited = event;

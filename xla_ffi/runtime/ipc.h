@@ -49,6 +49,11 @@ ffi::Error MeetAcrossProcesses(const OpConfig& config, Phase phase, const Post& 
 // until IpcClose (regions grow at least twofold: the retired ones add up to less than the current).
 ffi::Error StagingBuffer(const OpConfig& config, uint64_t bytes, void** staging);
 
+// transfer=symmetric across processes: `base` (a symmetric site's allocation of `bytes`, made by
+// this device: runtime/symmetric.h) becomes exportable as the staging buffer is, so that the site's
+// setup meeting can post it.
+ffi::Error ExportRegion(const OpConfig& config, void* base, uint64_t bytes);
+
 // The error a meeting of this call's group would fail with at once because a rank gave up (a peer
 // failed or timed out earlier: the processes' calls are out of step for good), if one did.
 ffi::Error FailIfGroupGaveUp(const OpConfig& config);
@@ -96,6 +101,10 @@ inline ffi::Error MeetAcrossProcesses(const OpConfig& config, Phase, const Post&
                                  "backend reaches only the devices of its own process (use comm='xla')");
 }
 inline ffi::Error StagingBuffer(const OpConfig& config, uint64_t, void**) {
+  return MakeInvalid(config.ctx, "this group spans processes, which needs the CUDA build's IPC path; the CPU "
+                                 "backend reaches only the devices of its own process (use comm='xla')");
+}
+inline ffi::Error ExportRegion(const OpConfig& config, void*, uint64_t) {
   return MakeInvalid(config.ctx, "this group spans processes, which needs the CUDA build's IPC path; the CPU "
                                  "backend reaches only the devices of its own process (use comm='xla')");
 }

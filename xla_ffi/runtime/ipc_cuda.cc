@@ -131,8 +131,22 @@ ffi::Error GrowStaging(const CallContext& ctx, CudaResources* res, uint64_t byte
   return ffi::Error::Success();
 }
 
-// Owner: `pointer` (inside this device's current staging region: nothing else is ever exported)
-// as (export id, offset), exporting the region the first time a post refers to it.
+// The exportable region holding `p`: the current staging region or a symmetric site's allocation.
+// Caller holds res->ipc_mu.
+CudaResources::StagingRegion* ExportableRegion(CudaResources* res, const char* p) {
+  const auto holds = [p](const CudaResources::StagingRegion& r) {
+    return r.base != nullptr && p >= r.base && p < r.base + r.bytes;
+  };
+  if (holds(res->staging)) return &res->staging;
+  for (CudaResources::StagingRegion& region : res->symmetric_regions) {
+    if (holds(region)) return &region;
+  }
+  return nullptr;
+}
+
+// Owner: `pointer` (inside this device's current staging region or a symmetric site's allocation:
+// nothing else is ever exported) as (export id, offset), exporting the region the first time a post
+// refers to it.
 ffi::Error ExportStaging(const IpcCall& call, const void* pointer, int64_t* id, int64_t* offset) {
   const CallContext& ctx = call.config.ctx;
   if (pointer == nullptr) {
@@ -141,13 +155,14 @@ ffi::Error ExportStaging(const IpcCall& call, const void* pointer, int64_t* id, 
     return ffi::Error::Success();
   }
   std::lock_guard<std::mutex> lock(call.res->ipc_mu);
-  CudaResources::StagingRegion& region = call.res->staging;
   const char* p = static_cast<const char*>(pointer);
-  if (region.base == nullptr || p < region.base || p >= region.base + region.bytes) {
+  CudaResources::StagingRegion* found = ExportableRegion(call.res, p);
+  if (found == nullptr) {
     return MakeError(ctx, "a post across processes exposes " + std::to_string(reinterpret_cast<uint64_t>(pointer)) +
-                              ", which is not in this device's staging buffer (a bug: only the staging buffer "
-                              "is exported; XLA's allocations cannot be)");
+                              ", which is not in this device's staging buffer or a symmetric site (a bug: only "
+                              "those are exported; XLA's allocations cannot be)");
   }
+  CudaResources::StagingRegion& region = *found;
   *offset = static_cast<int64_t>(p - region.base);
   if (region.export_id < 0) {
     cudaIpcMemHandle_t handle;
@@ -250,6 +265,7 @@ ffi::Error FailIfGroupGaveUp(const OpConfig& config) {
 
 ffi::Error MeetAcrossProcesses(const OpConfig& config, Phase phase, const Post& mine, std::vector<Post>* posts) {
   const CallContext& ctx = config.ctx;
+  const CaptureRelaxed relaxed;  // a symmetric site's setup may run while XLA captures (IPC exports and opens)
   HostMailbox* mailbox = nullptr;
   FICCO_RETURN_IF_ERROR(Registry::Get().Mailbox(ctx, config.ipc_job, &mailbox));
   CudaResources* res = Registry::Get().Device(ctx.device_ordinal).cuda().resources();
@@ -300,6 +316,25 @@ ffi::Error MeetAcrossProcesses(const OpConfig& config, Phase phase, const Post& 
       FICCO_RETURN_IF_ERROR(OpenEvent(call, peer, peer_wire.event_ids[i], &post.events[i]));
     }
   }
+  return ffi::Error::Success();
+}
+
+ffi::Error ExportRegion(const OpConfig& config, void* base, uint64_t bytes) {
+  const CallContext& ctx = config.ctx;
+  CudaResources* res = Registry::Get().Device(ctx.device_ordinal).cuda().resources();
+  if (res == nullptr) return MakeError(ctx, "a symmetric site exported before the device was prepared (a bug)");
+  IpcPointerInfo info;
+  std::string problem = QueryPointer(reinterpret_cast<uint64_t>(base), &info);
+  if (problem.empty() && !info.ipc_capable) {
+    problem = "its allocation is not legacy CUDA IPC capable (MIG instances and some virtualised GPUs do not "
+              "support CUDA IPC)";
+  }
+  if (!problem.empty()) {
+    return MakeError(ctx, "the symmetric site's buffer cannot be shared with the other processes: " + problem +
+                              "; use transfer='pull' or comm='xla' across processes");
+  }
+  std::lock_guard<std::mutex> lock(res->ipc_mu);
+  res->symmetric_regions.push_back(CudaResources::StagingRegion{static_cast<char*>(base), bytes, -1});
   return ffi::Error::Success();
 }
 

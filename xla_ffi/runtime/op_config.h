@@ -42,6 +42,9 @@ struct OpConfig {
   double spin_s = 0.0;  // rendezvous spin before sleeping (set by the CUDA bindings)
   bool skip_own_rows = false;  // ag_matmul / a2a_matmul whose gathered / received output nobody reads
   bool push = false;  // transfer=push: senders write into their peers' buffers (exec/executor.h)
+  // transfer=symmetric: senders write into their peers' slots of the site, and the devices order the
+  // copies with counters, without meetings (runtime/symmetric.h).
+  bool symmetric = false;
   // The matmul's w is column-major (MatmulTypes::b_transposed); a layout of this device's own
   // operand, which no peer reads, so it is not part of the rendezvous signature.
   bool w_col_major = false;

@@ -14,6 +14,7 @@ const char* PhaseName(Phase phase) {
     case Phase::kRelease: return "release";
     case Phase::kPushed: return "pushed";
     case Phase::kSetup: return "channel setup";
+    case Phase::kSymmetric: return "symmetric setup";
   }
   return "?";
 }

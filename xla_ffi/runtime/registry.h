@@ -1,6 +1,6 @@
 // The one process-wide object of ficco_jax: per-device state, the host rendezvous, the group
-// channels, the watchdog and the fault plan that tests arm (testing/faults.h; nothing is armed in
-// production).
+// channels, the symmetric sites, the watchdog and the fault plan that tests arm (testing/faults.h;
+// nothing is armed in production).
 //
 // Per-device state (the occurrence counter and, in the CUDA build, the device's CudaDevice:
 // copy streams, event pools, cuBLASLt, peer access, staging buffers) is created on first use, kept
@@ -30,6 +30,7 @@
 #include "device/cuda_device.h"
 #include "runtime/channel.h"
 #include "runtime/ipc_mailbox.h"
+#include "runtime/symmetric.h"
 #include "runtime/watchdog.h"
 #include "testing/faults.h"
 
@@ -52,8 +53,9 @@ struct Post {
 };
 
 // kPushed: transfer=push only (runtime/call_session.h, CallSession::Push). kSetup: the meeting that
-// makes a group channel's generation (runtime/channel.h).
-enum class Phase : int { kExchange = 0, kDone = 1, kRelease = 2, kPushed = 3, kSetup = 4 };
+// makes a group channel's generation (runtime/channel.h). kSymmetric: the one meeting of a symmetric
+// site (runtime/symmetric.h).
+enum class Phase : int { kExchange = 0, kDone = 1, kRelease = 2, kPushed = 3, kSetup = 4, kSymmetric = 5 };
 const char* PhaseName(Phase phase);
 
 struct RendezvousKey {
@@ -158,6 +160,8 @@ class Registry {
   // The group channels of in-process groups (runtime/channel.h), and the host time their calls spent
   // waiting for a peer's host to enqueue its writes (a late peer included).
   Channels& channels() { return channels_; }
+  // The symmetric sites of this process (runtime/symmetric.h).
+  SymmetricSites& symmetric() { return symmetric_; }
   TimedCount& channel_waits() { return channel_waits_; }
   // Every copy-engine handler of the process: how many ran and their host time from start to return.
   TimedCount& handlers() { return handlers_; }
@@ -179,6 +183,7 @@ class Registry {
   Watchdog watchdog_;
   FaultPlan faults_;
   Channels channels_;
+  SymmetricSites symmetric_;
   TimedCount channel_waits_;
   TimedCount handlers_;
   std::unique_ptr<EventPool> host_events_ = MakeHostEventPool();

@@ -1,11 +1,13 @@
 #include "runtime/watchdog.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
 
 #include "base/text.h"
 #include "runtime/registry.h"
+#include "runtime/symmetric.h"
 
 namespace ficco {
 namespace {
@@ -15,6 +17,9 @@ using Clock = std::chrono::steady_clock;
 // How often the watchdog looks at unfinished calls. A finished call's events wait this long at
 // most before they can be reused, so the pool holds a few more events than calls in flight.
 constexpr auto kPollInterval = std::chrono::milliseconds(2);
+// How often it reads the symmetric sites' counters while no call is watched (sites stay watched for
+// the life of the process; their timeouts are seconds).
+constexpr auto kSitePollInterval = std::chrono::milliseconds(50);
 
 double SecondsSince(Clock::time_point then) {
   return std::chrono::duration<double>(Clock::now() - then).count();
@@ -28,13 +33,20 @@ std::string Seconds(double seconds) {
 
 }  // namespace
 
-std::string ScheduleText(int64_t chunks, Order order, GemmMode gemm, int copy_streams, bool push) {
+std::string ScheduleText(int64_t chunks, Order order, GemmMode gemm, int copy_streams, bool push, bool symmetric) {
   std::string text = std::string("dma/") + (order == Order::kRing ? "ring" : "direct") + "/c" + std::to_string(chunks);
   if (gemm == GemmMode::kGrouped) text += "/grouped";
   if (gemm == GemmMode::kColumns) text += "/columns";
   if (copy_streams != 1) text += "/s" + std::to_string(copy_streams);
   if (push) text += "/push";
+  if (symmetric) text += "/symmetric";
   return text;
+}
+
+std::string WatchedSite::Describe() const {
+  return "op " + std::to_string(op_id) + " (" + target + "), " +
+         ScheduleText(chunks, order, gemm, copy_streams, /*push=*/false, /*symmetric=*/true) + ", on device " +
+         std::to_string(device) + ": rank " + std::to_string(rank) + " of group [" + JoinNumbers(group) + "]";
 }
 
 std::string WatchedCall::Describe() const {
@@ -91,33 +103,101 @@ void CallWatch::ReleaseAfter(Announcement all) {
 // ---------------------------------------------------------------------------------------------
 // Watchdog
 // ---------------------------------------------------------------------------------------------
+void Watchdog::StartLocked() {
+  if (thread_) return;
+  // Detached: it never ends (the registry is never destroyed), and at exit it may find CUDA gone,
+  // which Done() reads as done.
+  thread_ = std::make_unique<std::thread>([this] { Loop(); });
+  thread_->detach();
+}
+
 void Watchdog::Watch(std::shared_ptr<WatchedCall> call) {
   std::lock_guard<std::mutex> lock(mu_);
-  const bool was_idle = calls_.empty();  // the thread sleeps without a deadline only then
+  const bool was_idle = calls_.empty();  // the thread sleeps without a deadline, or slowly, only then
   calls_.push_back(std::move(call));
-  if (!thread_) {
-    // Detached: it never ends (the registry is never destroyed), and at exit it may find CUDA gone,
-    // which Done() reads as done.
-    thread_ = std::make_unique<std::thread>([this] { Loop(); });
-    thread_->detach();
-  }
+  StartLocked();
   if (was_idle) cv_.notify_one();  // otherwise it polls: a call's path pays no wake-up
+}
+
+void Watchdog::WatchSite(const OpConfig& config, std::shared_ptr<SymmetricSite> state, const uint32_t* started,
+                         const uint32_t* finished) {
+  auto site = std::make_shared<WatchedSite>();
+  site->target = config.ctx.target;
+  site->op_id = config.ctx.op_id;
+  site->device = config.ctx.device_ordinal;
+  site->rank = config.rank;
+  site->group = config.group;
+  site->chunks = config.chunks;
+  site->order = config.order;
+  site->gemm = config.gemm;
+  site->copy_streams = config.copy_streams;
+  site->site = std::string(config.site);
+  site->timeout_s = config.watchdog_s;
+  site->started = started;
+  site->finished = finished;
+  site->state = std::move(state);
+  std::lock_guard<std::mutex> lock(mu_);
+  const bool was_idle = calls_.empty() && sites_.empty();
+  sites_.push_back(std::move(site));
+  StartLocked();
+  if (was_idle) cv_.notify_one();
 }
 
 void Watchdog::Loop() {
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
-    if (calls_.empty()) {  // (pending events wait for the next call: only a call needs them)
+    if (calls_.empty() && sites_.empty()) {  // (pending events wait for the next call: only a call needs them)
       cv_.wait(lock);
     } else {
-      cv_.wait_for(lock, kPollInterval);
+      cv_.wait_for(lock, calls_.empty() ? kSitePollInterval : kPollInterval);
     }
     lock.unlock();
     std::shared_ptr<WatchedCall> stuck = Sweep();
-    if (stuck) ReportAndAbort(stuck);
+    if (stuck) {
+      std::string headline;
+      {
+        std::lock_guard<std::mutex> call_lock(stuck->mu);
+        headline = stuck->Describe() + (stuck->site.empty() ? "" : ", written at " + stuck->site) + ", started " +
+                   Seconds(SecondsSince(stuck->started_seen)) + " ago and has not finished (limit " +
+                   Seconds(stuck->timeout_s) + ": FICCO_WATCHDOG_S).";
+      }
+      ReportAndAbort(headline);
+    }
+    std::shared_ptr<WatchedSite> stuck_site = SweepSites();
+    if (stuck_site) {
+      ReportAndAbort(stuck_site->Describe() + (stuck_site->site.empty() ? "" : ", written at " + stuck_site->site) +
+                     ": its call " + std::to_string(stuck_site->seen_started) + " started " +
+                     Seconds(SecondsSince(stuck_site->since)) + " ago and has not finished (limit " +
+                     Seconds(stuck_site->timeout_s) + ": FICCO_WATCHDOG_S).");
+    }
     ReleasePending();
     lock.lock();
   }
+}
+
+// Only this thread writes a site's `pending`, `seen_*` and `since`, once registered.
+std::shared_ptr<WatchedSite> Watchdog::SweepSites() {
+  std::vector<std::shared_ptr<WatchedSite>> sites;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    sites.assign(sites_.begin(), sites_.end());
+  }
+  for (const std::shared_ptr<WatchedSite>& site : sites) {
+    const uint32_t started = ReadWord(site->started), finished = ReadWord(site->finished);
+    if (started == finished) {
+      site->pending = false;
+      continue;
+    }
+    if (!site->pending || site->seen_started != started || site->seen_finished != finished) {
+      site->pending = true;
+      site->seen_started = started;
+      site->seen_finished = finished;
+      site->since = Clock::now();
+      continue;
+    }
+    if (site->timeout_s > 0 && SecondsSince(site->since) > site->timeout_s) return site;
+  }
+  return nullptr;
 }
 
 std::shared_ptr<WatchedCall> Watchdog::Sweep() {
@@ -175,20 +255,70 @@ void Watchdog::ReleasePending() {
   }
 }
 
-void Watchdog::ReportAndAbort(const std::shared_ptr<WatchedCall>& stuck) {
-  std::string report;
+void Watchdog::ReportAndAbort(const std::string& headline) {
+  const std::string report = "ficco_jax watchdog: " + headline + "\n" + ReportCalls() + ReportSites() +
+                             "ficco_jax watchdog: ending the process; set FICCO_WATCHDOG_S=0 to wait instead (e.g. "
+                             "to attach a debugger), or a larger value for calls that legitimately take longer.\n";
+  std::fputs(report.c_str(), stderr);
+  std::fflush(stderr);
+  std::abort();
+}
+
+// Every symmetric site of this process with a call in flight, once, with each rank's counts of its
+// calls (ranks of other processes are not seen here): a rank that has not started the call its peers
+// are in, or that is stuck in an earlier one, is the one to look at.
+std::string Watchdog::ReportSites() {
+  std::vector<std::shared_ptr<WatchedSite>> sites;
   {
-    std::lock_guard<std::mutex> lock(stuck->mu);
-    report = "ficco_jax watchdog: " + stuck->Describe() + (stuck->site.empty() ? "" : ", written at " + stuck->site) +
-             ", started " + Seconds(SecondsSince(stuck->started_seen)) + " ago and has not finished (limit " +
-             Seconds(stuck->timeout_s) + ": FICCO_WATCHDOG_S).\n";
+    std::lock_guard<std::mutex> lock(mu_);
+    sites.assign(sites_.begin(), sites_.end());
   }
+  std::string report;
+  std::vector<const SymmetricSite*> reported;
+  for (const std::shared_ptr<WatchedSite>& site : sites) {
+    const SymmetricSite* state = site->state.get();
+    if (std::find(reported.begin(), reported.end(), state) != reported.end()) continue;
+    const int n = static_cast<int>(site->group.size());
+    std::vector<SymmetricSite::Watch> watches(n);
+    uint32_t latest = 0;
+    bool in_flight = false;
+    for (int rank = 0; rank < n; ++rank) {
+      watches[rank] = site->state->WatchOf(rank);
+      if (watches[rank].started == nullptr) continue;
+      const uint32_t started = ReadWord(watches[rank].started);
+      in_flight = in_flight || started != ReadWord(watches[rank].finished);
+      if (WordReached(started, latest)) latest = started;
+    }
+    if (!in_flight) continue;
+    reported.push_back(state);
+    if (report.empty()) report = "Symmetric sites of this process with a call in flight:\n";
+    report += "  op " + std::to_string(site->op_id) + " (" + site->target + "), " +
+              ScheduleText(site->chunks, site->order, site->gemm, site->copy_streams, false, true) + ", group [" +
+              JoinNumbers(site->group) + "]" + (site->site.empty() ? "" : ", written at " + site->site) + ":\n";
+    for (int rank = 0; rank < n; ++rank) {
+      report += "    rank " + std::to_string(rank) + " (device " + std::to_string(site->group[rank]) + "): ";
+      if (watches[rank].started == nullptr) {
+        report += "in another process, or has not set the site up\n";
+        continue;
+      }
+      const uint32_t started = ReadWord(watches[rank].started), finished = ReadWord(watches[rank].finished);
+      report += "started call " + std::to_string(started) + ", finished " + std::to_string(finished) +
+                (started != latest ? "; has not started call " + std::to_string(latest) + ", which its peers are in"
+                 : started != finished ? "; waits for its peers' counters of that call"
+                                       : "") + "\n";
+    }
+  }
+  return report;
+}
+
+std::string Watchdog::ReportCalls() {
   std::vector<std::shared_ptr<WatchedCall>> calls;
   {
     std::lock_guard<std::mutex> lock(mu_);
     calls.assign(calls_.begin(), calls_.end());
   }
-  report += "Unfinished copy-engine calls of this process, oldest first:\n";
+  if (calls.empty()) return "";
+  std::string report = "Unfinished copy-engine calls of this process, oldest first:\n";
   for (const std::shared_ptr<WatchedCall>& call : calls) {
     std::lock_guard<std::mutex> lock(call->mu);
     const bool started = call->pool->Done(call->started);
@@ -228,11 +358,7 @@ void Watchdog::ReportAndAbort(const std::shared_ptr<WatchedCall>& stuck) {
       report += "    none of the peer events or words it waits for is pending\n";
     }
   }
-  report += "ficco_jax watchdog: ending the process; set FICCO_WATCHDOG_S=0 to wait instead (e.g. to attach a "
-            "debugger), or a larger value for calls that legitimately take longer.\n";
-  std::fputs(report.c_str(), stderr);
-  std::fflush(stderr);
-  std::abort();
+  return report;
 }
 
 }  // namespace ficco

@@ -1,6 +1,9 @@
 // The watchdog of the copy-engine calls: no wait of ours, on a device or in a handler, can last
 // forever unreported.
 //
+// (Symmetric calls, runtime/symmetric.h, are watched per site instead, from words their devices
+// post: a call replayed from a CUDA graph has no handler to register it. WatchedSite, below.)
+//
 // Every call is watched from the moment its handler starts until its device work is done:
 //
 //   handler  : CallWatch(..) [started] ... meetings (peer events noted) ... Finish: [finished]
@@ -98,16 +101,54 @@ struct WatchedCall {
   std::string Describe() const;
 };
 
+class SymmetricSite;  // runtime/symmetric.h
+
+// One rank's symmetric site (runtime/symmetric.h), watched for as long as the process lives: its
+// device posts each call's number into `started` as the call begins and into `finished` after its
+// join, whether the handler ran or a command buffer replayed the call. The handler thread writes it
+// once; then only the watchdog's thread touches it.
+struct WatchedSite {
+  const char* target = "";
+  int64_t op_id = -1;
+  int device = -1;
+  int rank = 0;
+  std::vector<int> group;
+  int64_t chunks = 1;
+  Order order = Order::kRing;
+  GemmMode gemm = GemmMode::kPerChunk;
+  int copy_streams = 1;
+  std::string site;
+  double timeout_s = 0.0;
+  const uint32_t* started = nullptr;
+  const uint32_t* finished = nullptr;
+  std::shared_ptr<SymmetricSite> state;  // for the report: the other ranks' counters of this process
+  // The unfinished call last seen (its started and finished numbers) and since when.
+  bool pending = false;
+  uint32_t seen_started = 0, seen_finished = 0;
+  std::chrono::steady_clock::time_point since;
+
+  std::string Describe() const;
+};
+
 class Watchdog {
  public:
   // Registers a call (starts the watchdog's thread on first use).
   void Watch(std::shared_ptr<WatchedCall> call);
+  // Registers rank `config.rank`'s symmetric site, whose calls post into `started` and `finished`.
+  void WatchSite(const OpConfig& config, std::shared_ptr<SymmetricSite> state, const uint32_t* started,
+                 const uint32_t* finished);
 
  private:
   void Loop();
+  void StartLocked();
   // Forgets finished calls (their events back to the pool); returns the first stuck call, if any.
   std::shared_ptr<WatchedCall> Sweep();
-  [[noreturn]] void ReportAndAbort(const std::shared_ptr<WatchedCall>& stuck);
+  // The first site whose call has started and not finished for longer than its timeout, if any.
+  std::shared_ptr<WatchedSite> SweepSites();
+  // Writes `headline`, then what every unfinished call and site of the process waits for, and aborts.
+  [[noreturn]] void ReportAndAbort(const std::string& headline);
+  std::string ReportCalls();
+  std::string ReportSites();
 
   // Finished calls' events that wait for their group's announcement; the watchdog's thread alone
   // touches them.
@@ -123,6 +164,7 @@ class Watchdog {
   std::mutex mu_;
   std::condition_variable cv_;
   std::list<std::shared_ptr<WatchedCall>> calls_;
+  std::list<std::shared_ptr<WatchedSite>> sites_;
   std::list<Pending> pending_;
   std::unique_ptr<std::thread> thread_;
 };
@@ -166,7 +208,8 @@ class CallWatch {
 };
 
 // "dma/direct/c2/grouped/s2": the schedule as ficco_jax.Schedule prints it.
-std::string ScheduleText(int64_t chunks, Order order, GemmMode gemm, int copy_streams, bool push);
+std::string ScheduleText(int64_t chunks, Order order, GemmMode gemm, int copy_streams, bool push,
+                         bool symmetric = false);
 
 }  // namespace ficco
 

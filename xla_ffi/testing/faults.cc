@@ -89,6 +89,23 @@ class FaultyBackend final : public Backend {
     FICCO_RETURN_IF_ERROR(FailAtTransfer(stream));
     return inner_->WaitWord(stream, word, value);
   }
+  // stall: its device never reaches the call, so it never counts it either.
+  ffi::Error CountCall(int stream, uint32_t* counter, uint32_t* mirror) override {
+    if (fault_.mode == InjectedFault::Mode::kStall) return ffi::Error::Success();
+    FICCO_RETURN_IF_ERROR(FailAtTransfer(stream));
+    return inner_->CountCall(stream, counter, mirror);
+  }
+  ffi::Error WaitCounter(int stream, const uint32_t* word, const uint32_t* counter, int32_t offset) override {
+    FICCO_RETURN_IF_ERROR(FailAtTransfer(stream));
+    return inner_->WaitCounter(stream, word, counter, offset);
+  }
+  // stall: as SetWord, the counters it posts for its peers are never posted.
+  ffi::Error PostCounter(int stream, const std::vector<uint32_t*>& words, const uint32_t* counter) override {
+    if (fault_.mode == InjectedFault::Mode::kStall) return ffi::Error::Success();
+    FICCO_RETURN_IF_ERROR(FailAtTransfer(stream));
+    return inner_->PostCounter(stream, words, counter);
+  }
+  bool Capturing() override { return inner_->Capturing(); }
   ffi::Error AllocateWords(int64_t count, uint32_t** words) override { return inner_->AllocateWords(count, words); }
   ffi::Error AllocateRegion(int64_t bytes, void** region) override { return inner_->AllocateRegion(bytes, region); }
   ffi::Error RecordMark(Event* event) override { return inner_->RecordMark(event); }

@@ -133,7 +133,8 @@ void DefineTestingModule(nb::module_& m) {
                                                  std::pair{"wait", c.wait}, std::pair{"copy", c.copy},
                                                  std::pair{"gemm", c.gemm}, std::pair{"reduce", c.reduce},
                                                  std::pair{"set_word", c.set_word},
-                                                 std::pair{"wait_word", c.wait_word}}) {
+                                                 std::pair{"wait_word", c.wait_word},
+                                                 std::pair{"counter", c.counter}}) {
                   out[name] = static_cast<double>(kind.calls);
                   out[std::string(name) + "_s"] = kind.ns * 1e-9;
                 }
@@ -141,8 +142,9 @@ void DefineTestingModule(nb::module_& m) {
               },
               "How many events the backends of this process recorded ('record'; 'mark': the watchdog's marks "
               "of a call's start and end) and waited for, how many copies, matmuls and sums they issued, and "
-              "how many channel words they set and waited for ('set_word', 'wait_word'), so far, each with its host seconds ('<name>_s'): on CUDA the driver calls a call makes, on CPU "
-              "the whole work.");
+              "how many channel words they set and waited for ('set_word', 'wait_word') and how many counters "
+              "of symmetric calls they counted, waited for and posted ('counter'), so far, each with its host "
+              "seconds ('<name>_s'): on CUDA the driver calls a call makes, on CPU the whole work.");
   testing.def("channel_signature_checks", &ChannelSignatureChecks, nb::arg("n"), nb::arg("notes"),
               "A group channel's check that the ranks of a group of n run the same op at each call, made "
               "without devices: for each (rank, call, signature) in `notes`, in order, the first rank whose "

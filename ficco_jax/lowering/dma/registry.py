@@ -10,7 +10,9 @@ Attributes of every FFI target (one struct per op in xla_ffi/ffi/):
   order (0 ring, 1 direct),
   gemm (0 per_chunk, 1 grouped, 2 columns), copy_streams, timeout_ms (config.RENDEZVOUS_TIMEOUT_S),
   watchdog_ms (config.WATCHDOG_S), site (where the op was written: `site_label`),
-  skip_own_rows, transfer (0 pull, 1 push: senders write into their peers, in-process groups only),
+  skip_own_rows, transfer (0 pull, 1 push: senders write into their peers, in-process groups only;
+  2 symmetric: senders write into their peers' buffers of the site, no meeting per call, and the
+  target is `<name>_symmetric`, whose CUDA handler is marked command-buffer compatible),
   w_col_major (1: the matmul's w, operand 1, is column-major; 0 for the collectives),
   channel_bytes (config.CHANNEL_BYTES: matmul_rs / matmul_a2a calls computing at most this much for
   their peers run on their group's channel).
@@ -269,7 +271,8 @@ def _lowering(ctx, *operands, op, axis_name, axis_size, op_id, schedule, timeout
             f"spans processes, whose XLA buffers cannot be opened from here; use transfer='pull' "
             f"(e.g. {str(schedule.replace(transfer='pull'))!r})"
         )
-    rule = jax.ffi.ffi_lowering(_TARGETS[op][0], operand_layouts=operand_layouts(ctx.avals_in, w_col_major))
+    target = _TARGETS[op][0] + ("_symmetric" if schedule.transfer == "symmetric" else "")
+    rule = jax.ffi.ffi_lowering(target, operand_layouts=operand_layouts(ctx.avals_in, w_col_major))
     return rule(
         ctx, *operands,
         op_id=np.int64(op_id),
@@ -285,7 +288,7 @@ def _lowering(ctx, *operands, op, axis_name, axis_size, op_id, schedule, timeout
         watchdog_ms=np.int64(watchdog_ms),
         site=site,
         skip_own_rows=np.int64(int(skip_own_rows)),
-        transfer=np.int64({"pull": 0, "push": 1}[schedule.transfer]),
+        transfer=np.int64({"pull": 0, "push": 1, "symmetric": 2}[schedule.transfer]),
         w_col_major=np.int64(int(w_col_major)),
         channel_bytes=np.int64(channel_bytes),
     )

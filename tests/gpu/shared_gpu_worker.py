@@ -1,0 +1,122 @@
+"""One of two processes that share one GPU as a 2-device group (tests/gpu/test_shared_gpu.py starts
+both): each process owns one JAX device, both on the same GPU, so every copy-engine call of the mesh
+axis crosses processes (CUDA IPC, the host mailbox) as on a host with one process per GPU, and a
+machine with a single GPU runs the cross-process executor and its symmetric sites for real. The
+references are computed with numpy from inputs both processes make from seeds: no XLA collective
+runs (NCCL refuses two ranks on one GPU). Times mean nothing here (two contexts share the GPU).
+
+    python tests/gpu/shared_gpu_worker.py PROCESS_ID PORT OUT_JSON
+
+Writes {"checks": {name: "ok" | error}, "handlers_per_launch": ...} and exits 1 if a check failed.
+"""
+import json
+import os
+import sys
+import traceback
+
+
+def main(process_id: int, port: int, out_path: str) -> int:
+    import jax
+    jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=process_id,
+                               initialization_timeout=120)
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    import ficco_jax
+    from ficco_jax import dma
+    from ficco_jax.runtime import extension
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    mesh = Mesh(np.array(jax.devices()), ("tp",))
+    me = jax.local_devices()[0]
+    checks, result = {}, {"process": process_id, "devices": [str(d) for d in jax.devices()]}
+
+    def shard(p, tag, shape):  # the block process p holds: a seed both processes know
+        return np.random.default_rng(1000 * p + tag).standard_normal(shape).astype(np.float32)
+
+    def global_array(tag, shape, spec):
+        """The array whose shard of process p is shard(p, tag, shape), split over tp on `spec`'s axis."""
+        axis = list(spec).index("tp")
+        gshape = list(shape)
+        gshape[axis] *= 2
+        local = jax.device_put(shard(process_id, tag, shape), me)
+        return jax.make_array_from_single_device_arrays(tuple(gshape), NamedSharding(mesh, spec), [local])
+
+    def run(name, fn, specs, out_spec, args, expected):
+        try:
+            f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=out_spec, check_vma=False))
+            for i in range(10):  # repeated calls: a stale block of an earlier call would show
+                scaled = [a * (1 + i) for a in args]
+                got = np.asarray(f(*scaled).addressable_shards[0].data)
+                want = expected * (1 + i) ** len(args)
+                err = float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30))
+                if err > 1e-4:
+                    raise AssertionError(f"call {i}: relative error {err:.2e}")
+            checks[name] = "ok"
+        except Exception:  # noqa: BLE001
+            checks[name] = traceback.format_exc()[-1500:]
+        print(f"[p{process_id}] {name}: {'ok' if checks[name] == 'ok' else 'FAIL'}", file=sys.stderr, flush=True)
+
+    m, k, n = 64, 96, 32
+    x0, x1 = shard(0, 1, (m, k)), shard(1, 1, (m, k))
+    for sched in ("dma/direct/c1", "dma/direct/c1/symmetric", "dma/direct/c2/symmetric", "dma/direct/c4/grouped/symmetric"):
+        x = global_array(1, (m, k), P("tp"))
+        run(f"all_gather {sched}", lambda a: dma.all_gather(a, "tp", schedule=sched), (P("tp"),), P("tp"), [x],
+            np.concatenate([x0, x1]))
+        y = global_array(2, (2 * m, k), P("tp"))
+        y_sum = shard(0, 2, (2 * m, k)) + shard(1, 2, (2 * m, k))
+        run(f"reduce_scatter {sched}", lambda a: dma.reduce_scatter(a, "tp", schedule=sched), (P("tp"),), P("tp"),
+            [y], y_sum[process_id * m:(process_id + 1) * m])
+        w = global_array(3, (k, n), P(None, "tp"))
+        run(f"ag_matmul {sched}", lambda a, b: ficco_jax.ag_matmul(a, b, "tp", schedule=sched),
+            (P("tp"), P(None, "tp")), P(None, "tp"), [x, w], np.concatenate([x0, x1]) @ shard(process_id, 3, (k, n)))
+        yy = global_array(4, (2 * m, n), P(None, "tp"))
+        w2 = global_array(5, (n, k), P("tp"))
+        partial = sum(shard(p, 4, (2 * m, n)) @ shard(p, 5, (n, k)) for p in (0, 1))
+        run(f"matmul_rs {sched}", lambda a, b: ficco_jax.matmul_rs(a, b, "tp", schedule=sched),
+            (P(None, "tp"), P("tp")), P("tp"), [yy, w2], partial[process_id * m:(process_id + 1) * m])
+
+    # A chain of symmetric sites between matmuls: XLA captures it in a command buffer, and the later
+    # launches replay it without calling the handlers. Per layer both devices gather the same two
+    # blocks, so the reduce-scatter gives each its own block twice: a <- (2 a) @ w, linear in x.
+    layers = 4
+    ws = [shard(0, 10 + i, (k, k)) / np.sqrt(k) for i in range(layers)]
+
+    def chain(a):
+        for w_np in ws:
+            gathered = dma.all_gather(a, "tp", schedule="dma/direct/c1/symmetric")
+            a = dma.reduce_scatter(gathered, "tp", schedule="dma/direct/c2/symmetric") @ jnp.asarray(w_np)
+        return a
+
+    expected = shard(process_id, 1, (m, k))
+    for w_np in ws:
+        expected = (2 * expected) @ w_np
+    try:
+        testing = extension.testing()
+        f = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False))
+        x = global_array(1, (m, k), P("tp"))
+        handlers = []
+        for i in range(6):
+            before = testing.host_time()["calls"]
+            got = np.asarray(f(x * (1 + i)).addressable_shards[0].data)
+            handlers.append(testing.host_time()["calls"] - before)
+            want = expected * (1 + i)
+            err = float(np.max(np.abs(got - want)) / float(np.max(np.abs(want))))
+            if err > 1e-4:
+                raise AssertionError(f"launch {i}: relative error {err:.2e}")
+        result["handlers_per_launch"] = handlers
+        checks["captured chain"] = "ok"
+    except Exception:  # noqa: BLE001
+        checks["captured chain"] = traceback.format_exc()[-1500:]
+    print(f"[p{process_id}] captured chain: {checks['captured chain'][:400]} {result.get('handlers_per_launch')}",
+          file=sys.stderr, flush=True)
+    result["checks"] = checks
+    with open(out_path, "w") as fh:
+        json.dump(result, fh, indent=1)
+    return 0 if all(v == "ok" for v in checks.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    sys.exit(main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]))

@@ -1,0 +1,60 @@
+// CUDA launchers of the counter kernels (see counters.h).
+#include "device/counters.h"
+
+namespace ficco {
+namespace {
+
+struct Words {
+  uint32_t* at[kPostCounterWords];
+};
+
+__device__ __forceinline__ uint32_t Load(const uint32_t* word) { return *reinterpret_cast<const volatile uint32_t*>(word); }
+__device__ __forceinline__ void Store(uint32_t* word, uint32_t value) { *reinterpret_cast<volatile uint32_t*>(word) = value; }
+
+__global__ void CountCallKernel(uint32_t* counter, uint32_t* mirror) {
+  const uint32_t value = Load(counter) + 1u;
+  Store(counter, value);
+  if (mirror != nullptr) {
+    __threadfence_system();
+    Store(mirror, value);
+  }
+}
+
+// The peer that posts the word runs on another device: poll with a short sleep, which keeps the
+// one thread off the memory system between reads.
+__global__ void WaitCounterKernel(const uint32_t* word, const uint32_t* counter, int32_t offset) {
+  const uint32_t want = Load(counter) + static_cast<uint32_t>(offset);
+  while (Load(word) != want) __nanosleep(128);
+  __threadfence_system();
+}
+
+// The fence first: every write of this stream's earlier work (a copy's, a kernel's) is visible to
+// every device before a peer can see the word and read what it guards.
+__global__ void PostCounterKernel(Words words, int count, const uint32_t* counter) {
+  __threadfence_system();
+  const uint32_t value = Load(counter);
+  for (int i = 0; i < count; ++i) Store(words.at[i], value);
+  __threadfence_system();
+}
+
+}  // namespace
+
+cudaError_t LaunchCountCall(uint32_t* counter, uint32_t* mirror, cudaStream_t stream) {
+  CountCallKernel<<<1, 1, 0, stream>>>(counter, mirror);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchWaitCounter(const uint32_t* word, const uint32_t* counter, int32_t offset, cudaStream_t stream) {
+  WaitCounterKernel<<<1, 1, 0, stream>>>(word, counter, offset);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchPostCounter(uint32_t* const* words, int count, const uint32_t* counter, cudaStream_t stream) {
+  if (count < 0 || count > kPostCounterWords) return cudaErrorInvalidValue;
+  Words packed{};
+  for (int i = 0; i < count; ++i) packed.at[i] = words[i];
+  PostCounterKernel<<<1, 1, 0, stream>>>(packed, count, counter);
+  return cudaGetLastError();
+}
+
+}  // namespace ficco

@@ -1,0 +1,30 @@
+// The counter kernels of the calls that order themselves on the devices (transfer=symmetric,
+// runtime/symmetric.h; Backend::CountCall, WaitCounter, PostCounter). One thread each: they move a
+// few words, and what they cost is their launch (about 2 us of device time each inside a CUDA graph
+// on one H200, 2026-12-01, where a stream memory operation cost about 3). Pure launchers: no FFI
+// types.
+#ifndef FICCO_JAX_XLA_FFI_DEVICE_COUNTERS_H_
+#define FICCO_JAX_XLA_FFI_DEVICE_COUNTERS_H_
+
+#include <cstdint>
+
+#ifdef FICCO_WITH_CUDA
+#include <cuda_runtime_api.h>
+
+namespace ficco {
+
+// The most words one PostCounter kernel writes; more take several launches.
+constexpr int kPostCounterWords = 16;
+
+// ++*counter; then, where `mirror` is given, *mirror = *counter.
+cudaError_t LaunchCountCall(uint32_t* counter, uint32_t* mirror, cudaStream_t stream);
+// Returns once *word == *counter + offset (the comparison made on the device, so a replayed graph
+// compares the values of its own execution).
+cudaError_t LaunchWaitCounter(const uint32_t* word, const uint32_t* counter, int32_t offset, cudaStream_t stream);
+// After a system-wide fence: *words[i] = *counter for i < count (count <= kPostCounterWords).
+cudaError_t LaunchPostCounter(uint32_t* const* words, int count, const uint32_t* counter, cudaStream_t stream);
+
+}  // namespace ficco
+
+#endif  // FICCO_WITH_CUDA
+#endif  // FICCO_JAX_XLA_FFI_DEVICE_COUNTERS_H_

@@ -1,0 +1,156 @@
+// transfer=symmetric: copy-engine calls that meet nobody per call, so that XLA may capture them in
+// its command buffers (CUDA graphs) and replay them without their handlers.
+//
+// A call that meets (call_session.h) exchanges this execution's buffer pointers and events with its
+// peers, because XLA may hand a site other buffers at every execution and a peer's event can be
+// waited for only once the waiter knows it was recorded. A symmetric site removes both reasons. Per
+// call site (op id) and group, each rank owns one zeroed allocation of its device's memory, made and
+// exchanged once, at the site's first call, in one meeting of the group (pointers in one process,
+// CUDA IPC handles across processes):
+//
+//   [epoch][landed: slots x chunks][free: slots] (32-bit words, 256 bytes aligned) | slot 0 | ... | slot n-2
+//
+// Slot s of rank r receives one block from rank SourceOfSlot(s) = r-1-s, which sends it as its send
+// slot s (to TargetOfSlot(s) = p+1+s = r). `epoch` counts the rank's calls of the site: each call's
+// first kernel adds one, and every comparison of the call reads it on the device:
+//
+//   sender p, copy stream : wait free_p[s] == epoch_p - 1 | copy its block -> slot s of r | landed_r[s][j] = epoch_p
+//   receiver r            : wait landed_r[s][j] == epoch_r | read slot s ...............| free_p[s] = epoch_r
+//
+// free_p[s] == epoch - 1 says that r finished reading p's data of the previous call, so p may
+// overwrite the slot; landed_r[s][j] == epoch says that chunk j of this call is in it. The ranks of a
+// group run the same calls of a site in the same order, so their epochs agree call by call. Each
+// word has one writer and is compared for equality with a value the devices computed, so no wait
+// passes early, a graph replays with the values of its own execution, and data left by a call that
+// never completed is never taken for a later call's. The waits and posts are one-thread kernels
+// (device/counters.h); the host only enqueues them.
+//
+// Data lands in the slots, not in XLA's buffers, whose addresses the peers would have to learn at
+// every call. Where the landing buffer is the op's scratch (matmul_rs's and reduce_scatter's receive
+// slots, ag_matmul's gathered rows that nobody reads) the consumers read the slots in place; where it
+// is a result (all_gather, all_to_all, the gathered rows that are returned, matmul_a2a's blocks) one
+// copy per slot moves the block into it.
+//
+// No wait is left unwatched: each call posts its epoch into host memory as it starts and again as
+// it ends (`started`, `finished`), and the watchdog reports a site whose call started and has not
+// finished within config.WATCHDOG_S (runtime/watchdog.h), whether the handler ran or a command
+// buffer replayed the call. A call that fails marks its site failed in this process: the ranks'
+// epochs may have parted, so later calls of the site here fail at once, naming the first error.
+// Allocations are never freed (work in flight, or a captured graph, may still use them).
+#ifndef FICCO_JAX_XLA_FFI_RUNTIME_SYMMETRIC_H_
+#define FICCO_JAX_XLA_FFI_RUNTIME_SYMMETRIC_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "base/errors.h"
+#include "device/backend.h"
+#include "runtime/op_config.h"
+
+namespace ficco {
+
+// One site's allocations, as this process sees them: every rank's base (its own, or mapped here).
+class SymmetricSite {
+ public:
+  SymmetricSite(int n, int64_t chunks, int64_t slot_bytes, std::vector<char*> bases);
+
+  // The bytes of one rank's allocation, words included.
+  static int64_t Bytes(int n, int64_t chunks, int64_t slot_bytes) {
+    return WordsBytes(n, chunks) + int64_t{n - 1} * slot_bytes;
+  }
+  int n() const { return n_; }
+  int64_t chunks() const { return chunks_; }
+  int64_t slot_bytes() const { return slot_bytes_; }
+
+  uint32_t* Epoch(int rank) const { return Words(rank); }
+  uint32_t* Landed(int rank, int slot, int64_t chunk) const { return Words(rank) + 1 + slot * chunks_ + chunk; }
+  uint32_t* Free(int rank, int slot) const { return Words(rank) + 1 + int64_t{n_ - 1} * chunks_ + slot; }
+  char* Slot(int rank, int slot) const { return bases_[rank] + WordsBytes(n_, chunks_) + slot * slot_bytes_; }
+
+  // Host words the devices post `epoch` into as a call starts and ends (the watchdog reads them), of
+  // the ranks of this process; null for the others.
+  struct Watch {
+    uint32_t* started = nullptr;
+    uint32_t* finished = nullptr;
+  };
+  void SetWatch(int rank, Watch watch);
+  Watch WatchOf(int rank);
+
+  // A call of the site failed on `rank` with `why`; "" while none has.
+  void Fail(int rank, const std::string& why);
+  std::string Failed();
+
+ private:
+  static int64_t WordsBytes(int n, int64_t chunks) {
+    const int64_t words = 1 + int64_t{n - 1} * (chunks + 1);
+    return (words * 4 + 255) / 256 * 256;
+  }
+  uint32_t* Words(int rank) const { return reinterpret_cast<uint32_t*>(bases_[rank]); }
+
+  const int n_;
+  const int64_t chunks_, slot_bytes_;
+  const std::vector<char*> bases_;
+  std::mutex mu_;
+  std::vector<Watch> watches_;
+  std::string failed_;
+};
+
+// The process's symmetric sites, by (op id, group members in rank order).
+class SymmetricSites {
+ public:
+  std::shared_ptr<SymmetricSite> Find(int64_t op_id, const std::vector<int>& group);
+  // The site made from a setup meeting's bases (one per rank, in rank order); the first rank of the
+  // process to get here makes it, the others get the same one.
+  std::shared_ptr<SymmetricSite> Install(int64_t op_id, const std::vector<int>& group, int64_t chunks,
+                                         int64_t slot_bytes, std::vector<char*> bases);
+
+ private:
+  std::mutex mu_;
+  std::map<std::tuple<int64_t, std::vector<int>>, std::shared_ptr<SymmetricSite>> sites_;
+};
+
+// One call of rank `config.rank` on its site: the waits and posts of the table above, for the
+// executor's pipelines (exec/). `marks` is how finely the landed data is marked (per chunk, or once
+// per slot after its last chunk: call_session.h, LandedEvents), the same on every rank.
+class SymmetricCall {
+ public:
+  SymmetricCall(const OpConfig& config, std::shared_ptr<SymmetricSite> site, bool per_chunk);
+
+  const SymmetricSite& site() const { return *site_; }
+  // Compute stream, first: this call's epoch, posted as started.
+  ffi::Error Begin(Backend& backend) const;
+  // Sender, on `stream` before its first copy of send slot `slot`: until the target has read the
+  // previous call's block from it.
+  ffi::Error WaitSlotFree(Backend& backend, int stream, int slot) const;
+  // Where send slot `slot`'s block goes: the target's slot of the same index.
+  char* Destination(int slot) const { return site_->Slot(config_.TargetOfSlot(slot), slot); }
+  // Sender, on `stream` after the copies of chunks [first, end) of send slot `slot`: they landed.
+  ffi::Error PostLanded(Backend& backend, int stream, int slot, int64_t first, int64_t end) const;
+  // Receiver: the wait for chunk `chunk` of receive slot `slot` (a Ready of call_session.h: word,
+  // counter, offset 0).
+  const uint32_t* LandedWord(int slot, int64_t chunk) const {
+    return site_->Landed(config_.rank, slot, per_chunk_ ? chunk : site_->chunks() - 1);
+  }
+  const uint32_t* Epoch() const { return site_->Epoch(config_.rank); }
+  // Where receive slot `slot` landed, in this device's memory.
+  char* Landing(int slot) const { return site_->Slot(config_.rank, slot); }
+  // Receiver, on `stream` once nothing of this call reads its slots any more: every sender may
+  // overwrite its slot.
+  ffi::Error ReleaseSlots(Backend& backend, int stream) const;
+  // Compute stream, last (after the join): this call's epoch, posted as finished.
+  ffi::Error End(Backend& backend) const;
+
+ private:
+  const OpConfig& config_;
+  const std::shared_ptr<SymmetricSite> site_;
+  const bool per_chunk_;
+};
+
+}  // namespace ficco
+
+#endif  // FICCO_JAX_XLA_FFI_RUNTIME_SYMMETRIC_H_
