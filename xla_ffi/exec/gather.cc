@@ -54,8 +54,11 @@ ffi::Error CopyOutSymmetric(Backend& backend, const OpConfig& config, const Symm
                             const Landed& landed, const BlockLayout& layout, void* dst,
                             const std::function<int64_t(int slot)>& dst_block, std::vector<Event>* copied) {
   // Copies within the device, on the stream of the staging copies (Backend::kStaging), off the way of
-  // this call's own sends on the copy streams.
+  // this call's own sends on the copy streams. With no peer there is nothing to copy and the stream
+  // stays out of the call: under a capture, XLA's stream must join back every stream that joined it,
+  // and here it waits for the copies' events alone.
   const int stream = Backend::kStaging;
+  if (config.n() < 2) return ffi::Error::Success();
   FICCO_RETURN_IF_ERROR(backend.Wait(stream, entry));
   for (int slot = 0; slot < config.n() - 1; ++slot) {
     Ready waited;
@@ -148,6 +151,7 @@ ffi::Error Gather::RunSymmetric(CallSession& session) {
   // x is valid, and this call's epoch counted, from `ready`: the copy streams start there.
   Event ready;
   FICCO_RETURN_IF_ERROR(backend_.Record(Backend::kCompute, &ready));
+  FICCO_RETURN_IF_ERROR(EnterCopyStreams(backend_, config_, ready));
   Landed pushed(config_.n() - 1, std::vector<Ready>(config_.chunks));
   ffi::Error moved = SendSymmetric(symmetric, ready, &pushed);
   if (moved.success() && matmul_) moved = mm_.Run(backend_, a_.x, SourceBlock(config_.rank), a_.out, config_.rank, 0, a_.layout.rows);

@@ -120,6 +120,7 @@ ffi::Error Scatter::RunSymmetric(CallSession& session) {
   // y is valid, and this call's epoch counted, from `entry`: the copy streams start there.
   Event entry;
   FICCO_RETURN_IF_ERROR(backend_.Record(Backend::kCompute, &entry));
+  FICCO_RETURN_IF_ERROR(EnterCopyStreams(backend_, config_, entry));
   std::vector<Event> exposed;
   if (matmul_) {
     FICCO_RETURN_IF_ERROR(Produce(session, a_.send, &exposed));

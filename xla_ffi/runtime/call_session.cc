@@ -538,6 +538,11 @@ ffi::Error PushSymmetric(Backend& backend, const OpConfig& config, const Symmetr
                     &symmetric, pushed);
 }
 
+ffi::Error EnterCopyStreams(Backend& backend, const OpConfig& config, Event entry) {
+  for (int stream = 0; stream < CopyStreamsUsed(config); ++stream) FICCO_RETURN_IF_ERROR(backend.Wait(stream, entry));
+  return ffi::Error::Success();
+}
+
 Landed SymmetricLanded(const OpConfig& config, const SymmetricCall& symmetric) {
   Landed landed(config.n() - 1, std::vector<Ready>(config.chunks));
   for (int slot = 0; slot < config.n() - 1; ++slot) {

@@ -198,6 +198,11 @@ ffi::Error PushChunks(Backend& backend, const OpConfig& config, const std::vecto
 ffi::Error PushSymmetric(Backend& backend, const OpConfig& config, const SymmetricCall& symmetric, Event entry,
                          const ChunkReady& source_ready, ReadyMarks readiness, const ChunkCopy& copy_chunks,
                          LandedEvents marks, Landed* pushed);
+// A symmetric call's first wait on each of its copy streams: for `entry`, recorded on XLA's stream.
+// While XLA captures the call, a stream joins the capture only by waiting for captured work, and XLA's
+// stream may wait for an event of a stream that has joined it, never of one that has not (CUDA refuses
+// it: cudaErrorStreamCaptureIsolation); the join at the call's end records on every copy stream.
+ffi::Error EnterCopyStreams(Backend& backend, const OpConfig& config, Event entry);
 // The receiver's waits of a symmetric call: landed[s][j], each chunk's word equal to the epoch.
 Landed SymmetricLanded(const OpConfig& config, const SymmetricCall& symmetric);
 // The receivers' loop of every transfer=pull op, its mirror: receive slot s comes from
