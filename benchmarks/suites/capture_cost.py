@@ -9,8 +9,9 @@ the plain path (comm none: XLA's collective, NCCL on GPUs; on one device XLA dro
 Usage: python benchmarks/suites/capture_cost.py [--pair collectives|matmuls] [--bytes B] [--calls K]
            [--launches L] [--schedules S,...] [--out FILE]
 
-Timing method: wall time of L launches of the K-call program after 3 warm-up launches, / (L K);
-median of 5 such measurements. On CPU the numbers are the CPU backend's.
+Timing method: wall time of L launches of the K-call program after 3 warm-up launches, each checked
+against the plain path's result, / (L K); median of 5 such measurements. On CPU the numbers are the
+CPU backend's.
 """
 import argparse
 import json
@@ -51,14 +52,26 @@ def chain(pair: str, schedule: str, calls: int, mesh: Mesh, width: int):
 
 
 def measure(pair: str, schedule: str, nbytes: int, calls: int, launches: int) -> dict:
+    """One schedule's row, after its result was checked against the plain path's. f32 matmuls at full
+    precision, as the executor's are: the checked and the timed program are one trace."""
+    with jax.default_matmul_precision("highest"):
+        return _measure(pair, schedule, nbytes, calls, launches)
+
+
+def _measure(pair: str, schedule: str, nbytes: int, calls: int, launches: int) -> dict:
     mesh = Mesh(np.array(jax.local_devices()), ("tp",))
     n = mesh.shape["tp"]
     width = 256
     rows = max(8, nbytes // (4 * width) // 8 * 8)  # f32 rows per device, a multiple of 8 (chunks)
     x = jnp.asarray(np.random.default_rng(0).standard_normal((n * rows, width)).astype(np.float32))
     f = chain(pair, schedule, calls, mesh, width)
-    for _ in range(3):
-        jax.block_until_ready(f(x))
+    want = np.asarray(chain(pair, "none", calls, mesh, width)(x))
+    for i in range(3):  # warm-ups, each checked: the later ones replay what the first recorded
+        got = np.asarray(f(x * (1 + i)))
+        err = float(np.max(np.abs(got - want * (1 + i))) / max(float(np.max(np.abs(want))) * (1 + i), 1e-30))
+        if not err < 1e-4:
+            raise SystemExit(f"capture_cost: {pair} {schedule} differs from the plain path by {err:.2e} "
+                             f"(relative to the largest value) at launch {i}")
     testing = extension.testing()
     handlers0, meetings0 = testing.host_time()["calls"], testing.host_meetings()
     samples = []

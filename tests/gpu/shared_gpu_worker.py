@@ -5,8 +5,9 @@ machine with a single GPU runs the cross-process executor and its symmetric site
 references are computed with numpy from inputs both processes make from seeds: no XLA collective
 runs (NCCL refuses two ranks on one GPU). Times mean nothing here (two contexts share the GPU).
 
-    python tests/gpu/shared_gpu_worker.py PROCESS_ID PORT OUT_JSON
+    python tests/gpu/shared_gpu_worker.py PROCESS_ID PORT OUT_JSON [CHAIN_LAUNCHES]
 
+CHAIN_LAUNCHES (default 6): launches of the captured chain, each checked (a soak: hundreds).
 Writes {"checks": {name: "ok" | error}, "handlers_per_launch": ...} and exits 1 if a check failed.
 """
 import json
@@ -15,7 +16,7 @@ import sys
 import traceback
 
 
-def main(process_id: int, port: int, out_path: str) -> int:
+def main(process_id: int, port: int, out_path: str, chain_launches: int = 6) -> int:
     import jax
     jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=process_id,
                                initialization_timeout=120)
@@ -97,15 +98,16 @@ def main(process_id: int, port: int, out_path: str) -> int:
         f = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False))
         x = global_array(1, (m, k), P("tp"))
         handlers = []
-        for i in range(6):
+        for i in range(chain_launches):
             before = testing.host_time()["calls"]
-            got = np.asarray(f(x * (1 + i)).addressable_shards[0].data)
+            got = np.asarray(f(x * (1 + i % 7)).addressable_shards[0].data)
             handlers.append(testing.host_time()["calls"] - before)
-            want = expected * (1 + i)
+            want = expected * (1 + i % 7)
             err = float(np.max(np.abs(got - want)) / float(np.max(np.abs(want))))
             if err > 1e-4:
                 raise AssertionError(f"launch {i}: relative error {err:.2e}")
-        result["handlers_per_launch"] = handlers
+        result["handlers_per_launch"] = handlers[:20]
+        result["chain_launches"] = chain_launches
         checks["captured chain"] = "ok"
     except Exception:  # noqa: BLE001
         checks["captured chain"] = traceback.format_exc()[-1500:]
@@ -119,4 +121,4 @@ def main(process_id: int, port: int, out_path: str) -> int:
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    sys.exit(main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]))
+    sys.exit(main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], *(int(a) for a in sys.argv[4:5])))
