@@ -93,8 +93,11 @@ class Backend {
   // peer-mapped or opened through CUDA IPC; host memory on CPU), read and written by small kernels
   // on `stream`, so that a call replayed from a CUDA graph compares what the devices counted, never a
   // value the host wrote into the graph when it was captured.
-  // ++*counter, then *mirror = *counter where `mirror` is given (host memory the watchdog reads).
-  virtual ffi::Error CountCall(int stream, uint32_t* counter, uint32_t* mirror) = 0;
+  // ++*counter, then *mirror = *counter where `mirror` is given (host memory the watchdog reads) —
+  // unless `stopped` (host memory, or null) is nonzero: then `stream` stops there, counting nothing
+  // (on CUDA its device waits until the watchdog reports it; on CPU an error whose message is
+  // kCallStopped returns).
+  virtual ffi::Error CountCall(int stream, uint32_t* counter, uint32_t* mirror, const uint32_t* stopped) = 0;
   // `stream`'s later work waits until *word == *counter + offset. On CUDA the device waits, for as
   // long as it takes (the watchdog reports one that never ends); on CPU the calling thread waits at
   // most the call's timeout, then returns an error whose message is kWordTimedOut.
@@ -123,6 +126,8 @@ class Backend {
 
 // WaitWord's error message when a CPU backend gave up waiting.
 inline constexpr const char* kWordTimedOut = "word wait timed out";
+// CountCall's error message on a CPU backend when the call was stopped.
+inline constexpr const char* kCallStopped = "call stopped: its site failed";
 
 // Whether `word` has reached `value`, as WaitWord compares: cyclically, so that counting past 2^32
 // keeps working.

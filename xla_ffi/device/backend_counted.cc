@@ -52,9 +52,9 @@ class CountedBackend final : public Backend {
     TimeSection timed(Totals().wait_word);
     return inner_->WaitWord(stream, word, value);
   }
-  ffi::Error CountCall(int stream, uint32_t* counter, uint32_t* mirror) override {
+  ffi::Error CountCall(int stream, uint32_t* counter, uint32_t* mirror, const uint32_t* stopped) override {
     TimeSection timed(Totals().counter);
-    return inner_->CountCall(stream, counter, mirror);
+    return inner_->CountCall(stream, counter, mirror, stopped);
   }
   ffi::Error WaitCounter(int stream, const uint32_t* word, const uint32_t* counter, int32_t offset) override {
     TimeSection timed(Totals().counter);

@@ -106,7 +106,8 @@ class CpuBackend final : public Backend {
   ffi::Error WaitWord(int, const uint32_t* word, uint32_t value) override {
     return WaitUntil([&] { return WordReached(ReadWord(word), value); });
   }
-  ffi::Error CountCall(int, uint32_t* counter, uint32_t* mirror) override {
+  ffi::Error CountCall(int, uint32_t* counter, uint32_t* mirror, const uint32_t* stopped) override {
+    if (stopped != nullptr && ReadWord(stopped) != 0) return ffi::Error(ffi::ErrorCode::kAborted, kCallStopped);
     const uint32_t value = __atomic_add_fetch(counter, 1u, __ATOMIC_ACQ_REL);
     if (mirror != nullptr) __atomic_store_n(mirror, value, __ATOMIC_RELEASE);
     return ffi::Error::Success();

@@ -81,9 +81,9 @@ class CudaBackend final : public Backend {
     return CudaDevice::WaitWord(ctx_, StreamOf(stream), word, value);
   }
 
-  ffi::Error CountCall(int stream, uint32_t* counter, uint32_t* mirror) override {
+  ffi::Error CountCall(int stream, uint32_t* counter, uint32_t* mirror, const uint32_t* stopped) override {
     const CallContext& ctx = ctx_;
-    FICCO_CHECK_CUDA(LaunchCountCall(counter, mirror, StreamOf(stream)));
+    FICCO_CHECK_CUDA(LaunchCountCall(counter, mirror, stopped, StreamOf(stream)));
     return ffi::Error::Success();
   }
 

@@ -11,7 +11,15 @@ struct Words {
 __device__ __forceinline__ uint32_t Load(const uint32_t* word) { return *reinterpret_cast<const volatile uint32_t*>(word); }
 __device__ __forceinline__ void Store(uint32_t* word, uint32_t value) { *reinterpret_cast<volatile uint32_t*>(word) = value; }
 
-__global__ void CountCallKernel(uint32_t* counter, uint32_t* mirror) {
+// A stopped site's call (runtime/symmetric.h) must not pair with its peers' calls: it posts itself
+// started, counting nothing, and waits here for good, so that the watchdog reports the site and why
+// it stopped.
+__global__ void CountCallKernel(uint32_t* counter, uint32_t* mirror, const uint32_t* stopped) {
+  if (stopped != nullptr && Load(stopped) != 0u) {
+    if (mirror != nullptr) Store(mirror, Load(counter) + 1u);
+    __threadfence_system();
+    for (;;) __nanosleep(1 << 20);
+  }
   const uint32_t value = Load(counter) + 1u;
   Store(counter, value);
   if (mirror != nullptr) {
@@ -39,8 +47,8 @@ __global__ void PostCounterKernel(Words words, int count, const uint32_t* counte
 
 }  // namespace
 
-cudaError_t LaunchCountCall(uint32_t* counter, uint32_t* mirror, cudaStream_t stream) {
-  CountCallKernel<<<1, 1, 0, stream>>>(counter, mirror);
+cudaError_t LaunchCountCall(uint32_t* counter, uint32_t* mirror, const uint32_t* stopped, cudaStream_t stream) {
+  CountCallKernel<<<1, 1, 0, stream>>>(counter, mirror, stopped);
   return cudaGetLastError();
 }
 

@@ -16,8 +16,9 @@ namespace ficco {
 // The most words one PostCounter kernel writes; more take several launches.
 constexpr int kPostCounterWords = 16;
 
-// ++*counter; then, where `mirror` is given, *mirror = *counter.
-cudaError_t LaunchCountCall(uint32_t* counter, uint32_t* mirror, cudaStream_t stream);
+// ++*counter; then, where `mirror` is given, *mirror = *counter. Where `stopped` is given and nonzero
+// it counts nothing and never returns (the watchdog reports the stream).
+cudaError_t LaunchCountCall(uint32_t* counter, uint32_t* mirror, const uint32_t* stopped, cudaStream_t stream);
 // Returns once *word == *counter + offset (the comparison made on the device, so a replayed graph
 // compares the values of its own execution).
 cudaError_t LaunchWaitCounter(const uint32_t* word, const uint32_t* counter, int32_t offset, cudaStream_t stream);

@@ -146,11 +146,15 @@ ffi::Error CopyBlockChunks(Backend& backend, const OpConfig& config, const Block
 ffi::Error CopyOutSymmetric(Backend& backend, const OpConfig& config, const SymmetricCall& symmetric, Event entry,
                             const Landed& landed, const BlockLayout& layout, void* dst,
                             const std::function<int64_t(int slot)>& dst_block, std::vector<Event>* copied);
-// transfer=symmetric, the end of the pipelines: XLA's stream waits for the copy-outs (`copied`: they
-// write XLA's buffers, so on every path), then, if `status` is still success, releases the slots
-// (every reader of them is enqueued before on XLA's stream). Returns the first error.
-ffi::Error ReleaseSymmetric(Backend& backend, const SymmetricCall& symmetric, const std::vector<Event>& copied,
-                            ffi::Error status);
+// transfer=symmetric, a call that failed after its epoch was counted: its site stops in this process
+// (the ranks' counts may have parted: SymmetricSite::Fail), XLA's stream waits for every copy the call
+// enqueued (AwaitLanded, the copy-out stream too), and the call is posted finished, so that the
+// watchdog does not take the failed call for a stuck one. Returns `error`.
+ffi::Error FailSymmetric(Backend& backend, const OpConfig& config, const SymmetricCall& symmetric,
+                         const Landed& pushed, ffi::Error error);
+// transfer=symmetric: XLA's stream waits for the copy-outs (`copied`), on every path, since they write
+// XLA's buffers; the slots are then released at the join (SymmetricCall::End). Returns the first error.
+ffi::Error AwaitCopyOuts(Backend& backend, const std::vector<Event>& copied, ffi::Error status);
 // The matmuls of rows [row, row + count) of one block, for every group g:
 // out block = in block @ w[g] (in: [.., groups, rows, inner], out: [.., groups, rows, cols]).
 struct BlockMatmul {

@@ -56,7 +56,7 @@ ffi::Error CopyOutSymmetric(Backend& backend, const OpConfig& config, const Symm
   // Copies within the device, on the stream of the staging copies (Backend::kStaging), off the way of
   // this call's own sends on the copy streams. With no peer there is nothing to copy and the stream
   // stays out of the call: under a capture, XLA's stream must join back every stream that joined it,
-  // and here it waits for the copies' events alone.
+  // and it waits here for the copies' events alone (AwaitCopyOuts).
   const int stream = Backend::kStaging;
   if (config.n() < 2) return ffi::Error::Success();
   FICCO_RETURN_IF_ERROR(backend.Wait(stream, entry));
@@ -74,13 +74,23 @@ ffi::Error CopyOutSymmetric(Backend& backend, const OpConfig& config, const Symm
   return ffi::Error::Success();
 }
 
-ffi::Error ReleaseSymmetric(Backend& backend, const SymmetricCall& symmetric, const std::vector<Event>& copied,
-                            ffi::Error status) {
-  for (Event event : copied) {  // on any path: these copies write XLA's buffers
+ffi::Error FailSymmetric(Backend& backend, const OpConfig& config, const SymmetricCall& symmetric,
+                         const Landed& pushed, ffi::Error error) {
+  symmetric.Fail(error.message());
+  if (config.n() > 1) {  // the copy-out stream: a copy may have been enqueued before its event failed
+    Event last = nullptr;
+    if (backend.Record(Backend::kStaging, &last).success()) (void)backend.Wait(Backend::kCompute, last);
+  }
+  error = AwaitLanded(backend, config, pushed, std::move(error));
+  (void)symmetric.End(backend);  // the call ends, failed: the watchdog has no call of it to watch
+  return error;
+}
+
+ffi::Error AwaitCopyOuts(Backend& backend, const std::vector<Event>& copied, ffi::Error status) {
+  for (Event event : copied) {
     ffi::Error waited = backend.Wait(Backend::kCompute, event);
     if (status.success()) status = std::move(waited);
   }
-  if (status.success()) status = symmetric.ReleaseSlots(backend, Backend::kCompute);
   return status;
 }
 
@@ -142,29 +152,32 @@ ffi::Error Gather::Run(CallSession& session) {
 
 // The sends enqueue first (each after its target freed its slot), then our own block's matmul, then
 // the landed blocks: where `received` is a result they are copied into it (CopyOutSymmetric), and the
-// matmuls read them where they landed; once nothing reads the slots any more they are released.
+// matmuls read them where they landed; the join releases the slots.
 ffi::Error Gather::RunSymmetric(CallSession& session) {
   std::shared_ptr<SymmetricSite> site;
   FICCO_RETURN_IF_ERROR(session.SymmetricSiteOf(backend_, a_.layout.Block(), &site));
   const SymmetricCall symmetric(config_, std::move(site), Marks() == LandedEvents::kPerChunk);
   FICCO_RETURN_IF_ERROR(symmetric.Begin(backend_));
-  // x is valid, and this call's epoch counted, from `ready`: the copy streams start there.
-  Event ready;
-  FICCO_RETURN_IF_ERROR(backend_.Record(Backend::kCompute, &ready));
-  FICCO_RETURN_IF_ERROR(EnterCopyStreams(backend_, config_, ready));
+  // From here on a failure goes through FailSymmetric: the call was counted.
   Landed pushed(config_.n() - 1, std::vector<Ready>(config_.chunks));
-  ffi::Error moved = SendSymmetric(symmetric, ready, &pushed);
-  if (moved.success() && matmul_) moved = mm_.Run(backend_, a_.x, SourceBlock(config_.rank), a_.out, config_.rank, 0, a_.layout.rows);
+  std::vector<Event> copied;
+  // x is valid, and this call's epoch counted, from `ready`: the copy streams start there.
+  Event ready = nullptr;
+  ffi::Error moved = backend_.Record(Backend::kCompute, &ready);
+  if (moved.success()) moved = EnterCopyStreams(backend_, config_, ready);
+  if (moved.success()) moved = SendSymmetric(symmetric, ready, &pushed);
+  if (moved.success() && matmul_) {
+    moved = mm_.Run(backend_, a_.x, SourceBlock(config_.rank), a_.out, config_.rank, 0, a_.layout.rows);
+  }
   if (moved.success()) moved = CopyOwnBlock(ready);
   const Landed landed = SymmetricLanded(config_, symmetric);
-  std::vector<Event> copied;
   if (moved.success() && ReceivedIsRead()) {
     moved = CopyOutSymmetric(backend_, config_, symmetric, ready, landed, a_.layout, a_.received,
                              [&](int slot) { return config_.SourceOfSlot(slot); }, &copied);
   }
   if (moved.success() && matmul_) moved = Consume(landed, &symmetric);
-  moved = ReleaseSymmetric(backend_, symmetric, copied, std::move(moved));
-  if (moved.failure()) return AwaitLanded(backend_, config_, pushed, std::move(moved));
+  moved = AwaitCopyOuts(backend_, copied, std::move(moved));
+  if (moved.failure()) return FailSymmetric(backend_, config_, symmetric, pushed, std::move(moved));
   return JoinAndRelease(backend_, config_, session, &symmetric);
 }
 

@@ -110,27 +110,26 @@ ffi::Error Scatter::Run(CallSession& session) {
 
 // The partials are computed into XLA's `send` as before, and each send chunk moves, once written,
 // into its target's slot of the site; a reduce then sums where the partials landed, and the other
-// ops (matmul_a2a) copy them into their result (CopyOutSymmetric). Once nothing reads the slots any
-// more they are released.
+// ops (matmul_a2a) copy them into their result (CopyOutSymmetric). The join releases the slots.
 ffi::Error Scatter::RunSymmetric(CallSession& session) {
   std::shared_ptr<SymmetricSite> site;
   FICCO_RETURN_IF_ERROR(session.SymmetricSiteOf(backend_, layout_.Block(), &site));
   const SymmetricCall symmetric(config_, std::move(site), Marks() == LandedEvents::kPerChunk);
   FICCO_RETURN_IF_ERROR(symmetric.Begin(backend_));
+  // From here on a failure goes through FailSymmetric: the call was counted.
+  Landed pushed(config_.n() - 1, std::vector<Ready>(config_.chunks));
+  std::vector<Event> copied, exposed;
   // y is valid, and this call's epoch counted, from `entry`: the copy streams start there.
-  Event entry;
-  FICCO_RETURN_IF_ERROR(backend_.Record(Backend::kCompute, &entry));
-  FICCO_RETURN_IF_ERROR(EnterCopyStreams(backend_, config_, entry));
-  std::vector<Event> exposed;
-  if (matmul_) {
-    FICCO_RETURN_IF_ERROR(Produce(session, a_.send, &exposed));
+  Event entry = nullptr;
+  ffi::Error moved = backend_.Record(Backend::kCompute, &entry);
+  if (moved.success()) moved = EnterCopyStreams(backend_, config_, entry);
+  if (moved.success() && matmul_) {
+    moved = Produce(session, a_.send, &exposed);
   } else {
     exposed.assign((config_.n() - 1) * config_.chunks, entry);
   }
-  Landed pushed(config_.n() - 1, std::vector<Ready>(config_.chunks));
-  ffi::Error moved = SendSymmetric(symmetric, a_.send, entry, exposed, &pushed);
+  if (moved.success()) moved = SendSymmetric(symmetric, a_.send, entry, exposed, &pushed);
   const Landed landed = SymmetricLanded(config_, symmetric);
-  std::vector<Event> copied;
   if (moved.success() && reduce_) {
     recv_ = symmetric.Landing(0);
     moved = SumsInMatmuls() ? SumInMatmuls(landed) : ReduceChunks(landed);
@@ -138,8 +137,8 @@ ffi::Error Scatter::RunSymmetric(CallSession& session) {
     moved = CopyOutSymmetric(backend_, config_, symmetric, entry, landed, layout_, a_.out,
                              [&](int slot) { return config_.SourceOfSlot(slot); }, &copied);
   }
-  moved = ReleaseSymmetric(backend_, symmetric, copied, std::move(moved));
-  if (moved.failure()) return AwaitLanded(backend_, config_, pushed, std::move(moved));
+  moved = AwaitCopyOuts(backend_, copied, std::move(moved));
+  if (moved.failure()) return FailSymmetric(backend_, config_, symmetric, pushed, std::move(moved));
   return JoinAndRelease(backend_, config_, session, &symmetric);
 }
 

@@ -163,13 +163,10 @@ struct Target {
       if (result.failure()) {
         std::fprintf(stderr, "%s\n", result.message().c_str());
         // Its peers may wait for words this call never set: the group starts over on a new generation
-        // of its channel (runtime/channel.h); a symmetric site's counters may be out of step for good.
+        // of its channel (runtime/channel.h). (A symmetric call stops its site itself where it failed
+        // after counting itself: exec/, FailSymmetric.)
         Channel* channel = config.cross_process() ? nullptr : Registry::Get().channels().Find(config.group);
         if (channel != nullptr) channel->Retire(config.run_id, config.rank, result.message());
-        if (config.symmetric) {
-          std::shared_ptr<SymmetricSite> site = Registry::Get().symmetric().Find(config.ctx.op_id, config.group);
-          if (site != nullptr) site->Fail(config.rank, result.message());
-        }
       }
       return result;
     });

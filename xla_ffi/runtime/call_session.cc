@@ -332,21 +332,24 @@ ffi::Error CallSession::SetUpChannel(Backend& backend, Channel& channel, int64_t
 // signature compared there covers the shapes, dtypes and schedule, hence the slots' size and chunks.
 ffi::Error CallSession::SymmetricSiteOf(Backend& backend, int64_t slot_bytes, std::shared_ptr<SymmetricSite>* out) {
   SymmetricSites& sites = Registry::Get().symmetric();
-  std::shared_ptr<SymmetricSite> site = sites.Find(config_.ctx.op_id, config_.group);
+  const SymmetricSites::Key key{config_.ctx.op_id, config_.group, config_.chunks, slot_bytes};
+  std::shared_ptr<SymmetricSite> site = sites.Find(key);
   if (site == nullptr || site->WatchOf(config_.rank).started == nullptr) {
     const int64_t bytes = SymmetricSite::Bytes(config_.n(), config_.chunks, slot_bytes);
     void* region = nullptr;
     FICCO_RETURN_IF_ERROR(backend.AllocateRegion(bytes, &region));
     if (config_.cross_process()) FICCO_RETURN_IF_ERROR(ExportRegion(config_, region, static_cast<uint64_t>(bytes)));
-    uint32_t* watch = nullptr;  // started, finished
-    FICCO_RETURN_IF_ERROR(backend.AllocateWords(2, &watch));
-    const RendezvousKey key{config_.run_id, config_.ctx.op_id, -1, Phase::kSymmetric, config_.group_index};
+    uint32_t* watch = nullptr;  // started, finished, stopped
+    FICCO_RETURN_IF_ERROR(backend.AllocateWords(3, &watch));
+    const RendezvousKey meeting{config_.run_id, config_.ctx.op_id, -1, Phase::kSymmetric, config_.group_index};
     std::vector<Post> posts;
-    FICCO_RETURN_IF_ERROR(MeetAt(key, Phase::kSymmetric, Post{config_.ctx.device_ordinal, signature_, region, {}}, &posts));
+    FICCO_RETURN_IF_ERROR(
+        MeetAt(meeting, Phase::kSymmetric, Post{config_.ctx.device_ordinal, signature_, region, {}}, &posts));
     std::vector<char*> bases;
     for (const Post& post : posts) bases.push_back(static_cast<char*>(const_cast<void*>(post.buffer)));
-    site = sites.Install(config_.ctx.op_id, config_.group, config_.chunks, slot_bytes, std::move(bases));
-    site->SetWatch(config_.rank, {watch, watch + 1});
+    site = sites.Install(key, std::move(bases));
+    if (config_.cross_process()) sites.MarkCrossProcess(key);
+    site->SetWatch(config_.rank, {watch, watch + 1, watch + 2});
     if (config_.watchdog_s > 0) Registry::Get().watchdog().WatchSite(config_, site, watch, watch + 1);
   }
   const std::string failed = site->Failed();
@@ -354,12 +357,6 @@ ffi::Error CallSession::SymmetricSiteOf(Backend& backend, int64_t slot_bytes, st
     return MakeError(config_.ctx, "an earlier call of this copy-engine site failed in this process (" + failed +
                                       "); the group's counters may be out of step, so the site cannot run again "
                                       "here: restart the process");
-  }
-  if (site->slot_bytes() != slot_bytes || site->chunks() != config_.chunks) {
-    return MakeInvalid(config_.ctx, "the symmetric site was set up for " + std::to_string(site->chunks()) +
-                                        " chunks of " + std::to_string(site->slot_bytes()) + "-byte blocks, this "
-                                        "call moves " + std::to_string(config_.chunks) + " of " +
-                                        std::to_string(slot_bytes) + " (a bug: one op id, two shapes)");
   }
   *out = std::move(site);
   return ffi::Error::Success();
@@ -480,7 +477,15 @@ ffi::Error CopyChunks(Backend& backend, const OpConfig& config, bool push, const
     // target's entry it waits until the target has read the previous call's block from it.
     FICCO_RETURN_IF_ERROR(
         WaitOnce(backend, stream, push && symmetric == nullptr ? peers[peer].events[0] : own_entry, &entered[stream]));
-    if (symmetric != nullptr) FICCO_RETURN_IF_ERROR(symmetric->WaitSlotFree(backend, stream, slot));
+    if (symmetric != nullptr) {
+      ffi::Error free = symmetric->WaitSlotFree(backend, stream, slot);
+      if (free.failure() && free.message() == kWordTimedOut) {
+        free = MissingPeerError(config, peer, "did not release its slot of this symmetric site within " +
+                                                  ShortNumber(config.timeout_s) + " s (it has not finished its "
+                                                  "previous call)");
+      }
+      FICCO_RETURN_IF_ERROR(std::move(free));
+    }
     std::vector<Ready>& marked = (*recorded)[slot];
     for (int64_t j = 0; j < config.chunks; j += span) {
       const int64_t end = j + span;
@@ -619,8 +624,10 @@ ffi::Error JoinAndRelease(Backend& backend, const OpConfig& config, CallSession&
     FICCO_RETURN_IF_ERROR(backend.Wait(Backend::kCompute, pulls_done[stream]));
   }
   if (symmetric != nullptr) {
-    // No peer waits on this call's events (its peers read the site's words), and its own streams
-    // have enqueued their waits on them: they go back to the pool at once. Nothing to meet.
+    // Every reader of the slots is enqueued before, on XLA's stream or joined into it: they are
+    // released with the call's end. No peer waits on this call's events (its peers read the site's
+    // words), and its own streams have enqueued their waits on them: they go back to the pool at
+    // once. Nothing to meet.
     FICCO_RETURN_IF_ERROR(symmetric->End(backend));
     backend.ReleaseEvents();
     backend.Pool().Release(backend.TakeReusable());

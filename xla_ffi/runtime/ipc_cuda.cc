@@ -417,6 +417,9 @@ std::string DescribeStaging(int ordinal, uint64_t bytes, IpcStagingInfo* info) {
 
 int64_t IpcClose() {
   int64_t closed = 0;
+  // A symmetric site across processes reaches its peers through the mappings closed below: it stops
+  // (a replayed call waits at its first kernel, reported by the watchdog) instead of writing through them.
+  Registry::Get().symmetric().FailCrossProcess("this process closed its CUDA IPC mappings (ipc.close())");
   for (int ordinal : Registry::Get().Ordinals()) {
     CudaResources* res = Registry::Get().Device(ordinal).cuda().resources();
     if (res == nullptr) continue;

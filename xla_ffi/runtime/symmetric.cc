@@ -19,7 +19,10 @@ SymmetricSite::Watch SymmetricSite::WatchOf(int rank) {
 
 void SymmetricSite::Fail(int rank, const std::string& why) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (failed_.empty()) failed_ = "rank " + std::to_string(rank) + " failed: " + why;
+  if (failed_.empty()) failed_ = rank < 0 ? why : "rank " + std::to_string(rank) + " failed: " + why;
+  for (const Watch& watch : watches_) {
+    if (watch.stopped != nullptr) __atomic_store_n(watch.stopped, 1u, __ATOMIC_RELEASE);
+  }
 }
 
 std::string SymmetricSite::Failed() {
@@ -27,27 +30,45 @@ std::string SymmetricSite::Failed() {
   return failed_;
 }
 
-std::shared_ptr<SymmetricSite> SymmetricSites::Find(int64_t op_id, const std::vector<int>& group) {
+std::shared_ptr<SymmetricSite> SymmetricSites::Find(const Key& key) {
   std::lock_guard<std::mutex> lock(mu_);
-  auto found = sites_.find({op_id, group});
+  auto found = sites_.find(key);
   return found == sites_.end() ? nullptr : found->second;
 }
 
-std::shared_ptr<SymmetricSite> SymmetricSites::Install(int64_t op_id, const std::vector<int>& group, int64_t chunks,
-                                                       int64_t slot_bytes, std::vector<char*> bases) {
+std::shared_ptr<SymmetricSite> SymmetricSites::Install(const Key& key, std::vector<char*> bases) {
   std::lock_guard<std::mutex> lock(mu_);
-  std::shared_ptr<SymmetricSite>& site = sites_[{op_id, group}];
+  std::shared_ptr<SymmetricSite>& site = sites_[key];
   if (site == nullptr) {
-    site = std::make_shared<SymmetricSite>(static_cast<int>(group.size()), chunks, slot_bytes, std::move(bases));
+    site = std::make_shared<SymmetricSite>(static_cast<int>(std::get<1>(key).size()), std::get<2>(key),
+                                           std::get<3>(key), std::move(bases));
   }
   return site;
+}
+
+void SymmetricSites::MarkCrossProcess(const Key& key) {
+  std::lock_guard<std::mutex> lock(mu_);
+  cross_process_.push_back(key);
+}
+
+void SymmetricSites::FailCrossProcess(const std::string& why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const Key& key : cross_process_) {
+    auto found = sites_.find(key);
+    if (found != sites_.end()) found->second->Fail(-1, why);
+  }
 }
 
 SymmetricCall::SymmetricCall(const OpConfig& config, std::shared_ptr<SymmetricSite> site, bool per_chunk)
     : config_(config), site_(std::move(site)), per_chunk_(per_chunk) {}
 
 ffi::Error SymmetricCall::Begin(Backend& backend) const {
-  return backend.CountCall(Backend::kCompute, site_->Epoch(config_.rank), site_->WatchOf(config_.rank).started);
+  const SymmetricSite::Watch watch = site_->WatchOf(config_.rank);
+  ffi::Error counted = backend.CountCall(Backend::kCompute, site_->Epoch(config_.rank), watch.started, watch.stopped);
+  if (counted.failure() && counted.message() == kCallStopped) {
+    return MakeError(config_.ctx, "this copy-engine site stopped (" + site_->Failed() + "): restart the process");
+  }
+  return counted;
 }
 
 ffi::Error SymmetricCall::WaitSlotFree(Backend& backend, int stream, int slot) const {
@@ -66,17 +87,13 @@ ffi::Error SymmetricCall::PostLanded(Backend& backend, int stream, int slot, int
   return backend.PostCounter(stream, words, Epoch());
 }
 
-ffi::Error SymmetricCall::ReleaseSlots(Backend& backend, int stream) const {
+ffi::Error SymmetricCall::End(Backend& backend) const {
   std::vector<uint32_t*> words;
   for (int slot = 0; slot < config_.n() - 1; ++slot) words.push_back(site_->Free(config_.SourceOfSlot(slot), slot));
-  if (words.empty()) return ffi::Error::Success();
-  return backend.PostCounter(stream, words, Epoch());
-}
-
-ffi::Error SymmetricCall::End(Backend& backend) const {
   uint32_t* finished = site_->WatchOf(config_.rank).finished;
-  if (finished == nullptr) return ffi::Error::Success();
-  return backend.PostCounter(Backend::kCompute, {finished}, Epoch());
+  if (finished != nullptr) words.push_back(finished);
+  if (words.empty()) return ffi::Error::Success();
+  return backend.PostCounter(Backend::kCompute, words, Epoch());
 }
 
 }  // namespace ficco

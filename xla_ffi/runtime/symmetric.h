@@ -34,9 +34,13 @@
 // No wait is left unwatched: each call posts its epoch into host memory as it starts and again as
 // it ends (`started`, `finished`), and the watchdog reports a site whose call started and has not
 // finished within config.WATCHDOG_S (runtime/watchdog.h), whether the handler ran or a command
-// buffer replayed the call. A call that fails marks its site failed in this process: the ranks'
-// epochs may have parted, so later calls of the site here fail at once, naming the first error.
-// Allocations are never freed (work in flight, or a captured graph, may still use them).
+// buffer replayed the call. A call that fails after counting itself stops its site in this process:
+// the ranks' epochs may have parted, so later calls of the site here fail at once, naming the first
+// error, and a replayed one stops at its first kernel (`stopped`), reported by the watchdog, before it
+// can pair with its peers. The epochs count calls, not launches: a device that ends a launch before a
+// site its peers run (another op's error) falls behind for good, so after a failed launch the process
+// must be restarted (docs/design.md). Allocations are never freed (work in flight, or a captured
+// graph, may still use them).
 #ifndef FICCO_JAX_XLA_FFI_RUNTIME_SYMMETRIC_H_
 #define FICCO_JAX_XLA_FFI_RUNTIME_SYMMETRIC_H_
 
@@ -72,16 +76,20 @@ class SymmetricSite {
   uint32_t* Free(int rank, int slot) const { return Words(rank) + 1 + int64_t{n_ - 1} * chunks_ + slot; }
   char* Slot(int rank, int slot) const { return bases_[rank] + WordsBytes(n_, chunks_) + slot * slot_bytes_; }
 
-  // Host words the devices post `epoch` into as a call starts and ends (the watchdog reads them), of
-  // the ranks of this process; null for the others.
+  // Host words of the ranks of this process (null for the others): the devices post `epoch` into
+  // `started` and `finished` as a call starts and ends (the watchdog reads them), and the host sets
+  // `stopped` once the site failed, which stops a call that a command buffer replays at its first
+  // kernel (Backend::CountCall), before it can pair with its peers' calls.
   struct Watch {
     uint32_t* started = nullptr;
     uint32_t* finished = nullptr;
+    uint32_t* stopped = nullptr;
   };
   void SetWatch(int rank, Watch watch);
   Watch WatchOf(int rank);
 
-  // A call of the site failed on `rank` with `why`; "" while none has.
+  // A call of the site failed on `rank` with `why` (after its epoch was counted, or in a way that
+  // leaves the site unusable): the site stops in this process. "" while none has.
   void Fail(int rank, const std::string& why);
   std::string Failed();
 
@@ -100,18 +108,25 @@ class SymmetricSite {
   std::string failed_;
 };
 
-// The process's symmetric sites, by (op id, group members in rank order).
+// The process's symmetric sites, by (op id, group members in rank order, chunks, block bytes): one
+// call site traced once runs other shapes where it is batched again (vmap of a jitted function keeps
+// its op ids), each a site of its own.
 class SymmetricSites {
  public:
-  std::shared_ptr<SymmetricSite> Find(int64_t op_id, const std::vector<int>& group);
+  using Key = std::tuple<int64_t, std::vector<int>, int64_t, int64_t>;
+  std::shared_ptr<SymmetricSite> Find(const Key& key);
   // The site made from a setup meeting's bases (one per rank, in rank order); the first rank of the
   // process to get here makes it, the others get the same one.
-  std::shared_ptr<SymmetricSite> Install(int64_t op_id, const std::vector<int>& group, int64_t chunks,
-                                         int64_t slot_bytes, std::vector<char*> bases);
+  std::shared_ptr<SymmetricSite> Install(const Key& key, std::vector<char*> bases);
+  // Fails every site of a group across processes (ipc.close() unmaps what they reach of their peers).
+  void FailCrossProcess(const std::string& why);
+  // A site of a group across processes (its members are global device ids).
+  void MarkCrossProcess(const Key& key);
 
  private:
   std::mutex mu_;
-  std::map<std::tuple<int64_t, std::vector<int>>, std::shared_ptr<SymmetricSite>> sites_;
+  std::map<Key, std::shared_ptr<SymmetricSite>> sites_;
+  std::vector<Key> cross_process_;
 };
 
 // One call of rank `config.rank` on its site: the waits and posts of the table above, for the
@@ -122,6 +137,8 @@ class SymmetricCall {
   SymmetricCall(const OpConfig& config, std::shared_ptr<SymmetricSite> site, bool per_chunk);
 
   const SymmetricSite& site() const { return *site_; }
+  // The call failed after Begin: its site stops in this process (SymmetricSite::Fail).
+  void Fail(const std::string& why) const { site_->Fail(config_.rank, why); }
   // Compute stream, first: this call's epoch, posted as started.
   ffi::Error Begin(Backend& backend) const;
   // Sender, on `stream` before its first copy of send slot `slot`: until the target has read the
@@ -139,10 +156,8 @@ class SymmetricCall {
   const uint32_t* Epoch() const { return site_->Epoch(config_.rank); }
   // Where receive slot `slot` landed, in this device's memory.
   char* Landing(int slot) const { return site_->Slot(config_.rank, slot); }
-  // Receiver, on `stream` once nothing of this call reads its slots any more: every sender may
-  // overwrite its slot.
-  ffi::Error ReleaseSlots(Backend& backend, int stream) const;
-  // Compute stream, last (after the join): this call's epoch, posted as finished.
+  // Compute stream, last (after the join, so that nothing of this call reads its slots any more):
+  // every sender may overwrite its slot, and this call's epoch is posted as finished; one kernel.
   ffi::Error End(Backend& backend) const;
 
  private:

@@ -43,15 +43,15 @@ std::string ScheduleText(int64_t chunks, Order order, GemmMode gemm, int copy_st
   return text;
 }
 
-std::string WatchedSite::Describe() const {
-  return "op " + std::to_string(op_id) + " (" + target + "), " +
-         ScheduleText(chunks, order, gemm, copy_streams, /*push=*/false, /*symmetric=*/true) + ", on device " +
-         std::to_string(device) + ": rank " + std::to_string(rank) + " of group [" + JoinNumbers(group) + "]";
-}
+WatchedOp::WatchedOp(const OpConfig& config)
+    : target(config.ctx.target), op_id(config.ctx.op_id), device(config.ctx.device_ordinal), rank(config.rank),
+      group(config.group), chunks(config.chunks), order(config.order), gemm(config.gemm),
+      copy_streams(config.copy_streams), push(config.push), symmetric(config.symmetric),
+      site(std::string(config.site)), timeout_s(config.watchdog_s) {}
 
-std::string WatchedCall::Describe() const {
-  return "op " + std::to_string(op_id) + " (" + target + "), " + ScheduleText(chunks, order, gemm, copy_streams, push) +
-         ", on device " + std::to_string(device) +
+std::string WatchedOp::Describe() const {
+  return "op " + std::to_string(op_id) + " (" + target + "), " +
+         ScheduleText(chunks, order, gemm, copy_streams, push, symmetric) + ", on device " + std::to_string(device) +
          ": rank " + std::to_string(rank) + " of group [" + JoinNumbers(group) + "]";
 }
 
@@ -59,18 +59,7 @@ std::string WatchedCall::Describe() const {
 // CallWatch
 // ---------------------------------------------------------------------------------------------
 CallWatch::CallWatch(Backend& backend, const OpConfig& config) : call_(std::make_shared<WatchedCall>()) {
-  call_->target = config.ctx.target;  // a string literal of the target table (ffi/ops.h)
-  call_->op_id = config.ctx.op_id;
-  call_->device = config.ctx.device_ordinal;
-  call_->rank = config.rank;
-  call_->group = config.group;
-  call_->chunks = config.chunks;
-  call_->order = config.order;
-  call_->gemm = config.gemm;
-  call_->copy_streams = config.copy_streams;
-  call_->push = config.push;
-  call_->site = std::string(config.site);
-  call_->timeout_s = config.watchdog_s;
+  static_cast<WatchedOp&>(*call_) = WatchedOp(config);
   call_->pool = &backend.Pool();
   call_->registered = Clock::now();
   if (backend.RecordMark(&call_->started).failure()) call_->started = nullptr;  // counts as started
@@ -121,18 +110,7 @@ void Watchdog::Watch(std::shared_ptr<WatchedCall> call) {
 
 void Watchdog::WatchSite(const OpConfig& config, std::shared_ptr<SymmetricSite> state, const uint32_t* started,
                          const uint32_t* finished) {
-  auto site = std::make_shared<WatchedSite>();
-  site->target = config.ctx.target;
-  site->op_id = config.ctx.op_id;
-  site->device = config.ctx.device_ordinal;
-  site->rank = config.rank;
-  site->group = config.group;
-  site->chunks = config.chunks;
-  site->order = config.order;
-  site->gemm = config.gemm;
-  site->copy_streams = config.copy_streams;
-  site->site = std::string(config.site);
-  site->timeout_s = config.watchdog_s;
+  auto site = std::make_shared<WatchedSite>(config);
   site->started = started;
   site->finished = finished;
   site->state = std::move(state);
@@ -293,8 +271,11 @@ std::string Watchdog::ReportSites() {
     reported.push_back(state);
     if (report.empty()) report = "Symmetric sites of this process with a call in flight:\n";
     report += "  op " + std::to_string(site->op_id) + " (" + site->target + "), " +
-              ScheduleText(site->chunks, site->order, site->gemm, site->copy_streams, false, true) + ", group [" +
+              ScheduleText(site->chunks, site->order, site->gemm, site->copy_streams, site->push, site->symmetric) +
+              ", group [" +
               JoinNumbers(site->group) + "]" + (site->site.empty() ? "" : ", written at " + site->site) + ":\n";
+    const std::string failed = site->state->Failed();
+    if (!failed.empty()) report += "    the site stopped in this process: " + failed + "\n";
     for (int rank = 0; rank < n; ++rank) {
       report += "    rank " + std::to_string(rank) + " (device " + std::to_string(site->group[rank]) + "): ";
       if (watches[rank].started == nullptr) {

@@ -69,12 +69,12 @@ struct PeerWord {
   uint32_t value;
 };
 
-// What the watchdog knows of one call; the handler thread writes it through CallWatch, the watchdog
-// thread reads it, both under `mu`.
-struct WatchedCall {
-  std::mutex mu;
-  // Who it is, formatted only for a report (Describe): a call's path pays no string formatting.
-  const char* target = "";
+// Who a watched call or site is, formatted only for a report (Describe): a call's path pays no
+// string formatting.
+struct WatchedOp {
+  WatchedOp() = default;
+  explicit WatchedOp(const OpConfig& config);
+  const char* target = "";  // a string literal of the target table (ffi/ops.h)
   int64_t op_id = -1;
   int device = -1;
   int rank = 0;
@@ -84,8 +84,18 @@ struct WatchedCall {
   GemmMode gemm = GemmMode::kPerChunk;
   int copy_streams = 1;
   bool push = false;
+  bool symmetric = false;
   std::string site;  // where the op was written, "" where unknown
   double timeout_s = 0.0;
+
+  // "op 12 (ficco_ag_matmul), dma/direct/c2, on device 0: rank 0 of group [0, 1]"
+  std::string Describe() const;
+};
+
+// What the watchdog knows of one call; the handler thread writes it through CallWatch, the watchdog
+// thread reads it, both under `mu`.
+struct WatchedCall : WatchedOp {
+  std::mutex mu;
   EventPool* pool = nullptr;
   Event started = nullptr;
   Event finished = nullptr;  // recorded when the handler returns; stays null if that failed
@@ -96,9 +106,6 @@ struct WatchedCall {
   std::vector<PeerWord> words;
   std::chrono::steady_clock::time_point registered, started_seen;
   bool seen_started = false;
-
-  // "op 12 (ficco_ag_matmul), dma/direct/c2, on device 0: rank 0 of group [0, 1]"
-  std::string Describe() const;
 };
 
 class SymmetricSite;  // runtime/symmetric.h
@@ -107,18 +114,8 @@ class SymmetricSite;  // runtime/symmetric.h
 // device posts each call's number into `started` as the call begins and into `finished` after its
 // join, whether the handler ran or a command buffer replayed the call. The handler thread writes it
 // once; then only the watchdog's thread touches it.
-struct WatchedSite {
-  const char* target = "";
-  int64_t op_id = -1;
-  int device = -1;
-  int rank = 0;
-  std::vector<int> group;
-  int64_t chunks = 1;
-  Order order = Order::kRing;
-  GemmMode gemm = GemmMode::kPerChunk;
-  int copy_streams = 1;
-  std::string site;
-  double timeout_s = 0.0;
+struct WatchedSite : WatchedOp {
+  using WatchedOp::WatchedOp;
   const uint32_t* started = nullptr;
   const uint32_t* finished = nullptr;
   std::shared_ptr<SymmetricSite> state;  // for the report: the other ranks' counters of this process
@@ -126,8 +123,6 @@ struct WatchedSite {
   bool pending = false;
   uint32_t seen_started = 0, seen_finished = 0;
   std::chrono::steady_clock::time_point since;
-
-  std::string Describe() const;
 };
 
 class Watchdog {

@@ -90,10 +90,10 @@ class FaultyBackend final : public Backend {
     return inner_->WaitWord(stream, word, value);
   }
   // stall: its device never reaches the call, so it never counts it either.
-  ffi::Error CountCall(int stream, uint32_t* counter, uint32_t* mirror) override {
+  ffi::Error CountCall(int stream, uint32_t* counter, uint32_t* mirror, const uint32_t* stopped) override {
     if (fault_.mode == InjectedFault::Mode::kStall) return ffi::Error::Success();
     FICCO_RETURN_IF_ERROR(FailAtTransfer(stream));
-    return inner_->CountCall(stream, counter, mirror);
+    return inner_->CountCall(stream, counter, mirror, stopped);
   }
   ffi::Error WaitCounter(int stream, const uint32_t* word, const uint32_t* counter, int32_t offset) override {
     FICCO_RETURN_IF_ERROR(FailAtTransfer(stream));
