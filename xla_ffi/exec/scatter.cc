@@ -12,7 +12,7 @@ namespace {
 class Scatter {
  public:
   Scatter(Backend& backend, const OpConfig& config, const ScatterArgs& a)
-      : backend_(backend), config_(config), a_(a), matmul_(a.w != nullptr), reduce_(a.recv != nullptr), recv_(a.recv),
+      : backend_(backend), config_(config), a_(a), matmul_(a.w != nullptr), reduce_(a.recv != nullptr),
         layout_{a.groups, a.rows, a.cols * static_cast<int64_t>(ByteWidth(a.types.c))},
         mm_{{a.groups, a.rows, a.inner * static_cast<int64_t>(ByteWidth(a.types.a))}, layout_, a.w, a.inner, a.cols,
             a.types} {}
@@ -33,8 +33,13 @@ class Scatter {
                   Landed* landed);
   ffi::Error Push(CallSession& session, const void* send, Event entry, const std::vector<Event>& exposed,
                   Landed* landed);
-  ffi::Error ReduceChunks(const Landed& landed);
-  ffi::Error SumInMatmuls(const Landed& landed);
+  // The reduce's sums of the received partials, slot-major [n-1, rows, cols] at `recv`: a_.recv, or a
+  // symmetric site's slots, where they landed.
+  ffi::Error SumReceived(const Landed& landed, const void* recv) {
+    return SumsInMatmuls() ? SumInMatmuls(landed, recv) : ReduceChunks(landed, recv);
+  }
+  ffi::Error ReduceChunks(const Landed& landed, const void* recv);
+  ffi::Error SumInMatmuls(const Landed& landed, const void* recv);
   ffi::Error AwaitChunks(const Landed& landed, int first_slot, int end_slot, int64_t first, int64_t end);
   // Enqueues chunks [j, j + count) of block `src_block` of `src` into block `dst_block` of `dst`: row
   // chunks (CopyBlockChunks), or column chunks, each row's piece of them in one 2D copy.
@@ -73,9 +78,6 @@ class Scatter {
   const ScatterArgs& a_;
   const bool matmul_;
   const bool reduce_;
-  // Where a reduce reads the received partials, slot-major [n-1, rows, cols]: a_.recv, or a
-  // symmetric site's slots, where they landed.
-  const void* recv_;
   const BlockLayout layout_;
   const BlockMatmul mm_;
 };
@@ -103,7 +105,7 @@ ffi::Error Scatter::Run(CallSession& session) {
   // what was enqueued: XLA frees this call's buffers with the error (AwaitLanded).
   ffi::Error moved = config_.push ? Push(session, send, entry, exposed, &landed)
                                   : Pull(session, send, entry, exposed, &landed);
-  if (moved.success() && reduce_) moved = SumsInMatmuls() ? SumInMatmuls(landed) : ReduceChunks(landed);
+  if (moved.success() && reduce_) moved = SumReceived(landed, a_.recv);
   if (moved.failure()) return AwaitLanded(backend_, config_, landed, std::move(moved));
   return JoinAndRelease(backend_, config_, session);
 }
@@ -123,16 +125,17 @@ ffi::Error Scatter::RunSymmetric(CallSession& session) {
   Event entry = nullptr;
   ffi::Error moved = backend_.Record(Backend::kCompute, &entry);
   if (moved.success()) moved = EnterCopyStreams(backend_, config_, entry);
-  if (moved.success() && matmul_) {
-    moved = Produce(session, a_.send, &exposed);
-  } else {
-    exposed.assign((config_.n() - 1) * config_.chunks, entry);
+  if (moved.success()) {
+    if (matmul_) {
+      moved = Produce(session, a_.send, &exposed);
+    } else {
+      exposed.assign((config_.n() - 1) * config_.chunks, entry);
+    }
   }
   if (moved.success()) moved = SendSymmetric(symmetric, a_.send, entry, exposed, &pushed);
   const Landed landed = SymmetricLanded(config_, symmetric);
   if (moved.success() && reduce_) {
-    recv_ = symmetric.Landing(0);
-    moved = SumsInMatmuls() ? SumInMatmuls(landed) : ReduceChunks(landed);
+    moved = SumReceived(landed, symmetric.Landing(0));
   } else if (moved.success()) {
     moved = CopyOutSymmetric(backend_, config_, symmetric, entry, landed, layout_, a_.out,
                              [&](int slot) { return config_.SourceOfSlot(slot); }, &copied);
@@ -251,7 +254,7 @@ ffi::Error Scatter::AwaitChunks(const Landed& landed, int first_slot, int end_sl
 
 // Compute stream after the transfers: out[chunk] = own[chunk] + sum over slots of recv[slot][chunk].
 // matmul_rs with gemm=grouped reduces the whole block once after every chunk has landed.
-ffi::Error Scatter::ReduceChunks(const Landed& landed) {
+ffi::Error Scatter::ReduceChunks(const Landed& landed, const void* recv) {
   const int64_t esize = static_cast<int64_t>(ByteWidth(a_.types.c));
   const void* own = matmul_ ? static_cast<const void*>(a_.out) : Offset(a_.y, config_.rank * layout_.Block());
   const int64_t block_elems = a_.rows * a_.cols;
@@ -262,7 +265,7 @@ ffi::Error Scatter::ReduceChunks(const Landed& landed) {
     FICCO_RETURN_IF_ERROR(AwaitChunks(landed, 0, config_.n() - 1, piece * chunks_per_piece,
                                       (piece + 1) * chunks_per_piece));
     const int64_t offset = piece * piece_elems * esize;
-    FICCO_RETURN_IF_ERROR(backend_.Reduce({Offset(a_.out, offset), Offset(own, offset), Offset(recv_, offset),
+    FICCO_RETURN_IF_ERROR(backend_.Reduce({Offset(a_.out, offset), Offset(own, offset), Offset(recv, offset),
                                            block_elems, config_.n() - 1, piece_elems, a_.types.c}));
   }
   return ffi::Error::Success();
@@ -277,7 +280,7 @@ ffi::Error Scatter::ReduceChunks(const Landed& landed) {
 // per chunk, keep the own block's matmuls large. gemm=columns: the halves are the block's left and
 // right columns, and on more than two devices the other slots' partials are summed once, after both
 // (their column halves are not contiguous).
-ffi::Error Scatter::SumInMatmuls(const Landed& landed) {
+ffi::Error Scatter::SumInMatmuls(const Landed& landed, const void* recv) {
   const int64_t q = a_.rows / config_.chunks;
   const int64_t esize = static_cast<int64_t>(ByteWidth(a_.types.c));
   const int64_t block_elems = a_.rows * a_.cols;
@@ -286,19 +289,19 @@ ffi::Error Scatter::SumInMatmuls(const Landed& landed) {
     const int64_t first = bounds[half], end = bounds[half + 1];
     FICCO_RETURN_IF_ERROR(AwaitChunks(landed, 0, 1, first, end));  // the matmul adds slot 0 only
     FICCO_RETURN_IF_ERROR(Columns() ? mm_.RunColumns(backend_, a_.y, config_.rank, a_.out, 0, 0, a_.rows,
-                                                     first * ChunkCols(), (end - first) * ChunkCols(), recv_, 0)
+                                                     first * ChunkCols(), (end - first) * ChunkCols(), recv, 0)
                                     : mm_.Run(backend_, a_.y, config_.rank, a_.out, 0, first * q, (end - first) * q,
-                                              recv_, 0));
+                                              recv, 0));
     if (config_.n() == 2 || Columns()) continue;
     FICCO_RETURN_IF_ERROR(AwaitChunks(landed, 1, config_.n() - 1, first, end));
     const int64_t offset = first * q * a_.cols * esize;
     FICCO_RETURN_IF_ERROR(backend_.Reduce({Offset(a_.out, offset), Offset(a_.out, offset),
-                                           Offset(recv_, block_elems * esize + offset), block_elems,
+                                           Offset(recv, block_elems * esize + offset), block_elems,
                                            config_.n() - 2, (end - first) * q * a_.cols, a_.types.c}));
   }
   if (config_.n() == 2 || !Columns()) return ffi::Error::Success();
   FICCO_RETURN_IF_ERROR(AwaitChunks(landed, 1, config_.n() - 1, 0, config_.chunks));
-  return backend_.Reduce({a_.out, a_.out, Offset(recv_, block_elems * esize), block_elems, config_.n() - 2,
+  return backend_.Reduce({a_.out, a_.out, Offset(recv, block_elems * esize), block_elems, config_.n() - 2,
                           block_elems, a_.types.c});
 }
 

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstring>
 #include <mutex>
+#include <optional>
 
 #include "base/text.h"
 
@@ -265,7 +266,10 @@ ffi::Error FailIfGroupGaveUp(const OpConfig& config) {
 
 ffi::Error MeetAcrossProcesses(const OpConfig& config, Phase phase, const Post& mine, std::vector<Post>* posts) {
   const CallContext& ctx = config.ctx;
-  const CaptureRelaxed relaxed;  // a symmetric site's setup may run while XLA captures (IPC exports and opens)
+  // A symmetric site's setup may run while XLA captures (its IPC exports and opens); no other call is
+  // captured.
+  std::optional<CaptureRelaxed> relaxed;
+  if (phase == Phase::kSymmetric) relaxed.emplace();
   HostMailbox* mailbox = nullptr;
   FICCO_RETURN_IF_ERROR(Registry::Get().Mailbox(ctx, config.ipc_job, &mailbox));
   CudaResources* res = Registry::Get().Device(ctx.device_ordinal).cuda().resources();
