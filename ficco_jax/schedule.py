@@ -31,9 +31,11 @@ takes exactly `matmul_rs`'s schedules:
   ``"symmetric"``: each sender writes into its peers' buffers of the call site, allocated and
   exchanged once, and the devices order the copies with counters they compare themselves, so a
   call meets no peer on the host after its site's first one and XLA can capture it in its command
-  buffers (CUDA graphs); it costs a buffer per site and device of the blocks it receives. Calls
-  are paired by count, not by launch: after a launch of a program with symmetric calls fails,
-  restart the process (docs/design.md, "Symmetric sites"). Opt-in, not enumerated.
+  buffers (CUDA graphs); it costs a buffer per site and device of the blocks it receives. The
+  devices number their launches and check them with the data: a rank that ended a launch early
+  is stopped and reported, never paired with its peers' next launch; after a launch of a program
+  with symmetric calls fails, restart the process (docs/design.md, "Symmetric sites"). Opt-in,
+  not enumerated.
 
 Chunks cut rows (the gathered / scattered dimension), so every chunk matmul keeps the full K and
 N of the shard matmul, except under ``gemm="columns"``. For the expert-parallel ops `a2a_matmul` / `matmul_a2a`

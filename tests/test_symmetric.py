@@ -186,6 +186,28 @@ def test_a_failed_call_names_the_rank_and_its_site_runs_no_more(mode, short_time
     np.testing.assert_allclose(np.asarray(fresh(*args)), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("sched", ["dma/direct/c1/symmetric", "dma/direct/c2/symmetric"])
+def test_data_of_another_launch_is_an_error_not_a_wrong_answer(sched, short_timeout, inject_fault):
+    """Every rank numbers its launches, and a sender tags its data with its number: a receiver whose
+    peer is in another launch (it ended a launch early, so its calls pair with its peers' calls of
+    the launch before) fails at once, naming both launches, and the site runs no more. Here the
+    fault tags rank 2's data with the next launch."""
+    mesh, rng = _mesh(4), np.random.default_rng(11)
+    f = jax.jit(jax.shard_map(lambda a: dma.all_gather(a, "tp", schedule=sched), mesh=mesh,
+                              in_specs=P("tp"), out_specs=P("tp")))
+    x = _random(rng, (4 * 4, 3))
+    np.testing.assert_array_equal(np.asarray(f(x)), np.tile(np.asarray(x), (4, 1)))
+    inject_fault("stale:2")
+    with pytest.raises(Exception, match=r"rank [013]'s call 2 of this copy-engine site runs in launch \d+, but rank 2 "
+                                        r"\(device 2\) sent its data of that call in launch \d+: a launch ended "
+                                        r"early on some device of the group.*restart the process"):
+        jax.block_until_ready(f(x))
+    inject_fault("")
+    with pytest.raises(Exception, match=r"an earlier call of this copy-engine site failed in this process \(rank [013] "
+                                        r"failed: .*sent its data of that call in launch"):
+        jax.block_until_ready(f(x))
+
+
 @pytest.mark.parametrize("at", [2, 5])
 def test_a_transfer_failing_midway_returns_after_its_copies_are_joined(at, short_timeout, inject_fault):
     """As for the other transfers (test_executor_faults.py): XLA frees a failed call's buffers, so its

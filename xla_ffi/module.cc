@@ -26,7 +26,8 @@ constexpr bool kCudaBuilt = false;
 
 // {target: {"cpu": capsule, "CUDA": capsule}} (CUDA only in the CUDA build), and for every target with
 // a symmetric form {target + "_symmetric": ...}: the same CPU entry (no command buffers there), and
-// the CUDA entry marked command-buffer compatible (ffi/handler.h).
+// on CUDA the bundle {"execute": the entry marked command-buffer compatible, "initialize": its
+// initialize stage, "traits": XLA's trait bits for the bundle} (ffi/handler.h).
 nb::dict Registrations() {
   nb::dict targets;
   for (const TargetEntries& target : Targets()) {
@@ -38,7 +39,11 @@ nb::dict Registrations() {
     nb::dict symmetric;
     symmetric["cpu"] = nb::capsule(reinterpret_cast<void*>(target.cpu));
     if (target.cuda_symmetric != nullptr) {
-      symmetric["CUDA"] = nb::capsule(reinterpret_cast<void*>(target.cuda_symmetric));
+      nb::dict bundle;
+      bundle["execute"] = nb::capsule(reinterpret_cast<void*>(target.cuda_symmetric));
+      bundle["initialize"] = nb::capsule(reinterpret_cast<void*>(target.cuda_symmetric_initialize));
+      bundle["traits"] = nb::int_(static_cast<int>(XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE));
+      symmetric["CUDA"] = bundle;
     }
     targets[(std::string(target.name) + "_symmetric").c_str()] = symmetric;
   }

@@ -25,6 +25,18 @@ _build_info: dict | None = None
 _import_error: ImportError | None = None
 
 
+def _register(name: str, platform: str, handler) -> None:
+    """One target on one platform: a capsule (its execute stage), or a bundle of stages with the
+    trait bits XLA applies to it (the `<target>_symmetric` forms on CUDA: command-buffer compatible,
+    with an initialize stage that numbers the launches)."""
+    if isinstance(handler, dict):
+        stages = dict(handler)
+        traits = int(stages.pop("traits", 0))
+        jax.ffi.register_ffi_target(name, stages, platform=platform, traits=traits)
+    else:
+        jax.ffi.register_ffi_target(name, handler, platform=platform)
+
+
 def _load() -> dict:
     """Import `_ffi`, check its version and register its targets (once)."""
     global _registered, _module, _build_info
@@ -44,8 +56,8 @@ def _load() -> dict:
                           f"(built from older sources); {_REBUILD_HINT}")
     if not _registered:
         for name, platforms in _ffi.registrations().items():
-            for platform, capsule in platforms.items():
-                jax.ffi.register_ffi_target(name, capsule, platform=platform)
+            for platform, handler in platforms.items():
+                _register(name, platform, handler)
         _registered = True
     _module, _build_info = _ffi, info
     return info

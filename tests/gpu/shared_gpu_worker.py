@@ -6,9 +6,16 @@ references are computed with numpy from inputs both processes make from seeds: n
 runs (NCCL refuses two ranks on one GPU). Times mean nothing here (two contexts share the GPU).
 
     python tests/gpu/shared_gpu_worker.py PROCESS_ID PORT OUT_JSON [CHAIN_LAUNCHES]
+    python tests/gpu/shared_gpu_worker.py PROCESS_ID PORT --left-early
 
 CHAIN_LAUNCHES (default 6): launches of the captured chain, each checked (a soak: hundreds).
 Writes {"checks": {name: "ok" | error}, "handlers_per_launch": ...} and exits 1 if a check failed.
+
+--left-early: after three right launches of a symmetric all_gather, process 1's next launch fails
+before its call counts itself (an injected fault), as a launch that ended early on its device
+would, and it runs on. Its following launch would pair with process 0's call of the launch it left;
+the launch check must stop both (the watchdog reports them and ends each process). A launch that
+returns prints "RETURNED" and whether its result is right, and the worker exits 3.
 """
 import json
 import os
@@ -119,6 +126,49 @@ def main(process_id: int, port: int, out_path: str, chain_launches: int = 6) -> 
     return 0 if all(v == "ok" for v in checks.values()) else 1
 
 
+def left_early(process_id: int, port: int) -> int:
+    import jax
+    jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=process_id,
+                               initialization_timeout=120)
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from ficco_jax import dma
+    from ficco_jax.runtime import extension
+
+    mesh = Mesh(np.array(jax.devices()), ("tp",))
+    me = jax.local_devices()[0]
+    blocks = [np.random.default_rng(p).standard_normal((64, 32)).astype(np.float32) for p in (0, 1)]
+    x = jax.make_array_from_single_device_arrays((128, 32), NamedSharding(mesh, P("tp")),
+                                                 [jax.device_put(blocks[process_id], me)])
+    f = jax.jit(jax.shard_map(lambda a: dma.all_gather(a, "tp", schedule="dma/direct/c1/symmetric"), mesh=mesh,
+                              in_specs=P("tp"), out_specs=P("tp")))
+
+    def launch(scale):
+        got = np.asarray(f(x * scale).addressable_shards[0].data)
+        return bool(np.allclose(got, np.concatenate(blocks) * scale))
+
+    for i in range(3):
+        if not launch(1 + i):
+            print(f"[p{process_id}] launch {i} WRONG", flush=True)
+            return 1
+    print(f"[p{process_id}] three launches agreed", flush=True)
+    if process_id == 1:
+        extension.testing().inject_fault("skip:1")
+        try:
+            launch(4)
+            print("[p1] the faulted launch RETURNED", flush=True)
+            return 3
+        except Exception as e:  # noqa: BLE001
+            print(f"[p1] left a launch early: {'injected fault' in str(e)}", flush=True)
+        extension.testing().inject_fault("")
+    right = launch(5)
+    print(f"[p{process_id}] RETURNED, right: {right}", flush=True)
+    return 3
+
+
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    if sys.argv[3:4] == ["--left-early"]:
+        sys.exit(left_early(int(sys.argv[1]), int(sys.argv[2])))
     sys.exit(main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], *(int(a) for a in sys.argv[4:5])))

@@ -47,6 +47,20 @@ constexpr int kCopyStreamSlots = kMaxCopyStreams + 1;
 inline const char* Offset(const void* base, int64_t bytes) { return static_cast<const char*>(base) + bytes; }
 inline char* Offset(void* base, int64_t bytes) { return static_cast<char*>(base) + bytes; }
 
+// The launch check of a symmetric call's counters (runtime/symmetric.h, "Launches"): the sender's
+// PostCounter first copies its rank's launch number, *launch, into `tag` (a word of the receiver's
+// site); the receiver's WaitCounter, once its word matched, compares that tag with its own *launch.
+// Where they differ the two calls belong to different launches: on CUDA the receiver writes
+// {slot + 1, its launch, the tag} into `parted` (three host words the watchdog reads, which reports
+// at once) and its stream waits for good; on CPU the wait returns an error whose message is
+// kLaunchParted. No tag: no check.
+struct LaunchCheck {
+  uint32_t* tag = nullptr;
+  const uint32_t* launch = nullptr;
+  uint32_t* parted = nullptr;  // the receiver's only
+  int slot = 0;                // the receiver's slot the tag belongs to
+};
+
 class Backend {
  public:
   static constexpr int kCompute = -1;  // XLA's stream; copy streams are 0 .. copy_streams-1
@@ -100,10 +114,14 @@ class Backend {
   virtual ffi::Error CountCall(int stream, uint32_t* counter, uint32_t* mirror, const uint32_t* stopped) = 0;
   // `stream`'s later work waits until *word == *counter + offset. On CUDA the device waits, for as
   // long as it takes (the watchdog reports one that never ends); on CPU the calling thread waits at
-  // most the call's timeout, then returns an error whose message is kWordTimedOut.
-  virtual ffi::Error WaitCounter(int stream, const uint32_t* word, const uint32_t* counter, int32_t offset) = 0;
-  // Once `stream`'s earlier work is done and visible to every device: *word = *counter, for each word.
-  virtual ffi::Error PostCounter(int stream, const std::vector<uint32_t*>& words, const uint32_t* counter) = 0;
+  // most the call's timeout, then returns an error whose message is kWordTimedOut. With a `check`,
+  // the wait then compares the launch its peer posted with the data (LaunchCheck).
+  virtual ffi::Error WaitCounter(int stream, const uint32_t* word, const uint32_t* counter, int32_t offset,
+                                 const LaunchCheck& check) = 0;
+  // Once `stream`'s earlier work is done and visible to every device: *check.tag = *check.launch
+  // where a tag is given, then *word = *counter, for each word.
+  virtual ffi::Error PostCounter(int stream, const std::vector<uint32_t*>& words, const uint32_t* counter,
+                                 const LaunchCheck& check) = 0;
   // Whether XLA's stream is being captured into a CUDA graph (XLA's command buffers): the call's work
   // is recorded, not run, and may be replayed later without its handler.
   virtual bool Capturing() = 0;
@@ -128,6 +146,8 @@ class Backend {
 inline constexpr const char* kWordTimedOut = "word wait timed out";
 // CountCall's error message on a CPU backend when the call was stopped.
 inline constexpr const char* kCallStopped = "call stopped: its site failed";
+// WaitCounter's error message on a CPU backend when the peer's call belongs to another launch.
+inline constexpr const char* kLaunchParted = "a peer's call of another launch";
 
 // Whether `word` has reached `value`, as WaitWord compares: cyclically, so that counting past 2^32
 // keeps working.

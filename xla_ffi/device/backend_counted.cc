@@ -56,13 +56,15 @@ class CountedBackend final : public Backend {
     TimeSection timed(Totals().counter);
     return inner_->CountCall(stream, counter, mirror, stopped);
   }
-  ffi::Error WaitCounter(int stream, const uint32_t* word, const uint32_t* counter, int32_t offset) override {
+  ffi::Error WaitCounter(int stream, const uint32_t* word, const uint32_t* counter, int32_t offset,
+                         const LaunchCheck& check) override {
     TimeSection timed(Totals().counter);
-    return inner_->WaitCounter(stream, word, counter, offset);
+    return inner_->WaitCounter(stream, word, counter, offset, check);
   }
-  ffi::Error PostCounter(int stream, const std::vector<uint32_t*>& words, const uint32_t* counter) override {
+  ffi::Error PostCounter(int stream, const std::vector<uint32_t*>& words, const uint32_t* counter,
+                         const LaunchCheck& check) override {
     TimeSection timed(Totals().counter);
-    return inner_->PostCounter(stream, words, counter);
+    return inner_->PostCounter(stream, words, counter, check);
   }
   bool Capturing() override { return inner_->Capturing(); }
   ffi::Error Gemm(const GemmProblem& problem) override {

@@ -112,11 +112,18 @@ class CpuBackend final : public Backend {
     if (mirror != nullptr) __atomic_store_n(mirror, value, __ATOMIC_RELEASE);
     return ffi::Error::Success();
   }
-  ffi::Error WaitCounter(int, const uint32_t* word, const uint32_t* counter, int32_t offset) override {
+  ffi::Error WaitCounter(int, const uint32_t* word, const uint32_t* counter, int32_t offset,
+                         const LaunchCheck& check) override {
     const uint32_t want = ReadWord(counter) + static_cast<uint32_t>(offset);
-    return WaitUntil([&] { return ReadWord(word) == want; });
+    FICCO_RETURN_IF_ERROR(WaitUntil([&] { return ReadWord(word) == want; }));
+    if (check.tag != nullptr && ReadWord(check.tag) != ReadWord(check.launch)) {
+      return ffi::Error(ffi::ErrorCode::kAborted, kLaunchParted);
+    }
+    return ffi::Error::Success();
   }
-  ffi::Error PostCounter(int, const std::vector<uint32_t*>& words, const uint32_t* counter) override {
+  ffi::Error PostCounter(int, const std::vector<uint32_t*>& words, const uint32_t* counter,
+                         const LaunchCheck& check) override {
+    if (check.tag != nullptr) __atomic_store_n(check.tag, ReadWord(check.launch), __ATOMIC_RELEASE);
     const uint32_t value = ReadWord(counter);
     for (uint32_t* word : words) __atomic_store_n(word, value, __ATOMIC_RELEASE);
     return ffi::Error::Success();

@@ -87,17 +87,22 @@ class CudaBackend final : public Backend {
     return ffi::Error::Success();
   }
 
-  ffi::Error WaitCounter(int stream, const uint32_t* word, const uint32_t* counter, int32_t offset) override {
+  ffi::Error WaitCounter(int stream, const uint32_t* word, const uint32_t* counter, int32_t offset,
+                         const LaunchCheck& check) override {
     const CallContext& ctx = ctx_;
-    FICCO_CHECK_CUDA(LaunchWaitCounter(word, counter, offset, StreamOf(stream)));
+    FICCO_CHECK_CUDA(LaunchWaitCounter(word, counter, offset, check.tag, check.launch, check.parted, check.slot,
+                                       StreamOf(stream)));
     return ffi::Error::Success();
   }
 
-  ffi::Error PostCounter(int stream, const std::vector<uint32_t*>& words, const uint32_t* counter) override {
+  // The tag goes with the first launch: every later one comes after it on the stream.
+  ffi::Error PostCounter(int stream, const std::vector<uint32_t*>& words, const uint32_t* counter,
+                         const LaunchCheck& check) override {
     const CallContext& ctx = ctx_;
     for (size_t first = 0; first < words.size(); first += kPostCounterWords) {
       const int count = static_cast<int>(std::min<size_t>(kPostCounterWords, words.size() - first));
-      FICCO_CHECK_CUDA(LaunchPostCounter(words.data() + first, count, counter, StreamOf(stream)));
+      FICCO_CHECK_CUDA(LaunchPostCounter(words.data() + first, count, counter, first == 0 ? check.tag : nullptr,
+                                         check.launch, StreamOf(stream)));
     }
     return ffi::Error::Success();
   }

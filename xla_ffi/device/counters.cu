@@ -29,17 +29,33 @@ __global__ void CountCallKernel(uint32_t* counter, uint32_t* mirror, const uint3
 }
 
 // The peer that posts the word runs on another device: poll with a short sleep, which keeps the
-// one thread off the memory system between reads.
-__global__ void WaitCounterKernel(const uint32_t* word, const uint32_t* counter, int32_t offset) {
+// one thread off the memory system between reads. A tag of another launch than this rank's stops
+// the stream for good (the watchdog reports `parted` at once): what landed is another launch's.
+__global__ void WaitCounterKernel(const uint32_t* word, const uint32_t* counter, int32_t offset, const uint32_t* tag,
+                                  const uint32_t* launch, uint32_t* parted, int slot) {
   const uint32_t want = Load(counter) + static_cast<uint32_t>(offset);
   while (Load(word) != want) __nanosleep(128);
   __threadfence_system();
+  if (tag == nullptr) return;
+  const uint32_t mine = Load(launch), theirs = Load(tag);
+  if (mine == theirs) return;
+  Store(parted + 1, mine);
+  Store(parted + 2, theirs);
+  __threadfence_system();
+  Store(parted, static_cast<uint32_t>(slot) + 1u);
+  __threadfence_system();
+  for (;;) __nanosleep(1 << 20);
 }
 
 // The fence first: every write of this stream's earlier work (a copy's, a kernel's) is visible to
-// every device before a peer can see the word and read what it guards.
-__global__ void PostCounterKernel(Words words, int count, const uint32_t* counter) {
+// every device before a peer can see the word and read what it guards; the tag before the words.
+__global__ void PostCounterKernel(Words words, int count, const uint32_t* counter, uint32_t* tag,
+                                  const uint32_t* launch) {
   __threadfence_system();
+  if (tag != nullptr) {
+    Store(tag, Load(launch));
+    __threadfence_system();
+  }
   const uint32_t value = Load(counter);
   for (int i = 0; i < count; ++i) Store(words.at[i], value);
   __threadfence_system();
@@ -52,16 +68,19 @@ cudaError_t LaunchCountCall(uint32_t* counter, uint32_t* mirror, const uint32_t*
   return cudaGetLastError();
 }
 
-cudaError_t LaunchWaitCounter(const uint32_t* word, const uint32_t* counter, int32_t offset, cudaStream_t stream) {
-  WaitCounterKernel<<<1, 1, 0, stream>>>(word, counter, offset);
+cudaError_t LaunchWaitCounter(const uint32_t* word, const uint32_t* counter, int32_t offset, const uint32_t* tag,
+                              const uint32_t* launch, uint32_t* parted, int slot, cudaStream_t stream) {
+  if (tag != nullptr && (launch == nullptr || parted == nullptr)) return cudaErrorInvalidValue;
+  WaitCounterKernel<<<1, 1, 0, stream>>>(word, counter, offset, tag, launch, parted, slot);
   return cudaGetLastError();
 }
 
-cudaError_t LaunchPostCounter(uint32_t* const* words, int count, const uint32_t* counter, cudaStream_t stream) {
-  if (count < 0 || count > kPostCounterWords) return cudaErrorInvalidValue;
+cudaError_t LaunchPostCounter(uint32_t* const* words, int count, const uint32_t* counter, uint32_t* tag,
+                              const uint32_t* launch, cudaStream_t stream) {
+  if (count < 0 || count > kPostCounterWords || (tag != nullptr && launch == nullptr)) return cudaErrorInvalidValue;
   Words packed{};
   for (int i = 0; i < count; ++i) packed.at[i] = words[i];
-  PostCounterKernel<<<1, 1, 0, stream>>>(packed, count, counter);
+  PostCounterKernel<<<1, 1, 0, stream>>>(packed, count, counter, tag, launch);
   return cudaGetLastError();
 }
 

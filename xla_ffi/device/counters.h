@@ -20,10 +20,15 @@ constexpr int kPostCounterWords = 16;
 // it counts nothing and never returns (the watchdog reports the stream).
 cudaError_t LaunchCountCall(uint32_t* counter, uint32_t* mirror, const uint32_t* stopped, cudaStream_t stream);
 // Returns once *word == *counter + offset (the comparison made on the device, so a replayed graph
-// compares the values of its own execution).
-cudaError_t LaunchWaitCounter(const uint32_t* word, const uint32_t* counter, int32_t offset, cudaStream_t stream);
-// After a system-wide fence: *words[i] = *counter for i < count (count <= kPostCounterWords).
-cudaError_t LaunchPostCounter(uint32_t* const* words, int count, const uint32_t* counter, cudaStream_t stream);
+// compares the values of its own execution). Where `tag` is given, then compares *tag with *launch:
+// if they differ, writes {slot + 1, *launch, *tag} into `parted` (in that order of visibility: the
+// first word last) and never returns.
+cudaError_t LaunchWaitCounter(const uint32_t* word, const uint32_t* counter, int32_t offset, const uint32_t* tag,
+                              const uint32_t* launch, uint32_t* parted, int slot, cudaStream_t stream);
+// After a system-wide fence: *tag = *launch where `tag` is given, another fence, then *words[i] =
+// *counter for i < count (count <= kPostCounterWords).
+cudaError_t LaunchPostCounter(uint32_t* const* words, int count, const uint32_t* counter, uint32_t* tag,
+                              const uint32_t* launch, cudaStream_t stream);
 
 }  // namespace ficco
 

@@ -17,6 +17,7 @@
 // everything (runtime/symmetric.h), and the watchdog reads what the devices post, so a replay without
 // the handler runs as a call would. XLA calls such a handler under stream capture whenever it
 // records the call again (its buffers moved); device/gemm.h and CaptureRelaxed say what then differs.
+// That entry has an initialize stage too, which numbers the launches (runtime/symmetric.h, "Launches").
 #ifndef FICCO_JAX_XLA_FFI_FFI_HANDLER_H_
 #define FICCO_JAX_XLA_FFI_FFI_HANDLER_H_
 
@@ -77,6 +78,8 @@ struct BindSteps {
 // The CPU platform: synchronous backend; handlers sleep at once in a rendezvous.
 struct CpuPlatform {
   static constexpr double kSpinSeconds = 0.0;
+  // XLA's CPU runtime has no initialize stage: a symmetric call numbers its launch itself.
+  static constexpr bool kLaunchFromRun = true;
   std::unique_ptr<Backend> MakeBackend(const OpConfig& config) const {
     return MakeCpuBackend(config.ctx, Registry::Get().host_events(), config.timeout_s);
   }
@@ -87,6 +90,7 @@ struct CpuPlatform {
 // microseconds of each other: handlers spin this long before sleeping (see Arrival::spin_s).
 struct CudaPlatform {
   static constexpr double kSpinSeconds = 100e-6;
+  static constexpr bool kLaunchFromRun = false;  // the initialize stage counts launches
   cudaStream_t stream;
   std::unique_ptr<Backend> MakeBackend(const OpConfig& config) const {
     // A group across processes records interprocess events: peers in other processes wait on them
@@ -130,6 +134,25 @@ struct Target {
     static auto* handler = CudaBinding().To(OnCuda, {ffi::Traits::kCmdBufferCompatible}).release();
     return handler->Call(frame);
   }
+  // Its initialize stage, which XLA runs at every launch before any thunk executes, outside command
+  // buffers: counts the launch on the op's launch word (runtime/symmetric.h, "Launches"). No run id:
+  // not every XLA hands one to this stage.
+  static ffi::Error InitializeOnCuda(cudaStream_t stream, int32_t ordinal, typename Operands::Type..., Attrs attrs) {
+    return Guard(kName, [&]() -> ffi::Error {
+      OpConfig config;
+      FICCO_RETURN_IF_ERROR(DecodeConfig(ScheduleAttrs(attrs), kName, ordinal, /*run_id=*/0, &config));
+      if (!config.symmetric) return ffi::Error::Success();
+      std::unique_ptr<Backend> backend = CudaPlatform{stream}.MakeBackend(config);
+      return Registry::Get().symmetric().CountLaunch(*backend, config.ctx.op_id, config.ctx.device_ordinal);
+    });
+  }
+  static XLA_FFI_Error* CudaSymmetricInitialize(XLA_FFI_CallFrame* frame) {
+    static auto* handler = BindSteps<Operands..., AttrsOf<Attrs>>::To(
+                               ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>())
+                               .To(InitializeOnCuda)
+                               .release();
+    return handler->Call(frame);
+  }
 #endif
 
  private:
@@ -141,6 +164,7 @@ struct Target {
       OpConfig config;
       FICCO_RETURN_IF_ERROR(DecodeConfig(ScheduleAttrs(attrs), kName, ordinal, run.run_id, &config));
       config.spin_s = Platform::kSpinSeconds;
+      config.launch_from_run = Platform::kLaunchFromRun;
       std::unique_ptr<Backend> backend = CountCalls(platform.MakeBackend(config));
       if constexpr (std::is_same_v<Attrs, OpAttrs>) {  // a test's armed fault (none in a measurement)
         backend = Registry::Get().faults().Apply(std::move(backend), config);

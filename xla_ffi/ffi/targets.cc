@@ -39,9 +39,10 @@ TargetEntries EntriesOf() {
   // The probe meets its group at every call: it has no symmetric form.
   constexpr bool symmetric = !std::is_same_v<T, ContentionProbe>;
 #ifdef FICCO_WITH_CUDA
-  return {T::name, &T::CpuEntry, &T::CudaEntry, symmetric, symmetric ? &T::CudaSymmetricEntry : nullptr};
+  return {T::name, &T::CpuEntry, &T::CudaEntry, symmetric, symmetric ? &T::CudaSymmetricEntry : nullptr,
+          symmetric ? &T::CudaSymmetricInitialize : nullptr};
 #else
-  return {T::name, &T::CpuEntry, nullptr, symmetric, nullptr};
+  return {T::name, &T::CpuEntry, nullptr, symmetric, nullptr, nullptr};
 #endif
 }
 

@@ -16,6 +16,7 @@ struct TargetEntries {
   FfiEntry cuda;            // nullptr without the CUDA build
   bool symmetric;           // has a transfer=symmetric form, registered as <name>_symmetric
   FfiEntry cuda_symmetric;  // its CUDA entry, marked command-buffer compatible (ffi/handler.h); nullptr without CUDA
+  FfiEntry cuda_symmetric_initialize;  // and that entry's initialize stage
 };
 
 const std::vector<TargetEntries>& Targets();

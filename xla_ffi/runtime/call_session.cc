@@ -38,11 +38,20 @@ ffi::Error WaitPeerWord(Backend& backend, const OpConfig& config, int stream, co
 }
 
 // `stream` waits until `word`, posted by rank `peer`'s device, equals this call's `epoch` (a symmetric
-// site's). A CPU backend that gave up returns an error naming the peer, the word and the call.
+// site's), then checks the launch the data came from. A CPU backend that gave up, or found another
+// launch's data, returns an error naming the peer, the word and the call.
 ffi::Error WaitPeerCounter(Backend& backend, const OpConfig& config, int stream, const uint32_t* word,
-                           const uint32_t* epoch, int peer, const char* what) {
-  ffi::Error status = backend.WaitCounter(stream, word, epoch, 0);
-  if (status.success() || status.message() != kWordTimedOut) return status;
+                           const uint32_t* epoch, const LaunchCheck& check, int peer, const char* what) {
+  ffi::Error status = backend.WaitCounter(stream, word, epoch, 0, check);
+  if (status.success()) return status;
+  if (status.message() == kLaunchParted) {
+    return MakeError(config.ctx, "rank " + std::to_string(config.rank) + "'s call " + std::to_string(ReadWord(epoch)) +
+                                     " of this copy-engine site runs in launch " + std::to_string(ReadWord(check.launch)) +
+                                     ", but rank " + std::to_string(peer) + " (device " +
+                                     std::to_string(config.group[peer]) + ") sent its data of that call in launch " +
+                                     std::to_string(ReadWord(check.tag)) + LaunchPartedAdvice());
+  }
+  if (status.message() != kWordTimedOut) return status;
   return MissingPeerError(config, peer, std::string("did not post its '") + what + "' counter of call " +
                                             std::to_string(ReadWord(epoch)) + " of this symmetric site (it holds " +
                                             std::to_string(ReadWord(word)) + ") within " +
@@ -83,7 +92,9 @@ ffi::Error WaitOnce(Backend& backend, const OpConfig& config, int stream, const 
   if (ready.Same(*waited)) return ffi::Error::Success();
   *waited = ready;
   if (ready.word == nullptr) return backend.Wait(stream, ready.event);
-  if (ready.epoch != nullptr) return WaitPeerCounter(backend, config, stream, ready.word, ready.epoch, peer, what);
+  if (ready.epoch != nullptr) {
+    return WaitPeerCounter(backend, config, stream, ready.word, ready.epoch, ready.check, peer, what);
+  }
   return WaitPeerWord(backend, config, stream, ready.word, ready.value, peer, what);
 }
 
@@ -339,8 +350,10 @@ ffi::Error CallSession::SymmetricSiteOf(Backend& backend, int64_t slot_bytes, st
     void* region = nullptr;
     FICCO_RETURN_IF_ERROR(backend.AllocateRegion(bytes, &region));
     if (config_.cross_process()) FICCO_RETURN_IF_ERROR(ExportRegion(config_, region, static_cast<uint64_t>(bytes)));
-    uint32_t* watch = nullptr;  // started, finished, stopped
-    FICCO_RETURN_IF_ERROR(backend.AllocateWords(3, &watch));
+    uint32_t* watch = nullptr;  // started, finished, stopped, parted (3)
+    FICCO_RETURN_IF_ERROR(backend.AllocateWords(6, &watch));
+    uint32_t* launch = nullptr;
+    FICCO_RETURN_IF_ERROR(sites.LaunchWord(backend, config_.ctx.op_id, config_.ctx.device_ordinal, &launch));
     const RendezvousKey meeting{config_.run_id, config_.ctx.op_id, -1, Phase::kSymmetric, config_.group_index};
     std::vector<Post> posts;
     FICCO_RETURN_IF_ERROR(
@@ -349,8 +362,12 @@ ffi::Error CallSession::SymmetricSiteOf(Backend& backend, int64_t slot_bytes, st
     for (const Post& post : posts) bases.push_back(static_cast<char*>(const_cast<void*>(post.buffer)));
     site = sites.Install(key, std::move(bases));
     if (config_.cross_process()) sites.MarkCrossProcess(key);
-    site->SetWatch(config_.rank, {watch, watch + 1, watch + 2});
-    if (config_.watchdog_s > 0) Registry::Get().watchdog().WatchSite(config_, site, watch, watch + 1);
+    site->SetWatch(config_.rank, {watch, watch + 1, watch + 2, watch + 3, launch});
+    if (config_.watchdog_s > 0) Registry::Get().watchdog().WatchSite(config_, site, watch, watch + 1, watch + 3);
+  }
+  if (config_.launch_from_run) {
+    FICCO_RETURN_IF_ERROR(
+        backend.SetWord(Backend::kCompute, site->WatchOf(config_.rank).launch, static_cast<uint32_t>(config_.run_id)));
   }
   const std::string failed = site->Failed();
   if (!failed.empty()) {
@@ -551,7 +568,9 @@ ffi::Error EnterCopyStreams(Backend& backend, const OpConfig& config, Event entr
 Landed SymmetricLanded(const OpConfig& config, const SymmetricCall& symmetric) {
   Landed landed(config.n() - 1, std::vector<Ready>(config.chunks));
   for (int slot = 0; slot < config.n() - 1; ++slot) {
-    for (int64_t j = 0; j < config.chunks; ++j) landed[slot][j] = Ready(symmetric.LandedWord(slot, j), symmetric.Epoch());
+    for (int64_t j = 0; j < config.chunks; ++j) {
+      landed[slot][j] = Ready(symmetric.LandedWord(slot, j), symmetric.Epoch(), symmetric.Received(slot));
+    }
   }
   return landed;
 }

@@ -42,7 +42,7 @@ struct Exposure {
 struct Ready {
   Ready(Event event = nullptr) : event(event) {}  // NOLINT: an event is a Ready
   Ready(const uint32_t* word, uint32_t value) : word(word), value(value) {}
-  Ready(const uint32_t* word, const uint32_t* epoch) : word(word), epoch(epoch) {}
+  Ready(const uint32_t* word, const uint32_t* epoch, LaunchCheck check) : word(word), epoch(epoch), check(check) {}
   // The same wait: waiting for it twice on one stream changes nothing.
   bool Same(const Ready& other) const {
     return word != nullptr ? word == other.word : event != nullptr && event == other.event;
@@ -51,6 +51,7 @@ struct Ready {
   const uint32_t* word = nullptr;
   uint32_t value = 0;
   const uint32_t* epoch = nullptr;
+  LaunchCheck check;  // a symmetric site's: the launch the data came from (device/backend.h)
 };
 // What landed of each receive slot s, chunk j: landed[s][j] (the same Ready for every chunk of a
 // slot marked once: LandedEvents::kPerSlot).

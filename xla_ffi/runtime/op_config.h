@@ -40,6 +40,9 @@ struct OpConfig {
                             // (the call's attribute: valid while the call runs; the watchdog copies it)
   CallWatch* watch = nullptr;  // the watch of this call (ffi/handler.h), told of every peer event waited on
   double spin_s = 0.0;  // rendezvous spin before sleeping (set by the CUDA bindings)
+  // Every call writes its launch's number (from the run id) into its symmetric site's launch word:
+  // where XLA runs no initialize stage to count launches (CPU; runtime/symmetric.h, "Launches").
+  bool launch_from_run = false;
   bool skip_own_rows = false;  // ag_matmul / a2a_matmul whose gathered / received output nobody reads
   bool push = false;  // transfer=push: senders write into their peers' buffers (exec/executor.h)
   // transfer=symmetric: senders write into their peers' slots of the site, and the devices order the

@@ -59,12 +59,43 @@ void SymmetricSites::FailCrossProcess(const std::string& why) {
   }
 }
 
+std::string LaunchPartedAdvice() {
+  return ": a launch ended early on some device of the group (an op failed there, or a launch failed and the program "
+         "ran on), so the group's calls no longer pair up; restart the process";
+}
+
+ffi::Error SymmetricSites::LaunchesOf(Backend& backend, int64_t op_id, int ordinal, Launches** launches) {
+  Launches& found = launches_[{op_id, ordinal}];
+  if (found.word == nullptr) {
+    void* word = nullptr;
+    FICCO_RETURN_IF_ERROR(backend.AllocateRegion(sizeof(uint32_t), &word));
+    found.word = static_cast<uint32_t*>(word);
+  }
+  *launches = &found;
+  return ffi::Error::Success();
+}
+
+ffi::Error SymmetricSites::LaunchWord(Backend& backend, int64_t op_id, int ordinal, uint32_t** word) {
+  std::lock_guard<std::mutex> lock(launches_mu_);
+  Launches* launches = nullptr;
+  FICCO_RETURN_IF_ERROR(LaunchesOf(backend, op_id, ordinal, &launches));
+  *word = launches->word;
+  return ffi::Error::Success();
+}
+
+ffi::Error SymmetricSites::CountLaunch(Backend& backend, int64_t op_id, int ordinal) {
+  if (backend.Capturing()) return ffi::Error::Success();
+  std::lock_guard<std::mutex> lock(launches_mu_);
+  Launches* launches = nullptr;
+  FICCO_RETURN_IF_ERROR(LaunchesOf(backend, op_id, ordinal, &launches));
+  return backend.SetWord(Backend::kCompute, launches->word, ++launches->count);
+}
+
 SymmetricCall::SymmetricCall(const OpConfig& config, std::shared_ptr<SymmetricSite> site, bool per_chunk)
-    : config_(config), site_(std::move(site)), per_chunk_(per_chunk) {}
+    : config_(config), site_(std::move(site)), watch_(site_->WatchOf(config_.rank)), per_chunk_(per_chunk) {}
 
 ffi::Error SymmetricCall::Begin(Backend& backend) const {
-  const SymmetricSite::Watch watch = site_->WatchOf(config_.rank);
-  ffi::Error counted = backend.CountCall(Backend::kCompute, site_->Epoch(config_.rank), watch.started, watch.stopped);
+  ffi::Error counted = backend.CountCall(Backend::kCompute, site_->Epoch(config_.rank), watch_.started, watch_.stopped);
   if (counted.failure() && counted.message() == kCallStopped) {
     return MakeError(config_.ctx, "this copy-engine site stopped (" + site_->Failed() + "): restart the process");
   }
@@ -72,7 +103,7 @@ ffi::Error SymmetricCall::Begin(Backend& backend) const {
 }
 
 ffi::Error SymmetricCall::WaitSlotFree(Backend& backend, int stream, int slot) const {
-  return backend.WaitCounter(stream, site_->Free(config_.rank, slot), Epoch(), -1);
+  return backend.WaitCounter(stream, site_->Free(config_.rank, slot), Epoch(), -1, LaunchCheck{});
 }
 
 ffi::Error SymmetricCall::PostLanded(Backend& backend, int stream, int slot, int64_t first, int64_t end) const {
@@ -84,16 +115,18 @@ ffi::Error SymmetricCall::PostLanded(Backend& backend, int stream, int slot, int
     words.push_back(site_->Landed(target, slot, site_->chunks() - 1));
   }
   if (words.empty()) return ffi::Error::Success();
-  return backend.PostCounter(stream, words, Epoch());
+  LaunchCheck tagged;
+  tagged.tag = site_->Tag(target, slot);
+  tagged.launch = watch_.launch;
+  return backend.PostCounter(stream, words, Epoch(), tagged);
 }
 
 ffi::Error SymmetricCall::End(Backend& backend) const {
   std::vector<uint32_t*> words;
   for (int slot = 0; slot < config_.n() - 1; ++slot) words.push_back(site_->Free(config_.SourceOfSlot(slot), slot));
-  uint32_t* finished = site_->WatchOf(config_.rank).finished;
-  if (finished != nullptr) words.push_back(finished);
+  if (watch_.finished != nullptr) words.push_back(watch_.finished);
   if (words.empty()) return ffi::Error::Success();
-  return backend.PostCounter(Backend::kCompute, words, Epoch());
+  return backend.PostCounter(Backend::kCompute, words, Epoch(), LaunchCheck{});
 }
 
 }  // namespace ficco

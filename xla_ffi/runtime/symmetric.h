@@ -8,7 +8,7 @@
 // exchanged once, at the site's first call, in one meeting of the group (pointers in one process,
 // CUDA IPC handles across processes):
 //
-//   [epoch][landed: slots x chunks][free: slots] (32-bit words, 256 bytes aligned) | slot 0 | ... | slot n-2
+//   [epoch][landed: slots x chunks][free: slots][tag: slots] (32-bit words, 256 bytes aligned) | slot 0 | ... | slot n-2
 //
 // Slot s of rank r receives one block from rank SourceOfSlot(s) = r-1-s, which sends it as its send
 // slot s (to TargetOfSlot(s) = p+1+s = r). `epoch` counts the rank's calls of the site: each call's
@@ -37,10 +37,23 @@
 // buffer replayed the call. A call that fails after counting itself stops its site in this process:
 // the ranks' epochs may have parted, so later calls of the site here fail at once, naming the first
 // error, and a replayed one stops at its first kernel (`stopped`), reported by the watchdog, before it
-// can pair with its peers. The epochs count calls, not launches: a device that ends a launch before a
-// site its peers run (another op's error) falls behind for good, so after a failed launch the process
-// must be restarted (docs/design.md). Allocations are never freed (work in flight, or a captured
-// graph, may still use them).
+// can pair with its peers.
+//
+// Launches. The epochs count calls, not launches: a device that ends a launch before a site its peers
+// run (another op failed there, on its host or its device) is a call behind for good, and its next
+// launch's call would pair with its peers' call of the launch it left, each taking the other's data
+// for its own. So every rank also numbers the launches of each op on its device, in one device word
+// (`launch`, per op id and device) that XLA's stream sets before the launch's work: on CUDA the
+// handlers' initialize stage, which XLA runs for every thunk of every launch before any executes
+// (and outside command buffers), counts the launch and sets the word; on CPU, where XLA has no such
+// stage, each call writes the launch's run id into it. The ranks of a group count the same launches,
+// so their numbers agree launch by launch. A sender copies its number into the receiver's `tag` of
+// its slot before it posts `landed`; the receiver, once `landed` matched, compares the tag with its
+// own number, and a difference stops its stream for good (on CPU: an error) and is reported at once
+// by the watchdog, naming both launches: never a pairing of two launches' data. Not caught: a rank
+// whose launch failed in XLA's initialize stage itself, before this op's (it counts one launch fewer
+// while its peers wait in the launch it never ran, and the watchdog reports them). Allocations are
+// never freed (work in flight, or a captured graph, may still use them).
 #ifndef FICCO_JAX_XLA_FFI_RUNTIME_SYMMETRIC_H_
 #define FICCO_JAX_XLA_FFI_RUNTIME_SYMMETRIC_H_
 
@@ -50,6 +63,7 @@
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "base/errors.h"
@@ -74,16 +88,21 @@ class SymmetricSite {
   uint32_t* Epoch(int rank) const { return Words(rank); }
   uint32_t* Landed(int rank, int slot, int64_t chunk) const { return Words(rank) + 1 + slot * chunks_ + chunk; }
   uint32_t* Free(int rank, int slot) const { return Words(rank) + 1 + int64_t{n_ - 1} * chunks_ + slot; }
+  uint32_t* Tag(int rank, int slot) const { return Free(rank, n_ - 1) + slot; }
   char* Slot(int rank, int slot) const { return bases_[rank] + WordsBytes(n_, chunks_) + slot * slot_bytes_; }
 
-  // Host words of the ranks of this process (null for the others): the devices post `epoch` into
-  // `started` and `finished` as a call starts and ends (the watchdog reads them), and the host sets
-  // `stopped` once the site failed, which stops a call that a command buffer replays at its first
-  // kernel (Backend::CountCall), before it can pair with its peers' calls.
+  // The words of the ranks of this process (null for the others). Host words: the devices post
+  // `epoch` into `started` and `finished` as a call starts and ends (the watchdog reads them); the host
+  // sets `stopped` once the site failed, which stops a call that a command buffer replays at its first
+  // kernel (Backend::CountCall), before it can pair with its peers' calls; a receiver whose peer's data
+  // came from another launch writes `parted` (three words: LaunchCheck). `launch`: the device word with
+  // the number of the rank's current launch of this op ("Launches" above).
   struct Watch {
     uint32_t* started = nullptr;
     uint32_t* finished = nullptr;
     uint32_t* stopped = nullptr;
+    uint32_t* parted = nullptr;
+    uint32_t* launch = nullptr;
   };
   void SetWatch(int rank, Watch watch);
   Watch WatchOf(int rank);
@@ -95,7 +114,7 @@ class SymmetricSite {
 
  private:
   static int64_t WordsBytes(int n, int64_t chunks) {
-    const int64_t words = 1 + int64_t{n - 1} * (chunks + 1);
+    const int64_t words = 1 + int64_t{n - 1} * (chunks + 2);
     return (words * 4 + 255) / 256 * 256;
   }
   uint32_t* Words(int rank) const { return reinterpret_cast<uint32_t*>(bases_[rank]); }
@@ -123,11 +142,30 @@ class SymmetricSites {
   // A site of a group across processes (its members are global device ids).
   void MarkCrossProcess(const Key& key);
 
+  // The launch word of op `op_id` on device `ordinal` ("Launches" above), made zeroed at first use:
+  // every site of the op on the device reads it (a site batched again is another site of one op).
+  ffi::Error LaunchWord(Backend& backend, int64_t op_id, int ordinal, uint32_t** word);
+  // The initialize stage of a launch (CUDA): counts it, and sets the word to its number on XLA's
+  // stream, behind the previous launch's work. Counts nothing while the stream is captured (no
+  // value may be frozen into a graph).
+  ffi::Error CountLaunch(Backend& backend, int64_t op_id, int ordinal);
+
  private:
+  struct Launches {
+    uint32_t* word = nullptr;
+    uint32_t count = 0;
+  };
+  ffi::Error LaunchesOf(Backend& backend, int64_t op_id, int ordinal, Launches** launches);
+
   std::mutex mu_;
   std::map<Key, std::shared_ptr<SymmetricSite>> sites_;
   std::vector<Key> cross_process_;
+  std::mutex launches_mu_;
+  std::map<std::pair<int64_t, int>, Launches> launches_;
 };
+
+// What follows a report of two launches' calls meeting ("Launches" above): why, and what to do.
+std::string LaunchPartedAdvice();
 
 // One call of rank `config.rank` on its site: the waits and posts of the table above, for the
 // executor's pipelines (exec/). `marks` is how finely the landed data is marked (per chunk, or once
@@ -146,12 +184,16 @@ class SymmetricCall {
   ffi::Error WaitSlotFree(Backend& backend, int stream, int slot) const;
   // Where send slot `slot`'s block goes: the target's slot of the same index.
   char* Destination(int slot) const { return site_->Slot(config_.TargetOfSlot(slot), slot); }
-  // Sender, on `stream` after the copies of chunks [first, end) of send slot `slot`: they landed.
+  // Sender, on `stream` after the copies of chunks [first, end) of send slot `slot`: they landed,
+  // tagged with this rank's launch.
   ffi::Error PostLanded(Backend& backend, int stream, int slot, int64_t first, int64_t end) const;
   // Receiver: the wait for chunk `chunk` of receive slot `slot` (a Ready of call_session.h: word,
-  // counter, offset 0).
+  // counter, offset 0), and the check of the launch it came from.
   const uint32_t* LandedWord(int slot, int64_t chunk) const {
     return site_->Landed(config_.rank, slot, per_chunk_ ? chunk : site_->chunks() - 1);
+  }
+  LaunchCheck Received(int slot) const {
+    return {site_->Tag(config_.rank, slot), watch_.launch, watch_.parted, slot};
   }
   const uint32_t* Epoch() const { return site_->Epoch(config_.rank); }
   // Where receive slot `slot` landed, in this device's memory.
@@ -163,6 +205,7 @@ class SymmetricCall {
  private:
   const OpConfig& config_;
   const std::shared_ptr<SymmetricSite> site_;
+  const SymmetricSite::Watch watch_;
   const bool per_chunk_;
 };
 

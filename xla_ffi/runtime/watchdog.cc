@@ -109,10 +109,11 @@ void Watchdog::Watch(std::shared_ptr<WatchedCall> call) {
 }
 
 void Watchdog::WatchSite(const OpConfig& config, std::shared_ptr<SymmetricSite> state, const uint32_t* started,
-                         const uint32_t* finished) {
+                         const uint32_t* finished, const uint32_t* parted) {
   auto site = std::make_shared<WatchedSite>(config);
   site->started = started;
   site->finished = finished;
+  site->parted = parted;
   site->state = std::move(state);
   std::lock_guard<std::mutex> lock(mu_);
   const bool was_idle = calls_.empty() && sites_.empty();
@@ -141,26 +142,33 @@ void Watchdog::Loop() {
       }
       ReportAndAbort(headline);
     }
-    std::shared_ptr<WatchedSite> stuck_site = SweepSites();
-    if (stuck_site) {
-      ReportAndAbort(stuck_site->Describe() + (stuck_site->site.empty() ? "" : ", written at " + stuck_site->site) +
-                     ": its call " + std::to_string(stuck_site->seen_started) + " started " +
-                     Seconds(SecondsSince(stuck_site->since)) + " ago and has not finished (limit " +
-                     Seconds(stuck_site->timeout_s) + ": FICCO_WATCHDOG_S).");
-    }
+    std::string site_headline;
+    if (SweepSites(&site_headline)) ReportAndAbort(site_headline);
     ReleasePending();
     lock.lock();
   }
 }
 
-// Only this thread writes a site's `pending`, `seen_*` and `since`, once registered.
-std::shared_ptr<WatchedSite> Watchdog::SweepSites() {
+// Only this thread writes a site's `pending`, `seen_*` and `since`, once registered. A failed launch
+// check needs no timeout: that stream waits for good, and its peers' with it.
+std::shared_ptr<WatchedSite> Watchdog::SweepSites(std::string* headline) {
   std::vector<std::shared_ptr<WatchedSite>> sites;
   {
     std::lock_guard<std::mutex> lock(mu_);
     sites.assign(sites_.begin(), sites_.end());
   }
   for (const std::shared_ptr<WatchedSite>& site : sites) {
+    const auto where = [&] { return site->Describe() + (site->site.empty() ? "" : ", written at " + site->site); };
+    const uint32_t parted_slot = site->parted == nullptr ? 0 : ReadWord(site->parted);
+    if (parted_slot != 0) {
+      const int peer = (site->rank - static_cast<int>(parted_slot) + 2 * static_cast<int>(site->group.size())) %
+                       static_cast<int>(site->group.size());
+      *headline = where() + ": its call " + std::to_string(ReadWord(site->started)) + " runs in launch " +
+                  std::to_string(ReadWord(site->parted + 1)) + ", but rank " + std::to_string(peer) + " (device " +
+                  std::to_string(site->group[peer]) + ") sent its data of that call in launch " +
+                  std::to_string(ReadWord(site->parted + 2)) + LaunchPartedAdvice() + ".";
+      return site;
+    }
     const uint32_t started = ReadWord(site->started), finished = ReadWord(site->finished);
     if (started == finished) {
       site->pending = false;
@@ -173,7 +181,12 @@ std::shared_ptr<WatchedSite> Watchdog::SweepSites() {
       site->since = Clock::now();
       continue;
     }
-    if (site->timeout_s > 0 && SecondsSince(site->since) > site->timeout_s) return site;
+    if (site->timeout_s > 0 && SecondsSince(site->since) > site->timeout_s) {
+      *headline = where() + ": its call " + std::to_string(site->seen_started) + " started " +
+                  Seconds(SecondsSince(site->since)) + " ago and has not finished (limit " + Seconds(site->timeout_s) +
+                  ": FICCO_WATCHDOG_S).";
+      return site;
+    }
   }
   return nullptr;
 }

@@ -118,6 +118,7 @@ struct WatchedSite : WatchedOp {
   using WatchedOp::WatchedOp;
   const uint32_t* started = nullptr;
   const uint32_t* finished = nullptr;
+  const uint32_t* parted = nullptr;  // the rank's launch check (device/backend.h, LaunchCheck)
   std::shared_ptr<SymmetricSite> state;  // for the report: the other ranks' counters of this process
   // The unfinished call last seen (its started and finished numbers) and since when.
   bool pending = false;
@@ -129,17 +130,19 @@ class Watchdog {
  public:
   // Registers a call (starts the watchdog's thread on first use).
   void Watch(std::shared_ptr<WatchedCall> call);
-  // Registers rank `config.rank`'s symmetric site, whose calls post into `started` and `finished`.
+  // Registers rank `config.rank`'s symmetric site, whose calls post into `started` and `finished`, and
+  // whose receivers write `parted` where a peer's data came from another launch (reported at once).
   void WatchSite(const OpConfig& config, std::shared_ptr<SymmetricSite> state, const uint32_t* started,
-                 const uint32_t* finished);
+                 const uint32_t* finished, const uint32_t* parted);
 
  private:
   void Loop();
   void StartLocked();
   // Forgets finished calls (their events back to the pool); returns the first stuck call, if any.
   std::shared_ptr<WatchedCall> Sweep();
-  // The first site whose call has started and not finished for longer than its timeout, if any.
-  std::shared_ptr<WatchedSite> SweepSites();
+  // The first site whose call has started and not finished for longer than its timeout, or whose
+  // launch check failed, if any; `headline` says which.
+  std::shared_ptr<WatchedSite> SweepSites(std::string* headline);
   // Writes `headline`, then what every unfinished call and site of the process waits for, and aborts.
   [[noreturn]] void ReportAndAbort(const std::string& headline);
   std::string ReportCalls();

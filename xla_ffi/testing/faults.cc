@@ -14,6 +14,7 @@ const char* ModeName(InjectedFault::Mode mode) {
     case InjectedFault::Mode::kSkip: return "skip";
     case InjectedFault::Mode::kFail: return "fail";
     case InjectedFault::Mode::kStall: return "stall";
+    case InjectedFault::Mode::kStale: return "stale";
   }
   return "?";
 }
@@ -42,6 +43,9 @@ class FaultyBackend final : public Backend {
     if (fault_.mode == InjectedFault::Mode::kSkip) return Injected();
     if (fault_.mode == InjectedFault::Mode::kStall && config_.cross_process()) {
       return MakeInvalid(config_.ctx, "the stall fault applies to groups inside one process");
+    }
+    if (fault_.mode == InjectedFault::Mode::kStale && !config_.launch_from_run) {
+      return MakeInvalid(config_.ctx, "the stale fault applies where calls number their launches (the CPU backend)");
     }
     return inner_->Prepare(copy_streams, group);
   }
@@ -95,15 +99,24 @@ class FaultyBackend final : public Backend {
     FICCO_RETURN_IF_ERROR(FailAtTransfer(stream));
     return inner_->CountCall(stream, counter, mirror, stopped);
   }
-  ffi::Error WaitCounter(int stream, const uint32_t* word, const uint32_t* counter, int32_t offset) override {
+  ffi::Error WaitCounter(int stream, const uint32_t* word, const uint32_t* counter, int32_t offset,
+                         const LaunchCheck& check) override {
     FICCO_RETURN_IF_ERROR(FailAtTransfer(stream));
-    return inner_->WaitCounter(stream, word, counter, offset);
+    return inner_->WaitCounter(stream, word, counter, offset, check);
   }
-  // stall: as SetWord, the counters it posts for its peers are never posted.
-  ffi::Error PostCounter(int stream, const std::vector<uint32_t*>& words, const uint32_t* counter) override {
+  // stall: as SetWord, the counters it posts for its peers are never posted. stale: its data goes
+  // out tagged with the launch after its own (the word is host memory there: Prepare checks).
+  ffi::Error PostCounter(int stream, const std::vector<uint32_t*>& words, const uint32_t* counter,
+                         const LaunchCheck& check) override {
     if (fault_.mode == InjectedFault::Mode::kStall) return ffi::Error::Success();
     FICCO_RETURN_IF_ERROR(FailAtTransfer(stream));
-    return inner_->PostCounter(stream, words, counter);
+    if (fault_.mode == InjectedFault::Mode::kStale && check.tag != nullptr) {
+      stale_ = ReadWord(check.launch) + 1u;
+      LaunchCheck other = check;
+      other.launch = &stale_;
+      return inner_->PostCounter(stream, words, counter, other);
+    }
+    return inner_->PostCounter(stream, words, counter, check);
   }
   bool Capturing() override { return inner_->Capturing(); }
   ffi::Error AllocateWords(int64_t count, uint32_t** words) override { return inner_->AllocateWords(count, words); }
@@ -136,6 +149,7 @@ class FaultyBackend final : public Backend {
   const InjectedFault fault_;
   const OpConfig& config_;
   Event never_ = nullptr;  // stall: this call's one event that never completes
+  uint32_t stale_ = 0;     // stale: the launch its data is tagged with
   int64_t transfers_ = 0;  // fail: copy-stream operations so far
   bool failed_ = false;    // fail: the fault has struck; the cleanup after it runs as usual
   // The check: copies enqueued per stream, how many of them XLA's stream has waited for, and for each
@@ -170,6 +184,8 @@ bool ParseFault(std::string_view spec, std::optional<InjectedFault>* fault) {
     parsed.mode = InjectedFault::Mode::kFail;
   } else if (mode == "stall") {
     parsed.mode = InjectedFault::Mode::kStall;
+  } else if (mode == "stale") {
+    parsed.mode = InjectedFault::Mode::kStale;
   } else {
     return false;
   }

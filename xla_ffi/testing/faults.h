@@ -14,6 +14,10 @@
 //                 streams wait for ever and only the watchdog ends the process. Its own streams do
 //                 not wait for that event, so its handler returns as a stuck device's would.
 //                 In-process groups only (a "never" event cannot be exported to other processes).
+//   stale:<rank>  its symmetric calls (runtime/symmetric.h) tag the data they send with the launch
+//                 after their own, as a rank that ran one launch fewer or more than its peers would:
+//                 their receivers' launch checks fail. CPU backend only (there the host reads the
+//                 launch word).
 #ifndef FICCO_JAX_XLA_FFI_TESTING_FAULTS_H_
 #define FICCO_JAX_XLA_FFI_TESTING_FAULTS_H_
 
@@ -34,14 +38,14 @@ namespace ficco {
 // not, while a copy it enqueued is not yet waited for by XLA's stream: XLA frees or reuses the
 // call's buffers once it returns. A call that breaks it counts in UnjoinedCopyCalls().
 struct InjectedFault {
-  enum class Mode : int { kSkip, kFail, kStall };
+  enum class Mode : int { kSkip, kFail, kStall, kStale };
   Mode mode;
   int rank;                   // the rank of every group it applies to
   int64_t fail_at = 1;        // fail: the copy-stream operation that fails, counting from 1
 };
 
-// "skip:<rank>", "fail:<rank>", "fail:<rank>:<k>" or "stall:<rank>"; "" is no fault. False for
-// anything else.
+// "skip:<rank>", "fail:<rank>", "fail:<rank>:<k>", "stall:<rank>" or "stale:<rank>"; "" is no
+// fault. False for anything else.
 bool ParseFault(std::string_view spec, std::optional<InjectedFault>* fault);
 
 // How many calls of an armed rank returned while a copy they enqueued on a copy stream was not yet
