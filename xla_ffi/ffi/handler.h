@@ -148,7 +148,7 @@ struct Target {
   }
   static XLA_FFI_Error* CudaSymmetricInitialize(XLA_FFI_CallFrame* frame) {
     static auto* handler = BindSteps<Operands..., AttrsOf<Attrs>>::To(
-                               ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>())
+                               ffi::Ffi::BindInitialize().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>())
                                .To(InitializeOnCuda)
                                .release();
     return handler->Call(frame);
