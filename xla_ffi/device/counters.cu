@@ -47,15 +47,12 @@ __global__ void WaitCounterKernel(const uint32_t* word, const uint32_t* counter,
   for (;;) __nanosleep(1 << 20);
 }
 
-// The fence first: every write of this stream's earlier work (a copy's, a kernel's) is visible to
-// every device before a peer can see the word and read what it guards; the tag before the words.
+// The fence first: every write of this stream's earlier work (a copy's, a kernel's), and the tag, is
+// visible to every device before a peer can see the word and read what it guards.
 __global__ void PostCounterKernel(Words words, int count, const uint32_t* counter, uint32_t* tag,
                                   const uint32_t* launch) {
+  if (tag != nullptr) Store(tag, Load(launch));
   __threadfence_system();
-  if (tag != nullptr) {
-    Store(tag, Load(launch));
-    __threadfence_system();
-  }
   const uint32_t value = Load(counter);
   for (int i = 0; i < count; ++i) Store(words.at[i], value);
   __threadfence_system();

@@ -25,8 +25,8 @@ cudaError_t LaunchCountCall(uint32_t* counter, uint32_t* mirror, const uint32_t*
 // first word last) and never returns.
 cudaError_t LaunchWaitCounter(const uint32_t* word, const uint32_t* counter, int32_t offset, const uint32_t* tag,
                               const uint32_t* launch, uint32_t* parted, int slot, cudaStream_t stream);
-// After a system-wide fence: *tag = *launch where `tag` is given, another fence, then *words[i] =
-// *counter for i < count (count <= kPostCounterWords).
+// *tag = *launch where `tag` is given; then, after a system-wide fence, *words[i] = *counter for
+// i < count (count <= kPostCounterWords).
 cudaError_t LaunchPostCounter(uint32_t* const* words, int count, const uint32_t* counter, uint32_t* tag,
                               const uint32_t* launch, cudaStream_t stream);
 

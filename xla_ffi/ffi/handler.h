@@ -141,16 +141,17 @@ struct Target {
     return Guard(kName, [&]() -> ffi::Error {
       OpConfig config;
       FICCO_RETURN_IF_ERROR(DecodeConfig(ScheduleAttrs(attrs), kName, ordinal, /*run_id=*/0, &config));
-      if (!config.symmetric) return ffi::Error::Success();
+      if (!config.symmetric || config.n() < 2) return ffi::Error::Success();  // a lone device checks nothing
       std::unique_ptr<Backend> backend = CudaPlatform{stream}.MakeBackend(config);
       return Registry::Get().symmetric().CountLaunch(*backend, config.ctx.op_id, config.ctx.device_ordinal);
     });
   }
   static XLA_FFI_Error* CudaSymmetricInitialize(XLA_FFI_CallFrame* frame) {
-    static auto* handler = BindSteps<Operands..., AttrsOf<Attrs>>::To(
-                               ffi::Ffi::BindInitialize().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>())
-                               .To(InitializeOnCuda)
-                               .release();
+    static auto* handler =
+        BindSteps<Operands..., AttrsOf<Attrs>>::To(
+            ffi::Ffi::BindInitialize().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>())
+            .To(InitializeOnCuda)
+            .release();
     return handler->Call(frame);
   }
 #endif

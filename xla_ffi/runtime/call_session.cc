@@ -45,11 +45,12 @@ ffi::Error WaitPeerCounter(Backend& backend, const OpConfig& config, int stream,
   ffi::Error status = backend.WaitCounter(stream, word, epoch, 0, check);
   if (status.success()) return status;
   if (status.message() == kLaunchParted) {
-    return MakeError(config.ctx, "rank " + std::to_string(config.rank) + "'s call " + std::to_string(ReadWord(epoch)) +
-                                     " of this copy-engine site runs in launch " + std::to_string(ReadWord(check.launch)) +
-                                     ", but rank " + std::to_string(peer) + " (device " +
-                                     std::to_string(config.group[peer]) + ") sent its data of that call in launch " +
-                                     std::to_string(ReadWord(check.tag)) + LaunchPartedAdvice());
+    return MakeError(config.ctx, "rank " + std::to_string(config.rank) + "'s call " +
+                                     std::to_string(ReadWord(epoch)) + " of this copy-engine site runs in launch " +
+                                     std::to_string(ReadWord(check.launch)) + ", but rank " + std::to_string(peer) +
+                                     " (device " + std::to_string(config.group[peer]) +
+                                     ") sent its data of that call in launch " + std::to_string(ReadWord(check.tag)) +
+                                     LaunchPartedAdvice());
   }
   if (status.message() != kWordTimedOut) return status;
   return MissingPeerError(config, peer, std::string("did not post its '") + what + "' counter of call " +

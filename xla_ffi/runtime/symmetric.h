@@ -8,7 +8,8 @@
 // exchanged once, at the site's first call, in one meeting of the group (pointers in one process,
 // CUDA IPC handles across processes):
 //
-//   [epoch][landed: slots x chunks][free: slots][tag: slots] (32-bit words, 256 bytes aligned) | slot 0 | ... | slot n-2
+//   [epoch][landed: slots x chunks][free: slots][tag: slots] | slot 0 | ... | slot n-2
+//   (32-bit words, then the slots from the next multiple of 256 bytes)
 //
 // Slot s of rank r receives one block from rank SourceOfSlot(s) = r-1-s, which sends it as its send
 // slot s (to TargetOfSlot(s) = p+1+s = r). `epoch` counts the rank's calls of the site: each call's
