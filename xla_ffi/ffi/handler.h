@@ -135,15 +135,17 @@ struct Target {
     return handler->Call(frame);
   }
   // Its initialize stage, which XLA runs at every launch before any thunk executes, outside command
-  // buffers: counts the launch on the op's launch word (runtime/symmetric.h, "Launches"). No run id:
-  // not every XLA hands one to this stage.
+  // buffers: counts the launch on the op's launch word (runtime/symmetric.h, "Launches"). It runs for
+  // every op of every launch, so it reads only the op id and the group size (the execute stage checks
+  // the rest); a lone device checks nothing. No run id: not every XLA hands one to this stage.
   static ffi::Error InitializeOnCuda(cudaStream_t stream, int32_t ordinal, typename Operands::Type..., Attrs attrs) {
+    const OpAttrs& schedule = ScheduleAttrs(attrs);
+    if (schedule.group_size < 2) return ffi::Error::Success();
     return Guard(kName, [&]() -> ffi::Error {
-      OpConfig config;
-      FICCO_RETURN_IF_ERROR(DecodeConfig(ScheduleAttrs(attrs), kName, ordinal, /*run_id=*/0, &config));
-      if (!config.symmetric || config.n() < 2) return ffi::Error::Success();  // a lone device checks nothing
-      std::unique_ptr<Backend> backend = CudaPlatform{stream}.MakeBackend(config);
-      return Registry::Get().symmetric().CountLaunch(*backend, config.ctx.op_id, config.ctx.device_ordinal);
+      const CallContext ctx{kName, schedule.op_id, ordinal};
+      std::unique_ptr<Backend> backend = MakeCudaBackend(ctx, Registry::Get().Device(ordinal).cuda(), stream,
+                                                         /*interprocess_events=*/false);
+      return Registry::Get().symmetric().CountLaunch(*backend, schedule.op_id, ordinal);
     });
   }
   static XLA_FFI_Error* CudaSymmetricInitialize(XLA_FFI_CallFrame* frame) {
