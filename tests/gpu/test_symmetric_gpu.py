@@ -1,6 +1,7 @@
 """transfer="symmetric" on GPUs in one process (xla_ffi/runtime/symmetric.h): every op against plain
 JAX over repeated calls with new values, a site run many times in one launch, and a chain of sites
-that XLA captures in a command buffer and replays without the handlers. Skips without 2 GPUs;
+that XLA captures in a command buffer and replays without the handlers; and a device that ends a
+launch early is stopped by the launch check, not paired with its peer's next launch. Skips without 2 GPUs;
 tests/gpu/test_shared_gpu.py runs symmetric sites across two processes on one GPU."""
 import numpy as np
 import pytest
@@ -112,3 +113,47 @@ def test_a_chain_of_sites_is_replayed_from_a_command_buffer():
             handlers.append(testing.host_time()["calls"] - before)
             np.testing.assert_allclose(got, np.asarray(ref(x * (1 + i))), rtol=1e-4, atol=1e-4)
     assert min(handlers[2:]) < 2 * layers * n, handlers  # replayed: fewer handler calls than calls
+
+
+LEFT_EARLY = """
+import sys
+import jax, numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+from ficco_jax import dma
+from ficco_jax.runtime import extension
+mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+f = jax.jit(jax.shard_map(lambda a: dma.all_gather(a, "tp", schedule="dma/direct/c1/symmetric"), mesh=mesh,
+                          in_specs=P("tp"), out_specs=P("tp")))
+x = jax.random.normal(jax.random.PRNGKey(0), (128, 32))
+for i in range(3):
+    assert np.allclose(np.asarray(f(x * (1 + i))), np.tile(np.asarray(x * (1 + i)), (2, 1)))
+print("three launches agreed", flush=True)
+extension.testing().inject_fault("skip:1")
+try:
+    np.asarray(f(x * 4))
+    print("the faulted launch RETURNED", flush=True)
+except Exception as e:
+    print("left a launch early:", "injected fault" in str(e), flush=True)
+extension.testing().inject_fault("")
+np.asarray(f(x * 5))
+print("RETURNED", flush=True)
+"""
+
+
+def test_a_launch_left_early_by_one_device_is_reported_never_paired():
+    """Device 1 of the group ends a launch before its symmetric call (a fault) and the program runs
+    on: its next call would take device 0's data of the launch it left. The launch check stops both;
+    the watchdog reports the two launches and ends the process, and no later launch returns.
+    Command buffers off, so that the fault's handler runs."""
+    import os
+    import re
+    import subprocess
+    import sys
+    env = {**os.environ, "FICCO_WATCHDOG_S": "60", "NCCL_NVLS_ENABLE": "0",
+           "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="}
+    done = subprocess.run([sys.executable, "-c", LEFT_EARLY], capture_output=True, text=True, env=env, timeout=300)
+    out = done.stdout + done.stderr
+    assert "three launches agreed" in out and "left a launch early: True" in out, out[-4000:]
+    assert "RETURNED" not in out and done.returncode != 0, out[-4000:]
+    assert re.search(r"ficco_jax watchdog: .*runs in launch \d+, but rank \d \(device \d\) sent its data of that "
+                     r"call in launch \d+: a launch ended early", out), out[-4000:]
