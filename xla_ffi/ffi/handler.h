@@ -24,6 +24,7 @@
 #include <cstdio>
 #include <memory>
 #include <optional>
+#include <string>
 #include <type_traits>
 #include <utility>
 
@@ -136,24 +137,32 @@ struct Target {
   }
   // Its initialize stage, which XLA runs at every launch before any thunk executes, outside command
   // buffers: counts the launch on the op's launch word (runtime/symmetric.h, "Launches"). It runs for
-  // every op of every launch, so it reads only the op id and the group size (the execute stage checks
-  // the rest); a lone device checks nothing. No run id: not every XLA hands one to this stage.
-  static ffi::Error InitializeOnCuda(cudaStream_t stream, int32_t ordinal, typename Operands::Type..., Attrs attrs) {
-    const OpAttrs& schedule = ScheduleAttrs(attrs);
-    if (schedule.group_size < 2) return ffi::Error::Success();
+  // every op of every launch, so it decodes nothing but the op id and the group size (the execute
+  // stage checks the rest); a lone device checks nothing. No run id: not every XLA hands one to it.
+  static ffi::Error InitializeOnCuda(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs, ffi::RemainingRets,
+                                     ffi::Dictionary attrs) {
+    const ffi::ErrorOr<int64_t> n = attrs.get<int64_t>("group_size");
+    if (n.has_value() && *n < 2) return ffi::Error::Success();
+    const ffi::ErrorOr<int64_t> op_id = attrs.get<int64_t>("op_id");
+    if (!n.has_value() || !op_id.has_value()) {
+      return ffi::Error::InvalidArgument(std::string(kName) + ": the op id or group size attribute is missing");
+    }
     return Guard(kName, [&]() -> ffi::Error {
-      const CallContext ctx{kName, schedule.op_id, ordinal};
+      const CallContext ctx{kName, *op_id, ordinal};
       std::unique_ptr<Backend> backend = MakeCudaBackend(ctx, Registry::Get().Device(ordinal).cuda(), stream,
                                                          /*interprocess_events=*/false);
-      return Registry::Get().symmetric().CountLaunch(*backend, schedule.op_id, ordinal);
+      return Registry::Get().symmetric().CountLaunch(*backend, *op_id, ordinal);
     });
   }
   static XLA_FFI_Error* CudaSymmetricInitialize(XLA_FFI_CallFrame* frame) {
-    static auto* handler =
-        BindSteps<Operands..., AttrsOf<Attrs>>::To(
-            ffi::Ffi::BindInitialize().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>())
-            .To(InitializeOnCuda)
-            .release();
+    static auto* handler = ffi::Ffi::BindInitialize()
+                               .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                               .Ctx<ffi::DeviceOrdinal>()
+                               .RemainingArgs()
+                               .RemainingRets()
+                               .Attrs()
+                               .To(InitializeOnCuda)
+                               .release();
     return handler->Call(frame);
   }
 #endif
