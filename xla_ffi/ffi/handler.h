@@ -27,6 +27,7 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "base/guard.h"
 #include "base/timed.h"
@@ -136,22 +137,31 @@ struct Target {
     return handler->Call(frame);
   }
   // Its initialize stage, which XLA runs at every launch before any thunk executes, outside command
-  // buffers: counts the launch on the op's launch word (runtime/symmetric.h, "Launches"). It runs for
-  // every op of every launch, so it decodes nothing but the op id and the group size (the execute
-  // stage checks the rest); a lone device checks nothing. No run id: not every XLA hands one to it.
+  // buffers: counts the launch on the launch word of the op and this device's group
+  // (runtime/symmetric.h, "Launches"). It runs for every op of every launch, so it decodes only the
+  // attributes that name them (the execute stage checks the rest, and reports a device in no group);
+  // a lone device checks nothing. No run id: not every XLA hands one to this stage.
   static ffi::Error InitializeOnCuda(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs, ffi::RemainingRets,
                                      ffi::Dictionary attrs) {
     const ffi::ErrorOr<int64_t> n = attrs.get<int64_t>("group_size");
     if (n.has_value() && *n < 2) return ffi::Error::Success();
     const ffi::ErrorOr<int64_t> op_id = attrs.get<int64_t>("op_id");
-    if (!n.has_value() || !op_id.has_value()) {
-      return ffi::Error::InvalidArgument(std::string(kName) + ": the op id or group size attribute is missing");
+    const ffi::ErrorOr<ffi::Span<const int64_t>> groups = attrs.get<ffi::Span<const int64_t>>("groups");
+    const ffi::ErrorOr<ffi::Span<const int64_t>> local = attrs.get<ffi::Span<const int64_t>>("local_ordinals");
+    if (!n.has_value() || !op_id.has_value() || !groups.has_value() || !local.has_value()) {
+      return ffi::Error::InvalidArgument(std::string(kName) + ": an attribute that names its group is missing");
     }
+    int64_t first = -1;
+    for (int64_t i = 0; i < static_cast<int64_t>(local->size()) && first < 0; ++i) {
+      if ((*local)[i] == ordinal) first = i / *n * *n;
+    }
+    if (first < 0 || first + *n > static_cast<int64_t>(groups->size())) return ffi::Error::Success();
     return Guard(kName, [&]() -> ffi::Error {
       const CallContext ctx{kName, *op_id, ordinal};
       std::unique_ptr<Backend> backend = MakeCudaBackend(ctx, Registry::Get().Device(ordinal).cuda(), stream,
                                                          /*interprocess_events=*/false);
-      return Registry::Get().symmetric().CountLaunch(*backend, *op_id, ordinal);
+      const std::vector<int> group(groups->begin() + first, groups->begin() + first + *n);
+      return Registry::Get().symmetric().CountLaunch(*backend, {*op_id, ordinal, group});
     });
   }
   static XLA_FFI_Error* CudaSymmetricInitialize(XLA_FFI_CallFrame* frame) {

@@ -354,7 +354,8 @@ ffi::Error CallSession::SymmetricSiteOf(Backend& backend, int64_t slot_bytes, st
     uint32_t* watch = nullptr;  // started, finished, stopped, parted (3)
     FICCO_RETURN_IF_ERROR(backend.AllocateWords(6, &watch));
     uint32_t* launch = nullptr;
-    FICCO_RETURN_IF_ERROR(sites.LaunchWord(backend, config_.ctx.op_id, config_.ctx.device_ordinal, &launch));
+    FICCO_RETURN_IF_ERROR(sites.LaunchWord(backend, {config_.ctx.op_id, config_.ctx.device_ordinal, config_.group},
+                                           &launch));
     const RendezvousKey meeting{config_.run_id, config_.ctx.op_id, -1, Phase::kSymmetric, config_.group_index};
     std::vector<Post> posts;
     FICCO_RETURN_IF_ERROR(

@@ -64,8 +64,8 @@ std::string LaunchPartedAdvice() {
          "ran on), so the group's calls no longer pair up; restart the process";
 }
 
-ffi::Error SymmetricSites::LaunchesOf(Backend& backend, int64_t op_id, int ordinal, Launches** launches) {
-  Launches& found = launches_[{op_id, ordinal}];
+ffi::Error SymmetricSites::LaunchesOf(Backend& backend, const LaunchKey& key, Launches** launches) {
+  Launches& found = launches_[key];
   if (found.word == nullptr) {
     void* word = nullptr;
     FICCO_RETURN_IF_ERROR(backend.AllocateRegion(sizeof(uint32_t), &word));
@@ -75,19 +75,19 @@ ffi::Error SymmetricSites::LaunchesOf(Backend& backend, int64_t op_id, int ordin
   return ffi::Error::Success();
 }
 
-ffi::Error SymmetricSites::LaunchWord(Backend& backend, int64_t op_id, int ordinal, uint32_t** word) {
+ffi::Error SymmetricSites::LaunchWord(Backend& backend, const LaunchKey& key, uint32_t** word) {
   std::lock_guard<std::mutex> lock(launches_mu_);
   Launches* launches = nullptr;
-  FICCO_RETURN_IF_ERROR(LaunchesOf(backend, op_id, ordinal, &launches));
+  FICCO_RETURN_IF_ERROR(LaunchesOf(backend, key, &launches));
   *word = launches->word;
   return ffi::Error::Success();
 }
 
-ffi::Error SymmetricSites::CountLaunch(Backend& backend, int64_t op_id, int ordinal) {
+ffi::Error SymmetricSites::CountLaunch(Backend& backend, const LaunchKey& key) {
   if (backend.Capturing()) return ffi::Error::Success();
   std::lock_guard<std::mutex> lock(launches_mu_);
   Launches* launches = nullptr;
-  FICCO_RETURN_IF_ERROR(LaunchesOf(backend, op_id, ordinal, &launches));
+  FICCO_RETURN_IF_ERROR(LaunchesOf(backend, key, &launches));
   return backend.SetWord(Backend::kCompute, launches->word, ++launches->count);
 }
 

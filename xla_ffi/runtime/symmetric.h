@@ -44,7 +44,7 @@
 // run (another op failed there, on its host or its device) is a call behind for good, and its next
 // launch's call would pair with its peers' call of the launch it left, each taking the other's data
 // for its own. So every rank also numbers the launches of each op on its device, in one device word
-// (`launch`, per op id and device) that XLA's stream sets before the launch's work: on CUDA the
+// (`launch`, per op id, device and group) that XLA's stream sets before the launch's work: on CUDA the
 // handlers' initialize stage, which XLA runs for every thunk of every launch before any executes
 // (and outside command buffers), counts the launch and sets the word; on CPU, where XLA has no such
 // stage, each call writes the launch's run id into it. The ranks of a group count the same launches,
@@ -143,26 +143,29 @@ class SymmetricSites {
   // A site of a group across processes (its members are global device ids).
   void MarkCrossProcess(const Key& key);
 
-  // The launch word of op `op_id` on device `ordinal` ("Launches" above), made zeroed at first use:
-  // every site of the op on the device reads it (a site batched again is another site of one op).
-  ffi::Error LaunchWord(Backend& backend, int64_t op_id, int ordinal, uint32_t** word);
+  // The launches of op `op_id` on device `ordinal` in group `group` (members in rank order), as one
+  // device word ("Launches" above), made zeroed at first use: every site of the op and group on the
+  // device reads it (a site batched again is another site of one op). Keyed by the group too: one
+  // trace lowered for two meshes runs the same op id in groups that launch apart.
+  using LaunchKey = std::tuple<int64_t, int, std::vector<int>>;
+  ffi::Error LaunchWord(Backend& backend, const LaunchKey& key, uint32_t** word);
   // The initialize stage of a launch (CUDA): counts it, and sets the word to its number on XLA's
   // stream, behind the previous launch's work. Counts nothing while the stream is captured (no
   // value may be frozen into a graph).
-  ffi::Error CountLaunch(Backend& backend, int64_t op_id, int ordinal);
+  ffi::Error CountLaunch(Backend& backend, const LaunchKey& key);
 
  private:
   struct Launches {
     uint32_t* word = nullptr;
     uint32_t count = 0;
   };
-  ffi::Error LaunchesOf(Backend& backend, int64_t op_id, int ordinal, Launches** launches);
+  ffi::Error LaunchesOf(Backend& backend, const LaunchKey& key, Launches** launches);
 
   std::mutex mu_;
   std::map<Key, std::shared_ptr<SymmetricSite>> sites_;
   std::vector<Key> cross_process_;
   std::mutex launches_mu_;
-  std::map<std::pair<int64_t, int>, Launches> launches_;
+  std::map<LaunchKey, Launches> launches_;
 };
 
 // What follows a report of two launches' calls meeting ("Launches" above): why, and what to do.
