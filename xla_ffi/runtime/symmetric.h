@@ -52,9 +52,10 @@
 // its slot before it posts `landed`; the receiver, once `landed` matched, compares the tag with its
 // own number, and a difference stops its stream for good (on CPU: an error) and is reported at once
 // by the watchdog, naming both launches: never a pairing of two launches' data. Not caught: a rank
-// whose launch failed in XLA's initialize stage itself, before this op's (it counts one launch fewer
-// while its peers wait in the launch it never ran, and the watchdog reports them). Allocations are
-// never freed (work in flight, or a captured graph, may still use them).
+// whose launch failed in XLA's initialize stage itself, before this op's initialize ran there: it
+// counts one launch fewer, so its next launch pairs with its peers' call of the launch it never ran,
+// as without the check. Allocations are never freed (work in flight, or a captured graph, may still
+// use them).
 #ifndef FICCO_JAX_XLA_FFI_RUNTIME_SYMMETRIC_H_
 #define FICCO_JAX_XLA_FFI_RUNTIME_SYMMETRIC_H_
 
