@@ -95,7 +95,7 @@ class CudaBackend final : public Backend {
     return ffi::Error::Success();
   }
 
-  // The tag goes with the first launch: every later one comes after it on the stream.
+  // The tag goes with the first kernel: every later one runs after it on the stream.
   ffi::Error PostCounter(int stream, const std::vector<uint32_t*>& words, const uint32_t* counter,
                          const LaunchCheck& check) override {
     const CallContext& ctx = ctx_;
