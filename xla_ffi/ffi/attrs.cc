@@ -6,6 +6,14 @@
 
 namespace ficco {
 
+int64_t GroupStart(ffi::Span<const int64_t> local_ordinals, int64_t n, int32_t device_ordinal) {
+  int64_t start = -1;
+  for (int64_t i = 0; i < static_cast<int64_t>(local_ordinals.size()); ++i) {
+    if (local_ordinals[i] == device_ordinal) start = i / n * n;
+  }
+  return start;
+}
+
 ffi::Error DecodeConfig(const OpAttrs& attrs, const char* target, int32_t device_ordinal, int64_t run_id,
                         OpConfig* config) {
   config->ctx = CallContext{target, attrs.op_id, device_ordinal};
@@ -22,14 +30,14 @@ ffi::Error DecodeConfig(const OpAttrs& attrs, const char* target, int32_t device
                                 " entries, groups " + std::to_string(total) + "; they must match");
   }
   config->ipc_job = attrs.ipc_job;
-  for (int64_t i = 0; i < total; ++i) {
-    if (attrs.local_ordinals[i] != device_ordinal) continue;
-    config->group_index = i / n;
-    config->rank = static_cast<int>(i % n);
-    config->group.assign(attrs.groups.begin() + config->group_index * n,
-                         attrs.groups.begin() + (config->group_index + 1) * n);
-    config->group_local.assign(attrs.local_ordinals.begin() + config->group_index * n,
-                               attrs.local_ordinals.begin() + (config->group_index + 1) * n);
+  const int64_t start = GroupStart(attrs.local_ordinals, n, device_ordinal);
+  if (start >= 0) {
+    config->group_index = start / n;
+    for (int64_t i = start; i < start + n; ++i) {
+      if (attrs.local_ordinals[i] == device_ordinal) config->rank = static_cast<int>(i - start);
+    }
+    config->group.assign(attrs.groups.begin() + start, attrs.groups.begin() + start + n);
+    config->group_local.assign(attrs.local_ordinals.begin() + start, attrs.local_ordinals.begin() + start + n);
   }
   if (config->group.empty()) {
     return MakeInvalid(ctx, "device ordinal " + std::to_string(device_ordinal) +

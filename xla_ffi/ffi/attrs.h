@@ -61,6 +61,12 @@ inline OpAttrs ScheduleAttrs(const ProbeAttrs& p) {
                  p.w_col_major, 0};
 }
 
+// Where this device's group starts in `groups` (members of n, flat): the group of the entry of
+// `local_ordinals` that is `device_ordinal` (the last one, were it listed twice); -1 where none is.
+// DecodeConfig and the symmetric targets' initialize stage (ffi/handler.h) find it alike, so that both
+// name the same group.
+int64_t GroupStart(ffi::Span<const int64_t> local_ordinals, int64_t n, int32_t device_ordinal);
+
 ffi::Error DecodeConfig(const OpAttrs& attrs, const char* target, int32_t device_ordinal, int64_t run_id,
                         OpConfig* config);
 

@@ -151,10 +151,7 @@ struct Target {
     if (!n.has_value() || !op_id.has_value() || !groups.has_value() || !local.has_value()) {
       return ffi::Error::InvalidArgument(std::string(kName) + ": an attribute that names its group is missing");
     }
-    int64_t first = -1;
-    for (int64_t i = 0; i < static_cast<int64_t>(local->size()) && first < 0; ++i) {
-      if ((*local)[i] == ordinal) first = i / *n * *n;
-    }
+    const int64_t first = GroupStart(*local, *n, ordinal);
     if (first < 0 || first + *n > static_cast<int64_t>(groups->size())) return ffi::Error::Success();
     return Guard(kName, [&]() -> ffi::Error {
       const CallContext ctx{kName, *op_id, ordinal};
