@@ -139,6 +139,40 @@ def test_gradients_through_symmetric_sites(sched):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("chunks", [1, 4])
+@pytest.mark.parametrize("op", ["all_gather", "reduce_scatter"])
+def test_a_call_enqueues_one_count_its_posts_and_one_end(op, chunks, rng):
+    """What a symmetric call enqueues per device, n = 4 (s = 3 send and receive slots, k = 2 copy
+    streams): one count, which also waits until every target freed its slot (no wait per send); one
+    post per mark (a reduce-scatter marks every chunk, an all-gather each slot once); no event per
+    transfer (the site's words mark them); the receiver's waits in one counter wait per slot before its
+    copy-out (all-gather), or inside the sum's own kernel (reduce-scatter: none of their own); one end.
+    The result equals plain JAX's."""
+    n, s, k = 4, 3, 2
+    mesh = _mesh(n)
+    x = _random(rng, (n * 8 * n, 6))
+    sched = f"dma/direct/c{chunks}/s{k}/symmetric"
+    ours, ref = {"all_gather": (lambda a: dma.all_gather(a, "tp", schedule=sched),
+                                lambda a: jax.lax.all_gather(a, "tp", tiled=True)),
+                 "reduce_scatter": (lambda a: dma.reduce_scatter(a, "tp", schedule=sched),
+                                    lambda a: jax.lax.psum_scatter(a, "tp", tiled=True))}[op]
+    run = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))  # noqa: E731
+    f = run(ours)
+    np.testing.assert_allclose(np.asarray(f(x)), np.asarray(run(ref)(x)), rtol=1e-5, atol=1e-5)
+    testing = _ext.testing()
+    before = testing.backend_calls()
+    np.testing.assert_allclose(np.asarray(f(x + 1)), np.asarray(run(ref)(x + 1)), rtol=1e-5, atol=1e-5)
+    calls = {key: (value - before[key]) / n for key, value in testing.backend_calls().items() if not key.endswith("_s")}
+    if op == "reduce_scatter":
+        # count, s * chunks posts, end; events: the entry, each copy stream's last work
+        assert calls["counter"] == 2 + s * chunks and calls["reduce"] == chunks, calls
+        assert calls["record"] == 1 + k and calls["wait"] == 2 * k, calls
+    else:
+        # count, s posts, s waits before the copy-outs, end; events: also one per copy-out
+        assert calls["counter"] == 2 + 2 * s, calls
+        assert calls["record"] == 1 + k + s and calls["wait"] == 2 * k + 1 + s, calls
+
+
 def test_every_collective_on_a_2d_mesh():
     """Two tp groups of four with ordinals out of rank order: each group's sites are its own."""
     devices = np.array(jax.devices()[:8])[[5, 2, 7, 0, 3, 6, 1, 4]].reshape(2, 4)
@@ -186,17 +220,20 @@ def test_a_failed_call_names_the_rank_and_its_site_runs_no_more(mode, short_time
     np.testing.assert_allclose(np.asarray(fresh(*args)), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("op", ["all_gather", "reduce_scatter"])
 @pytest.mark.parametrize("sched", ["dma/direct/c1/symmetric", "dma/direct/c2/symmetric"])
-def test_data_of_another_launch_is_an_error_not_a_wrong_answer(sched, short_timeout, inject_fault):
+def test_data_of_another_launch_is_an_error_not_a_wrong_answer(op, sched, short_timeout, inject_fault):
     """Every rank numbers its launches, and a sender tags its data with its number: a receiver whose
     peer is in another launch (it ended a launch early, so its calls pair with its peers' calls of
     the launch before) fails at once, naming both launches, and the site runs no more. Here the
-    fault tags rank 2's data with the next launch."""
+    fault tags rank 2's data with the next launch; a reduce-scatter checks it in its sum's waits."""
     mesh, rng = _mesh(4), np.random.default_rng(11)
-    f = jax.jit(jax.shard_map(lambda a: dma.all_gather(a, "tp", schedule=sched), mesh=mesh,
-                              in_specs=P("tp"), out_specs=P("tp")))
-    x = _random(rng, (4 * 4, 3))
-    np.testing.assert_array_equal(np.asarray(f(x)), np.tile(np.asarray(x), (4, 1)))
+    ours, ref = {"all_gather": (dma.all_gather, lambda a, axis: jax.lax.all_gather(a, axis, tiled=True)),
+                 "reduce_scatter": (dma.reduce_scatter, lambda a, axis: jax.lax.psum_scatter(a, axis, tiled=True))}[op]
+    f, f_ref = (jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))
+                for body in (lambda a: ours(a, "tp", schedule=sched), lambda a: ref(a, "tp")))
+    x = _random(rng, (4 * 8, 3))  # a reduce-scatter's blocks: 2 rows per rank
+    np.testing.assert_allclose(np.asarray(f(x)), np.asarray(f_ref(x)), rtol=1e-5, atol=1e-6)
     inject_fault("stale:2")
     with pytest.raises(Exception, match=r"rank [013]'s call 2 of this copy-engine site runs in launch \d+, but rank 2 "
                                         r"\(device 2\) sent its data of that call in launch \d+: a launch ended "

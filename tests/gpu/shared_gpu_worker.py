@@ -6,14 +6,14 @@ references are computed with numpy from inputs both processes make from seeds: n
 runs (NCCL refuses two ranks on one GPU). Times mean nothing here (two contexts share the GPU).
 
     python tests/gpu/shared_gpu_worker.py PROCESS_ID PORT OUT_JSON [CHAIN_LAUNCHES]
-    python tests/gpu/shared_gpu_worker.py PROCESS_ID PORT --left-early
+    python tests/gpu/shared_gpu_worker.py PROCESS_ID PORT --left-early [all_gather | reduce_scatter]
 
 CHAIN_LAUNCHES (default 6): launches of the captured chain, each checked (a soak: hundreds).
 Writes {"checks": {name: "ok" | error}, "handlers_per_launch": ...} and exits 1 if a check failed.
 
---left-early: after three right launches of a symmetric all_gather, process 1's next launch fails
-before its call counts itself (an injected fault), as a launch that ended early on its device
-would, and it runs on. Its following launch would pair with process 0's call of the launch it left;
+--left-early: after three right launches of a symmetric all_gather (or reduce_scatter, whose sum
+makes the check inside its own kernel), process 1's next launch fails before its call counts itself
+(an injected fault), as a launch that ended early on its device would, and it runs on. Its following launch would pair with process 0's call of the launch it left;
 the launch check must stop both (the watchdog reports them and ends each process). A launch that
 returns prints "RETURNED" and whether its result is right, and the worker exits 3.
 """
@@ -126,7 +126,7 @@ def main(process_id: int, port: int, out_path: str, chain_launches: int = 6) -> 
     return 0 if all(v == "ok" for v in checks.values()) else 1
 
 
-def left_early(process_id: int, port: int) -> int:
+def left_early(process_id: int, port: int, op: str = "all_gather") -> int:
     import jax
     jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=process_id,
                                initialization_timeout=120)
@@ -141,12 +141,16 @@ def left_early(process_id: int, port: int) -> int:
     blocks = [np.random.default_rng(p).standard_normal((64, 32)).astype(np.float32) for p in (0, 1)]
     x = jax.make_array_from_single_device_arrays((128, 32), NamedSharding(mesh, P("tp")),
                                                  [jax.device_put(blocks[process_id], me)])
-    f = jax.jit(jax.shard_map(lambda a: dma.all_gather(a, "tp", schedule="dma/direct/c1/symmetric"), mesh=mesh,
-                              in_specs=P("tp"), out_specs=P("tp")))
+    if op == "all_gather":
+        body, want = lambda a: dma.all_gather(a, "tp", schedule="dma/direct/c1/symmetric"), np.concatenate(blocks)
+    else:  # each process's block of 64 rows: its half of both processes' 32-row halves, summed
+        body = lambda a: dma.reduce_scatter(a, "tp", schedule="dma/direct/c2/symmetric")  # noqa: E731
+        want = (blocks[0] + blocks[1])[process_id * 32:(process_id + 1) * 32]
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))
 
     def launch(scale):
         got = np.asarray(f(x * scale).addressable_shards[0].data)
-        return bool(np.allclose(got, np.concatenate(blocks) * scale))
+        return bool(np.allclose(got, want * scale, rtol=1e-5, atol=1e-5))
 
     for i in range(3):
         if not launch(1 + i):
@@ -170,5 +174,5 @@ def left_early(process_id: int, port: int) -> int:
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     if sys.argv[3:4] == ["--left-early"]:
-        sys.exit(left_early(int(sys.argv[1]), int(sys.argv[2])))
+        sys.exit(left_early(int(sys.argv[1]), int(sys.argv[2]), *sys.argv[4:5]))
     sys.exit(main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], *(int(a) for a in sys.argv[4:5])))

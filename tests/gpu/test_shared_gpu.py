@@ -11,6 +11,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from gpu_common import GPUS, ONE_GPU_MARKS
 
 pytestmark = ONE_GPU_MARKS
@@ -62,13 +64,15 @@ def test_two_processes_on_one_gpu(tmp_path):
         assert min(result["handlers_per_launch"][2:]) < 8, result["handlers_per_launch"]
 
 
-def test_a_launch_left_early_is_reported_never_paired_with_the_next():
+@pytest.mark.parametrize("op", ["all_gather", "reduce_scatter"])
+def test_a_launch_left_early_is_reported_never_paired_with_the_next(op):
     """Process 1 ends a launch before its symmetric call (a fault), then runs on: its next launch's
     call would take process 0's data of the launch it left, and give process 0 its own. The launch
-    check stops both calls; each process's watchdog reports both launches at once and ends it, and
-    no launch after the fault returns. Command buffers off, so that the fault's handler runs."""
+    check stops both calls (a reduce-scatter's in its sum's kernel); each process's watchdog reports
+    both launches at once and ends it, and no launch after the fault returns. Command buffers off, so
+    that the fault's handler runs."""
     env = _env(FICCO_WATCHDOG_S="60", XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=")
-    codes, logs = _run_pair(lambda i: ["--left-early"], env)
+    codes, logs = _run_pair(lambda i: ["--left-early", op], env)
     assert "[p1] left a launch early: True" in logs[1], logs[1][-4000:]
     for i in range(2):
         assert f"[p{i}] three launches agreed" in logs[i], logs[i][-4000:]

@@ -49,8 +49,8 @@ inline char* Offset(void* base, int64_t bytes) { return static_cast<char*>(base)
 
 // The launch check of a symmetric call's counters (runtime/symmetric.h, "Launches"): the sender's
 // PostCounter first copies its rank's launch number, *launch, into `tag` (a word of the receiver's
-// site); the receiver's WaitCounter, once its word matched, compares that tag with its own *launch.
-// Where they differ the two calls belong to different launches: on CUDA the receiver writes
+// site); the receiver's wait, once its word matched, compares that tag with its own *launch. Where
+// they differ the two calls belong to different launches: on CUDA the receiver writes
 // {slot + 1, its launch, the tag} into `parted` (three host words the watchdog reads, which reports
 // at once) and its stream waits for good; on CPU the wait returns an error whose message is
 // kLaunchParted. No tag: no check.
@@ -59,6 +59,20 @@ struct LaunchCheck {
   const uint32_t* launch = nullptr;
   uint32_t* parted = nullptr;  // the receiver's only
   int slot = 0;                // the receiver's slot the tag belongs to
+};
+
+// One wait of a stream on a symmetric site: until *word == *counter + offset (the counter is the
+// wait list's), then its launch check.
+struct CounterWait {
+  const uint32_t* word = nullptr;
+  int32_t offset = 0;
+  LaunchCheck check;
+};
+// The waits a stream makes before its next work, in one kernel on CUDA (a kernel costs its launch:
+// device/counters.h). Empty: none.
+struct CounterWaits {
+  const uint32_t* counter = nullptr;
+  std::vector<CounterWait> words;
 };
 
 class Backend {
@@ -110,14 +124,15 @@ class Backend {
   // ++*counter, then *mirror = *counter where `mirror` is given (host memory the watchdog reads) —
   // unless `stopped` (host memory, or null) is nonzero: then `stream` stops there, counting nothing
   // (on CUDA its device waits until the watchdog reports it; on CPU an error whose message is
-  // kCallStopped returns).
-  virtual ffi::Error CountCall(int stream, uint32_t* counter, uint32_t* mirror, const uint32_t* stopped) = 0;
-  // `stream`'s later work waits until *word == *counter + offset. On CUDA the device waits, for as
-  // long as it takes (the watchdog reports one that never ends); on CPU the calling thread waits at
-  // most the call's timeout, then returns an error whose message is kWordTimedOut. With a `check`,
-  // the wait then compares the launch its peer posted with the data (LaunchCheck).
-  virtual ffi::Error WaitCounter(int stream, const uint32_t* word, const uint32_t* counter, int32_t offset,
-                                 const LaunchCheck& check) = 0;
+  // kCallStopped returns). Then the waits of `then` (their counter is `counter`), as WaitCounters.
+  virtual ffi::Error CountCall(int stream, uint32_t* counter, uint32_t* mirror, const uint32_t* stopped,
+                               const std::vector<CounterWait>& then) = 0;
+  // `stream`'s later work waits until every word of `waits` equals *waits.counter + its offset, then
+  // makes their launch checks (LaunchCheck). On CUDA the device waits, for as long as it takes (the
+  // watchdog reports one that never ends); on CPU the calling thread waits at most the call's timeout,
+  // then returns an error whose message is kWordTimedOut. The caller, which knows whose words they
+  // are, finds on the host which wait failed (the words are host memory there).
+  virtual ffi::Error WaitCounters(int stream, const CounterWaits& waits) = 0;
   // Once `stream`'s earlier work is done and visible to every device: *check.tag = *check.launch
   // where a tag is given, then *word = *counter, for each word.
   virtual ffi::Error PostCounter(int stream, const std::vector<uint32_t*>& words, const uint32_t* counter,
@@ -126,7 +141,9 @@ class Backend {
   // is recorded, not run, and may be replayed later without its handler.
   virtual bool Capturing() = 0;
   virtual ffi::Error Gemm(const GemmProblem& problem) = 0;       // on the compute stream
-  virtual ffi::Error Reduce(const ReduceProblem& problem) = 0;   // on the compute stream
+  // On the compute stream, after the waits of `after` (as WaitCounters), made by the sum's own kernel
+  // on CUDA: a symmetric call's receiver sums what landed with no kernel of its own for the waits.
+  virtual ffi::Error Reduce(const ReduceProblem& problem, const CounterWaits& after) = 0;
   // This call's events may be re-recorded once its device work is done. Called only after the
   // "release" step (JoinAndRelease() in runtime/call_session.cc says why that makes a re-record
   // safe). Interprocess events go back to their pool at once (every one a peer waits on is exported
@@ -146,7 +163,7 @@ class Backend {
 inline constexpr const char* kWordTimedOut = "word wait timed out";
 // CountCall's error message on a CPU backend when the call was stopped.
 inline constexpr const char* kCallStopped = "call stopped: its site failed";
-// WaitCounter's error message on a CPU backend when the peer's call belongs to another launch.
+// A counter wait's error message on a CPU backend when the peer's call belongs to another launch.
 inline constexpr const char* kLaunchParted = "a peer's call of another launch";
 
 // Whether `word` has reached `value`, as WaitWord compares: cyclically, so that counting past 2^32

@@ -52,14 +52,14 @@ class CountedBackend final : public Backend {
     TimeSection timed(Totals().wait_word);
     return inner_->WaitWord(stream, word, value);
   }
-  ffi::Error CountCall(int stream, uint32_t* counter, uint32_t* mirror, const uint32_t* stopped) override {
+  ffi::Error CountCall(int stream, uint32_t* counter, uint32_t* mirror, const uint32_t* stopped,
+                       const std::vector<CounterWait>& then) override {
     TimeSection timed(Totals().counter);
-    return inner_->CountCall(stream, counter, mirror, stopped);
+    return inner_->CountCall(stream, counter, mirror, stopped, then);
   }
-  ffi::Error WaitCounter(int stream, const uint32_t* word, const uint32_t* counter, int32_t offset,
-                         const LaunchCheck& check) override {
+  ffi::Error WaitCounters(int stream, const CounterWaits& waits) override {
     TimeSection timed(Totals().counter);
-    return inner_->WaitCounter(stream, word, counter, offset, check);
+    return inner_->WaitCounters(stream, waits);
   }
   ffi::Error PostCounter(int stream, const std::vector<uint32_t*>& words, const uint32_t* counter,
                          const LaunchCheck& check) override {
@@ -71,9 +71,9 @@ class CountedBackend final : public Backend {
     TimeSection timed(Totals().gemm);
     return inner_->Gemm(problem);
   }
-  ffi::Error Reduce(const ReduceProblem& problem) override {
+  ffi::Error Reduce(const ReduceProblem& problem, const CounterWaits& after) override {
     TimeSection timed(Totals().reduce);
-    return inner_->Reduce(problem);
+    return inner_->Reduce(problem, after);
   }
   void ReleaseEvents() override { inner_->ReleaseEvents(); }
   std::vector<Event> TakeReusable() override { return inner_->TakeReusable(); }

@@ -106,18 +106,22 @@ class CpuBackend final : public Backend {
   ffi::Error WaitWord(int, const uint32_t* word, uint32_t value) override {
     return WaitUntil([&] { return WordReached(ReadWord(word), value); });
   }
-  ffi::Error CountCall(int, uint32_t* counter, uint32_t* mirror, const uint32_t* stopped) override {
+  ffi::Error CountCall(int stream, uint32_t* counter, uint32_t* mirror, const uint32_t* stopped,
+                       const std::vector<CounterWait>& then) override {
     if (stopped != nullptr && ReadWord(stopped) != 0) return ffi::Error(ffi::ErrorCode::kAborted, kCallStopped);
     const uint32_t value = __atomic_add_fetch(counter, 1u, __ATOMIC_ACQ_REL);
     if (mirror != nullptr) __atomic_store_n(mirror, value, __ATOMIC_RELEASE);
-    return ffi::Error::Success();
+    return WaitCounters(stream, {counter, then});
   }
-  ffi::Error WaitCounter(int, const uint32_t* word, const uint32_t* counter, int32_t offset,
-                         const LaunchCheck& check) override {
-    const uint32_t want = ReadWord(counter) + static_cast<uint32_t>(offset);
-    FICCO_RETURN_IF_ERROR(WaitUntil([&] { return ReadWord(word) == want; }));
-    if (check.tag != nullptr && ReadWord(check.tag) != ReadWord(check.launch)) {
-      return ffi::Error(ffi::ErrorCode::kAborted, kLaunchParted);
+  ffi::Error WaitCounters(int, const CounterWaits& waits) override {
+    for (const CounterWait& wait : waits.words) {
+      const uint32_t want = ReadWord(waits.counter) + static_cast<uint32_t>(wait.offset);
+      FICCO_RETURN_IF_ERROR(WaitUntil([&] { return ReadWord(wait.word) == want; }));
+    }
+    for (const CounterWait& wait : waits.words) {
+      if (wait.check.tag != nullptr && ReadWord(wait.check.tag) != ReadWord(wait.check.launch)) {
+        return ffi::Error(ffi::ErrorCode::kAborted, kLaunchParted);
+      }
     }
     return ffi::Error::Success();
   }
@@ -133,7 +137,8 @@ class CpuBackend final : public Backend {
     GemmHost(problem);
     return ffi::Error::Success();
   }
-  ffi::Error Reduce(const ReduceProblem& problem) override {
+  ffi::Error Reduce(const ReduceProblem& problem, const CounterWaits& after) override {
+    FICCO_RETURN_IF_ERROR(WaitCounters(kCompute, after));
     ReduceSumHost(problem);
     return ffi::Error::Success();
   }

@@ -81,17 +81,19 @@ class CudaBackend final : public Backend {
     return CudaDevice::WaitWord(ctx_, StreamOf(stream), word, value);
   }
 
-  ffi::Error CountCall(int stream, uint32_t* counter, uint32_t* mirror, const uint32_t* stopped) override {
+  // The waits go with the count; beyond one kernel's list, in kernels of their own after it.
+  ffi::Error CountCall(int stream, uint32_t* counter, uint32_t* mirror, const uint32_t* stopped,
+                       const std::vector<CounterWait>& then) override {
     const CallContext& ctx = ctx_;
-    FICCO_CHECK_CUDA(LaunchCountCall(counter, mirror, stopped, StreamOf(stream)));
+    const std::vector<CounterWaitList> lists = WaitLists({counter, then});
+    FICCO_CHECK_CUDA(LaunchCountCall(counter, mirror, stopped, lists.empty() ? nullptr : &lists[0], StreamOf(stream)));
+    for (size_t i = 1; i < lists.size(); ++i) FICCO_CHECK_CUDA(LaunchWaitCounters(lists[i], StreamOf(stream)));
     return ffi::Error::Success();
   }
 
-  ffi::Error WaitCounter(int stream, const uint32_t* word, const uint32_t* counter, int32_t offset,
-                         const LaunchCheck& check) override {
+  ffi::Error WaitCounters(int stream, const CounterWaits& waits) override {
     const CallContext& ctx = ctx_;
-    FICCO_CHECK_CUDA(LaunchWaitCounter(word, counter, offset, check.tag, check.launch, check.parted, check.slot,
-                                       StreamOf(stream)));
+    for (const CounterWaitList& list : WaitLists(waits)) FICCO_CHECK_CUDA(LaunchWaitCounters(list, StreamOf(stream)));
     return ffi::Error::Success();
   }
 
@@ -119,9 +121,12 @@ class CudaBackend final : public Backend {
     return ffi::Error::Success();
   }
 
-  ffi::Error Reduce(const ReduceProblem& problem) override {
+  // The last list of waits goes with the sum; any before it, in kernels of their own.
+  ffi::Error Reduce(const ReduceProblem& problem, const CounterWaits& after) override {
     const CallContext& ctx = ctx_;
-    FICCO_CHECK_CUDA(LaunchReduceSum(problem, compute_));
+    const std::vector<CounterWaitList> lists = WaitLists(after);
+    for (size_t i = 0; i + 1 < lists.size(); ++i) FICCO_CHECK_CUDA(LaunchWaitCounters(lists[i], compute_));
+    FICCO_CHECK_CUDA(LaunchReduceSum(problem, lists.empty() ? nullptr : &lists.back(), compute_));
     return ffi::Error::Success();
   }
 
@@ -144,6 +149,29 @@ class CudaBackend final : public Backend {
   EventPool& Pool() override { return device_; }
 
  private:
+  // `waits` as the kernels take them: kCounterWaitWords at most per list; none for no waits.
+  static std::vector<CounterWaitList> WaitLists(const CounterWaits& waits) {
+    std::vector<CounterWaitList> lists;
+    for (size_t i = 0; i < waits.words.size(); ++i) {
+      if (i % kCounterWaitWords == 0) {
+        lists.emplace_back();
+        lists.back().counter = waits.counter;
+      }
+      CounterWaitList& list = lists.back();
+      const CounterWait& wait = waits.words[i];
+      list.word[list.count] = wait.word;
+      list.offset[list.count] = wait.offset;
+      list.tag[list.count] = wait.check.tag;
+      list.slot[list.count] = wait.check.slot;
+      if (wait.check.tag != nullptr) {
+        list.launch = wait.check.launch;
+        list.parted = wait.check.parted;
+      }
+      ++list.count;
+    }
+    return lists;
+  }
+
   cudaStream_t StreamOf(int stream) const {
     return stream == kCompute ? compute_ : resources_->copy_streams[stream];
   }

@@ -1,4 +1,5 @@
 // CUDA launchers of the counter kernels (see counters.h).
+#include "device/counter_waits.cuh"
 #include "device/counters.h"
 
 namespace ficco {
@@ -8,67 +9,61 @@ struct Words {
   uint32_t* at[kPostCounterWords];
 };
 
-__device__ __forceinline__ uint32_t Load(const uint32_t* word) { return *reinterpret_cast<const volatile uint32_t*>(word); }
-__device__ __forceinline__ void Store(uint32_t* word, uint32_t value) { *reinterpret_cast<volatile uint32_t*>(word) = value; }
-
 // A stopped site's call (runtime/symmetric.h) must not pair with its peers' calls: it posts itself
 // started, counting nothing, and waits here for good, so that the watchdog reports the site and why
 // it stopped.
-__global__ void CountCallKernel(uint32_t* counter, uint32_t* mirror, const uint32_t* stopped) {
-  if (stopped != nullptr && Load(stopped) != 0u) {
-    if (mirror != nullptr) Store(mirror, Load(counter) + 1u);
+__global__ void CountCallKernel(uint32_t* counter, uint32_t* mirror, const uint32_t* stopped, CounterWaitList then) {
+  if (stopped != nullptr && LoadWord(stopped) != 0u) {
+    if (mirror != nullptr) StoreWord(mirror, LoadWord(counter) + 1u);
     __threadfence_system();
-    for (;;) __nanosleep(1 << 20);
+    StopHere();
   }
-  const uint32_t value = Load(counter) + 1u;
-  Store(counter, value);
+  const uint32_t value = LoadWord(counter) + 1u;
+  StoreWord(counter, value);
   if (mirror != nullptr) {
     __threadfence_system();
-    Store(mirror, value);
+    StoreWord(mirror, value);
   }
+  AwaitCounters(then);
 }
 
-// The peer that posts the word runs on another device: poll with a short sleep, which keeps the
-// one thread off the memory system between reads. A tag of another launch than this rank's stops
-// the stream for good (the watchdog reports `parted` at once): what landed is another launch's.
-__global__ void WaitCounterKernel(const uint32_t* word, const uint32_t* counter, int32_t offset, const uint32_t* tag,
-                                  const uint32_t* launch, uint32_t* parted, int slot) {
-  const uint32_t want = Load(counter) + static_cast<uint32_t>(offset);
-  while (Load(word) != want) __nanosleep(128);
-  __threadfence_system();
-  if (tag == nullptr) return;
-  const uint32_t mine = Load(launch), theirs = Load(tag);
-  if (mine == theirs) return;
-  Store(parted + 1, mine);
-  Store(parted + 2, theirs);
-  __threadfence_system();
-  Store(parted, static_cast<uint32_t>(slot) + 1u);
-  __threadfence_system();
-  for (;;) __nanosleep(1 << 20);
-}
+__global__ void WaitCountersKernel(CounterWaitList waits) { AwaitCounters(waits); }
 
 // The fence first: every write of this stream's earlier work (a copy's, a kernel's), and the tag, is
 // visible to every device before a peer can see the word and read what it guards.
 __global__ void PostCounterKernel(Words words, int count, const uint32_t* counter, uint32_t* tag,
                                   const uint32_t* launch) {
-  if (tag != nullptr) Store(tag, Load(launch));
+  if (tag != nullptr) StoreWord(tag, LoadWord(launch));
   __threadfence_system();
-  const uint32_t value = Load(counter);
-  for (int i = 0; i < count; ++i) Store(words.at[i], value);
+  const uint32_t value = LoadWord(counter);
+  for (int i = 0; i < count; ++i) StoreWord(words.at[i], value);
   __threadfence_system();
 }
 
 }  // namespace
 
-cudaError_t LaunchCountCall(uint32_t* counter, uint32_t* mirror, const uint32_t* stopped, cudaStream_t stream) {
-  CountCallKernel<<<1, 1, 0, stream>>>(counter, mirror, stopped);
+bool ValidWaitList(const CounterWaitList& list) {
+  if (list.count < 0 || list.count > kCounterWaitWords || (list.count > 0 && list.counter == nullptr)) return false;
+  for (int i = 0; i < list.count; ++i) {
+    if (list.word[i] == nullptr) return false;
+    if (list.tag[i] != nullptr && (list.launch == nullptr || list.parted == nullptr)) return false;
+  }
+  return true;
+}
+
+cudaError_t LaunchCountCall(uint32_t* counter, uint32_t* mirror, const uint32_t* stopped,
+                            const CounterWaitList* then, cudaStream_t stream) {
+  CounterWaitList none;
+  if (then == nullptr) then = &none;
+  if (!ValidWaitList(*then)) return cudaErrorInvalidValue;
+  CountCallKernel<<<1, 1, 0, stream>>>(counter, mirror, stopped, *then);
   return cudaGetLastError();
 }
 
-cudaError_t LaunchWaitCounter(const uint32_t* word, const uint32_t* counter, int32_t offset, const uint32_t* tag,
-                              const uint32_t* launch, uint32_t* parted, int slot, cudaStream_t stream) {
-  if (tag != nullptr && (launch == nullptr || parted == nullptr)) return cudaErrorInvalidValue;
-  WaitCounterKernel<<<1, 1, 0, stream>>>(word, counter, offset, tag, launch, parted, slot);
+cudaError_t LaunchWaitCounters(const CounterWaitList& waits, cudaStream_t stream) {
+  if (!ValidWaitList(waits)) return cudaErrorInvalidValue;
+  if (waits.count == 0) return cudaSuccess;
+  WaitCountersKernel<<<1, 1, 0, stream>>>(waits);
   return cudaGetLastError();
 }
 

@@ -11,6 +11,8 @@
 
 #ifdef FICCO_WITH_CUDA
 #include <cuda_runtime_api.h>
+
+#include "device/counters.h"
 #endif
 
 namespace ficco {
@@ -28,7 +30,9 @@ struct ReduceProblem {
 void ReduceSumHost(const ReduceProblem& problem);
 
 #ifdef FICCO_WITH_CUDA
-cudaError_t LaunchReduceSum(const ReduceProblem& problem, cudaStream_t stream);
+// Where `waits` is given (at most kCounterWaitWords), every block of the sum first waits for them
+// (device/counters.h): the waits of a symmetric call for its partials, with no kernel of their own.
+cudaError_t LaunchReduceSum(const ReduceProblem& problem, const CounterWaitList* waits, cudaStream_t stream);
 #endif
 
 }  // namespace ficco

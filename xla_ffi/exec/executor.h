@@ -148,10 +148,9 @@ ffi::Error CopyOutSymmetric(Backend& backend, const OpConfig& config, const Symm
                             const std::function<int64_t(int slot)>& dst_block, std::vector<Event>* copied);
 // transfer=symmetric, a call that failed after its epoch was counted: its site stops in this process
 // (the ranks' counts may have parted: SymmetricSite::Fail), XLA's stream waits for every copy the call
-// enqueued (AwaitLanded, the copy-out stream too), and the call is posted finished, so that the
+// enqueued (its copy streams' last work, the copy-out stream's too), and the call is posted finished, so that the
 // watchdog does not take the failed call for a stuck one. Returns `error`.
-ffi::Error FailSymmetric(Backend& backend, const OpConfig& config, const SymmetricCall& symmetric,
-                         const Landed& pushed, ffi::Error error);
+ffi::Error FailSymmetric(Backend& backend, const OpConfig& config, const SymmetricCall& symmetric, ffi::Error error);
 // transfer=symmetric: XLA's stream waits for the copy-outs (`copied`), on every path, since they write
 // XLA's buffers; the slots are then released at the join (SymmetricCall::End). Returns the first error.
 ffi::Error AwaitCopyOuts(Backend& backend, const std::vector<Event>& copied, ffi::Error status);

@@ -74,14 +74,13 @@ ffi::Error CopyOutSymmetric(Backend& backend, const OpConfig& config, const Symm
   return ffi::Error::Success();
 }
 
-ffi::Error FailSymmetric(Backend& backend, const OpConfig& config, const SymmetricCall& symmetric,
-                         const Landed& pushed, ffi::Error error) {
+ffi::Error FailSymmetric(Backend& backend, const OpConfig& config, const SymmetricCall& symmetric, ffi::Error error) {
   symmetric.Fail(error.message());
   if (config.n() > 1) {  // the copy-out stream: a copy may have been enqueued before its event failed
     Event last = nullptr;
     if (backend.Record(Backend::kStaging, &last).success()) (void)backend.Wait(Backend::kCompute, last);
   }
-  error = AwaitLanded(backend, config, pushed, std::move(error));
+  error = AwaitLanded(backend, config, /*landed=*/{}, std::move(error));
   (void)symmetric.End(backend);  // the call ends, failed: the watchdog has no call of it to watch
   return error;
 }
@@ -113,7 +112,7 @@ class Gather {
   int64_t SourceBlock(int to) const { return a_.x_per_peer ? to : 0; }
   ffi::Error Pull(CallSession& session, const Exposure& exposure, Event entry, Landed* landed);
   ffi::Error Push(CallSession& session, Event ready, Landed* landed);
-  ffi::Error SendSymmetric(const SymmetricCall& symmetric, Event ready, Landed* pushed);
+  ffi::Error SendSymmetric(const SymmetricCall& symmetric, Event ready);
   ffi::Error CopyOwnBlock(Event ready);
   // The matmuls of the landed blocks: read from `received`, or, on a symmetric site, where they landed.
   ffi::Error Consume(const Landed& landed, const SymmetricCall* symmetric = nullptr);
@@ -159,13 +158,12 @@ ffi::Error Gather::RunSymmetric(CallSession& session) {
   const SymmetricCall symmetric(config_, std::move(site), Marks() == LandedEvents::kPerChunk);
   FICCO_RETURN_IF_ERROR(symmetric.Begin(backend_));
   // From here on a failure goes through FailSymmetric: the call was counted.
-  Landed pushed(config_.n() - 1, std::vector<Ready>(config_.chunks));
   std::vector<Event> copied;
   // x is valid, and this call's epoch counted, from `ready`: the copy streams start there.
   Event ready = nullptr;
   ffi::Error moved = backend_.Record(Backend::kCompute, &ready);
   if (moved.success()) moved = EnterCopyStreams(backend_, config_, ready);
-  if (moved.success()) moved = SendSymmetric(symmetric, ready, &pushed);
+  if (moved.success()) moved = SendSymmetric(symmetric, ready);
   if (moved.success() && matmul_) {
     moved = mm_.Run(backend_, a_.x, SourceBlock(config_.rank), a_.out, config_.rank, 0, a_.layout.rows);
   }
@@ -177,19 +175,19 @@ ffi::Error Gather::RunSymmetric(CallSession& session) {
   }
   if (moved.success() && matmul_) moved = Consume(landed, &symmetric);
   moved = AwaitCopyOuts(backend_, copied, std::move(moved));
-  if (moved.failure()) return FailSymmetric(backend_, config_, symmetric, pushed, std::move(moved));
+  if (moved.failure()) return FailSymmetric(backend_, config_, symmetric, std::move(moved));
   return JoinAndRelease(backend_, config_, session, &symmetric);
 }
 
 // Sender: our block for the peer t = r+1+s into t's slot s of the site, chunk by chunk.
-ffi::Error Gather::SendSymmetric(const SymmetricCall& symmetric, Event ready, Landed* pushed) {
+ffi::Error Gather::SendSymmetric(const SymmetricCall& symmetric, Event ready) {
   return PushSymmetric(backend_, config_, symmetric, ready, [&](int, int64_t) { return Ready(ready); },
                        ReadyMarks::kPerSlot,
                        [&](int stream, int target, const Post&, int slot, int64_t j, int64_t count) {
                          return CopyBlockChunks(backend_, config_, a_.layout, stream, a_.x, SourceBlock(target),
                                                 symmetric.Destination(slot), 0, j, count);
                        },
-                       Marks(), pushed);
+                       Marks());
 }
 
 // Our own block of `received` goes last on the last copy stream: the copy is only needed by the

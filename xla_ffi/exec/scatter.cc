@@ -23,7 +23,7 @@ class Scatter {
   // transfer=symmetric (runtime/symmetric.h): pushes into the peers' slots of the site, no meeting.
   ffi::Error RunSymmetric(CallSession& session);
   ffi::Error SendSymmetric(const SymmetricCall& symmetric, const void* send, Event entry,
-                           const std::vector<Event>& exposed, Landed* pushed);
+                           const std::vector<Event>& exposed);
   // Where the peer of slot `slot` (rank `peer`) sends its block for us: a reduce's receive slot,
   // else our output's block of that rank.
   void* Landing() const { return reduce_ ? a_.recv : a_.out; }
@@ -41,6 +41,10 @@ class Scatter {
   ffi::Error ReduceChunks(const Landed& landed, const void* recv);
   ffi::Error SumInMatmuls(const Landed& landed, const void* recv);
   ffi::Error AwaitChunks(const Landed& landed, int first_slot, int end_slot, int64_t first, int64_t end);
+  // The sum `problem` on XLA's stream once chunks [first, end) of receive slots [first_slot, end_slot)
+  // have landed.
+  ffi::Error SumAfter(const Landed& landed, int first_slot, int end_slot, int64_t first, int64_t end,
+                      const ReduceProblem& problem);
   // Enqueues chunks [j, j + count) of block `src_block` of `src` into block `dst_block` of `dst`: row
   // chunks (CopyBlockChunks), or column chunks, each row's piece of them in one 2D copy.
   ffi::Error CopyChunks(int stream, const void* src, int64_t src_block, void* dst, int64_t dst_block, int64_t j,
@@ -119,7 +123,6 @@ ffi::Error Scatter::RunSymmetric(CallSession& session) {
   const SymmetricCall symmetric(config_, std::move(site), Marks() == LandedEvents::kPerChunk);
   FICCO_RETURN_IF_ERROR(symmetric.Begin(backend_));
   // From here on a failure goes through FailSymmetric: the call was counted.
-  Landed pushed(config_.n() - 1, std::vector<Ready>(config_.chunks));
   std::vector<Event> copied, exposed;
   // y is valid, and this call's epoch counted, from `entry`: the copy streams start there.
   Event entry = nullptr;
@@ -132,7 +135,7 @@ ffi::Error Scatter::RunSymmetric(CallSession& session) {
       exposed.assign((config_.n() - 1) * config_.chunks, entry);
     }
   }
-  if (moved.success()) moved = SendSymmetric(symmetric, a_.send, entry, exposed, &pushed);
+  if (moved.success()) moved = SendSymmetric(symmetric, a_.send, entry, exposed);
   const Landed landed = SymmetricLanded(config_, symmetric);
   if (moved.success() && reduce_) {
     moved = SumReceived(landed, symmetric.Landing(0));
@@ -141,21 +144,21 @@ ffi::Error Scatter::RunSymmetric(CallSession& session) {
                              [&](int slot) { return config_.SourceOfSlot(slot); }, &copied);
   }
   moved = AwaitCopyOuts(backend_, copied, std::move(moved));
-  if (moved.failure()) return FailSymmetric(backend_, config_, symmetric, pushed, std::move(moved));
+  if (moved.failure()) return FailSymmetric(backend_, config_, symmetric, std::move(moved));
   return JoinAndRelease(backend_, config_, session, &symmetric);
 }
 
 // Sender: to the peer t = r+1+s its block — our send slot s, or block t of y — into t's slot s of
 // the site, chunk by chunk once each is written.
 ffi::Error Scatter::SendSymmetric(const SymmetricCall& symmetric, const void* send, Event entry,
-                                  const std::vector<Event>& exposed, Landed* pushed) {
+                                  const std::vector<Event>& exposed) {
   return PushSymmetric(backend_, config_, symmetric, entry,
                        [&](int slot, int64_t j) { return Ready(exposed[slot * config_.chunks + j]); }, Readiness(),
                        [&](int stream, int target, const Post&, int slot, int64_t j, int64_t count) {
                          return CopyChunks(stream, matmul_ ? send : a_.y, matmul_ ? slot : target,
                                            symmetric.Destination(slot), 0, j, count);
                        },
-                       Marks(), pushed);
+                       Marks());
 }
 
 // Compute stream, before the exchange: the block for each peer (in the order that peer pulls
@@ -252,6 +255,29 @@ ffi::Error Scatter::AwaitChunks(const Landed& landed, int first_slot, int end_sl
   return ffi::Error::Success();
 }
 
+// A symmetric call's waits for its words go into the sum's own kernel (Backend::Reduce): the sum of a
+// reduce-scatter takes no kernel for its waits, one per slot and chunk before. Events are waited for
+// before it (AwaitChunks).
+ffi::Error Scatter::SumAfter(const Landed& landed, int first_slot, int end_slot, int64_t first, int64_t end,
+                             const ReduceProblem& problem) {
+  std::vector<PeerWait> words;
+  const uint32_t* epoch = nullptr;
+  for (int slot = first_slot; slot < end_slot; ++slot) {
+    for (int64_t j = first; j < end; ++j) {
+      const Ready& ready = landed[slot][j];
+      if (ready.epoch == nullptr) continue;
+      if (!words.empty() && words.back().wait.word == ready.word) continue;  // a slot's chunks may share one
+      epoch = ready.epoch;
+      words.push_back({{ready.word, 0, ready.check}, config_.SourceOfSlot(slot), "landed"});
+    }
+  }
+  if (words.empty()) {
+    FICCO_RETURN_IF_ERROR(AwaitChunks(landed, first_slot, end_slot, first, end));
+    return backend_.Reduce(problem, {});
+  }
+  return PeerWaitsError(config_, epoch, words, backend_.Reduce(problem, CountersOf(epoch, words)));
+}
+
 // Compute stream after the transfers: out[chunk] = own[chunk] + sum over slots of recv[slot][chunk].
 // matmul_rs with gemm=grouped reduces the whole block once after every chunk has landed.
 ffi::Error Scatter::ReduceChunks(const Landed& landed, const void* recv) {
@@ -262,11 +288,10 @@ ffi::Error Scatter::ReduceChunks(const Landed& landed, const void* recv) {
   const int64_t piece_elems = block_elems / pieces;
   const int64_t chunks_per_piece = config_.chunks / pieces;
   for (int64_t piece = 0; piece < pieces; ++piece) {
-    FICCO_RETURN_IF_ERROR(AwaitChunks(landed, 0, config_.n() - 1, piece * chunks_per_piece,
-                                      (piece + 1) * chunks_per_piece));
     const int64_t offset = piece * piece_elems * esize;
-    FICCO_RETURN_IF_ERROR(backend_.Reduce({Offset(a_.out, offset), Offset(own, offset), Offset(recv, offset),
-                                           block_elems, config_.n() - 1, piece_elems, a_.types.c}));
+    FICCO_RETURN_IF_ERROR(SumAfter(landed, 0, config_.n() - 1, piece * chunks_per_piece, (piece + 1) * chunks_per_piece,
+                                   {Offset(a_.out, offset), Offset(own, offset), Offset(recv, offset), block_elems,
+                                    config_.n() - 1, piece_elems, a_.types.c}));
   }
   return ffi::Error::Success();
 }
@@ -293,16 +318,16 @@ ffi::Error Scatter::SumInMatmuls(const Landed& landed, const void* recv) {
                                     : mm_.Run(backend_, a_.y, config_.rank, a_.out, 0, first * q, (end - first) * q,
                                               recv, 0));
     if (config_.n() == 2 || Columns()) continue;
-    FICCO_RETURN_IF_ERROR(AwaitChunks(landed, 1, config_.n() - 1, first, end));
     const int64_t offset = first * q * a_.cols * esize;
-    FICCO_RETURN_IF_ERROR(backend_.Reduce({Offset(a_.out, offset), Offset(a_.out, offset),
-                                           Offset(recv, block_elems * esize + offset), block_elems,
-                                           config_.n() - 2, (end - first) * q * a_.cols, a_.types.c}));
+    FICCO_RETURN_IF_ERROR(SumAfter(landed, 1, config_.n() - 1, first, end,
+                                   {Offset(a_.out, offset), Offset(a_.out, offset),
+                                    Offset(recv, block_elems * esize + offset), block_elems, config_.n() - 2,
+                                    (end - first) * q * a_.cols, a_.types.c}));
   }
   if (config_.n() == 2 || !Columns()) return ffi::Error::Success();
-  FICCO_RETURN_IF_ERROR(AwaitChunks(landed, 1, config_.n() - 1, 0, config_.chunks));
-  return backend_.Reduce({a_.out, a_.out, Offset(recv, block_elems * esize), block_elems, config_.n() - 2,
-                          block_elems, a_.types.c});
+  return SumAfter(landed, 1, config_.n() - 1, 0, config_.chunks,
+                  {a_.out, a_.out, Offset(recv, block_elems * esize), block_elems, config_.n() - 2, block_elems,
+                   a_.types.c});
 }
 
 }  // namespace

@@ -42,23 +42,8 @@ ffi::Error WaitPeerWord(Backend& backend, const OpConfig& config, int stream, co
 // launch's data, returns an error naming the peer, the word and the call.
 ffi::Error WaitPeerCounter(Backend& backend, const OpConfig& config, int stream, const uint32_t* word,
                            const uint32_t* epoch, const LaunchCheck& check, int peer, const char* what) {
-  ffi::Error status = backend.WaitCounter(stream, word, epoch, 0, check);
-  if (status.success()) return status;
-  if (status.message() == kLaunchParted) {
-    return MakeError(config.ctx, "rank " + std::to_string(config.rank) + "'s call " +
-                                     std::to_string(ReadWord(epoch)) + " of this copy-engine site runs in launch " +
-                                     std::to_string(ReadWord(check.launch)) + ", but rank " + std::to_string(peer) +
-                                     " (device " + std::to_string(config.group[peer]) +
-                                     ") sent its data of that call in launch " + std::to_string(ReadWord(check.tag)) +
-                                     LaunchPartedAdvice());
-  }
-  if (status.message() != kWordTimedOut) return status;
-  return MissingPeerError(config, peer, std::string("did not post its '") + what + "' counter of call " +
-                                            std::to_string(ReadWord(epoch)) + " of this symmetric site (it holds " +
-                                            std::to_string(ReadWord(word)) + ") within " +
-                                            ShortNumber(config.timeout_s) + " s",
-                          "; a peer failed, or runs another copy-engine call: the devices of a group must run "
-                          "the same calls in the same order");
+  const std::vector<PeerWait> waits{{{word, 0, check}, peer, what}};
+  return PeerWaitsError(config, epoch, waits, backend.WaitCounters(stream, CountersOf(epoch, waits)));
 }
 
 // Waits on the host until peer `peer`'s host has enqueued what `counter` counts up to call `call`
@@ -493,17 +478,13 @@ ffi::Error CopyChunks(Backend& backend, const OpConfig& config, bool push, const
     const int peer = push ? config.TargetOfSlot(slot) : config.SourceOfSlot(slot);
     const int stream = config.StreamOfSlot(slot);
     // A symmetric call writes the target's slot of its site, which XLA never uses: instead of the
-    // target's entry it waits until the target has read the previous call's block from it.
-    FICCO_RETURN_IF_ERROR(
-        WaitOnce(backend, stream, push && symmetric == nullptr ? peers[peer].events[0] : own_entry, &entered[stream]));
-    if (symmetric != nullptr) {
-      ffi::Error free = symmetric->WaitSlotFree(backend, stream, slot);
-      if (free.failure() && free.message() == kWordTimedOut) {
-        free = MissingPeerError(config, peer, "did not release its slot of this symmetric site within " +
-                                                  ShortNumber(config.timeout_s) + " s (it has not finished its "
-                                                  "previous call)");
-      }
-      FICCO_RETURN_IF_ERROR(std::move(free));
+    // target's entry it waits until the target has read the previous call's block from it, which its
+    // start on XLA's stream did (SymmetricCall::Begin), and each copy stream entered the call there
+    // (EnterCopyStreams).
+    if (symmetric == nullptr) {
+      FICCO_RETURN_IF_ERROR(WaitOnce(backend, stream, push ? peers[peer].events[0] : own_entry, &entered[stream]));
+    } else if (waited[stream].event == nullptr) {
+      waited[stream] = Ready(own_entry);
     }
     std::vector<Ready>& marked = (*recorded)[slot];
     for (int64_t j = 0; j < config.chunks; j += span) {
@@ -521,8 +502,13 @@ ffi::Error CopyChunks(Backend& backend, const OpConfig& config, bool push, const
       const int64_t first = marks == LandedEvents::kPerSlot ? 0 : j;
       if (status.success() && symmetric != nullptr) status = symmetric->PostLanded(backend, stream, slot, first, end);
       // A failed chunk is marked too: whatever of the slot was enqueued before the failure must
-      // still be waited for by the device it writes (AwaitLanded).
+      // still be waited for by the device it writes (AwaitLanded). A symmetric call's copies are
+      // marked by its words alone: its join, or its failure, waits for its copy streams' last work.
       if (status.success() && marks == LandedEvents::kPerSlot && end < config.chunks) continue;
+      if (symmetric != nullptr) {
+        FICCO_RETURN_IF_ERROR(status);
+        continue;
+      }
       Event event = nullptr;
       ffi::Error recorded_status = backend.Record(stream, &event);
       std::fill(marked.begin() + first, marked.begin() + end, Ready(event));
@@ -556,10 +542,11 @@ ffi::Error PushChunks(Backend& backend, const OpConfig& config, const std::vecto
 
 ffi::Error PushSymmetric(Backend& backend, const OpConfig& config, const SymmetricCall& symmetric, Event entry,
                          const ChunkReady& source_ready, ReadyMarks readiness, const ChunkCopy& copy_chunks,
-                         LandedEvents marks, Landed* pushed) {
+                         LandedEvents marks) {
   const std::vector<Post> none(config.n());  // the destinations are the site's slots (copy_chunks knows them)
+  Landed unmarked(config.n() - 1, std::vector<Ready>(config.chunks));  // (the site's words mark them)
   return CopyChunks(backend, config, /*push=*/true, none, entry, source_ready, readiness, copy_chunks, marks,
-                    &symmetric, pushed);
+                    &symmetric, &unmarked);
 }
 
 ffi::Error EnterCopyStreams(Backend& backend, const OpConfig& config, Event entry) {
@@ -571,7 +558,8 @@ Landed SymmetricLanded(const OpConfig& config, const SymmetricCall& symmetric) {
   Landed landed(config.n() - 1, std::vector<Ready>(config.chunks));
   for (int slot = 0; slot < config.n() - 1; ++slot) {
     for (int64_t j = 0; j < config.chunks; ++j) {
-      landed[slot][j] = Ready(symmetric.LandedWord(slot, j), symmetric.Epoch(), symmetric.Received(slot));
+      const PeerWait wait = symmetric.LandedWait(slot, j);
+      landed[slot][j] = Ready(wait.wait.word, symmetric.Epoch(), wait.wait.check);
     }
   }
   return landed;

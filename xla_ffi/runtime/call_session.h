@@ -193,12 +193,13 @@ using ChunkCopy =
 ffi::Error PushChunks(Backend& backend, const OpConfig& config, const std::vector<Post>& targets,
                       const ChunkReady& source_ready, ReadyMarks readiness, const ChunkCopy& copy_chunks,
                       LandedEvents marks, Landed* pushed);
-// The same loop for transfer=symmetric (runtime/symmetric.h): no posts; each slot's stream waits for
-// `entry` (this call's epoch is counted, the data it sends is valid), then until the target has
-// read the previous call's block from its slot, and posts `landed` to the target after each mark.
+// The same loop for transfer=symmetric (runtime/symmetric.h): no posts, and no events: each copy
+// stream has waited for `entry` (EnterCopyStreams: this call's epoch is counted, every target has
+// read the previous call's block from its slot, the data it sends is valid), and posts `landed` to the
+// target after each mark; a failure is joined by the copy streams' last work (AwaitLanded).
 ffi::Error PushSymmetric(Backend& backend, const OpConfig& config, const SymmetricCall& symmetric, Event entry,
                          const ChunkReady& source_ready, ReadyMarks readiness, const ChunkCopy& copy_chunks,
-                         LandedEvents marks, Landed* pushed);
+                         LandedEvents marks);
 // A symmetric call's first wait on each of its copy streams: for `entry`, recorded on XLA's stream.
 // While XLA captures the call, a stream joins the capture only by waiting for captured work, and XLA's
 // stream may wait for an event of a stream that has joined it, never of one that has not (CUDA refuses

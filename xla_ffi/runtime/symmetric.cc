@@ -2,6 +2,8 @@
 
 #include <utility>
 
+#include "base/text.h"
+
 namespace ficco {
 
 SymmetricSite::SymmetricSite(int n, int64_t chunks, int64_t slot_bytes, std::vector<char*> bases)
@@ -59,6 +61,44 @@ void SymmetricSites::FailCrossProcess(const std::string& why) {
   }
 }
 
+CounterWaits CountersOf(const uint32_t* epoch, const std::vector<PeerWait>& waits) {
+  CounterWaits counters{epoch, {}};
+  for (const PeerWait& wait : waits) counters.words.push_back(wait.wait);
+  return counters;
+}
+
+// The message names the rank as a meeting's timeout names the late ones ("missing ranks [p]").
+ffi::Error PeerWaitsError(const OpConfig& config, const uint32_t* epoch, const std::vector<PeerWait>& waits,
+                          ffi::Error status) {
+  if (status.success()) return status;
+  const bool parted = status.message() == kLaunchParted;
+  if (!parted && status.message() != kWordTimedOut) return status;
+  for (const PeerWait& wait : waits) {
+    const int peer = wait.peer;
+    const std::string device = " (device " + std::to_string(config.group[peer]) + ")";
+    const uint32_t call = ReadWord(epoch) + static_cast<uint32_t>(wait.wait.offset);
+    const LaunchCheck& check = wait.wait.check;
+    if (parted && check.tag != nullptr && ReadWord(check.tag) != ReadWord(check.launch)) {
+      return MakeError(config.ctx, "rank " + std::to_string(config.rank) + "'s call " +
+                                       std::to_string(ReadWord(epoch)) + " of this copy-engine site runs in launch " +
+                                       std::to_string(ReadWord(check.launch)) + ", but rank " + std::to_string(peer) +
+                                       device + " sent its data of that call in launch " +
+                                       std::to_string(ReadWord(check.tag)) + LaunchPartedAdvice());
+    }
+    if (!parted && ReadWord(wait.wait.word) != call) {
+      return MakeError(config.ctx, "group [" + JoinNumbers(config.group) + "], rank " + std::to_string(config.rank) +
+                                       ": rank " + std::to_string(peer) + device + " did not post its '" + wait.what +
+                                       "' counter of call " + std::to_string(call) +
+                                       " of this symmetric site (it holds " + std::to_string(ReadWord(wait.wait.word)) +
+                                       ") within " + ShortNumber(config.timeout_s) + " s: missing ranks [" +
+                                       std::to_string(peer) +
+                                       "]; a peer failed, or runs another copy-engine call: the devices of a group "
+                                       "must run the same calls in the same order");
+    }
+  }
+  return status;  // (no wait is unmet now: the word came just after the wait gave up)
+}
+
 std::string LaunchPartedAdvice() {
   return ": a launch ended early on some device of the group (an op failed there, or a launch failed and the program "
          "ran on), so the group's calls no longer pair up; restart the process";
@@ -95,15 +135,17 @@ SymmetricCall::SymmetricCall(const OpConfig& config, std::shared_ptr<SymmetricSi
     : config_(config), site_(std::move(site)), watch_(site_->WatchOf(config_.rank)), per_chunk_(per_chunk) {}
 
 ffi::Error SymmetricCall::Begin(Backend& backend) const {
-  ffi::Error counted = backend.CountCall(Backend::kCompute, site_->Epoch(config_.rank), watch_.started, watch_.stopped);
+  std::vector<PeerWait> frees;
+  for (int slot = 0; slot < config_.n() - 1; ++slot) {
+    frees.push_back({{site_->Free(config_.rank, slot), -1, {}}, config_.TargetOfSlot(slot), "free"});
+  }
+  ffi::Error counted =
+      backend.CountCall(Backend::kCompute, site_->Epoch(config_.rank), watch_.started, watch_.stopped,
+                        CountersOf(Epoch(), frees).words);
   if (counted.failure() && counted.message() == kCallStopped) {
     return MakeError(config_.ctx, "this copy-engine site stopped (" + site_->Failed() + "): restart the process");
   }
-  return counted;
-}
-
-ffi::Error SymmetricCall::WaitSlotFree(Backend& backend, int stream, int slot) const {
-  return backend.WaitCounter(stream, site_->Free(config_.rank, slot), Epoch(), -1, LaunchCheck{});
+  return PeerWaitsError(config_, Epoch(), frees, std::move(counted));
 }
 
 ffi::Error SymmetricCall::PostLanded(Backend& backend, int stream, int slot, int64_t first, int64_t end) const {

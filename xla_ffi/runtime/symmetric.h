@@ -172,6 +172,21 @@ class SymmetricSites {
 // What follows a report of two launches' calls meeting ("Launches" above): why, and what to do.
 std::string LaunchPartedAdvice();
 
+// One wait of a symmetric call for a word that rank `peer` posts (its `what` counter: "landed",
+// "free"), as error messages name it.
+struct PeerWait {
+  CounterWait wait;
+  int peer = 0;
+  const char* what = "";
+};
+// The waits of one kernel (Backend::WaitCounters), their counter `epoch`.
+CounterWaits CountersOf(const uint32_t* epoch, const std::vector<PeerWait>& waits);
+// `status`, of waits on `epoch` that failed: on a CPU backend (kWordTimedOut, kLaunchParted) the error
+// that names the first wait found unmet on the host (the words are host memory there) and whose word
+// it was; any other error as it is.
+ffi::Error PeerWaitsError(const OpConfig& config, const uint32_t* epoch, const std::vector<PeerWait>& waits,
+                          ffi::Error status);
+
 // One call of rank `config.rank` on its site: the waits and posts of the table above, for the
 // executor's pipelines (exec/). `marks` is how finely the landed data is marked (per chunk, or once
 // per slot after its last chunk: call_session.h, LandedEvents), the same on every rank.
@@ -182,23 +197,21 @@ class SymmetricCall {
   const SymmetricSite& site() const { return *site_; }
   // The call failed after Begin: its site stops in this process (SymmetricSite::Fail).
   void Fail(const std::string& why) const { site_->Fail(config_.rank, why); }
-  // Compute stream, first: this call's epoch, posted as started.
+  // Compute stream, first: this call's epoch, posted as started; then, in the same kernel, until
+  // the target of every send slot has read the previous call's block from it (its `free` word), so
+  // that the sends need no wait of their own: what follows `Begin` on XLA's stream may write them.
   ffi::Error Begin(Backend& backend) const;
-  // Sender, on `stream` before its first copy of send slot `slot`: until the target has read the
-  // previous call's block from it.
-  ffi::Error WaitSlotFree(Backend& backend, int stream, int slot) const;
   // Where send slot `slot`'s block goes: the target's slot of the same index.
   char* Destination(int slot) const { return site_->Slot(config_.TargetOfSlot(slot), slot); }
   // Sender, on `stream` after the copies of chunks [first, end) of send slot `slot`: they landed,
   // tagged with this rank's launch.
   ffi::Error PostLanded(Backend& backend, int stream, int slot, int64_t first, int64_t end) const;
-  // Receiver: the wait for chunk `chunk` of receive slot `slot` (a Ready of call_session.h: word,
-  // counter, offset 0), and the check of the launch it came from.
-  const uint32_t* LandedWord(int slot, int64_t chunk) const {
-    return site_->Landed(config_.rank, slot, per_chunk_ ? chunk : site_->chunks() - 1);
-  }
-  LaunchCheck Received(int slot) const {
-    return {site_->Tag(config_.rank, slot), watch_.launch, watch_.parted, slot};
+  // Receiver: the wait for chunk `chunk` of receive slot `slot` (its word equal to the epoch), and
+  // the check of the launch it came from.
+  PeerWait LandedWait(int slot, int64_t chunk) const {
+    const uint32_t* word = site_->Landed(config_.rank, slot, per_chunk_ ? chunk : site_->chunks() - 1);
+    return {{word, 0, {site_->Tag(config_.rank, slot), watch_.launch, watch_.parted, slot}},
+            config_.SourceOfSlot(slot), "landed"};
   }
   const uint32_t* Epoch() const { return site_->Epoch(config_.rank); }
   // Where receive slot `slot` landed, in this device's memory.

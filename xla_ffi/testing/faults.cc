@@ -94,15 +94,15 @@ class FaultyBackend final : public Backend {
     return inner_->WaitWord(stream, word, value);
   }
   // stall: its device never reaches the call, so it never counts it either.
-  ffi::Error CountCall(int stream, uint32_t* counter, uint32_t* mirror, const uint32_t* stopped) override {
+  ffi::Error CountCall(int stream, uint32_t* counter, uint32_t* mirror, const uint32_t* stopped,
+                       const std::vector<CounterWait>& then) override {
     if (fault_.mode == InjectedFault::Mode::kStall) return ffi::Error::Success();
     FICCO_RETURN_IF_ERROR(FailAtTransfer(stream));
-    return inner_->CountCall(stream, counter, mirror, stopped);
+    return inner_->CountCall(stream, counter, mirror, stopped, then);
   }
-  ffi::Error WaitCounter(int stream, const uint32_t* word, const uint32_t* counter, int32_t offset,
-                         const LaunchCheck& check) override {
+  ffi::Error WaitCounters(int stream, const CounterWaits& waits) override {
     FICCO_RETURN_IF_ERROR(FailAtTransfer(stream));
-    return inner_->WaitCounter(stream, word, counter, offset, check);
+    return inner_->WaitCounters(stream, waits);
   }
   // stall: as SetWord, the counters it posts for its peers are never posted. stale: its data goes
   // out tagged with the launch after its own (the word is host memory there: Prepare checks).
@@ -124,7 +124,9 @@ class FaultyBackend final : public Backend {
   ffi::Error RecordMark(Event* event) override { return inner_->RecordMark(event); }
   ffi::Error RecordNever(Event* event) override { return inner_->RecordNever(event); }
   ffi::Error Gemm(const GemmProblem& problem) override { return inner_->Gemm(problem); }
-  ffi::Error Reduce(const ReduceProblem& problem) override { return inner_->Reduce(problem); }
+  ffi::Error Reduce(const ReduceProblem& problem, const CounterWaits& after) override {
+    return inner_->Reduce(problem, after);
+  }
   void ReleaseEvents() override { inner_->ReleaseEvents(); }
   std::vector<Event> TakeReusable() override { return inner_->TakeReusable(); }
   EventPool& Pool() override { return inner_->Pool(); }
