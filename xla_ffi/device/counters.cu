@@ -12,7 +12,8 @@ struct Words {
 // A stopped site's call (runtime/symmetric.h) must not pair with its peers' calls: it posts itself
 // started, counting nothing, and waits here for good, so that the watchdog reports the site and why
 // it stopped.
-__global__ void CountCallKernel(uint32_t* counter, uint32_t* mirror, const uint32_t* stopped, CounterWaitList then) {
+template <typename Waits>
+__global__ void CountCallKernel(uint32_t* counter, uint32_t* mirror, const uint32_t* stopped, Waits then) {
   if (stopped != nullptr && LoadWord(stopped) != 0u) {
     if (mirror != nullptr) StoreWord(mirror, LoadWord(counter) + 1u);
     __threadfence_system();
@@ -53,10 +54,13 @@ bool ValidWaitList(const CounterWaitList& list) {
 
 cudaError_t LaunchCountCall(uint32_t* counter, uint32_t* mirror, const uint32_t* stopped,
                             const CounterWaitList* then, cudaStream_t stream) {
-  CounterWaitList none;
-  if (then == nullptr) then = &none;
-  if (!ValidWaitList(*then)) return cudaErrorInvalidValue;
-  CountCallKernel<<<1, 1, 0, stream>>>(counter, mirror, stopped, *then);
+  if (then == nullptr || then->count == 0) {
+    CountCallKernel<<<1, 1, 0, stream>>>(counter, mirror, stopped, NoWaits{});
+  } else if (ValidWaitList(*then)) {
+    CountCallKernel<<<1, 1, 0, stream>>>(counter, mirror, stopped, *then);
+  } else {
+    return cudaErrorInvalidValue;
+  }
   return cudaGetLastError();
 }
 

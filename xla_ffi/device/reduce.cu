@@ -33,16 +33,16 @@ __device__ __forceinline__ void SumElements(T* out, const T* own, const T* recv,
 
 // Every block first waits for the partials to land (a symmetric call's words, device/counters.h):
 // one thread polls, the block's barrier holds the others until then.
+__device__ __forceinline__ void AwaitPartials(NoWaits) {}
 __device__ __forceinline__ void AwaitPartials(const CounterWaitList& waits) {
-  if (waits.count == 0) return;
   if (threadIdx.x == 0) AwaitCounters(waits);
   __syncthreads();
 }
 
 // One element per thread and step: any alignment and stride.
-template <typename T>
+template <typename T, typename Waits>
 __global__ void ReduceSumKernel(T* out, const T* own, const T* recv, int64_t slot_stride,
-                                int64_t num_slots, int64_t count, CounterWaitList waits) {
+                                int64_t num_slots, int64_t count, Waits waits) {
   AwaitPartials(waits);
   SumElements(out, own, recv, slot_stride, num_slots, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x,
               count, static_cast<int64_t>(gridDim.x) * blockDim.x);
@@ -58,9 +58,9 @@ struct alignas(16) Pack {
   T v[kLanes];
 };
 
-template <typename T>
+template <typename T, typename Waits>
 __global__ void ReduceSumVectorKernel(T* out, const T* own, const T* recv, int64_t slot_stride,
-                                      int64_t num_slots, int64_t count, CounterWaitList waits) {
+                                      int64_t num_slots, int64_t count, Waits waits) {
   AwaitPartials(waits);
   constexpr int V = Pack<T>::kLanes;
   const int64_t packs = count / V;
@@ -88,9 +88,13 @@ __global__ void ReduceSumVectorKernel(T* out, const T* own, const T* recv, int64
 
 bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
-template <typename T>
-cudaError_t Launch(const ReduceProblem& p, const CounterWaitList& waits, cudaStream_t stream) {
-  if (p.count == 0) return LaunchWaitCounters(waits, stream);
+// An empty sum still makes its waits.
+cudaError_t WaitOnly(NoWaits, cudaStream_t) { return cudaSuccess; }
+cudaError_t WaitOnly(const CounterWaitList& waits, cudaStream_t stream) { return LaunchWaitCounters(waits, stream); }
+
+template <typename T, typename Waits>
+cudaError_t Launch(const ReduceProblem& p, const Waits& waits, cudaStream_t stream) {
+  if (p.count == 0) return WaitOnly(waits, stream);
   constexpr int kThreads = 256;
   constexpr int V = Pack<T>::kLanes;
   const bool vector = Aligned16(p.out) && Aligned16(p.own) && Aligned16(p.recv) &&
@@ -100,31 +104,35 @@ cudaError_t Launch(const ReduceProblem& p, const CounterWaitList& waits, cudaStr
   const int64_t wanted = (p.count / per_thread + kThreads) / kThreads;
   const int blocks = static_cast<int>(wanted < 1056 ? (wanted < 1 ? 1 : wanted) : 1056);
   if (vector) {
-    ReduceSumVectorKernel<T><<<blocks, kThreads, 0, stream>>>(
+    ReduceSumVectorKernel<T, Waits><<<blocks, kThreads, 0, stream>>>(
         static_cast<T*>(p.out), static_cast<const T*>(p.own), static_cast<const T*>(p.recv),
         p.slot_stride, p.num_slots, p.count, waits);
   } else {
-    ReduceSumKernel<T><<<blocks, kThreads, 0, stream>>>(
+    ReduceSumKernel<T, Waits><<<blocks, kThreads, 0, stream>>>(
         static_cast<T*>(p.out), static_cast<const T*>(p.own), static_cast<const T*>(p.recv),
         p.slot_stride, p.num_slots, p.count, waits);
   }
   return cudaGetLastError();
 }
 
-}  // namespace
-
-cudaError_t LaunchReduceSum(const ReduceProblem& p, const CounterWaitList* waits, cudaStream_t stream) {
-  CounterWaitList none;
-  if (waits == nullptr) waits = &none;
-  if (!ValidWaitList(*waits)) return cudaErrorInvalidValue;
+template <typename Waits>
+cudaError_t LaunchTyped(const ReduceProblem& p, const Waits& waits, cudaStream_t stream) {
   switch (p.dtype) {
-    case Dtype::kF32: return Launch<float>(p, *waits, stream);
-    case Dtype::kBF16: return Launch<__nv_bfloat16>(p, *waits, stream);
-    case Dtype::kF16: return Launch<__half>(p, *waits, stream);
+    case Dtype::kF32: return Launch<float>(p, waits, stream);
+    case Dtype::kBF16: return Launch<__nv_bfloat16>(p, waits, stream);
+    case Dtype::kF16: return Launch<__half>(p, waits, stream);
     case Dtype::kF8E4M3:
     case Dtype::kF8E5M2: break;  // partials are never FP8 (MatmulTypes)
   }
   return cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+cudaError_t LaunchReduceSum(const ReduceProblem& p, const CounterWaitList* waits, cudaStream_t stream) {
+  if (waits == nullptr || waits->count == 0) return LaunchTyped(p, NoWaits{}, stream);
+  if (!ValidWaitList(*waits)) return cudaErrorInvalidValue;
+  return LaunchTyped(p, *waits, stream);
 }
 
 }  // namespace ficco
