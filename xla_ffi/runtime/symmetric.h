@@ -15,7 +15,8 @@
 // slot s (to TargetOfSlot(s) = p+1+s = r). `epoch` counts the rank's calls of the site: each call's
 // first kernel adds one, and every comparison of the call reads it on the device:
 //
-//   sender p, copy stream : wait free_p[s] == epoch_p - 1 | copy its block -> slot s of r | landed_r[s][j] = epoch_p
+//   sender p, XLA's stream: epoch_p += 1, wait free_p[s] == epoch_p - 1 (every s) | ... (one kernel)
+//   sender p, copy stream : copy its block -> slot s of r | landed_r[s][j] = epoch_p
 //   receiver r            : wait landed_r[s][j] == epoch_r | read slot s ...............| free_p[s] = epoch_r
 //
 // free_p[s] == epoch - 1 says that r finished reading p's data of the previous call, so p may
@@ -24,7 +25,8 @@
 // word has one writer and is compared for equality with a value the devices computed, so no wait
 // passes early, a graph replays with the values of its own execution, and data left by a call that
 // never completed is never taken for a later call's. The waits and posts are one-thread kernels
-// (device/counters.h); the host only enqueues them.
+// (device/counters.h), as few as the order allows: the count waits for the slots, a stream's waits
+// share one kernel, and a reduce-scatter's sum makes its waits itself; the host only enqueues them.
 //
 // Data lands in the slots, not in XLA's buffers, whose addresses the peers would have to learn at
 // every call. Where the landing buffer is the op's scratch (matmul_rs's and reduce_scatter's receive
