@@ -13,9 +13,10 @@ Writes {"checks": {name: "ok" | error}, "handlers_per_launch": ...} and exits 1 
 
 --left-early: after three right launches of a symmetric all_gather (or reduce_scatter, whose sum
 makes the check inside its own kernel), process 1's next launch fails before its call counts itself
-(an injected fault), as a launch that ended early on its device would, and it runs on. Its following launch would pair with process 0's call of the launch it left;
-the launch check must stop both (the watchdog reports them and ends each process). A launch that
-returns prints "RETURNED" and whether its result is right, and the worker exits 3.
+(an injected fault), as a launch that ended early on its device would, and it runs on. Its following
+launch would pair with process 0's call of the launch it left; the launch check must stop both (the
+watchdog reports them and ends each process). A launch that returns prints "RETURNED" and whether its
+result is right, and the worker exits 3.
 """
 import json
 import os
