@@ -86,6 +86,14 @@ def main(process_id: int, port: int, out_path: str, chain_launches: int = 6) -> 
         run(f"matmul_rs {sched}", lambda a, b: ficco_jax.matmul_rs(a, b, "tp", schedule=sched),
             (P(None, "tp"), P("tp")), P("tp"), [yy, w2], partial[process_id * m:(process_id + 1) * m])
 
+    # A reduce-scatter whose sum is too wide to make its waits itself (device/reduce.cu, kWaitingBlocks):
+    # 2048 x 1024 f32 per block, its waits in a kernel of their own.
+    big = global_array(6, (2 * 2048, 1024), P("tp"))
+    big_sum = shard(0, 6, (2 * 2048, 1024)) + shard(1, 6, (2 * 2048, 1024))
+    run("reduce_scatter dma/direct/c2/symmetric, a wide sum",
+        lambda a: dma.reduce_scatter(a, "tp", schedule="dma/direct/c2/symmetric"), (P("tp"),), P("tp"), [big],
+        big_sum[process_id * 2048:(process_id + 1) * 2048])
+
     # A chain of symmetric sites between matmuls: XLA captures it in a command buffer, and the later
     # launches replay it without calling the handlers. Per layer both devices gather the same two
     # blocks, so the reduce-scatter gives each its own block twice: a <- (2 a) @ w, linear in x.

@@ -3,6 +3,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "device/counter_waits.cuh"
 #include "device/reduce.h"
@@ -32,7 +33,14 @@ __device__ __forceinline__ void SumElements(T* out, const T* own, const T* recv,
 }
 
 // Every block first waits for the partials to land (a symmetric call's words, device/counters.h):
-// one thread polls, the block's barrier holds the others until then.
+// one thread polls, the block's barrier holds the others until then. Such a grid must never fill the
+// device: what it waits for may need a kernel of this very device first (this call's own posts to its
+// peers, one-thread kernels on its copy streams, which the peers' sums wait for in turn), and a grid
+// whose waiting blocks held every SM would leave it no room: a deadlock across the group. So a sum
+// waits in its own kernel only with at most kWaitingBlocks blocks (under one block per SM on an H100
+// or H200, a small part of what the device holds): the small sums, where a wait kernel's launch is a
+// large part of the cost. A larger sum waits in a kernel of its own first, as before.
+constexpr int kWaitingBlocks = 64;
 __device__ __forceinline__ void AwaitPartials(NoWaits) {}
 __device__ __forceinline__ void AwaitPartials(const CounterWaitList& waits) {
   if (threadIdx.x == 0) AwaitCounters(waits);
@@ -103,6 +111,12 @@ cudaError_t Launch(const ReduceProblem& p, const Waits& waits, cudaStream_t stre
   const int64_t per_thread = vector ? V : 1;
   const int64_t wanted = (p.count / per_thread + kThreads) / kThreads;
   const int blocks = static_cast<int>(wanted < 1056 ? (wanted < 1 ? 1 : wanted) : 1056);
+  if constexpr (std::is_same_v<Waits, CounterWaitList>) {
+    if (blocks > kWaitingBlocks) {
+      const cudaError_t waited = LaunchWaitCounters(waits, stream);
+      return waited != cudaSuccess ? waited : Launch<T>(p, NoWaits{}, stream);
+    }
+  }
   if (vector) {
     ReduceSumVectorKernel<T, Waits><<<blocks, kThreads, 0, stream>>>(
         static_cast<T*>(p.out), static_cast<const T*>(p.own), static_cast<const T*>(p.recv),
