@@ -141,8 +141,9 @@ class Backend {
   // is recorded, not run, and may be replayed later without its handler.
   virtual bool Capturing() = 0;
   virtual ffi::Error Gemm(const GemmProblem& problem) = 0;       // on the compute stream
-  // On the compute stream, after the waits of `after` (as WaitCounters), made by the sum's own kernel
-  // on CUDA: a symmetric call's receiver sums what landed with no kernel of its own for the waits.
+  // On the compute stream, after the waits of `after` (as WaitCounters), made on CUDA by the sum's own
+  // kernel where its grid is small (device/reduce.h): a symmetric call's receiver sums what landed with
+  // no kernel of its own for the waits.
   virtual ffi::Error Reduce(const ReduceProblem& problem, const CounterWaits& after) = 0;
   // This call's events may be re-recorded once its device work is done. Called only after the
   // "release" step (JoinAndRelease() in runtime/call_session.cc says why that makes a re-record

@@ -3,8 +3,8 @@
 // few words, and what they cost is their launch (about 2 us of device time each inside a CUDA graph
 // on one H200, 2026-12-01, where a stream memory operation cost about 3), so a call's waits go into as
 // few kernels as its order allows: a call's count with its sends' waits for their slots, one
-// stream's waits in one kernel, a reduce-scatter's waits for its partials in its sum's kernel
-// (device/reduce.h). Pure launchers: no FFI types.
+// stream's waits in one kernel, a small reduce-scatter sum's waits for its partials in the sum's
+// kernel (device/reduce.h). Pure launchers: no FFI types.
 #ifndef FICCO_JAX_XLA_FFI_DEVICE_COUNTERS_H_
 #define FICCO_JAX_XLA_FFI_DEVICE_COUNTERS_H_
 

@@ -30,8 +30,9 @@ struct ReduceProblem {
 void ReduceSumHost(const ReduceProblem& problem);
 
 #ifdef FICCO_WITH_CUDA
-// Where `waits` is given (at most kCounterWaitWords), every block of the sum first waits for them
-// (device/counters.h): the waits of a symmetric call for its partials, with no kernel of their own.
+// Where `waits` is given (at most kCounterWaitWords), the sum waits for them first (device/counters.h):
+// the waits of a symmetric call for its partials, made by every block of a small sum's grid, with no
+// kernel of their own; a wide sum's in a kernel before it (reduce.cu, kWaitingBlocks, says why).
 cudaError_t LaunchReduceSum(const ReduceProblem& problem, const CounterWaitList* waits, cudaStream_t stream);
 #endif
 

@@ -255,9 +255,9 @@ ffi::Error Scatter::AwaitChunks(const Landed& landed, int first_slot, int end_sl
   return ffi::Error::Success();
 }
 
-// A symmetric call's waits for its words go into the sum's own kernel (Backend::Reduce): the sum of a
-// reduce-scatter takes no kernel for its waits, one per slot and chunk before. Events are waited for
-// before it (AwaitChunks).
+// A symmetric call's waits for its words go with the sum (Backend::Reduce), into its own kernel where
+// the sum is small (device/reduce.cu says why only then): no kernel for its waits, one per slot and
+// chunk before. Events are waited for before it (AwaitChunks).
 ffi::Error Scatter::SumAfter(const Landed& landed, int first_slot, int end_slot, int64_t first, int64_t end,
                              const ReduceProblem& problem) {
   std::vector<PeerWait> words;

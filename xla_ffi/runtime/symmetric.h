@@ -26,7 +26,7 @@
 // passes early, a graph replays with the values of its own execution, and data left by a call that
 // never completed is never taken for a later call's. The waits and posts are one-thread kernels
 // (device/counters.h), as few as the order allows: the count waits for the slots, a stream's waits
-// share one kernel, and a reduce-scatter's sum makes its waits itself; the host only enqueues them.
+// share one kernel, and a small reduce-scatter sum makes its waits itself; the host only enqueues them.
 //
 // Data lands in the slots, not in XLA's buffers, whose addresses the peers would have to learn at
 // every call. Where the landing buffer is the op's scratch (matmul_rs's and reduce_scatter's receive
