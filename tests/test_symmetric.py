@@ -146,8 +146,8 @@ def test_a_call_enqueues_one_count_its_posts_and_one_end(op, chunks, rng):
     streams): one count, which also waits until every target freed its slot (no wait per send); one
     post per mark (a reduce-scatter marks every chunk, an all-gather each slot once); no event per
     transfer (the site's words mark them); the receiver's waits in one counter wait per slot before its
-    copy-out (all-gather), or inside the sum's own kernel (reduce-scatter: none of their own); one end.
-    The result equals plain JAX's."""
+    copy-out (all-gather), or with the sum (reduce-scatter: none of their own; on CUDA in the sum's kernel
+    where the sum is small); one end. The result equals plain JAX's."""
     n, s, k = 4, 3, 2
     mesh = _mesh(n)
     x = _random(rng, (n * 8 * n, 6))
