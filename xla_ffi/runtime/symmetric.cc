@@ -96,7 +96,11 @@ ffi::Error PeerWaitsError(const OpConfig& config, const uint32_t* epoch, const s
                                        "must run the same calls in the same order");
     }
   }
-  return status;  // (no wait is unmet now: the word came just after the wait gave up)
+  // Every word has come since the wait gave up: a peer was late by about the timeout.
+  return MakeError(config.ctx, "group [" + JoinNumbers(config.group) + "], rank " + std::to_string(config.rank) +
+                                   ": a counter wait of this symmetric site gave up after " +
+                                   ShortNumber(config.timeout_s) + " s (" + std::string(status.message()) +
+                                   "); what it waited for came just after: a peer was that late");
 }
 
 std::string LaunchPartedAdvice() {
