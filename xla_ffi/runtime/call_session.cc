@@ -454,7 +454,7 @@ ffi::Error WaitForLanded(Backend& backend, const Landed& landed) {
 // data comes here) or TargetOfSlot(s) (push: ours goes there); the slot's copies run on
 // StreamOfSlot(s); chunk j waits for `source_ready(s, j)` (each distinct event once per stream), is
 // enqueued by `copy_chunks`, and its event recorded into recorded[s][j] (kPerSlot: after the slot's
-// last chunk, into every recorded[s][j] of it). Where the source marks a slot ready at once
+// last chunk, into every recorded[s][j] of it); a symmetric call records none (`recorded` null). Where the source marks a slot ready at once
 // (ReadyMarks::kPerSlot) and nothing here takes a chunk as it lands (kPerSlot), the slot's chunks go
 // in one copy, after all of their readiness: one stream would run them in order anyway, and every
 // copy enqueued costs a call into the driver.
@@ -486,7 +486,6 @@ ffi::Error CopyChunks(Backend& backend, const OpConfig& config, bool push, const
     } else if (waited[stream].event == nullptr) {
       waited[stream] = Ready(own_entry);
     }
-    std::vector<Ready>& marked = (*recorded)[slot];
     for (int64_t j = 0; j < config.chunks; j += span) {
       const int64_t end = j + span;
       ffi::Error status = ffi::Error::Success();
@@ -511,6 +510,7 @@ ffi::Error CopyChunks(Backend& backend, const OpConfig& config, bool push, const
       }
       Event event = nullptr;
       ffi::Error recorded_status = backend.Record(stream, &event);
+      std::vector<Ready>& marked = (*recorded)[slot];
       std::fill(marked.begin() + first, marked.begin() + end, Ready(event));
       FICCO_RETURN_IF_ERROR(status);
       FICCO_RETURN_IF_ERROR(recorded_status);
@@ -544,9 +544,8 @@ ffi::Error PushSymmetric(Backend& backend, const OpConfig& config, const Symmetr
                          const ChunkReady& source_ready, ReadyMarks readiness, const ChunkCopy& copy_chunks,
                          LandedEvents marks) {
   const std::vector<Post> none(config.n());  // the destinations are the site's slots (copy_chunks knows them)
-  Landed unmarked(config.n() - 1, std::vector<Ready>(config.chunks));  // (the site's words mark them)
   return CopyChunks(backend, config, /*push=*/true, none, entry, source_ready, readiness, copy_chunks, marks,
-                    &symmetric, &unmarked);
+                    &symmetric, /*recorded=*/nullptr);  // the site's words mark the copies
 }
 
 ffi::Error EnterCopyStreams(Backend& backend, const OpConfig& config, Event entry) {
