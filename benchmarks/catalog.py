@@ -176,6 +176,40 @@ def _peers_result(out: str) -> str:
     return "; ".join(parts) or "no peer wrote a result"
 
 
+#: The block sizes per peer (MiB) and the schedules of the `collectives` suite: from 256 KiB, on the
+#: default (pull) schedule and on a symmetric one, which meets no peer on the host per call.
+COLLECTIVE_SIZES_GPU, COLLECTIVE_SIZES_CPU = "0.25,1,4,16", "0.015625,0.0625"
+COLLECTIVE_SCHEDULES = "default,dma/direct/c1/symmetric"
+
+
+def _collectives(ctx):
+    """collectives_vs_nccl.py for each collective at small blocks, then collectives_fit.py on them."""
+    sizes = COLLECTIVE_SIZES_GPU if ctx.gpus else COLLECTIVE_SIZES_CPU
+    budget = max(30, (ctx.limit_s - 30) // 3)
+    steps = [Step(f"{c}_vs_nccl", _py(ctx, f"{PEERS_DIR}/collectives_vs_nccl.py", "--collective", c, "--sizes", sizes,
+                                      "--schedules", COLLECTIVE_SCHEDULES, "--overlap-sizes", "", "--budget-s", budget,
+                                      "--out", ctx.out))
+             for c in ("all_gather", "reduce_scatter", "all_to_all")]
+    return steps + [Step("collectives_fit", _py(ctx, f"{PEERS_DIR}/collectives_fit.py", ctx.out))]
+
+
+def _collectives_result(out: str) -> str:
+    """dma/NCCL at 1 MiB per peer (else the smallest size measured) per collective, the default schedule's
+    then the others', and the threshold proposed."""
+    with open(os.path.join(out, "collectives_fit.json")) as fh:
+        fit = json.load(fh)
+    by_collective = {}
+    for e in fit["entries"]:
+        ratios = {float(k): v for k, v in e["over_nccl"].items()}
+        if ratios:
+            size = 1.0 if 1.0 in ratios else min(ratios)
+            by_collective.setdefault(f"{e['collective']} at {size:g} MiB", []).append(f"{ratios[size]:.2f}")
+    p = fit["proposal"]
+    parts = [f"{what} {' / '.join(r)}" for what, r in by_collective.items()]
+    return ("dma/NCCL (c1 pull / c1 symmetric): " + "; ".join(parts)
+            + f"; min bytes {p['min_bytes'] or 'none'}")
+
+
 def _accuracy(ctx):
     extra = list(ctx.options) or ["--top", "1"]
     return [Step("accuracy", _py(ctx, "-m", "ficco_jax", "accuracy", "--budget-s", max(30, ctx.limit_s - 60),
@@ -393,6 +427,9 @@ SUITES = {s.name: s for s in [
           "XLA's windowed einsum (bench --rounds 2, the peers, peers/tp_table.py)",
           "2+ GPUs (CPU: bench at a tiny shape, the peers skipped)", 0, 560, _compare, _compare_result,
           takes_options=True),
+    Suite("collectives", "copy-engine all_gather, reduce_scatter and all_to_all vs NCCL from 256 KiB per peer, "
+          "pull and symmetric: dma/NCCL per size, fixed cost and rate fitted, DMA_COLLECTIVE_MIN_BYTES proposed",
+          "2+ GPUs (CPU: tiny blocks)", 0, 420, _collectives, _collectives_result),
     Suite("accuracy", "held-out check of schedule='auto': its pick vs the best measured vs JAX sequential",
           "2+ GPUs", 2, 600, _accuracy, takes_options=True),
     Suite("e2e", "a Llama-70B layer with and without overlap (examples/tp_transformer.py --compare) and an MLP "

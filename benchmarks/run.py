@@ -4,7 +4,7 @@
     python benchmarks/run.py --list
 
 Suites (benchmarks/catalog.py; benchmarks/README.md says what each measures and how long it
-takes): build, tests, demo, bench, peers, compare, accuracy, e2e, hang, faults, soak, load, multiprocess,
+takes): build, tests, demo, bench, peers, compare, collectives, accuracy, e2e, hang, faults, soak, load, multiprocess,
 characterize, fp8, host, capture, trace, timeline. `all` runs every suite the machine can.
 
 Each suite writes its logs and JSON under OUT/<suite>/ (OUT: --out, else $OUT, else out/) and the

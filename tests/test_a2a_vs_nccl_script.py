@@ -86,3 +86,56 @@ def test_default_variants_are_valid_for_the_group(n, streams):
     variants = script.dma_variants("", n)
     assert variants == ["default"] + [f"dma/direct/c1/s{s}" for s in streams]
     assert all(script.Schedule.parse(v).copy_streams <= n - 1 for v in variants[1:])
+
+
+def _fit_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("collectives_fit", SCRIPT.parent / "collectives_fit.py")
+    fit = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fit)
+    return fit
+
+
+def _result(collective, nccl_ms, dma_ms):
+    rows = [{"block_mib": s, "variant": "nccl", "schedule": "nccl", "median_ms": t} for s, t in nccl_ms.items()]
+    rows += [{"block_mib": s, "variant": "default", "schedule": "dma/direct/c1 (default)", "median_ms": t}
+             for s, t in dma_ms.items()]
+    return {"collective": collective, "a2a": rows}
+
+
+def test_the_fit_finds_fixed_cost_rate_and_the_crossover():
+    fit = _fit_module()
+    # dma: 20 us + 1 MiB per 0.01 ms (about 105 GB/s); NCCL: 5 us + 1 MiB per 0.02 ms.
+    sizes = (0.25, 1.0, 4.0, 16.0)
+    result = _result("all_gather", {s: 0.005 + 0.02 * s for s in sizes}, {s: 0.020 + 0.01 * s for s in sizes})
+    entry, = fit.summarize(result)
+    assert entry["fit"]["fixed_us"] == pytest.approx(20.0)
+    assert entry["fit"]["gbps"] == pytest.approx(2**20 / 0.01e-3 / 1e9)
+    assert entry["over_nccl"][0.25] > 1 and entry["over_nccl"][4.0] < 1
+    assert entry["at_most_nccl_from_mib"] == 4.0  # 1 MiB: 30 us against 25
+
+
+def test_the_crossover_is_where_every_larger_size_is_at_most_nccl():
+    fit = _fit_module()
+    assert fit.crossover({0.25: 0.9, 1.0: 1.1, 4.0: 0.8, 16.0: 0.7}) == 4.0  # a faster small size alone is noise
+    assert fit.crossover({1.0: 0.9, 4.0: 1.01}) is None
+    assert fit.crossover({1.0: 1.0, 4.0: 0.5}) == 1.0
+
+
+def test_the_threshold_proposed_keeps_every_collective_at_most_nccl():
+    fit = _fit_module()
+    sizes = (1.0, 4.0, 16.0)
+    gather = _result("all_gather", {s: 1.0 for s in sizes}, {1.0: 0.9, 4.0: 0.9, 16.0: 0.9})
+    scatter = _result("reduce_scatter", {s: 1.0 for s in sizes}, {1.0: 1.5, 4.0: 0.9, 16.0: 0.9})
+    entries = fit.summarize(gather) + fit.summarize(scatter)
+    proposal = fit.proposal(entries, ["all_gather", "reduce_scatter"])
+    assert proposal["min_bytes"] == 4 << 20 and "reduce_scatter" in proposal["why"]
+    slow = fit.summarize(_result("all_to_all", {s: 1.0 for s in sizes}, {s: 2.0 for s in sizes}))
+    assert fit.proposal(entries + slow, ["all_gather", "reduce_scatter", "all_to_all"])["min_bytes"] is None
+    assert fit.proposal(entries, ["all_gather", "reduce_scatter", "all_to_all"])["min_bytes"] is None  # no rows
+
+
+def test_the_fit_says_what_is_missing(tmp_path):
+    done = subprocess.run([sys.executable, str(SCRIPT.parent / "collectives_fit.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "collectives_vs_nccl.py --out" in done.stderr

@@ -16,7 +16,7 @@ from ficco_jax.runtime import extension
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RUN = REPO / "benchmarks" / "run.py"
-SUITES = ["build", "tests", "demo", "bench", "peers", "compare", "accuracy", "e2e", "hang", "faults", "soak", "load",
+SUITES = ["build", "tests", "demo", "bench", "peers", "compare", "collectives", "accuracy", "e2e", "hang", "faults", "soak", "load",
           "multiprocess", "characterize", "fp8", "host", "capture", "trace", "timeline"]
 
 
@@ -45,6 +45,21 @@ def test_the_capture_suite_runs_on_cpu(tmp_path):
         assert row["us_per_call"] > 0, row
         assert (row["meetings_per_launch"] == 0) == (row["schedule"] != "dma/direct/c1"), row
     assert "| capture | 0 |" in done.stdout and "symmetric" in done.stdout
+
+
+@pytest.mark.skipif(not extension.available(), reason="ficco_jax._ffi is not built")
+def test_the_collectives_suite_runs_on_cpu(tmp_path):
+    """The three collectives, pulled and symmetric, each verified and timed at both tiny sizes, then the
+    fit over them: what a 2-GPU run reads its dma/NCCL ratios and the proposed threshold from."""
+    done = _run("collectives", "--cpu", "--out", str(tmp_path), timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    fit = json.loads((tmp_path / "collectives" / "collectives_fit.json").read_text())
+    assert not fit["times_meaningful"] and fit["n_devices"] == 8
+    assert {(e["collective"], e["variant"]) for e in fit["entries"]} == {
+        (c, v) for c in ("all_gather", "reduce_scatter", "all_to_all") for v in ("default", "dma/direct/c1/symmetric")}
+    for e in fit["entries"]:
+        assert sorted(map(float, e["over_nccl"])) == [0.015625, 0.0625] and e["fit"] is not None, e
+    assert "| collectives | 0 |" in done.stdout and "dma/NCCL (c1 pull / c1 symmetric): all_gather" in done.stdout
 
 
 def test_lists_every_suite():
