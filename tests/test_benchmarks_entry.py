@@ -62,6 +62,19 @@ def test_the_collectives_suite_runs_on_cpu(tmp_path):
     assert "| collectives | 0 |" in done.stdout and "dma/NCCL (c1 pull / c1 symmetric): all_gather" in done.stdout
 
 
+def test_the_collectives_suite_lets_xla_capture_its_small_loop_bodies_on_gpus():
+    run = _entry_module()
+    suite = run.catalog.SUITES["collectives"]
+    gpu = suite.steps(run.catalog.Context(python="python", out="o", gpus=2, limit_s=420))
+    cpu = suite.steps(run.catalog.Context(python="python", out="o", gpus=0, limit_s=420))
+    assert [s.label for s in gpu] == [s.label for s in cpu] == [
+        "all_gather_vs_nccl", "reduce_scatter_vs_nccl", "all_to_all_vs_nccl", "collectives_fit"]
+    for step in gpu[:3]:
+        assert "--xla_gpu_graph_min_graph_size=1" in step.env["XLA_FLAGS"]
+        assert step.argv[step.argv.index("--sizes") + 1] == "0.25,1,4,16"
+    assert all(not step.env for step in cpu)  # the CPU run's device count stays in XLA_FLAGS
+
+
 def test_lists_every_suite():
     done = _run("--list")
     assert done.returncode == 0, done.stderr

@@ -109,7 +109,7 @@ def main(argv=None) -> int:
     entries = [e for result in results.values() for e in summarize(result)]
     first = next(iter(results.values()))
     summary = {key: first.get(key) for key in ("device", "n_devices", "jax", "commit", "date", "method",
-                                                "times_meaningful")}
+                                                "xla_flags", "times_meaningful")}
     summary.update(entries=entries, proposal=proposal(entries, list(results)))
     with open(args.out or os.path.join(args.dir, "collectives_fit.json"), "w") as fh:
         json.dump(summary, fh, indent=1)
@@ -117,6 +117,7 @@ def main(argv=None) -> int:
     meaningful = "" if summary["times_meaningful"] else " (CPU: times NOT meaningful)"
     print(f"{summary['n_devices']} x {summary['device']}, commit {summary['commit']}, {summary['date']}{meaningful}\n"
           f"method: {summary['method']}\n"
+          f"XLA_FLAGS: {summary['xla_flags'] or '(none)'}\n"
           f"DMA_COLLECTIVE_MIN_BYTES: " + (f"{p['min_bytes']} ({p['why']})" if p["min_bytes"] else f"none ({p['why']})")
           + "\n\ndma time / NCCL time per block size per peer, and the line fitted to the dma times:\n")
     print(table(entries))

@@ -351,6 +351,7 @@ def run(args) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "times_meaningful": not on_cpu,
         "method": harness.method("times are host memcpy/loop times, NOT meaningful"),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "gbps_definition": "(n-1) * block bytes / time: bytes each device sends per collective (nccl-tests busbw)",
         "budget_s": args.budget_s, "skipped": budget.skipped, "a2a": a2a_rows, "overlap": overlap_rows,
     }
