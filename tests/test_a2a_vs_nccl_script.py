@@ -133,6 +133,8 @@ def test_the_threshold_proposed_keeps_every_collective_at_most_nccl():
     slow = fit.summarize(_result("all_to_all", {s: 1.0 for s in sizes}, {s: 2.0 for s in sizes}))
     assert fit.proposal(entries + slow, ["all_gather", "reduce_scatter", "all_to_all"])["min_bytes"] is None
     assert fit.proposal(entries, ["all_gather", "reduce_scatter", "all_to_all"])["min_bytes"] is None  # no rows
+    one = fit.proposal(entries, ["all_gather", "reduce_scatter"], n_devices=1)
+    assert one["min_bytes"] is None and "one device" in one["why"]
 
 
 def test_the_fit_says_what_is_missing(tmp_path):

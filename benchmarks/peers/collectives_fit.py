@@ -63,8 +63,12 @@ def summarize(result: dict) -> list[dict]:
     return out
 
 
-def proposal(entries: list[dict], collectives: list[str]) -> dict:
-    """DMA_COLLECTIVE_MIN_BYTES from the default schedule's crossovers, and why."""
+def proposal(entries: list[dict], collectives: list[str], n_devices: int = 2) -> dict:
+    """DMA_COLLECTIVE_MIN_BYTES from the default schedule's crossovers, and why; none from one device,
+    whose "NCCL" rows are XLA's local copy."""
+    if n_devices < 2:
+        return {"min_bytes": None, "why": "one device: XLA's collective is a local copy there, not NCCL; "
+                                          "the threshold needs a group of 2+ GPUs"}
     default = {e["collective"]: e for e in entries if e["variant"] == DEFAULT}
     missing = [c for c in collectives if c not in default]
     never = [c for c, e in default.items() if e["at_most_nccl_from_mib"] is None]
@@ -110,7 +114,7 @@ def main(argv=None) -> int:
     first = next(iter(results.values()))
     summary = {key: first.get(key) for key in ("device", "n_devices", "jax", "commit", "date", "method",
                                                 "xla_flags", "times_meaningful")}
-    summary.update(entries=entries, proposal=proposal(entries, list(results)))
+    summary.update(entries=entries, proposal=proposal(entries, list(results), summary["n_devices"] or 0))
     with open(args.out or os.path.join(args.dir, "collectives_fit.json"), "w") as fh:
         json.dump(summary, fh, indent=1)
     p = summary["proposal"]
