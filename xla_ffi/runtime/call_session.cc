@@ -456,8 +456,8 @@ ffi::Error WaitForLanded(Backend& backend, const Landed& landed) {
 // enqueued by `copy_chunks`, and its event recorded into recorded[s][j] (kPerSlot: after the slot's
 // last chunk, into every recorded[s][j] of it); a symmetric call records none (`recorded` null).
 // Where the source marks a slot ready at once (ReadyMarks::kPerSlot) and nothing here takes a chunk as
-// it lands (kPerSlot), the slot's chunks go in one copy, after all of their readiness: one stream would run them in order anyway, and every
-// copy enqueued costs a call into the driver.
+// it lands (kPerSlot), the slot's chunks go in one copy, after all of their readiness: one stream
+// would run them in order anyway, and every copy enqueued costs a call into the driver.
 //
 // Before its first copy a stream waits for the entry event of the device it writes: the target's
 // (push) or this device's own (pull, `own_entry`). A copy stream is not XLA's stream: without that
