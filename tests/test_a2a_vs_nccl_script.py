@@ -1,6 +1,7 @@
 """benchmarks/peers/collectives_vs_nccl.py on 4 virtual CPU devices with tiny blocks, in a subprocess: the script
 the GPU run uses cannot rot. Every variant must verify bit-exact and be timed, the JSON must hold
 what the summary reads, and the all_to_all table must come last. (CPU times mean nothing.)"""
+import importlib.util
 import json
 import os
 import pathlib
@@ -79,21 +80,22 @@ def test_the_script_times_all_gather_and_reduce_scatter_pulled_and_pushed(tmp_pa
 def test_default_variants_are_valid_for_the_group(n, streams):
     # A schedule may not have more copy streams than peers: on 2 devices the default list is the
     # default schedule alone (a listed s2 there was an error row at every size).
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("collectives_vs_nccl", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = _load(SCRIPT)
     variants = script.dma_variants("", n)
     assert variants == ["default"] + [f"dma/direct/c1/s{s}" for s in streams]
     assert all(script.Schedule.parse(v).copy_streams <= n - 1 for v in variants[1:])
 
 
+def _load(path):
+    """A script of benchmarks/peers as a module (that folder is not a package)."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _fit_module():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("collectives_fit", SCRIPT.parent / "collectives_fit.py")
-    fit = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fit)
-    return fit
+    return _load(SCRIPT.parent / "collectives_fit.py")
 
 
 def _result(collective, nccl_ms, dma_ms):
@@ -128,11 +130,12 @@ def test_the_threshold_proposed_keeps_every_collective_at_most_nccl():
     gather = _result("all_gather", {s: 1.0 for s in sizes}, {1.0: 0.9, 4.0: 0.9, 16.0: 0.9})
     scatter = _result("reduce_scatter", {s: 1.0 for s in sizes}, {1.0: 1.5, 4.0: 0.9, 16.0: 0.9})
     entries = fit.summarize(gather) + fit.summarize(scatter)
-    proposal = fit.proposal(entries, ["all_gather", "reduce_scatter"])
+    proposal = fit.proposal(entries, ["all_gather", "reduce_scatter"], n_devices=2)
     assert proposal["min_bytes"] == 4 << 20 and "reduce_scatter" in proposal["why"]
     slow = fit.summarize(_result("all_to_all", {s: 1.0 for s in sizes}, {s: 2.0 for s in sizes}))
-    assert fit.proposal(entries + slow, ["all_gather", "reduce_scatter", "all_to_all"])["min_bytes"] is None
-    assert fit.proposal(entries, ["all_gather", "reduce_scatter", "all_to_all"])["min_bytes"] is None  # no rows
+    everything = ["all_gather", "reduce_scatter", "all_to_all"]
+    assert fit.proposal(entries + slow, everything, n_devices=2)["min_bytes"] is None
+    assert fit.proposal(entries, everything, n_devices=2)["min_bytes"] is None  # no all_to_all rows
     one = fit.proposal(entries, ["all_gather", "reduce_scatter"], n_devices=1)
     assert one["min_bytes"] is None and "one device" in one["why"]
 

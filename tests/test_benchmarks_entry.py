@@ -16,8 +16,8 @@ from ficco_jax.runtime import extension
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RUN = REPO / "benchmarks" / "run.py"
-SUITES = ["build", "tests", "demo", "bench", "peers", "compare", "collectives", "accuracy", "e2e", "hang", "faults", "soak", "load",
-          "multiprocess", "characterize", "fp8", "host", "capture", "trace", "timeline"]
+SUITES = ["build", "tests", "demo", "bench", "peers", "compare", "collectives", "accuracy", "e2e", "hang", "faults",
+          "soak", "load", "multiprocess", "characterize", "fp8", "host", "capture", "trace", "timeline"]
 
 
 def _run(*args, timeout=120):

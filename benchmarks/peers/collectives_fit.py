@@ -23,9 +23,10 @@ import sys
 
 import numpy as np
 
-FILES = {"all_gather": "all_gather_vs_nccl.json", "reduce_scatter": "reduce_scatter_vs_nccl.json",
-         "all_to_all": "a2a_vs_nccl.json"}
-NCCL = "nccl"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from collectives_tables import NCCL, result_name  # noqa: E402
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_to_all")
 DEFAULT = "default"
 MIB = 2**20
 
@@ -63,7 +64,7 @@ def summarize(result: dict) -> list[dict]:
     return out
 
 
-def proposal(entries: list[dict], collectives: list[str], n_devices: int = 2) -> dict:
+def proposal(entries: list[dict], collectives: list[str], n_devices: int) -> dict:
     """DMA_COLLECTIVE_MIN_BYTES from the default schedule's crossovers, and why; none from one device,
     whose "NCCL" rows are XLA's local copy."""
     if n_devices < 2:
@@ -102,13 +103,13 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="the summary JSON (default DIR/collectives_fit.json)")
     args = parser.parse_args(argv)
     results = {}
-    for collective, name in FILES.items():
-        path = os.path.join(args.dir, name)
+    for collective in COLLECTIVES:
+        path = os.path.join(args.dir, result_name(collective))
         if os.path.isfile(path):
             with open(path) as fh:
                 results[collective] = json.load(fh)
     if not results:
-        raise SystemExit(f"collectives_fit: none of {', '.join(FILES.values())} in {args.dir}; run "
+        raise SystemExit(f"collectives_fit: none of {', '.join(map(result_name, COLLECTIVES))} in {args.dir}; run "
                          f"benchmarks/peers/collectives_vs_nccl.py --out {args.dir} first")
     entries = [e for result in results.values() for e in summarize(result)]
     first = next(iter(results.values()))

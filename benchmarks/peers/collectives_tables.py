@@ -3,6 +3,11 @@
 NCCL = "nccl"
 
 
+def result_name(collective: str) -> str:
+    """The JSON file collectives_vs_nccl.py writes for `collective`."""
+    return "a2a_vs_nccl.json" if collective == "all_to_all" else f"{collective}_vs_nccl.json"
+
+
 def _ms(row):
     return f"{row['median_ms']:.3f}" if row and "median_ms" in row else "—"
 

@@ -53,7 +53,7 @@ from ficco_jax.tools.report import git_commit  # noqa: E402
 from ficco_jax.tuning import timing  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from collectives_tables import NCCL, a2a_table, overlap_table  # noqa: E402
+from collectives_tables import NCCL, a2a_table, overlap_table, result_name  # noqa: E402
 
 #: Elements per row of a block (4 KiB of bf16): blocks of `size` MiB hold size * 256 rows.
 COLS = 2048
@@ -371,8 +371,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     result = run(args)
     os.makedirs(args.out, exist_ok=True)
-    name = "a2a_vs_nccl.json" if args.collective == "all_to_all" else f"{args.collective}_vs_nccl.json"
-    with open(os.path.join(args.out, name), "w") as fh:
+    with open(os.path.join(args.out, result_name(args.collective)), "w") as fh:
         json.dump(result, fh, indent=1)
     head = (f"{result['n_devices']} x {result['device']} ({result['platform']}), bf16, jax {result['jax']}, "
             f"commit {result['commit']}" + ("" if result["times_meaningful"] else " — CPU: times NOT meaningful ('NCCL' is lax.all_to_all here)"))
