@@ -16,8 +16,9 @@ MAX_LIMIT_S, MIN_RENDEZVOUS_TIMEOUT_S = 1e6, 1e-3
 
 
 def _env_float(name: str, default: float, *, unit: str = "seconds", low: float = 0.0,
-               high: float = MAX_LIMIT_S) -> float:
-    """The number in environment variable `name` (`default` where unset or ""), within [low, high]."""
+               high: float = MAX_LIMIT_S, whole: bool = False) -> float:
+    """The number in environment variable `name` (`default` where unset or ""), within [low, high],
+    and a whole number where `whole`."""
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
@@ -25,8 +26,9 @@ def _env_float(name: str, default: float, *, unit: str = "seconds", low: float =
         value = float(raw)
     except ValueError:
         value = None
-    if value is None or not low <= value <= high:  # (NaN compares false: refused too)
-        raise ValueError(f"{name}={raw!r}: expected {unit} from {low:g} to {high:g}; unset it for the default "
+    if value is None or not low <= value <= high or (whole and value != int(value)):  # (NaN: refused too)
+        kind = f"a whole number of {unit}" if whole else unit
+        raise ValueError(f"{name}={raw!r}: expected {kind} from {low:g} to {high:g}; unset it for the default "
                          f"({default:g}), e.g. {name}={default:g}")
     return value
 
@@ -96,7 +98,7 @@ DMA_COLLECTIVE_MIN_BYTES: int = 8 << 20
 #: matmul_rs [1024, 1024] @ [1024, 1024] on dma/direct/c2) it took 107.8 against 153.2 us per call in
 #: one run and 116.0 against 106.8 in another (docs/design.md, "Group channels"). Read when an op
 #: is traced.
-CHANNEL_BYTES: int = int(_env_float("FICCO_CHANNEL_BYTES", 0, unit="bytes", high=float(1 << 40)))
+CHANNEL_BYTES: int = int(_env_float("FICCO_CHANNEL_BYTES", 0, unit="bytes", high=float(1 << 40), whole=True))
 
 #: dtypes the DMA executor handles; others take the XLA path (`comm="xla"`).
 DMA_DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32")

@@ -45,6 +45,8 @@ N of the shard matmul, except under ``gemm="columns"``. For the expert-parallel 
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import Iterator, Sequence
 
 from . import config
@@ -58,6 +60,8 @@ GEMMS = ("per_chunk", "grouped", "columns")
 #: The ops whose blocks gemm="columns" can cut by columns: the reduce-scatter's (exec/scatter.cc).
 COLUMN_OPS = ("matmul_rs", "matmul_psum")
 TRANSFERS = ("pull", "push", "symmetric")
+#: The most chunk counts an error lists as valid (a dimension of 720720 has 240 divisors).
+MAX_LISTED_CHUNKS = 16
 
 # Which orders each (op, comm) pair implements.
 _ORDERS_FOR = {
@@ -86,14 +90,13 @@ class Schedule:
     transfer: str = "pull"
 
     def __post_init__(self):
-        for field, allowed in (("comm", COMMS), ("order", ORDERS), ("gemm", GEMMS), ("transfer", TRANSFERS)):
+        for field in ("chunks", "copy_streams"):  # numpy integers are taken as the ints they hold
             value = getattr(self, field)
-            if value not in allowed:
-                raise ValueError(f"Schedule: {field}={value!r} is not one of {allowed}")
-        for field in ("chunks", "copy_streams"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"Schedule: {field}={value!r} must be a positive int")
+            if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+                object.__setattr__(self, field, int(value))
+        problem = _field_problem(dataclasses.asdict(self))
+        if problem is not None:
+            raise ValueError(f"Schedule: {problem}")
 
     # ----------------------------------------------------------------------------------------
     # The design space
@@ -122,21 +125,37 @@ class Schedule:
         if self.gemm == "columns":
             cols = int(shapes[1][1])
             if cols % self.chunks:
-                valid = [c for c in config.CHUNK_CHOICES if c > 1 and cols % c == 0]
-                fix = f"valid chunk counts: {valid}" if valid else "no chunk count divides it: use gemm='per_chunk'"
                 raise ValueError(
                     f"{op}: gemm='columns' cuts the output's columns: w.shape[1]={cols} (from shape "
-                    f"{tuple(shapes[1])}) must divide by schedule.chunks={self.chunks}; {fix}"
+                    f"{tuple(shapes[1])}) must divide by schedule.chunks={self.chunks}; "
+                    f"{self.chunk_hint(op, axis_size, cols)}"
                 )
         elif rows % self.chunks:
-            valid = valid_chunks(op, shapes, axis_size)
             what = {"ag_matmul": "rows per device", "matmul_rs": f"rows per output block (M / {axis_size})",
                     "matmul_psum": f"rows per reduce-scatter block (M / {axis_size})"}.get(
                 op, "capacity per peer block (dimension 2, C)")
             raise ValueError(
                 f"{op}: {what} = {rows} (from shape {tuple(shapes[0])}) must divide by "
-                f"schedule.chunks={self.chunks}; valid chunk counts for this shape: {valid}"
+                f"schedule.chunks={self.chunks}; {self.chunk_hint(op, axis_size, rows)}"
             )
+
+    def chunk_counts(self, op: str, axis_size: int, length: int) -> list[int]:
+        """The chunk counts that cut `length` rows (or columns) evenly and that this schedule takes
+        in place of its own (`op`'s design space: even for order='bidirectional', more than one for
+        gemm='grouped' or 'columns'), smallest first."""
+        return [c for c in _divisors(length) if self.replace(chunks=c)._problem(op, axis_size) is None]
+
+    def chunk_hint(self, op: str, axis_size: int, length: int) -> str:
+        """The fix of a chunk count that does not divide `length`: the counts that do (at most
+        MAX_LISTED_CHUNKS of them), or which field to change where none does."""
+        valid = self.chunk_counts(op, axis_size, length)
+        if not valid:  # odd lengths under order='bidirectional', one row or column under grouped / columns
+            order = "ring" if self.order == "bidirectional" else self.order
+            whole = self.replace(chunks=1, gemm="per_chunk", order=order)
+            return f"no chunk count that {self} can take divides {length}: use {whole}"
+        shown = ", ".join(str(c) for c in valid[:MAX_LISTED_CHUNKS])
+        more = f", ... ({len(valid)} in all, up to {valid[-1]})" if len(valid) > MAX_LISTED_CHUNKS else ""
+        return f"valid chunk counts for this shape: [{shown}{more}]"
 
     def replace(self, **changes) -> "Schedule":
         return dataclasses.replace(self, **changes)
@@ -166,13 +185,18 @@ class Schedule:
         parts = text.strip().split("/")
         if parts == ["none"]:
             return cls(comm="none")
+        if parts[0] == "none":
+            raise ValueError(
+                f"cannot parse schedule {text!r}: 'none' (the plain collective, then the matmul) takes no other "
+                f"fields; write 'none'"
+            )
         if len(parts) < 3 or not parts[2].startswith("c"):
             raise ValueError(
                 f"cannot parse schedule {text!r}: expected 'none' or "
                 f"COMM/ORDER/cCHUNKS[/grouped|/columns][/sSTREAMS][/push|/symmetric], "
                 f"e.g. 'dma/direct/c4/s2'"
             )
-        if not parts[2][1:].isdigit():
+        if not _is_count(parts[2][1:]):
             raise ValueError(
                 f"cannot parse schedule {text!r}: chunks {parts[2]!r} must be c<positive int>, e.g. 'c4'"
             )
@@ -180,7 +204,7 @@ class Schedule:
         for extra in parts[3:]:
             if extra in ("grouped", "columns"):
                 field, value = "gemm", extra
-            elif extra.startswith("s") and extra[1:].isdigit():
+            elif extra.startswith("s") and _is_count(extra[1:]):
                 field, value = "copy_streams", int(extra[1:])
             elif extra in TRANSFERS:
                 field, value = "transfer", extra
@@ -189,6 +213,9 @@ class Schedule:
             if field in fields:
                 raise ValueError(f"cannot parse schedule {text!r}: {extra!r} sets {field} a second time")
             fields[field] = value
+        problem = _field_problem({**dataclasses.asdict(cls()), **fields})
+        if problem is not None:
+            raise ValueError(f"cannot parse schedule {text!r}: {problem}")
         return cls(**fields)
 
     # ----------------------------------------------------------------------------------------
@@ -197,8 +224,10 @@ class Schedule:
         if axis_size < 1:
             return f"axis_size={axis_size} must be >= 1"
         if self.comm == "none":
-            if self != Schedule(comm="none"):
-                return "comm='none' takes no other fields; use Schedule(comm='none')"
+            others = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                      if f.name != "comm" and getattr(self, f.name) != f.default]
+            if others:
+                return f"comm='none' takes no other fields, found {', '.join(others)}; use Schedule(comm='none')"
             return None
         orders = _ORDERS_FOR[(op, self.comm)]
         if self.order not in orders:
@@ -225,6 +254,29 @@ class Schedule:
 def _check_op(op: str) -> None:
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; valid ops: {OPS}")
+
+
+def _field_problem(fields: dict) -> str | None:
+    """Why these field values make no Schedule (None if they make one)."""
+    for field, allowed in (("comm", COMMS), ("order", ORDERS), ("gemm", GEMMS), ("transfer", TRANSFERS)):
+        if fields[field] not in allowed:
+            return f"{field}={fields[field]!r} is not one of {allowed}"
+    for field in ("chunks", "copy_streams"):
+        value = fields[field]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            return f"{field}={value!r} must be a positive int"
+    return None
+
+
+def _is_count(text: str) -> bool:
+    """Whether `text` is a number written in ASCII digits (str.isdigit also takes '²' and '٢')."""
+    return text.isascii() and text.isdigit()
+
+
+def _divisors(length: int) -> list[int]:
+    """The divisors of `length` (>= 1), smallest first."""
+    small = [d for d in range(1, math.isqrt(length) + 1) if length % d == 0]
+    return small + [length // d for d in reversed(small) if d * d != length]
 
 
 def _candidates(op: str, comms: Sequence[str]) -> Iterator[Schedule]:
@@ -254,7 +306,10 @@ def as_schedule(op: str, value, accepted: str) -> Schedule:
     """`value`, a Schedule or its string form, as a Schedule; a TypeError naming what `op` accepts
     (`accepted`) for anything else."""
     if isinstance(value, str):
-        value = Schedule.parse(value)
+        try:
+            value = Schedule.parse(value)
+        except ValueError as exc:
+            raise ValueError(f"{op}: {exc}") from None
     if not isinstance(value, Schedule):
         raise TypeError(f"{op}: schedule must be {accepted}; found {type(value).__name__}")
     return value
@@ -341,14 +396,12 @@ def _check_a2a_shapes(op: str, shapes, axis_size: int) -> int:
     return a[2]
 
 
-def valid_chunks(op: str, shapes: Sequence[Sequence[int]], axis_size: int) -> list[int]:
-    rows = check_shapes(op, shapes, axis_size)
-    return [c for c in config.CHUNK_CHOICES if rows % c == 0]
-
-
-def local_shapes(op: str, M: int, K: int, N: int, n: int):
+def local_shapes(op: str, M: int, K: int, N: int, n: int, *, caller: str | None = None):
     """Per-device (input, weight) shapes of a tensor-parallel layer (M tokens, K, N) over n devices:
-    ag_matmul x [M/n, K] @ w [K, N/n]; matmul_rs and matmul_psum y [M, N/n] @ w [N/n, K]."""
+    ag_matmul x [M/n, K] @ w [K, N/n]; matmul_rs and matmul_psum y [M, N/n] @ w [N/n, K]. Errors
+    open with `caller` (default: `op`)."""
     if M % n or N % n:
-        raise ValueError(f"bench: M={M} and N={N} must divide by the {n} devices")
+        raise ValueError(f"{caller or op}: M={M} and N={N} must divide by the {n} devices of the tensor-parallel "
+                         f"axis (M rows and N columns are split over them); pick a shape or a device count that "
+                         f"divides both")
     return ((M // n, K), (K, N // n)) if op == "ag_matmul" else ((M, N // n), (N // n, K))

@@ -307,7 +307,7 @@ def test_dma_all_to_all_gradient(mesh2d, rng):
     ("matmul_a2a", (4, 2, 4, 6), (2, 5, 8), "none", r"y.shape\[3\]=6 \(dimension 3\) but w.shape\[1\]=5"),
     ("matmul_a2a", (4, 2, 4, 6), (2, 6), "none", r"w must be 3-D"),
     ("a2a_matmul", (4, 2, 6, 8), (2, 8, 6), "xla/direct/c4",
-     r"capacity per peer block \(dimension 2, C\) = 6 .* must divide by schedule.chunks=4; valid chunk counts for this shape: \[1, 2\]"),
+     r"capacity per peer block \(dimension 2, C\) = 6 .* must divide by schedule.chunks=4; valid chunk counts for this shape: \[1, 2, 3, 6\]"),
     ("matmul_a2a", (4, 2, 4, 6), (2, 6, 8), "xla/bidirectional/c2", r"valid orders: \('ring', 'direct'\)"),
 ])
 def test_bad_shapes_raise_naming_the_dimension(mesh2d, op, a_shape, w_shape, sched, match):

@@ -1,8 +1,11 @@
 """The design space: enumeration, validation messages, string round trip."""
+import re
+
+import numpy as np
 import pytest
 
 from ficco_jax import Schedule, ops
-from ficco_jax.schedule import OPS
+from ficco_jax.schedule import OPS, as_schedule, local_shapes
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -40,7 +43,7 @@ def test_bad_fields_rejected_at_construction(kwargs, match):
     (Schedule(comm="xla", gemm="grouped"), "needs chunks > 1"),
     (Schedule(comm="xla", copy_streams=2), "applies to comm='dma' only"),
     (Schedule(comm="dma", order="ring", copy_streams=2), "copy_streams must be 1"),
-    (Schedule(comm="none", chunks=2), "takes no other fields"),
+    (Schedule(comm="none", chunks=2), "takes no other fields, found chunks=2"),
     (Schedule(comm="xla", transfer="push"), "transfer='push' applies to comm='dma' only"),
     (Schedule(comm="none", transfer="push"), "takes no other fields"),
 ])
@@ -63,7 +66,7 @@ def test_column_chunks_are_for_the_reduce_scatter_on_copy_engines():
         cols.replace(chunks=1).validate("matmul_rs", ((16, 4), (4, 8)), 4)
     # The chunks cut w's columns, not the blocks' rows: 6 rows per block are fine, 6 columns are not.
     cols.validate("matmul_rs", ((24, 4), (4, 8)), 4)
-    six_columns = r"w.shape\[1\]=6 .* must divide by schedule.chunks=4; valid chunk counts: \[2\]"
+    six_columns = r"w.shape\[1\]=6 .* must divide by schedule.chunks=4; valid chunk counts for this shape: \[2, 3, 6\]"
     with pytest.raises(ValueError, match=six_columns):
         cols.validate("matmul_rs", ((16, 4), (4, 6)), 4)
     # One schedule given for several ops (overlap's, a forward's for its backward): the other ops cut rows.
@@ -90,7 +93,7 @@ def test_matmul_psum_rows_not_dividing_by_the_axis_say_how_to_fix(sched):
 
 def test_matmul_psum_chunks_cut_the_reduce_scatter_blocks():
     with pytest.raises(ValueError, match=r"matmul_psum: rows per reduce-scatter block \(M / 4\) = 6 .*chunks=4.*"
-                                         r"valid chunk counts for this shape: \[1, 2\]"):
+                                         r"valid chunk counts for this shape: \[1, 2, 3, 6\]"):
         Schedule.parse("xla/ring/c4").validate("matmul_psum", ((24, 4), (4, 3)), 4)
 
 
@@ -102,6 +105,60 @@ def test_matmul_rs_dma_ring_is_not_in_the_space():
 def test_parse_rejects_garbage():
     with pytest.raises(ValueError, match="cannot parse schedule"):
         Schedule.parse("fast please")
+
+
+@pytest.mark.parametrize("text,match", [
+    ("none/direct/c2", r"'none' \(the plain collective, then the matmul\) takes no other fields; write 'none'"),
+    ("none/", r"'none' .* takes no other fields"),
+    ("dma/direct/c0", r"chunks=0 must be a positive int"),
+    ("dma/direct/c2/s0", r"copy_streams=0 must be a positive int"),
+    ("dma/sideways/c2", r"order='sideways' is not one of"),
+    ("dma/direct/c\u00b2", r"chunks 'c\u00b2' must be c<positive int>"),
+    ("dma/direct/c\u0662", r"chunks 'c\u0662' must be c<positive int>"),
+    ("dma/direct/c2/s\u00b2", r"unknown part 's\u00b2'"),
+])
+def test_parse_names_the_text_it_refuses(text, match):
+    with pytest.raises(ValueError, match=rf"^cannot parse schedule {re.escape(repr(text))}: {match}"):
+        Schedule.parse(text)
+    with pytest.raises(ValueError, match=rf"^ag_matmul: cannot parse schedule {re.escape(repr(text))}: {match}"):
+        as_schedule("ag_matmul", text, "a schedule")
+
+
+def test_numpy_integers_are_taken_as_ints():
+    sched = Schedule(comm="dma", order="direct", chunks=np.int64(2), copy_streams=np.int32(2))
+    assert sched == Schedule(comm="dma", order="direct", chunks=2, copy_streams=2)
+    assert type(sched.chunks) is int and type(sched.copy_streams) is int
+    assert hash(sched) == hash(Schedule.parse("dma/direct/c2/s2")) and str(sched) == "dma/direct/c2/s2"
+    for bad in (2.0, True, np.float32(2), np.bool_(True), "2"):
+        with pytest.raises(ValueError, match=re.escape(f"Schedule: chunks={bad!r} must be a positive int")):
+            Schedule(chunks=bad)
+
+
+@pytest.mark.parametrize("sched,op,shapes,hint", [
+    ("xla/ring/c2", "ag_matmul", ((15, 4), (4, 4)), r"valid chunk counts for this shape: \[1, 3, 5, 15\]"),
+    ("xla/ring/c2/grouped", "ag_matmul", ((15, 4), (4, 4)), r"valid chunk counts for this shape: \[3, 5, 15\]"),
+    ("xla/bidirectional/c4", "ag_matmul", ((6, 4), (4, 4)), r"valid chunk counts for this shape: \[2, 6\]"),
+    ("xla/bidirectional/c2", "ag_matmul", ((15, 4), (4, 4)),
+     r"no chunk count that xla/bidirectional/c2 can take divides 15: use xla/ring/c1"),
+    ("dma/direct/c2/columns", "matmul_rs", ((16, 4), (4, 15)), r"valid chunk counts for this shape: \[3, 5, 15\]"),
+    ("dma/direct/c2/columns", "matmul_rs", ((16, 4), (4, 1)),
+     r"no chunk count that dma/direct/c2/columns can take divides 1: use dma/direct/c1"),
+    ("xla/ring/c17", "ag_matmul", ((720720, 4), (4, 4)),
+     r"valid chunk counts for this shape: \[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, \.\.\. "
+     r"\(240 in all, up to 720720\)\]"),
+])
+def test_chunk_hints_list_the_counts_that_divide(sched, op, shapes, hint):
+    """Every divisor the schedule can take, odd ones included (not only the enumerated choices)."""
+    with pytest.raises(ValueError, match=hint):
+        Schedule.parse(sched).validate(op, shapes, 4)
+
+
+def test_local_shapes_errors_name_the_caller():
+    assert local_shapes("ag_matmul", 12, 8, 24, 3) == ((4, 8), (8, 8))
+    with pytest.raises(ValueError, match=r"^ag_matmul: M=8192 and N=10240 must divide by the 3 devices"):
+        local_shapes("ag_matmul", 8192, 8192, 10240, 3)
+    with pytest.raises(ValueError, match=r"^rank: M=8192 and N=10240 must divide by the 3 devices"):
+        local_shapes("ag_matmul", 8192, 8192, 10240, 3, caller="rank")
 
 
 def test_push_round_trips_and_is_enumerated_when_chosen(monkeypatch):

@@ -4,7 +4,8 @@ resolves to a schedule that can run.
 
 (test_ops.py covers ag_matmul's dtype / contraction / axis / schedule-type errors and the
 unsplittable-rows message; test_dma.py the dma dtype, tiled=False and tuple-axis errors. This
-file covers the rest: matmul_rs, the standalone collectives, `overlap`, and "auto".)
+file covers the rest: matmul_rs, FP8 arguments, out_dtype, chunk-count hints, copy engines under a
+nested shard_map, the standalone collectives, `select_schedule`, `overlap`, and "auto".)
 """
 import os
 import pathlib
@@ -12,6 +13,7 @@ import pathlib
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import logging  # noqa: E402
+import re  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
 import jax  # noqa: E402
@@ -25,7 +27,7 @@ from ficco_jax import config, ops  # noqa: E402
 from ficco_jax.runtime import extension as _ext, topology  # noqa: E402
 from ficco_jax.tuning import policy, select  # noqa: E402
 from ficco_jax.schedule import COMMS, Schedule  # noqa: E402
-from helpers import ag_specs, lowered_text, prefer_copy_engines, rs_specs, run_sharded  # noqa: E402
+from helpers import ag_specs, lowered_text, prefer_copy_engines, psum_specs, rs_specs, run_sharded  # noqa: E402
 
 needs_ext = pytest.mark.skipif(not _ext.available(), reason="ficco_jax._ffi is not built")
 
@@ -37,8 +39,9 @@ def _zeros(shape, dtype="float32"):
 # ------------------------------------------------------------------------------------------------
 # The ops: one row per mistake; the message must name the op, the argument and expected vs found
 # ------------------------------------------------------------------------------------------------
-def _rs(mesh, y, w, schedule="auto", axis="tp"):
-    return run_sharded(mesh, lambda y, w: ficco_jax.matmul_rs(y, w, axis, schedule=schedule), rs_specs(mesh), y, w)
+def _rs(mesh, y, w, schedule="auto", axis="tp", **kwargs):
+    return run_sharded(mesh, lambda y, w: ficco_jax.matmul_rs(y, w, axis, schedule=schedule, **kwargs), rs_specs(mesh),
+                       y, w)
 
 
 def _ag(mesh, x, w, schedule="auto", axis="tp", **kwargs):
@@ -71,7 +74,7 @@ OP_CASES = [
     ("rs-axis-not-in-mesh", lambda m: _rs(m, _zeros(Y), _zeros(W_RS), axis="sp"),
      ValueError, r"matmul_rs: axis 'sp' is not bound here"),
     ("rs-rows-vs-chunks-dma", lambda m: _rs(m, _zeros((8 * 3, 64)), _zeros(W_RS), "dma/direct/c4"),
-     ValueError, r"matmul_rs: rows per output block \(M / 8\) = 3 .*chunks=4.*valid chunk counts.*\[1\]"),
+     ValueError, r"matmul_rs: rows per output block \(M / 8\) = 3 .*chunks=4.*valid chunk counts.*\[1, 3\]"),
     ("rs-dma-ring", lambda m: _rs(m, _zeros(Y), _zeros(W_RS), "dma/ring/c1"),
      ValueError, r"matmul_rs: schedule dma/ring/c1 is not valid: .*valid orders: \('direct',\)"),
     ("rs-dma-dtype", lambda m: _rs(m, _zeros(Y, "float8_e5m2fnuz"), _zeros(W_RS, "float8_e5m2fnuz"), "dma/direct/c1"),
@@ -88,7 +91,28 @@ OP_CASES = [
     ("ag-unparsable-chunks", lambda m: _ag(m, _zeros(X), _zeros(W_AG), "xla/ring/cX"),
      ValueError, r"cannot parse schedule 'xla/ring/cX': chunks 'cX' must be c<positive int>"),
     ("ag-rows-vs-chunks-dma", lambda m: _ag(m, _zeros((8 * 6, 8)), _zeros(W_AG), "dma/ring/c4"),
-     ValueError, r"ag_matmul: rows per device = 6 .*chunks=4.*valid chunk counts.*\[1, 2\]"),
+     ValueError, r"ag_matmul: rows per device = 6 .*chunks=4.*valid chunk counts.*\[1, 2, 3, 6\]"),
+    ("ag-odd-rows-vs-chunks", lambda m: _ag(m, _zeros((8 * 15, 8)), _zeros(W_AG), "dma/direct/c2"),
+     ValueError, r"ag_matmul: rows per device = 15 .*chunks=2; valid chunk counts for this shape: \[1, 3, 5, 15\]"),
+    ("rs-odd-columns-vs-chunks", lambda m: _rs(m, _zeros(Y), _zeros((8 * 8, 15)), "dma/direct/c2/columns"),
+     ValueError, r"matmul_rs: gemm='columns' .*w.shape\[1\]=15 .*chunks=2; valid chunk counts for this shape: "
+                 r"\[3, 5, 15\]"),
+    ("ag-zero-chunks-string", lambda m: _ag(m, _zeros(X), _zeros(W_AG), "dma/direct/c0"),
+     ValueError, r"ag_matmul: cannot parse schedule 'dma/direct/c0': chunks=0 must be a positive int"),
+    ("ag-none-with-fields", lambda m: _ag(m, _zeros(X), _zeros(W_AG), "none/direct/c2"),
+     ValueError, r"ag_matmul: cannot parse schedule 'none/direct/c2': 'none' .* takes no other fields; write 'none'"),
+    ("ag-fp8-out-dtype", lambda m: _ag(m, _zeros(X, "float8_e4m3fn"), _zeros(W_AG, "float8_e4m3fn"), "none",
+                                       x_scale=1.0, w_scale=1.0, out_dtype="garbage"),
+     TypeError, r"ag_matmul: out_dtype must be a dtype such as jnp.float32, found 'garbage'"),
+    ("ag-fp8-string-scale", lambda m: _ag(m, _zeros(X, "float8_e4m3fn"), _zeros(W_AG, "float8_e4m3fn"), "none",
+                                          x_scale="1", w_scale=1.0),
+     TypeError, r"ag_matmul: x_scale must be a float32 scalar \(an array or a Python number\), found str '1'"),
+    ("ag-fp8-w-only", lambda m: _ag(m, _zeros(X, "bfloat16"), _zeros(W_AG, "float8_e4m3fn"), "none"),
+     TypeError, r"ag_matmul: both operands must be FP8 .* or neither, found x bfloat16 and w float8_e4m3fn; "
+                r"quantize x as well .* or dequantize w"),
+    ("rs-fp8-y-only", lambda m: _rs(m, _zeros(Y, "float8_e4m3fn"), _zeros(W_RS, "bfloat16"), "none"),
+     TypeError, r"matmul_rs: both operands must be FP8 .* or neither, found y float8_e4m3fn and w bfloat16; "
+                r"quantize w as well .* or dequantize y"),
 ]
 
 
@@ -105,6 +129,72 @@ def test_ops_check_their_axis_on_a_2d_mesh(mesh2d):
     specs = ((P(None, "tp"), P("tp", None)), P(None, None))
     with pytest.raises(ValueError, match=r"matmul_rs: y.shape\[0\]=3 rows must divide by the axis size 2"):
         run_sharded(mesh2d, lambda y, w: ficco_jax.matmul_rs(y, w, "dp", schedule="xla/ring/c1"), specs, y, w)
+
+
+@needs_ext
+def test_every_listed_chunk_count_runs(mesh1d, rng):
+    """15 rows per device: the counts the message lists include the odd ones, and each of them runs."""
+    x = jnp.asarray(rng.standard_normal((8 * 15, 8)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((8, 8 * 6)), jnp.float32)
+    with pytest.raises(ValueError, match="valid chunk counts") as refused:
+        _ag(mesh1d, x, w, "dma/direct/c2")
+    listed = re.search(r"valid chunk counts for this shape: \[([0-9, ]+)\]", str(refused.value)).group(1)
+    counts = [int(c) for c in listed.split(",")]
+    assert counts == [1, 3, 5, 15]
+    want = run_sharded(mesh1d, lambda x, w: ficco_jax.ag_matmul_ref(x, w, "tp"), ag_specs(mesh1d), x, w)
+    for chunks in counts[1:]:
+        got = _ag(mesh1d, x, w, f"dma/direct/c{chunks}")
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5, err_msg=f"c{chunks}")
+
+
+_OPS_AND_REFS = {
+    "ag_matmul": (ficco_jax.ag_matmul, ficco_jax.ag_matmul_ref, ag_specs, ((8 * 16, 32), (32, 8 * 8))),
+    "matmul_rs": (ficco_jax.matmul_rs, ficco_jax.matmul_rs_ref, rs_specs, ((8 * 32, 8 * 8), (8 * 8, 16))),
+    "matmul_psum": (ficco_jax.matmul_psum, ficco_jax.matmul_psum_ref, psum_specs, ((8 * 32, 8 * 8), (8 * 8, 16))),
+}
+
+
+@pytest.mark.parametrize("schedule", ["none", "xla/ring/c2", "auto"])
+@pytest.mark.parametrize("op", list(_OPS_AND_REFS))
+def test_float64_out_dtype_without_x64_is_float32_as_in_jax(mesh1d, rng, op, schedule):
+    """With jax_enable_x64 off JAX truncates a float64 result to float32 and warns; the ops do the same
+    (the result's dtype must match the reference's, or shard_map refuses the program)."""
+    assert not jax.config.jax_enable_x64
+    fn, ref, specs, (a_shape, w_shape) = _OPS_AND_REFS[op]
+    a = jnp.asarray(rng.standard_normal(a_shape), jnp.float32)
+    w = jnp.asarray(rng.standard_normal(w_shape), jnp.float32)
+    with pytest.warns(UserWarning, match=rf"{op}: out_dtype float64 is not available while jax_enable_x64 is off; "
+                                         rf"the result is float32"):
+        got = run_sharded(mesh1d, lambda a, w: fn(a, w, "tp", schedule=schedule, out_dtype=jnp.float64), specs(mesh1d),
+                          a, w)
+    want = run_sharded(mesh1d, lambda a, w: ref(a, w, "tp"), specs(mesh1d), a, w)
+    assert got.dtype == want.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
+
+
+@needs_ext
+def test_dma_in_a_nested_shard_map_names_jax_set_mesh(mesh2d, rng):
+    """A jax.shard_map nested in another (no mesh= of its own) lowers its body with an abstract mesh:
+    comm='dma' then says to run under jax.set_mesh, and there it runs on the permuted devices."""
+    x = jnp.asarray(rng.standard_normal((2 * 4 * 6, 16)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((16, 4 * 8)), jnp.float32)
+
+    def nested(op):
+        inner = jax.shard_map(lambda x, w: op(x, w, "tp"), in_specs=(P("tp", None), P(None, "tp")),
+                              out_specs=P(None, "tp"), axis_names={"tp"})
+        return jax.jit(jax.shard_map(inner, mesh=mesh2d, in_specs=(P("dp", None), P(None, None)),
+                                     out_specs=P("dp", None), axis_names={"dp"}))
+
+    def on_copy_engines(x, w, axis):
+        return ficco_jax.ag_matmul(x, w, axis, schedule="dma/direct/c2")
+
+    with pytest.raises(ValueError, match=r"ag_matmul: comm='dma' needs the devices of its mesh axis .*only an "
+                                         r"abstract mesh .*`with jax.set_mesh\(mesh\):`.*or use comm='xla'"):
+        nested(on_copy_engines)(x, w)
+    with jax.set_mesh(mesh2d):
+        got = nested(on_copy_engines)(x, w)
+    want = nested(ficco_jax.ag_matmul_ref)(x, w)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -143,7 +233,9 @@ COLLECTIVE_CASES = [
      ValueError, r"reduce_scatter: dma.reduce_scatter moves row chunks; gemm='columns' cuts the output columns of "
                  r"matmul_rs and matmul_psum: use dma/direct/c2"),
     ("ag-rows-vs-chunks", lambda m: _gather(m, _zeros((24, 4)), schedule="dma/direct/c8"),
-     ValueError, r"all_gather: 3 rows per block .*schedule.chunks=8; valid chunk counts for this shape: \[1\]"),
+     ValueError, r"all_gather: 3 rows per block .*schedule.chunks=8; valid chunk counts for this shape: \[1, 3\]"),
+    ("ag-odd-rows-vs-chunks", lambda m: _gather(m, _zeros((8 * 15, 4)), schedule="dma/direct/c2"),
+     ValueError, r"all_gather: 15 rows per block .*chunks=2; valid chunk counts for this shape: \[1, 3, 5, 15\]"),
     ("rs-not-divisible", lambda m: _scatter(m, _zeros((8 * 12, 4))),
      ValueError, r"reduce_scatter: x.shape\[0\]=12 must divide by the axis size 8"),
     ("rs-dtype", lambda m: _scatter(m, _zeros((512, 4), "complex64")),
@@ -156,6 +248,30 @@ COLLECTIVE_CASES = [
 def test_collective_rejects_bad_input(mesh1d, call, exc, pattern):
     with pytest.raises(exc, match=pattern):
         call(mesh1d)
+
+
+@needs_ext
+def test_all_to_all_chunks_cut_the_first_dimension_of_each_block(mesh1d, rng):
+    """split_axis=0: a block is x.shape[0] // n rows (x (16, 6) per device: 2 rows, which chunks=3
+    cannot cut though x.shape[1] = 6 divides by 3); another split axis leaves x.shape[0] whole."""
+    assert "x.shape[0] // n for split_axis=0, x.shape[0]\n    otherwise" in ficco_jax.dma.all_to_all.__doc__
+
+    def a2a(split_axis, schedule):
+        return lambda a: ficco_jax.dma.all_to_all(a, "tp", split_axis, split_axis, schedule=schedule)
+
+    def ref(split_axis):
+        return lambda a: jax.lax.all_to_all(a, "tp", split_axis, split_axis, tiled=True)
+
+    specs = ((P("tp"),), P("tp"))
+    x = jnp.asarray(rng.standard_normal((8 * 16, 6)), jnp.float32)
+    with pytest.raises(ValueError, match=r"all_to_all: 2 rows per block must divide by schedule.chunks=3; "
+                                         r"valid chunk counts for this shape: \[1, 2\]"):
+        run_sharded(mesh1d, a2a(0, "dma/direct/c3"), specs, x)
+    np.testing.assert_array_equal(np.asarray(run_sharded(mesh1d, a2a(0, "dma/direct/c2"), specs, x)),
+                                  np.asarray(run_sharded(mesh1d, ref(0), specs, x)))
+    x = jnp.asarray(rng.standard_normal((8 * 6, 16)), jnp.float32)  # blocks (6, 2): chunks cut the 6 rows
+    np.testing.assert_array_equal(np.asarray(run_sharded(mesh1d, a2a(1, "dma/direct/c3"), specs, x)),
+                                  np.asarray(run_sharded(mesh1d, ref(1), specs, x)))
 
 
 @needs_ext
@@ -174,6 +290,26 @@ def test_dma_across_processes_is_refused(mesh1d, monkeypatch):
         _gather(mesh1d, _zeros((64, 4)))
     with pytest.raises(ValueError, match=r"ag_matmul: mesh axis 'tp' spans several processes.*comm='xla'"):
         _ag(mesh1d, _zeros(X), _zeros(W_AG), "dma/direct/c1")
+
+
+# ------------------------------------------------------------------------------------------------
+# select_schedule: its inputs are checked as the ops check theirs
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("op,shapes,axis_size,exc,pattern", [
+    ("ag_matmul", ((16, 8), (9, 8)), 8, ValueError,
+     r"ag_matmul: contraction sizes differ: x.shape\[1\]=8 but w.shape\[0\]=9"),
+    ("ag_matmul", ((16, 8), (8, 8)), 0, ValueError, r"select_schedule: axis_size=0 must be >= 1"),
+    ("matmul_rs", ((16, 8), (8, 8)), -2, ValueError, r"select_schedule: axis_size=-2 must be >= 1"),
+    ("ag_matmul", ((16, 8), (8, 8)), 2.0, TypeError, r"select_schedule: axis_size must be an int .*found 2.0"),
+    ("matmul_rs", ((12, 8), (8, 8)), 8, ValueError,
+     r"matmul_rs: y.shape\[0\]=12 rows must divide by the axis size 8"),
+    ("ag_matmul", ((16, 8, 2), (8, 8)), 4, ValueError,
+     r"ag_matmul: x must be 2-D per device, found shape \(16, 8, 2\)"),
+    ("matmul_sum", ((16, 8), (8, 8)), 4, ValueError, r"unknown op 'matmul_sum'"),
+], ids=["contraction", "axis-0", "axis-negative", "axis-float", "rs-rows", "rank-3", "op"])
+def test_select_schedule_names_the_bad_input(op, shapes, axis_size, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        ficco_jax.select_schedule(op, shapes, "float32", axis_size)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -288,7 +424,9 @@ def test_every_environment_variable_is_named_in_config():
 
 
 @pytest.mark.parametrize("name,raw,expected", [
-    ("FICCO_CHANNEL_BYTES", "inf", "expected bytes from 0 to"), ("FICCO_CHANNEL_BYTES", "abc", "expected bytes"),
+    ("FICCO_CHANNEL_BYTES", "inf", "expected a whole number of bytes from 0 to"),
+    ("FICCO_CHANNEL_BYTES", "abc", "expected a whole number of bytes"),
+    ("FICCO_CHANNEL_BYTES", "1.7", "expected a whole number of bytes"),
     ("FICCO_RENDEZVOUS_TIMEOUT_S", "nan", "expected seconds from 0.001 to"),
     ("FICCO_WATCHDOG_S", "-3", "expected seconds from 0 to"),
     ("FICCO_CROSS_PROCESS_DMA", "maybe", "expected 1 or 0"), ("FICCO_PROFILE_MEASURE", "2", "expected 1 or 0"),

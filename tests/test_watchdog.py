@@ -160,6 +160,13 @@ def test_a_limit_out_of_range_is_refused_by_name(monkeypatch, name, value, attri
         getattr(registry, attribute)()
 
 
+@pytest.mark.parametrize("seconds,ms", [(0.0, 0), (0.0004, 1), (0.0016, 2), (60.0, 60000)])
+def test_a_positive_watchdog_under_a_millisecond_still_watches(monkeypatch, seconds, ms):
+    """The executor reads 0 ms as no watchdog: a positive setting never rounds down to it."""
+    monkeypatch.setattr(config, "WATCHDOG_S", seconds)
+    assert registry.watchdog_ms() == ms
+
+
 def test_the_site_names_the_users_line_and_the_rewrite_names_the_collective():
     assert registry.current_site().startswith("test_watchdog.py:")
     with registry.site_label("model.py:12 (mlp)"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import warnings
 from typing import Union
 
 import jax
@@ -18,6 +19,8 @@ ScheduleArg = Union[str, Schedule]
 #: The operand names of each op, as its signature and its error messages say them.
 OPERAND_NAMES = {"ag_matmul": ("x", "w"), "matmul_rs": ("y", "w"), "a2a_matmul": ("x", "w"), "matmul_a2a": ("y", "w"),
                  "matmul_psum": ("y", "w")}
+#: The ops that take FP8 operands (with x_scale= and w_scale=; ops/scaled.py).
+FP8_OPS = ("ag_matmul", "matmul_rs")
 
 
 def axis_size(axis_name, op: str) -> int:
@@ -36,35 +39,57 @@ def axis_size(axis_name, op: str) -> int:
         ) from exc
 
 
-def check_out_dtype(op: str, out_dtype, operand_dtype):
-    """`out_dtype` as a numpy dtype: None means the operands' dtype; else a floating-point dtype."""
-    if out_dtype is None:
-        return None
+def as_out_dtype(op: str, out_dtype):
+    """`out_dtype` (not None) as the numpy dtype of the result: a floating-point dtype, canonical as
+    JAX makes it (float64 is float32 while jax_enable_x64 is off, with a warning, as plain JAX)."""
     try:
         dtype = jnp.dtype(out_dtype)
     except TypeError as exc:
         raise TypeError(f"{op}: out_dtype must be a dtype such as jnp.float32, found {out_dtype!r}") from exc
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"{op}: out_dtype must be a floating-point dtype (e.g. jnp.float32), found {dtype}")
+    canonical = jnp.dtype(jax.dtypes.canonicalize_dtype(dtype))
+    if canonical != dtype:
+        warnings.warn(f"{op}: out_dtype {dtype} is not available while jax_enable_x64 is off; the result is "
+                      f"{canonical}, as in plain JAX. Set jax.config.update('jax_enable_x64', True) for {dtype}",
+                      stacklevel=5)  # the caller of the public op
+    return canonical
+
+
+def check_out_dtype(op: str, out_dtype, operand_dtype):
+    """`out_dtype` as a numpy dtype: None means the operands' dtype; else a floating-point dtype."""
+    if out_dtype is None:
+        return None
+    dtype = as_out_dtype(op, out_dtype)
     return None if dtype == jnp.dtype(operand_dtype) else dtype
 
 
-def check_operands(op: str, a, w) -> None:
-    """Both operands arrays of one floating-point dtype."""
-    names = OPERAND_NAMES[op]
-    for name, v in zip(names, (a, w)):
+def check_arrays(op: str, a, w) -> None:
+    """Both operands arrays (anything with a shape and a dtype)."""
+    for name, v in zip(OPERAND_NAMES[op], (a, w)):
         if not (hasattr(v, "shape") and hasattr(v, "dtype")):
             raise TypeError(
                 f"{op}: {name} must be a jax or numpy array, found {type(v).__name__}; wrap it in jnp.asarray"
             )
+
+
+def check_operands(op: str, a, w) -> None:
+    """Both operands arrays of one floating-point dtype, not FP8 (ops/scaled.py takes FP8 pairs)."""
+    names = OPERAND_NAMES[op]
+    check_arrays(op, a, w)
+    for name, v in zip(names, (a, w)):
         if not jnp.issubdtype(v.dtype, jnp.floating):
             raise TypeError(
                 f"{op}: {name} must be a floating-point array, found dtype {v.dtype}; "
                 f"cast it, e.g. {name}.astype(jnp.bfloat16)"
             )
-        if config.is_fp8(v.dtype):  # ag_matmul / matmul_rs route FP8 to ops/scaled.py
+    fp8 = [config.is_fp8(v.dtype) for v in (a, w)]
+    if op in FP8_OPS and any(fp8) and not all(fp8):
+        raise TypeError(one_fp8_operand(op, a, w))
+    for name, is_fp8 in zip(names, fp8):
+        if is_fp8:
             raise TypeError(
-                f"{op}: FP8 operands are taken by ag_matmul and matmul_rs (with x_scale= and w_scale=); {op} takes "
+                f"{op}: FP8 operands are taken by {' and '.join(FP8_OPS)} (with x_scale= and w_scale=); {op} takes "
                 f"bf16, f16 or f32: dequantize {name} first, e.g. {name}.astype(jnp.bfloat16) * scale"
             )
     if a.dtype != w.dtype:
@@ -72,6 +97,16 @@ def check_operands(op: str, a, w) -> None:
             f"{op}: {names[0]} and w must have the same dtype, found {a.dtype} and {w.dtype}; "
             f"cast one of them (e.g. w.astype({names[0]}.dtype))"
         )
+
+
+def one_fp8_operand(op: str, a, w) -> str:
+    """The message for an FP8 op (FP8_OPS) called with one FP8 operand and one of another dtype."""
+    names, dtypes = OPERAND_NAMES[op], (a.dtype, w.dtype)
+    quantized, plain = (0, 1) if config.is_fp8(a.dtype) else (1, 0)
+    fp8, fp8_dtype, other = names[quantized], dtypes[quantized], names[plain]
+    return (f"{op}: both operands must be FP8 {config.FP8_DTYPES} (with x_scale= and w_scale=) or neither, found "
+            f"{names[0]} {a.dtype} and w {w.dtype}; quantize {other} as well (e.g. {other}.astype(jnp.{fp8_dtype}) "
+            f"with its scale) or dequantize {fp8} (e.g. {fp8}.astype(jnp.bfloat16) * scale)")
 
 
 def varying_axes(v) -> frozenset:

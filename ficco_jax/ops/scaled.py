@@ -49,7 +49,7 @@ from jax import lax
 from .. import config
 from ..lowering import xla
 from ..lowering.dma.registry import aval
-from .core import axis_size
+from .core import as_out_dtype, axis_size, check_arrays, one_fp8_operand
 from .linear import LinearMap, bind
 from .resolve import resolve_schedule, transposed_schedule
 from .run import run_scheduled
@@ -68,24 +68,31 @@ def wanted(a, *scales) -> bool:
 def check(op: str, a, w, scales, out_dtype):
     """(scales as f32 scalars, out_dtype) of an FP8 call, or a TypeError that names the fix."""
     names = ("x", "w") if op == "ag_matmul" else ("y", "w")
-    if any(s is None for s in scales):
-        raise TypeError(f"{op}: FP8 operands ({names[0]} {a.dtype}, w {w.dtype}) need x_scale= and w_scale=, the "
-                        f"per-tensor dequantization scales (f32 scalars, e.g. x_scale=jnp.float32(1.0))")
+    check_arrays(op, a, w)
+    if all(s is None for s in scales) and not config.is_fp8(w.dtype):
+        raise TypeError(one_fp8_operand(op, a, w))
     for name, v in zip(names, (a, w)):
         if not config.is_fp8(v.dtype):
             raise TypeError(f"{op}: with scales both operands must be FP8 {config.FP8_DTYPES}, found {name} {v.dtype}; "
                             f"quantize it (e.g. {name}.astype(jnp.float8_e4m3fn)) or drop the scales")
+    if any(s is None for s in scales):
+        raise TypeError(f"{op}: FP8 operands ({names[0]} {a.dtype}, w {w.dtype}) need x_scale= and w_scale=, the "
+                        f"per-tensor dequantization scales (f32 scalars, e.g. x_scale=jnp.float32(1.0))")
     if jnp.dtype(a.dtype).name == jnp.dtype(w.dtype).name == "float8_e5m2":
         raise TypeError(f"{op}: float8_e5m2 x float8_e5m2 matmuls are not supported (cuBLASLt has none); make one "
                         f"operand float8_e4m3fn")
     converted = []
     for name, s in zip(("x_scale", "w_scale"), scales):
-        s = jnp.asarray(s, jnp.float32) if not hasattr(s, "dtype") else s
+        if not hasattr(s, "dtype"):
+            if not isinstance(s, (int, float)) or isinstance(s, bool):
+                raise TypeError(f"{op}: {name} must be a float32 scalar (an array or a Python number), found "
+                                f"{type(s).__name__} {s!r}; pass e.g. jnp.float32(scale)")
+            s = jnp.asarray(s, jnp.float32)
         if s.size != 1 or s.dtype != jnp.float32:
             raise TypeError(f"{op}: {name} must be one float32 value, found {s.dtype}{list(s.shape)}; "
                             f"pass e.g. jnp.float32(scale)")
         converted.append(s.reshape(()))
-    out = jnp.dtype(out_dtype if out_dtype is not None else jnp.bfloat16)
+    out = jnp.dtype(jnp.bfloat16) if out_dtype is None else as_out_dtype(op, out_dtype)
     if out.name not in OUT_DTYPES:
         raise TypeError(f"{op}: an FP8 matmul's out_dtype is one of {OUT_DTYPES}, found {out.name}")
     return tuple(converted), out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import numbers
 from typing import Sequence
 
 import jax
@@ -12,7 +13,7 @@ import numpy as np
 
 from ..runtime import extension, ipc, topology as topology_lib
 from .. import config
-from ..schedule import A2A_OPS, Schedule
+from ..schedule import A2A_OPS, Schedule, check_shapes
 from . import cost_model, first_use
 
 log = logging.getLogger("ficco_jax")
@@ -103,6 +104,7 @@ def _log_profile_stand_in(kind: str, axis_size: int, name: str) -> None:
 def select_schedule(op: str, shapes, dtype, axis_size: int, profile=None,
                     comms: Sequence[str] | None = None, out_dtype=None) -> Schedule:
     """The predicted-fastest valid schedule, or `Schedule(comm="none")` when overlap does not pay."""
+    _check_inputs(op, shapes, axis_size)
     comms = tuple(comms or available_comms())
     if op in A2A_OPS:
         pick = _expert_pick(comms, axis_size)
@@ -116,6 +118,17 @@ def select_schedule(op: str, shapes, dtype, axis_size: int, profile=None,
     ranked = cost_model.rank(op, shapes, dtype, axis_size, candidates(op, axis_size, comms, dtype), profile,
                              out_dtype)
     return ranked[0][1]
+
+
+def _check_inputs(op: str, shapes, axis_size) -> None:
+    """The checks the ops make of their shapes and axis, made before any candidate is ranked: a bad
+    input is named, where the ranking would only find that no candidate is valid."""
+    if not isinstance(axis_size, numbers.Integral) or isinstance(axis_size, bool):
+        raise TypeError(f"select_schedule: axis_size must be an int (the devices along the op's mesh axis), "
+                        f"found {axis_size!r}")
+    if axis_size < 1:
+        raise ValueError(f"select_schedule: axis_size={axis_size} must be >= 1 (the devices along the op's mesh axis)")
+    check_shapes(op, shapes, int(axis_size))
 
 
 def candidates(op: str, axis_size: int, comms: Sequence[str], dtype) -> list[Schedule]:

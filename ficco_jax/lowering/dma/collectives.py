@@ -138,10 +138,9 @@ def _collective_schedule(op: str, schedule, n: int, rows: int) -> Schedule:
     if problem is not None:
         raise ValueError(f"{op}: schedule {schedule} is not valid: {problem}")
     if rows % schedule.chunks:
-        valid = [c for c in config.CHUNK_CHOICES if rows % c == 0]
         raise ValueError(
             f"{op}: {rows} rows per block must divide by schedule.chunks={schedule.chunks}; "
-            f"valid chunk counts for this shape: {valid}"
+            f"{schedule.chunk_hint('ag_matmul', n, rows)}"
         )
     return schedule
 
@@ -156,9 +155,9 @@ def all_to_all(x, axis_name, split_axis, concat_axis, *, tiled=True, schedule=No
     x.shape[split_axis] is cut into n blocks; block p goes to rank p, and the blocks received
     are concatenated along `concat_axis` in rank order. Any dtype (bytes are moved).
     Differentiable in both modes: the transpose is the all_to_all with the two axes swapped.
-    `schedule`: a comm="dma" Schedule (or its string); its chunks cut the first dimension of a
-    block after the split axis is moved to the front (for split_axis=0: x.shape[1]). Default:
-    direct, one chunk, as many copy streams as useful.
+    `schedule`: a comm="dma" Schedule (or its string); its chunks cut the first dimension of each
+    block, x with x.shape[split_axis] cut by n: x.shape[0] // n for split_axis=0, x.shape[0]
+    otherwise. Default: direct, one chunk, one copy stream.
     """
     split_axis, concat_axis, n = _checked("all_to_all", "all_to_all", x, axis_name, tiled, split_axis, concat_axis)
     _check_divides("all_to_all", x, split_axis, n, axis_name, " (the split axis)")

@@ -27,13 +27,22 @@ def _concrete_mesh(ctx, op: str):
     mesh = getattr(axis_context, "mesh", None)
     if isinstance(mesh, jax.sharding.Mesh):
         return mesh
-    mesh = topology.context_mesh()  # jax.set_mesh's
-    if mesh is not None:
-        return mesh
+    context_mesh = topology.context_mesh()  # jax.set_mesh's
+    if context_mesh is not None:
+        return context_mesh
+    if isinstance(mesh, jax.sharding.AbstractMesh):
+        # A jax.shard_map nested in another lowers its body with the outer one's abstract mesh (JAX
+        # keeps no device assignment there), so the devices come from jax.set_mesh alone.
+        raise ValueError(
+            f"{op}: comm='dma' needs the devices of its mesh axis when it is lowered, and the enclosing "
+            f"jax.shard_map has only an abstract mesh {dict(mesh.shape)} (a shard_map nested in another, or "
+            f"one without mesh=); run the jitted function inside `with jax.set_mesh(mesh):` with the concrete "
+            f"jax.sharding.Mesh, or use comm='xla'"
+        )
     raise ValueError(
         f"{op}: comm='dma' needs a concrete jax.sharding.Mesh when it is lowered: call it inside "
-        f"jax.shard_map(..., mesh=<jax.sharding.Mesh>) under jax.jit (found axis context "
-        f"{type(axis_context).__name__})"
+        f"jax.shard_map(..., mesh=<jax.sharding.Mesh>) under jax.jit, or inside `with jax.set_mesh(mesh):` "
+        f"(found axis context {type(axis_context).__name__})"
     )
 
 

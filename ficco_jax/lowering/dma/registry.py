@@ -171,7 +171,8 @@ def channel_bytes() -> int:
 
 
 def watchdog_ms() -> int:
-    """config.WATCHDOG_S as the executor's attribute: milliseconds, 0 for off."""
+    """config.WATCHDOG_S as the executor's attribute: milliseconds, 0 for off (a positive value
+    under 1 ms waits 1 ms: it must not turn the watchdog off)."""
     return _limit_ms("WATCHDOG_S", 0.0, "0 turns the watchdog off")
 
 
@@ -182,12 +183,13 @@ def timeout_ms() -> int:
 
 
 def _limit_ms(name: str, low: float, what: str) -> int:
-    """config.`name` (seconds) in milliseconds, within [low, config.MAX_LIMIT_S] (set directly, it
-    bypassed the environment's check), else a ValueError naming it."""
+    """config.`name` (seconds) in whole milliseconds, within [low, config.MAX_LIMIT_S] (set directly,
+    it bypassed the environment's check), else a ValueError naming it. A positive value is at least
+    1 ms: the executor reads 0 as no limit."""
     value = getattr(config, name)
     if not low <= value <= config.MAX_LIMIT_S:  # (NaN fails too)
         raise ValueError(f"config.{name}={value!r} must be from {low:g} to {config.MAX_LIMIT_S:g} seconds ({what})")
-    return int(round(value * 1000))
+    return max(int(round(value * 1000)), 1 if value > 0 else 0)
 
 
 def match_varying(*values, axis_name=None):
