@@ -7,10 +7,11 @@ same program on the plain path.
     python tests/channel_program.py {cold,warm} [--cpu]
 
 cold: each program's first launch is its sites' first execution (their matmul plans are timed then,
-the host waiting for the device); warm: every site ran alone first. On 2 x H100 (2026-11-27) the
-first program stopped in 2 of 4 such runs while a device waited for a peer's channel word that its
-host, blocked in such a wait, had yet to enqueue; the channel now has hosts check that before any
-device waits (xla_ffi/runtime/channel.h).
+the host waiting for the device); warm: every site ran alone first. The cold run is the one that
+tests the channel's ordering: a host blocked while timing a plan has yet to enqueue the channel words
+its peers' devices wait for, and a rank enqueues its device's wait for a peer's word only once that
+peer's host has enqueued the write (xla_ffi/runtime/channel.h), so no device waits for work no host
+will enqueue.
 """
 import argparse
 import os

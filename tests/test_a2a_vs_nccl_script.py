@@ -78,8 +78,8 @@ def test_the_script_times_all_gather_and_reduce_scatter_pulled_and_pushed(tmp_pa
 
 @pytest.mark.parametrize("n, streams", [(2, []), (3, [2]), (4, [2, 3]), (8, [2, 7])])
 def test_default_variants_are_valid_for_the_group(n, streams):
-    # A schedule may not have more copy streams than peers: on 2 devices the default list is the
-    # default schedule alone (a listed s2 there was an error row at every size).
+    # A schedule may not have more copy streams than peers (an s2 on 2 devices is invalid, an error
+    # row at every size): on 2 devices the default list is the default schedule alone.
     script = _load(SCRIPT)
     variants = script.dma_variants("", n)
     assert variants == ["default"] + [f"dma/direct/c1/s{s}" for s in streams]

@@ -190,7 +190,8 @@ def test_accuracy_plot_from_the_gpu_run(tmp_path):
 
 @pytest.mark.parametrize("c", [1, 2, 4, 8])
 def test_every_chunk_matmul_survives_the_timing_chain(c):
-    """The decomposition probe once let XLA drop all chunk matmuls but the first."""
+    """Every chunk's matmul of the decomposition probe stays in the timed program: XLA drops work whose
+    result the timing chain does not feed back, and would then time one chunk's matmul as c of them."""
     import jax
     import jax.numpy as jnp
 
@@ -381,7 +382,7 @@ def test_accuracy_resume_refuses_a_run_it_cannot_continue():
         accuracy.resumed_cases(earlier, "NVIDIA H200", 4, "bfloat16", "default")
     with pytest.raises(ValueError, match="not an accuracy.json"):
         accuracy.resumed_cases({"rows": []}, "NVIDIA H200", 4, "bfloat16", "h200x4")
-    with pytest.raises(ValueError, match=r"rounds 1 \(this run: 3\)"):  # a run before rounds existed timed once
+    with pytest.raises(ValueError, match=r"rounds 1 \(this run: 3\)"):  # a file without "rounds" timed once
         accuracy.resumed_cases(earlier, "NVIDIA H200", 4, "bfloat16", "h200x4", rounds=3)
 
 

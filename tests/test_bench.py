@@ -180,44 +180,63 @@ def test_device_time_adds_estimates_only_while_they_disagree(monkeypatch):
     assert t["estimates"] == 3
 
 
-def test_device_time_spans_cover_the_timed_launches_not_the_warm_ups():
+class _FakeClock:
+    """time.monotonic / time.perf_counter for timing.py that move only when a fake program runs:
+    steps of a power of two seconds, so every sum of them is exact and no reading depends on the
+    host's load."""
+    STEP_S = 2.0 ** -10  # one launch
+    COMPILE_S = 2.0 ** -2  # a program's first call
+
+    def __init__(self):
+        self.now = 0.0
+        self.monotonic = self.perf_counter = lambda: self.now
+
+    def run(self, first: bool) -> float:
+        self.now += self.COMPILE_S if first else self.STEP_S
+        return self.now
+
+
+def test_device_time_spans_cover_the_timed_launches_not_the_warm_ups(monkeypatch):
     """What the GPUs did is read over these spans (gpu_monitor), so a compile must not fall inside one."""
-    calls = {}
+    clock, calls = _FakeClock(), {}
+    monkeypatch.setattr(timing, "time", clock)
 
     def make(r):
         def fn(a):
             calls[r] = calls.get(r, 0) + 1
-            time.sleep(0.2 if calls[r] == 1 else 0.001)  # the first call of a program: its compile
+            clock.run(first=calls[r] == 1)
             return a
         return fn
 
     spans = []
     t = timing.device_time(make, (1.0,), target_s=1e-3, adaptive=False, spans=spans)
     assert len(spans) == 1 + 2 * t["estimates"]  # the sizing run, then a (big, small) pair per estimate
-    assert all(0 < end - start < 0.15 for start, end in spans)
+    # each span is its timed launches alone (the sizing run: one), no compile inside
+    launches = [1] + [timing.LAUNCHES] * (len(spans) - 1)
+    assert [end - start for start, end in spans] == [k * clock.STEP_S for k in launches]
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
 
 
-def test_device_time_settles_on_the_timed_program_before_its_estimates():
+def test_device_time_settles_on_the_timed_program_before_its_estimates(monkeypatch):
     """settle_s: the R-repeat program runs back to back that long before any estimate, so the GPU is
     timed in the power state of this load, not that of an idle compile."""
-    log, compiled = [], set()
+    clock, log = _FakeClock(), []
+    monkeypatch.setattr(timing, "time", clock)
 
     def make(r):
         def fn(a):
-            if r not in compiled:  # a program's first call compiles, longer than the settling
-                compiled.add(r)
-                time.sleep(0.3)
-            log.append((r, time.monotonic()))
+            log.append((r, clock.run(first=all(r != seen for seen, _ in log))))
             return a
         return fn
 
-    spans = []
-    timing.device_time(make, (1.0,), target_s=1e-3, adaptive=False, spans=spans, settle_s=0.1)
+    spans, settle_s = [], 100 * clock.STEP_S
+    t = timing.device_time(make, (1.0,), target_s=1e-3, adaptive=False, spans=spans, settle_s=settle_s)
     first_estimate = spans[1][0]  # spans[0]: the sizing run of the 1-repeat program
-    settling = [t for r, t in log if r > 1 and t < first_estimate]
-    assert len(settling) > 10 and settling[-1] - settling[0] > 0.08
-    assert all(r > 1 for r, t in log if spans[0][1] < t < first_estimate)  # only the timed program ran
+    before = [(r, at) for r, at in log if spans[0][1] < at < first_estimate]
+    assert all(r == 2 * t["repeats"] for r, _ in before)  # only the timed program ran
+    compiled_at, settling = before[0][1], [at for _, at in before[1:]]
+    # after its compile, the program ran back to back until settle_s had passed, then the estimates began
+    assert len(settling) == 100 and settling[-1] - compiled_at == settle_s
 
 
 def test_device_time_fixed_estimates_for_several_processes(monkeypatch):
@@ -255,6 +274,22 @@ def test_progress_ends_at_its_planned_count(tmp_path, capsys):
               windowed=False)
     steps = [tuple(map(int, m)) for m in __import__("re").findall(r"\[\s*(\d+)/(\d+)\]", capsys.readouterr().err)]
     assert steps and steps[-1][0] == steps[-1][1] == len(steps), steps
+
+
+def test_a_listed_schedule_that_does_not_fit_the_shape_is_a_row_saying_why(tmp_path, monkeypatch, capsys):
+    """8 rows per device of ag_matmul do not split into 3 chunks: c3 is neither compiled nor timed,
+    and its row, in bench.json and in the table's notes, gives the reason and the chunk counts that fit."""
+    monkeypatch.setattr(harness, "device_time", lambda make, args: {"median_s": 1e-3, "spread_s": 0.0})
+    result = bench.run(["ag_matmul"], {"t": (64, 32, 64)}, "float32", "xla/direct/c3,xla/direct/c2", str(tmp_path),
+                       windowed=False)
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "bench.json").read_text())["rows"]}
+    skipped = rows["ficco:xla/direct/c3"]
+    assert skipped["verified"] is None and skipped["median_ms"] is None and skipped["rel_err"] is None, skipped
+    assert skipped["note"].startswith("skipped: ag_matmul: rows per device = 8") and "[1, 2, 4, 8]" in skipped["note"]
+    assert rows["ficco:xla/direct/c2"]["verified"] is True and result["skipped"] == []
+    assert f"- ag_matmul t ficco:xla/direct/c3: {skipped['note']}" in (tmp_path / "bench.md").read_text()
+    steps = [tuple(map(int, m)) for m in __import__("re").findall(r"\[\s*(\d+)/(\d+)\]", capsys.readouterr().err)]
+    assert steps[-1][0] == steps[-1][1] == len(steps), steps  # the skipped schedule takes no step
 
 
 def test_a_time_budget_stops_new_cases_and_resume_completes_the_run(tmp_path, monkeypatch):

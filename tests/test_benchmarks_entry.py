@@ -167,7 +167,6 @@ def test_options_go_to_suites_that_take_them(tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(not extension.available(), reason="ficco_jax._ffi is not built")
-@pytest.mark.skipif(not extension.available(), reason="ficco_jax._ffi is not built")
 def test_the_host_suite_times_calls_meeting_and_on_the_channel_on_cpu(tmp_path):
     done = _run("host", "--cpu", "--out", str(tmp_path), timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
@@ -237,7 +236,8 @@ def test_the_jax_peers_on_cpu(tmp_path):
     assert result["n"] == 4 and result["method"] and [r["shape"] for r in result["rows"]] == ["tiny_M64_K32_N64"]
     row = result["rows"][0]
     for key in ("ag_seq", "ag_ring", "ag_xla", "rs_seq", "rs_ring", "rs_xla", "gemm_only", "ag_only"):
-        assert row[key] >= 0, key
+        # a device time is never 0 (timing.device_time): 0, None or inf would be a variant not timed
+        assert isinstance(row[key], float) and 0 < row[key] < float("inf"), (key, row[key])
     for key in ("ag_ring", "ag_xla", "rs_ring", "rs_xla"):
         assert row[f"{key}_rel_err"] < 2e-2, key
     assert done.stdout.strip().splitlines()[-1].startswith("| tiny_M64_K32_N64 |")

@@ -10,7 +10,10 @@ import sys
 
 import pytest
 
+from ficco_jax.schedule import local_shapes
 from ficco_jax.tools import bench, cli
+from ficco_jax.tools.harness import fitting_schedules, listed_schedules
+from ficco_jax.tuning import select
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PUBLIC = ["demo", "bench", "rank", "explain", "characterize", "calibrate", "accuracy"]
@@ -70,10 +73,17 @@ def _bad_inputs(tmp):
     """(argv, what the error must say) of inputs the command line refuses without a traceback."""
     (tmp / "flat.json").write_text(json.dumps({"name": "flat", "peak_tflops": {"bfloat16": 0.0}}))
     (tmp / "list.json").write_text("[1, 2]")
+    (tmp / "text.txt").write_text("root:x:0:0:root:/root:/bin/bash\n")
     rank = ["rank", "--op", "ag_matmul"]
+    anchors = len(bench.SHAPE_SETS["anchors"])
     return [
         ([*rank, "--shape", "64,64,64", "--axis-size", "0"], "argument --axis-size: expected an integer >= 1, found '0'"),
         ([*rank, "--shape", "0,0,0"], "--shape '0,0,0': expected M,K,N (three integers > 0"),
+        ([*rank, "--shape", "anchors"], f"rank --shape 'anchors': rank takes one shape, and 'anchors' names {anchors} ("),
+        (["explain", "--op", "ag_matmul", "--shape", "llama405b"], "explain takes one shape"),
+        ([*rank, "--shape", "64,64,64", "--profile", str(tmp / "text.txt")],
+         f"rank --profile {tmp / 'text.txt'}: not a JSON profile (Expecting value"),
+        ([*rank, "--shape", "64,64,64", "--profile", str(tmp / "text.txt")], "`python -m ficco_jax calibrate --out FILE` wrote"),
         ([*rank, "--shape", "64,64,64", "--profile", str(tmp)], "rank --profile: [Errno 21] Is a directory"),
         ([*rank, "--shape", "64,64,64", "--profile", str(tmp / "flat.json")],
          "peak_tflops.bfloat16 = 0.0, expected a finite number > 0"),
@@ -81,8 +91,20 @@ def _bad_inputs(tmp):
         (["calibrate", "--characterization", str(tmp / "missing.json")],
          f"calibrate --characterization {tmp / 'missing.json'}: cannot read it as JSON"),
         (["calibrate", "--characterization", str(tmp / "list.json"), "--out", str(tmp / "new" / "p.json")],
-         f"calibrate: {tmp / 'list.json'}: cannot fit it"),
-        (["accuracy", "--replay", str(tmp / "list.json")], "accuracy --replay: cannot fit it"),
+         f"calibrate: {tmp / 'list.json'}: cannot read it"),
+        (["calibrate", "--characterization", str(tmp / "list.json"), "--out", str(tmp / "new" / "p.json")],
+         "give a file that `python -m ficco_jax characterize` wrote"),
+        (["accuracy", "--replay", str(tmp / "list.json")], "accuracy --replay: cannot read it"),
+        (["accuracy", "--replay", str(tmp / "list.json")],
+         "give a file that `python -m ficco_jax bench` (bench.json) or `accuracy` (accuracy.json) wrote"),
+        (["bench", "--budget-s", "-5"], "argument --budget-s: expected a number of seconds > 0 (e.g. 600), found '-5'"),
+        (["bench", "--budget-s", "0"], "argument --budget-s: expected a number of seconds > 0"),
+        (["bench", "--budget-s", "nan"], "argument --budget-s: expected a number of seconds > 0"),
+        (["accuracy", "--budget-s", "-1"], "argument --budget-s: expected a number of seconds > 0"),
+        (["bench", "--rounds", "0"], "argument --rounds: expected an integer >= 1, found '0'"),
+        (["accuracy", "--top", "-1"], "argument --top: expected an integer >= 0, found '-1'"),
+        (["accuracy", "--axis-size", "1"], "argument --axis-size: expected an integer >= 2, found '1'"),
+        (["_windowed", "ag_matmul", "0", "32", "16", "float32"], "argument M: expected an integer >= 1, found '0'"),
         (["bench", "--op", "moe", "--moe-shape", "0,0,0,0,0"], "--moe-shape '0,0,0,0,0': expected T,d,f,E,k (integers > 0"),
     ]
 
@@ -132,7 +154,14 @@ def test_demo_readme_command_on_eight_cpu_devices(tmp_path):
     for row in rows:
         assert row.rstrip().endswith("| n/a | n/a |"), row
     assert not SPEEDUP.search("\n".join(rows)) and not NOT_PRODUCT_TEXT.search(out + done.stderr)
+    # every variant of both ops was verified: JAX sequential, each schedule of "all" that fits, JAX's ring
+    n, variants = 8, 0
+    for op in ("ag_matmul", "matmul_rs"):
+        shapes = local_shapes(op, *bench.CPU_SHAPES["tiny_M256_K128_N256"], n)
+        fits, unfit = fitting_schedules(op, listed_schedules(op, "all", n, select.available_comms()), shapes, n)
+        variants += len(bench.variants(op, shapes, "float32", n, fits)[0])
+        assert not unfit, unfit
     verified = re.search(r"Verified against the reference before timing: (\d+)/(\d+)", out)
-    assert verified and verified.group(1) == verified.group(2), out
+    assert verified and verified.groups() == (str(variants), str(variants)) and variants > 2 * 3, out
     k, total = re.findall(r"\[\s*(\d+)/(\d+)\]", done.stderr)[-1]
     assert k == total, done.stderr[-500:]

@@ -30,8 +30,8 @@ def test_gpu_faults_script_on_cpu(tmp_path):
                           for case in ("skip:1", "fail:3", "fail:3:4", "usable")} | {"partial_group 2 of 4",
                                                                                     "partial_group usable"}
     for name, case in cases.items():
-        if "usable" in name:
-            assert case["equal"] and case["launches_s"] < TIMEOUT_S, case
+        if "usable" in name:  # the script's own verdict (all_pass) holds its launches to the timeout
+            assert case["equal"] and case["plain_op"] and case["launches"] > 0, case
             continue
         assert case["raised"] and case["names_rank"], case
         assert name.startswith("partial_group") or case["copies_joined"], case

@@ -648,7 +648,7 @@ def test_fp8_under_vmap(mesh2d, rng, op, in_axes):
 def test_fp8_grad_of_vmap(mesh2d, rng, op):
     """grad of vmap of an FP8 op (a batch of inputs against one weight and one pair of scales):
     one executor call per op and direction, no loop, and the FP8 weight's gradient is the
-    reference's rounded once to FP8 (a loop rounded one per element and summed them in FP8)."""
+    reference's rounded once to FP8 (a loop over the batch would round each element's and sum them in FP8)."""
     a, w, scales = _fp8_batched_inputs(rng, op, mesh2d, (0, None))
     (a_spec, w_spec, _, _), _ = _fp8_specs(op, mesh2d)
     grad_specs = (P(None, *a_spec), w_spec, P(), P())
@@ -747,8 +747,8 @@ def test_fp8_traces_its_lowering_once(monkeypatch, mesh2d, rng, op):
 @pytest.mark.parametrize("wrapped", [False, True], ids=["op", "overlap"])
 def test_matmuls_keep_the_precision_their_call_asked_for(mesh1d, wrapped):
     """`with jax.default_matmul_precision("highest")` around a call holds for the op's matmuls, forward
-    and backward, as for JAX's own dots (the op's matmuls are traced again when it is lowered, outside
-    that block; they had fallen back to the default precision, TF32 for f32 on GPUs)."""
+    and backward, as for JAX's own dots: the op's matmuls are traced again when it is lowered, outside
+    that block, and must carry the precision of the call, not the default (TF32 for f32 on GPUs)."""
     def body(x, w):
         if wrapped:
             return jax.lax.all_gather(x, "tp", axis=0, tiled=True) @ w

@@ -94,8 +94,8 @@ def _check_op(op, case, seed):
     assert rel_err(got, want) < TOLERANCE[dtype], (mesh_name, str(sched), dtype, a_shape, w_shape)
 
 
-# Every mesh gets its own examples (9 each: about the old 60 per op in all); dp8xtp1 (groups of one
-# device, the collectives do nothing) is one mesh among them, not a fifth of the draws.
+# Every mesh gets its own examples (9 each, so every mesh is drawn as often as the others); dp8xtp1
+# (groups of one device, the collectives do nothing) is one mesh among them, not a fifth of the draws.
 @pytest.mark.parametrize("mesh_name", sorted(MESHES))
 @settings(PROPERTY, max_examples=9)
 @given(data=st.data(), seed=st.integers(0, 2**16))

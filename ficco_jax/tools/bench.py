@@ -73,10 +73,11 @@ def variants(op, shapes, dtype, n, schedules) -> tuple[list, object]:
     return out, selected
 
 
-def bench_shape(op, name, M, K, N, dtype, mesh, schedules, progress, rounds: int = 1) -> list[Row]:
+def bench_shape(op, name, M, K, N, dtype, mesh, schedules, progress, rounds: int = 1, unfit=()) -> list[Row]:
     """The rows of one (op, layer shape): JAX sequential, the listed schedules, JAX's ring (`variants`
     says when), auto's pick, each verified then timed, and the bounds; with `rounds` > 1 every one of them timed that
-    many times in all, interleaved (`harness.retime_case`)."""
+    many times in all, interleaved (`harness.retime_case`); then a row saying why for each listed schedule
+    that does not fit the shape (`unfit`: `harness.fitting_schedules`)."""
     n = mesh.shape["tp"]
     shapes = local_shapes(op, M, K, N, n)
     args, body_of = case_inputs(op, shapes, dtype, mesh)
@@ -86,7 +87,7 @@ def bench_shape(op, name, M, K, N, dtype, mesh, schedules, progress, rounds: int
     case = [row for row, _ in rows] + _bounds(op, name, M, K, N, dtype, mesh, progress, timers)
     if rounds > 1:
         harness.retime_case(case, timers, rounds - 1, progress)
-    return case
+    return case + harness.unfit_rows(Row(op, name, M, K, N, ""), unfit)
 
 
 def case_inputs(op, shapes, dtype, mesh, seed: int = 0):
@@ -361,14 +362,14 @@ def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=
             continue
         listed = listed_schedules(op, schedules_arg, n, comms)
         for name, (M, K, N) in shapes.items():
-            fits = fitting_schedules(op, listed, local_shapes(op, M, K, N, n), n)
-            tp_plan += [(op, label, M, K, N, fits, case_dtype) for label, case_dtype in case_dtypes(name, dtype)
-                        if (op, label) not in done]
+            fits, unfit = fitting_schedules(op, listed, local_shapes(op, M, K, N, n), n)
+            tp_plan += [(op, label, M, K, N, fits, unfit, case_dtype)
+                        for label, case_dtype in case_dtypes(name, dtype) if (op, label) not in done]
     windowed = windowed and not on_cpu
     total = sum(len(variants(op, local_shapes(op, M, K, N, n), cd, n, scheds)[0]) + BOUND_STEPS + rounds - 1
-                + has_windowed(windowed, op, cd) for op, name, M, K, N, scheds, cd in tp_plan)
+                + has_windowed(windowed, op, cd) for op, name, M, K, N, scheds, _, cd in tp_plan)
     total += sum(len(bench_moe.variants(op, bench_moe.local_shapes(op, *dims, n), dtype, n, scheds)[0]) + BOUND_STEPS
-                 + rounds - 1 for op, name, dims, scheds in moe_plan)
+                 + rounds - 1 for op, name, dims, scheds, _ in moe_plan)
     progress = progress_printer(total)
     rows = []
     os.makedirs(out_dir, exist_ok=True)
@@ -393,10 +394,10 @@ def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=
 
     with harness.monitoring():  # what the GPUs ran at, per timing (gpu_monitor.py)
         children = WindowedChildren()
-        for op, name, M, K, N, scheds, case_dtype in tp_plan:
+        for op, name, M, K, N, scheds, unfit, case_dtype in tp_plan:
             if out_of_time(op, name):
                 continue
-            case = bench_shape(op, name, M, K, N, case_dtype, mesh, scheds, progress, rounds)
+            case = bench_shape(op, name, M, K, N, case_dtype, mesh, scheds, progress, rounds, unfit)
             if has_windowed(windowed, op, case_dtype):
                 progress(f"{op} {name} xla_windowed_einsum")
                 case.append(children.row(op, name, M, K, N, case_dtype))
@@ -405,10 +406,10 @@ def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=
                     row.extra["dtype"] = case_dtype
             rows += case
             save(rows)
-        for op, name, dims, scheds in moe_plan:
+        for op, name, dims, scheds, unfit in moe_plan:
             if out_of_time(op, name):
                 continue
-            rows += bench_moe.bench_shape(op, name, dims, dtype, mesh, scheds, progress, rounds)
+            rows += bench_moe.bench_shape(op, name, dims, dtype, mesh, scheds, progress, rounds, unfit)
             save(rows)
     save(rows)
     table = markdown_table(result) + (fp8_table(result) if config.is_fp8(dtype) else "")

@@ -46,10 +46,11 @@ def variants(op, shapes, dtype, n, schedules) -> tuple[list, object]:
     return out, selected
 
 
-def bench_shape(op, name, dims, dtype, mesh, schedules, progress, rounds: int = 1) -> list[Row]:
+def bench_shape(op, name, dims, dtype, mesh, schedules, progress, rounds: int = 1, unfit=()) -> list[Row]:
     """The rows of one (op, MoE shape): JAX sequential, the listed schedules and auto's pick, each
     verified then timed, and the bounds; with `rounds` > 1 every one of them timed that many times
-    in all, interleaved (`harness.retime_case`)."""
+    in all, interleaved (`harness.retime_case`); then a row saying why for each listed schedule that
+    does not fit the shape (`unfit`: `harness.fitting_schedules`)."""
     T, d, f, E, k = dims
     n = mesh.shape["tp"]
     shapes = local_shapes(op, *dims, n)
@@ -62,7 +63,7 @@ def bench_shape(op, name, dims, dtype, mesh, schedules, progress, rounds: int = 
     case = [row for row, _ in rows] + _bounds(op, name, dims, shapes, dtype, mesh, progress, timers)
     if rounds > 1:
         harness.retime_case(case, timers, rounds - 1, progress)
-    return case
+    return case + harness.unfit_rows(Row(op, name, T, d, f, "", extra=dict(extra)), unfit)
 
 
 def _bounds(op, name, dims, shapes, dtype, mesh, progress, timers=None) -> list[Row]:
@@ -78,7 +79,8 @@ def _bounds(op, name, dims, shapes, dtype, mesh, progress, timers=None) -> list[
 
 
 def plan(op, shapes, schedules_arg, n, comms):
-    """[(op, name, dims, schedules)] for `bench.run`, without the schedules that do not fit a shape."""
+    """[(op, name, dims, schedules, unfit)] for `bench.run`: the listed schedules that fit each shape,
+    and (schedule, why not) for those that do not (`harness.fitting_schedules`)."""
     listed = listed_schedules(op, schedules_arg, n, comms)
-    return [(op, name, dims, fitting_schedules(op, listed, local_shapes(op, *dims, n), n))
+    return [(op, name, dims, *fitting_schedules(op, listed, local_shapes(op, *dims, n), n))
             for name, dims in shapes.items()]

@@ -14,7 +14,7 @@ from .. import config
 from ..schedule import Schedule, local_shapes
 from ..tuning import cost_model, fitting, select
 from . import accuracy, bench, characterize, demo
-from .harness import DTYPES, at_least, listed_schedules, use_xla_cache
+from .harness import DTYPES, at_least, listed_schedules, positive_seconds, use_xla_cache
 
 # Without GPUs, run on 8 virtual CPU devices. The flag only affects JAX's CPU platform, so it is
 # harmless on a GPU host; it must be set before JAX's backend starts (the first device query).
@@ -54,9 +54,12 @@ def _shapes(args_shapes, default):
 
 def _load_profile(name: str | None, flag: str):
     """The profile `--profile` names (a name or a JSON path), None when not given; one that is
-    missing or unreadable is a clear error naming the option."""
+    missing, unreadable or not a profile is a clear error naming the option."""
     try:
         return cost_model.load_profile(name) if name else None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise SystemExit(f"{flag} {name}: not a JSON profile ({exc}); expected a shipped profile name (e.g. "
+                         f"h200x4) or a JSON file that `python -m ficco_jax calibrate --out FILE` wrote")
     except (ValueError, OSError) as exc:
         raise SystemExit(f"{flag}: {exc}")
 
@@ -78,8 +81,9 @@ def _add_bench(sub):
     p.add_argument("--out", default="out/bench", help="folder for bench.json and bench.md (default out/bench)")
     p.add_argument("--plot", action="store_true", help="write speedup PNGs (needs matplotlib)")
     p.add_argument("--no-windowed", action="store_true", help="skip XLA's windowed einsum child process")
-    p.add_argument("--budget-s", type=float, help="start no new case (op, shape) after this many seconds; the "
-                                                  "cases left are listed, and --resume adds them later")
+    p.add_argument("--budget-s", type=positive_seconds,
+                   help="start no new case (op, shape) after this many seconds; the cases left are listed, and "
+                        "--resume adds them later")
     p.add_argument("--resume", metavar="JSON", help="keep the cases of this earlier bench.json (same machine, devices, "
                                                     "--dtype and --rounds) and measure only those it lacks")
     p.add_argument("--rounds", type=at_least(1), default=1,
@@ -149,9 +153,13 @@ def _add_rank(sub):
 
 
 def _cmd_rank(args):
-    (M, K, N), = _shapes([args.shape], None).values()
+    named = _shapes([args.shape], None)
+    if len(named) != 1:
+        raise SystemExit(f"{args.cmd} --shape {args.shape!r}: {args.cmd} takes one shape, and {args.shape!r} names "
+                         f"{len(named)} ({', '.join(named)}); give M,K,N or one of those shape names")
+    (M, K, N), = named.values()
     n = args.axis_size
-    shapes = local_shapes(args.op, M, K, N, n)
+    shapes = local_shapes(args.op, M, K, N, n, caller=args.cmd)
     dtype = DTYPES.get(args.dtype)
     if dtype is None:
         raise SystemExit(f"{args.cmd} --dtype {args.dtype!r}: use one of {sorted(DTYPES)}")
@@ -202,13 +210,15 @@ def _cmd_calibrate(args):
         char = _read_json(args.characterization, "calibrate --characterization")
     else:
         char = characterize.run(os.path.dirname(os.path.abspath(args.out)), plot=False)
-    profile = _fitted(fitting.fit_profile, char, f"calibrate: {args.characterization or 'the characterization'}")
+    profile = _fitted(fitting.fit_profile, char, f"calibrate: {args.characterization or 'the characterization'}",
+                      "`python -m ficco_jax characterize` wrote")
     if args.name:
         profile["name"] = args.name
     if args.bench:  # one fit over the op times of every bench file given
         obs = []
         for path in args.bench:
-            obs += _fitted(fitting.op_observations, _read_json(path, "calibrate --bench"), f"calibrate --bench {path}")
+            obs += _fitted(fitting.op_observations, _read_json(path, "calibrate --bench"), f"calibrate --bench {path}",
+                           "`python -m ficco_jax bench` wrote")
         profile, err = fitting.fit_to_ops(profile, obs)
         profile["fitted_to_ops"]["source"] = ", ".join(os.path.basename(p) for p in args.bench)
         print(f"fitted to {len(obs)} op times: RMS log error {err:.3f}; {profile['fitted_to_ops']['parameters']}")
@@ -217,13 +227,13 @@ def _cmd_calibrate(args):
     print(f"profile written to {args.out}: " + json.dumps({k: profile[k] for k in ("peak_tflops", "rows_half", "dma_latency_us", "dma_ingress_gbps", "xla_latency_us", "xla_ingress_gbps", "contention_xla")}))
 
 
-def _fitted(fit, data, what: str):
-    """`fit(data)`, or a clear error where `data` (read from a file) is not what `fit` reads."""
+def _fitted(fit, data, what: str, writers: str):
+    """`fit(data)`, or a clear error where `data` (read from a file) is not what `fit` reads:
+    `writers` completes "give a file that ..." with the commands that write what it reads."""
     try:
         return fit(data)
     except (KeyError, TypeError, AttributeError, IndexError, ValueError, np.linalg.LinAlgError) as exc:
-        raise SystemExit(f"{what}: cannot fit it ({type(exc).__name__}: {exc}); give a file that "
-                         f"`python -m ficco_jax characterize` or `bench` wrote")
+        raise SystemExit(f"{what}: cannot read it ({type(exc).__name__}: {exc}); give a file that {writers}")
 
 
 def _read_json(path: str, flag: str):
@@ -243,7 +253,7 @@ def _add_accuracy(sub):
     p.add_argument("--op", choices=[*accuracy.OPS, "both"], default="both",
                    help="the op(s) to measure (default both); e.g. matmul_rs alone after a change to its executor")
     p.add_argument("--profile", default=None, help="profile name or JSON path (default: this machine's)")
-    p.add_argument("--budget-s", type=float, help="stop starting new cases after this many seconds")
+    p.add_argument("--budget-s", type=positive_seconds, help="stop starting new cases after this many seconds")
     p.add_argument("--out", default="out/accuracy", help="folder for accuracy.json (default out/accuracy)")
     p.add_argument("--confirm-rounds", type=at_least(0), default=None,
                    help="re-timings of the pick, the best and JAX seq when a case first looks like a miss (default 2; 0: none)")
@@ -264,8 +274,9 @@ def _cmd_accuracy(args):
     if args.replay:  # offline: re-score recorded times, no device needed
         results = [_read_json(path, "accuracy --replay") for path in args.replay]
         profile = _load_profile(args.profile, "accuracy --replay")
-        print(accuracy.replay_markdown(_fitted(lambda r: accuracy.replay(r, profile), results, "accuracy --replay")),
-              end="")
+        summary = _fitted(lambda r: accuracy.replay(r, profile), results, "accuracy --replay",
+                          "`python -m ficco_jax bench` (bench.json) or `accuracy` (accuracy.json) wrote")
+        print(accuracy.replay_markdown(summary), end="")
         return
     shapes = None
     if args.shape:
@@ -285,8 +296,8 @@ def _windowed(argv):
     """`_windowed OP M K N DTYPE`: the windowed-einsum child process of `bench` (not for users, so
     it is parsed apart and `--help` does not list it); prints the child's timing as JSON."""
     p = argparse.ArgumentParser(prog="python -m ficco_jax _windowed")
-    p.add_argument("op"); p.add_argument("M", type=int); p.add_argument("K", type=int)
-    p.add_argument("N", type=int); p.add_argument("dtype")
+    p.add_argument("op"); p.add_argument("M", type=at_least(1)); p.add_argument("K", type=at_least(1))
+    p.add_argument("N", type=at_least(1)); p.add_argument("dtype")
     args = p.parse_args(argv)
     print(json.dumps(bench.windowed_einsum_child(args.op, args.M, args.K, args.N, args.dtype)))
 

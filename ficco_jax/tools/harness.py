@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import math
 import os
 from dataclasses import dataclass, field, replace
 
@@ -311,18 +312,27 @@ def retime_case(rows, timers: dict, rounds: int, progress) -> None:
         by["ideal"].median_ms = _ideal(rows)
 
 
-def fitting_schedules(op, schedules, shapes, n) -> list[Schedule]:
-    """The overlapped schedules of a `--schedules` list that apply to `op` on per-device `shapes`
-    (a list may name points another op or shape cannot take)."""
-    fits = []
+def fitting_schedules(op, schedules, shapes, n) -> tuple[list[Schedule], list[tuple[Schedule, str]]]:
+    """(fits, unfit) of a `--schedules` list for `op` on per-device `shapes`: the overlapped
+    schedules that apply, and (schedule, why not) for each that does not (a list may name points
+    another op or shape cannot take; `unfit_rows` reports them). The plain path (comm "none") is in
+    neither: it is JAX sequential's program, timed as that row."""
+    fits, unfit = [], []
     for s in schedules:
         try:
             s.validate(op, shapes, n)
-        except ValueError:
+        except ValueError as exc:
+            unfit.append((s, str(exc)))
             continue
         if s.comm != "none":
             fits.append(s)
-    return fits
+    return fits, unfit
+
+
+def unfit_rows(case: Row, unfit) -> list[Row]:
+    """A row like `case` for each (schedule, why not) of `unfit` (`fitting_schedules`): not
+    verified, not timed, its note saying why, so the table and the result file list it."""
+    return [replace(case, variant=f"ficco:{s}", note=f"skipped: {why}", extra=dict(case.extra)) for s, why in unfit]
 
 
 def listed_schedules(op, schedules_arg, n, comms) -> list[Schedule]:
@@ -361,3 +371,14 @@ def at_least(minimum: int):
 
     parse.__name__ = f"integer >= {minimum}"
     return parse
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds > 0, else a usage error that says so."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0 (e.g. 600), found {text!r}")
+    return value

@@ -84,7 +84,8 @@ def markdown_table(result: dict) -> str:
             f"{_fmt(v.get('collective_alone', {}).get('median_ms'))} | {_fmt(ideal)} | {_fmt(seq)} | {_fmt(ring)} | "
             f"{_fmt(v.get('xla_windowed_einsum', {}).get('median_ms'))} | {cell(auto)} | {cell(best)}{spread(best)} | "
             f"{_ratio(seq, best, ideal, meaningful)} |")
-        failures += [f"{op} {shape} {k}: {r['note']}" for k, r in v.items() if r.get("note", "").startswith(("WRONG", "error"))]
+        failures += [f"{op} {shape} {k}: {r['note']}" for k, r in v.items()
+                     if r.get("note", "").startswith(("WRONG", "error", "skipped"))]
     lines.append("")
     lines.append("ficco best: the fastest ficco variant, ± the half-range of its timing estimates; "
                  "best / ideal: its time over max(GEMM alone, collective alone) (the target: at most 1.05x); "

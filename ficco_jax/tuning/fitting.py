@@ -25,6 +25,8 @@ def fit_profile(char: dict) -> dict:
             if len(pts) < 2:
                 continue
             slope, icpt = np.polyfit([p[0] for p in pts], [p[1] for p in pts], 1)
+            if slope <= 0:  # times that fall with the rows are noise (a tiny grid on a busy host): no rate in them
+                continue
             peaks.append(2 * k * n_cols / slope / 1e12)
             halves.append(max((icpt - profile["gemm_launch_us"] * 1e-6) / slope, 0.0))
         if peaks:
