@@ -585,3 +585,26 @@ def test_without_a_context_mesh_the_arguments_mesh_is_used(schedule):
     fused = overlap(mlp, schedule=schedule)
     assert _ops(explain(fused, *args)) == ["ag_matmul", "matmul_rs"]
     _assert_same(jax.jit(fused)(*args), jax.jit(mlp)(*args))
+
+
+@pytest.mark.parametrize("schedule", ["xla/ring/c2"] + (["dma/direct/c2"] if extension.available() else []))
+def test_arrays_on_another_mesh_of_the_same_shape_are_traced_for_it(schedule):
+    """No jax.set_mesh: the shard_maps of global-view sites run over the arguments' mesh, so a call
+    with arrays on the same axes over another order of the devices is rewritten for that mesh."""
+    devices = np.array(jax.devices()[:8])
+    meshes = [jax.sharding.Mesh(devices[order].reshape(2, 4), ("dp", "tp"), axis_types=(AxisType.Explicit,) * 2)
+              for order in (list(range(8)), [5, 2, 7, 0, 3, 6, 1, 4])]
+
+    def f(x, w):
+        return reshard(x, NamedSharding(jax.typeof(x).sharding.mesh, P(None, None))) @ w
+
+    rng = np.random.default_rng(6)
+    x_host, w_host = rng.standard_normal((16, 8), np.float32), rng.standard_normal((8, 16), np.float32)
+    fused = overlap(f, schedule=schedule)
+    for mesh in meshes:
+        x = jax.device_put(x_host, NamedSharding(mesh, P("tp", None)))
+        w = jax.device_put(w_host, NamedSharding(mesh, P(None, "tp")))
+        assert len(explain(fused, x, w).sites) == 1
+        got, want = fused(x, w), jax.jit(f)(x, w)
+        assert got.sharding == want.sharding
+        _assert_same(got, want)

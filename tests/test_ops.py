@@ -176,6 +176,22 @@ def test_bad_input_is_a_clear_error(mesh1d, rng, bad, match, exc):
         run_sharded(mesh1d, body, ag_specs(mesh1d), x, w)
 
 
+@pytest.mark.parametrize("op", ["matmul_rs", "matmul_psum"])
+@pytest.mark.parametrize("sched", ["xla/direct/c1", "xla/direct/c2", "xla/ring/c2"])
+def test_float64_partials_are_summed_in_float64(mesh1d, op, sched):
+    """Under x64 a reduce-scatter of f64 partials keeps f64's precision on every order (the direct
+    order sums in f32 at least, never narrower than the partials)."""
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(7)
+        y, w = (jnp.asarray(rng.standard_normal(shape)) for shape in ((16, 8 * K), (8 * K, 16)))
+        specs = rs_specs(mesh1d) if op == "matmul_rs" else psum_specs(mesh1d)
+        fn = getattr(ficco_jax, op)
+        got = run_sharded(mesh1d, lambda y, w: fn(y, w, "tp", schedule=sched), specs, y, w)
+        exact = np.asarray(y) @ np.asarray(w)
+        assert got.dtype == jnp.float64
+        assert np.abs(np.asarray(got) - exact).max() < 1e-12 * np.abs(exact).max()
+
+
 @pytest.mark.parametrize("sched", ["xla/ring/c2", "xla/bidirectional/c2", "none"])
 def test_grad_without_jit_and_with_x64(mesh1d, rng, sched):
     """Users differentiate un-jitted shard_maps and enable x64; neither may break the ops."""

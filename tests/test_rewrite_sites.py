@@ -238,3 +238,31 @@ def test_a_matmul_of_two_gathered_operands_is_one_site(mesh2d, schedule):
     assert [r.reason.split(": ", 1)[-1] for r in report.near_misses] == [
         "the matmul already belongs to another site (both of its operands are gathered)"], str(report)
     np.testing.assert_allclose(np.asarray(fused(x, w)), np.asarray(fn(x, w)), rtol=1e-5, atol=1e-5)
+
+
+def test_an_all_to_all_of_several_blocks_per_peer_is_a_near_miss_and_runs_as_written(mesh1d):
+    """A tiled all_to_all whose leading dimension holds 2 blocks per peer is valid JAX; the expert
+    ops take one block per peer, so the site is reported, not rewritten, under any schedule."""
+    def dispatch(x, w):
+        return jnp.einsum("pecd,edf->pecf", jax.lax.all_to_all(x, "tp", 0, 0, tiled=True), w)
+
+    f = jax.shard_map(dispatch, mesh=mesh1d, in_specs=(P("tp"), P("tp")), out_specs=P("tp"))
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((N * 2 * N, E, C, D)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((N * E, D, F)), jnp.float32)
+    for schedule in ("auto", "xla/direct/c1"):
+        report = explain(overlap(f, schedule=schedule), x, w)
+        assert not report.sites and "holds 16 blocks on an axis of 8 devices" in report.near_misses[0].reason, str(report)
+        np.testing.assert_array_equal(np.asarray(jax.jit(overlap(f, schedule=schedule))(x, w)), np.asarray(jax.jit(f)(x, w)))
+
+
+def test_a_site_whose_op_refuses_its_operands_stays_as_written_and_says_why(mesh1d):
+    """An empty weight: plain JAX gives an empty product; the op refuses it, so the site is a
+    near-miss naming the op's reason, and the program runs as written."""
+    f = jax.shard_map(lambda x, w: jax.lax.all_gather(x, "tp", axis=0, tiled=True) @ w, mesh=mesh1d,
+                      in_specs=(P("tp"), P(None, "tp")), out_specs=P(None, "tp"))
+    x, w = jnp.asarray(np.random.default_rng(4).standard_normal((64, 16)), jnp.float32), jnp.zeros((16, 0))
+    report = explain(overlap(f, schedule="xla/ring/c2"), x, w)
+    assert not report.sites and report.near_misses[0].reason.startswith("the op refuses its operands: "), str(report)
+    assert "empty dimension" in report.near_misses[0].reason
+    assert overlap(f)(x, w).shape == f(x, w).shape == (64, 0)

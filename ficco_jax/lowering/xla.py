@@ -186,10 +186,13 @@ def matmul_rs(y: jax.Array, w: jax.Array, axis_name: str, schedule: Schedule, n:
         return jnp.concatenate([mm(rows[k * q:(k + 1) * q], w) for k in range(j1 - j0)])
 
     if schedule.order == "direct":
-        acc = partial(idx, 0, c).astype(jnp.float32)
+        # The sum in f32 at least (a bf16 partial per peer is summed once, not rounded n-1 times),
+        # in the partials' own dtype where that is wider (f64 under x64).
+        wide = jnp.promote_types(dtype, jnp.float32)
+        acc = partial(idx, 0, c).astype(wide)
         for s in range(1, n):
             sent = partial((idx + s) % n, 0, c)
-            acc = acc + lax.ppermute(sent, axis_name, _shift_perm(n, s)).astype(jnp.float32)
+            acc = acc + lax.ppermute(sent, axis_name, _shift_perm(n, s)).astype(wide)
         return acc.astype(dtype)
     if schedule.order == "ring":
         return _rs_chain(partial, idx, n, 0, c, direction=-1, axis_name=axis_name)

@@ -25,7 +25,7 @@ from typing import Callable
 
 from .. import ops
 from ..lowering.xla import narrowing
-from .jaxpr_util import fmt, is_var, transpose
+from .jaxpr_util import fmt, is_var, single_axis, transpose
 from .site import (MatchContext, Site, SiteRecord, collective_problem, converted_operands, dot_dtype_problem,
                    moved_dtype_problem)
 
@@ -114,6 +114,10 @@ def _a2a_problem(ctx: MatchContext, op: str, eqn) -> str | None:
     if params["split_axis"] != 0 or params["concat_axis"] != 0:
         return (f"split_axis={params['split_axis']}, concat_axis={params['concat_axis']}; the ops exchange "
                 f"the leading peer-block axis (split_axis=concat_axis=0)")
+    size = ctx.axis_sizes.get(single_axis(params))
+    if size is not None and shape[0] != size:
+        return (f"the leading dimension holds {shape[0]} blocks on an axis of {size} devices; the ops take one "
+                f"block per peer (reshape it to [{size}, ...] before the all_to_all)")
     return None
 
 

@@ -103,8 +103,11 @@ class Options:
                     why = str(err).split(": ", 1)[-1].split(";")[0]
                     return chosen, f"{chosen} (given {self.schedule}; {why})", ""
             except ValueError as err:
-                logger.info("ficco_jax.overlap: %s at %s: using 'auto' instead (%s)",
-                            self.schedule, site.record.where, err)
+                # The other sites keep the given schedule; this one says why it does not.
+                logger.warning("ficco_jax.overlap: schedule %s does not fit the %s site at %s: using 'auto' "
+                               "there instead (%s)", self.schedule, site.op, site.record.where, err)
+                chosen = ops.resolve_schedule(site.op, "auto", *args, **where)
+                return chosen, f"{chosen} (auto)", f"given {self.schedule} does not fit this site: {err}"
         chosen = ops.resolve_schedule(site.op, "auto", *args, **where)
         return chosen, f"{chosen} (auto)", plain_path_note(site, chosen)
 

@@ -172,7 +172,11 @@ def _plan_sites(plan: _Plan, jaxpr, scope: _Scope, options: Options, records: li
         if scope.frozen:
             records.append(dataclasses.replace(site.record, reason=scope.frozen))
             continue
-        site.schedule, shown, note = options.resolve(site)
+        try:
+            site.schedule, shown, note = options.resolve(site)
+        except ValueError as err:  # shapes no schedule of the op takes: the program stays as written there
+            records.append(dataclasses.replace(site.record, reason=f"the op refuses its operands: {err}"))
+            continue
         site.record = dataclasses.replace(site.record, schedule=shown, note=note)
         records.append(site.record)
         if site.schedule == _PLAIN:
@@ -316,6 +320,7 @@ class Overlapped:
         self._fn = fn
         self._options = options
         self._traced: dict = {}
+        self._concrete_key: dict = {}  # a key without its mesh -> the key of its latest concrete trace
         self._needs_numbers: set = set()  # keys of calls traced with their Python numbers static
 
     def __call__(self, *args, **kwargs):
@@ -347,12 +352,17 @@ class Overlapped:
         """The rewrite for these arguments in this context, and the arguments it takes (`call`, or
         `call` with its Python numbers static where fn needs their values); a call (`measure`)
         redoes one that explain() made with autotune's picks left to measure."""
-        context = _trace_context()
+        # The arguments' mesh too: global-view sites run their shard_maps over it, and jax.typeof
+        # (call.key) names only its abstract mesh, the same for another order of the devices. Under
+        # jit the arguments are tracers, which carry no devices: there the trace made for concrete
+        # arguments of the same types is taken where there is one (their mesh is the one jit runs on).
+        mesh = _concrete_mesh(call.traced)
+        context = (*_trace_context(), mesh)
         key = (call.key(), *context)
         if key in self._needs_numbers:
             call = call.with_numbers_static()
             key = (call.key(), *context)
-        traced = self._traced.get(key)
+        traced = self._traced.get(self._concrete_key.get(key[:-1], key) if mesh is None else key)
         if traced is None or (measure and traced.report.awaiting_autotune):
             options = self._options.measuring() if measure else self._options
             try:
@@ -367,6 +377,8 @@ class Overlapped:
                     raise
                 traced = self._untraceable(err)
             self._traced[key] = traced
+            if mesh is not None:
+                self._concrete_key[key[:-1]] = key
         return traced, call
 
     def _untraceable(self, err: Exception) -> _Traced:
