@@ -8,7 +8,10 @@ FICCO_TESTS_WITHOUT_EXTENSION=1: its tests then skip, each saying why.
 import os
 import zlib
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+#: The virtual CPU devices every CPU test needs; added to XLA_FLAGS that a user set for other reasons.
+CPU_DEVICES = 8
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={CPU_DEVICES}").strip()
 # Eight virtual devices' handler threads share the CI machine's two cores: a rank can be off the
 # CPU for seconds while its peers wait in a host meeting, longer than the 5 s meant for GPUs. Tests
 # of the timeout itself set their own (tests/test_executor_faults.py).
@@ -48,6 +51,10 @@ def extension_problem() -> str | None:
 
 
 def pytest_sessionstart(session):
+    if jax.default_backend() == "cpu" and jax.device_count() < CPU_DEVICES:
+        pytest.exit(f"the CPU tests run on {CPU_DEVICES} virtual devices, and JAX has {jax.device_count()}: XLA_FLAGS="
+                    f"{os.environ.get('XLA_FLAGS', '')!r} sets fewer; drop its --xla_force_host_platform_device_count "
+                    f"(the suite adds ={CPU_DEVICES} where it is missing)", returncode=pytest.ExitCode.USAGE_ERROR)
     if os.environ.get(WITHOUT_EXTENSION, "") not in ("", "0"):
         return
     problem = extension_problem()

@@ -15,12 +15,14 @@ Operands are f32 or bf16 (bf16 with or without an f32 result); inputs are random
 
 A drawn program that does not run as written (jax refuses a sharding or a shape that does not
 divide; the CPU backend lacks a dot) is rejected while it is drawn, so every test body runs a
-program that runs. Each example compiles the
-program as written and as rewritten under a forced schedule (copy-engine ones where the extension
-is built), then checks that overlap() with "auto" (the plain path on CPU) equals it too.
-Reproducible and bounded for CI as test_property.py: `derandomize=True` and 25 examples per mesh
-and family, about 1.5 minutes on 2 idle cores, mostly XLA compile time. Ten more shard_map programs
-per mesh run their copy-engine reduce-scatters on group channels (config.CHANNEL_BYTES set).
+program that runs. Each example compiles the program as written and as rewritten under a forced
+schedule (copy-engine ones where the extension is built), checks that every site explain() finds
+takes that schedule or says why it does not, then that overlap() with "auto" (the plain path on
+CPU) equals the program too. Each test fails unless some of its programs ran an overlapped site, so
+a rewrite that did nothing fails it. Reproducible and bounded for CI as test_property.py:
+`derandomize=True` and 25 examples per mesh and family, mostly XLA compile time. Ten more shard_map
+programs per mesh, each with a matmul before a reduce-scatter over devices, run their copy-engine
+reduce-scatters on group channels (config.CHANNEL_BYTES set).
 """
 import dataclasses
 import functools
@@ -38,7 +40,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P, resh
 from ficco_jax import explain, overlap  # noqa: E402
 from ficco_jax.rewrite.overlap import Report  # noqa: E402
 from ficco_jax.runtime import extension  # noqa: E402
-from helpers import TOLERANCE, rel_err  # noqa: E402
+from helpers import TOLERANCE, rel_err, runs_given  # noqa: E402
 
 _PERMUTED = [5, 2, 7, 0, 3, 6, 1, 4]  # device ordinals differ from ranks
 MESH_LAYOUTS = {  # name -> (shape, axis names, device order)
@@ -212,11 +214,16 @@ def global_programs(draw, mesh_name: str) -> GlobalProgram:
     w_shape = (b, k, n) if matmul.batch else (k, n)
     # Mostly the shapes of sites: a gather of x before the matmul, or a contraction split over one
     # axis whose product is scattered over it; else shardings drawn freely.
-    pattern = draw(st.sampled_from(("gather", "scatter", "free")))
+    pattern = draw(st.sampled_from(("column", "gather", "scatter", "free")))
     x_spec, w_spec = draw(specs(mesh, rank)), draw(specs(mesh, len(w_shape)))
     gather_spec = scatter_axis = None
     if pattern == "gather":
         gather_spec = draw(moved(mesh, x_spec, rank))
+    elif pattern == "column":  # Megatron's column-parallel matmul: x's rows gathered over w's column axis
+        axis = draw(st.sampled_from(mesh.axis_names))
+        x_shape = x_shape[:-2] + (x_shape[-2] * mesh.shape[axis], k)  # every device holds rows to cut in chunks
+        x_spec = _only_on(P(), rank, rank - 2, axis)
+        w_spec, gather_spec = _only_on(P(), len(w_shape), len(w_shape) - 1, axis), P()
     elif pattern == "scatter":
         scatter_axis = draw(st.sampled_from(mesh.axis_names))
         x_spec, w_spec = _only_on(x_spec, rank, rank - 1, scatter_axis), _only_on(w_spec, len(w_shape), -2, scatter_axis)
@@ -340,9 +347,17 @@ def _assert_same(got, want, dtype: str, what: str):
     assert err < TOLERANCE[dtype], f"{what}: relative error {err:.2e} >= {TOLERANCE[dtype]}"
 
 
+def _takes_given(site, schedule: str) -> bool:
+    """Whether an explain() site runs the schedule given to overlap(), or its record says why not
+    (its shapes refuse it, or the executor lacks its numerics: the same steps on XLA's collectives)."""
+    return (runs_given(site, schedule) or f"(given {schedule};" in site.schedule
+            or site.note.startswith(f"given {schedule} does not fit this site: "))
+
+
 def check_program(program, schedule: str, seed: int) -> Report:
     """`program` equals itself overlapped under `schedule` and under "auto" (values and types),
-    and explain() reports it; returns the report under `schedule`."""
+    explain() reports it, and every site it finds takes `schedule` or says why not; returns the
+    report under `schedule`."""
     args = _inputs(program, seed)
     with jax.set_mesh(program.mesh):
         want = jax.jit(program)(*args)
@@ -350,48 +365,70 @@ def check_program(program, schedule: str, seed: int) -> Report:
         assert isinstance(report, Report)
         event(f"rewritten: {sorted(r.op for r in report.sites)}; near-misses: {sorted(r.op for r in report.near_misses)}")
         str(report)  # the table renders every record
+        assert all(_takes_given(site, schedule) for site in report.sites), f"{schedule}\n{report}"
         _assert_same(jax.jit(overlap(program, schedule=schedule))(*args), want, program.dtype, f"{schedule}\n{report}")
         assert isinstance(explain(program, *args), Report)
         _assert_same(overlap(jax.jit(program), schedule="auto")(*args), want, program.dtype, "auto")
     return report
 
 
-@pytest.mark.parametrize("mesh_name", sorted(MESH_LAYOUTS))
-@settings(PROGRAMS)
-@given(data=st.data(), schedule=st.sampled_from(SCHEDULES), seed=st.integers(0, 2**16))
-def test_global_view_programs(mesh_name, data, schedule, seed):
-    check_program(data.draw(global_programs(mesh_name).filter(runs)), schedule, seed)
+def overlapped_sites(programs, schedules=SCHEDULES, examples=PROGRAMS) -> list:
+    """check_program on drawn `programs`, each under one of `schedules`: the sites that ran an
+    overlapped schedule, over all the examples (a test asserts there were some, so that a rewrite
+    that did nothing would fail it)."""
+    found = []
+
+    @examples
+    @given(data=st.data(), schedule=st.sampled_from(schedules), seed=st.integers(0, 2**16))
+    def check(data, schedule, seed):
+        report = check_program(data.draw(programs.filter(runs)), schedule, seed)
+        found.extend(site for site in report.sites if not site.schedule.startswith("none"))
+
+    check()
+    return found
 
 
 @pytest.mark.parametrize("mesh_name", sorted(MESH_LAYOUTS))
-@settings(PROGRAMS)
-@given(data=st.data(), schedule=st.sampled_from(SCHEDULES), seed=st.integers(0, 2**16))
-def test_shard_map_programs(mesh_name, data, schedule, seed):
-    check_program(data.draw(shard_map_programs(mesh_name).filter(runs)), schedule, seed)
+def test_global_view_programs(mesh_name):
+    assert overlapped_sites(global_programs(mesh_name)), "no drawn program had a site that overlapped"
 
 
-CHANNEL_PROGRAMS = settings(PROGRAMS, max_examples=10)
+@pytest.mark.parametrize("mesh_name", sorted(MESH_LAYOUTS))
+def test_shard_map_programs(mesh_name):
+    assert overlapped_sites(shard_map_programs(mesh_name)), "no drawn program had a site that overlapped"
+
+
+def _has_channel_site(program) -> bool:
+    """Whether `program` has a copy-engine reduce-scatter over an axis of 2+ devices: the partials
+    the channel moves."""
+    return (program.collective == "psum_scatter" and program.matmul is not None
+            and int(np.prod([program.mesh.shape[a] for a in _axes(program.axis)])) > 1)
 
 
 @pytest.mark.skipif(not extension.available(), reason="ficco_jax._ffi is not built")
 @pytest.mark.parametrize("mesh_name", sorted(MESH_LAYOUTS))
-@settings(CHANNEL_PROGRAMS)
-@given(data=st.data(), schedule=st.sampled_from(("dma/direct/c1", "dma/ring/c2", "dma/direct/c2/grouped")),
-       seed=st.integers(0, 2**16))
-def test_shard_map_programs_with_group_channels(mesh_name, data, schedule, seed):
+def test_shard_map_programs_with_group_channels(mesh_name, monkeypatch):
     """The same, with the copy-engine reduce-scatters of small partials on their group's channels
-    (config.CHANNEL_BYTES set while the programs are traced; xla_ffi/runtime/channel.h)."""
+    (config.CHANNEL_BYTES set while the programs are traced; xla_ffi/runtime/channel.h): programs
+    with a matmul then a reduce-scatter over devices, whose partials the channel moves (its words
+    are set) wherever a site ran on copy engines."""
     from ficco_jax import config
 
-    program = data.draw(shard_map_programs(mesh_name).filter(runs))
-    saved, config.CHANNEL_BYTES = config.CHANNEL_BYTES, 8 << 20
-    words = extension.testing().backend_calls()["set_word"]
-    try:
+    monkeypatch.setattr(config, "CHANNEL_BYTES", 8 << 20)
+    on_channel = []
+
+    @settings(PROGRAMS, max_examples=10)
+    @given(data=st.data(), schedule=st.sampled_from(("dma/direct/c1", "dma/ring/c2", "dma/direct/c2/grouped")),
+           seed=st.integers(0, 2**16))
+    def check(data, schedule, seed):
+        program = data.draw(shard_map_programs(mesh_name).filter(_has_channel_site).filter(runs))
+        words = extension.testing().backend_calls()["set_word"]
         report = check_program(program, schedule, seed)
-    finally:
-        config.CHANNEL_BYTES = saved
-    on_channel = [r for r in report.sites if r.rewritten and r.op in ("matmul_rs", "matmul_a2a")
-                  and r.schedule.startswith("dma/") and program.mesh.shape.get(r.axis_name, 1) > 1]
-    event(f"sites on a channel: {len(on_channel)}")
-    if on_channel:  # their partials moved on the channel: its words were set
-        assert extension.testing().backend_calls()["set_word"] > words, str(report)
+        sites = [r for r in report.sites if r.op in ("matmul_rs", "matmul_a2a") and r.schedule.startswith("dma/")]
+        event(f"sites on a channel: {len(sites)}")
+        if sites:
+            assert extension.testing().backend_calls()["set_word"] > words, str(report)
+        on_channel.extend(sites)
+
+    check()
+    assert on_channel, "no drawn program ran a reduce-scatter on its group's channel"

@@ -157,10 +157,11 @@ def test_a_step_without_communication_has_no_hidden_fraction():
 # ------------------------------------------------------------------------------------------------
 # A made-up GPU trace, as JAX's profiler writes it
 # ------------------------------------------------------------------------------------------------
-def gpu_trace(device_shift_us=0.0):
+def gpu_trace(device_shift_us=0.0, nccl_start_us=200.0):
     """Two traced steps on two GPUs: per step a GEMM of 100 us with a copy half under it, and an NCCL
-    kernel after it; threads that are not streams (CUPTI overhead, XLA Ops) to leave out; the host
-    annotations around the steps."""
+    kernel after it (at `nccl_start_us` into the step: earlier, the step is shorter), then an add;
+    threads that are not streams (CUPTI overhead, XLA Ops) to leave out; the host annotations around
+    the steps."""
     meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
             {"ph": "M", "name": "thread_name", "pid": 1, "tid": 5, "args": {"name": "python3"}}]
     events = []
@@ -176,8 +177,8 @@ def gpu_trace(device_shift_us=0.0):
             x = lambda tid, start, dur, name, op: {"ph": "X", "pid": pid, "tid": tid, "ts": t + start, "dur": dur,  # noqa: E731
                                                   "name": name, "args": {"hlo_op": op}}
             events += [x(7, 20, 100, GEMM, "dot.1"), x(21, 70, 100, "MemcpyP2P", "custom-call.2"),
-                       x(15, 200, 40, "ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL", "reduce-scatter.3"),
-                       x(7, 240, 30, "loop_add_fusion", "fusion.4"), x(99, 10, 5, "overhead", ""),
+                       x(15, nccl_start_us, 40, "ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL", "reduce-scatter.3"),
+                       x(7, nccl_start_us + 40, 30, "loop_add_fusion", "fusion.4"), x(99, 10, 5, "overhead", ""),
                        x(10000, 20, 100, "dot.1", "")]  # a line derived from the streams: not counted twice
     return meta + events
 
@@ -224,18 +225,21 @@ def load_step_timeline():
 def test_a_gpu_trace_through_the_analysis_to_the_tables(tmp_path):
     st = load_step_timeline()
     results = {}
-    for mode, shift in (("no-overlap", 0.0), ("overlap", 0.0)):
+    # Overlapped, the reduce-scatter starts under the copy: the step spans 180 us instead of 250.
+    for mode, nccl_start_us in (("no-overlap", 200.0), ("overlap", 130.0)):
         folder = tmp_path / f"trace_{mode}" / "plugins" / "profile" / "2026_01_01_00_00_00"
         folder.mkdir(parents=True)
         with gzip.open(folder / "perfetto_trace.json.gz", "wt") as fh:
-            json.dump({"traceEvents": gpu_trace(shift), "displayTimeUnit": "ns"}, fh)
+            json.dump({"traceEvents": gpu_trace(nccl_start_us=nccl_start_us), "displayTimeUnit": "ns"}, fh)
         analysis, first = st.analyze_trace(str(tmp_path / f"trace_{mode}"))
         results[mode] = {"wall_ms": [0.4, 0.4], "untraced_wall_ms": 0.3, "trace_dir": str(folder), "analysis": analysis}
         assert len(first[0]) == 4 and analysis["verdict"].startswith("2 device(s), steps split by host")
-    result = st.write_results(str(tmp_path), ["--preset", "tiny"], results, comm_free_ms=0.2)
-    row = result["summary"]["modes"]["overlap"]
+    result = st.write_results(str(tmp_path), ["--preset", "tiny"], results, comm_free_ms=0.15)
+    row = result["summary"]["modes"]["no-overlap"]
     assert row["span_us"] == 250 and row["exposed_us"] == 90 and row["hidden_fraction"] == pytest.approx(50 / 140)
-    assert result["summary"]["overlap_share"] == 0.0  # the same step in both modes
+    assert result["summary"]["modes"]["overlap"]["span_us"] == 180
+    # (250 - 180) us of the (250 - 150) us that communication adds to the step
+    assert result["summary"]["overlap_share"] == pytest.approx(0.7)
     text = (tmp_path / "step_timeline.md").read_text()
     assert "| copy | `custom-call.2` | 1 |" in text and "| nccl | `reduce-scatter.3` | 1 |" in text
     assert "left out 2 events on thread 'GPU:0 CUPTI overhead'" in text

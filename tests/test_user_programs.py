@@ -2,6 +2,7 @@
 called with Python options, integer matmuls, and what explain() says of each site (8 CPU devices)."""
 import dataclasses
 import enum
+import json
 import logging
 import os
 
@@ -209,11 +210,21 @@ def test_autotune_shows_the_pick_or_when_it_is_measured(mesh1d, monkeypatch, tmp
 def test_an_explicit_op_autotuned_inside_shard_map_measures_outside_the_trace(mesh1d, monkeypatch, tmp_path, op):
     """schedule="autotune" on an op called in the user's shard_map: its candidates are programs of
     their own, on a mesh of their own, timed outside the trace (in the trace jax refused the
-    measuring program's mesh); the result equals the reference and the winner is cached."""
+    measuring program's mesh); the result equals the reference and the winner is cached. Every
+    candidate is timed for real, the plain path's time counted a second longer, so that an
+    overlapped schedule wins and runs (on CPU the plain path is the fastest)."""
     import ficco_jax
+    from ficco_jax.ops import api
 
     monkeypatch.setattr(policy, "MODEL_ON_CPU", True)
     monkeypatch.setattr(config, "AUTOTUNE_CACHE_DIR", str(tmp_path))
+    timed, time_op = [], api.time_op
+
+    def plain_slowed(op, schedule, *args, **kwargs):
+        timed.append(str(schedule))
+        return time_op(op, schedule, *args, **kwargs) + (1e3 if schedule.comm == "none" else 0.0)
+
+    monkeypatch.setattr(api, "time_op", plain_slowed)
     n = mesh1d.shape["tp"]
     kx, kw = jax.random.split(jax.random.PRNGKey(11))
     if op == "ag_matmul":
@@ -225,7 +236,8 @@ def test_an_explicit_op_autotuned_inside_shard_map_measures_outside_the_trace(me
     fn, ref = getattr(ficco_jax, op), getattr(ficco_jax, f"{op}_ref")
     run = lambda body: jax.jit(jax.shard_map(body, mesh=mesh1d, in_specs=specs, out_specs=out))(x, w)  # noqa: E731
     assert_close(run(lambda x, w: fn(x, w, "tp", schedule="autotune")), run(lambda x, w: ref(x, w, "tp")))
-    assert op in (tmp_path / "autotune.json").read_text()
+    winners = [entry["schedule"] for entry in json.loads((tmp_path / "autotune.json").read_text()).values()]
+    assert len(timed) > 1 and winners and all(w != "none" and w in timed for w in winners), (timed, winners)
 
 
 def test_an_object_that_would_be_frozen_into_the_trace_is_refused_by_path(mesh1d):

@@ -13,8 +13,8 @@ are updated by SGD and donated, as a training loop does.
     python benchmarks/suites/mixed_step.py [--steps 1000] [--print-every 50] [--out DIR]
 
 Prints one progress line every --print-every steps ("step i/N loss ...": a watchdog reading the
-output sees the program advance), checks the first step against the same step with every site on
-its plain path, and ends with "mixed_step PASS" or "mixed_step FAIL: why". Runs on CPU too (8
+output sees the program advance), checks the first step's loss and gradients against the same step
+with every site on its plain path, and ends with "mixed_step PASS" or "mixed_step FAIL: why". Runs on CPU too (8
 virtual devices, tiny sizes) and on any number of GPUs that the sizes divide by.
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ LAYER_SCHEDULES = (
     ("xla/ring/c2", "dma/direct/c4"),
     ("dma/direct/c8/grouped", "xla/ring/c2"),
 )
-#: Tolerance of the first step's loss against the plain program (bf16 on GPUs, f32 on CPU).
+#: Tolerance of the first step's loss and gradients against the plain program (bf16 on GPUs, f32 on CPU).
 TOLERANCE = {"bfloat16": 2e-2, "float32": 1e-4}
 
 
@@ -57,8 +57,8 @@ def layer_schedules(layers: int, dma: bool) -> list[tuple[str, str]]:
     return cycle if dma else [tuple("none" if s.startswith("dma") else s for s in pair) for pair in cycle]
 
 
-def make_step(mesh: Mesh, schedules, lr: float):
-    """(params, x) -> (params, loss): one SGD step of the layer stack, donated parameters."""
+def _local_grads(schedules):
+    """The per-device (params, x) -> (loss, gradients averaged over dp) of the layer stack."""
     def layer(x, w_up, w_down, ag_schedule, rs_schedule):
         if ag_schedule == "none":
             h = jnp.dot(jax.lax.all_gather(x, "tp", axis=0, tiled=True), w_up)
@@ -78,16 +78,42 @@ def make_step(mesh: Mesh, schedules, lr: float):
         count = jax.lax.psum(x.size, ("dp", "tp"))
         return total / count
 
-    def local_step(params, x):
+    def local_grads(params, x):
         loss, grads = jax.value_and_grad(local_loss)(params, x)
-        grads = jax.lax.pmean(grads, "dp")
+        return loss, jax.lax.pmean(grads, "dp")
+
+    return local_grads
+
+
+def _sharded(mesh: Mesh, schedules, fn, params_out: bool):
+    param_spec = [(P(None, "tp"), P("tp", None)) for _ in schedules]
+    out_specs = (param_spec, P()) if params_out else (P(), param_spec)
+    return jax.shard_map(fn, mesh=mesh, in_specs=(param_spec, P(("dp", "tp"), None)), out_specs=out_specs,
+                         check_vma=False)
+
+
+def make_grads(mesh: Mesh, schedules):
+    """(params, x) -> (loss, gradients): the step's backward pass alone, nothing donated."""
+    return jax.jit(_sharded(mesh, schedules, _local_grads(schedules), params_out=False))
+
+
+def make_step(mesh: Mesh, schedules, lr: float):
+    """(params, x) -> (params, loss): one SGD step of the layer stack, donated parameters."""
+    local_grads = _local_grads(schedules)
+
+    def local_step(params, x):
+        loss, grads = local_grads(params, x)
         params = jax.tree.map(lambda p, g: (p - lr * g.astype(jnp.float32)).astype(p.dtype), params, grads)
         return params, loss
 
-    param_spec = [(P(None, "tp"), P("tp", None)) for _ in schedules]
-    step = jax.shard_map(local_step, mesh=mesh, in_specs=(param_spec, P(("dp", "tp"), None)), out_specs=(param_spec, P()),
-                         check_vma=False)
-    return jax.jit(step, donate_argnums=0)
+    return jax.jit(_sharded(mesh, schedules, local_step, params_out=True), donate_argnums=0)
+
+
+def gradient_error(got, want) -> float:
+    """The largest relative error (in norm) of one gradient against the plain program's."""
+    return max(float(jnp.linalg.norm((g.astype(jnp.float32) - w.astype(jnp.float32)).ravel()))
+               / max(float(jnp.linalg.norm(w.astype(jnp.float32).ravel())), 1e-30)
+               for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True))
 
 
 def init(mesh: Mesh, layers: int, tokens: int, hidden: int, ffn: int, dtype, seed: int = 0):
@@ -131,17 +157,18 @@ def main(argv=None) -> int:
           f"x [{tokens}, {hidden}] per replica, ffn {ffn}, {jnp.dtype(dtype).name}; schedules (ag, rs) per layer: "
           + ", ".join(f"{a}+{r}" for a, r in schedules), flush=True)
 
-    # First step against the same step with every site on its plain path (same inputs).
-    plain = make_step(mesh, [("none", "none")] * args.layers, lr=1e-2)
+    # The first step's loss and gradients against the same step with every site on its plain path
+    # (same inputs): the forward and the backward ops of every schedule checked.
     params, x = init(mesh, args.layers, tokens, hidden, ffn, dtype)
-    _, want = plain(params, x)
-    params, x = init(mesh, args.layers, tokens, hidden, ffn, dtype)
+    want, want_grads = make_grads(mesh, [("none", "none")] * args.layers)(params, x)
+    _, got_grads = make_grads(mesh, schedules)(params, x)
+    grad_err = gradient_error(got_grads, want_grads)
     step = make_step(mesh, schedules, lr=1e-2)
     params, got = step(params, x)
     first_err = abs(float(got) - float(want)) / max(abs(float(want)), 1e-30)
-    ok = first_err <= TOLERANCE[jnp.dtype(dtype).name]
-    print(f"step 1/{args.steps} loss {float(got):.6f} (plain program {float(want):.6f}, rel diff {first_err:.2e})",
-          flush=True)
+    ok = max(first_err, grad_err) <= TOLERANCE[jnp.dtype(dtype).name]
+    print(f"step 1/{args.steps} loss {float(got):.6f} (plain program {float(want):.6f}, rel diff {first_err:.2e}; "
+          f"gradients' largest rel diff {grad_err:.2e})", flush=True)
 
     t0, losses = time.perf_counter(), [float(got)]
     loss = got
@@ -154,11 +181,11 @@ def main(argv=None) -> int:
             print(f"step {i}/{args.steps} loss {losses[-1]:.6f} ({(time.perf_counter() - t0) / (i - 1) * 1e3:.2f} "
                   f"ms/step)", flush=True)
     finite = bool(np.isfinite(losses).all())
-    verdict = "PASS" if ok and finite else ("FAIL: first step differs from the plain program" if not ok
-                                            else "FAIL: non-finite loss")
+    verdict = "PASS" if ok and finite else ("FAIL: the first step's loss or gradients differ from the plain "
+                                            "program's" if not ok else "FAIL: non-finite loss")
     result = {"steps": args.steps, "layers": args.layers, "tp": tp, "dp": mesh.shape["dp"], "tokens": tokens,
               "hidden": hidden, "ffn": ffn, "dtype": jnp.dtype(dtype).name, "schedules": schedules,
-              "first_step_rel_diff": first_err, "losses": losses, "seconds": time.perf_counter() - t0,
+              "first_step_rel_diff": first_err, "first_step_gradient_rel_diff": grad_err, "losses": losses, "seconds": time.perf_counter() - t0,
               "device": devices[0].device_kind, "verdict": verdict,
               "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "unset")}
     if args.out:

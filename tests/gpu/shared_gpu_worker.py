@@ -96,19 +96,21 @@ def main(process_id: int, port: int, out_path: str, chain_launches: int = 6) -> 
 
     # A chain of symmetric sites between matmuls: XLA captures it in a command buffer, and the later
     # launches replay it without calling the handlers. Per layer both devices gather the same two
-    # blocks, so the reduce-scatter gives each its own block twice: a <- (2 a) @ w, linear in x.
+    # blocks and scale them by their rank + 1 (so that each sum needs its peer's partial), so the
+    # reduce-scatter gives each its own block 1 + 2 times: a <- (3 a) @ w, linear in x.
     layers = 4
     ws = [shard(0, 10 + i, (k, k)) / np.sqrt(k) for i in range(layers)]
 
     def chain(a):
+        rank = (jax.lax.axis_index("tp") + 1).astype(a.dtype)
         for w_np in ws:
-            gathered = dma.all_gather(a, "tp", schedule="dma/direct/c1/symmetric")
+            gathered = dma.all_gather(a, "tp", schedule="dma/direct/c1/symmetric") * rank
             a = dma.reduce_scatter(gathered, "tp", schedule="dma/direct/c2/symmetric") @ jnp.asarray(w_np)
         return a
 
     expected = shard(process_id, 1, (m, k))
     for w_np in ws:
-        expected = (2 * expected) @ w_np
+        expected = (3 * expected) @ w_np
     try:
         testing = extension.testing()
         f = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False))

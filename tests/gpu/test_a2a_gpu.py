@@ -97,3 +97,6 @@ def test_moe_example_agrees_on_gpu():
     for sched in ("dma/direct/c2", "xla/direct/c2", "auto"):
         result = module.main(["--compare", "--schedule", sched, "--steps", "2"])
         assert result["ok"], (sched, result["loss_rel_diff"], result["grad_rel_diff"])
+        sites = result["overlap"]["report"].sites
+        if sched != "auto":  # the given schedule reaches the layer's expert sites, forward and backward
+            assert sites and all(r.schedule == sched for r in sites), str(result["overlap"]["report"])

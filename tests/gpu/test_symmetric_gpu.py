@@ -87,7 +87,9 @@ def test_a_site_in_a_scan():
 
 def test_a_chain_of_sites_is_replayed_from_a_command_buffer():
     """16 sites between matmuls: XLA captures them (their handlers are command-buffer compatible) and
-    replays the graph on later launches, the devices ordering every copy by their counters."""
+    replays the graph on later launches, the devices ordering every copy by their counters. Each
+    device scales what it gathered by its rank + 1 before the reduce-scatter, so that every sum
+    needs its peers' partials (equal partials would let a sum of its own block pass)."""
     mesh = _mesh()
     n = mesh.shape["tp"]
     layers = 8
@@ -95,8 +97,9 @@ def test_a_chain_of_sites_is_replayed_from_a_command_buffer():
 
     def chain(gather, scatter):
         def body(a):
+            rank = (jax.lax.axis_index("tp") + 1).astype(a.dtype)
             for w in ws:
-                a = scatter(gather(a)) @ w
+                a = scatter(gather(a) * rank) @ w
             return a
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P("tp")))
 

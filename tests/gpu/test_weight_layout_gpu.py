@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 import ficco_jax
-from gpu_common import GPU_MARKS, GPUS
+from gpu_common import GPU_MARKS, GPUS, copy_engine_targets
 
 pytestmark = GPU_MARKS
 
@@ -62,9 +62,10 @@ def _run(op, fn, a, v, cot=None, given_transposed=True):
         body, v, v_spec = lambda a, w: fn(a, w, "tp"), v.T, P(*reversed(tuple(v_spec)))  # noqa: E731
     f = jax.shard_map(body, mesh=_mesh(), in_specs=(a_spec, v_spec), out_specs=out_spec)
     if cot is None:
-        return jax.jit(f)(a, v)
+        return jax.jit(f)(a, v), copy_engine_targets(jax.jit(f), a, v)
     loss = lambda a, v: jnp.sum(f(a, v).astype(jnp.float32) * cot)  # noqa: E731
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(a, v)
+    grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    return grads(a, v), copy_engine_targets(grads, a, v)
 
 
 def _cases():
@@ -87,11 +88,13 @@ def test_transposed_weight_read_column_major_gpu(op, shape, dtype, sched, given_
     ref = getattr(ficco_jax, f"{op}_ref")
     run = functools.partial(_run, op, given_transposed=given_transposed)
     with jax.default_matmul_precision("float32"):  # the executor's f32 matmuls are full f32
-        want = run(ref, a, v)
-        got = run(fn, a, v)
+        want, _ = run(ref, a, v)
+        got, forward = run(fn, a, v)
         assert _rel_err(got, want) < TOL[dtype], "forward"
         cot = jnp.asarray(np.random.default_rng(1).standard_normal(want.shape), jnp.float32)
-        (got_loss, got_grads), (want_loss, want_grads) = run(fn, a, v, cot), run(ref, a, v, cot)
+        ((got_loss, got_grads), backward), ((want_loss, want_grads), _) = run(fn, a, v, cot), run(ref, a, v, cot)
+    # On copy engines both ways: the backward's input gradient is the other op (its transpose).
+    assert forward == {f"ficco_{op}"} and backward == {"ficco_ag_matmul", "ficco_matmul_rs"}, (forward, backward)
     assert _rel_err(got_loss, want_loss) < TOL[dtype], "loss"
     for name, g, r in zip(("d operand", "d weight"), got_grads, want_grads):
         assert _rel_err(g, r) < TOL[dtype], name
