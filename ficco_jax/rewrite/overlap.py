@@ -471,7 +471,7 @@ def overlap(fn: Callable | None = None, *, schedule="auto", autotune: bool = Fal
 
     ``overlap(f)(*args)`` equals ``f(*args)``, the in-place updates `f` makes to its arguments
     included (NNX Variables, dict entries, jax Refs). `schedule` applies to every site where it is
-    valid ("auto" elsewhere, with a log line; column chunks cut the reduce-scatter sites, and the
+    valid ("auto" elsewhere, with a warning, and explain() says why there; column chunks cut the reduce-scatter sites, and the
     other sites take as many row chunks); ``autotune=True`` measures candidates per site when the
     function is first called (explain() shows a cached pick and measures nothing); `ops` chooses
     which patterns are rewritten. Usable as ``@overlap`` or ``@overlap(schedule=...)``.
