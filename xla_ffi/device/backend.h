@@ -82,8 +82,10 @@ class Backend {
   // Prepare(kCopyStreamSlots, ...) creates it.
   static constexpr int kStaging = kStagingStream;
   virtual ~Backend() = default;
-  // Creates persistent resources on first use (copy streams, peer access, cuBLASLt).
-  virtual ffi::Error Prepare(int copy_streams, const std::vector<int>& group) = 0;
+  // Creates persistent resources on first use (copy streams, peer access, cuBLASLt). `peer_stores`:
+  // the call's kernels store into the memory of the group's other devices (a symmetric site's
+  // counters), which needs peer access where copies do not: an error names a pair without it.
+  virtual ffi::Error Prepare(int copy_streams, const std::vector<int>& group, bool peer_stores) = 0;
   // Takes an event from the pool and records it on `stream`.
   virtual ffi::Error Record(int stream, Event* event) = 0;
   // An event recorded on the compute stream that the caller owns (not one of the call's events):

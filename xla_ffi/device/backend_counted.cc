@@ -21,8 +21,8 @@ class CountedBackend final : public Backend {
  public:
   explicit CountedBackend(std::unique_ptr<Backend> inner) : inner_(std::move(inner)) {}
 
-  ffi::Error Prepare(int copy_streams, const std::vector<int>& group) override {
-    return inner_->Prepare(copy_streams, group);
+  ffi::Error Prepare(int copy_streams, const std::vector<int>& group, bool peer_stores) override {
+    return inner_->Prepare(copy_streams, group, peer_stores);
   }
   ffi::Error Record(int stream, Event* event) override {
     TimeSection timed(Totals().record);

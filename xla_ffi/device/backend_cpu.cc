@@ -65,7 +65,7 @@ class CpuBackend final : public Backend {
   CpuBackend(const CallContext& ctx, EventPool& pool, double timeout_s)
       : ctx_(ctx), pool_(static_cast<HostEventPool&>(pool)), timeout_s_(timeout_s) {}
 
-  ffi::Error Prepare(int, const std::vector<int>&) override { return ffi::Error::Success(); }
+  ffi::Error Prepare(int, const std::vector<int>&, bool) override { return ffi::Error::Success(); }
   ffi::Error Record(int, Event* event) override {
     *event = pool_.Acquire(/*done=*/true);
     acquired_.push_back(*event);

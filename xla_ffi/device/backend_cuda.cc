@@ -15,8 +15,8 @@ class CudaBackend final : public Backend {
   CudaBackend(const CallContext& ctx, CudaDevice& device, cudaStream_t compute, bool interprocess)
       : ctx_(ctx), compute_(compute), interprocess_(interprocess), device_(device) {}
 
-  ffi::Error Prepare(int copy_streams, const std::vector<int>& group) override {
-    return device_.Prepare(ctx_, copy_streams, group, &resources_);
+  ffi::Error Prepare(int copy_streams, const std::vector<int>& group, bool peer_stores) override {
+    return device_.Prepare(ctx_, copy_streams, group, peer_stores, &resources_);
   }
 
   ffi::Error Record(int stream, Event* event) override {

@@ -19,8 +19,8 @@ constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;
 CaptureRelaxed::CaptureRelaxed() { (void)cudaThreadExchangeStreamCaptureMode(&mode_); }
 CaptureRelaxed::~CaptureRelaxed() { (void)cudaThreadExchangeStreamCaptureMode(&mode_); }
 
-ffi::Error CudaDevice::Prepare(const CallContext& ctx, int copy_streams,
-                                    const std::vector<int>& peers, CudaResources** out) {
+ffi::Error CudaDevice::Prepare(const CallContext& ctx, int copy_streams, const std::vector<int>& peers,
+                               bool peer_stores, CudaResources** out) {
   std::lock_guard<std::mutex> lock(mu_);
   const CaptureRelaxed relaxed;  // a first call may be captured (command buffers)
   FICCO_CHECK_CUDA(cudaSetDevice(ordinal_));
@@ -51,8 +51,18 @@ ffi::Error CudaDevice::Prepare(const CallContext& ctx, int copy_streams,
         FICCO_CHECK_CUDA(status);
       }
     }
-    // Without peer access cudaMemcpyAsync still works (staged by the driver), only slower.
+    // Without peer access cudaMemcpyAsync still works (staged by the driver), only slower; a
+    // kernel's store into the peer's memory faults.
     cuda_.peers_enabled.insert(peer);
+    if (!can_access) cuda_.peers_unreachable.insert(peer);
+  }
+  for (int peer : peers) {
+    if (peer_stores && peer != ordinal_ && cuda_.peers_unreachable.count(peer)) {
+      return MakeInvalid(ctx, "device " + std::to_string(ordinal_) + " has no peer access to device " +
+                                  std::to_string(peer) + " (cudaDeviceCanAccessPeer is 0), and a symmetric site's "
+                                  "devices write each other's counters: use transfer='pull' (the default) for this "
+                                  "group");
+    }
   }
   *out = &cuda_;
   return ffi::Error::Success();

@@ -33,7 +33,8 @@ struct CudaResources {
   std::unique_ptr<GemmPlans> gemm_plans;  // cuBLASLt plans by problem shape
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
-  std::set<int> peers_enabled;
+  std::set<int> peers_enabled;      // every peer asked about, with access or not
+  std::set<int> peers_unreachable;  // of those, the ones this device has no peer access to
 
   // Groups across processes of this host (runtime/ipc_cuda.cc), guarded by ipc_mu. Interprocess events
   // have their own pool: every event of a cross-process call may be waited on by another process.
@@ -83,7 +84,8 @@ class CudaDevice final : public EventPool {
 
   // Creates on first use: at least `copy_streams` copy streams, the cuBLASLt handle and
   // workspace, and peer access to each of `peers`. Thread-safe; `ctx` names the caller in errors.
-  ffi::Error Prepare(const CallContext& ctx, int copy_streams, const std::vector<int>& peers, CudaResources** out);
+  ffi::Error Prepare(const CallContext& ctx, int copy_streams, const std::vector<int>& peers, bool peer_stores,
+                     CudaResources** out);
   // `interprocess`: an event other processes can wait on (cudaEventInterprocess), from its own pool.
   ffi::Error AcquireEvent(const CallContext& ctx, cudaEvent_t* event, bool interprocess = false);
   void ReleaseEvents(const std::vector<cudaEvent_t>& events, bool interprocess = false);

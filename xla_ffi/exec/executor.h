@@ -151,6 +151,11 @@ ffi::Error CopyOutSymmetric(Backend& backend, const OpConfig& config, const Symm
 // enqueued (its copy streams' last work, the copy-out stream's too), and the call is posted finished, so that the
 // watchdog does not take the failed call for a stuck one. Returns `error`.
 ffi::Error FailSymmetric(Backend& backend, const OpConfig& config, const SymmetricCall& symmetric, ffi::Error error);
+// transfer=symmetric: the call's first kernel (SymmetricCall::Begin); where it fails after the call
+// was counted (on CPU a wait for a target's slot that timed out, on CUDA a later kernel's launch), the
+// call ends through FailSymmetric, as any counted call that fails: else the watchdog would take it for
+// a stuck one, and the site would run on a count ahead of its peers.
+ffi::Error BeginSymmetric(Backend& backend, const OpConfig& config, const SymmetricCall& symmetric);
 // transfer=symmetric: XLA's stream waits for the copy-outs (`copied`), on every path, since they write
 // XLA's buffers; the slots are then released at the join (SymmetricCall::End). Returns the first error.
 ffi::Error AwaitCopyOuts(Backend& backend, const std::vector<Event>& copied, ffi::Error status);

@@ -85,6 +85,12 @@ ffi::Error FailSymmetric(Backend& backend, const OpConfig& config, const Symmetr
   return error;
 }
 
+ffi::Error BeginSymmetric(Backend& backend, const OpConfig& config, const SymmetricCall& symmetric) {
+  bool counted = false;
+  ffi::Error begun = symmetric.Begin(backend, &counted);
+  return begun.failure() && counted ? FailSymmetric(backend, config, symmetric, std::move(begun)) : begun;
+}
+
 ffi::Error AwaitCopyOuts(Backend& backend, const std::vector<Event>& copied, ffi::Error status) {
   for (Event event : copied) {
     ffi::Error waited = backend.Wait(Backend::kCompute, event);
@@ -156,7 +162,7 @@ ffi::Error Gather::RunSymmetric(CallSession& session) {
   std::shared_ptr<SymmetricSite> site;
   FICCO_RETURN_IF_ERROR(session.SymmetricSiteOf(backend_, a_.layout.Block(), &site));
   const SymmetricCall symmetric(config_, std::move(site), Marks() == LandedEvents::kPerChunk);
-  FICCO_RETURN_IF_ERROR(symmetric.Begin(backend_));
+  FICCO_RETURN_IF_ERROR(BeginSymmetric(backend_, config_, symmetric));
   // From here on a failure goes through FailSymmetric: the call was counted.
   std::vector<Event> copied;
   // x is valid, and this call's epoch counted, from `ready`: the copy streams start there.

@@ -12,7 +12,7 @@
 namespace ficco {
 
 ffi::Error RunProbe(Backend& backend, const OpConfig& config, const ProbeArgs& p) {
-  FICCO_RETURN_IF_ERROR(backend.Prepare(1, config.group));
+  FICCO_RETURN_IF_ERROR(backend.Prepare(1, config.group, /*peer_stores=*/false));
   CallSession session(config, {static_cast<int64_t>(SignatureKind::kContentionProbe), static_cast<int64_t>(p.types.a),
                                static_cast<int64_t>(p.types.b), static_cast<int64_t>(p.types.c), p.rows, p.inner, p.cols, p.shard_bytes, p.repeats, p.pull ? 1 : 0, config.n()});
   Event ready;

@@ -121,7 +121,7 @@ ffi::Error Scatter::RunSymmetric(CallSession& session) {
   std::shared_ptr<SymmetricSite> site;
   FICCO_RETURN_IF_ERROR(session.SymmetricSiteOf(backend_, layout_.Block(), &site));
   const SymmetricCall symmetric(config_, std::move(site), Marks() == LandedEvents::kPerChunk);
-  FICCO_RETURN_IF_ERROR(symmetric.Begin(backend_));
+  FICCO_RETURN_IF_ERROR(BeginSymmetric(backend_, config_, symmetric));
   // From here on a failure goes through FailSymmetric: the call was counted.
   std::vector<Event> copied, exposed;
   // y is valid, and this call's epoch counted, from `entry`: the copy streams start there.

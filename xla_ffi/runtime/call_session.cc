@@ -192,7 +192,7 @@ ffi::Error CallSession::Stage(Backend& backend, const Exposure& exposure) {
 // A group that gave up is refused first: a region taken and then retired by every failing call
 // would stay allocated for each of them.
 ffi::Error CallSession::AcquireStaging(Backend& backend, int64_t bytes, void** region) {
-  FICCO_RETURN_IF_ERROR(backend.Prepare(kCopyStreamSlots, config_.LocalOrdinals()));
+  FICCO_RETURN_IF_ERROR(backend.Prepare(kCopyStreamSlots, config_.LocalOrdinals(), config_.symmetric));
   FICCO_RETURN_IF_ERROR(FailIfGroupGaveUp(config_));
   FICCO_RETURN_IF_ERROR(StagingBuffer(config_, static_cast<uint64_t>(bytes), region));
   staging_exposed_ = true;
@@ -684,7 +684,8 @@ ffi::Error BeginCall(Backend& backend, const OpConfig& config, int64_t rows, con
                                        " must divide by chunks = " + std::to_string(config.chunks));
   }
   // A symmetric call copies its results out of the site on the staging stream (exec/gather.cc).
-  return backend.Prepare(config.symmetric ? kCopyStreamSlots : CopyStreamsUsed(config), config.LocalOrdinals());
+  return backend.Prepare(config.symmetric ? kCopyStreamSlots : CopyStreamsUsed(config), config.LocalOrdinals(),
+                         config.symmetric);
 }
 
 }  // namespace ficco

@@ -397,7 +397,7 @@ std::string DescribePointer(uint64_t pointer, IpcPointerInfo* info) { return Que
 std::string DescribeStaging(int ordinal, uint64_t bytes, IpcStagingInfo* info) {
   const CallContext ctx{"ipc_describe_staging", -1, ordinal};
   CudaResources* res = nullptr;
-  ffi::Error prepared = Registry::Get().Device(ordinal).cuda().Prepare(ctx, 1, {}, &res);
+  ffi::Error prepared = Registry::Get().Device(ordinal).cuda().Prepare(ctx, 1, {}, /*peer_stores=*/false, &res);
   if (prepared.failure()) return prepared.message();
   std::lock_guard<std::mutex> lock(res->ipc_mu);
   if (res->staging.base == nullptr || res->staging.bytes < bytes) {

@@ -138,18 +138,19 @@ ffi::Error SymmetricSites::CountLaunch(Backend& backend, const LaunchKey& key) {
 SymmetricCall::SymmetricCall(const OpConfig& config, std::shared_ptr<SymmetricSite> site, bool per_chunk)
     : config_(config), site_(std::move(site)), watch_(site_->WatchOf(config_.rank)), per_chunk_(per_chunk) {}
 
-ffi::Error SymmetricCall::Begin(Backend& backend) const {
+ffi::Error SymmetricCall::Begin(Backend& backend, bool* counted_call) const {
   std::vector<PeerWait> frees;
   for (int slot = 0; slot < config_.n() - 1; ++slot) {
     frees.push_back({{site_->Free(config_.rank, slot), -1, {}}, config_.TargetOfSlot(slot), "free"});
   }
-  ffi::Error counted =
+  ffi::Error status =
       backend.CountCall(Backend::kCompute, site_->Epoch(config_.rank), watch_.started, watch_.stopped,
                         CountersOf(Epoch(), frees).words);
-  if (counted.failure() && counted.message() == kCallStopped) {
+  *counted_call = !(status.failure() && status.message() == kCallStopped);
+  if (!*counted_call) {
     return MakeError(config_.ctx, "this copy-engine site stopped (" + site_->Failed() + "): restart the process");
   }
-  return PeerWaitsError(config_, Epoch(), frees, std::move(counted));
+  return PeerWaitsError(config_, Epoch(), frees, std::move(status));
 }
 
 ffi::Error SymmetricCall::PostLanded(Backend& backend, int stream, int slot, int64_t first, int64_t end) const {

@@ -202,7 +202,9 @@ class SymmetricCall {
   // Compute stream, first: this call's epoch, posted as started; then, in the same kernel, until
   // the target of every send slot has read the previous call's block from it (its `free` word), so
   // that the sends need no wait of their own: what follows `Begin` on XLA's stream may write them.
-  ffi::Error Begin(Backend& backend) const;
+  // `*counted`: whether the call may have been counted, failed or not (false only where the site had
+  // stopped before): a counted call that fails must end through its site's failure (FailSymmetric).
+  ffi::Error Begin(Backend& backend, bool* counted) const;
   // Where send slot `slot`'s block goes: the target's slot of the same index.
   char* Destination(int slot) const { return site_->Slot(config_.TargetOfSlot(slot), slot); }
   // Sender, on `stream` after the copies of chunks [first, end) of send slot `slot`: they landed,

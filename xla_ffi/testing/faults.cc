@@ -39,7 +39,7 @@ class FaultyBackend final : public Backend {
     }
   }
 
-  ffi::Error Prepare(int copy_streams, const std::vector<int>& group) override {
+  ffi::Error Prepare(int copy_streams, const std::vector<int>& group, bool peer_stores) override {
     if (fault_.mode == InjectedFault::Mode::kSkip) return Injected();
     if (fault_.mode == InjectedFault::Mode::kStall && config_.cross_process()) {
       return MakeInvalid(config_.ctx, "the stall fault applies to groups inside one process");
@@ -47,7 +47,7 @@ class FaultyBackend final : public Backend {
     if (fault_.mode == InjectedFault::Mode::kStale && !config_.launch_from_run) {
       return MakeInvalid(config_.ctx, "the stale fault applies where calls number their launches (the CPU backend)");
     }
-    return inner_->Prepare(copy_streams, group);
+    return inner_->Prepare(copy_streams, group, peer_stores);
   }
   ffi::Error Record(int stream, Event* event) override {
     if (fault_.mode == InjectedFault::Mode::kStall && stream == kCompute) {
