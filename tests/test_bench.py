@@ -1,6 +1,7 @@
 """`python -m ficco_jax bench` / `demo`: they run on 8 CPU devices and write verified, well-formed results."""
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -272,7 +273,7 @@ def test_progress_ends_at_its_planned_count(tmp_path, capsys):
     # xla/ring/c1 listed is JAX's ring too: counted once, as it is run once
     bench.run(["ag_matmul"], {"t": (64, 32, 64)}, "float32", "xla/ring/c1,xla/direct/c1", str(tmp_path),
               windowed=False)
-    steps = [tuple(map(int, m)) for m in __import__("re").findall(r"\[\s*(\d+)/(\d+)\]", capsys.readouterr().err)]
+    steps = [tuple(map(int, m)) for m in re.findall(r"\[\s*(\d+)/(\d+)\]", capsys.readouterr().err)]
     assert steps and steps[-1][0] == steps[-1][1] == len(steps), steps
 
 
@@ -288,7 +289,7 @@ def test_a_listed_schedule_that_does_not_fit_the_shape_is_a_row_saying_why(tmp_p
     assert skipped["note"].startswith("skipped: ag_matmul: rows per device = 8") and "[1, 2, 4, 8]" in skipped["note"]
     assert rows["ficco:xla/direct/c2"]["verified"] is True and result["skipped"] == []
     assert f"- ag_matmul t ficco:xla/direct/c3: {skipped['note']}" in (tmp_path / "bench.md").read_text()
-    steps = [tuple(map(int, m)) for m in __import__("re").findall(r"\[\s*(\d+)/(\d+)\]", capsys.readouterr().err)]
+    steps = [tuple(map(int, m)) for m in re.findall(r"\[\s*(\d+)/(\d+)\]", capsys.readouterr().err)]
     assert steps[-1][0] == steps[-1][1] == len(steps), steps  # the skipped schedule takes no step
 
 
@@ -346,7 +347,7 @@ def test_rounds_time_every_variant_and_bound_interleaved(tmp_path, monkeypatch, 
     assert plain["extra"]["timing_of"] == "jax_seq" and plain["median_ms"] == rows["jax_seq"]["median_ms"]
     assert rows["ideal"]["median_ms"] == max(rows["gemm_alone"]["median_ms"], rows["collective_alone"]["median_ms"])
     assert result["rounds"] == 3 and "3 interleaved rounds" in result["method"]
-    steps = [tuple(map(int, m)) for m in __import__("re").findall(r"\[\s*(\d+)/(\d+)\]", capsys.readouterr().err)]
+    steps = [tuple(map(int, m)) for m in re.findall(r"\[\s*(\d+)/(\d+)\]", capsys.readouterr().err)]
     assert steps[-1][0] == steps[-1][1] == len(steps), steps
     with pytest.raises(ValueError, match="not comparable: rounds 3 \\(this run: 1\\)"):
         bench.run([op], shapes or {}, "float32", "none", str(tmp_path / "again"), windowed=False, resume=result)
