@@ -85,6 +85,7 @@ class Options:
         # multi-process program.
         where = {"axis_name": site.axis_name, "mesh": site.mesh, "out_dtype": site.out_dtype}
         args = (site.op_shapes(), site.dtype, site.axis_size)
+        refused = ""  # why the given schedule does not fit this site
         if self.schedule == "autotune":
             return self._autotune(site, args, where)
         if isinstance(self.schedule, Schedule):
@@ -106,10 +107,9 @@ class Options:
                 # The other sites keep the given schedule; this one says why it does not.
                 logger.warning("ficco_jax.overlap: schedule %s does not fit the %s site at %s: using 'auto' "
                                "there instead (%s)", self.schedule, site.op, site.record.where, err)
-                chosen = ops.resolve_schedule(site.op, "auto", *args, **where)
-                return chosen, f"{chosen} (auto)", f"given {self.schedule} does not fit this site: {err}"
+                refused = f"given {self.schedule} does not fit this site: {err}"
         chosen = ops.resolve_schedule(site.op, "auto", *args, **where)
-        return chosen, f"{chosen} (auto)", plain_path_note(site, chosen)
+        return chosen, f"{chosen} (auto)", refused or plain_path_note(site, chosen)
 
     def _autotune(self, site: Site, args, where) -> tuple[Any, str, str]:
         """Autotune's pick at `site`: measured now when the options measure; else known where that

@@ -366,7 +366,7 @@ class Overlapped:
         if traced is None or (measure and traced.report.awaiting_autotune):
             options = self._options.measuring() if measure else self._options
             try:
-                traced = self._rewrite(call, options)
+                traced = self._rewrite(call, options, mesh)
             except Exception as err:
                 if call.traced_python_numbers():
                     # fn needs a number's value (range(n), a shape, a jitted fn's static argument):
@@ -389,8 +389,9 @@ class Overlapped:
         logger.warning("ficco_jax.overlap: %s", why)
         return _Traced(None, None, {}, Report(untraceable=why), Effects())
 
-    def _rewrite(self, call: CallArgs, options: Options) -> _Traced:
-        """Trace `fn` over the traced leaves of `call` (its static ones closed over) and rewrite it."""
+    def _rewrite(self, call: CallArgs, options: Options, mesh) -> _Traced:
+        """Trace `fn` over the traced leaves of `call` (its static ones closed over) and rewrite it;
+        `mesh`: the concrete mesh of its arguments or context (_concrete_mesh), or None."""
         out_trees, static_outs, found = [], [], []
         leaves = call.traced
 
@@ -409,7 +410,7 @@ class Overlapped:
 
         closed = jax.make_jaxpr(flat_fn)(*leaves)
         records: list = []
-        plan = _analyse(closed.jaxpr, _Scope(axis_sizes=_manual_axes(), mesh=_concrete_mesh(leaves)), options, records)
+        plan = _analyse(closed.jaxpr, _Scope(axis_sizes=_manual_axes(), mesh=mesh), options, records)
         report = Report(records)
         for record in report:
             logger.debug("ficco_jax.overlap %s: %s %s at %s, axis %s, %s", self._name(),
@@ -471,8 +472,8 @@ def overlap(fn: Callable | None = None, *, schedule="auto", autotune: bool = Fal
 
     ``overlap(f)(*args)`` equals ``f(*args)``, the in-place updates `f` makes to its arguments
     included (NNX Variables, dict entries, jax Refs). `schedule` applies to every site where it is
-    valid ("auto" elsewhere, with a warning, and explain() says why there; column chunks cut the reduce-scatter sites, and the
-    other sites take as many row chunks); ``autotune=True`` measures candidates per site when the
+    valid ("auto" elsewhere, with a warning, and explain() says why there; column chunks cut the
+    reduce-scatter sites, and the other sites take as many row chunks); ``autotune=True`` measures candidates per site when the
     function is first called (explain() shows a cached pick and measures nothing); `ops` chooses
     which patterns are rewritten. Usable as ``@overlap`` or ``@overlap(schedule=...)``.
     """
