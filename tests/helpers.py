@@ -11,6 +11,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 2e-3}
 
 
+def ffi_position(axis_name: str = "tp"):
+    """The position operand a raw copy-engine FFI call takes first (xla_ffi/runtime/placement.h):
+    the device's partition id, which on a one-axis mesh is its index along that axis."""
+    return jax.lax.axis_index(axis_name).astype(jnp.uint32)
+
+
 def runs_given(site, schedule: str) -> bool:
     """Whether an `explain` site runs the schedule given to overlap: as given, or with as many row
     chunks at a gather site where the schedule cuts a reduce-scatter's columns (Schedule.for_op)."""

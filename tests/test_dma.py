@@ -23,7 +23,7 @@ from ficco_jax import config, dma  # noqa: E402
 from ficco_jax.lowering.dma import groups, registry  # noqa: E402
 from ficco_jax.runtime import extension as _ext  # noqa: E402
 from ficco_jax.schedule import Schedule  # noqa: E402
-from helpers import ffi_calls, max_rel_err  # noqa: E402
+from helpers import ffi_calls, ffi_position, max_rel_err  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not _ext.available(), reason="ficco_jax._ffi is not built")
 
@@ -353,7 +353,8 @@ def test_chained_ops_and_buffer_reuse(rng, suffix):
 # ------------------------------------------------------------------------------------------------
 def _direct_attrs(groups, gemm=0, copy_streams=2, w_col_major=0):
     flat = groups.reshape(-1).astype(np.int64)
-    return dict(op_id=np.int64(10**9), groups=flat, local_ordinals=flat, ipc_job=np.int64(0),
+    return dict(ficco_abi=np.int64(_ext.CONTRACT_VERSION), op_id=np.int64(10**9), groups=flat, devices=flat,
+                ipc_job=np.int64(0),
                 group_size=np.int64(groups.shape[1]), chunks=np.int64(2), order=np.int64(1), gemm=np.int64(gemm),
                 copy_streams=np.int64(copy_streams), timeout_ms=np.int64(5000), watchdog_ms=np.int64(0),
                 site="test_dma.py", skip_own_rows=np.int64(0), transfer=np.int64(0),
@@ -363,7 +364,7 @@ def _direct_attrs(groups, gemm=0, copy_streams=2, w_col_major=0):
 def _direct_all_gather(groups, x, gemm=0, copy_streams=2):
     n = groups.shape[1]
     call = jax.ffi.ffi_call("ficco_all_gather", jax.ShapeDtypeStruct((n * x.shape[0], *x.shape[1:]), x.dtype))
-    return call(x, **_direct_attrs(groups, gemm=gemm, copy_streams=copy_streams))
+    return call(ffi_position(), x, **_direct_attrs(groups, gemm=gemm, copy_streams=copy_streams))
 
 
 def test_direct_ffi_target():
@@ -407,7 +408,7 @@ def test_direct_fp8_target_refuses_operands_that_are_not_fp8(x_dtype, w_dtype, f
     def body(a, b):
         call = jax.ffi.ffi_call("ficco_ag_matmul_scaled", (jax.ShapeDtypeStruct((4 * a.shape[0], 4), jnp.bfloat16),
                                                            jax.ShapeDtypeStruct((4 * a.shape[0], 8), a.dtype)))
-        return call(a, b, scale, scale, **_direct_attrs(groups, w_col_major=1))[0]
+        return call(ffi_position(), a, b, scale, scale, **_direct_attrs(groups, w_col_major=1))[0]
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P()), out_specs=P("tp"), check_vma=False))
     with pytest.raises(Exception, match=rf"unsupported dtype {found}; expected float8_e4m3fn or float8_e5m2"):
@@ -416,8 +417,8 @@ def test_direct_fp8_target_refuses_operands_that_are_not_fp8(x_dtype, w_dtype, f
 
 def test_direct_ffi_target_device_not_in_groups():
     mesh = MESHES["1d"]
-    groups = np.array([[0, 1, 2, 3]], np.int64)  # devices 4..7 are in no group
-    with pytest.raises(Exception, match="is not in any group"):
+    groups = np.array([[0, 1, 2, 3]], np.int64)  # positions 4..7 are in no group
+    with pytest.raises(Exception, match="is in no group of this op"):
         _run(mesh, lambda a: _direct_all_gather(groups, a), P("tp"), np.zeros((32, 2), np.float32))
 
 
@@ -776,14 +777,17 @@ def test_small_partials_run_on_the_channel_and_the_other_calls_meet(op, on_chann
         assert max_rel_err(f(x, w), ref) < 1e-5
     calls = {key: value - calls_before[key] for key, value in testing.backend_calls().items()}
     made.append(testing.events_made())
+    # The first call of a compiled program also meets once per device to learn its group's devices
+    # (xla_ffi/runtime/placement.h); later calls never do.
+    roster = n
     if on_channel:
         # The channel's setup, unless an earlier call of this group made one large enough; then none.
-        assert first in (0, n) and testing.host_meetings() == before
+        assert first in (roster, roster + n) and testing.host_meetings() == before
         # Every owner sets at least one ready word per reader, every reader one done word per owner.
         assert calls["set_word"] >= 50 * 2 * n * (n - 1), calls
         assert calls["wait_word"] >= 50 * n * (n - 1), calls
     else:
-        assert first == 2 * n and testing.host_meetings() - before == 50 * 2 * n
+        assert first == roster + 2 * n and testing.host_meetings() - before == 50 * 2 * n
         assert calls["set_word"] == 0 and calls["wait_word"] == 0, calls
     assert made[1] - made[0] < 20 * n * ((n - 1) * 2 + 2), made
 
@@ -808,12 +812,13 @@ def test_a_larger_call_grows_the_channel_and_every_size_stays_right(rng, monkeyp
         assert max_rel_err(f(y, w), ref) < 1e-5
         return first, testing.host_meetings() - before - first
 
-    # Partials per device: 3 of 4 blocks of [rows / 4, 16] f32.
-    assert matmul_rs(32) == (4, 0)       # 1.5 KiB: the channel is set up
-    assert matmul_rs(1024) == (4, 0)     # 48 KiB: a larger generation
-    assert matmul_rs(32) == (0, 0)       # fits the larger one
+    # Partials per device: 3 of 4 blocks of [rows / 4, 16] f32. Each program's first call also meets
+    # once per device to learn its group (xla_ffi/runtime/placement.h): the first 4 of every count.
+    assert matmul_rs(32) == (4 + 4, 0)   # 1.5 KiB: the channel is set up
+    assert matmul_rs(1024) == (4 + 4, 0)  # 48 KiB: a larger generation
+    assert matmul_rs(32) == (4, 0)       # fits the larger one
     big = CHANNEL_BYTES // (16 * 4 * 3) * 8  # rows of twice the channel's limit
-    assert matmul_rs(big) == (8, 8)      # meets at every call: exchange and done
+    assert matmul_rs(big) == (4 + 8, 8)  # meets at every call: exchange and done
 
 
 @pytest.mark.parametrize("value", [-1, 1.5, True, "8M"])

@@ -17,6 +17,7 @@ from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
 from ficco_jax import config, dma  # noqa: E402
 from ficco_jax.runtime import extension as _ext  # noqa: E402
+from helpers import ffi_position  # noqa: E402
 from ficco_jax.schedule import Schedule  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not _ext.available(), reason="ficco_jax._ffi is not built")
@@ -191,7 +192,8 @@ def test_a_waiting_rank_names_the_op_group_and_missing_ranks():
 
     def gather(a):
         call = jax.ffi.ffi_call("ficco_all_gather", jax.ShapeDtypeStruct((8 * a.shape[0], a.shape[1]), a.dtype))
-        return call(a, op_id=np.int64(2 * 10**9), groups=groups, local_ordinals=groups, ipc_job=np.int64(0),
+        return call(ffi_position(), a, ficco_abi=np.int64(_ext.CONTRACT_VERSION), op_id=np.int64(2 * 10**9),
+                    groups=groups, devices=groups, ipc_job=np.int64(0),
                     group_size=np.int64(8), chunks=np.int64(1),
                     order=np.int64(1), gemm=np.int64(0), copy_streams=np.int64(1),
                     timeout_ms=np.int64(int(TIMEOUT_S * 1000)), watchdog_ms=np.int64(0), site="test",

@@ -6,12 +6,17 @@
 #include <execinfo.h>
 #include <unistd.h>
 
+#include <map>
 #include <string>
 
+#include "ffi/contract.h"
 #include "ffi/targets.h"
+#include "runtime/placement.h"
+#include "runtime/registry.h"
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/string.h"
 #include "xla/ffi/api/c_api.h"
+#include "xla/ffi/api/ffi.h"
 
 namespace ficco {
 namespace {
@@ -24,30 +29,60 @@ constexpr bool kCudaBuilt = true;
 constexpr bool kCudaBuilt = false;
 #endif
 
-// {target: {"cpu": capsule, "CUDA": capsule}} (CUDA only in the CUDA build), and for every target with
+nb::capsule Capsule(FfiEntry entry) { return nb::capsule(reinterpret_cast<void*>(entry)); }
+
+// The stages of one entry: {"instantiate": the stage that makes its Placement (runtime/placement.h),
+// "execute": the entry}.
+nb::dict Stages(const TargetEntries& target, FfiEntry execute) {
+  nb::dict stages;
+  stages["instantiate"] = Capsule(target.instantiate);
+  stages["execute"] = Capsule(execute);
+  return stages;
+}
+
+// {target: {"cpu": stages, "CUDA": stages}} (CUDA only in the CUDA build), and for every target with
 // a symmetric form {target + "_symmetric": ...}: the same CPU entry (no command buffers there), and
-// on CUDA the bundle {"execute": the entry marked command-buffer compatible, "initialize": its
-// initialize stage, "traits": XLA's trait bits for the bundle} (ffi/handler.h).
+// on CUDA the stages of the entry marked command-buffer compatible, with its "initialize" stage and
+// "traits": XLA's trait bits for the bundle (ffi/handler.h).
 nb::dict Registrations() {
   nb::dict targets;
   for (const TargetEntries& target : Targets()) {
     nb::dict platforms;
-    platforms["cpu"] = nb::capsule(reinterpret_cast<void*>(target.cpu));
-    if (target.cuda != nullptr) platforms["CUDA"] = nb::capsule(reinterpret_cast<void*>(target.cuda));
+    platforms["cpu"] = Stages(target, target.cpu);
+    if (target.cuda != nullptr) platforms["CUDA"] = Stages(target, target.cuda);
     targets[target.name] = platforms;
     if (!target.symmetric) continue;
     nb::dict symmetric;
-    symmetric["cpu"] = nb::capsule(reinterpret_cast<void*>(target.cpu));
+    symmetric["cpu"] = Stages(target, target.cpu);
     if (target.cuda_symmetric != nullptr) {
-      nb::dict bundle;
-      bundle["execute"] = nb::capsule(reinterpret_cast<void*>(target.cuda_symmetric));
-      bundle["initialize"] = nb::capsule(reinterpret_cast<void*>(target.cuda_symmetric_initialize));
+      nb::dict bundle = Stages(target, target.cuda_symmetric);
+      bundle["initialize"] = Capsule(target.cuda_symmetric_initialize);
       bundle["traits"] = nb::int_(static_cast<int>(XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE));
       symmetric["CUDA"] = bundle;
     }
     targets[(std::string(target.name) + "_symmetric").c_str()] = symmetric;
   }
   return targets;
+}
+
+// The FFI types the targets keep as state, {name: {"type_id": ..., "type_info": ...}}, for
+// jax.ffi.register_ffi_type on every platform before the targets are registered.
+nb::dict Types() {
+  static const XLA_FFI_TypeInfo placement_info = xla::ffi::MakeTypeInfo<Placement>();
+  nb::dict registration;
+  registration["type_id"] = nb::capsule(reinterpret_cast<void*>(&Placement::id));
+  registration["type_info"] = nb::capsule(reinterpret_cast<void*>(const_cast<XLA_FFI_TypeInfo*>(&placement_info)));
+  nb::dict types;
+  types["ficco_jax.Placement"] = registration;
+  return types;
+}
+
+// {local device ordinal: global device id} of this process's devices, and its jax.distributed job
+// (runtime/placement.h).
+void SetDeviceIds(const nb::dict& ids, int64_t job) {
+  std::map<int, int64_t> table;
+  for (auto [ordinal, id] : ids) table[nb::cast<int>(ordinal)] = nb::cast<int64_t>(id);
+  Registry::Get().device_ids().Set(table, job);
 }
 
 nb::dict BuildInfo() {
@@ -58,6 +93,8 @@ nb::dict BuildInfo() {
   info["cuda"] = nb::bool_(kCudaBuilt);
   info["ipc"] = nb::bool_(kCudaBuilt);  // copy engines across processes of one host (runtime/ipc.h)
   info["symmetric"] = nb::bool_(true);   // the <target>_symmetric forms (transfer=symmetric: runtime/symmetric.h)
+  info["placement"] = nb::bool_(true);
+  info["contract"] = nb::int_(kContractVersion);  // the calls' operands and attributes (ffi/contract.h)   // groups resolved from the run: a position operand (runtime/placement.h)
   info["abi"] = nb::str(abi.c_str());
   return info;
 }
@@ -92,6 +129,8 @@ NB_MODULE(_ffi, m) {
   ficco::MaybeInstallCrashTrace();
   m.def("build_info", &ficco::BuildInfo);
   m.def("registrations", &ficco::Registrations);
+  m.def("types", &ficco::Types);
+  m.def("set_device_ids", &ficco::SetDeviceIds);
   ficco::DefineIpcFunctions(m);
   ficco::DefineTestingModule(m);
 }

@@ -69,10 +69,13 @@ class GlobalSite(Site):
             write(var, value if self.cast_after is None else value.astype(self.cast_after))
 
     def _shard_map_mesh(self):
-        # The concrete mesh where it is known (copy-engine schedules find their peers from it when
-        # lowered), else the types' abstract mesh, which serves every other schedule.
+        # The types' abstract mesh: copy-engine calls find their devices from the run
+        # (lowering/dma/groups.py), so the rewritten program holds no device and runs under every mesh
+        # of this shape, as the written one does. Across processes a group checks that it runs on the
+        # devices it was lowered for, which the lowering then needs: the concrete mesh where known.
         concrete = self.mesh
-        if isinstance(concrete, jax.sharding.Mesh) and concrete.abstract_mesh == self.shard_mesh:
+        if (jax.process_count() > 1 and isinstance(concrete, jax.sharding.Mesh)
+                and concrete.abstract_mesh == self.shard_mesh):
             return concrete
         return self.shard_mesh
 

@@ -10,9 +10,15 @@ import jax
 
 #: The extension version this Python package expects (CMakeLists.txt's project VERSION).
 EXPECTED_VERSION = "0.1.0"
+#: The version of the contract between the lowering and the extension's handlers: the operands (the
+#: call's position first) and the attributes of every call (xla_ffi/ffi/contract.h, kContractVersion).
+#: Every call carries it (attribute `ficco_abi`), so a program lowered by another version, e.g. a
+#: `jax.export` artifact, is refused by name; raise both constants whenever a target's operands or
+#: attributes change.
+CONTRACT_VERSION = 2
 #: Keys of `build_info()` that sources of this version report: one missing means a build from older
 #: sources of the same version (e.g. without the `<target>_symmetric` forms of transfer="symmetric").
-REQUIRED_CAPABILITIES = ("symmetric",)
+REQUIRED_CAPABILITIES = ("symmetric", "placement")
 
 _REBUILD_HINT = (
     "rebuild it from the repository root with `pip install --no-build-isolation -e .` "
@@ -54,13 +60,44 @@ def _load() -> dict:
     if missing:
         raise ImportError(f"ficco_jax: the compiled extension is stale: it lacks {', '.join(missing)} "
                           f"(built from older sources); {_REBUILD_HINT}")
+    if info.get("contract") != CONTRACT_VERSION:
+        raise ImportError(f"ficco_jax: the compiled extension follows call contract {info.get('contract')!r}, "
+                          f"this package lowers calls of contract {CONTRACT_VERSION}; {_REBUILD_HINT}")
     if not _registered:
+        for name, registration in _ffi.types().items():  # the targets' state: before the targets
+            for platform in _ffi.registrations()["ficco_all_gather"]:
+                jax.ffi.register_ffi_type(name, registration, platform=platform)
         for name, platforms in _ffi.registrations().items():
             for platform, handler in platforms.items():
                 _register(name, platform, handler)
         _registered = True
     _module, _build_info = _ffi, info
     return info
+
+
+def target_names() -> list[str]:
+    """The names of every FFI target the extension registers (each op's, and its `_symmetric` form)."""
+    ensure_loaded()
+    return sorted(_module.registrations())
+
+
+def export_disabled_checks() -> list:
+    """What `jax.export.export(..., disabled_checks=...)` needs to export a program that calls
+    ficco_jax: one `DisabledSafetyCheck.custom_call` per target of the extension (jax.export refuses
+    custom calls it does not know to be stable). The process that loads the artifact must import
+    ficco_jax first, which registers the targets; each call carries the version of the contract it
+    was lowered for (CONTRACT_VERSION), and an extension of another contract refuses it by name."""
+    from jax.export import DisabledSafetyCheck
+
+    return [DisabledSafetyCheck.custom_call(name) for name in target_names()]
+
+
+def register_local_devices(job: int) -> None:
+    """Tell the extension the global id of each of this process's devices (by the ordinal its calls
+    see) and the jax.distributed job (runtime/ipc.job_id) it is in: the members of a group across
+    processes post these ids to each other (xla_ffi/runtime/placement.h)."""
+    ensure_loaded()
+    _module.set_device_ids({int(d.local_hardware_id): int(d.id) for d in jax.local_devices()}, int(job))
 
 
 def ensure_loaded() -> dict:

@@ -86,6 +86,43 @@ def main(process_id: int, port: int, out_path: str, chain_launches: int = 6) -> 
         run(f"matmul_rs {sched}", lambda a, b: ficco_jax.matmul_rs(a, b, "tp", schedule=sched),
             (P(None, "tp"), P("tp")), P("tp"), [yy, w2], partial[process_id * m:(process_id + 1) * m])
 
+    # One compiled program, both device orders: each function is jitted once, without a mesh of its own,
+    # and called under the mesh [d0, d1] and [d1, d0] in turn (jax.set_mesh), as a step is reused under
+    # another device order; process p then holds position order.index(p), and each call must give the
+    # reference of its own order (the group's ranks and peers come from the run, not the trace).
+    def in_both_orders(name, fn, specs, out_spec, tags_shapes, expected_for):
+        try:
+            f = jax.jit(jax.shard_map(fn, in_specs=specs, out_specs=out_spec, check_vma=False))
+            for order in ([0, 1], [1, 0], [0, 1], [1, 0]):
+                ordered = Mesh(np.array(jax.devices())[order], ("tp",))
+                args = [jax.make_array_from_single_device_arrays(
+                    tuple(d * (2 if i == list(spec).index("tp") else 1) for i, d in enumerate(shape)),
+                    NamedSharding(ordered, spec), [jax.device_put(shard(process_id, tag, shape), me)])
+                    for (tag, shape), spec in zip(tags_shapes, specs)]
+                with jax.set_mesh(ordered):
+                    got = np.asarray(f(*args).addressable_shards[0].data)
+                want = expected_for(order, order.index(process_id))
+                err = float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30))
+                if err > 1e-4:
+                    raise AssertionError(f"order {order}: relative error {err:.2e}")
+            checks[name] = "ok"
+        except Exception:  # noqa: BLE001
+            checks[name] = traceback.format_exc()[-1500:]
+        print(f"[p{process_id}] {name}: {'ok' if checks[name] == 'ok' else 'FAIL'}", file=sys.stderr, flush=True)
+
+    for sched in ("dma/direct/c1", "dma/direct/c2/symmetric"):
+        in_both_orders(f"all_gather {sched}, both device orders", lambda a: dma.all_gather(a, "tp", schedule=sched),
+                       (P("tp"),), P("tp"), [(1, (m, k))],
+                       lambda order, pos: np.concatenate([shard(order[0], 1, (m, k)), shard(order[1], 1, (m, k))]))
+        in_both_orders(f"reduce_scatter {sched}, both device orders",
+                       lambda a: dma.reduce_scatter(a, "tp", schedule=sched), (P("tp"),), P("tp"), [(2, (2 * m, k))],
+                       lambda order, pos: (shard(0, 2, (2 * m, k)) + shard(1, 2, (2 * m, k)))[pos * m:(pos + 1) * m])
+        in_both_orders(f"ag_matmul {sched}, both device orders",
+                       lambda a, b: ficco_jax.ag_matmul(a, b, "tp", schedule=sched), (P("tp"), P(None, "tp")),
+                       P(None, "tp"), [(1, (m, k)), (3, (k, n))],
+                       lambda order, pos: np.concatenate([shard(order[0], 1, (m, k)), shard(order[1], 1, (m, k))])
+                       @ shard(process_id, 3, (k, n)))
+
     # A reduce-scatter whose sum is too wide to make its waits itself (device/reduce.cu, kWaitingBlocks):
     # 2048 x 1024 f32 per block, its waits in a kernel of their own.
     big = global_array(6, (2 * 2048, 1024), P("tp"))

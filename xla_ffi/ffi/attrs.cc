@@ -6,44 +6,21 @@
 
 namespace ficco {
 
-int64_t GroupStart(ffi::Span<const int64_t> local_ordinals, int64_t n, int32_t device_ordinal) {
-  int64_t start = -1;
-  for (int64_t i = 0; i < static_cast<int64_t>(local_ordinals.size()); ++i) {
-    if (local_ordinals[i] == device_ordinal) start = i / n * n;
-  }
-  return start;
-}
-
 ffi::Error DecodeConfig(const OpAttrs& attrs, const char* target, int32_t device_ordinal, int64_t run_id,
-                        OpConfig* config) {
+                        const PositionReader& read_position, Placement* placement, OpConfig* config) {
   config->ctx = CallContext{target, attrs.op_id, device_ordinal};
   const CallContext& ctx = config->ctx;
   config->run_id = run_id;
-  const int64_t n = attrs.group_size;
-  const int64_t total = static_cast<int64_t>(attrs.groups.size());
-  if (n < 1 || total % n != 0) {
-    return MakeInvalid(ctx, "groups has " + std::to_string(total) + " ordinals, not a multiple of group_size " +
-                                std::to_string(n));
-  }
-  if (static_cast<int64_t>(attrs.local_ordinals.size()) != total) {
-    return MakeInvalid(ctx, "local_ordinals has " + std::to_string(attrs.local_ordinals.size()) +
-                                " entries, groups " + std::to_string(total) + "; they must match");
-  }
   config->ipc_job = attrs.ipc_job;
-  const int64_t start = GroupStart(attrs.local_ordinals, n, device_ordinal);
-  if (start >= 0) {
-    config->group_index = start / n;
-    for (int64_t i = start; i < start + n; ++i) {
-      if (attrs.local_ordinals[i] == device_ordinal) config->rank = static_cast<int>(i - start);
-    }
-    config->group.assign(attrs.groups.begin() + start, attrs.groups.begin() + start + n);
-    config->group_local.assign(attrs.local_ordinals.begin() + start, attrs.local_ordinals.begin() + start + n);
-  }
-  if (config->group.empty()) {
-    return MakeInvalid(ctx, "device ordinal " + std::to_string(device_ordinal) +
-                                " is not in any group of this op; the mesh the op was lowered for does "
-                                "not match the devices it runs on");
-  }
+  if (attrs.timeout_ms < 0) return MakeInvalid(ctx, "timeout_ms=" + std::to_string(attrs.timeout_ms) + " < 0");
+  const GroupSpec spec{attrs.groups, attrs.devices, attrs.group_size, attrs.ipc_job,
+                       static_cast<double>(attrs.timeout_ms) / 1000.0, config->spin_s};
+  ResolvedGroup group;
+  FICCO_RETURN_IF_ERROR(ResolveGroup(ctx, spec, read_position, run_id, placement, &group));
+  config->group_index = group.group_index;
+  config->rank = group.rank;
+  config->group = std::move(group.group);
+  config->group_local = std::move(group.group_local);
   if (attrs.chunks < 1 || attrs.copy_streams < 1 || (attrs.order != 0 && attrs.order != 1) ||
       (attrs.gemm < 0 || attrs.gemm > 2) || (attrs.transfer < 0 || attrs.transfer > 2) || attrs.timeout_ms < 0 ||
       attrs.watchdog_ms < 0 || (attrs.w_col_major != 0 && attrs.w_col_major != 1) || attrs.channel_bytes < 0) {

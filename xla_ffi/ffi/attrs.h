@@ -7,18 +7,22 @@
 
 #include "base/errors.h"
 #include "runtime/op_config.h"
+#include "runtime/placement.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ficco {
 
 // The attributes of every ficco target (ficco_jax/lowering/dma/registry.py writes them: _lowering).
 struct OpAttrs {
+  int64_t ficco_abi;              // the contract's version (ffi/contract.h), checked before decoding
   int64_t op_id;                  // unique per call site, set at trace time
-  // Device groups of the mesh axis, flat, members in rank order: device ordinals of this process,
-  // or global device ids when ipc_job != 0 (groups across processes of this host).
+  // The groups of the mesh axis, flat, members in rank order, as logical positions: the XLA
+  // partition id of each member, handed to every call as its first operand (runtime/placement.h).
   ffi::Span<const int64_t> groups;
-  ffi::Span<const int64_t> local_ordinals;  // per member of `groups`: its ordinal here, -1 if remote
-  int64_t ipc_job;                // 0: every group is in this process; else the host mailbox's job id
+  // The device the lowering saw at each entry of `groups` (global device ids): checked by groups
+  // across processes, named by errors.
+  ffi::Span<const int64_t> devices;
+  int64_t ipc_job;                // 0: every group is in one process; else the host mailbox's job id
   int64_t group_size;             // n
   int64_t chunks;
   int64_t order;                  // 0 ring, 1 direct
@@ -42,8 +46,10 @@ struct OpAttrs {
 
 // The contention probe's attributes (ficco_jax/lowering/dma/probe.py writes them).
 struct ProbeAttrs {
+  int64_t ficco_abi;
   int64_t op_id;
-  ffi::Span<const int64_t> groups;
+  ffi::Span<const int64_t> groups;   // positions, as OpAttrs
+  ffi::Span<const int64_t> devices;
   int64_t group_size;
   int64_t timeout_ms;
   int64_t watchdog_ms;
@@ -55,28 +61,24 @@ struct ProbeAttrs {
 // The schedule part of a target's attributes, as every target's config decodes it.
 inline const OpAttrs& ScheduleAttrs(const OpAttrs& attrs) { return attrs; }
 // The probe: one copy stream, direct, one chunk, w's layout as given, meetings (no channel). In-process groups only
-// (probe.py refuses groups across processes): ordinals are local.
+// (probe.py refuses groups across processes).
 inline OpAttrs ScheduleAttrs(const ProbeAttrs& p) {
-  return OpAttrs{p.op_id, p.groups, p.groups, 0, p.group_size, 1, 1, 0, 1, p.timeout_ms, p.watchdog_ms, "probe", 0, 0,
+  return OpAttrs{p.ficco_abi, p.op_id, p.groups, p.devices, 0, p.group_size, 1, 1, 0, 1, p.timeout_ms, p.watchdog_ms, "probe", 0, 0,
                  p.w_col_major, 0};
 }
 
-// Where this device's group starts in `groups` (members of n, flat): the group of the entry of
-// `local_ordinals` that is `device_ordinal` (the last one, were it listed twice); -1 where none is.
-// DecodeConfig and the symmetric targets' initialize stage (ffi/handler.h) find it alike, so that both
-// name the same group.
-int64_t GroupStart(ffi::Span<const int64_t> local_ordinals, int64_t n, int32_t device_ordinal);
-
+// Decodes the call's schedule and resolves its group from the run (runtime/placement.h): from
+// `placement`, or from the position `read_position` gives.
 ffi::Error DecodeConfig(const OpAttrs& attrs, const char* target, int32_t device_ordinal, int64_t run_id,
-                        OpConfig* config);
+                        const PositionReader& read_position, Placement* placement, OpConfig* config);
 
 }  // namespace ficco
 
 // How XLA decodes OpAttrs from the attribute dictionary (every target binds .Attrs<OpAttrs>()).
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
-    ficco::OpAttrs, ::xla::ffi::StructMember<int64_t>("op_id"),
+    ficco::OpAttrs, ::xla::ffi::StructMember<int64_t>("ficco_abi"), ::xla::ffi::StructMember<int64_t>("op_id"),
     ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("groups"),
-    ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("local_ordinals"),
+    ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("devices"),
     ::xla::ffi::StructMember<int64_t>("ipc_job"),
     ::xla::ffi::StructMember<int64_t>("group_size"), ::xla::ffi::StructMember<int64_t>("chunks"),
     ::xla::ffi::StructMember<int64_t>("order"), ::xla::ffi::StructMember<int64_t>("gemm"),
@@ -87,8 +89,9 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     ::xla::ffi::StructMember<int64_t>("channel_bytes"));
 
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
-    ficco::ProbeAttrs, ::xla::ffi::StructMember<int64_t>("op_id"),
+    ficco::ProbeAttrs, ::xla::ffi::StructMember<int64_t>("ficco_abi"), ::xla::ffi::StructMember<int64_t>("op_id"),
     ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("groups"),
+    ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("devices"),
     ::xla::ffi::StructMember<int64_t>("group_size"), ::xla::ffi::StructMember<int64_t>("timeout_ms"),
     ::xla::ffi::StructMember<int64_t>("watchdog_ms"), ::xla::ffi::StructMember<int64_t>("repeats"),
     ::xla::ffi::StructMember<int64_t>("pull"), ::xla::ffi::StructMember<int64_t>("w_col_major"));

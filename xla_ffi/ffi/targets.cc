@@ -1,6 +1,7 @@
 // The op table of the FFI layer: one line per target (name, Impl, attributes, operands in binding
 // order); ffi/handler.h makes both platforms' handlers from it. Operand shapes per device, as
-// ficco_jax/lowering/dma/registry.py binds them (n: group size):
+// ficco_jax/lowering/dma/registry.py binds them (n: group size), after every target's first operand,
+// the call's position (a u32 partition id: runtime/placement.h):
 //   ficco_ag_matmul        x [m, K], w [K, N]           -> out [n*m, N], gathered [n*m, K]
 //   ficco_matmul_rs        y [n*m, N], w [N, K]         -> out [m, K], send [n-1, m, K], recv [n-1, m, K]
 //   ficco_*_scaled         the two above with FP8 operands: + the f32 scales of both operands after w
@@ -39,10 +40,10 @@ TargetEntries EntriesOf() {
   // The probe meets its group at every call: it has no symmetric form.
   constexpr bool symmetric = !std::is_same_v<T, ContentionProbe>;
 #ifdef FICCO_WITH_CUDA
-  return {T::name, &T::CpuEntry, &T::CudaEntry, symmetric, symmetric ? &T::CudaSymmetricEntry : nullptr,
-          symmetric ? &T::CudaSymmetricInitialize : nullptr};
+  return {T::name, &T::Instantiate, &T::CpuEntry, &T::CudaEntry, symmetric,
+          symmetric ? &T::CudaSymmetricEntry : nullptr, symmetric ? &T::CudaSymmetricInitialize : nullptr};
 #else
-  return {T::name, &T::CpuEntry, nullptr, symmetric, nullptr, nullptr};
+  return {T::name, &T::Instantiate, &T::CpuEntry, nullptr, symmetric, nullptr, nullptr};
 #endif
 }
 

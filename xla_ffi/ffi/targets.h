@@ -12,6 +12,7 @@ using FfiEntry = XLA_FFI_Error* (*)(XLA_FFI_CallFrame*);
 
 struct TargetEntries {
   const char* name;
+  FfiEntry instantiate;      // the instantiate stage of every entry (the Placement: runtime/placement.h)
   FfiEntry cpu;
   FfiEntry cuda;            // nullptr without the CUDA build
   bool symmetric;           // has a transfer=symmetric form, registered as <name>_symmetric

@@ -15,6 +15,7 @@ const char* PhaseName(Phase phase) {
     case Phase::kPushed: return "pushed";
     case Phase::kSetup: return "channel setup";
     case Phase::kSymmetric: return "symmetric setup";
+    case Phase::kRoster: return "roster";
   }
   return "?";
 }
@@ -108,14 +109,25 @@ ffi::Error Rendezvous::Announce(const RendezvousKey& key, const Arrival& who, An
 // DeviceState
 // ---------------------------------------------------------------------------------------------
 
-int64_t DeviceState::NextOccurrence(int64_t run_id, int64_t op_id) {
-  std::lock_guard<std::mutex> lock(mu_);
+void DeviceState::ResetFor(int64_t run_id) {
   if (!has_run_id_ || run_id != run_id_) {
     occurrences_.clear();
+    rosters_.clear();
     run_id_ = run_id;
     has_run_id_ = true;
   }
+}
+
+int64_t DeviceState::NextOccurrence(int64_t run_id, int64_t op_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ResetFor(run_id);
   return occurrences_[op_id]++;
+}
+
+int64_t DeviceState::NextRosterOccurrence(int64_t run_id, int64_t op_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ResetFor(run_id);
+  return rosters_[op_id]++;
 }
 
 

@@ -30,6 +30,7 @@
 #include "device/cuda_device.h"
 #include "runtime/channel.h"
 #include "runtime/ipc_mailbox.h"
+#include "runtime/placement.h"
 #include "runtime/symmetric.h"
 #include "runtime/watchdog.h"
 #include "testing/faults.h"
@@ -54,8 +55,9 @@ struct Post {
 
 // kPushed: transfer=push only (runtime/call_session.h, CallSession::Push). kSetup: the meeting that
 // makes a group channel's generation (runtime/channel.h). kSymmetric: the one meeting of a symmetric
-// site (runtime/symmetric.h).
-enum class Phase : int { kExchange = 0, kDone = 1, kRelease = 2, kPushed = 3, kSetup = 4, kSymmetric = 5 };
+// site (runtime/symmetric.h). kRoster: the members of a group learn each other's devices at their
+// first call under a device assignment (runtime/placement.h).
+enum class Phase : int { kExchange = 0, kDone = 1, kRelease = 2, kPushed = 3, kSetup = 4, kSymmetric = 5, kRoster = 6 };
 const char* PhaseName(Phase phase);
 
 struct RendezvousKey {
@@ -133,6 +135,9 @@ class DeviceState {
   // How many times this device already ran `op_id` in launch `run_id`; counts this run.
   // The counts reset when the device sees a new run_id.
   int64_t NextOccurrence(int64_t run_id, int64_t op_id);
+  // The same count for the roster meetings of `op_id` (runtime/placement.h), kept apart: a roster
+  // meeting precedes the call's own meetings.
+  int64_t NextRosterOccurrence(int64_t run_id, int64_t op_id);
 
 #ifdef FICCO_WITH_CUDA
   // This device's streams, events, cuBLASLt state and staging buffers (device/cuda_device.h).
@@ -144,6 +149,8 @@ class DeviceState {
   int64_t run_id_ = 0;
   bool has_run_id_ = false;
   std::map<int64_t, int64_t> occurrences_;
+  std::map<int64_t, int64_t> rosters_;
+  void ResetFor(int64_t run_id);  // under mu_
 #ifdef FICCO_WITH_CUDA
   CudaDevice cuda_;
 #endif
@@ -163,6 +170,8 @@ class Registry {
   // The symmetric sites of this process (runtime/symmetric.h).
   SymmetricSites& symmetric() { return symmetric_; }
   TimedCount& channel_waits() { return channel_waits_; }
+  // The global device ids of this process's devices (runtime/placement.h).
+  DeviceIds& device_ids() { return device_ids_; }
   // Every copy-engine handler of the process: how many ran and their host time from start to return.
   TimedCount& handlers() { return handlers_; }
   // The events of every CPU device (device/backends.h).
@@ -185,6 +194,7 @@ class Registry {
   Channels channels_;
   SymmetricSites symmetric_;
   TimedCount channel_waits_;
+  DeviceIds device_ids_;
   TimedCount handlers_;
   std::unique_ptr<EventPool> host_events_ = MakeHostEventPool();
   std::unique_ptr<HostMailbox> mailbox_;

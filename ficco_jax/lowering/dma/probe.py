@@ -28,10 +28,12 @@ def _abstract(a, w, x, *, axis_size, out_dtype, **_):
 
 
 def _lowering(ctx, a, w, x, *, axis_name, axis_size, op_id, repeats, pull, timeout_ms, watchdog_ms, out_dtype):
-    groups = in_process_groups(ctx, "contention_probe", axis_name, axis_size)
+    group = in_process_groups(ctx, "contention_probe", axis_name, axis_size)
     w_col_major = config.is_fp8(ctx.avals_in[0].dtype)  # FP8: as the scaled ops; else as XLA keeps w
-    return jax.ffi.ffi_lowering(_TARGET, operand_layouts=registry.operand_layouts(ctx.avals_in, w_col_major))(
-        ctx, a, w, x, op_id=np.int64(op_id), groups=groups.reshape(-1), group_size=np.int64(axis_size),
+    return registry.ffi_call_with_position(
+        ctx, _TARGET, (a, w, x), registry.operand_layouts(ctx.avals_in, w_col_major),
+        op_id=np.int64(op_id), groups=group["groups"].reshape(-1), devices=group["devices"].reshape(-1),
+        group_size=np.int64(axis_size),
         timeout_ms=np.int64(timeout_ms), watchdog_ms=np.int64(watchdog_ms), repeats=np.int64(repeats),
         pull=np.int64(int(pull)), w_col_major=np.int64(int(w_col_major)))
 

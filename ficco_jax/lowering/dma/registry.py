@@ -5,8 +5,9 @@ Each op is one XLA custom call per device; the extension (xla_ffi/) moves the pe
 copy engines while the chunk matmuls run on the SMs. On CPU the same executor runs with memcpy and
 reference loops (what the tests exercise).
 
-Attributes of every FFI target (one struct per op in xla_ffi/ffi/):
-  op_id, groups (flat i64 array), local_ordinals (same length), ipc_job, group_size, chunks,
+Operands: every target's first operand is the call's position (XLA's partition id, groups.py), then
+the op's own. Attributes of every FFI target (one struct per op in xla_ffi/ffi/):
+  op_id, groups (flat i64 array of positions), devices (same length), ipc_job, group_size, chunks,
   order (0 ring, 1 direct),
   gemm (0 per_chunk, 1 grouped, 2 columns), copy_streams, timeout_ms (config.RENDEZVOUS_TIMEOUT_S),
   watchdog_ms (config.WATCHDOG_S), site (where the op was written: `site_label`),
@@ -264,6 +265,17 @@ def operand_layouts(avals, w_col_major: bool):
     return [None, w_layout] + [None] * (len(avals) - 2)
 
 
+def ffi_call_with_position(ctx, target: str, operands, operand_layouts, **attributes):
+    """The custom call of `target` on (the call's position, *operands) with `attributes` and the
+    contract's version: the position (groups.position_operand) goes first, so each call finds its
+    group from the run."""
+    position_aval = jax.core.ShapedArray((), np.uint32)
+    layouts = None if operand_layouts is None else [None, *operand_layouts]
+    rule = jax.ffi.ffi_lowering(target, operand_layouts=layouts)
+    return rule(ctx.replace(avals_in=[position_aval, *ctx.avals_in]), groups.position_operand(), *operands,
+                ficco_abi=np.int64(extension.CONTRACT_VERSION), **attributes)
+
+
 def _lowering(ctx, *operands, op, axis_name, axis_size, op_id, schedule, timeout_ms, watchdog_ms, site,
               channel_bytes, skip_own_rows=False, out_dtype=None, w_col_major=False):
     group = groups.group_attrs(ctx, op, axis_name, axis_size)
@@ -274,12 +286,11 @@ def _lowering(ctx, *operands, op, axis_name, axis_size, op_id, schedule, timeout
             f"(e.g. {str(schedule.replace(transfer='pull'))!r})"
         )
     target = _TARGETS[op][0] + ("_symmetric" if schedule.transfer == "symmetric" else "")
-    rule = jax.ffi.ffi_lowering(target, operand_layouts=operand_layouts(ctx.avals_in, w_col_major))
-    return rule(
-        ctx, *operands,
+    return ffi_call_with_position(
+        ctx, target, operands, operand_layouts(ctx.avals_in, w_col_major),
         op_id=np.int64(op_id),
         groups=group["groups"].reshape(-1),
-        local_ordinals=group["local_ordinals"].reshape(-1),
+        devices=group["devices"].reshape(-1),
         ipc_job=np.int64(group["ipc_job"]),
         group_size=np.int64(axis_size),
         chunks=np.int64(schedule.chunks),
