@@ -54,14 +54,12 @@ def _shapes(args_shapes, default):
 
 def _load_profile(name: str | None, flag: str):
     """The profile `--profile` names (a name or a JSON path), None when not given; one that is
-    missing, unreadable or not a profile is a clear error naming the option."""
+    missing, unreadable or not a profile is a clear error naming the option (the same checks as
+    select_schedule's `profile=`: cost_model.resolve_profile)."""
     try:
-        return cost_model.load_profile(name) if name else None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise SystemExit(f"{flag} {name}: not a JSON profile ({exc}); expected a shipped profile name (e.g. "
-                         f"h200x4) or a JSON file that `python -m ficco_jax calibrate --out FILE` wrote")
+        return cost_model.resolve_profile(name, flag)
     except (ValueError, OSError) as exc:
-        raise SystemExit(f"{flag}: {exc}")
+        raise SystemExit(str(exc))
 
 
 def _add_bench(sub):
