@@ -376,12 +376,12 @@ def test_auto_keeps_the_plain_path_on_cpu():
 
 
 @pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs", "matmul_psum"])
-def test_explain_cli_chooses_none_for_one_device(op):
+def test_rank_cli_chooses_none_for_one_device(op):
     import subprocess
     import sys
 
     for shape in ("8192,8192,10240", "256,4096,4096", "2048,8192,28672"):
-        out = subprocess.run([sys.executable, "-m", "ficco_jax", "explain", "--op", op, "--shape", shape,
+        out = subprocess.run([sys.executable, "-m", "ficco_jax", "rank", "--op", op, "--shape", shape,
                               "--axis-size", "1", "--profile", "h200x4"], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr[-2000:]
         assert out.stdout.strip().splitlines()[-1] == "choice: none", out.stdout
