@@ -150,6 +150,8 @@ def test_demo_on_one_device_says_there_is_nothing_to_overlap(tmp_path):
     assert not SPEEDUP.search(out) and not NOT_PRODUCT_TEXT.search(out + done.stderr), out
     progress = re.findall(r"\[\s*(\d+)/(\d+)\]", done.stderr)
     assert progress[-1] == ("4", "4"), progress
+    assert f"Results are written under {tmp_path}/ (demo.json)" in out and f"Written: {tmp_path / 'demo.json'}" in out
+    assert re.search(r"^Extension: .*CUDA backend", out, re.MULTILINE) and "Times: ms per op" in out, out
     result = json.loads((tmp_path / "demo.json").read_text())
     assert result["n_devices"] == 1 and all(r["verified"] for r in result["rows"]) and len(result["rows"]) == 4
 
