@@ -283,12 +283,13 @@ def same_program_note(plain: dict, over: dict, platform: str) -> str:
         return ("overlap and no-overlap compiled to different programs (optimized HLO, source locations left out): "
                 "their losses may differ by the rounding of those programs")
     note = "overlap and no-overlap compiled to the same program (optimized HLO, source locations left out)"
-    if platform != "gpu":
-        return note + ": the same losses"
-    return (note + ". Losses can still differ in the last digits from the second step on: XLA's step on a GPU is "
-            "not bit-reproducible (one compiled step run twice from the same start differs too; measured on one "
-            "H200, jax 0.11.2); XLA_FLAGS=--xla_gpu_deterministic_ops=true made the losses of both modes and of "
-            "repeated runs identical there with --attention xla (with --attention cudnn that flag failed at run time)")
+    if plain["losses"] == over["losses"]:
+        return note + ", and gave the same losses"
+    why = ("XLA's step on a GPU is not bit-reproducible: one compiled step run twice from the same start differs "
+           "too (one H200, jax 0.11.2, 2026-12-03); XLA_FLAGS=--xla_gpu_deterministic_ops=true made the losses of "
+           "both modes and of repeated runs identical there with --attention xla (with --attention cudnn that flag "
+           "failed at run time)" if platform == "gpu" else f"the {platform} backend is not bit-reproducible here")
+    return f"{note}; their losses differ in the last digits all the same: {why}"
 
 
 def site_kinds(result: dict) -> list[str]:

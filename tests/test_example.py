@@ -209,7 +209,8 @@ def test_compare_on_one_device_runs_the_plain_model_both_ways(view):
     assert not re.search(r"\d+\.\d+x", done.stdout.split("step  loss")[-1]), done.stdout
     # the claim is checked, not assumed: the two modes' compiled steps are compared
     assert "same losses" not in done.stdout.split("step  loss")[0], done.stdout
-    assert "overlap and no-overlap compiled to the same program" in done.stdout, done.stdout
+    assert "overlap and no-overlap compiled to the same program (optimized HLO, source locations left out), and " \
+           "gave the same losses" in done.stdout, done.stdout
 
 
 def test_with_every_site_on_the_plain_path_the_overlap_step_is_the_plain_program():
@@ -235,9 +236,11 @@ def test_step_program_leaves_out_source_locations_only():
     assert program(Compiled(here)) == program(Compiled(there))
     assert program(Compiled(here)) != program(Compiled(here.replace("add(x, y)", "multiply(x, y)")))
     note = tp_transformer.same_program_note
-    assert "same program" in note({"program": "a"}, {"program": "a"}, "gpu") and "not bit-reproducible" in note(
-        {"program": "a"}, {"program": "a"}, "gpu")
-    assert "different programs" in note({"program": "a"}, {"program": "b"}, "cpu")
+    one, other = {"program": "a", "losses": [1.0, 2.0]}, {"program": "a", "losses": [1.0, 2.5]}
+    assert note(one, dict(one), "gpu").endswith("compiled to the same program (optimized HLO, source locations left "
+                                                "out), and gave the same losses")
+    assert "same program" in note(one, other, "gpu") and "not bit-reproducible" in note(one, other, "gpu")
+    assert "different programs" in note(one, dict(other, program="b"), "cpu")
 
 
 def test_global_view_reports_the_communication_free_bound():

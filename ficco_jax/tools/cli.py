@@ -141,7 +141,7 @@ RANK_HELP = ("the cost model's predicted time of every candidate schedule of one
 #: What `python -m ficco_jax explain ...` says: the name is the Python API's, whose report is of a function.
 NO_EXPLAIN_COMMAND = (
     "python -m ficco_jax explain: no such command. For the schedules of one op and shape, ranked by the cost "
-    "model, run `python -m ficco_jax rank --op ag_matmul --shape M,K,N` (same options as before); for the "
+    "model, run `python -m ficco_jax rank --op ag_matmul --shape M,K,N`; for the "
     "overlap sites of a function and the schedule of each, call `ficco_jax.explain(fn, *args)` in Python "
     "(print(ficco_jax.explain(step, params, batch)))")
 
