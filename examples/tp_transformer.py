@@ -53,6 +53,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import re
 import sys
 import time
 
@@ -183,7 +184,8 @@ def init_state(trainer: Trainer):
 
 
 def train(cfg: Config, mesh: Mesh | None = None, log=print) -> dict:
-    """Train `cfg.steps` steps; returns {"losses", "step_s", "tokens_per_step", "report", "memory"}."""
+    """Train `cfg.steps` steps; returns {"losses", "step_s", "tokens_per_step", "report", "memory", "program"}
+    (program: `step_program` of the compiled step)."""
     mesh = mesh or make_mesh(cfg)
     with mesh_context(cfg, mesh):
         return _train(cfg, mesh, log)
@@ -210,7 +212,16 @@ def _train(cfg: Config, mesh: Mesh, log) -> dict:
         log(f"[{mode}] step {step + 1}/{cfg.steps}  loss {loss:.6f}  {times[-1] * 1e3:9.2f} ms  "
             f"{tokens_per_step / times[-1]:12,.0f} tokens/s")
     return {"losses": losses, "step_s": times, "tokens_per_step": tokens_per_step, "report": report,
-            "memory": trainer.step_fn.memory_analysis()}
+            "memory": trainer.step_fn.memory_analysis(), "program": step_program(trainer.step_fn)}
+
+
+def step_program(compiled) -> str:
+    """The compiled step's optimized HLO without what names only where the code was written (each
+    instruction's metadata, the module's tables of source files, functions and stack frames): two
+    modes that compile to the same text run the same program."""
+    text = re.sub(r", metadata=\{[^}]*\}", "", compiled.as_text())
+    source = re.compile(r"^\s*(FileNames|FunctionNames|FileLocations|StackFrames)\b|^\s*\d+ (\"|\{)")
+    return "\n".join(line for line in text.splitlines() if not source.match(line))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -264,6 +275,21 @@ def print_comparison(plain: dict, over: dict, speedups: bool = True) -> None:
     tokens = plain["tokens_per_step"]
     print(f"steady state (median, first step excluded): no-overlap {t0 * 1e3:.2f} ms ({tokens / t0:,.0f} tokens/s), "
           f"overlap {t1 * 1e3:.2f} ms ({tokens / t1:,.0f} tokens/s), speedup {ratio(t0, t1, 3)}")
+
+
+def same_program_note(plain: dict, over: dict, platform: str) -> str:
+    """Whether the two modes compiled to one program, and what a difference in their losses then means."""
+    if plain["program"] != over["program"]:
+        return ("overlap and no-overlap compiled to different programs (optimized HLO, source locations left out): "
+                "their losses may differ by the rounding of those programs")
+    note = "overlap and no-overlap compiled to the same program (optimized HLO, source locations left out)"
+    if plain["losses"] == over["losses"]:
+        return note + ", and gave the same losses"
+    why = ("XLA's step on a GPU is not bit-reproducible: one compiled step run twice from the same start differs "
+           "too (one H200, jax 0.11.2, 2026-12-03); XLA_FLAGS=--xla_gpu_deterministic_ops=true made the losses of "
+           "both modes and of repeated runs identical there with --attention xla (with --attention cudnn that flag "
+           "failed at run time)" if platform == "gpu" else f"the {platform} backend is not bit-reproducible here")
+    return f"{note}; their losses differ in the last digits all the same: {why}"
 
 
 def site_kinds(result: dict) -> list[str]:
@@ -360,8 +386,9 @@ def main(argv=None) -> None:
     mesh = make_mesh(cfg)
     dp, tp = mesh.shape["dp"], mesh.shape["tp"]
     if tp == 1:
-        print("tp=1: a group of one device has no collective to overlap; with overlap the step keeps the plain "
-              "matmuls, so both modes run the same model and give the same losses")
+        print("tp=1: a group of one device has no collective to overlap; with overlap every site keeps the plain "
+              "path, so the overlap mode runs the plain step" + (" (the two compiled programs are compared below)"
+                                                                 if args.compare else ""))
     n_params = sum(math.prod(a.shape) for a in jax.tree.leaves(jax.eval_shape(lambda k: init_params(cfg, k),
                                                                                jax.random.PRNGKey(0))))
     print(f"tp_transformer ({args.preset}): {cfg.layers} layers, hidden {cfg.hidden}, ffn {cfg.ffn}, heads "
@@ -406,6 +433,8 @@ def main(argv=None) -> None:
               + ("; CPU times mean nothing" if jax.default_backend() == "cpu" else ""))
     if args.compare:
         print_comparison(results[False], results[True], speedups=jax.default_backend() != "cpu" and tp > 1)
+        if tp == 1:
+            print(same_program_note(results[False], results[True], jax.default_backend()))
     if args.per_site_kind:
         print_site_kinds(results, args.plot, title=f"{args.preset}, tp={tp}, {jax.device_count()} x "
                                                    f"{jax.devices()[0].device_kind}")

@@ -277,6 +277,54 @@ def test_progress_ends_at_its_planned_count(tmp_path, capsys):
     assert steps and steps[-1][0] == steps[-1][1] == len(steps), steps
 
 
+def test_the_table_says_its_unit_its_marks_what_the_progress_counted_and_where_it_wrote(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """The progress line counts the bounds besides the verified variants: the summary says the same
+    count, by kind; the table gives its time unit and explains "(none)" and "—"; the run says where it
+    wrote its files."""
+    monkeypatch.setattr(harness, "device_time", lambda make, args: {"median_s": 1e-3, "spread_s": 0.0})
+    result = bench.run(["ag_matmul"], {"t": (64, 32, 64)}, "float32", "xla/direct/c2,none", str(tmp_path),
+                       windowed=False)
+    captured = capsys.readouterr()
+    k, total = re.findall(r"\[\s*(\d+)/(\d+)\]", captured.err)[-1]
+    table = (tmp_path / "bench.md").read_text()
+    verified = re.search(r"Verified against the reference before timing: (\d+)/(\d+) variants", table)
+    runs = re.search(r"Runs \(the progress count\): (\d+) = (\d+) variants \(each verified, then timed\) \+ "
+                     r"(\d+) bounds timed alone \(GEMM alone, collective alone: no result to verify\)\.", table)
+    assert verified and runs, table
+    assert k == total == runs.group(1) and int(runs.group(2)) + int(runs.group(3)) == int(total), (total, table)
+    assert runs.group(2) == verified.group(2) and int(runs.group(3)) == harness.BOUND_STEPS, table
+    assert "(bound: timed only)" in captured.err  # the counter names its extra steps as it runs them
+    header = next(line for line in table.splitlines() if line.startswith("| op |"))
+    assert "GEMM alone ms" in header and "ficco best ms (schedule)" in header, header
+    row = next(line for line in table.splitlines() if line.startswith("| ag_matmul"))
+    assert "(none)" in row and "—" in row, row  # the marks the legend explains are in this table
+    legend = next(line for line in table.splitlines() if line.startswith("Times: ms per op"))
+    assert "(none) is comm=\"none\", the plain collective then the matmul" in legend and "—: no time" in legend
+    assert f"Written: {tmp_path / 'bench.json'}, {tmp_path / 'bench.md'}" in captured.out
+    assert result["steps"] == {"variants": int(runs.group(2)), "bounds": 2, "windowed": 0, "rounds": 0}
+
+
+def test_the_demo_says_where_it_writes_and_whether_the_extension_has_its_cuda_backend(tmp_path, monkeypatch, capsys):
+    from ficco_jax.runtime import extension
+    from ficco_jax.tools import demo
+
+    monkeypatch.setattr(demo.bench, "run", lambda *a, **k: {})
+    for info, says in (({"version": "0.1.0", "cuda": True}, "CUDA backend built"),
+                       ({"version": "0.1.0", "cuda": False}, "CUDA backend NOT built")):
+        monkeypatch.setattr(extension, "build_info", lambda info=info: dict(info))
+        demo.run(str(tmp_path / "out"))
+        out = capsys.readouterr().out
+        assert says in out and f"Results are written under {tmp_path / 'out'}/ (bench.json, bench.md)" in out, out
+    assert "on these GPUs no comm='dma' schedule runs" in demo.extension_line("gpu")
+
+    def missing():
+        raise ImportError("the compiled extension ficco_jax._ffi is missing")
+
+    monkeypatch.setattr(extension, "build_info", missing)
+    assert "Extension: not loaded" in demo.extension_line("cpu") and "is missing" in demo.extension_line("cpu")
+
+
 def test_a_listed_schedule_that_does_not_fit_the_shape_is_a_row_saying_why(tmp_path, monkeypatch, capsys):
     """8 rows per device of ag_matmul do not split into 3 chunks: c3 is neither compiled nor timed,
     and its row, in bench.json and in the table's notes, gives the reason and the chunk counts that fit."""

@@ -53,3 +53,19 @@ def test_auto_rejects_nothing_a_schedule_string_would_not(mesh1d, rng):
     x = jax.device_put(random(rng, (8 * 16, 24), np.float32), NamedSharding(mesh1d, P("tp", None)))
     with pytest.raises(ValueError, match="cannot parse schedule"):
         _jit(mesh1d, lambda v: dma.all_gather(v, "tp", schedule="fast"))(x)
+
+
+def test_a_dtype_copy_engines_cannot_sum_is_refused_with_a_hint_that_works(mesh1d, monkeypatch):
+    """int8 dma.reduce_scatter: the error names what this function takes (not comm='xla', which it
+    refuses), and schedule='auto' runs XLA's psum_scatter for it, even where copy engines would pay."""
+    x = jax.device_put(np.arange(8 * 16 * 4, dtype=np.int8).reshape(8 * 16, 4), NamedSharding(mesh1d, P("tp", None)))
+    with pytest.raises(TypeError) as refused:
+        _jit(mesh1d, lambda v: dma.reduce_scatter(v, "tp"))(x)
+    hint = str(refused.value)
+    assert "found int8" in hint and "comm='xla'" not in hint and "schedule='auto'" in hint, hint
+    with pytest.raises(ValueError, match="runs comm='dma' schedules only"):  # what the old hint said to do
+        _jit(mesh1d, lambda v: dma.reduce_scatter(v, "tp", schedule="xla/ring/c1"))(x.astype(np.float32))
+    monkeypatch.setattr(collectives, "copy_engines_pay", lambda *a, **k: True)
+    auto = _jit(mesh1d, lambda v: dma.reduce_scatter(v, "tp", schedule="auto"))
+    want = _jit(mesh1d, lambda v: jax.lax.psum_scatter(v, "tp", scatter_dimension=0, tiled=True))(x)
+    assert np.array_equal(auto(x), want) and "ficco_" not in auto.lower(x).as_text()

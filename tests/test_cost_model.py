@@ -184,6 +184,39 @@ def test_load_profile_names_the_shipped_ones():
         cost_model.load_profile("no_such_machine")
 
 
+def test_select_schedule_takes_a_profile_as_rank_profile_does(tmp_path):
+    """select_schedule(profile=...) takes what `rank --profile` takes (a shipped name, a JSON path) and
+    a dict, and refuses what it refuses with the same message: one check serves both."""
+    args = ("ag_matmul", shapes("ag_matmul", 8192, 8192, 28672), "bfloat16", 4)
+    comms = ("none", "xla", "dma")
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(cost_model.load_profile("h200x4")))
+    picks = {select.select_schedule(*args, profile=p, comms=comms)
+             for p in ("h200x4", str(path), path, cost_model.load_profile("h200x4"))}
+    assert len(picks) == 1, picks
+    partial = {"peak_tflops": {"bfloat16": 400.0}}  # the entries it lacks are the default profile's, as in a file
+    assert select.select_schedule(*args, profile=partial, comms=comms) == select.select_schedule(
+        *args, profile={**cost_model.DEFAULT_PROFILE, **partial}, comms=comms)
+    bad = {"peak_tflops": {"bfloat16": 0.0}}
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    (tmp_path / "text.txt").write_text("not json\n")
+    for profile, error, says in ((bad, ValueError, "peak_tflops.bfloat16 = 0.0, expected a finite number > 0"),
+                                 (str(tmp_path / "bad.json"), ValueError, "peak_tflops.bfloat16 = 0.0"),
+                                 ({}, ValueError, "the profile is empty"),
+                                 ("no_such_machine", FileNotFoundError, "shipped profiles"),
+                                 (str(tmp_path / "text.txt"), ValueError, "not a JSON profile"),
+                                 (4, TypeError, "expected a profile name, a JSON path, a dict or None, found int")):
+        with pytest.raises(error, match="^select_schedule: profile") as raised:
+            select.select_schedule(*args, profile=profile, comms=comms)
+        assert says in str(raised.value), (profile, raised.value)
+        if isinstance(profile, str):  # the command line says the same of the same file
+            from ficco_jax.tools import cli
+            with pytest.raises(SystemExit) as exit_:
+                cli._load_profile(profile, "rank --profile")
+            assert str(exit_.value.code).removeprefix("rank --profile") == \
+                str(raised.value).removeprefix("select_schedule: profile")
+
+
 def test_autotune_cache_round_trips_and_survives_corruption(tmp_path):
     cache = autotune.AutotuneCache(str(tmp_path))
     key = autotune.cache_key("ag_matmul", ((128, 64), (64, 32)), "bfloat16", 4, "NVIDIA H200")
@@ -343,12 +376,12 @@ def test_auto_keeps_the_plain_path_on_cpu():
 
 
 @pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs", "matmul_psum"])
-def test_explain_cli_chooses_none_for_one_device(op):
+def test_rank_cli_chooses_none_for_one_device(op):
     import subprocess
     import sys
 
     for shape in ("8192,8192,10240", "256,4096,4096", "2048,8192,28672"):
-        out = subprocess.run([sys.executable, "-m", "ficco_jax", "explain", "--op", op, "--shape", shape,
+        out = subprocess.run([sys.executable, "-m", "ficco_jax", "rank", "--op", op, "--shape", shape,
                               "--axis-size", "1", "--profile", "h200x4"], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr[-2000:]
         assert out.stdout.strip().splitlines()[-1] == "choice: none", out.stdout

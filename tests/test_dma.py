@@ -424,7 +424,7 @@ def test_direct_ffi_target_device_not_in_groups():
 
 def test_clear_errors():
     mesh = MESHES["1d"]
-    with pytest.raises(TypeError, match="comm='dma' handles dtypes"):
+    with pytest.raises(TypeError, match="copy engines sum dtypes"):
         _run(mesh, lambda a: dma.reduce_scatter(a, "tp"), P("tp"), np.zeros((64, 2), np.int32))
     with pytest.raises(NotImplementedError, match="tiled=True"):
         _run(mesh, lambda a: dma.all_gather(a, "tp", tiled=False), P("tp"), np.zeros((64, 2), np.float32))

@@ -366,11 +366,8 @@ def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=
             tp_plan += [(op, label, M, K, N, fits, unfit, case_dtype)
                         for label, case_dtype in case_dtypes(name, dtype) if (op, label) not in done]
     windowed = windowed and not on_cpu
-    total = sum(len(variants(op, local_shapes(op, M, K, N, n), cd, n, scheds)[0]) + BOUND_STEPS + rounds - 1
-                + has_windowed(windowed, op, cd) for op, name, M, K, N, scheds, _, cd in tp_plan)
-    total += sum(len(bench_moe.variants(op, bench_moe.local_shapes(op, *dims, n), dtype, n, scheds)[0]) + BOUND_STEPS
-                 + rounds - 1 for op, name, dims, scheds, _ in moe_plan)
-    progress = progress_printer(total)
+    result["steps"] = steps = planned_steps(tp_plan, moe_plan, n, dtype, windowed, rounds)
+    progress = progress_printer(sum(steps.values()))
     rows = []
     os.makedirs(out_dir, exist_ok=True)
     if resume is not None:
@@ -422,10 +419,29 @@ def run(ops_to_run, shapes, dtype, schedules_arg, out_dir, plot=False, windowed=
                   f"`--resume {os.path.join(out_dir, 'bench.json')}` measures them and keeps these rows.\n")
     with open(os.path.join(out_dir, "bench.md"), "w") as fh:
         fh.write(table)
+    written = [os.path.join(out_dir, f) for f in ("bench.json", "bench.md")]
     if plot:
-        plot_speedups(result, out_dir)
+        written += plot_speedups(result, out_dir)
     print(table)
+    print(f"Written: {', '.join(written)}")
     return result
+
+
+def planned_steps(tp_plan, moe_plan, n: int, dtype, windowed: bool, rounds: int) -> dict[str, int]:
+    """What the progress line counts, by kind: the variants (each verified against the reference, then
+    timed), the bounds (GEMM alone and collective alone of each case, timed only: they compute no op
+    result), XLA's windowed einsum (timed in its own process) and the extra timing rounds of --rounds.
+    The table's summary repeats these numbers, so the count it ends at is explained there."""
+    cases = len(tp_plan) + len(moe_plan)
+    return {
+        "variants": sum(len(variants(op, local_shapes(op, M, K, N, n), cd, n, scheds)[0])
+                        for op, name, M, K, N, scheds, _, cd in tp_plan)
+                    + sum(len(bench_moe.variants(op, bench_moe.local_shapes(op, *dims, n), dtype, n, scheds)[0])
+                          for op, name, dims, scheds, _ in moe_plan),
+        "bounds": BOUND_STEPS * cases,
+        "windowed": sum(has_windowed(windowed, op, cd) for op, name, M, K, N, scheds, _, cd in tp_plan),
+        "rounds": (rounds - 1) * cases,
+    }
 
 
 def resumed_rows(earlier: dict, ours: dict) -> list[dict]:

@@ -1,5 +1,6 @@
-"""`python -m ficco_jax {demo,bench,rank,characterize,calibrate,accuracy}`: the command line of ficco_jax
-(`explain` is another name of `rank`)."""
+"""`python -m ficco_jax {demo,bench,rank,characterize,calibrate,accuracy}`: the command line of ficco_jax.
+The overlap sites of a function are reported by `ficco_jax.explain(fn, *args)` in Python: `explain` is
+no command."""
 from __future__ import annotations
 
 import argparse
@@ -54,14 +55,12 @@ def _shapes(args_shapes, default):
 
 def _load_profile(name: str | None, flag: str):
     """The profile `--profile` names (a name or a JSON path), None when not given; one that is
-    missing, unreadable or not a profile is a clear error naming the option."""
+    missing, unreadable or not a profile is a clear error naming the option (the same checks as
+    select_schedule's `profile=`: cost_model.resolve_profile)."""
     try:
-        return cost_model.load_profile(name) if name else None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise SystemExit(f"{flag} {name}: not a JSON profile ({exc}); expected a shipped profile name (e.g. "
-                         f"h200x4) or a JSON file that `python -m ficco_jax calibrate --out FILE` wrote")
+        return cost_model.resolve_profile(name, flag)
     except (ValueError, OSError) as exc:
-        raise SystemExit(f"{flag}: {exc}")
+        raise SystemExit(str(exc))
 
 
 def _add_bench(sub):
@@ -137,11 +136,18 @@ def _add_demo(sub):
 
 
 RANK_HELP = ("the cost model's predicted time of every candidate schedule of one op and shape, best first "
-             "(also named explain; for the overlap sites of a function, see ficco_jax.explain(fn, *args) in Python)")
+             "(for the overlap sites of a function, see ficco_jax.explain(fn, *args) in Python)")
+
+#: What `python -m ficco_jax explain ...` says: the name is the Python API's, whose report is of a function.
+NO_EXPLAIN_COMMAND = (
+    "python -m ficco_jax explain: no such command. For the schedules of one op and shape, ranked by the cost "
+    "model, run `python -m ficco_jax rank --op ag_matmul --shape M,K,N`; for the "
+    "overlap sites of a function and the schedule of each, call `ficco_jax.explain(fn, *args)` in Python "
+    "(print(ficco_jax.explain(step, params, batch)))")
 
 
 def _add_rank(sub):
-    p = sub.add_parser("rank", aliases=["explain"], help=RANK_HELP, description=RANK_HELP)
+    p = sub.add_parser("rank", help=RANK_HELP, description=RANK_HELP)
     p.add_argument("--op", choices=["ag_matmul", "matmul_rs", "matmul_psum"], required=True,
                    help="the op to rank schedules for")
     p.add_argument("--shape", required=True, help="M,K,N of the whole layer, or a shape name")
@@ -319,6 +325,8 @@ def main(argv=None):
     if argv[:1] == ["_windowed"]:
         _windowed(argv[1:])
         return 0
+    if argv[:1] == ["explain"]:
+        raise SystemExit(NO_EXPLAIN_COMMAND)
     args = build_parser().parse_args(argv)
     try:
         args.fn(args)

@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 
 from ..ops import measure, resolve_schedule
 from ..ops.measure import op_body
+from ..runtime import extension
 from ..schedule import local_shapes
 from . import bench
 from .harness import Row, verify_then_time_each
@@ -37,6 +38,9 @@ def run(out_dir: str) -> dict:
     n = len(jax.local_devices())
     on_cpu = jax.default_backend() == "cpu"
     print(f"ficco_jax demo on {n} x {jax.devices()[0].device_kind} ({jax.default_backend()})")
+    print(extension_line(jax.default_backend()))
+    print(f"Results are written under {out_dir}/ ({'demo.json' if n == 1 else 'bench.json, bench.md'}); "
+          f"--out DIR writes them elsewhere.")
     shapes = CPU_SHAPES if on_cpu else GPU_SHAPES
     dtype = "float32" if on_cpu else "bfloat16"
     if on_cpu:
@@ -45,6 +49,21 @@ def run(out_dir: str) -> dict:
     if n == 1:
         return one_device(shapes, dtype, out_dir, on_cpu)
     return bench.run(list(OPS), shapes, dtype, "all", out_dir, windowed=False)
+
+
+def extension_line(platform: str) -> str:
+    """One line on the compiled extension: its version, and whether it has its CUDA backend (without
+    it, copy-engine schedules, comm="dma", run on CPU devices only)."""
+    try:
+        info = extension.build_info()
+    except ImportError as exc:
+        return f"Extension: not loaded, so no comm='dma' schedule runs here: {exc}"
+    if info.get("cuda"):
+        return f"Extension: ficco_jax._ffi {info.get('version')}, CUDA backend built (copy engines on GPUs)."
+    where = ("on these GPUs no comm='dma' schedule runs, only xla and none"
+             if platform == "gpu" else "comm='dma' runs on CPU devices only")
+    return (f"Extension: ficco_jax._ffi {info.get('version')}, CUDA backend NOT built: {where}; rebuild with "
+            f"FICCO_CUDA=ON (`FICCO_CUDA=ON pip install --no-build-isolation -e .`) to be told what it lacks.")
 
 
 def _body(op, variant):
@@ -77,6 +96,7 @@ def one_device(shapes: dict, dtype: str, out_dir: str, on_cpu: bool) -> dict:
     with open(os.path.join(out_dir, "demo.json"), "w") as fh:
         json.dump(result, fh, indent=1)
     print(one_device_table(rows, picks, on_cpu))
+    print(f"Written: {os.path.join(out_dir, 'demo.json')}")
     return result
 
 
@@ -95,7 +115,8 @@ def one_device_table(rows, picks: dict, on_cpu: bool) -> str:
         ok = "yes" if dot.verified and auto.verified else f"NO: {dot.note or auto.note}"
         lines.append(f"| {op} | {name} {M},{K},{N} | {picks[(op, name)]} | {ms(dot)} | {ms(auto)} | {ratio} | {ok} |")
     lines.append("")
-    lines.append("auto's schedule 'none' is the plain matmul: no copy, no chunking. "
+    lines.append("Times: ms per op, device time; —: no time (the run failed: see verified). "
+                 "auto's schedule 'none' is the plain matmul: no copy, no chunking. "
                  + ("On CPU the times are not meaningful (n/a). " if on_cpu else
                     "ficco auto / JAX dot near 1.00x: the op adds nothing over JAX's dot on one device. ")
                  + "To see overlap, run on two or more GPUs, or on virtual CPU devices: "

@@ -249,7 +249,7 @@ def bound_rows(case: Row, mesh, dtype, progress, *, gemm, gemm_shapes, collectiv
               "collective_alone": lambda: device_time(coll_make, (x,))}
     rows = []
     for variant, timer in bounds.items():
-        progress(f"{case.op} {case.shape} {variant}")
+        progress(f"{case.op} {case.shape} {variant} (bound: timed only)")
         t = timer()
         rows.append(replace(case, variant=variant, median_ms=t["median_s"] * 1e3, spread_ms=t["spread_s"] * 1e3,
                             extra=dict(case.extra)))

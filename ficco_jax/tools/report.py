@@ -53,6 +53,25 @@ def _ratio(seq, best, ideal, meaningful: bool) -> str:
             f"{(best['median_ms'] / ideal) if best and ideal else float('nan'):.3f}x")
 
 
+#: What the bench table's units and marks mean, printed under it.
+TABLE_LEGEND = (
+    "Times: ms per op, device time (median of the estimates). In ficco auto and ficco best the schedule follows "
+    "in parentheses, as --schedules writes it: (none) is comm=\"none\", the plain collective then the matmul, "
+    "no overlap; e.g. (dma/direct/c4/s2) is copy engines, every peer at once, 4 chunks, 2 copy streams. "
+    "—: no time: XLA windowed is run on GPUs only (not for FP8 or matmul_psum); a variant that failed or was "
+    "skipped is listed below.")
+
+
+def steps_line(steps: dict) -> str:
+    """The progress line's count, said by kind (bench.planned_steps): it counts more runs than variants."""
+    kinds = [(steps.get("variants", 0), "variants (each verified, then timed)"),
+             (steps.get("bounds", 0), "bounds timed alone (GEMM alone, collective alone: no result to verify)"),
+             (steps.get("windowed", 0), "XLA windowed einsum timings (own process)"),
+             (steps.get("rounds", 0), "extra timing rounds (--rounds)")]
+    return (f"Runs (the progress count): {sum(k for k, _ in kinds)} = "
+            + " + ".join(f"{k} {what}" for k, what in kinds if k) + ".")
+
+
 def markdown_table(result: dict) -> str:
     """One line per (op, shape): bounds, JAX's options, ficco auto and best, speedups."""
     by_case = defaultdict(dict)
@@ -62,8 +81,8 @@ def markdown_table(result: dict) -> str:
         f"Device: {result['n_devices']} x {result['device']} ({result['platform']}), dtype {result['dtype']}, "
         f"jax {result['jax']}, commit {result['commit']}, {result['date']}",
         f"Method: {result['method']}", "",
-        "| op | shape (M,K,N) | GEMM alone | collective alone | ideal | JAX seq | JAX ring | XLA windowed | "
-        "ficco auto | ficco best | best / seq | best / ideal |",
+        "| op | shape (M,K,N) | GEMM alone ms | collective alone ms | ideal ms | JAX seq ms | JAX ring ms | "
+        "XLA windowed ms | ficco auto ms (schedule) | ficco best ms (schedule) | best / seq | best / ideal |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     failures = []
@@ -87,6 +106,7 @@ def markdown_table(result: dict) -> str:
         failures += [f"{op} {shape} {k}: {r['note']}" for k, r in v.items()
                      if r.get("note", "").startswith(("WRONG", "error", "skipped"))]
     lines.append("")
+    lines.append(TABLE_LEGEND)
     lines.append("ficco best: the fastest ficco variant, ± the half-range of its timing estimates; "
                  "best / ideal: its time over max(GEMM alone, collective alone) (the target: at most 1.05x); "
                  "GEMM alone: every device's full-size matmul at once, no communication (the slowest device's time).")
@@ -95,6 +115,8 @@ def markdown_table(result: dict) -> str:
                      "computed from them (n/a); what a CPU run shows is that every variant gives the right result.")
     verified = [r for r in result["rows"] if r.get("verified") is not None]
     lines.append(f"Verified against the reference before timing: {sum(bool(r['verified']) for r in verified)}/{len(verified)} variants.")
+    if sum((result.get("steps") or {}).values()):
+        lines.append(steps_line(result["steps"]))
     clocks = clocks_line(result["rows"])
     if clocks:
         lines.append(clocks + ".")

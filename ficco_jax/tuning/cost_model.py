@@ -97,6 +97,38 @@ def load_profile(name_or_path: str) -> dict:
     return check_profile({**DEFAULT_PROFILE, **profile} if isinstance(profile, dict) else profile, path)
 
 
+def resolve_profile(profile, what: str) -> dict | None:
+    """The profile that `profile` gives, checked: None stays None (the caller's default); a name or a
+    path is loaded as `load_profile` reads it; a dict is taken as a file's contents would be (entries
+    it lacks from DEFAULT_PROFILE). Whatever the model cannot price with is a clear error that starts
+    with `what` (e.g. "rank --profile"): ValueError for a bad profile, OSError for a file that cannot
+    be read, TypeError for another kind of value. The command line's --profile and select_schedule's
+    `profile=` both go through here."""
+    if profile is None:
+        return None
+    if isinstance(profile, (str, os.PathLike)):
+        name = os.fspath(profile)
+        try:
+            return load_profile(name)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{what} {name}: not a JSON profile ({exc}); expected a shipped profile name (e.g. "
+                             f"h200x4) or a JSON file that `python -m ficco_jax calibrate --out FILE` wrote") from exc
+        except ValueError as exc:
+            raise ValueError(f"{what}: {exc}") from exc
+        except OSError as exc:
+            raise type(exc)(f"{what}: {exc}") from exc
+    if isinstance(profile, Mapping):
+        if not profile:
+            raise ValueError(f"{what}: the profile is empty; expected a machine profile (a dict like "
+                             f"ficco_jax/tuning/profiles/h200x4.json), a shipped profile name (e.g. 'h200x4'), "
+                             f"'default', a JSON path, or None for this machine's")
+        try:
+            return check_profile({**DEFAULT_PROFILE, **profile}, "given as a dict")
+        except ValueError as exc:
+            raise ValueError(f"{what}: {exc}") from exc
+    raise TypeError(f"{what}: expected a profile name, a JSON path, a dict or None, found {type(profile).__name__}")
+
+
 #: The profile's rates, which the model divides by (positive), and its other numbers (at least 0).
 _RATES = ("hbm_gbps", "dma_ingress_gbps", "dma_stream_gbps", "dma_multistream_gbps", "xla_ingress_gbps")
 _TERMS = ("rows_half", "gemm_launch_us", "executor_gemm_slowdown", "dma_latency_us", "dma_call_us", "dma_host_us",

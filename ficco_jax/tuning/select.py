@@ -103,18 +103,24 @@ def _log_profile_stand_in(kind: str, axis_size: int, name: str) -> None:
 
 def select_schedule(op: str, shapes, dtype, axis_size: int, profile=None,
                     comms: Sequence[str] | None = None, out_dtype=None) -> Schedule:
-    """The predicted-fastest valid schedule, or `Schedule(comm="none")` when overlap does not pay."""
+    """The predicted-fastest valid schedule, or `Schedule(comm="none")` when overlap does not pay.
+
+    `profile`: the machine profile the cost model prices with: None (this machine's, `profile_for`),
+    a shipped profile's name (e.g. "h200x4"), a JSON file's path, or a dict of a profile's entries
+    (those it lacks from the default profile), checked as `python -m ficco_jax rank --profile` checks
+    it (cost_model.resolve_profile)."""
     _check_inputs(op, shapes, axis_size)
+    profile = cost_model.resolve_profile(profile, "select_schedule: profile")
     comms = tuple(comms or available_comms())
     if op in A2A_OPS:
         pick = _expert_pick(comms, axis_size)
         if pick.comm != "dma":
             return pick
         # A small MoE layer's blocks move in less time than a copy-engine call costs the host.
-        profile = profile or profile_for(axis_size)
+        profile = profile if profile is not None else profile_for(axis_size)
         plain = Schedule(comm="none")
         return min((pick, plain), key=lambda s: cost_model.predict(op, s, shapes, dtype, axis_size, profile, out_dtype))
-    profile = profile or profile_for(axis_size)
+    profile = profile if profile is not None else profile_for(axis_size)
     ranked = cost_model.rank(op, shapes, dtype, axis_size, candidates(op, axis_size, comms, dtype), profile,
                              out_dtype)
     return ranked[0][1]

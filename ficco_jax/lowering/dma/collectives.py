@@ -54,13 +54,19 @@ def all_gather(x, axis_name, *, axis=0, tiled=True, schedule=None):
 def reduce_scatter(x, axis_name, *, scatter_dimension=0, tiled=True, schedule=None):
     """``jax.lax.psum_scatter(x, axis_name, scatter_dimension=..., tiled=True)`` on copy engines.
 
-    bf16/f16/f32, summed with f32 accumulation (one rounding). Differentiable in both modes: the transpose is
-    `all_gather` on copy engines.
+    bf16/f16/f32, summed with f32 accumulation (one rounding); other dtypes are a TypeError, except with
+    schedule="auto", which runs `jax.lax.psum_scatter` for them. Differentiable in both modes: the transpose
+    is `all_gather` on copy engines.
     """
     axis, n = _checked("reduce_scatter", "psum_scatter", x, axis_name, tiled, scatter_dimension)
     _check_divides("reduce_scatter", x, axis, n, axis_name)
-    if schedule == "auto" and not copy_engines_pay(x.nbytes // n, axis_name):
+    summed = jnp.dtype(x.dtype).name in config.DMA_DTYPES
+    if schedule == "auto" and (not summed or not copy_engines_pay(x.nbytes // n, axis_name)):
         return reduce_scatter_ref(x, axis_name, scatter_dimension=axis)
+    if not summed:  # the executor's own message names comm='xla', which this function does not take
+        raise TypeError(f"dma.reduce_scatter: copy engines sum dtypes {config.DMA_DTYPES}, found "
+                        f"{jnp.dtype(x.dtype).name}; cast x to one of them, or call jax.lax.psum_scatter, "
+                        f"or pass schedule='auto' (which runs jax.lax.psum_scatter for this dtype)")
     sched = _collective_schedule("reduce_scatter", schedule, n, x.shape[axis] // n)
     return _reduce_scatter(x, axis_name, axis, sched)
 
