@@ -9,6 +9,7 @@
 #include <map>
 #include <string>
 
+#include "ffi/attrs.h"
 #include "ffi/contract.h"
 #include "ffi/targets.h"
 #include "runtime/placement.h"
@@ -77,6 +78,38 @@ nb::dict Types() {
   return types;
 }
 
+template <size_t N>
+nb::dict Codes(const AttributeCode (&codes)[N]) {
+  nb::dict out;
+  for (const AttributeCode& entry : codes) out[entry.name] = entry.code;
+  return out;
+}
+
+// The contract of the calls (ffi/contract.h, ffi/attrs.h): its version, every target's attribute
+// names in order, and the codes of the schedule's fields. The lowering takes the codes from here, and
+// tests/test_contract.py checks that it writes exactly these attributes.
+nb::dict Contract() {
+  nb::dict contract;
+  contract["version"] = kContractVersion;
+  nb::list op, probe;
+#define FICCO_ATTRIBUTE_NAME(type, name) names.append(#name);
+  {
+    nb::list& names = op;
+    FICCO_OP_ATTRIBUTES(FICCO_ATTRIBUTE_NAME)
+  }
+  {
+    nb::list& names = probe;
+    FICCO_PROBE_ATTRIBUTES(FICCO_ATTRIBUTE_NAME)
+  }
+#undef FICCO_ATTRIBUTE_NAME
+  contract["attributes"] = op;
+  contract["probe_attributes"] = probe;
+  contract["order"] = Codes(kOrderCodes);
+  contract["gemm"] = Codes(kGemmCodes);
+  contract["transfer"] = Codes(kTransferCodes);
+  return contract;
+}
+
 // {local device ordinal: global device id} of this process's devices, and its jax.distributed job
 // (runtime/placement.h).
 void SetDeviceIds(const nb::dict& ids, int64_t job) {
@@ -130,6 +163,7 @@ NB_MODULE(_ffi, m) {
   m.def("build_info", &ficco::BuildInfo);
   m.def("registrations", &ficco::Registrations);
   m.def("types", &ficco::Types);
+  m.def("contract", &ficco::Contract);
   m.def("set_device_ids", &ficco::SetDeviceIds);
   ficco::DefineIpcFunctions(m);
   ficco::DefineTestingModule(m);

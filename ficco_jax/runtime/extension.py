@@ -75,6 +75,14 @@ def _load() -> dict:
     return info
 
 
+def contract() -> dict:
+    """The extension's side of the call contract (xla_ffi/ffi/attrs.h): {"version", "attributes" and
+    "probe_attributes" (every target's attribute names, in order), "order", "gemm", "transfer" (name ->
+    the code the attributes carry)}. The lowering writes the codes from here, never its own."""
+    ensure_loaded()
+    return _module.contract()
+
+
 def target_names() -> list[str]:
     """The names of every FFI target the extension registers (each op's, and its `_symmetric` form)."""
     ensure_loaded()

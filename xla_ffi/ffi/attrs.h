@@ -12,59 +12,86 @@
 
 namespace ficco {
 
-// The attributes of every ficco target (ficco_jax/lowering/dma/registry.py writes them: _lowering).
-struct OpAttrs {
-  int64_t ficco_abi;              // the contract's version (ffi/contract.h), checked before decoding
-  int64_t op_id;                  // unique per call site, set at trace time
-  // The groups of the mesh axis, flat, members in rank order, as logical positions: the XLA
-  // partition id of each member, handed to every call as its first operand (runtime/placement.h).
-  ffi::Span<const int64_t> groups;
-  // The device the lowering saw at each entry of `groups` (global device ids): checked by groups
-  // across processes, named by errors.
-  ffi::Span<const int64_t> devices;
-  int64_t ipc_job;                // 0: every group is in one process; else the host mailbox's job id
-  int64_t group_size;             // n
-  int64_t chunks;
-  int64_t order;                  // 0 ring, 1 direct
-  int64_t gemm;                   // 0 per_chunk, 1 grouped, 2 columns
-  int64_t copy_streams;
-  int64_t timeout_ms;
-  int64_t watchdog_ms;            // config.WATCHDOG_S: device work may take this long once started; 0: unwatched
-  std::string_view site;          // where the op was written, for the watchdog's report
-  // ag_matmul / a2a_matmul: 1 when the caller drops `gathered` / `received` (no return of it, no VJP
-  // residual): this device's own rows / block are then not copied in (the matmuls read them from x);
-  // the peers' rows still land there.
-  int64_t skip_own_rows;
-  // 0 pull (the receiver's copy streams read), 1 push (the sender's write into the peers' buffers),
-  // 2 symmetric (the sender's write into the peers' slots of the site: runtime/symmetric.h)
-  int64_t transfer;
-  // 1: the matmul's w is column-major ([N, K] in memory for w [K, N]; per expert for [E, K, N]), as
-  // a transpose of a row-major array is laid out; always for FP8. 0 for the collectives.
-  int64_t w_col_major;
-  int64_t channel_bytes;          // config.CHANNEL_BYTES (runtime/channel.h); 0: every call meets its peers
-};
+// The attributes of every ficco target, listed once: the struct, XLA's decoding of it and the names
+// and codes Python's lowering is checked against (module.cc, `contract()`; tests/test_contract.py) are
+// all made from these lists. X(type, name) per attribute, in decoding order.
+//
+//   ficco_abi      the contract's version (ffi/contract.h), checked before decoding
+//   op_id          unique per call site, set at trace time
+//   groups         the groups of the mesh axis, flat, members in rank order, as logical positions: the
+//                  XLA partition id of each member, handed to every call as its first operand
+//                  (runtime/placement.h)
+//   devices        the device the lowering saw at each entry of `groups` (global device ids): named
+//                  by the meeting of a group across processes, and by errors
+//   ipc_job        0: every group is in one process; else the host mailbox's job id
+//   group_size     n
+//   order, gemm, transfer: codes of kOrderCodes, kGemmCodes, kTransferCodes below
+//   timeout_ms     config.RENDEZVOUS_TIMEOUT_S
+//   watchdog_ms    config.WATCHDOG_S: device work may take this long once started; 0: unwatched
+//   site           where the op was written, for the watchdog's report
+//   skip_own_rows  ag_matmul / a2a_matmul: 1 when the caller drops `gathered` / `received` (no return
+//                  of it, no VJP residual): this device's own rows / block are then not copied in (the
+//                  matmuls read them from x); the peers' rows still land there
+//   w_col_major    1: the matmul's w is column-major ([N, K] in memory for w [K, N]; per expert for
+//                  [E, K, N]), as a transpose of a row-major array is laid out; always for FP8; 0 for
+//                  the collectives
+//   channel_bytes  config.CHANNEL_BYTES (runtime/channel.h); 0: every call meets its peers
+#define FICCO_OP_ATTRIBUTES(X)                                                                              \
+  X(int64_t, ficco_abi) X(int64_t, op_id) X(ffi::Span<const int64_t>, groups)                               \
+  X(ffi::Span<const int64_t>, devices) X(int64_t, ipc_job) X(int64_t, group_size) X(int64_t, chunks)        \
+  X(int64_t, order) X(int64_t, gemm) X(int64_t, copy_streams) X(int64_t, timeout_ms) X(int64_t, watchdog_ms) \
+  X(std::string_view, site) X(int64_t, skip_own_rows) X(int64_t, transfer) X(int64_t, w_col_major)          \
+  X(int64_t, channel_bytes)
 
-// The contention probe's attributes (ficco_jax/lowering/dma/probe.py writes them).
-struct ProbeAttrs {
-  int64_t ficco_abi;
-  int64_t op_id;
-  ffi::Span<const int64_t> groups;   // positions, as OpAttrs
-  ffi::Span<const int64_t> devices;
-  int64_t group_size;
-  int64_t timeout_ms;
-  int64_t watchdog_ms;
-  int64_t repeats;  // matmuls on the compute stream
-  int64_t pull;     // 1: pull every peer's x meanwhile; 0: matmuls alone
-  int64_t w_col_major;  // as OpAttrs: 1 for FP8 operands
+// The contention probe's (ficco_jax/lowering/dma/probe.py): `repeats` matmuls on the compute stream,
+// `pull` 1 to pull every peer's x meanwhile (0: matmuls alone); the others as above.
+#define FICCO_PROBE_ATTRIBUTES(X)                                                                           \
+  X(int64_t, ficco_abi) X(int64_t, op_id) X(ffi::Span<const int64_t>, groups)                               \
+  X(ffi::Span<const int64_t>, devices) X(int64_t, group_size) X(int64_t, timeout_ms) X(int64_t, watchdog_ms) \
+  X(int64_t, repeats) X(int64_t, pull) X(int64_t, w_col_major)
+
+#define FICCO_ATTRIBUTE_MEMBER(type, name) type name;
+struct OpAttrs {
+  FICCO_OP_ATTRIBUTES(FICCO_ATTRIBUTE_MEMBER)
 };
+struct ProbeAttrs {
+  FICCO_PROBE_ATTRIBUTES(FICCO_ATTRIBUTE_MEMBER)
+};
+#undef FICCO_ATTRIBUTE_MEMBER
+
+// The codes of the schedule's fields, as the attributes carry them (Order, GemmMode: runtime/op_config.h).
+struct AttributeCode {
+  const char* name;
+  int64_t code;
+};
+inline constexpr AttributeCode kOrderCodes[] = {{"ring", static_cast<int64_t>(Order::kRing)},
+                                                {"direct", static_cast<int64_t>(Order::kDirect)}};
+inline constexpr AttributeCode kGemmCodes[] = {{"per_chunk", static_cast<int64_t>(GemmMode::kPerChunk)},
+                                               {"grouped", static_cast<int64_t>(GemmMode::kGrouped)},
+                                               {"columns", static_cast<int64_t>(GemmMode::kColumns)}};
+// pull: the receiver's copy streams read; push: the sender's write into the peers' buffers; symmetric:
+// the sender's write into the peers' slots of the site (runtime/symmetric.h).
+inline constexpr AttributeCode kTransferCodes[] = {{"pull", 0}, {"push", 1}, {"symmetric", 2}};
 
 // The schedule part of a target's attributes, as every target's config decodes it.
 inline const OpAttrs& ScheduleAttrs(const OpAttrs& attrs) { return attrs; }
 // The probe: one copy stream, direct, one chunk, w's layout as given, meetings (no channel). In-process groups only
 // (probe.py refuses groups across processes).
 inline OpAttrs ScheduleAttrs(const ProbeAttrs& p) {
-  return OpAttrs{p.ficco_abi, p.op_id, p.groups, p.devices, 0, p.group_size, 1, 1, 0, 1, p.timeout_ms, p.watchdog_ms, "probe", 0, 0,
-                 p.w_col_major, 0};
+  OpAttrs attrs{};
+  attrs.ficco_abi = p.ficco_abi;
+  attrs.op_id = p.op_id;
+  attrs.groups = p.groups;
+  attrs.devices = p.devices;
+  attrs.group_size = p.group_size;
+  attrs.chunks = 1;
+  attrs.order = static_cast<int64_t>(Order::kDirect);
+  attrs.copy_streams = 1;
+  attrs.timeout_ms = p.timeout_ms;
+  attrs.watchdog_ms = p.watchdog_ms;
+  attrs.site = "probe";
+  attrs.w_col_major = p.w_col_major;
+  return attrs;
 }
 
 // Decodes the call's schedule and resolves its group from the run (runtime/placement.h): from
@@ -74,26 +101,14 @@ ffi::Error DecodeConfig(const OpAttrs& attrs, const char* target, int32_t device
 
 }  // namespace ficco
 
-// How XLA decodes OpAttrs from the attribute dictionary (every target binds .Attrs<OpAttrs>()).
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
-    ficco::OpAttrs, ::xla::ffi::StructMember<int64_t>("ficco_abi"), ::xla::ffi::StructMember<int64_t>("op_id"),
-    ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("groups"),
-    ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("devices"),
-    ::xla::ffi::StructMember<int64_t>("ipc_job"),
-    ::xla::ffi::StructMember<int64_t>("group_size"), ::xla::ffi::StructMember<int64_t>("chunks"),
-    ::xla::ffi::StructMember<int64_t>("order"), ::xla::ffi::StructMember<int64_t>("gemm"),
-    ::xla::ffi::StructMember<int64_t>("copy_streams"), ::xla::ffi::StructMember<int64_t>("timeout_ms"),
-    ::xla::ffi::StructMember<int64_t>("watchdog_ms"), ::xla::ffi::StructMember<std::string_view>("site"),
-    ::xla::ffi::StructMember<int64_t>("skip_own_rows"),
-    ::xla::ffi::StructMember<int64_t>("transfer"), ::xla::ffi::StructMember<int64_t>("w_col_major"),
-    ::xla::ffi::StructMember<int64_t>("channel_bytes"));
-
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
-    ficco::ProbeAttrs, ::xla::ffi::StructMember<int64_t>("ficco_abi"), ::xla::ffi::StructMember<int64_t>("op_id"),
-    ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("groups"),
-    ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("devices"),
-    ::xla::ffi::StructMember<int64_t>("group_size"), ::xla::ffi::StructMember<int64_t>("timeout_ms"),
-    ::xla::ffi::StructMember<int64_t>("watchdog_ms"), ::xla::ffi::StructMember<int64_t>("repeats"),
-    ::xla::ffi::StructMember<int64_t>("pull"), ::xla::ffi::StructMember<int64_t>("w_col_major"));
+// How XLA decodes each struct from the attribute dictionary (every target binds .Attrs<OpAttrs>()):
+// its members, by name, in the list's order. (FICCO_APPLY expands the list before XLA's macro splits
+// its arguments.)
+#define FICCO_ATTRIBUTE_DECODING(type, name) , ::xla::ffi::StructMember<type>(#name)
+#define FICCO_APPLY(macro, ...) macro(__VA_ARGS__)
+FICCO_APPLY(XLA_FFI_REGISTER_STRUCT_ATTR_DECODING, ficco::OpAttrs FICCO_OP_ATTRIBUTES(FICCO_ATTRIBUTE_DECODING));
+FICCO_APPLY(XLA_FFI_REGISTER_STRUCT_ATTR_DECODING, ficco::ProbeAttrs FICCO_PROBE_ATTRIBUTES(FICCO_ATTRIBUTE_DECODING));
+#undef FICCO_APPLY
+#undef FICCO_ATTRIBUTE_DECODING
 
 #endif  // FICCO_JAX_XLA_FFI_FFI_ATTRS_H_

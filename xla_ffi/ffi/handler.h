@@ -3,9 +3,10 @@
 // order), and yields both platforms' XLA FFI entry points. Every call's first operand is its
 // position (XLA's partition id) and every target has an instantiate stage, whose state (a Placement,
 // one per compiled executable) keeps the group each device resolved from its position at its first
-// call (runtime/placement.h). Each entry decodes the attributes into an OpConfig (once), makes the platform's Backend (wrapped in the one that injects a fault where a
-// test armed one for this rank: testing/faults.h) and runs the Impl behind Guard (base/guard.h):
-// no exception or CUDA error escapes.
+// call (runtime/placement.h). Each entry checks the call's contract version (ffi/contract.h),
+// decodes the attributes into an OpConfig (once), makes the platform's Backend (wrapped in the one
+// that injects a fault where a test armed one for this rank: testing/faults.h) and runs the Impl
+// behind Guard (base/guard.h): no exception or CUDA error escapes.
 //
 // Every call is watched (runtime/watchdog.h) from its start until its device work is done. A call
 // that fails also writes its error to stderr: JAX raises it only once every device's part of the

@@ -6,13 +6,15 @@ copy engines while the chunk matmuls run on the SMs. On CPU the same executor ru
 reference loops (what the tests exercise).
 
 Operands: every target's first operand is the call's position (XLA's partition id, groups.py), then
-the op's own. Attributes of every FFI target (one struct per op in xla_ffi/ffi/):
-  op_id, groups (flat i64 array of positions), devices (same length), ipc_job, group_size, chunks,
-  order (0 ring, 1 direct),
-  gemm (0 per_chunk, 1 grouped, 2 columns), copy_streams, timeout_ms (config.RENDEZVOUS_TIMEOUT_S),
+the op's own. Attributes of every FFI target, listed once in xla_ffi/ffi/attrs.h (the extension's
+`contract()` gives their names and the codes of order, gemm and transfer, which `_lowering` writes;
+tests/test_contract.py checks the two sides agree):
+  ficco_abi (the contract's version), op_id, groups (flat i64 array of positions), devices (same
+  length), ipc_job, group_size, chunks, order (ring, direct),
+  gemm (per_chunk, grouped, columns), copy_streams, timeout_ms (config.RENDEZVOUS_TIMEOUT_S),
   watchdog_ms (config.WATCHDOG_S), site (where the op was written: `site_label`),
-  skip_own_rows, transfer (0 pull, 1 push: senders write into their peers, in-process groups only;
-  2 symmetric: senders write into their peers' buffers of the site, no meeting per call, and the
+  skip_own_rows, transfer (pull; push: senders write into their peers, in-process groups only;
+  symmetric: senders write into their peers' buffers of the site, no meeting per call, and the
   target is `<name>_symmetric`, whose CUDA handler is marked command-buffer compatible),
   w_col_major (1: the matmul's w, operand 1, is column-major; 0 for the collectives),
   channel_bytes (config.CHANNEL_BYTES: matmul_rs / matmul_a2a calls computing at most this much for
@@ -286,6 +288,7 @@ def _lowering(ctx, *operands, op, axis_name, axis_size, op_id, schedule, timeout
             f"(e.g. {str(schedule.replace(transfer='pull'))!r})"
         )
     target = _TARGETS[op][0] + ("_symmetric" if schedule.transfer == "symmetric" else "")
+    codes = extension.contract()
     return ffi_call_with_position(
         ctx, target, operands, operand_layouts(ctx.avals_in, w_col_major),
         op_id=np.int64(op_id),
@@ -294,14 +297,14 @@ def _lowering(ctx, *operands, op, axis_name, axis_size, op_id, schedule, timeout
         ipc_job=np.int64(group["ipc_job"]),
         group_size=np.int64(axis_size),
         chunks=np.int64(schedule.chunks),
-        order=np.int64({"ring": 0, "direct": 1}[schedule.order]),
-        gemm=np.int64({"per_chunk": 0, "grouped": 1, "columns": 2}[schedule.gemm]),
+        order=np.int64(codes["order"][schedule.order]),
+        gemm=np.int64(codes["gemm"][schedule.gemm]),
         copy_streams=np.int64(schedule.copy_streams),
         timeout_ms=np.int64(timeout_ms),
         watchdog_ms=np.int64(watchdog_ms),
         site=site,
         skip_own_rows=np.int64(int(skip_own_rows)),
-        transfer=np.int64({"pull": 0, "push": 1, "symmetric": 2}[schedule.transfer]),
+        transfer=np.int64(codes["transfer"][schedule.transfer]),
         w_col_major=np.int64(int(w_col_major)),
         channel_bytes=np.int64(channel_bytes),
     )
