@@ -39,9 +39,13 @@ namespace ficco {
 
 #ifdef FICCO_WITH_CUDA
 // CallSession::Meet for a cross-process group: posts `mine` (this device's staging buffer, or
-// nullptr, and its events) and returns every rank's post with the peers' buffers and events
-// usable in this process.
-ffi::Error MeetAcrossProcesses(const OpConfig& config, Phase phase, const Post& mine, std::vector<Post>* posts);
+// nullptr, of which peers read `bytes`, and its events) tagged with the phase, `call` (NextIpcCall)
+// and the launch, and returns every rank's post with the peers' buffers and events usable in this
+// process. A peer whose tag, event count or exposed size differs from ours is an error naming both.
+ffi::Error MeetAcrossProcesses(const OpConfig& config, Phase phase, uint64_t call, const Post& mine, int64_t bytes,
+                               std::vector<Post>* posts);
+// This device's ordinal for its next call of the group (1, 2, ...), the `call` of its posts' tags.
+ffi::Error NextIpcCall(const OpConfig& config, uint64_t* call);
 
 // This device's staging buffer with room for at least `bytes`, growing it if needed. Call after
 // Backend::Prepare (the device's resources must exist). Growth allocates a new region (a new
@@ -96,7 +100,12 @@ std::string DescribeStaging(int ordinal, uint64_t bytes, IpcStagingInfo* info);
 // failures are ignored (at exit the CUDA context may be gone already).
 int64_t IpcClose();
 #else
-inline ffi::Error MeetAcrossProcesses(const OpConfig& config, Phase, const Post&, std::vector<Post>*) {
+inline ffi::Error MeetAcrossProcesses(const OpConfig& config, Phase, uint64_t, const Post&, int64_t,
+                                      std::vector<Post>*) {
+  return MakeInvalid(config.ctx, "this group spans processes, which needs the CUDA build's IPC path; the CPU "
+                                 "backend reaches only the devices of its own process (use comm='xla')");
+}
+inline ffi::Error NextIpcCall(const OpConfig& config, uint64_t*) {
   return MakeInvalid(config.ctx, "this group spans processes, which needs the CUDA build's IPC path; the CPU "
                                  "backend reaches only the devices of its own process (use comm='xla')");
 }
