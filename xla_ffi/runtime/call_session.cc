@@ -282,7 +282,8 @@ ffi::Error CallSession::EnterChannel(Backend& backend, int64_t bytes, int64_t pi
   if (gen == nullptr || gen->retired() || gen->capacity() < bytes) {
     FICCO_RETURN_IF_ERROR(SetUpChannel(backend, channel, gen == nullptr ? 0 : gen->number() + 1, bytes, &gen));
   }
-  const uint32_t call = gen->NextCall(config_.rank);
+  const uint64_t count = gen->NextCall(config_.rank);
+  const uint32_t call = static_cast<uint32_t>(count);  // what the words carry
   const int differs = gen->CheckSignature(config_.rank, call, SignatureHash(signature_));
   if (differs >= 0) {
     return MakeInvalid(config_.ctx, "rank " + std::to_string(differs) + " (device " +
@@ -293,7 +294,7 @@ ffi::Error CallSession::EnterChannel(Backend& backend, int64_t bytes, int64_t pi
   }
   gen_ = std::move(gen);
   call_ = call;
-  if (call_ == 1) return ffi::Error::Success();  // a fresh region: nobody has read it
+  if (count == 1) return ffi::Error::Success();  // a fresh region: nobody has read it
   for (int reader = 0; reader < config_.n(); ++reader) {
     if (reader == config_.rank) continue;
     FICCO_RETURN_IF_ERROR(WaitForPeerHost(config_, gen_->Released(reader), call_ - 1, reader,
@@ -350,7 +351,10 @@ ffi::Error CallSession::SymmetricSiteOf(Backend& backend, int64_t slot_bytes, st
     uint32_t* launch = nullptr;
     FICCO_RETURN_IF_ERROR(sites.LaunchWord(backend, {config_.ctx.op_id, config_.ctx.device_ordinal, config_.group},
                                            &launch));
-    const RendezvousKey meeting{config_.run_id, config_.ctx.op_id, -1, Phase::kSymmetric, config_.group_index};
+    // Keyed by the call's occurrence too: two sites of one op id (a folded batch moves other blocks
+    // under it) set up in one launch are two meetings, not one rank arriving twice.
+    const RendezvousKey meeting{config_.run_id, config_.ctx.op_id, occurrence_, Phase::kSymmetric,
+                                config_.group_index};
     std::vector<Post> posts;
     FICCO_RETURN_IF_ERROR(MeetAt(meeting, Phase::kSymmetric, Post{config_.ctx.device_ordinal, signature_, region, {}},
                                  &posts, bytes));
