@@ -99,7 +99,15 @@ CallSession::CallSession(const OpConfig& config, std::vector<int64_t> signature)
   // A group mixing pull, push and symmetric calls is an error, not a hang.
   signature_.push_back(config.symmetric ? 2 : config.push ? 1 : 0);
   occurrence_ = Registry::Get().Device(config.ctx.device_ordinal).NextOccurrence(config.run_id, config.ctx.op_id);
+  if (config.cross_process()) ipc_scope_.emplace();
 }
+
+namespace {
+ffi::Error IpcClosedError(const OpConfig& config) {
+  return MakeError(config.ctx, "ficco_jax.runtime.ipc.close() has begun in this process; copy-engine calls across "
+                               "processes cannot run after it");
+}
+}  // namespace
 
 CallSession::~CallSession() {
   if (staging_exposed_) RetireStaging(config_.ctx.device_ordinal);
@@ -196,6 +204,7 @@ ffi::Error CallSession::Stage(Backend& backend, const Exposure& exposure) {
 // A group that gave up is refused first: a region taken and then retired by every failing call
 // would stay allocated for each of them.
 ffi::Error CallSession::AcquireStaging(Backend& backend, int64_t bytes, void** region) {
+  if (!ipc_scope_ || !ipc_scope_->open()) return IpcClosedError(config_);
   FICCO_RETURN_IF_ERROR(backend.Prepare(kCopyStreamSlots, config_.LocalOrdinals(), config_.symmetric));
   FICCO_RETURN_IF_ERROR(FailIfGroupGaveUp(config_));
   FICCO_RETURN_IF_ERROR(StagingBuffer(config_, static_cast<uint64_t>(bytes), region));
@@ -247,6 +256,7 @@ ffi::Error CallSession::MeetAt(const RendezvousKey& key, Phase phase, Post post,
   if (config_.cross_process()) {
     // Peers in other processes of this host: the host mailbox, buffers and events as IPC handles,
     // every post tagged with this call's ordinal in the group, its phase and its launch.
+    if (!ipc_scope_ || !ipc_scope_->open()) return IpcClosedError(config_);
     if (ipc_call_ == 0) FICCO_RETURN_IF_ERROR(NextIpcCall(config_, &ipc_call_));
     FICCO_RETURN_IF_ERROR(MeetAcrossProcesses(config_, phase, ipc_call_, post, bytes, posts));
   } else {
@@ -360,7 +370,7 @@ ffi::Error CallSession::SymmetricSiteOf(Backend& backend, int64_t slot_bytes, st
                                  &posts, bytes));
     std::vector<char*> bases;
     for (const Post& post : posts) bases.push_back(static_cast<char*>(const_cast<void*>(post.buffer)));
-    site = sites.Install(key, std::move(bases));
+    site = sites.Install(key, std::move(bases), config_.rank);
     if (config_.cross_process()) sites.MarkCrossProcess(key);
     site->SetWatch(config_.rank, {watch, watch + 1, watch + 2, watch + 3, launch});
     if (config_.watchdog_s > 0) Registry::Get().watchdog().WatchSite(config_, site, watch, watch + 1, watch + 3);
