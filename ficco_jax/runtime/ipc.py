@@ -105,8 +105,9 @@ def job_id() -> int:
 def close() -> int:
     """Tear down the IPC state of this process: wait for its devices, close every peer mapping and
     event it opened, free the staging buffers, unmap and unlink the host mailbox. Call after the last copy-engine op of
-    every process has finished (e.g. after a barrier); later cross-process ops fail. Returns the
-    number of mappings closed. Without it, process exit releases everything and an atexit hook
+    every process has finished (e.g. after a barrier); later cross-process ops fail. Calls still
+    running on other threads are waited for (60 s at most; if they do not end, nothing is unmapped
+    and -1 is returned). Returns the number of mappings closed. Without it, process exit releases everything and an atexit hook
     removes the mailbox's name."""
     from .. import _ffi
 

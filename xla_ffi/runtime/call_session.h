@@ -6,11 +6,13 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <vector>
 
 #include "base/errors.h"
 #include "device/backend.h"
 #include "runtime/channel.h"
+#include "runtime/ipc.h"
 #include "runtime/op_config.h"
 #include "runtime/registry.h"
 #include "runtime/symmetric.h"
@@ -159,8 +161,10 @@ class CallSession {
   std::vector<int64_t> signature_;
   int64_t occurrence_ = 0;
   // Across processes: this device's ordinal of this call in its group (every post's tag carries it,
-  // ipc_mailbox.h), taken at the call's first meeting.
+  // ipc_mailbox.h), taken at the call's first meeting; and the call's hold on the IPC mappings, which
+  // ipc.close() waits for (runtime/ipc.h).
   uint64_t ipc_call_ = 0;
+  std::optional<IpcCallScope> ipc_scope_;
   // The staging buffer holds this call's data and peers may pull from it, but the staging stream
   // does not yet wait for their pulls: if the call fails now, the region is retired (~CallSession).
   bool staging_exposed_ = false;

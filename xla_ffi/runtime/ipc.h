@@ -95,10 +95,26 @@ struct IpcStagingInfo {
 };
 std::string DescribeStaging(int ordinal, uint64_t bytes, IpcStagingInfo* info);
 
-// Teardown: waits for this process's devices, closes every opened mapping and event, frees the
-// staging buffers, unmaps and unlinks the mailbox. Returns the number of mappings closed;
-// failures are ignored (at exit the CUDA context may be gone already).
+// Teardown: refuses new cross-process calls, waits (at most kIpcCloseWaitS) for the calls in flight
+// to return, then for this process's devices, closes every opened mapping and event, frees the
+// staging buffers, unmaps and unlinks the mailbox. Returns the number of mappings closed, or -1
+// where calls were still in flight (then nothing is unmapped: they may still enqueue copies from the
+// mappings); failures are ignored (at exit the CUDA context may be gone already).
 int64_t IpcClose();
+
+// A cross-process call in flight: IpcClose waits for every one to end before it unmaps what they
+// use. `open()` is false once IpcClose has begun: the call must fail instead of using the mappings.
+class IpcCallScope {
+ public:
+  IpcCallScope();
+  ~IpcCallScope();
+  IpcCallScope(const IpcCallScope&) = delete;
+  IpcCallScope& operator=(const IpcCallScope&) = delete;
+  bool open() const { return open_; }
+
+ private:
+  bool open_ = false;
+};
 #else
 inline ffi::Error MeetAcrossProcesses(const OpConfig& config, Phase, uint64_t, const Post&, int64_t,
                                       std::vector<Post>*) {
@@ -119,6 +135,10 @@ inline ffi::Error ExportRegion(const OpConfig& config, void*, uint64_t) {
 }
 inline ffi::Error FailIfGroupGaveUp(const OpConfig&) { return ffi::Error::Success(); }
 inline void RetireStaging(int) {}
+class IpcCallScope {
+ public:
+  bool open() const { return true; }
+};
 #endif
 
 }  // namespace ficco

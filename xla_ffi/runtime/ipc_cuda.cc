@@ -10,6 +10,9 @@
 #include <cuda.h>
 
 #include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <optional>
@@ -457,7 +460,47 @@ std::string DescribeStaging(int ordinal, uint64_t bytes, IpcStagingInfo* info) {
   return "";
 }
 
+namespace {
+// The cross-process calls in flight and whether IpcClose has begun (process-wide: the mappings and
+// the mailbox they guard are).
+std::mutex& ScopeMu() {
+  static std::mutex* mu = new std::mutex();
+  return *mu;
+}
+std::condition_variable& ScopeCv() {
+  static std::condition_variable* cv = new std::condition_variable();
+  return *cv;
+}
+int64_t in_flight = 0;
+bool closing = false;
+constexpr double kIpcCloseWaitS = 60.0;
+}  // namespace
+
+IpcCallScope::IpcCallScope() {
+  std::lock_guard<std::mutex> lock(ScopeMu());
+  open_ = !closing;
+  if (open_) ++in_flight;
+}
+
+IpcCallScope::~IpcCallScope() {
+  if (!open_) return;
+  std::lock_guard<std::mutex> lock(ScopeMu());
+  if (--in_flight == 0) ScopeCv().notify_all();
+}
+
 int64_t IpcClose() {
+  {
+    // New calls fail from here; the ones in flight may still enqueue copies from the mappings below.
+    std::unique_lock<std::mutex> lock(ScopeMu());
+    closing = true;
+    const bool drained = ScopeCv().wait_for(lock, std::chrono::duration<double>(kIpcCloseWaitS),
+                                            [] { return in_flight == 0; });
+    if (!drained) {
+      std::fprintf(stderr, "ficco_jax: ipc.close(): %lld cross-process calls still running after %.0f s; their "
+                           "mappings are left open\n", static_cast<long long>(in_flight), kIpcCloseWaitS);
+      return -1;
+    }
+  }
   int64_t closed = 0;
   // A symmetric site across processes reaches its peers through the mappings closed below: it stops
   // (a replayed call waits at its first kernel, reported by the watchdog) instead of writing through them.
