@@ -254,6 +254,46 @@ def test_a_segment_whose_creator_never_finished_is_an_error_not_a_hang(job):
     assert "creator died" in message and time.monotonic() - start < 30, message
 
 
+@pytest.mark.parametrize("field, value, named", [
+    ("num_events", 10**6, "num_events = 1000000; expected 0 to 128"),
+    ("signature_len", -1, "signature_len = -1; expected 0 to 16"),
+    ("buffer_export", 5000, "buffer_export = 5000; expected -1 to 1023"),
+    ("buffer_offset", -8, "buffer_offset = -8; expected >= 0"),
+    ("buffer_bytes", -1, "buffer_bytes = -1"),
+])
+def test_a_corrupt_post_is_refused_before_anything_in_it_is_used(job, field, value, named):
+    """Rank 1's post written straight into the segment, as another process could, with one field out
+    of range: rank 0 fails naming the field, the value and the range, instead of indexing with it."""
+    import mmap
+    import struct
+
+    layout = dict(_ffi.testing.mailbox_layout())
+    formats = {"num_events": "<i", "signature_len": "<q", "buffer_export": "<q", "buffer_offset": "<q",
+               "buffer_bytes": "<q", "op_id": "<q", "phase": "<i", "call": "<Q", "run_id": "<q", "posted": "<Q"}
+    worker = subprocess.Popen([sys.executable, os.path.abspath(__file__), job, "0", "2", "1", "0,1", "20"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "FICCO_CROSS_PROCESS_FIRST_MEETING_S": "0"})
+    path = "/dev/shm/ficco_jax_" + job.partition(":")[2]
+    deadline = time.monotonic() + 60
+    while not (os.path.exists(path) and os.path.getsize(path) > layout["rank_box"]):
+        assert time.monotonic() < deadline and worker.poll() is None, "rank 0 never made the segment"
+        time.sleep(0.05)
+    time.sleep(0.5)  # rank 0 has claimed group entry 0 and waits for rank 1's post 1
+    with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as shm:
+        box = layout["rank_box"]
+        post = box + layout["data1"]
+        # The tag of rank 0's round 0 (call 1, launch 1000, phase 0, op 0): only the field differs.
+        fields = {"op_id": 0, "phase": 0, "call": 1, "run_id": 1000, "signature_len": 4, "buffer_export": 1,
+                  "buffer_offset": 0, "buffer_bytes": 0, "num_events": 4, field: value}
+        for name, v in fields.items():
+            struct.pack_into(formats[name], shm, post + layout[name], v)
+        struct.pack_into(formats["posted"], shm, box + layout["posted"], 1)
+    out, err = worker.communicate(timeout=WORKER_TIMEOUT_S)
+    assert worker.returncode == 0, err[-3000:]
+    (error,) = json.loads(out.strip().splitlines()[-1])["errors"]
+    assert named in error["message"] and "rank 1 of group [0, 1]" in error["message"], error
+
+
 _STAGING_PROBE = """
 import json
 from ficco_jax import _ffi

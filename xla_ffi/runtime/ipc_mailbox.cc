@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <new>
 #include <memory>
 #include <thread>
 
@@ -628,6 +629,32 @@ ffi::Error HostMailbox::ReadEvent(const CallContext& ctx, int member, int32_t id
   }
   *handle = d->events[id];
   return ffi::Error::Success();
+}
+
+std::vector<std::pair<std::string, int64_t>> MailboxLayoutForTests() {
+  const auto at = [](const void* base, const void* field) {
+    return static_cast<int64_t>(static_cast<const char*>(field) - static_cast<const char*>(base));
+  };
+  // Addresses only, in storage of the layout's size and alignment (nothing is read or written).
+  static void* storage = ::operator new(sizeof(HostMailbox::Layout), std::align_val_t(alignof(HostMailbox::Layout)));
+  const auto* layout = static_cast<const HostMailbox::Layout*>(storage);
+  const auto& group = layout->groups[0];
+  const RankBox& box = group.ranks[1];
+  const PostData& post = box.data[1];
+  return {{"rank_box", at(layout, &box)},
+          {"rank_box_bytes", static_cast<int64_t>(sizeof(RankBox))},
+          {"group_bytes", static_cast<int64_t>(sizeof(group))},
+          {"posted", at(&box, &box.posted)},
+          {"data1", at(&box, &post)},
+          {"op_id", at(&post, &post.op_id)},
+          {"phase", at(&post, &post.phase)},
+          {"call", at(&post, &post.call)},
+          {"run_id", at(&post, &post.run_id)},
+          {"signature_len", at(&post, &post.signature_len)},
+          {"buffer_export", at(&post, &post.buffer_export)},
+          {"buffer_offset", at(&post, &post.buffer_offset)},
+          {"buffer_bytes", at(&post, &post.buffer_bytes)},
+          {"num_events", at(&post, &post.num_events)}};
 }
 
 }  // namespace ficco

@@ -39,6 +39,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "base/errors.h"
@@ -143,6 +144,13 @@ class HostMailbox {
 std::string RegisterMailbox(int64_t job, const std::string& token, double first_timeout_s);
 // The registered segment name of `job`, or "" if none was registered.
 std::string MailboxName(int64_t job);
+
+// Byte offsets in the segment, for tests that write a corrupt post the way another process could
+// (tests/test_ipc_mailbox.py): "rank_box" (group entry 0, rank 1), "rank_box_bytes", "group_bytes",
+// and within a rank box "posted", "data1" (the slot of odd posts), and within a post "op_id",
+// "phase", "call", "run_id", "signature_len", "buffer_export", "buffer_offset", "buffer_bytes",
+// "num_events".
+std::vector<std::pair<std::string, int64_t>> MailboxLayoutForTests();
 
 }  // namespace ficco
 

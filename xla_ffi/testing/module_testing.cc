@@ -10,6 +10,7 @@
 
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/map.h"
+#include "nanobind/stl/pair.h"
 #include "nanobind/stl/string.h"
 #include "nanobind/stl/tuple.h"
 #include "nanobind/stl/vector.h"
@@ -171,6 +172,9 @@ void DefineTestingModule(nb::module_& m) {
               "A group channel's check that the ranks of a group of n run the same op at each call, made "
               "without devices: for each (rank, call, signature) in `notes`, in order, the first rank whose "
               "note of that call differs, or -1.");
+  testing.def("mailbox_layout", [] { return MailboxLayoutForTests(); },
+              "Byte offsets in the host mailbox's segment (rank 1 of group entry 0 and its odd post's "
+              "fields), for tests that write a corrupt post as another process could.");
   testing.def("rendezvous_arrive", &RendezvousArrive, nb::arg("run_id"), nb::arg("op_id"), nb::arg("group_size"),
               nb::arg("rank"), nb::arg("timeout_s"),
               "One arrival of rank `rank` of a group of `group_size` at the in-process rendezvous key (run_id, "
