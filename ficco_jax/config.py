@@ -70,6 +70,13 @@ WATCHDOG_S: float = _env_float("FICCO_WATCHDOG_S", 60.0)
 #: Off: such groups use XLA's collectives (comm="xla") and an explicit comm="dma" there is a ValueError.
 CROSS_PROCESS_DMA: bool = _env_flag("FICCO_CROSS_PROCESS_DMA", False)
 
+#: Seconds the first meeting of each device's group across processes waits for its peers, at least
+#: (later meetings wait RENDEZVOUS_TIMEOUT_S). Processes reach their first call as far apart as their
+#: compile and start-up times differ — seconds to minutes — and a rank that gives up leaves its group
+#: out of step for the rest of the job, so the first wait is long; later calls of one program meet
+#: within microseconds.
+CROSS_PROCESS_FIRST_MEETING_S: float = _env_float("FICCO_CROSS_PROCESS_FIRST_MEETING_S", 300.0)
+
 #: Chunk counts (sub-shard decomposition factors) the design space enumerates.
 CHUNK_CHOICES: tuple[int, ...] = (1, 2, 4, 8)
 

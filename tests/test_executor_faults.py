@@ -156,10 +156,13 @@ OPS_AND_TRANSFERS = [(op, transfer) for op in ("ag_matmul", "matmul_rs", "all_ga
 @pytest.mark.parametrize("op, transfer", OPS_AND_TRANSFERS)
 @pytest.mark.parametrize("mode", ["skip", "fail"])
 def test_every_op_fails_in_time_naming_the_rank_then_runs_again(op, mode, transfer, mesh_kind, short_timeout,
-                                                                inject_fault, monkeypatch):
+                                                                inject_fault, monkeypatch, capfd):
     """Every call meets its group; "matmul_rs on its channel" runs matmul_rs's small pulls on the
-    group's channel instead (config.CHANNEL_BYTES set; pushes always meet)."""
-    if op == "matmul_rs on its channel":
+    group's channel instead (config.CHANNEL_BYTES set; pushes always meet). XLA raises the first
+    error, often the faulty rank's own; every failed call also writes its error to stderr, where
+    each peer's is read: every peer of every group names the faulty rank."""
+    on_channel = op == "matmul_rs on its channel"
+    if on_channel:
         op = "matmul_rs"
         monkeypatch.setattr(config, "CHANNEL_BYTES", 8 << 20)
     mesh = _mesh() if mesh_kind == "1d" else _mesh2d()
@@ -182,6 +185,30 @@ def test_every_op_fails_in_time_naming_the_rank_then_runs_again(op, mode, transf
     np.testing.assert_allclose(np.asarray(program(*args)), expected, rtol=1e-5, atol=1e-6)
     fresh, _, _ = _program(mesh, op, transfer)
     np.testing.assert_allclose(np.asarray(fresh(*args)), expected, rtol=1e-5, atol=1e-6)
+    # Read after the next calls: every handler of the failed launch has returned by then. On the
+    # channel a rank that fails at its first pull has published its own data already (its matmuls
+    # ran first), so its peers complete that call: only the waiting cases name it.
+    if not (on_channel and mode == "fail"):
+        _assert_every_peer_names(capfd.readouterr().err, mesh, missing)
+
+
+def _assert_every_peer_names(stderr, mesh, missing):
+    """Each peer of the faulty rank (tp - 1 per group) wrote an error naming it, on its own device."""
+    own = "injected fault"
+    names = re.compile(rf"missing ranks \[{missing}\]|rank {missing} \(device \d+\) (failed|did not|has not)")
+    lines = [line for line in stderr.splitlines() if line.startswith("ficco_jax") and own not in line]
+    naming = [line for line in lines if names.search(line)]
+    groups = mesh.devices.size // mesh.shape["tp"]
+    def who(line):  # the device that wrote it, or its group and rank (a rendezvous error names no device)
+        device = re.search(r"on device (\d+):", line)
+        if device:
+            return ("device", int(device.group(1)))
+        member = re.search(r"group (?:of devices )?\[([\d, ]+)\][^:]*, rank (\d+)", line)
+        return ("rank", member.group(1), int(member.group(2))) if member else ("line", line)
+
+    peers = groups * (mesh.shape["tp"] - 1)
+    assert len({who(line) for line in naming}) >= peers, (peers, lines)
+    assert all(names.search(line) for line in lines if "rendezvous" in line), lines
 
 
 def test_a_waiting_rank_names_the_op_group_and_missing_ranks():

@@ -94,6 +94,11 @@ nb::dict DescribeStagingDict(int ordinal, uint64_t bytes) {
 
 void DefineIpcFunctions(nb::module_& m) {
   m.def("mailbox_name", [](int64_t job) { return MailboxName(job); });
+  // Names the host mailbox of `job` by its random token (ficco_jax/runtime/ipc.py, job_id()).
+  m.def("ipc_register_mailbox", [](int64_t job, const std::string& token, double first_timeout_s) {
+    const std::string problem = RegisterMailbox(job, token, first_timeout_s);
+    if (!problem.empty()) throw std::invalid_argument(problem);
+  });
   // At exit: remove the mailbox's name from /dev/shm (mappings stay valid until the process ends).
   m.def("ipc_unlink", []() { Registry::Get().UnlinkMailbox(); });
   m.def("ipc_stats", &IpcStatsList);

@@ -10,8 +10,9 @@ engines pull from the staging buffers into their own XLA buffers. Opt-in
 This module is the Python side of it:
 
   * `supported()`: whether this build and platform have the IPC path (CUDA build, GPU backend);
-  * `job_id()`: the id of this ``jax.distributed`` job, agreed once through its key-value store
-    (it names the host mailbox, ``/dev/shm/ficco_jax_<id>``, the same in every process);
+  * `job_id()`: the id of this ``jax.distributed`` job and the random token that names its host
+    mailbox (``/dev/shm/ficco_jax_<token>``, the same in every process), agreed once through its
+    key-value store;
   * `close()`, `stats()`, `staging_info()`, `describe_pointer()`: teardown and diagnostics.
 
 The CPU backend cannot share memory between processes this way: there, sites whose groups span
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import secrets
 import threading
 
@@ -45,12 +47,35 @@ def supported(platform: str | None = None) -> bool:
     return bool(_ext.build_info().get("ipc"))
 
 
+def _propose() -> str:
+    """A proposal for the job: "<job id>:<token>", a random positive 62-bit id (compiled programs
+    carry it) and 128 random bits from the OS that name the host mailbox. The token is never
+    derived from the id: the id is in every compiled program, so a name made from it could be
+    guessed and created first by another user of the host."""
+    return f"{secrets.randbits(62) | 1}:{os.urandom(16).hex()}"
+
+
+def register(agreed: str) -> int:
+    """Registers the host mailbox of the agreed proposal ("<job id>:<token>") in this process and
+    returns the job id. Raises ValueError naming what is malformed."""
+    from .. import _ffi
+
+    job_text, _, token = agreed.partition(":")
+    if not job_text.isdigit() or not token:
+        raise ValueError(f"ficco_jax: the job's host-mailbox proposal {agreed!r} in the key-value store is not "
+                         f"'<job id>:<token>'; another program wrote {_KV_KEY!r}")
+    job = int(job_text)
+    _ffi.ipc_register_mailbox(job, token, float(config.CROSS_PROCESS_FIRST_MEETING_S))
+    return job
+
+
 def job_id() -> int:
     """This job's id (a positive 62-bit int), equal in every process of the ``jax.distributed`` job.
 
-    The first process to ask proposes a random id through the key-value store; the store keeps
-    the first proposal (set without overwrite), and every process reads that one back. Called at
-    lowering time of the first copy-engine op whose group spans processes.
+    The first process to ask proposes an id and a random mailbox token through the key-value store;
+    the store keeps the first proposal (set without overwrite), and every process reads that one
+    back and registers the mailbox's name with the extension. Called at lowering time of the first
+    copy-engine op whose group spans processes.
     """
     global _job
     with _lock:
@@ -63,13 +88,12 @@ def job_id() -> int:
             raise RuntimeError(
                 "ficco_jax: comm='dma' across processes needs jax.distributed.initialize(...) (its key-value "
                 "store agrees on the host mailbox's name); found no distributed client")
-        proposal = str(secrets.randbits(62) | 1)
         try:
-            client.key_value_set(_KV_KEY, proposal)
+            client.key_value_set(_KV_KEY, _propose())
         except Exception:  # noqa: BLE001 - another process proposed first (ALREADY_EXISTS): use theirs
             pass
         agreed = client.blocking_key_value_get(_KV_KEY, int(config.HOST_EXCHANGE_TIMEOUT_S * 1000))
-        _job = int(agreed)
+        _job = register(agreed)
         from .. import _ffi
 
         atexit.register(_ffi.ipc_unlink)
@@ -81,8 +105,9 @@ def job_id() -> int:
 def close() -> int:
     """Tear down the IPC state of this process: wait for its devices, close every peer mapping and
     event it opened, free the staging buffers, unmap and unlink the host mailbox. Call after the last copy-engine op of
-    every process has finished (e.g. after a barrier); later cross-process ops fail. Returns the
-    number of mappings closed. Without it, process exit releases everything and an atexit hook
+    every process has finished (e.g. after a barrier); later cross-process ops fail. Calls still
+    running on other threads are waited for (60 s at most; if they do not end, nothing is unmapped
+    and -1 is returned). Returns the number of mappings closed. Without it, process exit releases everything and an atexit hook
     removes the mailbox's name."""
     from .. import _ffi
 

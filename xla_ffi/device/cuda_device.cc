@@ -33,9 +33,11 @@ ffi::Error CudaDevice::Prepare(const CallContext& ctx, int copy_streams, const s
                                                cudaStreamNonBlocking));
     ++cuda_.num_copy_streams;
   }
-  if (cuda_.lt == nullptr) {
-    FICCO_CHECK_CUDA(cublasLtCreate(&cuda_.lt));
-    cuda_.gemm_plans = std::make_unique<GemmPlans>();
+  // Each made on its own, so that a Prepare that failed halfway (the workspace's cudaMalloc, say)
+  // is completed by the next one instead of leaving a handle without its workspace.
+  if (cuda_.lt == nullptr) FICCO_CHECK_CUDA(cublasLtCreate(&cuda_.lt));
+  if (cuda_.gemm_plans == nullptr) cuda_.gemm_plans = std::make_unique<GemmPlans>();
+  if (cuda_.workspace == nullptr) {
     FICCO_CHECK_CUDA(cudaMalloc(&cuda_.workspace, kCublasWorkspaceBytes));
     cuda_.workspace_bytes = kCublasWorkspaceBytes;
   }

@@ -108,9 +108,13 @@ namespace {
 using PlanKey = std::tuple<int64_t, int64_t, int64_t, int, uint32_t, uint32_t, uint32_t, uint32_t, int64_t, int64_t,
                            int64_t, int64_t, int64_t, int64_t>;
 
+// Whether each scale pointer is set is part of the key: a plan's descriptor keeps the scale
+// pointers it was given (SetScales sets only those a call has), so a plan made with scales and
+// reused by a call without them would read the first call's scales.
 int TypesKey(const MatmulTypes& t) {
   return static_cast<int>(t.a) | static_cast<int>(t.b) << 4 | static_cast<int>(t.c) << 8 |
-         static_cast<int>(t.b_transposed) << 12;
+         static_cast<int>(t.b_transposed) << 12 | static_cast<int>(t.a_scale != nullptr) << 13 |
+         static_cast<int>(t.b_scale != nullptr) << 14;
 }
 
 // The largest power of two (at most 256) dividing the address: what cuBLASLt may assume. In a batch

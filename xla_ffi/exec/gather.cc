@@ -182,7 +182,10 @@ ffi::Error Gather::RunSymmetric(CallSession& session) {
   if (moved.success() && matmul_) moved = Consume(landed, &symmetric);
   moved = AwaitCopyOuts(backend_, copied, std::move(moved));
   if (moved.failure()) return FailSymmetric(backend_, config_, symmetric, std::move(moved));
-  return JoinAndRelease(backend_, config_, session, &symmetric);
+  // A counted call whose join failed still ends (FailSymmetric posts it): else its peers and the
+  // watchdog would wait for an end that never comes.
+  ffi::Error joined = JoinAndRelease(backend_, config_, session, &symmetric);
+  return joined.failure() ? FailSymmetric(backend_, config_, symmetric, std::move(joined)) : joined;
 }
 
 // Sender: our block for the peer t = r+1+s into t's slot s of the site, chunk by chunk.

@@ -145,7 +145,10 @@ ffi::Error Scatter::RunSymmetric(CallSession& session) {
   }
   moved = AwaitCopyOuts(backend_, copied, std::move(moved));
   if (moved.failure()) return FailSymmetric(backend_, config_, symmetric, std::move(moved));
-  return JoinAndRelease(backend_, config_, session, &symmetric);
+  // A counted call whose join failed still ends (FailSymmetric posts it): else its peers and the
+  // watchdog would wait for an end that never comes.
+  ffi::Error joined = JoinAndRelease(backend_, config_, session, &symmetric);
+  return joined.failure() ? FailSymmetric(backend_, config_, symmetric, std::move(joined)) : joined;
 }
 
 // Sender: to the peer t = r+1+s its block — our send slot s, or block t of y — into t's slot s of

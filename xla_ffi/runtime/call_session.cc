@@ -8,6 +8,8 @@
 #include "base/text.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <chrono>
 #include <thread>
 
@@ -97,7 +99,15 @@ CallSession::CallSession(const OpConfig& config, std::vector<int64_t> signature)
   // A group mixing pull, push and symmetric calls is an error, not a hang.
   signature_.push_back(config.symmetric ? 2 : config.push ? 1 : 0);
   occurrence_ = Registry::Get().Device(config.ctx.device_ordinal).NextOccurrence(config.run_id, config.ctx.op_id);
+  if (config.cross_process()) ipc_scope_.emplace();
 }
+
+namespace {
+ffi::Error IpcClosedError(const OpConfig& config) {
+  return MakeError(config.ctx, "ficco_jax.runtime.ipc.close() has begun in this process; copy-engine calls across "
+                               "processes cannot run after it");
+}
+}  // namespace
 
 CallSession::~CallSession() {
   if (staging_exposed_) RetireStaging(config_.ctx.device_ordinal);
@@ -138,9 +148,11 @@ ffi::Error CallSession::Exchange(Backend& backend, const Exposure& exposure, std
     return Meet(Phase::kExchange, exposure.buffer, exposure.events, posts);
   }
   if (exposure.bytes == 0) return Meet(Phase::kExchange, nullptr, exposure.events, posts);
-  if (in_place_ != nullptr && exposure.buffer == in_place_) return Meet(Phase::kExchange, in_place_, exposure.events, posts);
+  if (in_place_ != nullptr && exposure.buffer == in_place_) {
+    return Meet(Phase::kExchange, in_place_, exposure.events, posts, exposure.bytes);
+  }
   if (staged_from_ != exposure.buffer) FICCO_RETURN_IF_ERROR(Stage(backend, exposure));
-  return Meet(Phase::kExchange, staged_region_, staged_events_, posts);
+  return Meet(Phase::kExchange, staged_region_, staged_events_, posts, exposure.bytes);
 }
 
 // The staging copies of Exchange, enqueued before compute work that does not need the peers
@@ -192,6 +204,7 @@ ffi::Error CallSession::Stage(Backend& backend, const Exposure& exposure) {
 // A group that gave up is refused first: a region taken and then retired by every failing call
 // would stay allocated for each of them.
 ffi::Error CallSession::AcquireStaging(Backend& backend, int64_t bytes, void** region) {
+  if (!ipc_scope_ || !ipc_scope_->open()) return IpcClosedError(config_);
   FICCO_RETURN_IF_ERROR(backend.Prepare(kCopyStreamSlots, config_.LocalOrdinals(), config_.symmetric));
   FICCO_RETURN_IF_ERROR(FailIfGroupGaveUp(config_));
   FICCO_RETURN_IF_ERROR(StagingBuffer(config_, static_cast<uint64_t>(bytes), region));
@@ -231,17 +244,23 @@ ffi::Error CallSession::ProtectStaging(Backend& backend, const std::vector<Post>
   return ffi::Error::Success();
 }
 
-ffi::Error CallSession::Meet(Phase phase, const void* buffer, std::vector<Event> events, std::vector<Post>* posts) {
-  return MeetAt(KeyOf(phase), phase, Post{config_.ctx.device_ordinal, signature_, buffer, std::move(events)}, posts);
+ffi::Error CallSession::Meet(Phase phase, const void* buffer, std::vector<Event> events, std::vector<Post>* posts,
+                             int64_t bytes) {
+  return MeetAt(KeyOf(phase), phase, Post{config_.ctx.device_ordinal, signature_, buffer, std::move(events)}, posts,
+                bytes);
 }
 
-ffi::Error CallSession::MeetAt(const RendezvousKey& key, Phase phase, Post post, std::vector<Post>* posts) {
+ffi::Error CallSession::MeetAt(const RendezvousKey& key, Phase phase, Post post, std::vector<Post>* posts,
+                               int64_t bytes, double timeout_s) {
   const std::vector<int64_t> signature = post.signature;
   if (config_.cross_process()) {
-    // Peers in other processes of this host: the host mailbox, buffers and events as IPC handles.
-    FICCO_RETURN_IF_ERROR(MeetAcrossProcesses(config_, phase, post, posts));
+    // Peers in other processes of this host: the host mailbox, buffers and events as IPC handles,
+    // every post tagged with this call's ordinal in the group, its phase and its launch.
+    if (!ipc_scope_ || !ipc_scope_->open()) return IpcClosedError(config_);
+    if (ipc_call_ == 0) FICCO_RETURN_IF_ERROR(NextIpcCall(config_, &ipc_call_));
+    FICCO_RETURN_IF_ERROR(MeetAcrossProcesses(config_, phase, ipc_call_, post, bytes, posts));
   } else {
-    FICCO_RETURN_IF_ERROR(Registry::Get().rendezvous().Arrive(key, Who(), std::move(post), posts));
+    FICCO_RETURN_IF_ERROR(Registry::Get().rendezvous().Arrive(key, Who(timeout_s), std::move(post), posts));
   }
   for (int rank = 0; rank < config_.n(); ++rank) {
     const Post& peer = (*posts)[rank];
@@ -273,7 +292,8 @@ ffi::Error CallSession::EnterChannel(Backend& backend, int64_t bytes, int64_t pi
   if (gen == nullptr || gen->retired() || gen->capacity() < bytes) {
     FICCO_RETURN_IF_ERROR(SetUpChannel(backend, channel, gen == nullptr ? 0 : gen->number() + 1, bytes, &gen));
   }
-  const uint32_t call = gen->NextCall(config_.rank);
+  const uint64_t count = gen->NextCall(config_.rank);
+  const uint32_t call = static_cast<uint32_t>(count);  // what the words carry
   const int differs = gen->CheckSignature(config_.rank, call, SignatureHash(signature_));
   if (differs >= 0) {
     return MakeInvalid(config_.ctx, "rank " + std::to_string(differs) + " (device " +
@@ -284,7 +304,7 @@ ffi::Error CallSession::EnterChannel(Backend& backend, int64_t bytes, int64_t pi
   }
   gen_ = std::move(gen);
   call_ = call;
-  if (call_ == 1) return ffi::Error::Success();  // a fresh region: nobody has read it
+  if (count == 1) return ffi::Error::Success();  // a fresh region: nobody has read it
   for (int reader = 0; reader < config_.n(); ++reader) {
     if (reader == config_.rank) continue;
     FICCO_RETURN_IF_ERROR(WaitForPeerHost(config_, gen_->Released(reader), call_ - 1, reader,
@@ -341,13 +361,16 @@ ffi::Error CallSession::SymmetricSiteOf(Backend& backend, int64_t slot_bytes, st
     uint32_t* launch = nullptr;
     FICCO_RETURN_IF_ERROR(sites.LaunchWord(backend, {config_.ctx.op_id, config_.ctx.device_ordinal, config_.group},
                                            &launch));
-    const RendezvousKey meeting{config_.run_id, config_.ctx.op_id, -1, Phase::kSymmetric, config_.group_index};
+    // Keyed by the call's occurrence too: two sites of one op id (a folded batch moves other blocks
+    // under it) set up in one launch are two meetings, not one rank arriving twice.
+    const RendezvousKey meeting{config_.run_id, config_.ctx.op_id, occurrence_, Phase::kSymmetric,
+                                config_.group_index};
     std::vector<Post> posts;
-    FICCO_RETURN_IF_ERROR(
-        MeetAt(meeting, Phase::kSymmetric, Post{config_.ctx.device_ordinal, signature_, region, {}}, &posts));
+    FICCO_RETURN_IF_ERROR(MeetAt(meeting, Phase::kSymmetric, Post{config_.ctx.device_ordinal, signature_, region, {}},
+                                 &posts, bytes));
     std::vector<char*> bases;
     for (const Post& post : posts) bases.push_back(static_cast<char*>(const_cast<void*>(post.buffer)));
-    site = sites.Install(key, std::move(bases));
+    site = sites.Install(key, std::move(bases), config_.rank);
     if (config_.cross_process()) sites.MarkCrossProcess(key);
     site->SetWatch(config_.rank, {watch, watch + 1, watch + 2, watch + 3, launch});
     if (config_.watchdog_s > 0) Registry::Get().watchdog().WatchSite(config_, site, watch, watch + 1, watch + 3);
@@ -415,22 +438,27 @@ RendezvousKey CallSession::KeyOf(Phase phase) const {
   return {config_.run_id, config_.ctx.op_id, occurrence_, phase, config_.group_index};
 }
 
-Arrival CallSession::Who() const {
-  return {&config_.ctx, &config_.group, config_.rank, config_.timeout_s, config_.spin_s};
+Arrival CallSession::Who(double timeout_s) const {
+  return {&config_.ctx, &config_.group, config_.rank, timeout_s > 0.0 ? timeout_s : config_.timeout_s, config_.spin_s};
 }
 
 namespace {
 // kPushed posts carry no buffer; a rank whose pushes did not all happen posts this marker instead.
 const char kPushFailed = 0;
 
-// XLA's stream waits for the last work of each copy stream this call used.
-ffi::Error JoinCopyStreams(Backend& backend, const OpConfig& config) {
+// XLA's stream waits for the last work of every copy stream this call used, each tried even after
+// one failed (a stream left unjoined may still write memory XLA reuses); the first error is returned.
+// The events recorded are returned in `last` (null where recording failed).
+ffi::Error JoinCopyStreams(Backend& backend, const OpConfig& config, std::vector<Event>* last = nullptr) {
+  ffi::Error first = ffi::Error::Success();
+  std::vector<Event> recorded(CopyStreamsUsed(config), nullptr);
   for (int stream = 0; stream < CopyStreamsUsed(config); ++stream) {
-    Event last;
-    FICCO_RETURN_IF_ERROR(backend.Record(stream, &last));
-    FICCO_RETURN_IF_ERROR(backend.Wait(Backend::kCompute, last));
+    ffi::Error status = backend.Record(stream, &recorded[stream]);
+    if (status.success()) status = backend.Wait(Backend::kCompute, recorded[stream]);
+    if (status.failure() && first.success()) first = std::move(status);
   }
-  return ffi::Error::Success();
+  if (last != nullptr) *last = std::move(recorded);
+  return first;
 }
 
 // XLA's stream waits for every recorded event of `landed` (a chunk never recorded, of a peer that
@@ -571,14 +599,43 @@ ffi::Error CallSession::Push(Backend& backend, void* destination, Event entry, c
   const int slots = config_.n() - 1;
   Landed pushed(slots, std::vector<Ready>(config_.chunks));
   ffi::Error mine = push(posts, &pushed);
+  if (mine.failure()) {
+    // A chunk whose event was never recorded (its record failed, or the loop stopped before it) is
+    // covered by its stream's tail, recorded now after everything enqueued there: the receivers wait
+    // for that instead of skipping a null event. (The CPU backend's events are null: its copies are
+    // done when enqueued.)
+    std::vector<Event> tails;
+    (void)JoinCopyStreams(backend, config_, &tails);
+    for (int slot = 0; slot < slots; ++slot) {
+      for (Ready& ready : pushed[slot]) {
+        if (ready.event == nullptr) ready = Ready(tails[config_.StreamOfSlot(slot)]);
+      }
+    }
+  }
   std::vector<Event> flat;
   for (const std::vector<Ready>& slot : pushed) {
     for (const Ready& ready : slot) flat.push_back(ready.event);
   }
-  ffi::Error met = Meet(Phase::kPushed, mine.failure() ? &kPushFailed : nullptr, std::move(flat), &posts);
+  // Every rank that passed the exchange comes here on every path, a call later at most: wait for it
+  // as long as the watchdog waits for a stuck device, since returning without its pushed events lets
+  // its writes land in memory XLA reuses.
+  const double pushed_timeout_s = std::max(config_.timeout_s, config_.watchdog_s);
+  ffi::Error met = MeetAt(KeyOf(Phase::kPushed), Phase::kPushed,
+                          Post{config_.ctx.device_ordinal, signature_, mine.failure() ? &kPushFailed : nullptr,
+                               std::move(flat)},
+                          &posts, 0, pushed_timeout_s);
   if (met.failure()) {
-    // A peer never came (stuck or gone: every failure path meets here); what it pushed is unknown.
+    // A peer never came (its host is stuck): what it pushed here is unknown, and XLA would reuse
+    // this device's buffers under its writes. Like the watchdog for a stuck device, end the process
+    // with the reason rather than return.
     (void)JoinCopyStreams(backend, config_);
+    if (config_.watchdog_s > 0) {
+      std::fprintf(stderr, "ficco_jax: %s; its peers' pushes into this device cannot be waited for, so the "
+                           "process ends (as the watchdog ends a stuck device's, FICCO_WATCHDOG_S)\n",
+                   met.message().c_str());
+      std::fflush(stderr);
+      std::abort();
+    }
     return mine.failure() ? std::move(mine) : std::move(met);
   }
   landed->assign(slots, {});
@@ -626,11 +683,10 @@ int CopyStreamsUsed(const OpConfig& config) {
 // into a bounded table (ipc_mailbox.h) and go back at a release meeting, as before.
 ffi::Error JoinAndRelease(Backend& backend, const OpConfig& config, CallSession& session,
                           const SymmetricCall* symmetric) {
-  std::vector<Event> pulls_done(CopyStreamsUsed(config));
-  for (int stream = 0; stream < static_cast<int>(pulls_done.size()); ++stream) {
-    FICCO_RETURN_IF_ERROR(backend.Record(stream, &pulls_done[stream]));
-    FICCO_RETURN_IF_ERROR(backend.Wait(Backend::kCompute, pulls_done[stream]));
-  }
+  // Every copy stream is joined before any error returns; a stream whose join failed leaves this
+  // call's copies unaccounted for, and the call fails (its peers then fail at their next meeting).
+  std::vector<Event> pulls_done;
+  FICCO_RETURN_IF_ERROR(JoinCopyStreams(backend, config, &pulls_done));
   if (symmetric != nullptr) {
     // Every reader of the slots is enqueued before, on XLA's stream or joined into it: they are
     // released with the call's end. No peer waits on this call's events (its peers read the site's

@@ -6,11 +6,13 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <vector>
 
 #include "base/errors.h"
 #include "device/backend.h"
 #include "runtime/channel.h"
+#include "runtime/ipc.h"
 #include "runtime/op_config.h"
 #include "runtime/registry.h"
 #include "runtime/symmetric.h"
@@ -102,8 +104,10 @@ class CallSession {
   // enqueued (the owners' next calls wait for that on the host: runtime/channel.h).
   void EndChannelCall();
   // Posts (buffer, events) and returns every rank's post once all have arrived. A peer whose
-  // shapes or schedule differ from ours is an error, not a wrong answer.
-  ffi::Error Meet(Phase phase, const void* buffer, std::vector<Event> events, std::vector<Post>* posts);
+  // shapes or schedule differ from ours is an error, not a wrong answer. Across processes peers may
+  // read `bytes` of `buffer` (checked against the mapping they open).
+  ffi::Error Meet(Phase phase, const void* buffer, std::vector<Event> events, std::vector<Post>* posts,
+                  int64_t bytes = 0);
   // In-process groups: notes that this rank reached `phase` without waiting for its peers
   // (Rendezvous::Announce); `*all` turns true once every rank has.
   ffi::Error Announce(Phase phase, Announcement* all);
@@ -115,7 +119,10 @@ class CallSession {
   // pushed here — that peer's send slot s, as p + 1 + s = r.
   // Failure safety: peers write into this device's buffers, which XLA frees once the handler
   // returns an error. So every rank that passed the exchange meets at kPushed on every path (a
-  // rank whose own pushes failed says so in its post), and on any
+  // rank whose own pushes failed says so in its post, and posts, for every chunk it has no event of,
+  // its copy stream's tail recorded after the failure), the kPushed meeting waits as long as the
+  // watchdog would for a stuck device (returning without a peer's events would let its writes land
+  // in reused memory; past that the process ends with a report), and on any
   // failure, ours or a peer's, XLA's stream waits for every push into this device and for this
   // device's copy streams before the error returns. With `consumed` false (nothing on this device
   // reads the landed data: all_gather, all_to_all, matmul_a2a) XLA's stream waits for them on
@@ -134,9 +141,11 @@ class CallSession {
  private:
   // This call's key and arrival in the in-process rendezvous (Meet and Announce): one key per phase.
   RendezvousKey KeyOf(Phase phase) const;
-  Arrival Who() const;
+  Arrival Who(double timeout_s = 0.0) const;
   // Meet's work, for a post (and its signature) of any phase: in-process at `key`, or across processes.
-  ffi::Error MeetAt(const RendezvousKey& key, Phase phase, Post post, std::vector<Post>* posts);
+  // `timeout_s` > 0 replaces config.timeout_s (the pushed meeting's, CallSession::Push).
+  ffi::Error MeetAt(const RendezvousKey& key, Phase phase, Post post, std::vector<Post>* posts, int64_t bytes = 0,
+                    double timeout_s = 0.0);
   // The channel (runtime/channel.h): whether this call can use it, and if so its
   // generation (SetUpChannel), its number, the signature check, and the owner's waits until every
   // reader pulled its data of the previous call.
@@ -151,6 +160,11 @@ class CallSession {
   const OpConfig& config_;
   std::vector<int64_t> signature_;
   int64_t occurrence_ = 0;
+  // Across processes: this device's ordinal of this call in its group (every post's tag carries it,
+  // ipc_mailbox.h), taken at the call's first meeting; and the call's hold on the IPC mappings, which
+  // ipc.close() waits for (runtime/ipc.h).
+  uint64_t ipc_call_ = 0;
+  std::optional<IpcCallScope> ipc_scope_;
   // The staging buffer holds this call's data and peers may pull from it, but the staging stream
   // does not yet wait for their pulls: if the call fails now, the region is retired (~CallSession).
   bool staging_exposed_ = false;

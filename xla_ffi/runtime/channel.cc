@@ -6,7 +6,7 @@ namespace ficco {
 
 ChannelGeneration::ChannelGeneration(int64_t number, int64_t capacity, std::vector<char*> regions, uint32_t* words)
     : number_(number), capacity_(capacity), n_(static_cast<int>(regions.size())), regions_(std::move(regions)),
-      words_(words), calls_(new std::atomic<uint32_t>[n_]), published_(new std::atomic<uint32_t>[n_]),
+      words_(words), calls_(new std::atomic<uint64_t>[n_]), published_(new std::atomic<uint32_t>[n_]),
       released_(new std::atomic<uint32_t>[n_]), signatures_(new std::atomic<uint64_t>[n_ * kSignatureRing]) {
   for (int rank = 0; rank < n_; ++rank) {
     calls_[rank].store(0, std::memory_order_relaxed);

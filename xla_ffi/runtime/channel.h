@@ -86,7 +86,10 @@ class ChannelGeneration {
   }
 
   // Counts one more call of `rank` and returns its number (1, 2, ...).
-  uint32_t NextCall(int rank) { return calls_[rank].fetch_add(1, std::memory_order_relaxed) + 1; }
+  // 64-bit: the first call of a generation (1) is the one that waits for no reader, and a 32-bit
+  // count would come back to 1 after 2^32 calls. The words carry its low 32 bits (WordReached
+  // compares them modulo 2^32).
+  uint64_t NextCall(int rank) { return calls_[rank].fetch_add(1, std::memory_order_relaxed) + 1; }
 
   // What each rank's host has enqueued so far, by call number: every ready word of its data
   // (Published), and every done word of its pulls (Released). A rank enqueues a wait for a peer's
@@ -110,7 +113,8 @@ class ChannelGeneration {
   const int n_;
   const std::vector<char*> regions_;
   uint32_t* const words_;
-  std::unique_ptr<std::atomic<uint32_t>[]> calls_, published_, released_;
+  std::unique_ptr<std::atomic<uint64_t>[]> calls_;
+  std::unique_ptr<std::atomic<uint32_t>[]> published_, released_;
   std::unique_ptr<std::atomic<uint64_t>[]> signatures_;  // [rank][call % kSignatureRing]: (call << 32) | hash
   std::atomic<bool> retired_{false};
 };

@@ -39,9 +39,13 @@ namespace ficco {
 
 #ifdef FICCO_WITH_CUDA
 // CallSession::Meet for a cross-process group: posts `mine` (this device's staging buffer, or
-// nullptr, and its events) and returns every rank's post with the peers' buffers and events
-// usable in this process.
-ffi::Error MeetAcrossProcesses(const OpConfig& config, Phase phase, const Post& mine, std::vector<Post>* posts);
+// nullptr, of which peers read `bytes`, and its events) tagged with the phase, `call` (NextIpcCall)
+// and the launch, and returns every rank's post with the peers' buffers and events usable in this
+// process. A peer whose tag, event count or exposed size differs from ours is an error naming both.
+ffi::Error MeetAcrossProcesses(const OpConfig& config, Phase phase, uint64_t call, const Post& mine, int64_t bytes,
+                               std::vector<Post>* posts);
+// This device's ordinal for its next call of the group (1, 2, ...), the `call` of its posts' tags.
+ffi::Error NextIpcCall(const OpConfig& config, uint64_t* call);
 
 // This device's staging buffer with room for at least `bytes`, growing it if needed. Call after
 // Backend::Prepare (the device's resources must exist). Growth allocates a new region (a new
@@ -91,12 +95,33 @@ struct IpcStagingInfo {
 };
 std::string DescribeStaging(int ordinal, uint64_t bytes, IpcStagingInfo* info);
 
-// Teardown: waits for this process's devices, closes every opened mapping and event, frees the
-// staging buffers, unmaps and unlinks the mailbox. Returns the number of mappings closed;
-// failures are ignored (at exit the CUDA context may be gone already).
+// Teardown: refuses new cross-process calls, waits (at most kIpcCloseWaitS) for the calls in flight
+// to return, then for this process's devices, closes every opened mapping and event, frees the
+// staging buffers, unmaps and unlinks the mailbox. Returns the number of mappings closed, or -1
+// where calls were still in flight (then nothing is unmapped: they may still enqueue copies from the
+// mappings); failures are ignored (at exit the CUDA context may be gone already).
 int64_t IpcClose();
+
+// A cross-process call in flight: IpcClose waits for every one to end before it unmaps what they
+// use. `open()` is false once IpcClose has begun: the call must fail instead of using the mappings.
+class IpcCallScope {
+ public:
+  IpcCallScope();
+  ~IpcCallScope();
+  IpcCallScope(const IpcCallScope&) = delete;
+  IpcCallScope& operator=(const IpcCallScope&) = delete;
+  bool open() const { return open_; }
+
+ private:
+  bool open_ = false;
+};
 #else
-inline ffi::Error MeetAcrossProcesses(const OpConfig& config, Phase, const Post&, std::vector<Post>*) {
+inline ffi::Error MeetAcrossProcesses(const OpConfig& config, Phase, uint64_t, const Post&, int64_t,
+                                      std::vector<Post>*) {
+  return MakeInvalid(config.ctx, "this group spans processes, which needs the CUDA build's IPC path; the CPU "
+                                 "backend reaches only the devices of its own process (use comm='xla')");
+}
+inline ffi::Error NextIpcCall(const OpConfig& config, uint64_t*) {
   return MakeInvalid(config.ctx, "this group spans processes, which needs the CUDA build's IPC path; the CPU "
                                  "backend reaches only the devices of its own process (use comm='xla')");
 }
@@ -110,6 +135,10 @@ inline ffi::Error ExportRegion(const OpConfig& config, void*, uint64_t) {
 }
 inline ffi::Error FailIfGroupGaveUp(const OpConfig&) { return ffi::Error::Success(); }
 inline void RetireStaging(int) {}
+class IpcCallScope {
+ public:
+  bool open() const { return true; }
+};
 #endif
 
 }  // namespace ficco

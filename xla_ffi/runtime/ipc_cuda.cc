@@ -10,6 +10,9 @@
 #include <cuda.h>
 
 #include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <optional>
@@ -196,7 +199,7 @@ ffi::Error ExportEvent(const IpcCall& call, Event event, int32_t* id) {
 
 // Puller: a peer's (generation, offset) as a pointer in this process, opening its staging region
 // once. Regions a peer outgrew stay mapped until IpcClose: a pull of ours may still read one.
-ffi::Error OpenBuffer(const IpcCall& call, int peer, int64_t id, int64_t offset, const void** pointer) {
+ffi::Error OpenBuffer(const IpcCall& call, int peer, int64_t id, int64_t offset, int64_t bytes, const void** pointer) {
   const CallContext& ctx = call.config.ctx;
   if (id < 0) {
     *pointer = nullptr;
@@ -225,11 +228,13 @@ ffi::Error OpenBuffer(const IpcCall& call, int peer, int64_t id, int64_t offset,
     found = call.res->opened_allocations.emplace(key, CudaResources::Opened{static_cast<char*>(base), size}).first;
   }
   const CudaResources::Opened& opened = found->second;
-  if (offset < 0 || static_cast<uint64_t>(offset) >= opened.bytes) {
-    return MakeError(ctx, "device " + std::to_string(peer) + " posted offset " + std::to_string(offset) +
-                              " beyond its staging buffer generation " + std::to_string(id) + " of " +
-                              std::to_string(opened.bytes) +
-                              " bytes");
+  // What this device reads lies in [offset, offset + bytes): all of it inside the mapping.
+  if (offset < 0 || bytes < 0 || static_cast<uint64_t>(offset) > opened.bytes ||
+      static_cast<uint64_t>(bytes) > opened.bytes - static_cast<uint64_t>(offset)) {
+    return MakeError(ctx, "device " + std::to_string(peer) + " posted " + std::to_string(bytes) + " bytes at offset " +
+                              std::to_string(offset) + " of its staging buffer generation " + std::to_string(id) +
+                              ", which has " + std::to_string(opened.bytes) + " bytes; expected offset + bytes <= " +
+                              std::to_string(opened.bytes) + " (a corrupt post: restart the processes)");
   }
   *pointer = opened.base + offset;
   return ffi::Error::Success();
@@ -264,7 +269,37 @@ ffi::Error FailIfGroupGaveUp(const OpConfig& config) {
   return mailbox->FailIfGaveUp(who);
 }
 
-ffi::Error MeetAcrossProcesses(const OpConfig& config, Phase phase, const Post& mine, std::vector<Post>* posts) {
+ffi::Error NextIpcCall(const OpConfig& config, uint64_t* call) {
+  HostMailbox* mailbox = nullptr;
+  FICCO_RETURN_IF_ERROR(Registry::Get().Mailbox(config.ctx, config.ipc_job, &mailbox));
+  const MailboxArrival who{&config.ctx, &config.group, config.rank, "call", config.timeout_s};
+  return mailbox->NextCall(who, call);
+}
+
+namespace {
+// A peer's post that the tag check let through still has to fit ours: the same number of events
+// (the waits index them) and, where both expose a buffer, the same size (the copies read ours).
+ffi::Error CheckPeerPost(const OpConfig& config, Phase phase, int rank, const WirePost& theirs, const WirePost& mine) {
+  const bool theirs_exposed = theirs.buffer_export >= 0 || theirs.raw_buffer != 0;
+  const bool mine_exposed = mine.buffer_export >= 0 || mine.raw_buffer != 0;
+  if (theirs.event_ids.size() == mine.event_ids.size() && theirs_exposed == mine_exposed &&
+      (!mine_exposed || theirs.buffer_bytes == mine.buffer_bytes)) {
+    return ffi::Error::Success();
+  }
+  return MakeError(config.ctx, std::string("phase '") + PhaseName(phase) + "': rank " + std::to_string(rank) +
+                                   " (device " + std::to_string(config.group[rank]) + ") posted " +
+                                   std::to_string(theirs.event_ids.size()) + " events and " +
+                                   (theirs_exposed ? std::to_string(theirs.buffer_bytes) + " bytes" : "no buffer") +
+                                   "; rank " + std::to_string(config.rank) + " posted " +
+                                   std::to_string(mine.event_ids.size()) + " events and " +
+                                   (mine_exposed ? std::to_string(mine.buffer_bytes) + " bytes" : "no buffer") +
+                                   " (the same op must expose the same data on every rank: a corrupt post or "
+                                   "different builds; restart the processes)");
+}
+}  // namespace
+
+ffi::Error MeetAcrossProcesses(const OpConfig& config, Phase phase, uint64_t call_number, const Post& mine,
+                               int64_t bytes, std::vector<Post>* posts) {
   const CallContext& ctx = config.ctx;
   // A symmetric site's setup may run while XLA captures (its IPC exports and opens); no other call is
   // captured.
@@ -277,11 +312,15 @@ ffi::Error MeetAcrossProcesses(const OpConfig& config, Phase phase, const Post& 
   FICCO_CHECK_CUDA(cudaSetDevice(ctx.device_ordinal));
   IpcCall call{config, mailbox, res};
 
-  // Owner: our staging buffer and events as ids.
+  // Owner: our staging buffer and events as ids, tagged with the meeting they belong to.
   WirePost wire;
   wire.op_id = ctx.op_id;
+  wire.phase = static_cast<int32_t>(phase);
+  wire.call = call_number;
+  wire.run_id = config.run_id;
   wire.signature = mine.signature;
   FICCO_RETURN_IF_ERROR(ExportStaging(call, mine.buffer, &wire.buffer_export, &wire.buffer_offset));
+  wire.buffer_bytes = mine.buffer == nullptr ? 0 : bytes;
   wire.raw_buffer = reinterpret_cast<uint64_t>(mine.buffer);
   wire.event_ids.resize(mine.events.size());
   for (size_t i = 0; i < mine.events.size(); ++i) {
@@ -305,6 +344,7 @@ ffi::Error MeetAcrossProcesses(const OpConfig& config, Phase phase, const Post& 
       continue;
     }
     const WirePost& peer_wire = wires[rank];
+    FICCO_RETURN_IF_ERROR(CheckPeerPost(config, phase, rank, peer_wire, wire));
     Post& post = (*posts)[rank];
     const int peer = config.group[rank];
     post.ordinal = peer;
@@ -314,7 +354,8 @@ ffi::Error MeetAcrossProcesses(const OpConfig& config, Phase phase, const Post& 
       for (uint64_t raw : peer_wire.raw_events) post.events.push_back(reinterpret_cast<Event>(raw));
       continue;
     }
-    FICCO_RETURN_IF_ERROR(OpenBuffer(call, peer, peer_wire.buffer_export, peer_wire.buffer_offset, &post.buffer));
+    FICCO_RETURN_IF_ERROR(OpenBuffer(call, peer, peer_wire.buffer_export, peer_wire.buffer_offset,
+                                     peer_wire.buffer_bytes, &post.buffer));
     post.events.resize(peer_wire.event_ids.size());
     for (size_t i = 0; i < peer_wire.event_ids.size(); ++i) {
       FICCO_RETURN_IF_ERROR(OpenEvent(call, peer, peer_wire.event_ids[i], &post.events[i]));
@@ -419,7 +460,47 @@ std::string DescribeStaging(int ordinal, uint64_t bytes, IpcStagingInfo* info) {
   return "";
 }
 
+namespace {
+// The cross-process calls in flight and whether IpcClose has begun (process-wide: the mappings and
+// the mailbox they guard are).
+std::mutex& ScopeMu() {
+  static std::mutex* mu = new std::mutex();
+  return *mu;
+}
+std::condition_variable& ScopeCv() {
+  static std::condition_variable* cv = new std::condition_variable();
+  return *cv;
+}
+int64_t in_flight = 0;
+bool closing = false;
+constexpr double kIpcCloseWaitS = 60.0;
+}  // namespace
+
+IpcCallScope::IpcCallScope() {
+  std::lock_guard<std::mutex> lock(ScopeMu());
+  open_ = !closing;
+  if (open_) ++in_flight;
+}
+
+IpcCallScope::~IpcCallScope() {
+  if (!open_) return;
+  std::lock_guard<std::mutex> lock(ScopeMu());
+  if (--in_flight == 0) ScopeCv().notify_all();
+}
+
 int64_t IpcClose() {
+  {
+    // New calls fail from here; the ones in flight may still enqueue copies from the mappings below.
+    std::unique_lock<std::mutex> lock(ScopeMu());
+    closing = true;
+    const bool drained = ScopeCv().wait_for(lock, std::chrono::duration<double>(kIpcCloseWaitS),
+                                            [] { return in_flight == 0; });
+    if (!drained) {
+      std::fprintf(stderr, "ficco_jax: ipc.close(): %lld cross-process calls still running after %.0f s; their "
+                           "mappings are left open\n", static_cast<long long>(in_flight), kIpcCloseWaitS);
+      return -1;
+    }
+  }
   int64_t closed = 0;
   // A symmetric site across processes reaches its peers through the mappings closed below: it stops
   // (a replayed call waits at its first kernel, reported by the watchdog) instead of writing through them.

@@ -39,6 +39,17 @@ ffi::Error Rendezvous::TimeoutError(const RendezvousKey& key, const Arrival& who
   return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, msg);
 }
 
+namespace {
+// Two arrivals at one key whose groups differ in size: calls of different groups sharing an op id.
+ffi::Error SizeMismatch(const CallContext& ctx, const RendezvousKey& key, int first, int mine, int rank) {
+  return MakeInvalid(ctx, "rendezvous of op " + std::to_string(key.op_id) + " phase " + PhaseName(key.phase) +
+                              ": the first rank to arrive belongs to a group of " + std::to_string(first) +
+                              " devices, this one (rank " + std::to_string(rank) + ") to a group of " +
+                              std::to_string(mine) + "; calls that meet under one key must come from one group "
+                              "(two calls of different groups share an op id: a lowering reused across meshes?)");
+}
+}  // namespace
+
 ffi::Error Rendezvous::Arrive(const RendezvousKey& key, const Arrival& who, Post post,
                               std::vector<Post>* posts) {
   const int n = static_cast<int>(who.group_ordinals->size());
@@ -51,6 +62,11 @@ ffi::Error Rendezvous::Arrive(const RendezvousKey& key, const Arrival& who, Post
     entry->present.assign(n, false);
   }
   Slot& slot = *entry;
+  // The slot was sized by its first arrival; a rank of a group of another size at the same key (two
+  // calls sharing an op id) would index past it.
+  if (static_cast<int>(slot.posts.size()) != n || who.rank < 0 || who.rank >= n) {
+    return SizeMismatch(*who.ctx, key, static_cast<int>(slot.posts.size()), n, who.rank);
+  }
   if (slot.abandoned) return TimeoutError(key, who, slot, /*late=*/true);
   if (slot.present[who.rank]) {
     return MakeError(*who.ctx, "rendezvous: rank " + std::to_string(who.rank) +
@@ -92,6 +108,9 @@ ffi::Error Rendezvous::Announce(const RendezvousKey& key, const Arrival& who, An
   std::lock_guard<std::mutex> lock(mu_);
   Announced& entry = announced_[key];
   if (entry.present.empty()) entry.present.assign(n, false);
+  if (static_cast<int>(entry.present.size()) != n || who.rank < 0 || who.rank >= n) {
+    return SizeMismatch(*who.ctx, key, static_cast<int>(entry.present.size()), n, who.rank);
+  }
   if (entry.present[who.rank]) {
     return MakeError(*who.ctx, "rendezvous: rank " + std::to_string(who.rank) + " announced itself twice in phase " +
                                    PhaseName(key.phase));

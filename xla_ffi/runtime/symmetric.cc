@@ -7,7 +7,12 @@
 namespace ficco {
 
 SymmetricSite::SymmetricSite(int n, int64_t chunks, int64_t slot_bytes, std::vector<char*> bases)
-    : n_(n), chunks_(chunks), slot_bytes_(slot_bytes), bases_(std::move(bases)), watches_(n) {}
+    : n_(n), chunks_(chunks), slot_bytes_(slot_bytes), bases_(std::move(bases)), views_(n), watches_(n) {}
+
+void SymmetricSite::SetView(int viewer, std::vector<char*> bases) {
+  if (viewer < 0 || viewer >= n_ || static_cast<int>(bases.size()) != n_ || !views_[viewer].empty()) return;
+  views_[viewer] = std::move(bases);
+}
 
 void SymmetricSite::SetWatch(int rank, Watch watch) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -38,13 +43,16 @@ std::shared_ptr<SymmetricSite> SymmetricSites::Find(const Key& key) {
   return found == sites_.end() ? nullptr : found->second;
 }
 
-std::shared_ptr<SymmetricSite> SymmetricSites::Install(const Key& key, std::vector<char*> bases) {
+std::shared_ptr<SymmetricSite> SymmetricSites::Install(const Key& key, std::vector<char*> bases, int viewer) {
   std::lock_guard<std::mutex> lock(mu_);
   std::shared_ptr<SymmetricSite>& site = sites_[key];
   if (site == nullptr) {
     site = std::make_shared<SymmetricSite>(static_cast<int>(std::get<1>(key).size()), std::get<2>(key),
-                                           std::get<3>(key), std::move(bases));
+                                           std::get<3>(key), bases);
   }
+  // Every local rank keeps the addresses its own meeting gave it: across processes another local
+  // rank's mappings were opened through another device.
+  site->SetView(viewer, std::move(bases));
   return site;
 }
 
@@ -128,6 +136,11 @@ ffi::Error SymmetricSites::LaunchWord(Backend& backend, const LaunchKey& key, ui
 }
 
 ffi::Error SymmetricSites::CountLaunch(Backend& backend, const LaunchKey& key) {
+  // XLA runs the initialize stage outside its command buffers, so a capture here is one of the whole
+  // launch by its caller: a host count now would count the capture once and none of its replays,
+  // and a word write would be replayed with a stale number. So a captured launch is not counted on
+  // any rank of the group (they run one program, captured alike) and their numbers stay equal; a
+  // launch captured on some ranks only is not caught (docs/design.md, "Launches").
   if (backend.Capturing()) return ffi::Error::Success();
   std::lock_guard<std::mutex> lock(launches_mu_);
   Launches* launches = nullptr;
@@ -141,10 +154,10 @@ SymmetricCall::SymmetricCall(const OpConfig& config, std::shared_ptr<SymmetricSi
 ffi::Error SymmetricCall::Begin(Backend& backend, bool* counted_call) const {
   std::vector<PeerWait> frees;
   for (int slot = 0; slot < config_.n() - 1; ++slot) {
-    frees.push_back({{site_->Free(config_.rank, slot), -1, {}}, config_.TargetOfSlot(slot), "free"});
+    frees.push_back({{site_->Free(config_.rank, slot, config_.rank), -1, {}}, config_.TargetOfSlot(slot), "free"});
   }
   ffi::Error status =
-      backend.CountCall(Backend::kCompute, site_->Epoch(config_.rank), watch_.started, watch_.stopped,
+      backend.CountCall(Backend::kCompute, site_->Epoch(config_.rank, config_.rank), watch_.started, watch_.stopped,
                         CountersOf(Epoch(), frees).words);
   *counted_call = !(status.failure() && status.message() == kCallStopped);
   if (!*counted_call) {
@@ -157,20 +170,22 @@ ffi::Error SymmetricCall::PostLanded(Backend& backend, int stream, int slot, int
   const int target = config_.TargetOfSlot(slot);
   std::vector<uint32_t*> words;
   if (per_chunk_) {
-    for (int64_t j = first; j < end; ++j) words.push_back(site_->Landed(target, slot, j));
+    for (int64_t j = first; j < end; ++j) words.push_back(site_->Landed(target, slot, j, config_.rank));
   } else if (end == site_->chunks()) {
-    words.push_back(site_->Landed(target, slot, site_->chunks() - 1));
+    words.push_back(site_->Landed(target, slot, site_->chunks() - 1, config_.rank));
   }
   if (words.empty()) return ffi::Error::Success();
   LaunchCheck tagged;
-  tagged.tag = site_->Tag(target, slot);
+  tagged.tag = site_->Tag(target, slot, config_.rank);
   tagged.launch = watch_.launch;
   return backend.PostCounter(stream, words, Epoch(), tagged);
 }
 
 ffi::Error SymmetricCall::End(Backend& backend) const {
   std::vector<uint32_t*> words;
-  for (int slot = 0; slot < config_.n() - 1; ++slot) words.push_back(site_->Free(config_.SourceOfSlot(slot), slot));
+  for (int slot = 0; slot < config_.n() - 1; ++slot) {
+    words.push_back(site_->Free(config_.SourceOfSlot(slot), slot, config_.rank));
+  }
   if (watch_.finished != nullptr) words.push_back(watch_.finished);
   if (words.empty()) return ffi::Error::Success();
   return backend.PostCounter(Backend::kCompute, words, Epoch(), LaunchCheck{});

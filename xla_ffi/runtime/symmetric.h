@@ -89,11 +89,23 @@ class SymmetricSite {
   int64_t chunks() const { return chunks_; }
   int64_t slot_bytes() const { return slot_bytes_; }
 
-  uint32_t* Epoch(int rank) const { return Words(rank); }
-  uint32_t* Landed(int rank, int slot, int64_t chunk) const { return Words(rank) + 1 + slot * chunks_ + chunk; }
-  uint32_t* Free(int rank, int slot) const { return Words(rank) + 1 + int64_t{n_ - 1} * chunks_ + slot; }
-  uint32_t* Tag(int rank, int slot) const { return Free(rank, n_ - 1) + slot; }
-  char* Slot(int rank, int slot) const { return bases_[rank] + WordsBytes(n_, chunks_) + slot * slot_bytes_; }
+  // Rank `rank`'s words and slots as rank `viewer`'s device addresses them (-1: as the first rank of
+  // this process to install the site did). Across processes each local rank opened its peers'
+  // allocations through its own device (ipc_cuda.cc), so the addresses differ by viewer.
+  uint32_t* Epoch(int rank, int viewer = -1) const { return Words(rank, viewer); }
+  uint32_t* Landed(int rank, int slot, int64_t chunk, int viewer = -1) const {
+    return Words(rank, viewer) + 1 + slot * chunks_ + chunk;
+  }
+  uint32_t* Free(int rank, int slot, int viewer = -1) const {
+    return Words(rank, viewer) + 1 + int64_t{n_ - 1} * chunks_ + slot;
+  }
+  uint32_t* Tag(int rank, int slot, int viewer = -1) const { return Free(rank, n_ - 1, viewer) + slot; }
+  char* Slot(int rank, int slot, int viewer = -1) const {
+    return Bases(viewer)[rank] + WordsBytes(n_, chunks_) + slot * slot_bytes_;
+  }
+  // `viewer`'s addresses of every rank's allocation, from its own setup meeting; set once, before
+  // `viewer` uses the site.
+  void SetView(int viewer, std::vector<char*> bases);
 
   // The words of the ranks of this process (null for the others). Host words: the devices post
   // `epoch` into `started` and `finished` as a call starts and ends (the watchdog reads them); the host
@@ -121,11 +133,17 @@ class SymmetricSite {
     const int64_t words = 1 + int64_t{n - 1} * (chunks + 2);
     return (words * 4 + 255) / 256 * 256;
   }
-  uint32_t* Words(int rank) const { return reinterpret_cast<uint32_t*>(bases_[rank]); }
+  uint32_t* Words(int rank, int viewer) const { return reinterpret_cast<uint32_t*>(Bases(viewer)[rank]); }
+  const std::vector<char*>& Bases(int viewer) const {
+    return viewer >= 0 && viewer < n_ && !views_[viewer].empty() ? views_[viewer] : bases_;
+  }
 
   const int n_;
   const int64_t chunks_, slot_bytes_;
   const std::vector<char*> bases_;
+  // Per viewer rank (empty: bases_). Each element is written once, by its viewer's thread, before its
+  // first use; the vector itself never changes size.
+  std::vector<std::vector<char*>> views_;
   std::mutex mu_;
   std::vector<Watch> watches_;
   std::string failed_;
@@ -138,9 +156,10 @@ class SymmetricSites {
  public:
   using Key = std::tuple<int64_t, std::vector<int>, int64_t, int64_t>;
   std::shared_ptr<SymmetricSite> Find(const Key& key);
-  // The site made from a setup meeting's bases (one per rank, in rank order); the first rank of the
-  // process to get here makes it, the others get the same one.
-  std::shared_ptr<SymmetricSite> Install(const Key& key, std::vector<char*> bases);
+  // The site made from a setup meeting's bases (one per rank, in rank order, as rank `viewer`'s
+  // device addresses them); the first rank of the process to get here makes it, the others get the
+  // same one with their own view added (SymmetricSite::SetView).
+  std::shared_ptr<SymmetricSite> Install(const Key& key, std::vector<char*> bases, int viewer);
   // Fails every site of a group across processes (ipc.close() unmaps what they reach of their peers).
   void FailCrossProcess(const std::string& why);
   // A site of a group across processes (its members are global device ids).
@@ -206,20 +225,20 @@ class SymmetricCall {
   // stopped before): a counted call that fails must end through its site's failure (FailSymmetric).
   ffi::Error Begin(Backend& backend, bool* counted) const;
   // Where send slot `slot`'s block goes: the target's slot of the same index.
-  char* Destination(int slot) const { return site_->Slot(config_.TargetOfSlot(slot), slot); }
+  char* Destination(int slot) const { return site_->Slot(config_.TargetOfSlot(slot), slot, config_.rank); }
   // Sender, on `stream` after the copies of chunks [first, end) of send slot `slot`: they landed,
   // tagged with this rank's launch.
   ffi::Error PostLanded(Backend& backend, int stream, int slot, int64_t first, int64_t end) const;
   // Receiver: the wait for chunk `chunk` of receive slot `slot` (its word equal to the epoch), and
   // the check of the launch it came from.
   PeerWait LandedWait(int slot, int64_t chunk) const {
-    const uint32_t* word = site_->Landed(config_.rank, slot, per_chunk_ ? chunk : site_->chunks() - 1);
-    return {{word, 0, {site_->Tag(config_.rank, slot), watch_.launch, watch_.parted, slot}},
+    const uint32_t* word = site_->Landed(config_.rank, slot, per_chunk_ ? chunk : site_->chunks() - 1, config_.rank);
+    return {{word, 0, {site_->Tag(config_.rank, slot, config_.rank), watch_.launch, watch_.parted, slot}},
             config_.SourceOfSlot(slot), "landed"};
   }
-  const uint32_t* Epoch() const { return site_->Epoch(config_.rank); }
+  const uint32_t* Epoch() const { return site_->Epoch(config_.rank, config_.rank); }
   // Where receive slot `slot` landed, in this device's memory.
-  char* Landing(int slot) const { return site_->Slot(config_.rank, slot); }
+  char* Landing(int slot) const { return site_->Slot(config_.rank, slot, config_.rank); }
   // Compute stream, last (after the join, so that nothing of this call reads its slots any more):
   // every sender may overwrite its slot, and this call's epoch is posted as finished; one kernel.
   ffi::Error End(Backend& backend) const;

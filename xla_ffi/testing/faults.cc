@@ -15,6 +15,7 @@ const char* ModeName(InjectedFault::Mode mode) {
     case InjectedFault::Mode::kFail: return "fail";
     case InjectedFault::Mode::kStall: return "stall";
     case InjectedFault::Mode::kStale: return "stale";
+    case InjectedFault::Mode::kCheck: return "check";
   }
   return "?";
 }
@@ -217,7 +218,9 @@ std::unique_ptr<Backend> FaultPlan::Apply(std::unique_ptr<Backend> backend, cons
     if (!armed_.load(std::memory_order_relaxed)) return backend;
     fault = fault_;
   }
-  if (fault.rank != config.rank) return backend;
+  // The peers are checked too: a failure reaches them as a missing or failed peer, and their copies
+  // must be joined on those paths as well.
+  if (fault.rank != config.rank) fault.mode = InjectedFault::Mode::kCheck;
   return std::make_unique<FaultyBackend>(std::move(backend), fault, config);
 }
 

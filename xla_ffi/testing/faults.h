@@ -34,11 +34,13 @@
 namespace ficco {
 
 //
-// Every call of the armed rank is also checked for the rule that a call never returns, failed or
-// not, while a copy it enqueued is not yet waited for by XLA's stream: XLA frees or reuses the
-// call's buffers once it returns. A call that breaks it counts in UnjoinedCopyCalls().
+// While a fault is armed, every call of every rank (the armed rank's and its peers', which meet the
+// fault's consequences) is also checked for the rule that a call never returns, failed or not,
+// while a copy it enqueued is not yet waited for by XLA's stream: XLA frees or reuses the call's
+// buffers once it returns. A call that breaks it counts in UnjoinedCopyCalls().
 struct InjectedFault {
-  enum class Mode : int { kSkip, kFail, kStall, kStale };
+  // kCheck: no fault, the check below alone (every other rank of a group while a fault is armed).
+  enum class Mode : int { kSkip, kFail, kStall, kStale, kCheck };
   Mode mode;
   int rank;                   // the rank of every group it applies to
   int64_t fail_at = 1;        // fail: the copy-stream operation that fails, counting from 1
@@ -48,7 +50,7 @@ struct InjectedFault {
 // fault. False for anything else.
 bool ParseFault(std::string_view spec, std::optional<InjectedFault>* fault);
 
-// How many calls of an armed rank returned while a copy they enqueued on a copy stream was not yet
+// How many calls returned, while a fault was armed, while a copy they enqueued on a copy stream was not yet
 // waited for by XLA's stream (a later record of that stream, waited on by XLA's stream).
 int64_t UnjoinedCopyCalls();
 

@@ -1,4 +1,5 @@
 // `ficco_jax._ffi.testing`: the extension's test-only entry points, which the library never calls.
+#include <algorithm>
 #include <map>
 #include <optional>
 #include <stdexcept>
@@ -9,6 +10,7 @@
 
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/map.h"
+#include "nanobind/stl/pair.h"
 #include "nanobind/stl/string.h"
 #include "nanobind/stl/tuple.h"
 #include "nanobind/stl/vector.h"
@@ -47,15 +49,20 @@ std::vector<int> ChannelSignatureChecks(int n, const std::vector<std::tuple<int,
 }
 
 // The host mailbox's exchange with plain integers, for tests of its protocol across processes
-// (tests/test_ipc_mailbox.py): every rank calls it once per post; returns every rank's
-// (op_id, signature, buffer_export, buffer_offset, event_ids) or raises RuntimeError.
+// (tests/test_ipc_mailbox.py): every rank calls it once per post with its tag (op_id, phase, call,
+// run_id) and fields; returns every rank's (op_id, signature, buffer_export, buffer_offset,
+// event_ids) or raises RuntimeError. `call` 0 takes the rank's next call ordinal (NextCall).
 using WireTuple = std::tuple<int64_t, std::vector<int64_t>, int64_t, int64_t, std::vector<int32_t>>;
 std::vector<WireTuple> MailboxExchange(int64_t job, std::vector<int> members, int rank, int64_t op_id,
                                        std::vector<int64_t> signature, int64_t buffer_export, int64_t buffer_offset,
-                                       std::vector<int32_t> event_ids, double timeout_s) {
+                                       std::vector<int32_t> event_ids, double timeout_s, int32_t phase, uint64_t call,
+                                       int64_t run_id) {
   CallContext ctx{"mailbox_test", op_id, rank};
   WirePost mine;
   mine.op_id = op_id;
+  mine.phase = phase;
+  mine.call = call;
+  mine.run_id = run_id;
   mine.signature = std::move(signature);
   mine.buffer_export = buffer_export;
   mine.buffer_offset = buffer_offset;
@@ -67,10 +74,9 @@ std::vector<WireTuple> MailboxExchange(int64_t job, std::vector<int> members, in
     nb::gil_scoped_release release;
     HostMailbox* mailbox = nullptr;
     error = Registry::Get().Mailbox(ctx, job, &mailbox);
-    if (error.success()) {
-      MailboxArrival who{&ctx, &members, rank, "test", timeout_s};
-      error = mailbox->Exchange(who, mine, &posts);
-    }
+    MailboxArrival who{&ctx, &members, rank, "test", timeout_s};
+    if (error.success() && mine.call == 0) error = mailbox->NextCall(who, &mine.call);
+    if (error.success()) error = mailbox->Exchange(who, mine, &posts);
   }
   if (error.failure()) throw std::runtime_error(error.message());
   std::vector<WireTuple> out;
@@ -78,6 +84,23 @@ std::vector<WireTuple> MailboxExchange(int64_t job, std::vector<int> members, in
     out.emplace_back(p.op_id, p.signature, p.buffer_export, p.buffer_offset, p.event_ids);
   }
   return out;
+}
+
+// One arrival at the in-process rendezvous with plain integers, for tests of its checks: rank `rank`
+// of a group of `group_size` (ordinals 0 ..) at key (run_id, op_id, 0, exchange, 0). Raises
+// RuntimeError with the rendezvous's error.
+void RendezvousArrive(int64_t run_id, int64_t op_id, int group_size, int rank, double timeout_s) {
+  const CallContext ctx{"rendezvous_test", op_id, rank};
+  std::vector<int> group(std::max(group_size, 0));
+  for (int i = 0; i < group_size; ++i) group[i] = i;
+  const RendezvousKey key{run_id, op_id, 0, Phase::kExchange, 0};
+  std::vector<Post> posts;
+  ffi::Error error = ffi::Error::Success();
+  {
+    nb::gil_scoped_release release;
+    error = Registry::Get().rendezvous().Arrive(key, Arrival{&ctx, &group, rank, timeout_s}, Post{}, &posts);
+  }
+  if (error.failure()) throw std::runtime_error(error.message());
 }
 
 // How many events the pool of one device has made: the CPU devices' shared pool (ordinal -1), or
@@ -149,7 +172,17 @@ void DefineTestingModule(nb::module_& m) {
               "A group channel's check that the ranks of a group of n run the same op at each call, made "
               "without devices: for each (rank, call, signature) in `notes`, in order, the first rank whose "
               "note of that call differs, or -1.");
-  testing.def("mailbox_exchange", &MailboxExchange,
+  testing.def("mailbox_layout", [] { return MailboxLayoutForTests(); },
+              "Byte offsets in the host mailbox's segment (rank 1 of group entry 0 and its odd post's "
+              "fields), for tests that write a corrupt post as another process could.");
+  testing.def("rendezvous_arrive", &RendezvousArrive, nb::arg("run_id"), nb::arg("op_id"), nb::arg("group_size"),
+              nb::arg("rank"), nb::arg("timeout_s"),
+              "One arrival of rank `rank` of a group of `group_size` at the in-process rendezvous key (run_id, "
+              "op_id); returns once the group met, raises RuntimeError with its error.");
+  testing.def("mailbox_exchange", &MailboxExchange, nb::arg("job"), nb::arg("members"), nb::arg("rank"),
+              nb::arg("op_id"), nb::arg("signature"), nb::arg("buffer_export"), nb::arg("buffer_offset"),
+              nb::arg("event_ids"), nb::arg("timeout_s"), nb::arg("phase") = 0, nb::arg("call") = 0,
+              nb::arg("run_id") = 0,
               "One post through the host mailbox (groups across processes) with plain integers; returns every "
               "rank's (op_id, signature, buffer_export, buffer_offset, event_ids).");
 }
