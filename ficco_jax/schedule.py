@@ -105,7 +105,7 @@ class Schedule:
     def enumerate(op: str, axis_size: int, comms: Sequence[str] = COMMS) -> list["Schedule"]:
         """Every valid schedule of `op` on an axis of `axis_size` devices, `comm="none"` first."""
         _check_op(op)
-        return [s for s in _candidates(op, comms) if s._problem(op, axis_size) is None]
+        return [s for s in _candidates(op, comms) if s.problem(op, axis_size) is None]
 
     def validate(self, op: str, shapes: Sequence[Sequence[int]], axis_size: int) -> None:
         """Raise ValueError if this schedule cannot run `op` on these per-device shapes.
@@ -114,7 +114,7 @@ class Schedule:
         ``matmul_rs``. The message names the shape, the dimension and the valid values.
         """
         _check_op(op)
-        problem = self._problem(op, axis_size)
+        problem = self.problem(op, axis_size)
         if problem is not None:
             raise ValueError(f"{op}: schedule {self} is not valid: {problem}")
         rows = check_shapes(op, shapes, axis_size)
@@ -143,7 +143,7 @@ class Schedule:
         """The chunk counts that cut `length` rows (or columns) evenly and that this schedule takes
         in place of its own (`op`'s design space: even for order='bidirectional', more than one for
         gemm='grouped' or 'columns'), smallest first."""
-        return [c for c in _divisors(length) if self.replace(chunks=c)._problem(op, axis_size) is None]
+        return [c for c in _divisors(length) if self.replace(chunks=c).problem(op, axis_size) is None]
 
     def chunk_hint(self, op: str, axis_size: int, length: int) -> str:
         """The fix of a chunk count that does not divide `length`: the counts that do (at most
@@ -219,7 +219,7 @@ class Schedule:
         return cls(**fields)
 
     # ----------------------------------------------------------------------------------------
-    def _problem(self, op: str, axis_size: int) -> str | None:
+    def problem(self, op: str, axis_size: int) -> str | None:
         """Why this point is outside the design space of `op` (None if it is inside)."""
         if axis_size < 1:
             return f"axis_size={axis_size} must be >= 1"

@@ -4,9 +4,9 @@
 // position (XLA's partition id) and every target has an instantiate stage, whose state (a Placement,
 // one per compiled executable) keeps the group each device resolved from its position at its first
 // call (runtime/placement.h). Each entry checks the call's contract version (ffi/contract.h),
-// decodes the attributes into an OpConfig (once), makes the platform's Backend (wrapped in the one
-// that injects a fault where a test armed one for this rank: testing/faults.h) and runs the Impl
-// behind Guard (base/guard.h): no exception or CUDA error escapes.
+// decodes the attributes into an OpConfig (once), makes the platform's Backend (passed through the
+// registry's one test hook, Registry::Wrap: testing/faults.h) and runs the Impl behind Guard
+// (base/guard.h): no exception or CUDA error escapes.
 //
 // Every call is watched (runtime/watchdog.h) from its start until its device work is done. A call
 // that fails also writes its error to stderr: JAX raises it only once every device's part of the
@@ -267,7 +267,7 @@ struct Target {
       config.launch_from_run = Platform::kLaunchFromRun;
       std::unique_ptr<Backend> backend = CountCalls(platform.MakeBackend(config));
       if constexpr (std::is_same_v<Attrs, OpAttrs>) {  // a test's armed fault (none in a measurement)
-        backend = Registry::Get().faults().Apply(std::move(backend), config);
+        backend = Registry::Get().Wrap(std::move(backend), config);
       }
       // A symmetric call's site is watched instead (runtime/symmetric.h): a replayed call registers nothing.
       std::optional<CallWatch> watch;

@@ -454,7 +454,7 @@ ffi::Error ReadPost(const MailboxArrival& who, const std::string& mailbox, const
 }
 
 std::string PhaseText(int32_t phase) {
-  return phase >= 0 && phase <= static_cast<int32_t>(Phase::kSymmetric) ? PhaseName(static_cast<Phase>(phase))
+  return phase >= 0 && phase <= static_cast<int32_t>(Phase::kRoster) ? PhaseName(static_cast<Phase>(phase))
                                                                          : "phase " + std::to_string(phase);
 }
 

@@ -102,7 +102,8 @@ ffi::Error MeetRoster(const CallContext& ctx, const GroupSpec& spec, int64_t run
 // The members of a group across processes post their device ids to each other once, in the host
 // mailbox's meeting of the group the lowering named (its `devices`): every member names that one
 // alike, whichever devices the run gave the positions.
-ffi::Error MeetRosterAcrossProcesses(const CallContext& ctx, const GroupSpec& spec, ResolvedGroup* group) {
+ffi::Error MeetRosterAcrossProcesses(const CallContext& ctx, const GroupSpec& spec, int64_t run_id,
+                                     ResolvedGroup* group) {
   const std::vector<int> lowered = Row(spec.devices, group->group_index * spec.n, spec.n);
   const std::optional<int64_t> mine = Registry::Get().device_ids().Of(ctx.device_ordinal);
   if (!mine.has_value() || Registry::Get().device_ids().Job() != spec.ipc_job) {
@@ -113,8 +114,11 @@ ffi::Error MeetRosterAcrossProcesses(const CallContext& ctx, const GroupSpec& sp
   }
   HostMailbox* mailbox = nullptr;
   FICCO_RETURN_IF_ERROR(Registry::Get().Mailbox(ctx, spec.ipc_job, &mailbox));
-  WirePost post;
+  WirePost post;  // tagged as every post is (the mailbox compares the tags); call 0: no call of the group yet
   post.op_id = ctx.op_id;
+  post.phase = static_cast<int32_t>(Phase::kRoster);
+  post.call = 0;
+  post.run_id = run_id;
   post.signature = {kRosterWord, group->position, *mine};
   std::vector<WirePost> posts;
   const MailboxArrival who{&ctx, &lowered, group->rank, PhaseName(Phase::kRoster), spec.timeout_s};
@@ -165,7 +169,7 @@ ffi::Error ResolveGroup(const CallContext& ctx, const GroupSpec& spec, const Pos
   group.position = position;
   group.group_index = entry / spec.n;
   group.rank = static_cast<int>(entry % spec.n);
-  FICCO_RETURN_IF_ERROR(spec.ipc_job != 0 ? MeetRosterAcrossProcesses(ctx, spec, &group)
+  FICCO_RETURN_IF_ERROR(spec.ipc_job != 0 ? MeetRosterAcrossProcesses(ctx, spec, run_id, &group)
                                           : MeetRoster(ctx, spec, run_id, &group));
   if (placement != nullptr) placement->Keep(ctx.device_ordinal, group);
   *out = group;

@@ -1,6 +1,6 @@
 // The one process-wide object of ficco_jax: per-device state, the host rendezvous, the group
-// channels, the symmetric sites, the watchdog and the fault plan that tests arm (testing/faults.h;
-// nothing is armed in production).
+// channels, the symmetric sites, the watchdog, and the one hook through which tests inject faults
+// (SetBackendWrapper: testing/faults.h sets it; nothing does in production).
 //
 // Per-device state (the occurrence counter and, in the CUDA build, the device's CudaDevice:
 // copy streams, event pools, cuBLASLt, peer access, staging buffers) is created on first use, kept
@@ -33,7 +33,6 @@
 #include "runtime/placement.h"
 #include "runtime/symmetric.h"
 #include "runtime/watchdog.h"
-#include "testing/faults.h"
 
 namespace ficco {
 
@@ -163,7 +162,15 @@ class Registry {
   std::vector<int> Ordinals();  // the devices that ran an op so far
   Rendezvous& rendezvous() { return rendezvous_; }
   Watchdog& watchdog() { return watchdog_; }
-  FaultPlan& faults() { return faults_; }
+  // Every call's backend passes through here (ffi/handler.h). A test that arms a fault sets the
+  // wrapper that injects it (testing/faults.h); nothing else ever does, so in a process without tests
+  // this is one atomic load.
+  using BackendWrapper = std::unique_ptr<Backend> (*)(std::unique_ptr<Backend>, const OpConfig&);
+  void SetBackendWrapper(BackendWrapper wrapper) { backend_wrapper_.store(wrapper, std::memory_order_release); }
+  std::unique_ptr<Backend> Wrap(std::unique_ptr<Backend> backend, const OpConfig& config) const {
+    const BackendWrapper wrapper = backend_wrapper_.load(std::memory_order_acquire);
+    return wrapper == nullptr ? std::move(backend) : wrapper(std::move(backend), config);
+  }
   // The group channels of in-process groups (runtime/channel.h), and the host time their calls spent
   // waiting for a peer's host to enqueue its writes (a late peer included).
   Channels& channels() { return channels_; }
@@ -190,7 +197,7 @@ class Registry {
   std::map<int, std::unique_ptr<DeviceState>> devices_;
   Rendezvous rendezvous_;
   Watchdog watchdog_;
-  FaultPlan faults_;
+  std::atomic<BackendWrapper> backend_wrapper_{nullptr};
   Channels channels_;
   SymmetricSites symmetric_;
   TimedCount channel_waits_;

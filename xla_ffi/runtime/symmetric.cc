@@ -26,7 +26,9 @@ SymmetricSite::Watch SymmetricSite::WatchOf(int rank) {
 
 void SymmetricSite::Fail(int rank, const std::string& why) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (failed_.empty()) failed_ = rank < 0 ? why : "rank " + std::to_string(rank) + " failed: " + why;
+  // The first error recorded, and the rank that saw it: a peer that waited for the rank that failed
+  // records first as often as that rank does, and its error names the rank it waited for.
+  if (failed_.empty()) failed_ = rank < 0 ? why : "first error, seen by rank " + std::to_string(rank) + ": " + why;
   for (const Watch& watch : watches_) {
     if (watch.stopped != nullptr) __atomic_store_n(watch.stopped, 1u, __ATOMIC_RELEASE);
   }

@@ -1,5 +1,7 @@
 #include "testing/faults.h"
 
+#include "runtime/registry.h"
+
 #include <algorithm>
 #include <charconv>
 #include <cstdio>
@@ -222,6 +224,22 @@ std::unique_ptr<Backend> FaultPlan::Apply(std::unique_ptr<Backend> backend, cons
   // must be joined on those paths as well.
   if (fault.rank != config.rank) fault.mode = InjectedFault::Mode::kCheck;
   return std::make_unique<FaultyBackend>(std::move(backend), fault, config);
+}
+
+FaultPlan& TheFaultPlan() {
+  static FaultPlan* plan = new FaultPlan();  // never destroyed: handlers may run at exit
+  return *plan;
+}
+
+namespace {
+std::unique_ptr<Backend> ApplyArmedFault(std::unique_ptr<Backend> backend, const OpConfig& config) {
+  return TheFaultPlan().Apply(std::move(backend), config);
+}
+}  // namespace
+
+void ArmFault(std::optional<InjectedFault> fault) {
+  TheFaultPlan().Arm(fault);
+  Registry::Get().SetBackendWrapper(&ApplyArmedFault);
 }
 
 }  // namespace ficco

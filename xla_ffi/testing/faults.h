@@ -54,7 +54,8 @@ bool ParseFault(std::string_view spec, std::optional<InjectedFault>* fault);
 // waited for by XLA's stream (a later record of that stream, waited on by XLA's stream).
 int64_t UnjoinedCopyCalls();
 
-// The fault armed for the whole process, if any; the registry holds the one plan.
+// The fault armed for the whole process, if any. Arming one sets the registry's backend wrapper
+// (Registry::SetBackendWrapper) to ApplyArmedFault: the only way a fault reaches a call.
 class FaultPlan {
  public:
   void Arm(std::optional<InjectedFault> fault);
@@ -67,6 +68,11 @@ class FaultPlan {
   mutable std::mutex mu_;
   InjectedFault fault_{};
 };
+
+// The process's one plan.
+FaultPlan& TheFaultPlan();
+// Arms `fault` (or none) in the plan and hooks the plan into every later call.
+void ArmFault(std::optional<InjectedFault> fault);
 
 }  // namespace ficco
 

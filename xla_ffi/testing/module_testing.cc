@@ -32,7 +32,7 @@ void InjectFault(const std::string& spec) {
                                 "'): expected '' (no fault), 'skip:<rank>', 'fail:<rank>', 'fail:<rank>:<k>' (k >= 1) "
                                 "or 'stall:<rank>'");
   }
-  Registry::Get().faults().Arm(fault);
+  ArmFault(fault);
 }
 
 // A channel generation's host check that the ranks run the same op at each call

@@ -140,7 +140,7 @@ def _collective_schedule(op: str, schedule, n: int, rows: int) -> Schedule:
     if schedule.gemm == "columns":
         raise ValueError(f"{op}: dma.{op} moves row chunks; gemm='columns' cuts the output columns of matmul_rs "
                          f"and matmul_psum: use {schedule.replace(gemm='per_chunk')}")
-    problem = schedule._problem("ag_matmul", n)  # same transfer rules: ring/direct, stream counts
+    problem = schedule.problem("ag_matmul", n)  # same transfer rules: ring/direct, stream counts
     if problem is not None:
         raise ValueError(f"{op}: schedule {schedule} is not valid: {problem}")
     if rows % schedule.chunks:
