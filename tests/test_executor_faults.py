@@ -274,3 +274,25 @@ def test_a_transfer_failing_midway_returns_only_after_xlas_stream_waits_for_what
     inject_fault("")
     assert _ext.testing().unjoined_copy_calls() == before, "a failed call returned before its copies were joined"
     np.testing.assert_allclose(np.asarray(program(*args)), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("transfer", ["pull", "push"])
+@pytest.mark.parametrize("at", range(20, 32))
+def test_a_failure_inside_the_join_still_joins_every_copy_stream(at, transfer, short_timeout, inject_fault):
+    """all_gather c2/s2: 8 ranks, 7 slots on 2 copy streams, about 24 copy-stream operations before
+    the join, which records the tail of each stream for XLA's stream to wait on. Rank 3 fails at each
+    operation from the 20th to the 31st, the join's records among them: a join that stopped at its
+    first failed record, or skipped the stream whose record failed, left copies unjoined when the
+    handler returned (pulled, the 25th: 4 copies on stream 0)."""
+    mesh = _mesh()
+    program, args, expected = _program(mesh, "all_gather", transfer)
+    before = _ext.testing().unjoined_copy_calls()
+    inject_fault(f"fail:3:{at}")
+    try:
+        jax.block_until_ready(program(*args))  # a fault past the call's last operation never strikes
+    except Exception as exc:  # noqa: BLE001 - any rank's error; the check below is the point
+        assert re.search(r"missing ranks \[3\]|injected fault 'fail' on rank 3|rank 3 \(device \d+\) failed",
+                         str(exc)), exc
+    inject_fault("")
+    assert _ext.testing().unjoined_copy_calls() == before, "a failed call returned before its copies were joined"
+    np.testing.assert_array_equal(np.asarray(program(*args)), expected)

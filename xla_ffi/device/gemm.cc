@@ -355,7 +355,42 @@ cublasStatus_t MakePlan(const GemmProblem& p, cublasLtHandle_t handle, void* wor
 struct GemmPlans::Impl {
   std::mutex mu;
   std::map<PlanKey, std::unique_ptr<GemmPlan>> plans;
+  // Matmuls enqueued on two streams of one device may run at once, and a workspace shared by them
+  // would be written by both: the first stream seen uses the device's workspace, every other stream
+  // one of its own, of the same size, made the first time it runs a matmul outside a capture (XLA's
+  // streams live as long as the device; so do these).
+  cudaStream_t first_stream = nullptr;
+  bool has_first_stream = false;
+  std::map<cudaStream_t, void*> workspaces;
 };
+
+namespace {
+// The workspace `stream` uses (see Impl). A stream first seen while it is being captured cannot
+// allocate: it uses the device's workspace for that call. Caller holds impl->mu.
+cublasStatus_t WorkspaceFor(GemmPlans::Impl* impl, cudaStream_t stream, void* device_workspace, size_t bytes,
+                            bool capturing, void** workspace) {
+  *workspace = device_workspace;
+  if (!impl->has_first_stream) {
+    impl->first_stream = stream;
+    impl->has_first_stream = true;
+  }
+  if (stream == impl->first_stream || device_workspace == nullptr || bytes == 0) return CUBLAS_STATUS_SUCCESS;
+  auto found = impl->workspaces.find(stream);
+  if (found != impl->workspaces.end()) {
+    *workspace = found->second;
+    return CUBLAS_STATUS_SUCCESS;
+  }
+  if (capturing) return CUBLAS_STATUS_SUCCESS;
+  void* own = nullptr;
+  if (cudaMalloc(&own, bytes) != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky: reported as the matmul's allocation failure
+    return CUBLAS_STATUS_ALLOC_FAILED;
+  }
+  impl->workspaces[stream] = own;
+  *workspace = own;
+  return CUBLAS_STATUS_SUCCESS;
+}
+}  // namespace
 
 GemmPlans::GemmPlans() : impl_(new Impl) {}
 GemmPlans::~GemmPlans() { delete impl_; }
@@ -364,6 +399,7 @@ cublasStatus_t GemmPlans::Run(const GemmProblem& p, cublasLtHandle_t handle, voi
                               size_t workspace_bytes, cudaStream_t stream, bool capturing) {
   // Held through the enqueue: an FP8 plan's scale pointers are set per call on its descriptor.
   std::lock_guard<std::mutex> lock(impl_->mu);
+  FICCO_LT_RETURN_IF_ERROR(WorkspaceFor(impl_, stream, workspace, workspace_bytes, capturing, &workspace));
   const PlanKey key = KeyOf(p);
   auto found = impl_->plans.find(key);
   std::unique_ptr<GemmPlan> untimed;  // a capture's plan of a new shape, gone after its enqueue

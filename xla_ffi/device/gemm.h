@@ -75,8 +75,9 @@ class GemmPlans {
   cublasStatus_t Run(const GemmProblem& problem, cublasLtHandle_t handle, void* workspace,
                      size_t workspace_bytes, cudaStream_t stream, bool capturing = false);
 
+  struct Impl;  // gemm.cc
+
  private:
-  struct Impl;
   Impl* impl_;
 };
 #endif

@@ -454,7 +454,13 @@ ffi::Error JoinCopyStreams(Backend& backend, const OpConfig& config, std::vector
   std::vector<Event> recorded(CopyStreamsUsed(config), nullptr);
   for (int stream = 0; stream < CopyStreamsUsed(config); ++stream) {
     ffi::Error status = backend.Record(stream, &recorded[stream]);
-    if (status.success()) status = backend.Wait(Backend::kCompute, recorded[stream]);
+    // A record that failed leaves the stream's copies with nothing to wait on: try once more before
+    // giving up on it (the error is still reported).
+    if (status.failure() && backend.Record(stream, &recorded[stream]).success()) {
+      (void)backend.Wait(Backend::kCompute, recorded[stream]);
+    } else if (status.success()) {
+      status = backend.Wait(Backend::kCompute, recorded[stream]);
+    }
     if (status.failure() && first.success()) first = std::move(status);
   }
   if (last != nullptr) *last = std::move(recorded);
