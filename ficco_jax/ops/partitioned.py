@@ -1,0 +1,429 @@
+"""`dot_general` for Auto-mode (GSPMD / Shardy) programs: ``jax.lax.dot_general``, partitioned by
+XLA's partitioner through ``jax.experimental.custom_partitioning``, each partition lowered to the
+op its operand shardings imply.
+
+Under ``jax.jit(in_shardings=..., out_shardings=...)``, ``with_sharding_constraint`` and Flax
+Linen's logical axes, shardings are not part of the types: the partitioner chooses them after JAX
+has traced the program. This op states its sharding rule (the einsum of the dot: batch and
+contracting dims shared, contracting dims a reduction) and lets the partitioner decide; its
+partition callback then sees the concrete mesh, the operands' shardings and the sharding wanted
+of the result, and picks, for one mesh axis `a`:
+
+    lhs free dim on a, rhs free dim on a, result on the rhs dim   -> ag_matmul   (all-gather -> matmul)
+    contracting dim on a (both), result free lhs dim on a         -> matmul_rs   (matmul -> reduce-scatter)
+    contracting dim on a (both), result without a                 -> matmul_psum (matmul -> all-reduce)
+    anything else                                                 -> the local dot (plus psum where the
+                                                                     contraction stays sharded)
+
+The per-device function it returns runs the ficco op over the mesh's axis `a` (the partitioner
+lowers it with every mesh axis manual, as a shard_map body), on the local blocks viewed as
+matrices: the lhs free dims are rows (the gathered / scattered one first), the contracting dims
+columns. Differentiation is a custom VJP whose backward is JAX's transpose of the dot, with each
+of its dots this op again, so the partitioner places (and this op overlaps) the backward's
+collectives too.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import string
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import jax.extend.core as jex
+from jax import lax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from .. import config
+from .api import ag_matmul, matmul_psum, matmul_rs
+from .core import ScheduleArg
+
+log = logging.getLogger("ficco_jax")
+
+PLAIN, AG, RS, AR = "dot", "ag_matmul", "matmul_rs", "matmul_psum"
+
+
+@dataclasses.dataclass(frozen=True)
+class DotDims:
+    """A dot_general's dimensions, by role, for operands of ranks `lhs_ndim` and `rhs_ndim`."""
+    lhs_ndim: int
+    rhs_ndim: int
+    lhs_contract: tuple
+    rhs_contract: tuple
+    lhs_batch: tuple
+    rhs_batch: tuple
+
+    @classmethod
+    def of(cls, dimension_numbers, lhs_ndim: int, rhs_ndim: int) -> "DotDims":
+        (lc, rc), (lb, rb) = dimension_numbers
+        norm = lambda dims, ndim: tuple(int(d) % ndim for d in dims)  # noqa: E731
+        return cls(lhs_ndim, rhs_ndim, norm(lc, lhs_ndim), norm(rc, rhs_ndim), norm(lb, lhs_ndim), norm(rb, rhs_ndim))
+
+    @property
+    def dimension_numbers(self):
+        return (self.lhs_contract, self.rhs_contract), (self.lhs_batch, self.rhs_batch)
+
+    @property
+    def lhs_free(self) -> tuple:
+        return tuple(d for d in range(self.lhs_ndim) if d not in self.lhs_contract + self.lhs_batch)
+
+    @property
+    def rhs_free(self) -> tuple:
+        return tuple(d for d in range(self.rhs_ndim) if d not in self.rhs_contract + self.rhs_batch)
+
+    def sharding_rule(self) -> tuple[str, tuple]:
+        """(the einsum of this dot as a Shardy sharding rule, its reduction factors)."""
+        letters = iter(string.ascii_lowercase)
+        lhs, rhs = [""] * self.lhs_ndim, [""] * self.rhs_ndim
+        for pairs in (zip(self.lhs_batch, self.rhs_batch), zip(self.lhs_contract, self.rhs_contract)):
+            for ld, rd in pairs:
+                lhs[ld] = rhs[rd] = next(letters)
+        reduction = tuple(lhs[d] for d in self.lhs_contract)
+        for names, free in ((lhs, self.lhs_free), (rhs, self.rhs_free)):
+            for d in free:
+                names[d] = next(letters)
+        out = [lhs[d] for d in self.lhs_batch + self.lhs_free] + [rhs[d] for d in self.rhs_free]
+        return f"{' '.join(lhs)}, {' '.join(rhs)} -> {' '.join(out)}", reduction
+
+
+# A dimension's sharding as a tuple of mesh axis names (() = replicated).
+def _axes(entry) -> tuple:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def _entry(axes: tuple):
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def _dims_of(sharding, ndim: int) -> list:
+    """Each dimension's mesh axes in NamedSharding `sharding` (replicated when it is unknown)."""
+    spec = tuple(sharding.spec) if isinstance(sharding, NamedSharding) else ()
+    return [_axes(e) for e in spec + (None,) * (ndim - len(spec))]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What one partition computes: the op, its mesh axis, the row dim (an lhs free dim) it
+    gathers or scatters, and the shardings of lhs, rhs and result (tuples of per-dim axes)."""
+    op: str
+    axis: str | None
+    row_dim: int | None
+    lhs: tuple
+    rhs: tuple
+    out: tuple
+    psum_axes: tuple = ()  # the local dot's contraction left sharded: summed over these axes
+
+
+def _out_dims(dims: DotDims, lhs: list, rhs: list) -> list:
+    return [lhs[d] for d in dims.lhs_batch + dims.lhs_free] + [rhs[d] for d in dims.rhs_free]
+
+
+def _valid(plan_dims) -> bool:
+    """No mesh axis shards two dims of one array."""
+    used = [a for axes in plan_dims for a in axes]
+    return len(used) == len(set(used))
+
+
+def _plain(dims: DotDims, lhs: list, rhs: list) -> Plan:
+    """The local dot: batch and free dims keep their operand's sharding (an axis used twice kept on
+    its first use), contracting pairs sharded alike on both sides stay so and are summed."""
+    lhs, rhs = list(lhs), list(rhs)
+    for ld, rd in zip(dims.lhs_batch, dims.rhs_batch):
+        rhs[rd] = lhs[ld]
+    used = {a for d in dims.lhs_batch + dims.lhs_free for a in lhs[d]}
+    for d in dims.rhs_free:
+        rhs[d] = tuple(a for a in rhs[d] if a not in used)
+        used |= set(rhs[d])
+    psum = []
+    for ld, rd in zip(dims.lhs_contract, dims.rhs_contract):
+        if lhs[ld] and lhs[ld] == rhs[rd] and not (set(lhs[ld]) & used):
+            psum += lhs[ld]
+            used |= set(lhs[ld])
+        else:
+            lhs[ld] = rhs[rd] = ()
+    return Plan(PLAIN, None, None, tuple(lhs), tuple(rhs), tuple(_out_dims(dims, lhs, rhs)), tuple(psum))
+
+
+def _no_contraction_sharding(dims: DotDims, lhs: list, rhs: list):
+    lhs, rhs = list(lhs), list(rhs)
+    for d in dims.lhs_contract:
+        lhs[d] = ()
+    for d in dims.rhs_contract:
+        rhs[d] = ()
+    return lhs, rhs
+
+
+def _gather_plan(dims: DotDims, lhs: list, rhs: list, out: list) -> Plan | None:
+    """ag_matmul: lhs rows (a free dim) on axis a, rhs columns (a free dim) on a, result columns on a."""
+    n_lead = len(dims.lhs_free)
+    for j, rd in enumerate(dims.rhs_free):
+        if len(rhs[rd]) != 1 or out[n_lead + j] != rhs[rd]:
+            continue
+        (axis,) = rhs[rd]
+        for i, ld in enumerate(dims.lhs_free):
+            if lhs[ld] == (axis,) and axis not in out[i]:
+                new_lhs, new_rhs = _no_contraction_sharding(dims, lhs, rhs)
+                result = _out_dims(dims, new_lhs, new_rhs)
+                result[i] = ()
+                plan = Plan(AG, axis, ld, tuple(new_lhs), tuple(new_rhs), tuple(result))
+                if _valid(result) and _valid(new_lhs) and _valid(new_rhs):
+                    return plan
+    return None
+
+
+def _contraction_axis(dims: DotDims, lhs: list, rhs: list):
+    """(axis, lhs contracting dim) of the one contracting pair sharded on one axis alike, else None."""
+    sharded = [(ld, rd) for ld, rd in zip(dims.lhs_contract, dims.rhs_contract) if lhs[ld] or rhs[rd]]
+    if len(sharded) != 1:
+        return None
+    ((ld, rd),) = sharded
+    if len(lhs[ld]) != 1 or lhs[ld] != rhs[rd]:
+        return None
+    return lhs[ld][0], ld, rd
+
+
+def _scatter_plan(dims: DotDims, lhs: list, rhs: list, out: list) -> Plan | None:
+    """matmul_rs (result rows on the contraction's axis) or matmul_psum (result without it)."""
+    found = _contraction_axis(dims, lhs, rhs)
+    if found is None:
+        return None
+    axis, lcd, rcd = found
+    new_lhs, new_rhs = _no_contraction_sharding(dims, lhs, rhs)
+    new_lhs = [tuple(a for a in axes if a != axis) for axes in new_lhs]
+    new_rhs = [tuple(a for a in axes if a != axis) for axes in new_rhs]
+    result = _out_dims(dims, new_lhs, new_rhs)
+    new_lhs[lcd], new_rhs[rcd] = (axis,), (axis,)
+    for i, ld in enumerate(dims.lhs_free):
+        if out[i] == (axis,):
+            new_lhs[ld] = ()
+            result[i] = (axis,)
+            plan = Plan(RS, axis, ld, tuple(new_lhs), tuple(new_rhs), tuple(result))
+            return plan if _valid(result) and _valid(new_lhs) and _valid(new_rhs) else None
+    if any(axis in axes for axes in out):
+        return None
+    plan = Plan(AR, axis, None, tuple(new_lhs), tuple(new_rhs), tuple(result))
+    return plan if _valid(result) and _valid(new_lhs) and _valid(new_rhs) else None
+
+
+def choose_plan(dims: DotDims, lhs: list, rhs: list, out: list, ficco: bool = True) -> Plan:
+    """The plan for operand shardings `lhs`, `rhs` and the result sharding `out` the partitioner wants."""
+    if ficco and not dims.lhs_batch:
+        for plan in (_gather_plan(dims, lhs, rhs, out), _scatter_plan(dims, lhs, rhs, out)):
+            if plan is not None:
+                return plan
+    return _plain(dims, lhs, rhs)
+
+
+# -- the per-device computation ----------------------------------------------------------------------
+
+def _local_matrix_op(plan: Plan, dims: DotDims, schedule, out_dtype):
+    """The per-device function of a ficco plan: blocks -> result block."""
+    op = {AG: ag_matmul, RS: matmul_rs, AR: matmul_psum}[plan.op]
+    lead = () if plan.row_dim is None else (plan.row_dim,)
+    rows = lead + tuple(d for d in dims.lhs_free if d not in lead)
+
+    def local(lhs, rhs):
+        x = jnp.transpose(lhs, rows + dims.lhs_contract)
+        row_shape = x.shape[:len(rows)]
+        x = x.reshape(int(np.prod(row_shape, dtype=np.int64)), -1)
+        w = jnp.transpose(rhs, dims.rhs_contract + dims.rhs_free)
+        col_shape = w.shape[len(dims.rhs_contract):]
+        w = w.reshape(-1, int(np.prod(col_shape, dtype=np.int64)))
+        y = op(x, w, plan.axis, schedule=schedule, out_dtype=out_dtype)
+        y = y.reshape((-1,) + row_shape[1:] + col_shape)  # the row dim's length changes (gathered / scattered)
+        # back to dot_general's order: lhs free dims as they were, then the rhs free dims
+        back = [rows.index(d) for d in dims.lhs_free] + [len(rows) + k for k in range(len(col_shape))]
+        return jnp.transpose(y, back)
+
+    return local
+
+
+def _block(shape, dim_axes: tuple, mesh):
+    """The per-device block of an array of `shape` sharded as `dim_axes`."""
+    dims = [size // int(np.prod([mesh.shape[a] for a in axes], dtype=np.int64))
+            for size, axes in zip(shape.shape, dim_axes)]
+    return jax.ShapeDtypeStruct(tuple(dims), shape.dtype)
+
+
+def _as_manual_body(fn, mesh, blocks):
+    """`fn` of per-device blocks as the partitioner lowers it: every mesh axis manual.
+
+    The ops are written for shard_map bodies (their operands typed as varying over their axis),
+    while the partitioner traces a custom partition with the mesh's axes bound but no shard_map,
+    and lowers it after Shardy has run (a shard_map there would leave Shardy's own custom calls
+    unlowered). So `fn` is traced as the body of a shard_map over the mesh whose blocks are the
+    whole local arrays (specs P()), and that body, not the shard_map, is the per-device function."""
+    mapped = jax.shard_map(fn, mesh=mesh, in_specs=(P(),) * len(blocks), out_specs=P(), check_vma=False)
+    with jax.set_mesh(mesh):  # the ops' schedule resolution finds the axis's devices there
+        traced = jax.make_jaxpr(mapped)(*blocks)
+    (eqn,) = traced.jaxpr.eqns
+    body = eqn.params["jaxpr"]
+    body, body_consts = (body.jaxpr, body.consts) if hasattr(body, "consts") else (body, ())
+
+    def local(*args):
+        env = dict(zip(traced.jaxpr.constvars, traced.consts))
+        env.update(zip(traced.jaxpr.invars, args))
+        inner = [v.val if isinstance(v, jex.Literal) else env[v] for v in eqn.invars]
+        (out,) = jax.core.eval_jaxpr(body, body_consts, *inner)
+        return out
+
+    return local
+
+
+def _ficco_local(plan: Plan, dims: DotDims, mesh, blocks, schedule, preferred_element_type):
+    """The per-device function of a ficco plan. A schedule the op refuses for these blocks (rows
+    that do not divide by its chunks, comm="dma" where copy engines do not reach) is replaced by
+    the one "auto" picks, with a warning: one schedule given to a model's dots meets other shapes
+    in their backward."""
+    out_dtype = None if preferred_element_type is None else jnp.dtype(preferred_element_type)
+    try:
+        return _as_manual_body(_local_matrix_op(plan, dims, schedule, out_dtype), mesh, blocks)
+    except (ValueError, TypeError) as err:
+        if isinstance(schedule, str) and schedule in ("auto", "autotune"):
+            raise
+        log.warning("dot_general: %s over %r refuses schedule %s for blocks %s and %s (%s); it runs the schedule "
+                    "'auto' picks", plan.op, plan.axis, schedule, *(b.shape for b in blocks),
+                    (str(err).splitlines() or [""])[0])
+        return _as_manual_body(_local_matrix_op(plan, dims, "auto", out_dtype), mesh, blocks)
+
+
+def _local_dot(plan: Plan, dims: DotDims, precision, preferred_element_type):
+    def local(lhs, rhs):
+        out = lax.dot_general(lhs, rhs, dims.dimension_numbers, precision=precision,
+                              preferred_element_type=preferred_element_type)
+        return lax.psum(out, plan.psum_axes) if plan.psum_axes else out
+    return local
+
+
+def _ficco_applies(lhs_dtype, rhs_dtype, preferred_element_type) -> bool:
+    """The ficco ops take two operands of one non-FP8 floating dtype."""
+    return (lhs_dtype == rhs_dtype and jnp.issubdtype(lhs_dtype, jnp.floating) and not config.is_fp8(lhs_dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _partitioned(dims: DotDims, precision, preferred_element_type, schedule):
+    """The custom_partitioning dot for one static configuration (cached: one per call signature)."""
+
+    def reference(lhs, rhs):
+        return lax.dot_general(lhs, rhs, dims.dimension_numbers, precision=precision,
+                               preferred_element_type=preferred_element_type)
+
+    fn = custom_partitioning(reference)
+
+    def plan_of(arg_shapes, result_shape) -> Plan:
+        lhs, rhs = arg_shapes
+        specs = (_dims_of(lhs.sharding, dims.lhs_ndim), _dims_of(rhs.sharding, dims.rhs_ndim),
+                 _dims_of(result_shape.sharding, len(result_shape.shape)))
+        ficco = schedule != "none" and _ficco_applies(lhs.dtype, rhs.dtype, preferred_element_type)
+        return choose_plan(dims, *specs, ficco=ficco)
+
+    def infer_sharding_from_operands(mesh, arg_shapes, result_shape):
+        lhs, rhs = arg_shapes
+        plan = _plain(dims, _dims_of(lhs.sharding, dims.lhs_ndim), _dims_of(rhs.sharding, dims.rhs_ndim))
+        return NamedSharding(mesh, P(*map(_entry, plan.out)))
+
+    def partition(mesh, arg_shapes, result_shape):
+        plan = plan_of(arg_shapes, result_shape)
+        log.debug("dot_general %s: %s over %s", dims.dimension_numbers, plan.op, plan.axis)
+        if plan.op == PLAIN:
+            local = _local_dot(plan, dims, precision, preferred_element_type)
+        else:
+            blocks = [_block(shape, axes, mesh) for shape, axes in zip(arg_shapes, (plan.lhs, plan.rhs))]
+            local = _ficco_local(plan, dims, mesh, blocks, schedule, preferred_element_type)
+        named = lambda axes: NamedSharding(mesh, P(*map(_entry, axes)))  # noqa: E731
+        return mesh, local, named(plan.out), (named(plan.lhs), named(plan.rhs))
+
+    rule, reduction = dims.sharding_rule()
+    fn.def_partition(partition=partition, infer_sharding_from_operands=infer_sharding_from_operands,
+                     propagate_user_sharding=None, sharding_rule=rule, reduction_factors=reduction)
+    return fn
+
+
+# -- the public op and its VJP -----------------------------------------------------------------------
+
+def _static(precision, preferred_element_type):
+    """Hashable forms of dot_general's precision and preferred_element_type."""
+    if isinstance(precision, list):
+        precision = tuple(precision)
+    pet = None if preferred_element_type is None else jnp.dtype(preferred_element_type)
+    return precision, pet
+
+
+def _bind(lhs, rhs, dimension_numbers, precision, preferred_element_type, schedule):
+    dims = DotDims.of(dimension_numbers, lhs.ndim, rhs.ndim)
+    precision, pet = _static(precision, preferred_element_type)
+    return _partitioned(dims, precision, pet, schedule)(lhs, rhs)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, schedule):
+    return _bind(lhs, rhs, dimension_numbers, precision, preferred_element_type, schedule)
+
+
+def _dot_general_fwd(lhs, rhs, dimension_numbers, precision, preferred_element_type, schedule):
+    out = _bind(lhs, rhs, dimension_numbers, precision, preferred_element_type, schedule)
+    return out, (lhs, rhs)
+
+
+def _dot_general_bwd(dimension_numbers, precision, preferred_element_type, schedule, residuals, ct):
+    lhs, rhs = residuals
+
+    def plain_vjp(a, b, c):
+        _, vjp = jax.vjp(lambda a, b: lax.dot_general(a, b, dimension_numbers, precision=precision,
+                                                      preferred_element_type=preferred_element_type), a, b)
+        return vjp(c)
+
+    # JAX's own transpose of the dot (its dtype rules included), with each of its dots this op again.
+    closed = jax.make_jaxpr(plain_vjp)(lhs, rhs, ct)
+    return tuple(eval_with_partitioned_dots(closed.jaxpr, closed.consts, schedule, lhs, rhs, ct))
+
+
+_dot_general.defvjp(_dot_general_fwd, _dot_general_bwd)
+
+
+def eval_with_partitioned_dots(jaxpr, consts, schedule, *args):
+    """Evaluate `jaxpr` with each top-level dot_general bound as this module's partitioned dot."""
+    env = {}
+    read = lambda v: v.val if isinstance(v, jex.Literal) else env[v]  # noqa: E731
+    for var, value in zip(jaxpr.constvars, consts):
+        env[var] = value
+    for var, value in zip(jaxpr.invars, args):
+        env[var] = value
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        if eqn.primitive is lax.dot_general_p:
+            outs = [_dot_general(*invals, eqn.params["dimension_numbers"], eqn.params["precision"],
+                                 eqn.params["preferred_element_type"], schedule)]
+        else:
+            with eqn.ctx.manager:
+                outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+            outs = outs if eqn.primitive.multiple_results else [outs]
+        for var, value in zip(eqn.outvars, outs):
+            env[var] = value
+    return [read(v) for v in jaxpr.outvars]
+
+
+def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *,
+                schedule: ScheduleArg = "auto", out_sharding=None):
+    """``jax.lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)``,
+    partitioned by XLA's partitioner and, where the shardings it chooses call for communication,
+    run as the ficco op they imply (module docstring): all-gather -> matmul, matmul ->
+    reduce-scatter or matmul -> all-reduce, overlapped by `schedule` ("auto", a `Schedule` or its
+    string form; "none" keeps XLA's own partitioning of the dot).
+
+    For Auto-mode programs (``jax.jit`` with in/out shardings, ``with_sharding_constraint``, Flax
+    Linen's logical axes): ``nn.Dense(..., dot_general=ficco_jax.dot_general)``, or
+    ``functools.partial(ficco_jax.dot_general, schedule="dma/direct/c2")``. Outside jit, on one
+    device or inside ``jax.shard_map`` it is the plain dot. Differentiable (reverse mode): the
+    backward is JAX's transpose of the dot, whose dots are partitioned the same way.
+    The ficco ops run at the default matmul precision; `precision` applies to the local dots.
+    """
+    if out_sharding is not None:
+        return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                               preferred_element_type=preferred_element_type, out_sharding=out_sharding)
+    return _dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, schedule)
