@@ -319,7 +319,7 @@ def _partitioned(dims: DotDims, precision, preferred_element_type, schedule):
         lhs, rhs = arg_shapes
         specs = (_dims_of(lhs.sharding, dims.lhs_ndim), _dims_of(rhs.sharding, dims.rhs_ndim),
                  _dims_of(result_shape.sharding, len(result_shape.shape)))
-        ficco = schedule != "none" and _ficco_applies(lhs.dtype, rhs.dtype, preferred_element_type)
+        ficco = _ficco_applies(lhs.dtype, rhs.dtype, preferred_element_type)
         return choose_plan(dims, *specs, ficco=ficco)
 
     def infer_sharding_from_operands(mesh, arg_shapes, result_shape):
@@ -413,8 +413,8 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     """``jax.lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)``,
     partitioned by XLA's partitioner and, where the shardings it chooses call for communication,
     run as the ficco op they imply (module docstring): all-gather -> matmul, matmul ->
-    reduce-scatter or matmul -> all-reduce, overlapped by `schedule` ("auto", a `Schedule` or its
-    string form; "none" keeps XLA's own partitioning of the dot).
+    reduce-scatter or matmul -> all-reduce, overlapped by `schedule` ("auto", "autotune", a
+    `Schedule` or its string form; "none": the plain collective, then the matmul).
 
     For Auto-mode programs (``jax.jit`` with in/out shardings, ``with_sharding_constraint``, Flax
     Linen's logical axes): ``nn.Dense(..., dot_general=ficco_jax.dot_general)``, or
