@@ -16,7 +16,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import ficco_jax
-from ficco_jax.ops.partitioned import AG, AR, PLAIN, RS, DotDims, choose_plan
+from ficco_jax.ops.partition_plan import AG, AR, PLAIN, RS, DotDims, choose_plan
 
 from helpers import TOLERANCE, random, rel_err
 
@@ -187,3 +187,15 @@ def test_plain_outside_a_partitioned_program(rng):
     want = lax.dot_general(x, w, DENSE)
     assert rel_err(ficco_jax.dot_general(x, w, DENSE, schedule="xla/ring/c2"), want) < TOLERANCE["float32"]
     assert rel_err(jax.jit(partial(ficco_jax.dot_general, dimension_numbers=DENSE))(x, w), want) < TOLERANCE["float32"]
+
+
+def test_refused_schedule_runs_auto(mesh, rng, caplog):
+    """A schedule the op refuses for its blocks (2 rows per device, 4 chunks) runs as "auto", with a warning."""
+    case = ((4, 4, 32), (32, 64), *CASES["ag_matmul"][2:])
+    lhs, rhs = random(rng, case[0], jnp.float32), random(rng, case[1], jnp.float32)
+    forward, _ = _program(case, partial(ficco_jax.dot_general, schedule="xla/ring/c4"), mesh)
+    want_forward, _ = _program(case, lax.dot_general, mesh)
+    with caplog.at_level("WARNING", logger="ficco_jax"):
+        assert rel_err(forward(lhs, rhs), want_forward(lhs, rhs)) < TOLERANCE["float32"]
+    assert any("takes no schedule xla/ring/c4" in r.getMessage() for r in caplog.records)
+

@@ -1,7 +1,7 @@
 """The public ops and their machinery, top to bottom:
 
   partitioned.py  dot_general for Auto-mode (GSPMD/Shardy) code: custom_partitioning, lowered per
-              partition to the op the partitioner's shardings imply
+              partition to the op the partitioner's shardings imply (partition_plan.py: which op)
   api.py      ag_matmul / matmul_rs / matmul_psum / a2a_matmul / matmul_a2a and their references
   measure.py  running one op on local devices to time it (autotune, the benchmark tools)
   scaled.py   the FP8 forms of the tensor-parallel ops: their tangent maps and positional forms

@@ -7,13 +7,8 @@ Linen's logical axes, shardings are not part of the types: the partitioner choos
 has traced the program. This op states its sharding rule (the einsum of the dot: batch and
 contracting dims shared, contracting dims a reduction) and lets the partitioner decide; its
 partition callback then sees the concrete mesh, the operands' shardings and the sharding wanted
-of the result, and picks, for one mesh axis `a`:
-
-    lhs free dim on a, rhs free dim on a, result on the rhs dim   -> ag_matmul   (all-gather -> matmul)
-    contracting dim on a (both), result free lhs dim on a         -> matmul_rs   (matmul -> reduce-scatter)
-    contracting dim on a (both), result without a                 -> matmul_psum (matmul -> all-reduce)
-    anything else                                                 -> the local dot (plus psum where the
-                                                                     contraction stays sharded)
+of the result, and picks the op they imply (partition_plan.py): ag_matmul, matmul_rs,
+matmul_psum over one mesh axis, or the local dot.
 
 The per-device function it returns runs the ficco op over the mesh's axis `a` (the partitioner
 lowers it with every mesh axis manual, as a shard_map body), on the local blocks viewed as
@@ -24,15 +19,13 @@ collectives too.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
-import string
 
 import jax
+import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
-import jax.extend.core as jex
 from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -40,183 +33,15 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from .. import config
 from .api import ag_matmul, matmul_psum, matmul_rs
 from .core import ScheduleArg
+from .partition_plan import AG, AR, PLAIN, RS, DotDims, Plan, choose_plan, dim_axes, plain_plan, spec_entry
 
 log = logging.getLogger("ficco_jax")
-
-PLAIN, AG, RS, AR = "dot", "ag_matmul", "matmul_rs", "matmul_psum"
-
-
-@dataclasses.dataclass(frozen=True)
-class DotDims:
-    """A dot_general's dimensions, by role, for operands of ranks `lhs_ndim` and `rhs_ndim`."""
-    lhs_ndim: int
-    rhs_ndim: int
-    lhs_contract: tuple
-    rhs_contract: tuple
-    lhs_batch: tuple
-    rhs_batch: tuple
-
-    @classmethod
-    def of(cls, dimension_numbers, lhs_ndim: int, rhs_ndim: int) -> "DotDims":
-        (lc, rc), (lb, rb) = dimension_numbers
-        norm = lambda dims, ndim: tuple(int(d) % ndim for d in dims)  # noqa: E731
-        return cls(lhs_ndim, rhs_ndim, norm(lc, lhs_ndim), norm(rc, rhs_ndim), norm(lb, lhs_ndim), norm(rb, rhs_ndim))
-
-    @property
-    def dimension_numbers(self):
-        return (self.lhs_contract, self.rhs_contract), (self.lhs_batch, self.rhs_batch)
-
-    @property
-    def lhs_free(self) -> tuple:
-        return tuple(d for d in range(self.lhs_ndim) if d not in self.lhs_contract + self.lhs_batch)
-
-    @property
-    def rhs_free(self) -> tuple:
-        return tuple(d for d in range(self.rhs_ndim) if d not in self.rhs_contract + self.rhs_batch)
-
-    def sharding_rule(self) -> tuple[str, tuple]:
-        """(the einsum of this dot as a Shardy sharding rule, its reduction factors)."""
-        letters = iter(string.ascii_lowercase)
-        lhs, rhs = [""] * self.lhs_ndim, [""] * self.rhs_ndim
-        for pairs in (zip(self.lhs_batch, self.rhs_batch), zip(self.lhs_contract, self.rhs_contract)):
-            for ld, rd in pairs:
-                lhs[ld] = rhs[rd] = next(letters)
-        reduction = tuple(lhs[d] for d in self.lhs_contract)
-        for names, free in ((lhs, self.lhs_free), (rhs, self.rhs_free)):
-            for d in free:
-                names[d] = next(letters)
-        out = [lhs[d] for d in self.lhs_batch + self.lhs_free] + [rhs[d] for d in self.rhs_free]
-        return f"{' '.join(lhs)}, {' '.join(rhs)} -> {' '.join(out)}", reduction
-
-
-# A dimension's sharding as a tuple of mesh axis names (() = replicated).
-def _axes(entry) -> tuple:
-    if entry is None:
-        return ()
-    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
-
-
-def _entry(axes: tuple):
-    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
 
 
 def _dims_of(sharding, ndim: int) -> list:
     """Each dimension's mesh axes in NamedSharding `sharding` (replicated when it is unknown)."""
     spec = tuple(sharding.spec) if isinstance(sharding, NamedSharding) else ()
-    return [_axes(e) for e in spec + (None,) * (ndim - len(spec))]
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """What one partition computes: the op, its mesh axis, the row dim (an lhs free dim) it
-    gathers or scatters, and the shardings of lhs, rhs and result (tuples of per-dim axes)."""
-    op: str
-    axis: str | None
-    row_dim: int | None
-    lhs: tuple
-    rhs: tuple
-    out: tuple
-    psum_axes: tuple = ()  # the local dot's contraction left sharded: summed over these axes
-
-
-def _out_dims(dims: DotDims, lhs: list, rhs: list) -> list:
-    return [lhs[d] for d in dims.lhs_batch + dims.lhs_free] + [rhs[d] for d in dims.rhs_free]
-
-
-def _valid(plan_dims) -> bool:
-    """No mesh axis shards two dims of one array."""
-    used = [a for axes in plan_dims for a in axes]
-    return len(used) == len(set(used))
-
-
-def _plain(dims: DotDims, lhs: list, rhs: list) -> Plan:
-    """The local dot: batch and free dims keep their operand's sharding (an axis used twice kept on
-    its first use), contracting pairs sharded alike on both sides stay so and are summed."""
-    lhs, rhs = list(lhs), list(rhs)
-    for ld, rd in zip(dims.lhs_batch, dims.rhs_batch):
-        rhs[rd] = lhs[ld]
-    used = {a for d in dims.lhs_batch + dims.lhs_free for a in lhs[d]}
-    for d in dims.rhs_free:
-        rhs[d] = tuple(a for a in rhs[d] if a not in used)
-        used |= set(rhs[d])
-    psum = []
-    for ld, rd in zip(dims.lhs_contract, dims.rhs_contract):
-        if lhs[ld] and lhs[ld] == rhs[rd] and not (set(lhs[ld]) & used):
-            psum += lhs[ld]
-            used |= set(lhs[ld])
-        else:
-            lhs[ld] = rhs[rd] = ()
-    return Plan(PLAIN, None, None, tuple(lhs), tuple(rhs), tuple(_out_dims(dims, lhs, rhs)), tuple(psum))
-
-
-def _no_contraction_sharding(dims: DotDims, lhs: list, rhs: list):
-    lhs, rhs = list(lhs), list(rhs)
-    for d in dims.lhs_contract:
-        lhs[d] = ()
-    for d in dims.rhs_contract:
-        rhs[d] = ()
-    return lhs, rhs
-
-
-def _gather_plan(dims: DotDims, lhs: list, rhs: list, out: list) -> Plan | None:
-    """ag_matmul: lhs rows (a free dim) on axis a, rhs columns (a free dim) on a, result columns on a."""
-    n_lead = len(dims.lhs_free)
-    for j, rd in enumerate(dims.rhs_free):
-        if len(rhs[rd]) != 1 or out[n_lead + j] != rhs[rd]:
-            continue
-        (axis,) = rhs[rd]
-        for i, ld in enumerate(dims.lhs_free):
-            if lhs[ld] == (axis,) and axis not in out[i]:
-                new_lhs, new_rhs = _no_contraction_sharding(dims, lhs, rhs)
-                result = _out_dims(dims, new_lhs, new_rhs)
-                result[i] = ()
-                plan = Plan(AG, axis, ld, tuple(new_lhs), tuple(new_rhs), tuple(result))
-                if _valid(result) and _valid(new_lhs) and _valid(new_rhs):
-                    return plan
-    return None
-
-
-def _contraction_axis(dims: DotDims, lhs: list, rhs: list):
-    """(axis, lhs contracting dim) of the one contracting pair sharded on one axis alike, else None."""
-    sharded = [(ld, rd) for ld, rd in zip(dims.lhs_contract, dims.rhs_contract) if lhs[ld] or rhs[rd]]
-    if len(sharded) != 1:
-        return None
-    ((ld, rd),) = sharded
-    if len(lhs[ld]) != 1 or lhs[ld] != rhs[rd]:
-        return None
-    return lhs[ld][0], ld, rd
-
-
-def _scatter_plan(dims: DotDims, lhs: list, rhs: list, out: list) -> Plan | None:
-    """matmul_rs (result rows on the contraction's axis) or matmul_psum (result without it)."""
-    found = _contraction_axis(dims, lhs, rhs)
-    if found is None:
-        return None
-    axis, lcd, rcd = found
-    new_lhs, new_rhs = _no_contraction_sharding(dims, lhs, rhs)
-    new_lhs = [tuple(a for a in axes if a != axis) for axes in new_lhs]
-    new_rhs = [tuple(a for a in axes if a != axis) for axes in new_rhs]
-    result = _out_dims(dims, new_lhs, new_rhs)
-    new_lhs[lcd], new_rhs[rcd] = (axis,), (axis,)
-    for i, ld in enumerate(dims.lhs_free):
-        if out[i] == (axis,):
-            new_lhs[ld] = ()
-            result[i] = (axis,)
-            plan = Plan(RS, axis, ld, tuple(new_lhs), tuple(new_rhs), tuple(result))
-            return plan if _valid(result) and _valid(new_lhs) and _valid(new_rhs) else None
-    if any(axis in axes for axes in out):
-        return None
-    plan = Plan(AR, axis, None, tuple(new_lhs), tuple(new_rhs), tuple(result))
-    return plan if _valid(result) and _valid(new_lhs) and _valid(new_rhs) else None
-
-
-def choose_plan(dims: DotDims, lhs: list, rhs: list, out: list, ficco: bool = True) -> Plan:
-    """The plan for operand shardings `lhs`, `rhs` and the result sharding `out` the partitioner wants."""
-    if ficco and not dims.lhs_batch:
-        for plan in (_gather_plan(dims, lhs, rhs, out), _scatter_plan(dims, lhs, rhs, out)):
-            if plan is not None:
-                return plan
-    return _plain(dims, lhs, rhs)
+    return [dim_axes(e) for e in spec + (None,) * (ndim - len(spec))]
 
 
 # -- the per-device computation ----------------------------------------------------------------------
@@ -276,23 +101,29 @@ def _as_manual_body(fn, mesh, blocks):
 
 
 def _ficco_local(plan: Plan, dims: DotDims, mesh, blocks, schedule, preferred_element_type):
-    """The per-device function of a ficco plan. A schedule the op refuses for these blocks (rows
-    that do not divide by its chunks, comm="dma" where copy engines do not reach) is replaced by
-    the one "auto" picks, with a warning: one schedule given to a model's dots meets other shapes
-    in their backward."""
+    """The per-device function of a ficco plan, or None where its op takes no schedule for these
+    blocks. A given schedule the op refuses (rows that do not divide by its chunks, comm="dma"
+    where copy engines do not reach) is replaced by the one "auto" picks, with a warning: one
+    schedule given to a model's dots meets other shapes in their backward."""
     out_dtype = None if preferred_element_type is None else jnp.dtype(preferred_element_type)
-    try:
-        return _as_manual_body(_local_matrix_op(plan, dims, schedule, out_dtype), mesh, blocks)
-    except (ValueError, TypeError) as err:
-        if isinstance(schedule, str) and schedule in ("auto", "autotune"):
-            raise
-        log.warning("dot_general: %s over %r refuses schedule %s for blocks %s and %s (%s); it runs the schedule "
-                    "'auto' picks", plan.op, plan.axis, schedule, *(b.shape for b in blocks),
-                    (str(err).splitlines() or [""])[0])
-        return _as_manual_body(_local_matrix_op(plan, dims, "auto", out_dtype), mesh, blocks)
+    tried = [schedule] if isinstance(schedule, str) and schedule in ("auto", "autotune") else [schedule, "auto"]
+    for candidate in tried:
+        try:
+            return _as_manual_body(_local_matrix_op(plan, dims, candidate, out_dtype), mesh, blocks)
+        except (ValueError, TypeError) as err:
+            log.warning("dot_general: %s over %r takes no schedule %s for blocks %s and %s (%s)", plan.op, plan.axis,
+                        candidate, *(b.shape for b in blocks), (str(err).splitlines() or [""])[0])
+    return None
+
+
+def _divides(shapes, dim_axes_of: tuple, mesh) -> bool:
+    """Whether every dim of `shapes` divides by the devices of the mesh axes it is sharded over."""
+    return all(size % int(np.prod([mesh.shape[a] for a in axes], dtype=np.int64)) == 0
+               for shape, per_dim in zip(shapes, dim_axes_of) for size, axes in zip(shape, per_dim))
 
 
 def _local_dot(plan: Plan, dims: DotDims, precision, preferred_element_type):
+    """The per-device function of the local dot (summed over a contraction left sharded)."""
     def local(lhs, rhs):
         out = lax.dot_general(lhs, rhs, dims.dimension_numbers, precision=precision,
                               preferred_element_type=preferred_element_type)
@@ -300,9 +131,9 @@ def _local_dot(plan: Plan, dims: DotDims, precision, preferred_element_type):
     return local
 
 
-def _ficco_applies(lhs_dtype, rhs_dtype, preferred_element_type) -> bool:
+def _ficco_applies(lhs_dtype, rhs_dtype) -> bool:
     """The ficco ops take two operands of one non-FP8 floating dtype."""
-    return (lhs_dtype == rhs_dtype and jnp.issubdtype(lhs_dtype, jnp.floating) and not config.is_fp8(lhs_dtype))
+    return lhs_dtype == rhs_dtype and jnp.issubdtype(lhs_dtype, jnp.floating) and not config.is_fp8(lhs_dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -319,23 +150,25 @@ def _partitioned(dims: DotDims, precision, preferred_element_type, schedule):
         lhs, rhs = arg_shapes
         specs = (_dims_of(lhs.sharding, dims.lhs_ndim), _dims_of(rhs.sharding, dims.rhs_ndim),
                  _dims_of(result_shape.sharding, len(result_shape.shape)))
-        ficco = _ficco_applies(lhs.dtype, rhs.dtype, preferred_element_type)
+        ficco = _ficco_applies(lhs.dtype, rhs.dtype)
         return choose_plan(dims, *specs, ficco=ficco)
 
     def infer_sharding_from_operands(mesh, arg_shapes, result_shape):
         lhs, rhs = arg_shapes
-        plan = _plain(dims, _dims_of(lhs.sharding, dims.lhs_ndim), _dims_of(rhs.sharding, dims.rhs_ndim))
-        return NamedSharding(mesh, P(*map(_entry, plan.out)))
+        plan = plain_plan(dims, _dims_of(lhs.sharding, dims.lhs_ndim), _dims_of(rhs.sharding, dims.rhs_ndim))
+        return NamedSharding(mesh, P(*map(spec_entry, plan.out)))
 
     def partition(mesh, arg_shapes, result_shape):
-        plan = plan_of(arg_shapes, result_shape)
-        log.debug("dot_general %s: %s over %s", dims.dimension_numbers, plan.op, plan.axis)
-        if plan.op == PLAIN:
-            local = _local_dot(plan, dims, precision, preferred_element_type)
-        else:
+        plan, local = plan_of(arg_shapes, result_shape), None
+        shapes = (arg_shapes[0].shape, arg_shapes[1].shape, result_shape.shape)
+        if plan.op != PLAIN and _divides(shapes, (plan.lhs, plan.rhs, plan.out), mesh):
             blocks = [_block(shape, axes, mesh) for shape, axes in zip(arg_shapes, (plan.lhs, plan.rhs))]
             local = _ficco_local(plan, dims, mesh, blocks, schedule, preferred_element_type)
-        named = lambda axes: NamedSharding(mesh, P(*map(_entry, axes)))  # noqa: E731
+        if local is None:  # the local dot, on the shardings the operands have (uneven blocks included)
+            plan = plain_plan(dims, *(_dims_of(a.sharding, len(a.shape)) for a in arg_shapes))
+            local = _local_dot(plan, dims, precision, preferred_element_type)
+        log.debug("dot_general %s: %s over %s", dims.dimension_numbers, plan.op, plan.axis)
+        named = lambda axes: NamedSharding(mesh, P(*map(spec_entry, axes)))  # noqa: E731
         return mesh, local, named(plan.out), (named(plan.lhs), named(plan.rhs))
 
     rule, reduction = dims.sharding_rule()
@@ -419,8 +252,10 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     For Auto-mode programs (``jax.jit`` with in/out shardings, ``with_sharding_constraint``, Flax
     Linen's logical axes): ``nn.Dense(..., dot_general=ficco_jax.dot_general)``, or
     ``functools.partial(ficco_jax.dot_general, schedule="dma/direct/c2")``. Outside jit, on one
-    device or inside ``jax.shard_map`` it is the plain dot. Differentiable (reverse mode): the
-    backward is JAX's transpose of the dot, whose dots are partitioned the same way.
+    device or inside ``jax.shard_map`` it is the plain dot. Differentiable in reverse mode
+    (``jax.grad``, ``jax.vjp``; not ``jax.jvp``: custom_partitioning has no transpose, so the
+    derivative is a custom VJP): the backward is JAX's transpose of the dot, whose dots are
+    partitioned the same way. ``out_sharding=`` (explicit mode) is lax.dot_general's.
     The ficco ops run at the default matmul precision; `precision` applies to the local dots.
     """
     if out_sharding is not None:
