@@ -199,3 +199,29 @@ def test_refused_schedule_runs_auto(mesh, rng, caplog):
         assert rel_err(forward(lhs, rhs), want_forward(lhs, rhs)) < TOLERANCE["float32"]
     assert any("takes no schedule xla/ring/c4" in r.getMessage() for r in caplog.records)
 
+
+
+@pytest.mark.parametrize("name", ["ag_matmul", "matmul_rs"])
+def test_forward_mode_and_second_order(mesh, rng, name):
+    """jax.jvp, and a Hessian-vector product (grad of jvp), equal lax.dot_general's."""
+    case = CASES[name]
+    lhs, rhs, d_lhs, d_rhs = (random(rng, case[i % 2], jnp.float32) for i in range(4))
+    shardings = tuple(NamedSharding(mesh, s) for s in case[3:5])
+    out = NamedSharding(mesh, case[5])
+    ours = partial(ficco_jax.dot_general, schedule="dma/direct/c2")
+
+    def programs(dot):
+        def f(a, b):
+            return jnp.sin(dot(a, b, case[2]))
+
+        jvp = jax.jit(lambda a, b, da, db: jax.jvp(f, (a, b), (da, db)), in_shardings=shardings * 2,
+                      out_shardings=(out, out))
+        hvp = jax.jit(jax.grad(lambda a, b, da, db: jnp.sum(jax.jvp(f, (a, b), (da, db))[1] ** 2), argnums=(0, 1)),
+                      in_shardings=shardings * 2)
+        return jvp, hvp
+
+    (jvp, hvp), (want_jvp, want_hvp) = programs(ours), programs(lax.dot_general)
+    args = (lhs, rhs, d_lhs, d_rhs)
+    for got, want in zip((*jvp(*args), *hvp(*args)), (*want_jvp(*args), *want_hvp(*args))):
+        assert rel_err(got, want) < TOLERANCE["float32"]
+    assert ficco_targets(jvp.lower(*args).compile().as_text())  # the tangent's dots are overlapped too

@@ -13,12 +13,13 @@ matmul_psum over one mesh axis, or the local dot.
 The per-device function it returns runs the ficco op over the mesh's axis `a` (the partitioner
 lowers it with every mesh axis manual, as a shard_map body), on the local blocks viewed as
 matrices: the lhs free dims are rows (the gathered / scattered one first), the contracting dims
-columns. Differentiation is a custom VJP whose backward is JAX's transpose of the dot, with each
-of its dots this op again, so the partitioner places (and this op overlaps) the backward's
-collectives too.
+columns. Its derivatives (forward and reverse mode) are dots again: the tangent map is one
+ops/linear.py equation whose transposes are JAX's transposes of the dot, with each of their dots
+this op, so the partitioner places (and this op overlaps) the backward's collectives too.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
@@ -32,7 +33,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .. import config
 from .api import ag_matmul, matmul_psum, matmul_rs
+from . import linear
 from .core import ScheduleArg
+from .linear import LinearMap
 from .partition_plan import AG, AR, PLAIN, RS, DotDims, Plan, choose_plan, dim_axes, plain_plan, spec_entry
 
 log = logging.getLogger("ficco_jax")
@@ -177,61 +180,102 @@ def _partitioned(dims: DotDims, precision, preferred_element_type, schedule):
     return fn
 
 
-# -- the public op and its VJP -----------------------------------------------------------------------
+# -- the public op: one equation that carries its own derivatives (ops/linear.py) ------------------------
 
-def _static(precision, preferred_element_type):
-    """Hashable forms of dot_general's precision and preferred_element_type."""
-    if isinstance(precision, list):
-        precision = tuple(precision)
-    pet = None if preferred_element_type is None else jnp.dtype(preferred_element_type)
-    return precision, pet
+@dataclasses.dataclass(frozen=True)
+class DotStatic:
+    """The hashable configuration of a partitioned dot: lax.dot_general's static arguments, the
+    schedule, and the operands' shapes and dtypes (a transpose needs the shape of an operand it
+    is not given)."""
+    dimension_numbers: tuple
+    precision: object
+    preferred_element_type: object
+    schedule: object
+    lhs: tuple  # (shape, dtype)
+    rhs: tuple
 
+    def partitioned(self, lhs, rhs):
+        """The custom-partitioned dot of `lhs` and `rhs`."""
+        dims = DotDims.of(self.dimension_numbers, lhs.ndim, rhs.ndim)
+        return _partitioned(dims, self.precision, self.preferred_element_type, self.schedule)(lhs, rhs)
 
-def _bind(lhs, rhs, dimension_numbers, precision, preferred_element_type, schedule):
-    dims = DotDims.of(dimension_numbers, lhs.ndim, rhs.ndim)
-    precision, pet = _static(precision, preferred_element_type)
-    return _partitioned(dims, precision, pet, schedule)(lhs, rhs)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, schedule):
-    return _bind(lhs, rhs, dimension_numbers, precision, preferred_element_type, schedule)
-
-
-def _dot_general_fwd(lhs, rhs, dimension_numbers, precision, preferred_element_type, schedule):
-    out = _bind(lhs, rhs, dimension_numbers, precision, preferred_element_type, schedule)
-    return out, (lhs, rhs)
+    def reference(self, lhs, rhs):
+        return lax.dot_general(lhs, rhs, self.dimension_numbers, precision=self.precision,
+                               preferred_element_type=self.preferred_element_type)
 
 
-def _dot_general_bwd(dimension_numbers, precision, preferred_element_type, schedule, residuals, ct):
-    lhs, rhs = residuals
+class _DotMap(LinearMap):
+    """The dot as a map linear in its operands given the others: res (lhs, rhs), lin (d lhs, d rhs),
+    ``map = dot(d lhs, rhs) + dot(lhs, d rhs)``; the op itself is ``res (None, rhs), lin (lhs, None)``.
+    Each dot is the custom-partitioned one; the transposes are JAX's transposes of lax.dot_general
+    (its dtype rules included) with their dots this map again, so every order of differentiation
+    stays partitioned, and overlapped where the partitioner's shardings call for it."""
 
-    def plain_vjp(a, b, c):
-        _, vjp = jax.vjp(lambda a, b: lax.dot_general(a, b, dimension_numbers, precision=precision,
-                                                      preferred_element_type=preferred_element_type), a, b)
-        return vjp(c)
+    name = "dot_general_tangent"
+    partitioned = True
 
-    # JAX's own transpose of the dot (its dtype rules included), with each of its dots this op again.
-    closed = jax.make_jaxpr(plain_vjp)(lhs, rhs, ct)
-    return tuple(eval_with_partitioned_dots(closed.jaxpr, closed.consts, schedule, lhs, rhs, ct))
+    def sums_before_cast(self, static) -> bool:
+        return True  # the partitioner's order (ops/core.like_primal)
+
+    def apply(self, static: DotStatic, res, lin):
+        terms = [static.partitioned(lin[0], res[1]) if lin[0] is not None else None,
+                 static.partitioned(res[0], lin[1]) if lin[1] is not None else None]
+        present = [t for t in terms if t is not None]
+        return (functools.reduce(jnp.add, present) if present else None,)
+
+    def transpose(self, static: DotStatic, res, cts, wanted):
+        (ct,) = cts
+        if ct is None:
+            return (None, None)
+        lhs_t = (lambda a: static.reference(a, res[1]), static.lhs) if wanted[0] else None
+        rhs_t = (lambda b: static.reference(res[0], b), static.rhs) if wanted[1] else None
+        return tuple(None if t is None else _transposed(t[0], t[1], ct, static.schedule) for t in (lhs_t, rhs_t))
+
+    def res_jvp(self, static: DotStatic, res, lin, t_res, outs):
+        terms = [_bind_dot(static, (lin[0], None), (None, t_res[1])) if lin[0] is not None and t_res[1] is not None
+                 else None,
+                 _bind_dot(static, (None, lin[1]), (t_res[0], None)) if lin[1] is not None and t_res[0] is not None
+                 else None]
+        present = [t for t in terms if t is not None]
+        return (functools.reduce(jnp.add, present) if present else None,)
 
 
-_dot_general.defvjp(_dot_general_fwd, _dot_general_bwd)
+_DOT_MAP = _DotMap()
+
+
+def _bind_dot(static: DotStatic, res, lin):
+    """One equation of the dot map (its operands' absent positions None)."""
+    out = jax.make_jaxpr(static.reference)(*_operand_pair(res, lin)).out_avals[0]
+    (result,) = linear.bind(_DOT_MAP, static, res, lin, [out])
+    return result
+
+
+def _operand_pair(res, lin):
+    """(lhs, rhs) of a map equation: each from the residual or the linear operand, whichever is there."""
+    return tuple(r if r is not None else v for r, v in zip(res, lin))
+
+
+def _transposed(fn, operand: tuple, ct, schedule):
+    """The transpose of linear `fn` (of an operand of shape and dtype `operand`) applied to `ct`,
+    JAX's transpose with each of its dots bound as this op."""
+    shape, dtype = operand
+    transpose = jax.linear_transpose(fn, jax.ShapeDtypeStruct(shape, dtype))
+    closed = jax.make_jaxpr(transpose)(ct)
+    (out,) = eval_with_partitioned_dots(closed.jaxpr, closed.consts, schedule, ct)
+    return out
 
 
 def eval_with_partitioned_dots(jaxpr, consts, schedule, *args):
-    """Evaluate `jaxpr` with each top-level dot_general bound as this module's partitioned dot."""
+    """Evaluate `jaxpr` with each of its (top-level) dot_generals bound as this module's dot."""
     env = {}
     read = lambda v: v.val if isinstance(v, jex.Literal) else env[v]  # noqa: E731
-    for var, value in zip(jaxpr.constvars, consts):
-        env[var] = value
-    for var, value in zip(jaxpr.invars, args):
+    for var, value in (*zip(jaxpr.constvars, consts), *zip(jaxpr.invars, args)):
         env[var] = value
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
         if eqn.primitive is lax.dot_general_p:
-            outs = [_dot_general(*invals, eqn.params["dimension_numbers"], eqn.params["precision"],
-                                 eqn.params["preferred_element_type"], schedule)]
+            outs = [dot_general(*invals, eqn.params["dimension_numbers"], eqn.params["precision"],
+                                eqn.params["preferred_element_type"], schedule=schedule)]
         else:
             with eqn.ctx.manager:
                 outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
@@ -252,13 +296,20 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     For Auto-mode programs (``jax.jit`` with in/out shardings, ``with_sharding_constraint``, Flax
     Linen's logical axes): ``nn.Dense(..., dot_general=ficco_jax.dot_general)``, or
     ``functools.partial(ficco_jax.dot_general, schedule="dma/direct/c2")``. Outside jit, on one
-    device or inside ``jax.shard_map`` it is the plain dot. Differentiable in reverse mode
-    (``jax.grad``, ``jax.vjp``; not ``jax.jvp``: custom_partitioning has no transpose, so the
-    derivative is a custom VJP): the backward is JAX's transpose of the dot, whose dots are
-    partitioned the same way. ``out_sharding=`` (explicit mode) is lax.dot_general's.
+    device or inside ``jax.shard_map`` it is the plain dot. Differentiable in both modes, to any
+    order (one ops/linear.py equation, `_DotMap`): the tangent and the transposes are dots
+    partitioned the same way, so the partitioner places the backward's collectives and this op
+    overlaps them. ``out_sharding=`` (explicit mode) is lax.dot_general's.
     The ficco ops run at the default matmul precision; `precision` applies to the local dots.
     """
     if out_sharding is not None:
         return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                                preferred_element_type=preferred_element_type, out_sharding=out_sharding)
-    return _dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, schedule)
+    if isinstance(precision, list):
+        precision = tuple(precision)
+    pet = None if preferred_element_type is None else jnp.dtype(preferred_element_type)
+    (lc, rc), (lb, rb) = dimension_numbers
+    dimension_numbers = ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))
+    static = DotStatic(dimension_numbers, precision, pet, schedule, (tuple(lhs.shape), jnp.dtype(lhs.dtype)),
+                       (tuple(rhs.shape), jnp.dtype(rhs.dtype)))
+    return _bind_dot(static, (None, rhs), (lhs, None))
