@@ -87,3 +87,21 @@ def test_one_device_mesh_is_left_alone(rng):
     mlp, shardings = _mlp(mesh)
     report = ficco_jax.explain(ficco_jax.overlap(mlp), *_arguments(mesh, rng, shardings))
     assert not report.sites
+
+
+def test_code_with_shard_maps_keeps_its_global_matmuls(mesh, rng):
+    """A program that writes a shard_map has chosen its parallel layers: its global matmul (a head)
+    stays as written, the shard_map's sites are rewritten."""
+    specs = (P("model"), P(None, "model"), P())
+    x, w, head = (jax.device_put(random(rng, shape, jnp.float32), NamedSharding(mesh, spec))
+                  for shape, spec in zip(((64, 32), (32, 64), (64, 16)), specs))
+
+    def model(x, w, head):
+        def block(x, w):
+            return jax.lax.all_gather(x, "model", axis=0, tiled=True) @ w
+
+        h = jax.shard_map(block, mesh=mesh, in_specs=(P("model"), P(None, "model")), out_specs=P(None, "model"))(x, w)
+        return jnp.tanh(h) @ head
+
+    report = ficco_jax.explain(ficco_jax.overlap(model, schedule="xla/ring/c2"), x, w, head)
+    assert [r.op for r in report.sites] == ["ag_matmul"], str(report)

@@ -12,6 +12,9 @@ that op as given; which op runs, and whether the given schedule fits it, is know
 
 A program is Auto-mode where the types' mesh has Auto axes, or, where the types name no mesh (no
 ``jax.set_mesh``), where the concrete mesh overlap() found (the context's or the arguments') has.
+Code that writes shard_maps (in this jaxpr or one nested in it) has chosen where it communicates:
+its parallel layers are those shard_maps (match_tp.py's sites), and its global matmuls (an
+embedding, an output head) stay as written; ``ficco_jax.dot_general`` can be given to them directly.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import jax.numpy as jnp
 
 from ..ops import partitioned
 from . import match_tp
-from .jaxpr_util import fmt, source_line
+from .jaxpr_util import fmt, open_jaxpr, source_line, sub_jaxprs
 from .shardings import is_gspmd, mesh_of, split_axes
 from .site import MatchContext, Site, SiteRecord
 
@@ -30,6 +33,7 @@ from .site import MatchContext, Site, SiteRecord
 OPS = (match_tp.AG, match_tp.RS, match_tp.AR)
 OP = "dot_general"
 _DOT = "dot_general"
+_SHARD_MAP = "shard_map"
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -60,7 +64,10 @@ class PartitionedDotSite(Site):
 
 def auto_mesh(jaxpr, mesh) -> object | None:
     """The Auto mesh (with more than one device) the global code `jaxpr` is partitioned over, if
-    it is Auto-mode: its types' mesh, else `mesh` (the one overlap() found); None otherwise."""
+    it is Auto-mode and writes no shard_map: its types' mesh, else `mesh` (the one overlap()
+    found); None otherwise."""
+    if _writes_shard_map(jaxpr):
+        return None
     for eqn in jaxpr.eqns:
         if eqn.primitive.name != _DOT:
             continue
@@ -70,6 +77,16 @@ def auto_mesh(jaxpr, mesh) -> object | None:
             return typed if is_gspmd(typed) else None
         break
     return mesh if is_gspmd(mesh) and split_axes(mesh) else None
+
+
+def _writes_shard_map(jaxpr) -> bool:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == _SHARD_MAP:
+            return True
+        for sub in sub_jaxprs(eqn.params).values():
+            if any(_writes_shard_map(open_jaxpr(j)[0]) for j in (sub if isinstance(sub, (tuple, list)) else (sub,))):
+                return True
+    return False
 
 
 def find(ctx: MatchContext, mesh) -> list[Site | SiteRecord]:
