@@ -22,6 +22,6 @@ from .core import partitioner_numerics
 from .partitioned import dot_general
 from .resolve import on_xla, resolve_schedule
 
-__all__ = ["dot_general", "ag_matmul", "matmul_rs", "matmul_psum", "a2a_matmul", "matmul_a2a", "ag_matmul_ref", "matmul_rs_ref",
-           "matmul_psum_ref", "a2a_matmul_ref", "matmul_a2a_ref", "on_xla", "partitioner_numerics",
+__all__ = ["ag_matmul", "matmul_rs", "matmul_psum", "a2a_matmul", "matmul_a2a", "ag_matmul_ref", "matmul_rs_ref",
+           "dot_general", "matmul_psum_ref", "a2a_matmul_ref", "matmul_a2a_ref", "on_xla", "partitioner_numerics",
            "resolve_schedule"]

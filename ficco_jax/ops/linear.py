@@ -1,4 +1,5 @@
-"""One primitive for the tangent maps of the ops, so that both modes of differentiation run them.
+"""One primitive for the tangent maps of the ops, so that both modes of differentiation run them
+(and its twin for maps whose evaluation XLA partitions: ops/partitioned.py).
 
 A tangent map is linear in its *linear* operands (the tangents) given its *residual* operands
 (the primals it needs), e.g. ``(dx, dw) -> ag_matmul(dx, w) + all_gather(x) @ dw``. What differs
@@ -100,8 +101,8 @@ def bind(lmap: LinearMap, static, res, lin, out_avals) -> list:
     lin_mask = tuple(v is not None for v in lin)
     operands = [r for r in res if r is not None] + [v for v in lin if v is not None]
     return _primitive(lmap).bind(*operands, lmap=lmap, static=static, res_mask=res_mask, lin_mask=lin_mask,
-                         out_avals=tuple(out_avals), site=current_site(),
-                         precision=jax.config.jax_default_matmul_precision)
+                                 out_avals=tuple(out_avals), site=current_site(),
+                                 precision=jax.config.jax_default_matmul_precision)
 
 
 def _primitive(lmap: LinearMap) -> Primitive:
