@@ -206,4 +206,4 @@ for _p in (linear_p, partitioned_linear_p):
     ad.primitive_jvps[_p] = _jvp
     ad.primitive_transposes[_p] = _transpose
     batching.primitive_batchers[_p] = _batch
-dispatch.prim_requires_devices_during_lowering.add(partitioned_linear_p)
+getattr(dispatch, "prim_requires_devices_during_lowering", set()).add(partitioned_linear_p)
