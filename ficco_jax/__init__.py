@@ -10,8 +10,8 @@ and docs/design.md.
 from __future__ import annotations
 
 from . import dma
-from .ops import (a2a_matmul, a2a_matmul_ref, ag_matmul, ag_matmul_ref, matmul_a2a, matmul_a2a_ref, matmul_psum,
-                  matmul_psum_ref, matmul_rs, matmul_rs_ref)
+from .ops import (a2a_matmul, a2a_matmul_ref, ag_matmul, ag_matmul_ref, dot_general, matmul_a2a, matmul_a2a_ref,
+                  matmul_psum, matmul_psum_ref, matmul_rs, matmul_rs_ref)
 from .rewrite import explain, overlap
 from .runtime.extension import export_disabled_checks
 from .schedule import Schedule
@@ -23,5 +23,5 @@ __all__ = [
     "Schedule", "ag_matmul", "ag_matmul_ref", "matmul_rs", "matmul_rs_ref", "matmul_psum", "matmul_psum_ref",
     "select_schedule",
     "a2a_matmul", "a2a_matmul_ref", "matmul_a2a", "matmul_a2a_ref",
-    "overlap", "explain", "dma", "export_disabled_checks", "__version__",
+    "dot_general", "overlap", "explain", "dma", "export_disabled_checks", "__version__",
 ]

@@ -1,8 +1,8 @@
 """overlap() on global-view code with explicit shardings (no shard_map), 8 CPU devices: the
 sites its reshard / out_sharding imply are found, rewritten into the ops when a schedule is
 forced (on CPU "auto" keeps the plain path), and the rewritten program equals the written one
-in value, gradient and type (FP8 recipes become the scaled ops); GSPMD (Auto-axis) code is
-reported, never rewritten."""
+in value, gradient and type (FP8 recipes become the scaled ops); the matmuls of GSPMD (Auto-axis)
+code become ficco_jax.dot_general, whose op the partitioner picks."""
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -14,7 +14,6 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P, reshard
 
 from ficco_jax import explain, overlap
-from ficco_jax.rewrite.match_global import GSPMD_FIX
 from ficco_jax.rewrite.matchers import ALL_OPS, find_sites
 from ficco_jax.rewrite.overlap import Report
 from ficco_jax.rewrite.shardings import spec_of_axes
@@ -423,7 +422,9 @@ def test_xla_schedule_gathers_in_chunks(mesh):
 # --------------------------------------------------------------------------------------------
 # Left as written
 # --------------------------------------------------------------------------------------------
-def test_gspmd_program_is_reported_not_rewritten():
+def test_gspmd_program_dots_are_partitioned_dots():
+    """On an Auto mesh the matmuls become ficco_jax.dot_general (rewrite/match_gspmd.py; the
+    partitioner picks each one's op, tests/test_overlap_gspmd.py)."""
     mesh = jax.make_mesh((8,), ("tp",), axis_types=(AxisType.Auto,))
     with jax.set_mesh(mesh):
         _check_gspmd_mlp(mesh)
@@ -438,8 +439,8 @@ def _check_gspmd_mlp(mesh):
 
     fused = overlap(mlp, schedule=XLA)
     report = explain(fused, x, w_up, w_down)
-    assert not report.sites and len(report.near_misses) == 2, str(report)
-    assert all(r.reason == GSPMD_FIX and r.axis_name == "tp" for r in report.near_misses)
+    assert not report.near_misses and [r.op for r in report.sites] == ["dot_general"] * 2, str(report)
+    assert all(r.axis_name == "tp" for r in report.sites)
     _assert_same(jax.jit(fused)(x, w_up, w_down), jax.jit(mlp)(x, w_up, w_down))
 
 

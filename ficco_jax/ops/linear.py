@@ -1,4 +1,5 @@
-"""One primitive for the tangent maps of the ops, so that both modes of differentiation run them.
+"""One primitive for the tangent maps of the ops, so that both modes of differentiation run them
+(and its twin for maps whose evaluation XLA partitions: ops/partitioned.py).
 
 A tangent map is linear in its *linear* operands (the tangents) given its *residual* operands
 (the primals it needs), e.g. ``(dx, dw) -> ag_matmul(dx, w) + all_gather(x) @ dw``. What differs
@@ -35,6 +36,7 @@ from typing import Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src import dispatch  # custom_partitioning's own registry of primitives lowered with devices
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
@@ -48,6 +50,8 @@ class LinearMap(abc.ABC):
     a parameter of its equations: hashable, and equal only to a map with the same rules."""
 
     name: str
+    # Whether its evaluation holds custom-partitioned equations (partitioned_linear_p).
+    partitioned: bool = False
 
     @abc.abstractmethod
     def apply(self, static, res: tuple, lin: tuple) -> tuple:
@@ -84,6 +88,11 @@ class Folded(NamedTuple):
 
 linear_p = Primitive("ficco_linear")
 linear_p.multiple_results = True
+# The same equation for maps whose evaluation is partitioned by XLA with the concrete devices
+# (custom_partitioning: ops/partitioned.py): jax.jit keeps the device assignment while it lowers a
+# program holding one, as it does for custom_partitioning's own equations.
+partitioned_linear_p = Primitive("ficco_linear_partitioned")
+partitioned_linear_p.multiple_results = True
 
 
 def bind(lmap: LinearMap, static, res, lin, out_avals) -> list:
@@ -91,9 +100,13 @@ def bind(lmap: LinearMap, static, res, lin, out_avals) -> list:
     res_mask = tuple(r is not None for r in res)
     lin_mask = tuple(v is not None for v in lin)
     operands = [r for r in res if r is not None] + [v for v in lin if v is not None]
-    return linear_p.bind(*operands, lmap=lmap, static=static, res_mask=res_mask, lin_mask=lin_mask,
-                         out_avals=tuple(out_avals), site=current_site(),
-                         precision=jax.config.jax_default_matmul_precision)
+    return _primitive(lmap).bind(*operands, lmap=lmap, static=static, res_mask=res_mask, lin_mask=lin_mask,
+                                 out_avals=tuple(out_avals), site=current_site(),
+                                 precision=jax.config.jax_default_matmul_precision)
+
+
+def _primitive(lmap: LinearMap) -> Primitive:
+    return partitioned_linear_p if lmap.partitioned else linear_p
 
 
 def _matmul_precision(precision):
@@ -133,7 +146,7 @@ def _jvp(primals, tangents, *, lmap, static, res_mask, lin_mask, out_avals, site
     """d map(res, lin) = map(res, d lin) + (d/d res) map(res, lin) [d res]: linear in both."""
     params = dict(lmap=lmap, static=static, res_mask=res_mask, lin_mask=lin_mask, out_avals=out_avals, site=site,
                   precision=precision)
-    outs = linear_p.bind(*primals, **params)
+    outs = _primitive(lmap).bind(*primals, **params)
     res, lin = _split(primals, res_mask, lin_mask)
     t_res, t_lin = _split([_nonzero(t) for t in tangents], res_mask, lin_mask)
     total = [None] * len(outs)
@@ -172,7 +185,7 @@ def _batch(args, dims, **params):
     if folded is not None:
         out_avals = tuple(aval(a, shape) for a, shape in zip(params["out_avals"], folded.out_shapes))
         operands = [r for r in folded.res if r is not None] + [v for v in folded.lin if v is not None]
-        outs = linear_p.bind(*operands, **{**params, "out_avals": out_avals})
+        outs = _primitive(params["lmap"]).bind(*operands, **{**params, "out_avals": out_avals})
         return [folded.unfold(o) for o in outs], [0] * len(outs)
     batched = [i for i, d in enumerate(dims) if d is not None]
 
@@ -180,15 +193,17 @@ def _batch(args, dims, **params):
         full = list(moved)
         for i, v in zip(batched, sliced):
             full[i] = v
-        return linear_p.bind(*full, **params)
+        return _primitive(params["lmap"]).bind(*full, **params)
 
     outs = lax.map(one, [moved[i] for i in batched])
     return outs, [0] * len(outs)
 
 
-linear_p.def_impl(_apply)
-linear_p.def_abstract_eval(_abstract_eval)
-mlir.register_lowering(linear_p, mlir.lower_fun(_apply, multiple_results=True))
-ad.primitive_jvps[linear_p] = _jvp
-ad.primitive_transposes[linear_p] = _transpose
-batching.primitive_batchers[linear_p] = _batch
+for _p in (linear_p, partitioned_linear_p):
+    _p.def_impl(_apply)
+    _p.def_abstract_eval(_abstract_eval)
+    mlir.register_lowering(_p, mlir.lower_fun(_apply, multiple_results=True))
+    ad.primitive_jvps[_p] = _jvp
+    ad.primitive_transposes[_p] = _transpose
+    batching.primitive_batchers[_p] = _batch
+getattr(dispatch, "prim_requires_devices_during_lowering", set()).add(partitioned_linear_p)

@@ -27,7 +27,7 @@ on it: one canonicalisation to 2-D for both views. An FP8 site's body dequantize
 as the program does, so the same FP8 matchers recognise it.
 
 Programs on an ``AxisType.Auto`` mesh carry no shardings in their types (GSPMD decides them at
-compile time): their matmuls are reported as near-misses with the way to explicit mode. A reshard
+compile time): their matmuls are match_gspmd.py's, never this module's. A reshard
 that moves an axis from one dimension to another before a matmul is an all-to-all; it is reported
 too, as expert-parallel layers become the ops only when written in a shard_map.
 """
@@ -40,21 +40,15 @@ import jax
 from .. import config
 from . import dequant, match_tp
 from .global_site import GlobalSite, global_site, local_dot
-from .jaxpr_util import fmt, fmt_shapes, source_line
-from .shardings import (axes_of, batched, contracted, free, gathered_axis, is_explicit, is_gspmd, mesh_of, out_dim,
-                        product_axes, scattered_dim, spec_of, spec_of_axes, split_axes, typed)
+from .jaxpr_util import fmt_shapes, source_line
+from .shardings import (axes_of, batched, contracted, free, gathered_axis, is_explicit, mesh_of, out_dim, product_axes,
+                        scattered_dim, spec_of, spec_of_axes, typed)
 from .site import MatchContext, Site, SiteRecord
 
 AG, RS, AR = match_tp.AG, match_tp.RS, match_tp.AR
 _DOT = "dot_general"
 # jax 0.10 and 0.11 name the explicit-mode resharding primitive "reshard"; a rename is one more entry.
 _RESHARD = ("reshard",)
-# How near-misses of GSPMD programs name the op: which of the two applies depends on shardings
-# the program does not state.
-_EITHER = f"{AG}/{RS}"
-GSPMD_FIX = ("the mesh axes are AxisType.Auto, so the shardings are chosen by GSPMD at compile time and "
-             "are not in the program; make the mesh with axis_types=(AxisType.Explicit, ...) and state "
-             "shardings with jax.sharding.reshard / out_sharding=, or write the layer in a jax.shard_map")
 
 
 # --------------------------------------------------------------------------------------------
@@ -288,15 +282,11 @@ def _implicit_gather(dot) -> tuple[int, int, str] | None:
 
 
 def match_dot(ctx: MatchContext, j: int) -> Site | SiteRecord | None:
-    """A matmul that reduce-scatters its product or gathers an operand itself; a GSPMD near-miss."""
+    """A matmul that reduce-scatters its product or gathers an operand itself."""
     dot = ctx.eqns[j]
     if j in ctx.taken_dots:
         return None
     meshes = [mesh_of(v.aval) for v in (*dot.invars, *dot.outvars) if hasattr(v.aval, "shape")]
-    if any(is_gspmd(m) for m in meshes):
-        shapes = f"{fmt(dot.invars[0].aval)} · {fmt(dot.invars[1].aval)} -> {fmt(dot.outvars[0].aval)}"
-        return _miss(ctx, _EITHER, j, ",".join(split_axes(next(m for m in meshes if is_gspmd(m)))), shapes,
-                     GSPMD_FIX)
     if not all(is_explicit(m) for m in meshes) or any(axes_of(v.aval) is None for v in (*dot.invars, *dot.outvars)):
         return None
     axis = _sharded_contraction(dot)

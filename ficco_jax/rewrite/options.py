@@ -81,6 +81,8 @@ class Options:
 
     def resolve(self, site: Site) -> tuple[Any, str, str]:
         """The schedule handed to the op at `site`, how to show it, and the plain-path note."""
+        if hasattr(site, "defer_schedule"):  # the op is picked at compile time (match_gspmd.py)
+            return site.defer_schedule(self.schedule)
         # The axis locates the peers, so "auto" keeps copy engines for in-process groups of a
         # multi-process program.
         where = {"axis_name": site.axis_name, "mesh": site.mesh, "out_dtype": site.out_dtype}

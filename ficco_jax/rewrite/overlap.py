@@ -166,7 +166,7 @@ def _analyse(jaxpr, scope: _Scope, options: Options, records: list) -> _Plan:
 
 def _plan_sites(plan: _Plan, jaxpr, scope: _Scope, options: Options, records: list) -> None:
     """The sites of `jaxpr` itself (not of its sub-jaxprs), each with its schedule, into `plan`."""
-    sites, misses = find_sites(jaxpr, scope.axis_sizes, scope.where, options.ops)
+    sites, misses = find_sites(jaxpr, scope.axis_sizes, scope.where, options.ops, mesh=scope.mesh)
     for site in sites:
         site.mesh = scope.mesh
         if scope.frozen:
