@@ -128,25 +128,25 @@ ffi::Error Rendezvous::Announce(const RendezvousKey& key, const Arrival& who, An
 // DeviceState
 // ---------------------------------------------------------------------------------------------
 
-void DeviceState::ResetFor(int64_t run_id) {
-  if (!has_run_id_ || run_id != run_id_) {
-    occurrences_.clear();
-    rosters_.clear();
-    run_id_ = run_id;
-    has_run_id_ = true;
+DeviceState::LaunchCounts& DeviceState::CountsOf(int64_t run_id) {
+  auto found = launches_.find(run_id);
+  if (found != launches_.end()) return found->second;
+  launch_order_.push_back(run_id);
+  if (launch_order_.size() > kLaunchesKept) {
+    launches_.erase(launch_order_.front());
+    launch_order_.pop_front();
   }
+  return launches_[run_id];
 }
 
 int64_t DeviceState::NextOccurrence(int64_t run_id, int64_t op_id) {
   std::lock_guard<std::mutex> lock(mu_);
-  ResetFor(run_id);
-  return occurrences_[op_id]++;
+  return CountsOf(run_id).occurrences[op_id]++;
 }
 
 int64_t DeviceState::NextRosterOccurrence(int64_t run_id, int64_t op_id) {
   std::lock_guard<std::mutex> lock(mu_);
-  ResetFor(run_id);
-  return rosters_[op_id]++;
+  return CountsOf(run_id).rosters[op_id]++;
 }
 
 

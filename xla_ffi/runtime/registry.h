@@ -13,6 +13,7 @@
 #include <array>
 #include <atomic>
 #include <condition_variable>
+#include <deque>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -131,8 +132,8 @@ class DeviceState {
   explicit DeviceState(int) {}
 #endif
 
-  // How many times this device already ran `op_id` in launch `run_id`; counts this run.
-  // The counts reset when the device sees a new run_id.
+  // How many times this device already ran `op_id` in launch `run_id`; counts this run. Each launch
+  // counts apart (launches of two host threads may interleave on one device).
   int64_t NextOccurrence(int64_t run_id, int64_t op_id);
   // The same count for the roster meetings of `op_id` (runtime/placement.h), kept apart: a roster
   // meeting precedes the call's own meetings.
@@ -145,11 +146,17 @@ class DeviceState {
 
  private:
   std::mutex mu_;
-  int64_t run_id_ = 0;
-  bool has_run_id_ = false;
-  std::map<int64_t, int64_t> occurrences_;
-  std::map<int64_t, int64_t> rosters_;
-  void ResetFor(int64_t run_id);  // under mu_
+  // The counts of the launches this device ran most recently, by run id: two launches of two host
+  // threads may interleave on a device, so a launch's counts are kept apart from the other's until
+  // kLaunchesKept newer launches have run.
+  struct LaunchCounts {
+    std::map<int64_t, int64_t> occurrences;
+    std::map<int64_t, int64_t> rosters;
+  };
+  static constexpr size_t kLaunchesKept = 64;
+  std::map<int64_t, LaunchCounts> launches_;
+  std::deque<int64_t> launch_order_;
+  LaunchCounts& CountsOf(int64_t run_id);  // under mu_
 #ifdef FICCO_WITH_CUDA
   CudaDevice cuda_;
 #endif
