@@ -3,7 +3,8 @@ both): each process owns one JAX device, both on the same GPU, so every copy-eng
 axis crosses processes (CUDA IPC, the host mailbox) as on a host with one process per GPU, and a
 machine with a single GPU runs the cross-process executor and its symmetric sites for real. The
 references are computed with numpy from inputs both processes make from seeds: no XLA collective
-runs (NCCL refuses two ranks on one GPU). Times mean nothing here (two contexts share the GPU).
+runs (NCCL refuses two ranks on one GPU). Some programs are jitted once and called under the mesh of
+both device orders in turn, each against its own order's reference. Times mean nothing here (two contexts share the GPU).
 
     python tests/gpu/shared_gpu_worker.py PROCESS_ID PORT OUT_JSON [CHAIN_LAUNCHES]
     python tests/gpu/shared_gpu_worker.py PROCESS_ID PORT --left-early [all_gather | reduce_scatter]

@@ -1,6 +1,8 @@
 """Two processes that share one GPU form a 2-device group (tests/gpu/shared_gpu_worker.py): every
 copy-engine call crosses processes through CUDA IPC and the host mailbox, pulled and on symmetric
-sites, and a chain of symmetric sites runs inside XLA's command buffers; and a process that ends a
+sites, programs jitted once run under both device orders of the group (each must give its own
+order's result: the group's devices come from the run), and a chain of symmetric sites runs inside
+XLA's command buffers; and a process that ends a
 launch early is stopped by the launch check, not paired with its peer's next launch. One GPU is
 enough, so a single-GPU machine runs the cross-process executor for real; the tests skip without a
 GPU."""
