@@ -35,10 +35,17 @@ class SiteRecord:
     reason: str = ""  # why it was not rewritten, "" if it was
     source: str = ""  # the user's line that wrote the collective, "file.py:12 (fn)"; "" where jax kept none
     note: str = ""  # what the schedule means for a rewritten site: "plain path: ..." where nothing overlaps
+    plain_path: bool = False  # a site whose schedule keeps the plain path: the program runs as written there
+    nested_in: str = ""  # the nested overlap() whose own trace rewrites this site; "" for the function's own
 
     @property
     def rewritten(self) -> bool:
         return not self.reason
+
+    @property
+    def overlapped(self) -> bool:
+        """A site that runs its op with an overlapping schedule."""
+        return self.rewritten and not self.plain_path
 
 
 @dataclasses.dataclass(kw_only=True)
