@@ -5,8 +5,11 @@ Three patterns are recognised in a body's jaxpr (the body of a `shard_map`, or a
 while / jit / checkpoint body nested inside one):
 
 - ``all_gather(x, tiled) → dot_general`` where the gathered dimension is a free (row) dimension of
-  the matmul: becomes ``ag_matmul``. If the gathered tensor has other users (other matmuls, the
-  residuals of a backward pass), the op also returns it, so nothing is gathered twice.
+  the matmul: becomes ``ag_matmul``. Every matmul that reads the gathered tensor the same way
+  (q/k/v or gate/up projections written separately) is served by that one op, its weights side by
+  side (ag_matmul's list form): one pipeline of chunk copies feeds every weight's chunk matmuls.
+  If the gathered tensor has other users (matmuls of another form, the residuals of a backward
+  pass), the op also returns it, so nothing is gathered twice.
 - ``dot_general → psum_scatter(tiled)`` where the scattered dimension is a free dimension of one
   operand and the product has no other user: becomes ``matmul_rs``.
 - ``dot_general → psum`` over one axis, the product read by nobody else and the sum read on (a
@@ -64,23 +67,36 @@ class TensorSite(Site):
 
     act_side: int  # which dot operand is the activation (0 lhs, 1 rhs)
     act_dim: int  # gathered / scattered dimension of the activation; matmul_psum: its first free one
+    # ag_matmul: the other matmuls reading the gathered tensor as `dot` does (same activation
+    # layout and numerics), each with its own weight: one op of the weights side by side.
+    more_dots: tuple = ()
 
-    def _layout(self):
-        """Shapes of activation and weight, their contracted dims, and their other free dims."""
-        (lc, rc), _ = self.dot.params["dimension_numbers"]
+    @property
+    def dots(self) -> tuple:
+        return (self.dot, *self.more_dots)
+
+    def _layout(self, dot=None):
+        """Shapes of activation and weight, their contracted dims, and their other free dims (of
+        `dot`'s weight; the first dot's by default)."""
+        dot = dot or self.dot
+        (lc, rc), _ = dot.params["dimension_numbers"]
         contract = (tuple(lc), tuple(rc))
-        act_aval = self.collective.invars[0].aval if self.op == AG else self.dot.invars[self.act_side].aval
-        w_aval = self.dot.invars[1 - self.act_side].aval
+        act_aval = self.collective.invars[0].aval if self.op == AG else dot.invars[self.act_side].aval
+        w_aval = dot.invars[1 - self.act_side].aval
         ca, cw = contract[self.act_side], contract[1 - self.act_side]
         fa = [d for d in free_dims(len(act_aval.shape), ca) if d != self.act_dim]
         fw = free_dims(len(w_aval.shape), cw)
         return act_aval.shape, w_aval.shape, list(ca), list(cw), fa, fw
 
+    def _columns(self, dot) -> int:
+        _, w_shape, _, _, _, fw = self._layout(dot)
+        return math.prod(w_shape[d] for d in fw)
+
     def op_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
-        a_shape, w_shape, ca, cw, fa, fw = self._layout()
+        a_shape, _, ca, _, fa, _ = self._layout()
         rows = a_shape[self.act_dim] * math.prod(a_shape[d] for d in fa)
         k = math.prod(a_shape[d] for d in ca)
-        return (rows, k), (k, math.prod(w_shape[d] for d in fw))
+        return (rows, k), (k, sum(self._columns(dot) for dot in self.dots))
 
     def weight_atom(self):
         return self.fp8_weight if self.fp8_weight is not None else self.dot.invars[1 - self.act_side]
@@ -90,25 +106,38 @@ class TensorSite(Site):
         _, _, _, cw, _, fw = self._layout()
         return tuple(cw + fw), tuple(range(len(cw), len(cw) + len(fw))) + tuple(range(len(cw)))
 
+    @property
+    def w_col_major(self) -> bool:
+        # Several weights are put side by side into a new array, which the op reads row-major.
+        return not self.more_dots and super().w_col_major
+
     def operands(self, read: Callable):
-        _, _, ca, cw, fa, fw = self._layout()
-        (rows, k), (_, n_cols) = self.op_shapes()
-        w = read(self.weight_atom())
-        if self.w_col_major:  # [N, K] as stored (a bitcast), then one 2-D transpose, which XLA reads as a bitcast
-            weight = transpose(reshape(transpose(w, fw + cw), (n_cols, k)), (1, 0))
+        _, _, ca, _, fa, _ = self._layout()
+        (rows, k), _ = self.op_shapes()
+        if self.more_dots:  # the op's list form: one [K, N_i] weight per matmul
+            weight = [self._weight_2d(read(dot.invars[1 - self.act_side]), dot, k) for dot in self.dots]
         else:
-            weight = reshape(transpose(w, cw + fw), (k, n_cols))
+            weight = self._weight_2d(read(self.weight_atom()), self.dot, k)
         act_atom = self.fp8_act if self.fp8_act is not None else self.dot.invars[self.act_side]
         act = read(self.collective.invars[0] if self.op == AG else act_atom)
         return reshape(transpose(act, [self.act_dim] + fa + ca), (rows, k)), weight
 
+    def _weight_2d(self, w, dot, k: int):
+        _, _, _, cw, _, fw = self._layout(dot)
+        n_cols = self._columns(dot)
+        if self.w_col_major:  # [N, K] as stored (a bitcast), then one 2-D transpose, which XLA reads as a bitcast
+            return transpose(reshape(transpose(w, fw + cw), (n_cols, k)), (1, 0))
+        return reshape(transpose(w, cw + fw), (k, n_cols))
+
     def write_outputs(self, out, collective_out, write: Callable) -> None:
-        a_shape, w_shape, ca, _, fa, fw = self._layout()
+        a_shape, _, ca, _, fa, _ = self._layout()
         lead = {AG: a_shape[self.act_dim] * self.axis_size, RS: a_shape[self.act_dim] // self.axis_size}.get(
             self.op, a_shape[self.act_dim])
-        rest = [a_shape[d] for d in fa] + [w_shape[d] for d in fw]
-        out = transpose(reshape(out, (lead, *rest)), self._out_perm(fa, fw))
-        write((self.dot if self.op == AG else self.collective).outvars[0], out)
+        for dot, product in zip(self.dots, out if self.more_dots else (out,)):
+            _, w_shape, _, _, _, fw = self._layout(dot)
+            rest = [a_shape[d] for d in fa] + [w_shape[d] for d in fw]
+            product = transpose(reshape(product, (lead, *rest)), self._out_perm(fa, fw))
+            write((dot if self.op == AG else self.collective).outvars[0], product)
         if collective_out is not None:
             gathered = reshape(collective_out, (lead, *[a_shape[d] for d in fa + ca]))
             write(self.collective.outvars[0], transpose(gathered, np.argsort([self.act_dim] + fa + ca)))
@@ -147,7 +176,7 @@ def match_gather(ctx: MatchContext, i: int) -> TensorSite | SiteRecord:
     if config.is_fp8(x.aval.dtype):
         return _match_scaled_gather(ctx, i, shapes)
     uses = ctx.users.get(g, [])
-    dot_reasons = []
+    dot_reasons, taken = [], []  # taken: (equation, operand position) of the matmuls the op serves
     for j, pos in uses:
         dot = ctx.eqns[j]
         if dot.primitive.name != _DOT:
@@ -163,16 +192,36 @@ def match_gather(ctx: MatchContext, i: int) -> TensorSite | SiteRecord:
                    or moved_dtype_problem(dot, pos, "gathered tensor", "gather", "gather"))
         if problem:
             dot_reasons.append(f"eqn {j}: {problem}")
-            continue
-        site = TensorSite(op=AG, **ctx.axis(gather), exec_index=first_use, skip=tuple(sorted({i, j})), dot=dot,
-                          collective=gather, act_side=pos, act_dim=axis, returns_collective=ctx.read_elsewhere(g),
-                          operand_dtype=converted_operands(dot))
-        more = len(uses) - 1 + (g in ctx.outputs)
-        also = f" (gathered x also used by {more} more)" if site.returns_collective else ""
-        return ctx.found(site, i, f"{shapes} · w {fmt(w.aval)}{_numerics(site)} -> {fmt(dot.outvars[0].aval)}{also}")
-    if dot_reasons:
-        return ctx.miss(AG, i, shapes, "; ".join(dot_reasons))
-    return ctx.miss(AG, i, shapes, f"the gathered tensor feeds no matmul directly ({ctx.readers_text(g)})")
+        elif not taken or same_form(ctx.eqns[taken[0][0]], taken[0][1], dot, pos):
+            taken.append((j, pos))
+    if not taken:
+        if dot_reasons:
+            return ctx.miss(AG, i, shapes, "; ".join(dot_reasons))
+        return ctx.miss(AG, i, shapes, f"the gathered tensor feeds no matmul directly ({ctx.readers_text(g)})")
+    (j, pos), dots = taken[0], [ctx.eqns[k] for k, _ in taken]
+    served = {k for k, _ in taken}
+    site = TensorSite(op=AG, **ctx.axis(gather), exec_index=min(k for k, _ in uses), skip=tuple(sorted({i, *served})),
+                      dot=dots[0], more_dots=tuple(dots[1:]), collective=gather, act_side=pos, act_dim=axis,
+                      returns_collective=g in ctx.outputs or any(k not in served for k, _ in uses),
+                      operand_dtype=converted_operands(dots[0]))
+    more = sum(k not in served for k, _ in uses) + (g in ctx.outputs)
+    also = f" (gathered x also used by {more} more)" if site.returns_collective else ""
+    weights = ", ".join(fmt(dot.invars[1 - pos].aval) for dot in dots)
+    products = ", ".join(fmt(dot.outvars[0].aval) for dot in dots)
+    what = f"w {weights}" if len(dots) == 1 else f"{len(dots)} weights w {weights}"
+    return ctx.found(site, i, f"{shapes} · {what}{_numerics(site)} -> {products}{also}")
+
+
+def same_form(first, first_pos: int, dot, pos: int) -> bool:
+    """Whether `dot` reads the gathered tensor as `first` does (same side, same contracted
+    dimensions in the same order, same dtypes and precision): then both take one 2-D operand and
+    their weights go side by side into one op."""
+    (lc1, rc1), _ = first.params["dimension_numbers"]
+    (lc2, rc2), _ = dot.params["dimension_numbers"]
+    dtypes = [tuple(v.aval.dtype for v in (*e.invars, *e.outvars)) for e in (first, dot)]
+    return (pos == first_pos and tuple((lc1, rc1)[pos]) == tuple((lc2, rc2)[pos]) and dtypes[0] == dtypes[1]
+            and first.params.get("precision") == dot.params.get("precision")
+            and first.params.get("preferred_element_type") == dot.params.get("preferred_element_type"))
 
 
 def match_scatter(ctx: MatchContext, i: int) -> TensorSite | SiteRecord:

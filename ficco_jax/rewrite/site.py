@@ -84,6 +84,11 @@ class Site:
     # order (MatchContext.stored_dims; the identity where no transpose produced it here).
     weight_stored_dims: tuple[int, ...] | None = None
 
+    @property
+    def dots(self) -> tuple:
+        """The matmul equations the op replaces (several where it takes several weights)."""
+        return (self.dot,)
+
     def op_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(operand shape, weight shape) as the op takes them."""
         raise NotImplementedError
@@ -142,7 +147,8 @@ class Site:
             numerics.update(x_scale=x_scale, w_scale=w_scale)
         operands = self.operands(read)
         if self.operand_dtype is not None:  # exact: the narrower operand is widened, as JAX's dot does
-            operands = [v.astype(self.operand_dtype) for v in operands]
+            operands = [[w.astype(self.operand_dtype) for w in v] if isinstance(v, list) else v.astype(self.operand_dtype)
+                        for v in operands]
         # The op's executor calls name the user's line of the collective they replace.
         with site_label(self.record.source or f"overlap site {self.record.where}"):
             result = self.call_op(*operands, **numerics)
