@@ -283,7 +283,7 @@ def near_miss_body(x, w, v):
     g = jax.lax.all_gather(x, "tp", axis=1, tiled=True)
     h = jnp.einsum("bsd,de->bse", jnp.tanh(g), w)  # elementwise op between gather and matmul
     dw = jnp.einsum("bsd,bse->de", jax.lax.all_gather(x, "tp", axis=1, tiled=True), v)  # contracts the gathered dim
-    o = jnp.einsum("bsd,de->bds", h + stacked.reshape(h.shape), w)  # einsum transposes before the scatter
+    o = jnp.einsum("bsd,de->bds", h + stacked.reshape(h.shape), w)  # a batched product, transposed, then scattered
     y = jnp.einsum("bsd,de->bse", v * (1.0 + jax.lax.axis_index("tp")), w)  # varying over tp
     return (jax.lax.psum_scatter(jnp.swapaxes(o, 1, 2), "tp", scatter_dimension=1, tiled=True)
             + jax.lax.psum_scatter(y, "tp", scatter_dimension=1, tiled=True) * y[:, :1]  # product used twice
@@ -297,7 +297,7 @@ def test_near_misses_untouched_and_reported(mesh, caplog):
         report = explain(fn, x, w, v)
     assert not report.sites
     reasons = " | ".join(r.reason for r in report.near_misses)
-    for expected in ("untiled", "feeds no matmul", "contracts over the gathered dimension", "transpose",
+    for expected in ("untiled", "feeds no matmul", "contracts over the gathered dimension", "batch dimensions",
                      "other users", "not from a matmul"):
         assert expected in reasons, str(report)
     assert len(report) == 6 and "near-miss" in str(report)

@@ -70,6 +70,14 @@ class TensorSite(Site):
     # ag_matmul: the other matmuls reading the gathered tensor as `dot` does (same activation
     # layout and numerics), each with its own weight: one op of the weights side by side.
     more_dots: tuple = ()
+    # matmul_rs: for each dimension of the scattered tensor, the dot's output dimension it is
+    # (transposes between the matmul and the reduce-scatter); None: the dot's own order.
+    out_order: tuple | None = None
+    # ag_matmul: the transpose the program applies to the gathered tensor before its matmuls (the
+    # backward of a vmapped matmul), applied to the operand before the gather instead; and the
+    # variable of the gathered tensor in that order, which the op returns where it is read elsewhere.
+    in_order: tuple | None = None
+    gathered: object = None
 
     @property
     def dots(self) -> tuple:
@@ -81,12 +89,14 @@ class TensorSite(Site):
         dot = dot or self.dot
         (lc, rc), _ = dot.params["dimension_numbers"]
         contract = (tuple(lc), tuple(rc))
-        act_aval = self.collective.invars[0].aval if self.op == AG else dot.invars[self.act_side].aval
+        act_shape = self.collective.invars[0].aval.shape if self.op == AG else dot.invars[self.act_side].aval.shape
+        if self.in_order is not None:
+            act_shape = tuple(act_shape[d] for d in self.in_order)
         w_aval = dot.invars[1 - self.act_side].aval
         ca, cw = contract[self.act_side], contract[1 - self.act_side]
-        fa = [d for d in free_dims(len(act_aval.shape), ca) if d != self.act_dim]
+        fa = [d for d in free_dims(len(act_shape), ca) if d != self.act_dim]
         fw = free_dims(len(w_aval.shape), cw)
-        return act_aval.shape, w_aval.shape, list(ca), list(cw), fa, fw
+        return act_shape, w_aval.shape, list(ca), list(cw), fa, fw
 
     def _columns(self, dot) -> int:
         _, w_shape, _, _, _, fw = self._layout(dot)
@@ -120,6 +130,8 @@ class TensorSite(Site):
             weight = self._weight_2d(read(self.weight_atom()), self.dot, k)
         act_atom = self.fp8_act if self.fp8_act is not None else self.dot.invars[self.act_side]
         act = read(self.collective.invars[0] if self.op == AG else act_atom)
+        if self.in_order is not None:
+            act = transpose(act, self.in_order)
         return reshape(transpose(act, [self.act_dim] + fa + ca), (rows, k)), weight
 
     def _weight_2d(self, w, dot, k: int):
@@ -137,10 +149,12 @@ class TensorSite(Site):
             _, w_shape, _, _, _, fw = self._layout(dot)
             rest = [a_shape[d] for d in fa] + [w_shape[d] for d in fw]
             product = transpose(reshape(product, (lead, *rest)), self._out_perm(fa, fw))
+            if self.out_order is not None:
+                product = transpose(product, self.out_order)
             write((dot if self.op == AG else self.collective).outvars[0], product)
         if collective_out is not None:
             gathered = reshape(collective_out, (lead, *[a_shape[d] for d in fa + ca]))
-            write(self.collective.outvars[0], transpose(gathered, np.argsort([self.act_dim] + fa + ca)))
+            write(self.gathered or self.collective.outvars[0], transpose(gathered, np.argsort([self.act_dim] + fa + ca)))
 
     def _out_perm(self, fa, fw) -> list[int]:
         """Permutation from the op's [act_dim, *fa, *fw] layout to the dot's output order."""
@@ -175,6 +189,14 @@ def match_gather(ctx: MatchContext, i: int) -> TensorSite | SiteRecord:
         return ctx.miss(AG, i, shapes, problem)
     if config.is_fp8(x.aval.dtype):
         return _match_scaled_gather(ctx, i, shapes)
+    in_order, moved = None, set()
+    readers = ctx.users.get(g, [])
+    if len(readers) == 1 and g not in ctx.outputs and ctx.eqns[readers[0][0]].primitive.name == "transpose":
+        # gather then transpose (the backward of a vmapped matmul) is the gather of the transposed operand
+        t = readers[0][0]
+        in_order = tuple(ctx.eqns[t].params["permutation"])
+        g, axis, moved = ctx.eqns[t].outvars[0], in_order.index(axis), {t}
+        shapes += f", transposed {in_order}"
     uses = ctx.users.get(g, [])
     dot_reasons, taken = [], []  # taken: (equation, operand position) of the matmuls the op serves
     for j, pos in uses:
@@ -188,20 +210,31 @@ def match_gather(ctx: MatchContext, i: int) -> TensorSite | SiteRecord:
         if problem is None and j in ctx.taken_dots:
             problem = "the matmul already belongs to another site (both of its operands are gathered)"
         w, first_use = dot.invars[1 - pos], min(k for k, _ in uses)
-        problem = (problem or ctx.weight_problem(w, first_use, "gathered tensor's")
-                   or moved_dtype_problem(dot, pos, "gathered tensor", "gather", "gather"))
+        problem = problem or moved_dtype_problem(dot, pos, "gathered tensor", "gather", "gather")
+        if problem is None and not taken:
+            problem = ctx.weight_problem(w, first_use, "gathered tensor's")
         if problem:
             dot_reasons.append(f"eqn {j}: {problem}")
-        elif not taken or same_form(ctx.eqns[taken[0][0]], taken[0][1], dot, pos):
+        elif not taken:
             taken.append((j, pos))
+            exec_index = first_use
+        elif same_form(ctx.eqns[taken[0][0]], taken[0][1], dot, pos) and is_var(w):
+            # The op runs once this weight is computed too (a pvary of it can follow the first
+            # matmul), where nothing has read the gathered tensor or a served product yet.
+            later = max(exec_index, ctx.defined_at[w] + 1)
+            if not _read_before(ctx, [g] + [ctx.eqns[k].outvars[0] for k, _ in (*taken, (j, pos))], later,
+                                {k for k, _ in (*taken, (j, pos))}):
+                taken.append((j, pos))
+                exec_index = later
     if not taken:
         if dot_reasons:
             return ctx.miss(AG, i, shapes, "; ".join(dot_reasons))
         return ctx.miss(AG, i, shapes, f"the gathered tensor feeds no matmul directly ({ctx.readers_text(g)})")
     (j, pos), dots = taken[0], [ctx.eqns[k] for k, _ in taken]
     served = {k for k, _ in taken}
-    site = TensorSite(op=AG, **ctx.axis(gather), exec_index=min(k for k, _ in uses), skip=tuple(sorted({i, *served})),
+    site = TensorSite(op=AG, **ctx.axis(gather), exec_index=exec_index, skip=tuple(sorted({i, *moved, *served})),
                       dot=dots[0], more_dots=tuple(dots[1:]), collective=gather, act_side=pos, act_dim=axis,
+                      in_order=in_order, gathered=g,
                       returns_collective=g in ctx.outputs or any(k not in served for k, _ in uses),
                       operand_dtype=converted_operands(dots[0]))
     more = sum(k not in served for k, _ in uses) + (g in ctx.outputs)
@@ -210,6 +243,11 @@ def match_gather(ctx: MatchContext, i: int) -> TensorSite | SiteRecord:
     products = ", ".join(fmt(dot.outvars[0].aval) for dot in dots)
     what = f"w {weights}" if len(dots) == 1 else f"{len(dots)} weights w {weights}"
     return ctx.found(site, i, f"{shapes} · {what}{_numerics(site)} -> {products}{also}")
+
+
+def _read_before(ctx: MatchContext, variables, index: int, replaced: set) -> bool:
+    """Whether an equation before `index` other than the `replaced` ones reads one of `variables`."""
+    return any(k < index and k not in replaced for v in variables for k, _ in ctx.users.get(v, []))
 
 
 def same_form(first, first_pos: int, dot, pos: int) -> bool:
@@ -228,11 +266,11 @@ def match_scatter(ctx: MatchContext, i: int) -> TensorSite | SiteRecord:
     scatter = ctx.eqns[i]
     dim, v = scatter.params["scatter_dimension"], scatter.invars[0]
     shapes = f"y {fmt(v.aval)} scattered dim {dim}"
-    j, rounding = ctx.producer(v), None
-    if ctx.producer_name(j) == _CONVERT and ctx.producer_name(ctx.producer(ctx.eqns[j].invars[0])) == _DOT:
-        rounding, j = j, ctx.producer(ctx.eqns[j].invars[0])
+    j, rounding, moves, order = _product_of(ctx, v)
     problem = (ctx.not_enabled(RS) or collective_problem(scatter.params) or _scatter_source_problem(ctx, j)
                or _rounding_problem(ctx, rounding))
+    if problem is None and any(ctx.read_elsewhere(ctx.eqns[k].invars[0]) for k in moves):
+        problem = "the matmul's product is read elsewhere before its transpose to the reduce-scatter"
     if problem is None and ctx.read_elsewhere(v):
         problem = "the matmul's full product has other users, so it is computed anyway"
     if problem is None and j in ctx.taken_dots:
@@ -244,18 +282,41 @@ def match_scatter(ctx: MatchContext, i: int) -> TensorSite | SiteRecord:
     (lc, rc), _ = dot.params["dimension_numbers"]
     free = [(0, d) for d in free_dims(len(dot.invars[0].aval.shape), lc)]
     free += [(1, d) for d in free_dims(len(dot.invars[1].aval.shape), rc)]
-    side, act_dim = free[dim]
+    side, act_dim = free[order[dim]]
     w = dot.invars[1 - side]
     if not is_var(w) or not is_var(dot.invars[side]):
         return ctx.miss(RS, i, shapes, "a matmul operand is a literal")
     fp8 = dequant.scaled_operands(ctx, dot.invars[side], w)
-    skip = (j, i) if rounding is None else (j, rounding, i)
+    skip = tuple(sorted({j, i, *moves} | ({rounding} if rounding is not None else set())))
     site = TensorSite(op=RS, **ctx.axis(scatter), exec_index=j, skip=skip, dot=dot, collective=scatter,
                       act_side=side, act_dim=act_dim, operand_dtype=converted_operands(dot),
-                      rounded_to=None if rounding is None else v.aval.dtype, **fp8)
+                      rounded_to=None if rounding is None else v.aval.dtype, out_order=tuple(order), **fp8)
     y, w = (fp8["fp8_act"], fp8["fp8_weight"]) if fp8 else (dot.invars[side], w)
     return ctx.found(site, i, f"y {fmt(y.aval)} scattered dim {act_dim} · w {fmt(w.aval)}{' (FP8, scaled)' if fp8 else ''}"
                               f"{_numerics(site)} -> {fmt(scatter.outvars[0].aval)}")
+
+
+def _product_of(ctx: MatchContext, v) -> tuple[int, int | None, list[int], list[int]]:
+    """(the equation computing the matmul product that `v` is, the convert_element_type between
+    them or None, the transposes between them, and for each dimension of `v` the product's
+    dimension it is). vmap of a matmul (Equinox's ``jax.vmap(linear)``) writes the product with
+    its batch dimension last, then transposes it into place: the op writes that order itself.
+    Where the chain ends at no matmul: the producer of `v` itself, as the program has it."""
+    order, moves, rounding = list(range(len(v.aval.shape))), [], None
+    j = ctx.producer(v)
+    while ctx.producer_name(j) in ("transpose", _CONVERT):
+        eqn = ctx.eqns[j]
+        if eqn.primitive.name == "transpose":
+            order = [eqn.params["permutation"][d] for d in order]
+            moves.append(j)
+        elif rounding is None:
+            rounding = j
+        else:
+            break
+        j = ctx.producer(eqn.invars[0])
+    if ctx.producer_name(j) != _DOT:
+        return ctx.producer(v), None, [], list(range(len(v.aval.shape)))
+    return j, rounding, moves, order
 
 
 def _numerics(site: TensorSite) -> str:
