@@ -104,6 +104,23 @@ def test_shard_map_matmuls_of_one_gather_are_one_site(mesh, body, schedule):
     _assert_close(_grads(fused, len(args))(*args), _grads(block, len(args))(*args))
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("body", BODIES)
+def test_backward_sum_of_input_gradients_is_one_site(mesh, body, schedule):
+    """overlap of the gradient function: JAX's backward sums the matmuls' input gradients, then
+    reduce-scatters; that is one matmul_rs of their operands side by side."""
+    fn, in_specs, out_specs, make_args, weights = BODIES[body]
+    block = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    args = make_args()
+    loss = lambda *a: sum(jnp.sum(jnp.sin(v)) for v in jax.tree.leaves(block(*a)))  # noqa: E731
+    step = jax.value_and_grad(loss, argnums=tuple(range(len(args))))
+    fused = overlap(step, schedule=schedule)
+    report = explain(fused, *args)
+    summed = [r for r in report.overlapped if r.op == "matmul_rs" and r.shapes.startswith(f"{weights} matmuls summed")]
+    assert len(summed) == 1 and not [r for r in report.near_misses if r.op == "matmul_rs"], str(report)
+    _assert_close(jax.jit(fused)(*args), jax.jit(step)(*args))
+
+
 def test_matmul_of_another_form_reads_the_gathered_tensor_the_op_returns(mesh):
     def body(x, w1, w2, w3t):
         g = jax.lax.all_gather(x, "tp", tiled=True)

@@ -44,6 +44,7 @@ import dataclasses
 import math
 from typing import Callable
 
+import jax.numpy as jnp
 import numpy as np
 
 from .. import config, ops
@@ -102,10 +103,18 @@ class TensorSite(Site):
         _, w_shape, _, _, _, fw = self._layout(dot)
         return math.prod(w_shape[d] for d in fw)
 
+    def _depth(self, dot) -> int:
+        """K of `dot`: the product of its activation's contracted dimensions."""
+        a_shape, _, ca, _, _, _ = self._layout(dot)
+        return math.prod(a_shape[d] for d in ca)
+
     def op_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
-        a_shape, _, ca, _, fa, _ = self._layout()
+        a_shape, _, _, _, fa, _ = self._layout()
         rows = a_shape[self.act_dim] * math.prod(a_shape[d] for d in fa)
-        k = math.prod(a_shape[d] for d in ca)
+        if self.op == RS:  # several matmuls summed: their operands side by side along K
+            k = sum(self._depth(dot) for dot in self.dots)
+            return (rows, k), (k, self._columns(self.dot))
+        k = self._depth(self.dot)
         return (rows, k), (k, sum(self._columns(dot) for dot in self.dots))
 
     def weight_atom(self):
@@ -124,6 +133,14 @@ class TensorSite(Site):
     def operands(self, read: Callable):
         _, _, ca, _, fa, _ = self._layout()
         (rows, k), _ = self.op_shapes()
+        if self.more_dots and self.op == RS:  # sum_i y_i @ w_i == [y_1 .. y_n] @ [w_1; ..; w_n]
+            acts, weights = [], []
+            for dot in self.dots:
+                _, _, ca_i, _, fa_i, _ = self._layout(dot)
+                k_i = self._depth(dot)
+                acts.append(reshape(transpose(read(dot.invars[self.act_side]), [self.act_dim] + fa_i + ca_i), (rows, k_i)))
+                weights.append(self._weight_2d(read(dot.invars[1 - self.act_side]), dot, k_i))
+            return jnp.concatenate(acts, axis=1), jnp.concatenate(weights, axis=0)
         if self.more_dots:  # the op's list form: one [K, N_i] weight per matmul
             weight = [self._weight_2d(read(dot.invars[1 - self.act_side]), dot, k) for dot in self.dots]
         else:
@@ -145,7 +162,8 @@ class TensorSite(Site):
         a_shape, _, ca, _, fa, _ = self._layout()
         lead = {AG: a_shape[self.act_dim] * self.axis_size, RS: a_shape[self.act_dim] // self.axis_size}.get(
             self.op, a_shape[self.act_dim])
-        for dot, product in zip(self.dots, out if self.more_dots else (out,)):
+        products = out if self.more_dots and self.op == AG else (out,)
+        for dot, product in zip(self.dots, products):
             _, w_shape, _, _, _, fw = self._layout(dot)
             rest = [a_shape[d] for d in fa] + [w_shape[d] for d in fw]
             product = transpose(reshape(product, (lead, *rest)), self._out_perm(fa, fw))
@@ -266,6 +284,9 @@ def match_scatter(ctx: MatchContext, i: int) -> TensorSite | SiteRecord:
     scatter = ctx.eqns[i]
     dim, v = scatter.params["scatter_dimension"], scatter.invars[0]
     shapes = f"y {fmt(v.aval)} scattered dim {dim}"
+    summed = _summed_products(ctx, v)
+    if summed is not None:
+        return _match_summed_scatter(ctx, i, shapes, *summed)
     j, rounding, moves, order = _product_of(ctx, v)
     problem = (ctx.not_enabled(RS) or collective_problem(scatter.params) or _scatter_source_problem(ctx, j)
                or _rounding_problem(ctx, rounding))
@@ -294,6 +315,56 @@ def match_scatter(ctx: MatchContext, i: int) -> TensorSite | SiteRecord:
     y, w = (fp8["fp8_act"], fp8["fp8_weight"]) if fp8 else (dot.invars[side], w)
     return ctx.found(site, i, f"y {fmt(y.aval)} scattered dim {act_dim} · w {fmt(w.aval)}{' (FP8, scaled)' if fp8 else ''}"
                               f"{_numerics(site)} -> {fmt(scatter.outvars[0].aval)}")
+
+
+def _summed_products(ctx: MatchContext, v) -> tuple[list[int], list[int]] | None:
+    """(the matmuls, the add_any equations) where `v` is a sum of matmul products that nothing
+    else reads, all of one form (JAX's backward of several matmuls of one gathered tensor sums
+    their input gradients before the reduce-scatter); else None."""
+    dots, adds, pending = [], [], [v]
+    while pending:
+        var = pending.pop()
+        j = ctx.producer(var)
+        if var is not v and ctx.read_elsewhere(var):
+            return None
+        if ctx.producer_name(j) == "add_any":
+            adds.append(j)
+            pending.extend(ctx.eqns[j].invars)
+        elif ctx.producer_name(j) == _DOT and _dot_problem(ctx.eqns[j]) is None and j not in ctx.taken_dots:
+            dots.append(j)
+        else:
+            return None
+    if not adds or len(set(dots)) != len(dots):
+        return None
+    first = ctx.eqns[dots[0]]
+    alike = all(ctx.eqns[j].params["dimension_numbers"] == first.params["dimension_numbers"]
+                and same_form(first, 0, ctx.eqns[j], 0) and same_form(first, 1, ctx.eqns[j], 1) for j in dots)
+    return (sorted(dots), adds) if alike else None
+
+
+def _match_summed_scatter(ctx: MatchContext, i: int, shapes: str, dots: list[int], adds: list[int]):
+    """psum_scatter(y_1 @ w_1 + ... + y_n @ w_n): one matmul_rs of the operands side by side along K."""
+    scatter = ctx.eqns[i]
+    v = scatter.invars[0]
+    problem = ctx.not_enabled(RS) or collective_problem(scatter.params)
+    if problem is None and ctx.read_elsewhere(v):
+        problem = "the summed products have other users, so they are computed anyway"
+    if problem:
+        return ctx.miss(RS, i, shapes, problem)
+    first = ctx.eqns[dots[0]]
+    (lc, rc), _ = first.params["dimension_numbers"]
+    free = [(0, d) for d in free_dims(len(first.invars[0].aval.shape), lc)]
+    free += [(1, d) for d in free_dims(len(first.invars[1].aval.shape), rc)]
+    side, act_dim = free[scatter.params["scatter_dimension"]]
+    if not all(is_var(a) for j in dots for a in ctx.eqns[j].invars):
+        return ctx.miss(RS, i, shapes, "a matmul operand is a literal")
+    site = TensorSite(op=RS, **ctx.axis(scatter), exec_index=max(dots), skip=tuple(sorted({i, *dots, *adds})),
+                      dot=first, more_dots=tuple(ctx.eqns[j] for j in dots[1:]), collective=scatter, act_side=side,
+                      act_dim=act_dim, operand_dtype=converted_operands(first))
+    ys = ", ".join(fmt(ctx.eqns[j].invars[side].aval) for j in dots)
+    ws = ", ".join(fmt(ctx.eqns[j].invars[1 - side].aval) for j in dots)
+    return ctx.found(site, i, f"{len(dots)} matmuls summed, y {ys} scattered dim {act_dim} · w {ws}{_numerics(site)} "
+                              f"-> {fmt(scatter.outvars[0].aval)}")
 
 
 def _product_of(ctx: MatchContext, v) -> tuple[int, int | None, list[int], list[int]]:
