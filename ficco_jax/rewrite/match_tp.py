@@ -9,9 +9,15 @@ while / jit / checkpoint body nested inside one):
   (q/k/v or gate/up projections written separately) is served by that one op, its weights side by
   side (ag_matmul's list form): one pipeline of chunk copies feeds every weight's chunk matmuls.
   If the gathered tensor has other users (matmuls of another form, the residuals of a backward
-  pass), the op also returns it, so nothing is gathered twice.
+  pass), the op also returns it, so nothing is gathered twice. A gather whose result is only
+  transposed before its matmuls (the backward of a vmapped matmul) is the gather of the transposed
+  operand.
 - ``dot_general → psum_scatter(tiled)`` where the scattered dimension is a free dimension of one
-  operand and the product has no other user: becomes ``matmul_rs``.
+  operand and the product has no other user: becomes ``matmul_rs``. Transposes (and one rounding
+  cast) between the two are the op's output order (vmap of a matmul, as Equinox's
+  ``jax.vmap(linear)``, writes the batch dimension last, then transposes it into place). A sum of
+  several matmuls' products of one form (JAX's backward of the matmuls of one gathered tensor)
+  becomes one ``matmul_rs`` of their operands side by side along K.
 - ``dot_general → psum`` over one axis, the product read by nobody else and the sum read on (a
   row-parallel matmul's all-reduce): becomes ``matmul_psum``. The activation is the operand with
   more free elements (the lhs on a tie); a sum the body only returns (data parallelism's weight

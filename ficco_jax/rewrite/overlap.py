@@ -468,8 +468,7 @@ class Overlapped:
             why = (f"its {len(report.sites)} site(s) keep the plain path "
                    f"({next(r.note or r.reason for r in report.sites)})")
         else:
-            why = (f"no site found: no collective beside a matmul that an op replaces "
-                   f"({len(report.near_misses)} near-miss(es))")
+            why = f"no site found ({len(report.near_misses)} near-miss(es))"
         warnings.warn(f"ficco_jax.overlap: {self._name()} was given schedule {given} and nothing in it is "
                       f"overlapped: {why}; ficco_jax.explain({self._name()}, *args) lists each site and "
                       f"near-miss with the reason", stacklevel=5)
