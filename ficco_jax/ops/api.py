@@ -1,6 +1,7 @@
 """The public ops. Inside `jax.shard_map`, each equals its plain-JAX reference for every schedule:
 
     ag_matmul(x, w, "tp")   == all_gather(x, "tp", axis=0, tiled=True) @ w
+    ag_matmul(x, [w1, w2], "tp") == [all_gather(x, "tp", axis=0, tiled=True) @ w for w in (w1, w2)]
     matmul_rs(y, w, "tp")   == psum_scatter(y @ w, "tp", scatter_dimension=0, tiled=True)
     matmul_psum(y, w, "tp") == psum(y @ w, "tp")
     a2a_matmul(x, w, "ep")  == einsum("pecd,edf->pecf", all_to_all(x, "ep", 0, 0, tiled=True), w)
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import scaled
-from .core import ScheduleArg
+from .core import ScheduleArg, check_arrays
 from .measure import time_op
 from .run import call
 from .table import reference
@@ -27,7 +28,10 @@ from .table import reference
 
 def ag_matmul_ref(x, w, axis_name, *, out_dtype=None, x_scale=None, w_scale=None):
     """The meaning of `ag_matmul`: `all_gather(x, axis_name, axis=0, tiled=True) @ w` (result in
-    `out_dtype`); with scales, of FP8 operands dequantized in f32 (ops/scaled.py)."""
+    `out_dtype`); with scales, of FP8 operands dequantized in f32 (ops/scaled.py). With a list of
+    weights, the list of products."""
+    if isinstance(w, (list, tuple)):
+        return [ag_matmul_ref(x, v, axis_name, out_dtype=out_dtype) for v in w]
     if x_scale is not None or w_scale is not None:
         return _dequantized_dot(lax.all_gather(x, axis_name, axis=0, tiled=True), w, x_scale, w_scale, out_dtype)
     return reference("ag_matmul")(x, w, axis_name, out_dtype)
@@ -93,12 +97,42 @@ def ag_matmul(x, w, axis_name: str, *, schedule: ScheduleArg = "auto", return_ga
     over as it is instead of writing the transpose out first. The result is the same either way;
     XLA's own dots (`comm="xla"`, `"none"`) read any layout, and FP8 matmuls always read w so.
     The backward reads w^T in the other layout, which is w's own.
+
+    Several weights, ``ag_matmul(x, [w1, w2, w3], axis_name)`` (q/k/v or gate/up projections of
+    one gathered x), return one product per weight, as a list, from one op: the weights' columns
+    side by side ([K, N1 + N2 + N3], one copy of them per call), so each chunk of x is moved once
+    and feeds every weight's chunk matmul. The backward is then one reduce-scatter of the summed
+    input gradients.
     """
+    if isinstance(w, (list, tuple)):
+        return _ag_matmul_weights(x, w, axis_name, schedule=schedule, return_gathered=return_gathered,
+                                  out_dtype=out_dtype, x_scale=x_scale, w_scale=w_scale, w_col_major=w_col_major)
     if scaled.wanted(x, x_scale, w_scale):
         return scaled.call("ag_matmul", x, w, axis_name, schedule, (x_scale, w_scale), out_dtype,
                            with_side=return_gathered, measure=time_op)
     return call("ag_matmul", x, w, axis_name, schedule, with_side=return_gathered, side_flag="return_gathered",
                 measure=time_op, out_dtype=out_dtype, w_col_major=w_col_major)
+
+
+def _ag_matmul_weights(x, weights, axis_name, *, schedule, return_gathered, out_dtype, x_scale, w_scale, w_col_major):
+    """`ag_matmul` of `x` with each of `weights`, as one op on their columns side by side."""
+    weights = list(weights)
+    if not weights:
+        raise ValueError("ag_matmul: w is an empty list; give one weight or a list of them")
+    if x_scale is not None or w_scale is not None or w_col_major:
+        raise TypeError("ag_matmul: a list of weights takes neither x_scale/w_scale (one scale per weight would "
+                        "be needed) nor w_col_major; call ag_matmul once per weight for those")
+    for k, v in enumerate(weights):
+        check_arrays("ag_matmul", x, v)
+        if v.ndim != 2 or v.shape[0] != weights[0].shape[0] or v.dtype != weights[0].dtype:
+            raise ValueError(f"ag_matmul: every weight of the list must be [K, N_i] of one K and dtype; w[0] is "
+                             f"{weights[0].dtype}{list(weights[0].shape)}, w[{k}] is {v.dtype}{list(v.shape)}")
+    result = ag_matmul(x, jnp.concatenate(weights, axis=1), axis_name, schedule=schedule,
+                       return_gathered=return_gathered, out_dtype=out_dtype)
+    out, gathered = result if return_gathered else (result, None)
+    # lax.split, whose transpose concatenates the products' cotangents into the op's, with no padding.
+    products = list(lax.split(out, [v.shape[1] for v in weights], axis=1))
+    return (products, gathered) if return_gathered else products
 
 
 def matmul_rs(y, w, axis_name: str, *, schedule: ScheduleArg = "auto", out_dtype=None, x_scale=None, w_scale=None,

@@ -47,6 +47,11 @@ class GlobalSite(Site):
     # backward rounds the f32 sum to bf16): the op sums f32 partials, as the partitioner does,
     # and its result is cast after the shard_map.
     cast_after: object = None
+    more_dots: tuple = ()  # the program's other dots the op serves (an ag_matmul of several weights)
+
+    @property
+    def dots(self) -> tuple:
+        return (self.dot, *self.more_dots)
 
     def op_shapes(self):
         return self.local.op_shapes()
@@ -144,6 +149,8 @@ def global_site(ctx: MatchContext, local_fn: Callable, reads: tuple, writes: tup
     if isinstance(found, str):
         return found
     local, local_in, local_out = found
+    if len(local.dots) != 1 + len(site.get("more_dots", ())):
+        return "its matmuls do not read the gathered tensor alike in their per-device form"
     fp8 = {}
     if local.scales is not None:  # the global values the local site's FP8 operands and scales are blocks of
         outer = dict(zip(local_in, reads))

@@ -2,16 +2,19 @@
 transposes/reshapes that move operands between a dot's layout and an op's."""
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 from typing import Any, Sequence
 
 import jax
 import jax.extend.core as jex
 import numpy as np
 
-try:  # where an equation was written; private to jax, so a missing one degrades to no source line
-    from jax._src.source_info_util import summarize as _summarize_source
+try:  # where an equation was written; private to jax, so a missing one degrades to no source line / name
+    from jax._src import source_info_util as _source_info
 except ImportError:  # pragma: no cover - depends on the jax version
-    _summarize_source = None
+    _source_info = None
 
 
 def fmt(aval) -> str:
@@ -24,16 +27,54 @@ def fmt_shapes(shapes: Sequence[Sequence[int]]) -> str:
     return "·".join(f"[{','.join(str(d) for d in shape)}]" for shape in shapes)
 
 
+# The frameworks a model is written with: a site's line is the innermost frame outside them, the
+# user's (a Dense layer's matmul is written in flax's linear.py, called from the user's model).
+_FRAMEWORKS = ("jax", "jaxlib", "flax", "equinox", "haiku", "optax")
+_OWN_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # ficco_jax/
+
+
+def _framework_dirs() -> tuple[str, ...]:
+    """The package directories of the frameworks loaded now (looked up, never imported), and ficco_jax's."""
+    dirs = [_OWN_PACKAGE]
+    for name in _FRAMEWORKS:
+        module = sys.modules.get(name)
+        path = getattr(module, "__file__", None) if module is not None else None
+        if path:
+            dirs.append(os.path.dirname(os.path.abspath(path)))
+    return tuple(d + os.sep for d in dirs)
+
+
 def source_line(eqn) -> str:
-    """`file:line (function)` of the user code that wrote `eqn`; "" where the jaxpr kept none."""
+    """`file:line:column (function)` of the user code that wrote `eqn`: the innermost frame outside jax,
+    the model frameworks and ficco_jax; "" where the jaxpr kept none."""
     info = getattr(eqn, "source_info", None)
-    if info is None or _summarize_source is None:
+    if info is None or _source_info is None:
         return ""
     try:
-        text = _summarize_source(info)
+        frames = list(_source_info.user_frames(info.traceback))
+        excluded = _framework_dirs()
+        user = [f for f in frames if not os.path.abspath(f.file_name).startswith(excluded)]
+        frame = (user or frames or [None])[0]
+        if frame is None:
+            return ""
+        column = f":{frame.start_column}" if frame.start_column else ""
+        return f"{frame.file_name}:{frame.start_line}{column} ({frame.function_name})"
     except Exception:  # noqa: BLE001 - a report line must never fail the user's function
         return ""
-    return "" if text in ("", "unknown") else text
+
+
+def written_as(eqn) -> contextlib.ExitStack:
+    """A context that binds as `eqn` was bound: its names (``jax.named_scope``, ``jax.named_call``,
+    a jitted function's) under the current ones, its traceback, and its context (eqn.ctx), as
+    jax.core.eval_jaxpr binds each equation; so the profile and the HLO metadata of a rewritten
+    program name its operations as the program as written does."""
+    stack = contextlib.ExitStack()
+    info = getattr(eqn, "source_info", None)
+    if _source_info is not None and info is not None:
+        names = _source_info.current_name_stack() + info.name_stack
+        stack.enter_context(_source_info.user_context(info.traceback, name_stack=names))
+    stack.enter_context(eqn.ctx.manager)
+    return stack
 
 
 def is_var(atom) -> bool:

@@ -87,41 +87,53 @@ def _gather_problem(dot, side: int, dim: int, axis: str, gathered_dims) -> str |
 
 
 def _gather_site(ctx: MatchContext, i: int, j: int, side: int, dim: int, axis: str, reshard=None,
-                 deq: dequant.Dequantized | None = None):
+                 deq: dequant.Dequantized | None = None, more: tuple = ()):
     """The ag_matmul site of dot `j` reading operand `side` gathered on `dim` over `axis` (by
     equation `reshard`, or by the dot itself when None; through FP8 dequantization `deq`), or why
-    it is none."""
-    dot = ctx.eqns[j]
+    it is none; `more`: the other dots reading the reshard's result as `j` does, which the op
+    serves too, each with its weight."""
+    dots = [ctx.eqns[k] for k in (j, *more)]
+    dot = dots[0]
     src = reshard.invars[0] if reshard is not None else dot.invars[side]
-    w = dot.invars[1 - side]
+    weights = [d.invars[1 - side] for d in dots]
     gathered = reshard.outvars[0] if reshard is not None else None
-    also = gathered is not None and ctx.read_elsewhere(gathered)
+    served = {j, *more}
+    also = gathered is not None and (gathered in ctx.outputs or
+                                     any(k not in served for k, _ in ctx.users.get(gathered, [])))
     uses = [k for k, _ in ctx.users.get(gathered, [])] if gathered is not None else [j]
-    w_deq = dequant.dequantized(ctx, w) if deq is not None else None
+    w_deq = dequant.dequantized(ctx, weights[0]) if deq is not None else None
     if deq is not None:
         problem = dequant.gather_problem(ctx, deq, w_deq, min(uses))
     else:
-        problem = ctx.weight_problem(w, min(uses), "gathered tensor's") if reshard is not None else None
+        problem = next(filter(None, (ctx.weight_problem(w, min(uses), "gathered tensor's") for w in weights)), None) \
+            if reshard is not None else None
     if problem:
         return problem
-    writes = (dot.outvars[0], gathered) if also else (dot.outvars[0],)
+    writes = tuple(d.outvars[0] for d in dots) + ((gathered,) if also else ())
     x_reads, dequantize_x = ((src, deq.scale), deq.rebuild) if deq is not None else ((src,), lambda g: g)
-    w_reads, rebuild_w = _operand(w_deq, w)
+    w_reads, rebuild_w = _operand(w_deq, weights[0])
+    w_reads += tuple(weights[1:])
 
     def local_fn(x, *rest):
         g = jax.lax.all_gather(x, axis, axis=dim, tiled=True)
         x_rest, w_blocks = rest[:len(x_reads) - 1], rest[len(x_reads) - 1:]
-        out = local_dot(dot, dequantize_x(g, *x_rest), rebuild_w(*w_blocks), side)
-        return (out, g) if also else (out,)
+        first_w, more_w = w_blocks[:len(w_blocks) - len(more)], w_blocks[len(w_blocks) - len(more):]
+        x_local = dequantize_x(g, *x_rest)
+        outs = [local_dot(d, x_local, w, side) for d, w in zip(dots, (rebuild_w(*first_w), *more_w))]
+        return (*outs, g) if also else tuple(outs)
 
-    skip = {i, j} | set(deq.eqns if deq is not None else ())
+    skip = {i, *served} | set(deq.eqns if deq is not None else ())
     site = global_site(ctx, local_fn, x_reads + w_reads, writes, op=AG, axis_name=axis, exec_index=min(uses),
-                        skip=tuple(sorted(skip)), dot=dot, collective=reshard or dot, returns_collective=also)
+                        skip=tuple(sorted(skip)), dot=dot, collective=reshard or dot, returns_collective=also,
+                        more_dots=tuple(dots[1:]))
     if isinstance(site, str):
         return site
-    more = f" (gathered x also used by {len(uses) - 1 + (gathered in ctx.outputs)} more)" if also else ""
-    w_text = f"{typed(w_deq.v8)} (FP8, scaled)" if w_deq is not None else typed(w)
-    shapes = f"x {typed(src)} gathered dim {dim} · w {w_text} -> {typed(dot.outvars[0])}{more}"
+    n_more = sum(k not in served for k in uses) + (gathered in ctx.outputs)
+    also_text = f" (gathered x also used by {n_more} more)" if also else ""
+    w_text = f"{typed(w_deq.v8)} (FP8, scaled)" if w_deq is not None else ", ".join(typed(w) for w in weights)
+    what = f"w {w_text}" if len(dots) == 1 else f"{len(dots)} weights w {w_text}"
+    shapes = (f"x {typed(src)} gathered dim {dim} · {what} -> {', '.join(typed(d.outvars[0]) for d in dots)}"
+              f"{also_text}")
     return _found(ctx, site, i, shapes)
 
 
@@ -165,7 +177,12 @@ def match_reshard(ctx: MatchContext, i: int) -> Site | SiteRecord | None:
         return _miss(ctx, AG, i, axis, shapes, problem)
     reasons = list(fp8_reasons)
     for j, pos, deq in dots:
-        found = _gather_problem(ctx.eqns[j], pos, dim, axis, after) or _gather_site(ctx, i, j, pos, dim, axis, eqn, deq)
+        problem = _gather_problem(ctx.eqns[j], pos, dim, axis, after)
+        # The other matmuls reading the gathered tensor as this one does join its op.
+        more = () if problem or deq is not None else tuple(
+            k for k, side, d in dots if k != j and d is None and not _gather_problem(ctx.eqns[k], side, dim, axis, after)
+            and match_tp.same_form(ctx.eqns[j], pos, ctx.eqns[k], side) and k not in ctx.taken_dots)
+        found = problem or _gather_site(ctx, i, j, pos, dim, axis, eqn, deq, more)
         if isinstance(found, Site):
             return found
         reasons.append(f"eqn {j}: {found}")

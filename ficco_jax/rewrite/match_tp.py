@@ -5,10 +5,19 @@ Three patterns are recognised in a body's jaxpr (the body of a `shard_map`, or a
 while / jit / checkpoint body nested inside one):
 
 - ``all_gather(x, tiled) → dot_general`` where the gathered dimension is a free (row) dimension of
-  the matmul: becomes ``ag_matmul``. If the gathered tensor has other users (other matmuls, the
-  residuals of a backward pass), the op also returns it, so nothing is gathered twice.
+  the matmul: becomes ``ag_matmul``. Every matmul that reads the gathered tensor the same way
+  (q/k/v or gate/up projections written separately) is served by that one op, its weights side by
+  side (ag_matmul's list form): one pipeline of chunk copies feeds every weight's chunk matmuls.
+  If the gathered tensor has other users (matmuls of another form, the residuals of a backward
+  pass), the op also returns it, so nothing is gathered twice. A gather whose result is only
+  transposed before its matmuls (the backward of a vmapped matmul) is the gather of the transposed
+  operand.
 - ``dot_general → psum_scatter(tiled)`` where the scattered dimension is a free dimension of one
-  operand and the product has no other user: becomes ``matmul_rs``.
+  operand and the product has no other user: becomes ``matmul_rs``. Transposes (and one rounding
+  cast) between the two are the op's output order (vmap of a matmul, as Equinox's
+  ``jax.vmap(linear)``, writes the batch dimension last, then transposes it into place). A sum of
+  several matmuls' products of one form (JAX's backward of the matmuls of one gathered tensor)
+  becomes one ``matmul_rs`` of their operands side by side along K.
 - ``dot_general → psum`` over one axis, the product read by nobody else and the sum read on (a
   row-parallel matmul's all-reduce): becomes ``matmul_psum``. The activation is the operand with
   more free elements (the lhs on a tie); a sum the body only returns (data parallelism's weight
@@ -41,6 +50,7 @@ import dataclasses
 import math
 from typing import Callable
 
+import jax.numpy as jnp
 import numpy as np
 
 from .. import config, ops
@@ -64,23 +74,54 @@ class TensorSite(Site):
 
     act_side: int  # which dot operand is the activation (0 lhs, 1 rhs)
     act_dim: int  # gathered / scattered dimension of the activation; matmul_psum: its first free one
+    # ag_matmul: the other matmuls reading the gathered tensor as `dot` does (same activation
+    # layout and numerics), each with its own weight: one op of the weights side by side.
+    more_dots: tuple = ()
+    # matmul_rs: for each dimension of the scattered tensor, the dot's output dimension it is
+    # (transposes between the matmul and the reduce-scatter); None: the dot's own order.
+    out_order: tuple | None = None
+    # ag_matmul: the transpose the program applies to the gathered tensor before its matmuls (the
+    # backward of a vmapped matmul), applied to the operand before the gather instead; and the
+    # variable of the gathered tensor in that order, which the op returns where it is read elsewhere.
+    in_order: tuple | None = None
+    gathered: object = None
 
-    def _layout(self):
-        """Shapes of activation and weight, their contracted dims, and their other free dims."""
-        (lc, rc), _ = self.dot.params["dimension_numbers"]
+    @property
+    def dots(self) -> tuple:
+        return (self.dot, *self.more_dots)
+
+    def _layout(self, dot=None):
+        """Shapes of activation and weight, their contracted dims, and their other free dims (of
+        `dot`'s weight; the first dot's by default)."""
+        dot = dot or self.dot
+        (lc, rc), _ = dot.params["dimension_numbers"]
         contract = (tuple(lc), tuple(rc))
-        act_aval = self.collective.invars[0].aval if self.op == AG else self.dot.invars[self.act_side].aval
-        w_aval = self.dot.invars[1 - self.act_side].aval
+        act_shape = self.collective.invars[0].aval.shape if self.op == AG else dot.invars[self.act_side].aval.shape
+        if self.in_order is not None:
+            act_shape = tuple(act_shape[d] for d in self.in_order)
+        w_aval = dot.invars[1 - self.act_side].aval
         ca, cw = contract[self.act_side], contract[1 - self.act_side]
-        fa = [d for d in free_dims(len(act_aval.shape), ca) if d != self.act_dim]
+        fa = [d for d in free_dims(len(act_shape), ca) if d != self.act_dim]
         fw = free_dims(len(w_aval.shape), cw)
-        return act_aval.shape, w_aval.shape, list(ca), list(cw), fa, fw
+        return act_shape, w_aval.shape, list(ca), list(cw), fa, fw
+
+    def _columns(self, dot) -> int:
+        _, w_shape, _, _, _, fw = self._layout(dot)
+        return math.prod(w_shape[d] for d in fw)
+
+    def _depth(self, dot) -> int:
+        """K of `dot`: the product of its activation's contracted dimensions."""
+        a_shape, _, ca, _, _, _ = self._layout(dot)
+        return math.prod(a_shape[d] for d in ca)
 
     def op_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
-        a_shape, w_shape, ca, cw, fa, fw = self._layout()
+        a_shape, _, _, _, fa, _ = self._layout()
         rows = a_shape[self.act_dim] * math.prod(a_shape[d] for d in fa)
-        k = math.prod(a_shape[d] for d in ca)
-        return (rows, k), (k, math.prod(w_shape[d] for d in fw))
+        if self.op == RS:  # several matmuls summed: their operands side by side along K
+            k = sum(self._depth(dot) for dot in self.dots)
+            return (rows, k), (k, self._columns(self.dot))
+        k = self._depth(self.dot)
+        return (rows, k), (k, sum(self._columns(dot) for dot in self.dots))
 
     def weight_atom(self):
         return self.fp8_weight if self.fp8_weight is not None else self.dot.invars[1 - self.act_side]
@@ -90,28 +131,54 @@ class TensorSite(Site):
         _, _, _, cw, _, fw = self._layout()
         return tuple(cw + fw), tuple(range(len(cw), len(cw) + len(fw))) + tuple(range(len(cw)))
 
+    @property
+    def w_col_major(self) -> bool:
+        # Several weights are put side by side into a new array, which the op reads row-major.
+        return not self.more_dots and super().w_col_major
+
     def operands(self, read: Callable):
-        _, _, ca, cw, fa, fw = self._layout()
-        (rows, k), (_, n_cols) = self.op_shapes()
-        w = read(self.weight_atom())
-        if self.w_col_major:  # [N, K] as stored (a bitcast), then one 2-D transpose, which XLA reads as a bitcast
-            weight = transpose(reshape(transpose(w, fw + cw), (n_cols, k)), (1, 0))
+        _, _, ca, _, fa, _ = self._layout()
+        (rows, k), _ = self.op_shapes()
+        if self.more_dots and self.op == RS:  # sum_i y_i @ w_i == [y_1 .. y_n] @ [w_1; ..; w_n]
+            acts, weights = [], []
+            for dot in self.dots:
+                _, _, ca_i, _, fa_i, _ = self._layout(dot)
+                k_i = self._depth(dot)
+                acts.append(reshape(transpose(read(dot.invars[self.act_side]), [self.act_dim] + fa_i + ca_i), (rows, k_i)))
+                weights.append(self._weight_2d(read(dot.invars[1 - self.act_side]), dot, k_i))
+            return jnp.concatenate(acts, axis=1), jnp.concatenate(weights, axis=0)
+        if self.more_dots:  # the op's list form: one [K, N_i] weight per matmul
+            weight = [self._weight_2d(read(dot.invars[1 - self.act_side]), dot, k) for dot in self.dots]
         else:
-            weight = reshape(transpose(w, cw + fw), (k, n_cols))
+            weight = self._weight_2d(read(self.weight_atom()), self.dot, k)
         act_atom = self.fp8_act if self.fp8_act is not None else self.dot.invars[self.act_side]
         act = read(self.collective.invars[0] if self.op == AG else act_atom)
+        if self.in_order is not None:
+            act = transpose(act, self.in_order)
         return reshape(transpose(act, [self.act_dim] + fa + ca), (rows, k)), weight
 
+    def _weight_2d(self, w, dot, k: int):
+        _, _, _, cw, _, fw = self._layout(dot)
+        n_cols = self._columns(dot)
+        if self.w_col_major:  # [N, K] as stored (a bitcast), then one 2-D transpose, which XLA reads as a bitcast
+            return transpose(reshape(transpose(w, fw + cw), (n_cols, k)), (1, 0))
+        return reshape(transpose(w, cw + fw), (k, n_cols))
+
     def write_outputs(self, out, collective_out, write: Callable) -> None:
-        a_shape, w_shape, ca, _, fa, fw = self._layout()
+        a_shape, _, ca, _, fa, _ = self._layout()
         lead = {AG: a_shape[self.act_dim] * self.axis_size, RS: a_shape[self.act_dim] // self.axis_size}.get(
             self.op, a_shape[self.act_dim])
-        rest = [a_shape[d] for d in fa] + [w_shape[d] for d in fw]
-        out = transpose(reshape(out, (lead, *rest)), self._out_perm(fa, fw))
-        write((self.dot if self.op == AG else self.collective).outvars[0], out)
+        products = out if self.more_dots and self.op == AG else (out,)
+        for dot, product in zip(self.dots, products):
+            _, w_shape, _, _, _, fw = self._layout(dot)
+            rest = [a_shape[d] for d in fa] + [w_shape[d] for d in fw]
+            product = transpose(reshape(product, (lead, *rest)), self._out_perm(fa, fw))
+            if self.out_order is not None:
+                product = transpose(product, self.out_order)
+            write((dot if self.op == AG else self.collective).outvars[0], product)
         if collective_out is not None:
             gathered = reshape(collective_out, (lead, *[a_shape[d] for d in fa + ca]))
-            write(self.collective.outvars[0], transpose(gathered, np.argsort([self.act_dim] + fa + ca)))
+            write(self.gathered or self.collective.outvars[0], transpose(gathered, np.argsort([self.act_dim] + fa + ca)))
 
     def _out_perm(self, fa, fw) -> list[int]:
         """Permutation from the op's [act_dim, *fa, *fw] layout to the dot's output order."""
@@ -146,8 +213,16 @@ def match_gather(ctx: MatchContext, i: int) -> TensorSite | SiteRecord:
         return ctx.miss(AG, i, shapes, problem)
     if config.is_fp8(x.aval.dtype):
         return _match_scaled_gather(ctx, i, shapes)
+    in_order, moved = None, set()
+    readers = ctx.users.get(g, [])
+    if len(readers) == 1 and g not in ctx.outputs and ctx.eqns[readers[0][0]].primitive.name == "transpose":
+        # gather then transpose (the backward of a vmapped matmul) is the gather of the transposed operand
+        t = readers[0][0]
+        in_order = tuple(ctx.eqns[t].params["permutation"])
+        g, axis, moved = ctx.eqns[t].outvars[0], in_order.index(axis), {t}
+        shapes += f", transposed {in_order}"
     uses = ctx.users.get(g, [])
-    dot_reasons = []
+    dot_reasons, taken = [], []  # taken: (equation, operand position) of the matmuls the op serves
     for j, pos in uses:
         dot = ctx.eqns[j]
         if dot.primitive.name != _DOT:
@@ -159,31 +234,70 @@ def match_gather(ctx: MatchContext, i: int) -> TensorSite | SiteRecord:
         if problem is None and j in ctx.taken_dots:
             problem = "the matmul already belongs to another site (both of its operands are gathered)"
         w, first_use = dot.invars[1 - pos], min(k for k, _ in uses)
-        problem = (problem or ctx.weight_problem(w, first_use, "gathered tensor's")
-                   or moved_dtype_problem(dot, pos, "gathered tensor", "gather", "gather"))
+        problem = problem or moved_dtype_problem(dot, pos, "gathered tensor", "gather", "gather")
+        if problem is None and not taken:
+            problem = ctx.weight_problem(w, first_use, "gathered tensor's")
         if problem:
             dot_reasons.append(f"eqn {j}: {problem}")
-            continue
-        site = TensorSite(op=AG, **ctx.axis(gather), exec_index=first_use, skip=tuple(sorted({i, j})), dot=dot,
-                          collective=gather, act_side=pos, act_dim=axis, returns_collective=ctx.read_elsewhere(g),
-                          operand_dtype=converted_operands(dot))
-        more = len(uses) - 1 + (g in ctx.outputs)
-        also = f" (gathered x also used by {more} more)" if site.returns_collective else ""
-        return ctx.found(site, i, f"{shapes} · w {fmt(w.aval)}{_numerics(site)} -> {fmt(dot.outvars[0].aval)}{also}")
-    if dot_reasons:
-        return ctx.miss(AG, i, shapes, "; ".join(dot_reasons))
-    return ctx.miss(AG, i, shapes, f"the gathered tensor feeds no matmul directly ({ctx.readers_text(g)})")
+        elif not taken:
+            taken.append((j, pos))
+            exec_index = first_use
+        elif same_form(ctx.eqns[taken[0][0]], taken[0][1], dot, pos) and is_var(w):
+            # The op runs once this weight is computed too (a pvary of it can follow the first
+            # matmul), where nothing has read the gathered tensor or a served product yet.
+            later = max(exec_index, ctx.defined_at[w] + 1)
+            if not _read_before(ctx, [g] + [ctx.eqns[k].outvars[0] for k, _ in (*taken, (j, pos))], later,
+                                {k for k, _ in (*taken, (j, pos))}):
+                taken.append((j, pos))
+                exec_index = later
+    if not taken:
+        if dot_reasons:
+            return ctx.miss(AG, i, shapes, "; ".join(dot_reasons))
+        return ctx.miss(AG, i, shapes, f"the gathered tensor feeds no matmul directly ({ctx.readers_text(g)})")
+    (j, pos), dots = taken[0], [ctx.eqns[k] for k, _ in taken]
+    served = {k for k, _ in taken}
+    site = TensorSite(op=AG, **ctx.axis(gather), exec_index=exec_index, skip=tuple(sorted({i, *moved, *served})),
+                      dot=dots[0], more_dots=tuple(dots[1:]), collective=gather, act_side=pos, act_dim=axis,
+                      in_order=in_order, gathered=g,
+                      returns_collective=g in ctx.outputs or any(k not in served for k, _ in uses),
+                      operand_dtype=converted_operands(dots[0]))
+    more = sum(k not in served for k, _ in uses) + (g in ctx.outputs)
+    also = f" (gathered x also used by {more} more)" if site.returns_collective else ""
+    weights = ", ".join(fmt(dot.invars[1 - pos].aval) for dot in dots)
+    products = ", ".join(fmt(dot.outvars[0].aval) for dot in dots)
+    what = f"w {weights}" if len(dots) == 1 else f"{len(dots)} weights w {weights}"
+    return ctx.found(site, i, f"{shapes} · {what}{_numerics(site)} -> {products}{also}")
+
+
+def _read_before(ctx: MatchContext, variables, index: int, replaced: set) -> bool:
+    """Whether an equation before `index` other than the `replaced` ones reads one of `variables`."""
+    return any(k < index and k not in replaced for v in variables for k, _ in ctx.users.get(v, []))
+
+
+def same_form(first, first_pos: int, dot, pos: int) -> bool:
+    """Whether `dot` reads the gathered tensor as `first` does (same side, same contracted
+    dimensions in the same order, same dtypes and precision): then both take one 2-D operand and
+    their weights go side by side into one op."""
+    (lc1, rc1), _ = first.params["dimension_numbers"]
+    (lc2, rc2), _ = dot.params["dimension_numbers"]
+    dtypes = [tuple(v.aval.dtype for v in (*e.invars, *e.outvars)) for e in (first, dot)]
+    return (pos == first_pos and tuple((lc1, rc1)[pos]) == tuple((lc2, rc2)[pos]) and dtypes[0] == dtypes[1]
+            and first.params.get("precision") == dot.params.get("precision")
+            and first.params.get("preferred_element_type") == dot.params.get("preferred_element_type"))
 
 
 def match_scatter(ctx: MatchContext, i: int) -> TensorSite | SiteRecord:
     scatter = ctx.eqns[i]
     dim, v = scatter.params["scatter_dimension"], scatter.invars[0]
     shapes = f"y {fmt(v.aval)} scattered dim {dim}"
-    j, rounding = ctx.producer(v), None
-    if ctx.producer_name(j) == _CONVERT and ctx.producer_name(ctx.producer(ctx.eqns[j].invars[0])) == _DOT:
-        rounding, j = j, ctx.producer(ctx.eqns[j].invars[0])
+    summed = _summed_products(ctx, v)
+    if summed is not None:
+        return _match_summed_scatter(ctx, i, shapes, *summed)
+    j, rounding, moves, order = _product_of(ctx, v)
     problem = (ctx.not_enabled(RS) or collective_problem(scatter.params) or _scatter_source_problem(ctx, j)
                or _rounding_problem(ctx, rounding))
+    if problem is None and any(ctx.read_elsewhere(ctx.eqns[k].invars[0]) for k in moves):
+        problem = "the matmul's product is read elsewhere before its transpose to the reduce-scatter"
     if problem is None and ctx.read_elsewhere(v):
         problem = "the matmul's full product has other users, so it is computed anyway"
     if problem is None and j in ctx.taken_dots:
@@ -195,18 +309,91 @@ def match_scatter(ctx: MatchContext, i: int) -> TensorSite | SiteRecord:
     (lc, rc), _ = dot.params["dimension_numbers"]
     free = [(0, d) for d in free_dims(len(dot.invars[0].aval.shape), lc)]
     free += [(1, d) for d in free_dims(len(dot.invars[1].aval.shape), rc)]
-    side, act_dim = free[dim]
+    side, act_dim = free[order[dim]]
     w = dot.invars[1 - side]
     if not is_var(w) or not is_var(dot.invars[side]):
         return ctx.miss(RS, i, shapes, "a matmul operand is a literal")
     fp8 = dequant.scaled_operands(ctx, dot.invars[side], w)
-    skip = (j, i) if rounding is None else (j, rounding, i)
+    skip = tuple(sorted({j, i, *moves} | ({rounding} if rounding is not None else set())))
     site = TensorSite(op=RS, **ctx.axis(scatter), exec_index=j, skip=skip, dot=dot, collective=scatter,
                       act_side=side, act_dim=act_dim, operand_dtype=converted_operands(dot),
-                      rounded_to=None if rounding is None else v.aval.dtype, **fp8)
+                      rounded_to=None if rounding is None else v.aval.dtype, out_order=tuple(order), **fp8)
     y, w = (fp8["fp8_act"], fp8["fp8_weight"]) if fp8 else (dot.invars[side], w)
     return ctx.found(site, i, f"y {fmt(y.aval)} scattered dim {act_dim} · w {fmt(w.aval)}{' (FP8, scaled)' if fp8 else ''}"
                               f"{_numerics(site)} -> {fmt(scatter.outvars[0].aval)}")
+
+
+def _summed_products(ctx: MatchContext, v) -> tuple[list[int], list[int]] | None:
+    """(the matmuls, the add_any equations) where `v` is a sum of matmul products that nothing
+    else reads, all of one form (JAX's backward of several matmuls of one gathered tensor sums
+    their input gradients before the reduce-scatter); else None."""
+    dots, adds, pending = [], [], [v]
+    while pending:
+        var = pending.pop()
+        j = ctx.producer(var)
+        if var is not v and ctx.read_elsewhere(var):
+            return None
+        if ctx.producer_name(j) == "add_any":
+            adds.append(j)
+            pending.extend(ctx.eqns[j].invars)
+        elif ctx.producer_name(j) == _DOT and _dot_problem(ctx.eqns[j]) is None and j not in ctx.taken_dots:
+            dots.append(j)
+        else:
+            return None
+    if not adds or len(set(dots)) != len(dots):
+        return None
+    first = ctx.eqns[dots[0]]
+    alike = all(ctx.eqns[j].params["dimension_numbers"] == first.params["dimension_numbers"]
+                and same_form(first, 0, ctx.eqns[j], 0) and same_form(first, 1, ctx.eqns[j], 1) for j in dots)
+    return (sorted(dots), adds) if alike else None
+
+
+def _match_summed_scatter(ctx: MatchContext, i: int, shapes: str, dots: list[int], adds: list[int]):
+    """psum_scatter(y_1 @ w_1 + ... + y_n @ w_n): one matmul_rs of the operands side by side along K."""
+    scatter = ctx.eqns[i]
+    v = scatter.invars[0]
+    problem = ctx.not_enabled(RS) or collective_problem(scatter.params)
+    if problem is None and ctx.read_elsewhere(v):
+        problem = "the summed products have other users, so they are computed anyway"
+    if problem:
+        return ctx.miss(RS, i, shapes, problem)
+    first = ctx.eqns[dots[0]]
+    (lc, rc), _ = first.params["dimension_numbers"]
+    free = [(0, d) for d in free_dims(len(first.invars[0].aval.shape), lc)]
+    free += [(1, d) for d in free_dims(len(first.invars[1].aval.shape), rc)]
+    side, act_dim = free[scatter.params["scatter_dimension"]]
+    if not all(is_var(a) for j in dots for a in ctx.eqns[j].invars):
+        return ctx.miss(RS, i, shapes, "a matmul operand is a literal")
+    site = TensorSite(op=RS, **ctx.axis(scatter), exec_index=max(dots), skip=tuple(sorted({i, *dots, *adds})),
+                      dot=first, more_dots=tuple(ctx.eqns[j] for j in dots[1:]), collective=scatter, act_side=side,
+                      act_dim=act_dim, operand_dtype=converted_operands(first))
+    ys = ", ".join(fmt(ctx.eqns[j].invars[side].aval) for j in dots)
+    ws = ", ".join(fmt(ctx.eqns[j].invars[1 - side].aval) for j in dots)
+    return ctx.found(site, i, f"{len(dots)} matmuls summed, y {ys} scattered dim {act_dim} · w {ws}{_numerics(site)} "
+                              f"-> {fmt(scatter.outvars[0].aval)}")
+
+
+def _product_of(ctx: MatchContext, v) -> tuple[int, int | None, list[int], list[int]]:
+    """(the equation computing the matmul product that `v` is, the convert_element_type between
+    them or None, the transposes between them, and for each dimension of `v` the product's
+    dimension it is). vmap of a matmul (Equinox's ``jax.vmap(linear)``) writes the product with
+    its batch dimension last, then transposes it into place: the op writes that order itself.
+    Where the chain ends at no matmul: the producer of `v` itself, as the program has it."""
+    order, moves, rounding = list(range(len(v.aval.shape))), [], None
+    j = ctx.producer(v)
+    while ctx.producer_name(j) in ("transpose", _CONVERT):
+        eqn = ctx.eqns[j]
+        if eqn.primitive.name == "transpose":
+            order = [eqn.params["permutation"][d] for d in order]
+            moves.append(j)
+        elif rounding is None:
+            rounding = j
+        else:
+            break
+        j = ctx.producer(eqn.invars[0])
+    if ctx.producer_name(j) != _DOT:
+        return ctx.producer(v), None, [], list(range(len(v.aval.shape)))
+    return j, rounding, moves, order
 
 
 def _numerics(site: TensorSite) -> str:

@@ -33,7 +33,7 @@ def find_sites(jaxpr, axis_sizes: dict | None, where: str, ops: Sequence[str],
             if isinstance(found, Site):
                 sites.append(found)
                 # A matmul feeds one op only: a later collective beside it is a near-miss.
-                ctx.taken_dots.add(ctx.eqns.index(found.dot))
+                ctx.taken_dots.update(ctx.eqns.index(dot) for dot in found.dots)
             elif found is not None:
                 misses.append(found)
     return sites, misses

@@ -23,8 +23,12 @@ is updated by the program itself.
 Composition: the result is an ordinary traceable function, so ``jit(overlap(f))``,
 ``grad(overlap(f))`` (the ops' transposes overlap the backward pass) and ``overlap(grad(f))``
 (the backward collectives are in the traced jaxpr and are rewritten too) all work, and so does
-``shard_map(overlap(body))`` (traced under the manual axes, `body` is a shard_map body). Functions
-with no site are called unchanged; one that cannot be traced (Python control flow on an array's
+``shard_map(overlap(body))`` (traced under the manual axes, `body` is a shard_map body). `fn` is
+traced as often as jax.jit traces it, once per signature, in every wrap form (``overlap(overlap(f))``
+too): a function with no site runs the jaxpr that trace made, as jit runs it. Every equation is
+bound under its own names (``jax.named_scope``, ``jax.named_call``) and traceback, and an op under
+those of the matmul it replaces, so profiles and HLO metadata name the rewritten program's
+operations as the program's own. A function that cannot be traced (Python control flow on an array's
 value) runs as written when called outside any transformation, with a warning. A trace is keyed by
 the arguments and by the context (the `jax.set_mesh` mesh, the default matmul precision).
 
@@ -33,9 +37,12 @@ logged at DEBUG level on the ``"ficco_jax"`` logger when a signature is first tr
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
+import threading
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax
@@ -46,7 +53,7 @@ from ..runtime import topology
 from ..schedule import Schedule
 from .arguments import CallArgs
 from .effects import Effects, replaced_leaves, write_back
-from .jaxpr_util import open_jaxpr, sub_jaxprs
+from .jaxpr_util import open_jaxpr, sub_jaxprs, written_as
 from .matchers import ALL_OPS, find_sites
 from .options import AUTOTUNE_LATER, Options
 from .site import SiteRecord
@@ -62,8 +69,9 @@ _CUSTOM_RULES = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", 
 
 
 class Report(list):
-    """The `SiteRecord`s of one traced function: rewritten sites, then near-misses; `untraceable`
-    says why a function that could not be traced runs as written."""
+    """The `SiteRecord`s of one traced function: rewritten sites, then near-misses (those of an
+    `overlap`-wrapped function it calls follow, their `where` prefixed with ``overlap(name)/``);
+    `untraceable` says why a function that could not be traced runs as written."""
 
     def __init__(self, records=(), untraceable: str = ""):
         super().__init__(records)
@@ -71,7 +79,16 @@ class Report(list):
 
     @property
     def sites(self) -> list[SiteRecord]:
+        """Every site matched: overlapped or keeping the plain path."""
         return [r for r in self if r.rewritten]
+
+    @property
+    def overlapped(self) -> list[SiteRecord]:
+        return [r for r in self if r.overlapped]
+
+    @property
+    def plain_path(self) -> list[SiteRecord]:
+        return [r for r in self if r.rewritten and r.plain_path]
 
     @property
     def near_misses(self) -> list[SiteRecord]:
@@ -80,7 +97,7 @@ class Report(list):
     @property
     def awaiting_autotune(self) -> bool:
         """Whether a site's schedule is measured when the function is called (explain() measures nothing)."""
-        return any(r.schedule == AUTOTUNE_LATER for r in self.sites)
+        return any(r.schedule == AUTOTUNE_LATER for r in self.sites if not r.nested_in)
 
     def __str__(self) -> str:
         if self.untraceable:
@@ -89,13 +106,29 @@ class Report(list):
             return ("ficco_jax.overlap: no all_gather/psum_scatter/all_to_all found inside a shard_map, and no "
                     "matmul next to a resharding in explicitly sharded code")
         header = ("", "op", "where", "axis", "shapes", "op operands", "schedule / why not")
-        rows = [("ok" if r.rewritten else "--", r.op, f"{r.where} at {r.source}" if r.source else r.where,
+        rows = [(_mark(r), r.op, f"{r.where} at {r.source}" if r.source else r.where,
                  r.axis_name, r.shapes, r.matmul_2d, _outcome(r)) for r in self]
         widths = [max(len(str(row[c])) for row in (header, *rows)) for c in range(len(header) - 1)]
         lines = ["  ".join(str(v).ljust(w) for v, w in zip(row, widths)) + "  " + str(row[-1])
                  for row in (header, *rows)]
-        summary = f"{len(self.sites)} site(s) rewritten, {len(self.near_misses)} near-miss(es)"
-        return "\n".join([summary, *lines])
+        return "\n".join([self.summary(), *lines])
+
+    def summary(self) -> str:
+        """``2 site(s): 1 overlapped, 1 keeps the plain path; 3 near-miss(es)``, and which nested
+        overlap() calls rewrite sites of their own."""
+        text = (f"{len(self.sites)} site(s): {len(self.overlapped)} overlapped, {len(self.plain_path)} "
+                f"{'keeps' if len(self.plain_path) == 1 else 'keep'} the plain path; "
+                f"{len(self.near_misses)} near-miss(es)")
+        nested = sorted({r.nested_in for r in self if r.nested_in})
+        if nested:
+            text += (f" (including those of the nested {', '.join(f'overlap({n})' for n in nested)}, "
+                     f"which rewrite{'s' if len(nested) == 1 else ''} them when called)")
+        return text
+
+
+def _mark(record: SiteRecord) -> str:
+    """The first column: ok (overlapped), = (plain path: the program as written), -- (near-miss)."""
+    return "ok" if record.overlapped else "=" if record.rewritten else "--"
 
 
 def _outcome(record: SiteRecord) -> str:
@@ -177,7 +210,7 @@ def _plan_sites(plan: _Plan, jaxpr, scope: _Scope, options: Options, records: li
         except ValueError as err:  # shapes no schedule of the op takes: the program stays as written there
             records.append(dataclasses.replace(site.record, reason=f"the op refuses its operands: {err}"))
             continue
-        site.record = dataclasses.replace(site.record, schedule=shown, note=note)
+        site.record = dataclasses.replace(site.record, schedule=shown, note=note, plain_path=site.schedule == _PLAIN)
         records.append(site.record)
         if site.schedule == _PLAIN:
             continue  # the plain path is the program as written: leaving it adds no op, so never slower
@@ -203,31 +236,31 @@ def _run(plan: _Plan, jaxpr, consts, args) -> list:
         write(var, value)
     for i, eqn in enumerate(jaxpr.eqns):
         for site in plan.sites_at.get(i, ()):
-            site.run(read, write)
+            with written_as(site.dot):  # the op carries the names of the matmul it replaces
+                site.run(read, write)
         if i in plan.skip:
             continue
         invals = [read(v) for v in eqn.invars]
         children = plan.children.get(i)
-        if children is None:
-            outs = _bind(eqn, invals, eqn.params)
-        elif eqn.primitive.name == _SHARD_MAP:
-            outs = _bind_shard_map(eqn, children["jaxpr"], invals)
-        else:
-            params = dict(eqn.params)
-            for key, child in children.items():
-                params[key] = _rewrite_param(eqn.params[key], child)
-            outs = _bind(eqn, invals, params)
+        with written_as(eqn):
+            if children is None:
+                outs = _bind(eqn, invals, eqn.params)
+            elif eqn.primitive.name == _SHARD_MAP:
+                outs = _bind_shard_map(eqn, children["jaxpr"], invals)
+            else:
+                params = dict(eqn.params)
+                for key, child in children.items():
+                    params[key] = _rewrite_param(eqn.params[key], child)
+                outs = _bind(eqn, invals, params)
         for var, value in zip(eqn.outvars, outs if eqn.primitive.multiple_results else (outs,)):
             write(var, value)
     return [read(v) for v in jaxpr.outvars]
 
 
 def _bind(eqn, invals, params):
-    # What jax.core.eval_jaxpr does per equation: get_bind_params turns sub-jaxpr params back
-    # into the callables `bind` expects.
-    bind_params = eqn.primitive.get_bind_params(params)
-    with eqn.ctx.manager:
-        return eqn.primitive.bind(*invals, **bind_params)
+    # What jax.core.eval_jaxpr does per equation (under written_as): get_bind_params turns
+    # sub-jaxpr params back into the callables `bind` expects.
+    return eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
 
 
 def _bind_shard_map(eqn, child: _Plan, invals) -> list:
@@ -268,23 +301,28 @@ def _trace_like(fn: Callable, in_avals) -> jex.ClosedJaxpr:
 # --------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class _Traced:
-    rewritten: jex.ClosedJaxpr | None  # None: nothing to rewrite, call the function itself
+    # What a call runs: the rewritten jaxpr, or the jaxpr as traced where nothing is rewritten
+    # (fn is traced once per signature, as jax.jit traces it); None where fn cannot be traced.
+    program: jex.ClosedJaxpr | None
     out_tree: Any
     # fn's outputs that are no JAX values (a str, a Python number), by position among its output
     # leaves: returned as fn returned them, not through the program
     static_out: dict
     report: Report
-    effects: Effects  # the argument leaves fn replaced: `rewritten` outputs them after fn's outputs
-    call: Callable | None = None  # flat args -> flat outputs of `rewritten`
+    effects: Effects  # the argument leaves fn replaced: `program` outputs them after fn's outputs
+    rewrites: bool = False  # whether `program` differs from fn as written
+    name: str = "fn"  # fn's, which the program's jit carries into profiles and HLO metadata
+    call: Callable | None = None  # flat args -> flat outputs of `program`
 
     def __post_init__(self):
-        if self.rewritten is None:
+        if self.program is None:
             return
-        closed = self.rewritten
+        closed = self.program
 
         def overlapped(*flat):
             return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *flat)
 
+        overlapped.__name__ = overlapped.__qualname__ = self.name
         # Always staged: the ops' equations need a traced shard_map, and eager evaluation
         # would re-issue each shard_map per call. Inside this jit a jitted fn's donations would be
         # dropped (only the outermost jit donates), so they are made this jit's own.
@@ -301,6 +339,32 @@ def _donated_arguments(jaxpr) -> tuple[int, ...]:
             if donates and var in position:
                 donated.add(position[var])
     return tuple(sorted(donated))
+
+
+class _NestedReports(threading.local):
+    """The reports of the `overlap`-wrapped functions that a function being traced calls: each
+    rewrites its own sites, in its own trace; the enclosing one's report lists them too."""
+
+    def __init__(self):
+        self.collecting: list[list] = []
+
+    @contextlib.contextmanager
+    def collect(self):
+        found: list = []
+        self.collecting.append(found)
+        try:
+            yield found
+        finally:
+            self.collecting.pop()
+
+    def add(self, name: str, report: Report) -> None:
+        if self.collecting:
+            self.collecting[-1].extend(
+                dataclasses.replace(r, where=f"overlap({name})/{r.where}", nested_in=r.nested_in or name)
+                for r in report)
+
+
+_nested = _NestedReports()
 
 
 # What fn raises when traced where it needs its arrays' values (Python control flow on them).
@@ -325,11 +389,17 @@ class Overlapped:
 
     def __call__(self, *args, **kwargs):
         traced, call = self._trace(CallArgs.of(args, kwargs), measure=True)
-        if traced.rewritten is None:
-            return self._fn(*args, **kwargs)
+        _nested.add(self._name(), traced.report)
+        if traced.program is None or (traced.effects.refusal and not traced.rewrites):
+            return self._fn(*args, **kwargs)  # untraceable, or updates only fn itself can carry
         if traced.effects.refusal:
             raise ValueError(traced.effects.refusal)
-        outs = traced.call(*call.traced)
+        if not traced.rewrites and any(isinstance(x, jax.core.Tracer) for x in call.traced):
+            # Under a transformation the program as written is inlined, equation by equation: the
+            # enclosing trace holds what fn itself would have put there.
+            outs = jax.core.eval_jaxpr(traced.program.jaxpr, traced.program.consts, *call.traced)
+        else:
+            outs = traced.call(*call.traced)
         n_out = traced.out_tree.num_leaves - len(traced.static_out)
         write_back(self._name(), (args, kwargs), traced.effects, outs[n_out:])
         computed = iter(outs[:n_out])
@@ -366,7 +436,7 @@ class Overlapped:
         if traced is None or (measure and traced.report.awaiting_autotune):
             options = self._options.measuring() if measure else self._options
             try:
-                traced = self._rewrite(call, options, mesh)
+                traced = self._rewrite(call, options, mesh, warn_if_unchanged=measure)
             except Exception as err:
                 if call.traced_python_numbers():
                     # fn needs a number's value (range(n), a shape, a jitted fn's static argument):
@@ -389,9 +459,24 @@ class Overlapped:
         logger.warning("ficco_jax.overlap: %s", why)
         return _Traced(None, None, {}, Report(untraceable=why), Effects())
 
-    def _rewrite(self, call: CallArgs, options: Options, mesh) -> _Traced:
+    def _warn_if_nothing_overlaps(self, options: Options, report: Report) -> None:
+        """A schedule given to overlap() asks for overlap: say so where no site of the trace gets it."""
+        given = options.schedule
+        if not isinstance(given, Schedule) or given.comm == "none" or report.overlapped:
+            return
+        if report.sites:
+            why = (f"its {len(report.sites)} site(s) keep the plain path "
+                   f"({next(r.note or r.reason for r in report.sites)})")
+        else:
+            why = f"no site found ({len(report.near_misses)} near-miss(es))"
+        warnings.warn(f"ficco_jax.overlap: {self._name()} was given schedule {given} and nothing in it is "
+                      f"overlapped: {why}; ficco_jax.explain({self._name()}, *args) lists each site and "
+                      f"near-miss with the reason", stacklevel=5)
+
+    def _rewrite(self, call: CallArgs, options: Options, mesh, warn_if_unchanged: bool = False) -> _Traced:
         """Trace `fn` over the traced leaves of `call` (its static ones closed over) and rewrite it;
-        `mesh`: the concrete mesh of its arguments or context (_concrete_mesh), or None."""
+        `mesh`: the concrete mesh of its arguments or context (_concrete_mesh), or None;
+        `warn_if_unchanged`: a call (not explain) warns where a given schedule overlaps nothing."""
         out_trees, static_outs, found = [], [], []
         leaves = call.traced
 
@@ -408,19 +493,23 @@ class Overlapped:
             found.append(effects)
             return [*out_leaves, *replaced]
 
-        closed = jax.make_jaxpr(flat_fn)(*leaves)
+        with _nested.collect() as nested:
+            closed = jax.make_jaxpr(flat_fn)(*leaves)
         records: list = []
         plan = _analyse(closed.jaxpr, _Scope(axis_sizes=_manual_axes(), mesh=mesh), options, records)
-        report = Report(records)
+        report = Report([*records, *nested])
         for record in report:
             logger.debug("ficco_jax.overlap %s: %s %s at %s, axis %s, %s", self._name(),
                          "rewrote" if record.rewritten else "left", record.op, record.where, record.axis_name,
                          f"{record.matmul_2d} schedule {_outcome(record)}" if record.rewritten else record.reason)
-        rewritten = None
+        if warn_if_unchanged:
+            self._warn_if_nothing_overlaps(options, report)
         # A site whose autotune pick is not measured yet is only reported: the call measures it.
-        if plan.changed and not report.awaiting_autotune:
-            rewritten = jax.make_jaxpr(lambda *flat: _run(plan, closed.jaxpr, closed.consts, flat))(*leaves)
-        return _Traced(rewritten, out_trees[0], static_outs[0], report, found[0])
+        rewrites = plan.changed and not report.awaiting_autotune
+        program = closed
+        if rewrites:
+            program = jax.make_jaxpr(lambda *flat: _run(plan, closed.jaxpr, closed.consts, flat))(*leaves)
+        return _Traced(program, out_trees[0], static_outs[0], report, found[0], rewrites, self._name())
 
 
 def _trace_context() -> tuple:

@@ -35,10 +35,17 @@ class SiteRecord:
     reason: str = ""  # why it was not rewritten, "" if it was
     source: str = ""  # the user's line that wrote the collective, "file.py:12 (fn)"; "" where jax kept none
     note: str = ""  # what the schedule means for a rewritten site: "plain path: ..." where nothing overlaps
+    plain_path: bool = False  # a site whose schedule keeps the plain path: the program runs as written there
+    nested_in: str = ""  # the nested overlap() whose own trace rewrites this site; "" for the function's own
 
     @property
     def rewritten(self) -> bool:
         return not self.reason
+
+    @property
+    def overlapped(self) -> bool:
+        """A site that runs its op with an overlapping schedule."""
+        return self.rewritten and not self.plain_path
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -76,6 +83,11 @@ class Site:
     # The dimensions of the stored array the weight atom is a transpose of, in the weight atom's
     # order (MatchContext.stored_dims; the identity where no transpose produced it here).
     weight_stored_dims: tuple[int, ...] | None = None
+
+    @property
+    def dots(self) -> tuple:
+        """The matmul equations the op replaces (several where it takes several weights)."""
+        return (self.dot,)
 
     def op_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(operand shape, weight shape) as the op takes them."""
@@ -135,7 +147,8 @@ class Site:
             numerics.update(x_scale=x_scale, w_scale=w_scale)
         operands = self.operands(read)
         if self.operand_dtype is not None:  # exact: the narrower operand is widened, as JAX's dot does
-            operands = [v.astype(self.operand_dtype) for v in operands]
+            operands = [[w.astype(self.operand_dtype) for w in v] if isinstance(v, list) else v.astype(self.operand_dtype)
+                        for v in operands]
         # The op's executor calls name the user's line of the collective they replace.
         with site_label(self.record.source or f"overlap site {self.record.where}"):
             result = self.call_op(*operands, **numerics)
