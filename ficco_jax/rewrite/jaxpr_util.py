@@ -8,10 +8,7 @@ import jax
 import jax.extend.core as jex
 import numpy as np
 
-try:  # where an equation was written; private to jax, so a missing one degrades to no source line
-    from jax._src.source_info_util import summarize as _summarize_source
-except ImportError:  # pragma: no cover - depends on the jax version
-    _summarize_source = None
+from .. import _jax_compat
 
 
 def fmt(aval) -> str:
@@ -27,13 +24,13 @@ def fmt_shapes(shapes: Sequence[Sequence[int]]) -> str:
 def source_line(eqn) -> str:
     """`file:line (function)` of the user code that wrote `eqn`; "" where the jaxpr kept none."""
     info = getattr(eqn, "source_info", None)
-    if info is None or _summarize_source is None:
+    if info is None:
         return ""
     try:
-        text = _summarize_source(info)
+        text = _jax_compat.summarize_source(info)
     except Exception:  # noqa: BLE001 - a report line must never fail the user's function
         return ""
-    return "" if text in ("", "unknown") else text
+    return "" if text in (None, "", "unknown") else text
 
 
 def is_var(atom) -> bool:
