@@ -132,12 +132,14 @@ def test_cli_benches_the_all_reduced_matmul_against_matmul_plus_psum(tmp_path):
     assert "| matmul_psum |" in (tmp_path / "bench.md").read_text()
 
 
+@pytest.mark.slow
 def test_cli_rejects_bad_shape():
     out = subprocess.run([sys.executable, "-m", "ficco_jax", "bench", "--shape", "1,2"], capture_output=True, text=True,
                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert out.returncode != 0 and "expected M,K,N" in out.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedules,match", [("auto,dma/direct/c1", "'auto', 'all', 'dma' and 'xla' stand alone"),
                                               ("dma/direct/c2/pushy", "unknown part 'pushy'")])
 def test_cli_rejects_a_bad_schedule_list_before_compiling(schedules, match):
@@ -146,6 +148,7 @@ def test_cli_rejects_a_bad_schedule_list_before_compiling(schedules, match):
     assert out.returncode != 0 and match in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_bench_moe_ops_verified_side_by_side(tmp_path):
     result = bench.run(["a2a_matmul", "matmul_a2a"], {}, "float32", "xla/direct/c2,dma/direct/c1", str(tmp_path),
                        windowed=False, moe_shapes={"t": (32, 16, 24, 8, 2)})
@@ -353,6 +356,7 @@ def test_rounds_time_every_variant_and_bound_interleaved(tmp_path, monkeypatch, 
         bench.run([op], shapes or {}, "float32", "none", str(tmp_path / "again"), windowed=False, resume=result)
 
 
+@pytest.mark.slow
 def test_cli_rejects_zero_rounds(tmp_path):
     done = subprocess.run([sys.executable, "-m", "ficco_jax", "bench", "--op", "ag_matmul", "--shape", "64,32,64",
                            "--rounds", "0", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
@@ -398,6 +402,7 @@ def test_the_gemm_bound_runs_every_device_s_matmul_in_one_program(monkeypatch):
     assert not any(c in text for c in ("all_gather", "all-gather", "reduce_scatter", "all_reduce", "psum"))
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_run_of_another_kind(tmp_path):
     earlier = bench.run(["ag_matmul"], {"a": (64, 32, 64)}, "float32", "none", str(tmp_path / "one"), windowed=False)
     for key, other in (("n_devices", 2), ("dtype", "bfloat16"), ("device", "NVIDIA H100 80GB HBM3")):
@@ -449,6 +454,7 @@ def _stub_child(monkeypatch, code: str):
     return started
 
 
+@pytest.mark.slow
 def test_a_windowed_child_that_never_answers_is_killed_and_later_cases_are_skipped(monkeypatch):
     import time
 

@@ -75,6 +75,7 @@ def test_the_collectives_suite_lets_xla_capture_its_small_loop_bodies_on_gpus():
     assert all(not step.env for step in cpu)  # the CPU run's device count stays in XLA_FLAGS
 
 
+@pytest.mark.slow
 def test_lists_every_suite():
     done = _run("--list")
     assert done.returncode == 0, done.stderr
@@ -82,17 +83,20 @@ def test_lists_every_suite():
         assert f"| {name} |" in done.stdout, name
 
 
+@pytest.mark.slow
 def test_unknown_suite_is_a_clear_error():
     done = _run("demo", "benchmark-everything")
     assert done.returncode == 2
     assert "unknown suite benchmark-everything" in done.stderr and "known: build, tests" in done.stderr
 
 
+@pytest.mark.slow
 def test_no_suite_is_a_clear_error():
     done = _run()
     assert done.returncode == 2 and "name at least one suite" in done.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag,value", [("--limit", "3"), ("--limit", "0"), ("--budget", "-1"), ("--budget", "nan")])
 def test_a_limit_too_short_to_run_in_is_a_clear_error(flag, value):
     done = _run("demo", "--cpu", flag, value)
@@ -100,6 +104,7 @@ def test_a_limit_too_short_to_run_in_is_a_clear_error(flag, value):
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.sweep(first=1)
 @pytest.mark.parametrize("script,argv,says", [
     ("peers/torch_tp.py", ["--iters", "0"], "time at least one iteration"),
     ("suites/timing_check.py", ["--long", "0"], "argument --long: expected an integer >= 2, found '0'"),
@@ -110,6 +115,7 @@ def test_a_benchmark_script_refuses_a_count_it_cannot_time(script, argv, says):
     assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_gpu_suites_are_skipped_on_a_cpu_machine(tmp_path):
     done = _run("accuracy", "soak", "characterize", "--cpu", "--out", str(tmp_path))
     assert done.returncode == 0, done.stdout + done.stderr

@@ -126,6 +126,7 @@ def test_windowed_child_parses_apart_from_the_listing(capsys, monkeypatch):
     assert json.loads(capsys.readouterr().out) == {"median_ms": 1.5, "spread_ms": 0.1}
 
 
+@pytest.mark.slow
 def test_demo_on_one_device_says_there_is_nothing_to_overlap(tmp_path):
     done = _cli("demo", "--out", str(tmp_path), devices=1)
     assert done.returncode == 0, done.stderr[-3000:]

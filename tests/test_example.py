@@ -191,6 +191,7 @@ def test_global_view_trains_alike_with_and_without_overlap():
     assert all(r.schedule == OVERLAP_SCHEDULE for r in in_layers)
 
 
+@pytest.mark.sweep(first=1)
 @pytest.mark.parametrize("view", [[], ["--global-view"]], ids=["shard_map", "global"])
 def test_compare_on_one_device_runs_the_plain_model_both_ways(view):
     import os
@@ -209,6 +210,7 @@ def test_compare_on_one_device_runs_the_plain_model_both_ways(view):
     assert not re.search(r"\d+\.\d+x", done.stdout.split("step  loss")[-1]), done.stdout
 
 
+@pytest.mark.slow
 def test_global_view_reports_the_communication_free_bound():
     """The global view writes no collective to take out; its bound is the shard_map view's step
     without communication, reported beside both modes with tokens/s."""

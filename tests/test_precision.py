@@ -55,6 +55,7 @@ def _fp8_specs(op, mesh):
 # ------------------------------------------------------------------------------------------------
 # mixed precision
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.sweep
 @pytest.mark.parametrize("op,sched", CASES)
 def test_mixed_precision_matches_f32_reference(mesh2d, rng, op, sched):
     fn, ref, specs = OPS[op]
@@ -67,6 +68,7 @@ def test_mixed_precision_matches_f32_reference(mesh2d, rng, op, sched):
     assert rel_err(got, want) < TOLERANCE["float32"]
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("op,sched", [c for c in CASES if "c1" in c.values[1]])
 def test_mixed_precision_gradients(mesh2d, rng, op, sched):
     fn, ref, specs = OPS[op]
@@ -105,6 +107,7 @@ def test_mixed_precision_forward_mode(mesh2d, rng):
     assert got.dtype == F32 and rel_err(got, want) < TOLERANCE["float32"]
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("op", list(OPS) + ["matmul_psum", "a2a_matmul", "matmul_a2a"])
 @pytest.mark.parametrize("sched", ["xla/ring/c2", "none"])
 def test_results_rounded_to_fewer_bits_keep_float32_gradients(mesh1d, rng, op, sched):
@@ -216,6 +219,7 @@ def _fp8_reference_f32(op, out_dtype):
     return lambda a, w, sa, sw: ref(a, w, "tp", out_dtype=out_dtype, x_scale=sa, w_scale=sw)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("out_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("op,sched", CASES)
 def test_fp8_matches_reference(mesh2d, rng, op, sched, out_dtype):
@@ -227,6 +231,7 @@ def test_fp8_matches_reference(mesh2d, rng, op, sched, out_dtype):
     assert rel_err(got, want) < TOLERANCE[out_dtype]
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("op,sched", [c for c in CASES if "c1" in c.values[1]])
 def test_fp8_gradients(mesh2d, rng, op, sched):
     """Scales' gradients within f32 rounding of the reference's; the FP8 operands' gradients are
