@@ -24,7 +24,7 @@ from ficco_jax import config, dma  # noqa: E402
 from ficco_jax.lowering.dma import groups, registry  # noqa: E402
 from ficco_jax.runtime import extension as _ext  # noqa: E402
 from ficco_jax.schedule import Schedule  # noqa: E402
-from helpers import ffi_calls, max_rel_err  # noqa: E402
+from helpers import ffi_calls, max_rel_err, operands_and_reference  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not _ext.available(), reason="ficco_jax._ffi is not built")
 
@@ -111,6 +111,7 @@ def channel(request, monkeypatch):
 # ------------------------------------------------------------------------------------------------
 # Origin-coded, exact
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.sweep
 @pytest.mark.parametrize("mesh_name", ["1d", "2d"])
 @pytest.mark.parametrize("sched", ["dma/direct/c1", "dma/ring/c2", "dma/direct/c4/s2", "dma/direct/c8/s4",
                                    "dma/direct/c1/push", "dma/direct/c4/s2/push", "dma/direct/c8/s4/push",
@@ -129,6 +130,7 @@ def test_all_gather_origin_coded(mesh_name, sched):
     np.testing.assert_array_equal(out[: 8 * n] // 1000, np.repeat(np.arange(n), 8)[:, None] * np.ones((1, 3)))
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("channel", [False, True], indirect=True)
 @pytest.mark.parametrize("mesh_name", ["1d", "2d"])
 @pytest.mark.parametrize("sched", ["dma/direct/c1", "dma/direct/c2/grouped/s2", "dma/direct/c4/s2",
@@ -154,6 +156,7 @@ def test_matmuls_origin_coded(mesh_name, sched, channel):
     np.testing.assert_array_equal(rs, rs_ref)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("channel", [False, True], indirect=True)
 @pytest.mark.parametrize("mesh_name", ["1d", "2d", "pair"])
 @pytest.mark.parametrize("sched", ["dma/direct/c2/columns", "dma/direct/c4/columns/s2", "dma/direct/c4/columns/push",
@@ -205,6 +208,7 @@ def test_column_chunks_gradients(mesh_name, rng):
 # ------------------------------------------------------------------------------------------------
 # Every dma schedule, random f32 / bf16
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.sweep
 @pytest.mark.parametrize("mesh_name,dtype,sched,channel", list(_cases("ag_matmul", (jnp.float32, jnp.bfloat16))),
                          indirect=["channel"])
 def test_ag_matmul_every_schedule(mesh_name, dtype, sched, channel, rng):
@@ -226,25 +230,26 @@ def test_ag_matmul_every_schedule(mesh_name, dtype, sched, channel, rng):
     assert max_rel_err(out, out_ref) < TOLERANCE[dtype], sched
 
 
+def _matmul_rs_reference(a, b):
+    return jax.lax.psum_scatter(jnp.dot(a, b), "tp", scatter_dimension=0, tiled=True)
+
+
+@pytest.mark.sweep
 @pytest.mark.parametrize("mesh_name,dtype,sched,channel", list(_cases("matmul_rs", (jnp.float32, jnp.bfloat16))),
                          indirect=["channel"])
-def test_matmul_rs_every_schedule(mesh_name, dtype, sched, channel, rng):
+def test_matmul_rs_every_schedule(mesh_name, dtype, sched, channel):
     mesh = MESHES[mesh_name]
     n, m, inner, k = mesh.shape["tp"], 8, 12, 16
-    y = jnp.asarray(rng.standard_normal((mesh.devices.size * n * m, inner)), dtype)
-    w = jnp.asarray(rng.standard_normal((inner * n, k)), dtype)
-    spec, wspec = P(_all_axes(mesh)), P("tp", None)
+    specs = (P(_all_axes(mesh)), P("tp", None)), P(_all_axes(mesh))
+    # y [n*m, inner] per device (rows of every target), w [inner, k]; the reference from their f32 values
+    (y, w), out_ref = operands_and_reference(mesh, _matmul_rs_reference, specs,
+                                             ((mesh.devices.size * n * m, inner), (inner * n, k)), jnp.dtype(dtype).name)
 
-    def per_device(a, b):  # y [n*m, inner] per device (rows of every target), w [inner, k]
+    def per_device(a, b):
         return dma.matmul_rs_dma(a, b, "tp", sched)
 
-    def ref(a, b):
-        part = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32))
-        return jax.lax.psum_scatter(part, "tp", scatter_dimension=0, tiled=True)
-
     _poison_heap((mesh.devices.size * m, k))
-    out = _run(mesh, per_device, (spec, wspec), y, w)
-    out_ref = _run(mesh, ref, (spec, wspec), y, w)
+    out = _run(mesh, per_device, specs[0], y, w)
     assert out.dtype == jnp.dtype(dtype)
     assert max_rel_err(out, out_ref) < TOLERANCE[dtype], sched
 
@@ -252,6 +257,7 @@ def test_matmul_rs_every_schedule(mesh_name, dtype, sched, channel, rng):
 # ------------------------------------------------------------------------------------------------
 # Standalone collectives, non-leading axes, gradients
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.sweep
 @pytest.mark.parametrize("mesh_name", ["1d", "2d"])
 @pytest.mark.parametrize("axis", [0, 1, -1])
 @pytest.mark.parametrize("sched", [None, "dma/direct/c1/s2/push"])
@@ -566,6 +572,7 @@ def _grad_of(fn):
     return jax.grad(loss)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("in_axis", [0, 1, 2])
 @pytest.mark.parametrize("name", list(COLLECTIVES))
 def test_collective_under_vmap_is_one_call(name, in_axis, rng):
