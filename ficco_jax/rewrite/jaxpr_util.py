@@ -8,7 +8,7 @@ import jax
 import jax.extend.core as jex
 import numpy as np
 
-from .. import _jax_compat
+from .. import jax_compat
 
 
 def fmt(aval) -> str:
@@ -27,7 +27,7 @@ def source_line(eqn) -> str:
     if info is None:
         return ""
     try:
-        text = _jax_compat.summarize_source(info)
+        text = jax_compat.summarize_source(info)
     except Exception:  # noqa: BLE001 - a report line must never fail the user's function
         return ""
     return "" if text in (None, "", "unknown") else text

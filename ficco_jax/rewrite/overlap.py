@@ -42,7 +42,7 @@ import jax
 import jax.extend.core as jex
 import numpy as np
 
-from .. import _jax_compat
+from .. import jax_compat
 from ..runtime import topology
 from ..schedule import Schedule
 from .arguments import CallArgs
@@ -431,7 +431,7 @@ def _trace_context() -> tuple:
     partitioning, dtype promotion...: the key jax.jit itself retraces on). A function called under
     another mesh or flags is traced again, as jax.jit retraces it."""
     return (topology.context_mesh(), jax.sharding.get_abstract_mesh(), jax.config.jax_default_matmul_precision,
-            _jax_compat.trace_flags())
+            jax_compat.trace_flags())
 
 
 def _manual_axes() -> dict | None:

@@ -26,7 +26,7 @@ import threading
 
 import jax
 
-from .. import _jax_compat, config
+from .. import config, jax_compat
 from . import extension as _ext
 
 log = logging.getLogger("ficco_jax")
@@ -56,7 +56,7 @@ def job_id() -> int:
     with _lock:
         if _job is not None:
             return _job
-        client = _jax_compat.distributed_client()
+        client = jax_compat.distributed_client()
         if client is None:
             raise RuntimeError(
                 "ficco_jax: comm='dma' across processes needs jax.distributed.initialize(...) (its key-value "

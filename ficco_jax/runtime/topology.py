@@ -31,7 +31,7 @@ from typing import Iterator, Mapping, Sequence
 import jax
 import numpy as np
 
-from .. import _jax_compat, config
+from .. import config, jax_compat
 
 log = logging.getLogger("ficco_jax")
 
@@ -160,12 +160,12 @@ def context_mesh() -> jax.sharding.Mesh | None:
     ``jax.sharding.get_mesh()`` answers outside tracing (and while a program is lowered), but
     refuses while a function is traced, pointing at the abstract mesh, which has no devices. A
     site's topology is made of devices, so while tracing this reads the same context through the
-    getter it wraps (``_jax_compat.concrete_mesh_while_tracing``).
+    getter it wraps (``jax_compat.concrete_mesh_while_tracing``).
     """
     try:
         mesh = jax.sharding.get_mesh()
     except ValueError:  # inside a trace
-        mesh = _jax_compat.concrete_mesh_while_tracing()
+        mesh = jax_compat.concrete_mesh_while_tracing()
     return mesh if isinstance(mesh, jax.sharding.Mesh) and not mesh.empty else None
 
 
@@ -244,7 +244,7 @@ def host_ids(processes: Sequence[int]) -> dict[int, str]:
 
 
 def _kv_client():
-    return _jax_compat.distributed_client()
+    return jax_compat.distributed_client()
 
 
 def _publish(client, here: int) -> None:
