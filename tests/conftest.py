@@ -66,7 +66,7 @@ def extension_problem() -> str | None:
 
 
 #: The Hypothesis examples a test runs at most in the fast tier; the full tier runs each test's own count.
-FAST_EXAMPLES = 3
+FAST_EXAMPLES = 2
 settings.register_profile("fast", max_examples=FAST_EXAMPLES)
 settings.register_profile("full", max_examples=10_000)  # no cap: each test names its count (helpers.examples)
 TIERS = ("fast", "rest", "full")

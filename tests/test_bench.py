@@ -18,6 +18,7 @@ from ficco_jax.tuning import timing
 ROW_KEYS = {"op", "shape", "M", "K", "N", "variant", "median_ms", "spread_ms", "verified", "rel_err", "selected", "note"}
 
 
+@pytest.mark.slow
 def test_bench_writes_verified_json_and_table(tmp_path):
     result = bench.run(["ag_matmul", "matmul_rs"], {"t": (64, 32, 64)}, "float32",
                        "xla/ring/c2,xla/direct/c1,none", str(tmp_path), windowed=False)
@@ -296,6 +297,7 @@ def test_a_listed_schedule_that_does_not_fit_the_shape_is_a_row_saying_why(tmp_p
     assert steps[-1][0] == steps[-1][1] == len(steps), steps  # the skipped schedule takes no step
 
 
+@pytest.mark.slow
 def test_a_time_budget_stops_new_cases_and_resume_completes_the_run(tmp_path, monkeypatch):
     """--budget-s: no case starts once the budget is spent (here a fake clock spends it after the first
     case), the rest are listed in the JSON and the table; --resume keeps the measured rows, with their
@@ -511,6 +513,7 @@ def test_a_timeline_runs_the_program_the_bench_times(mesh1d, dtype, target):
     bench.record_timeline(mesh1d, "ag_matmul", Schedule.parse("dma/direct/c1"), 64, 32, 64, 2, None, dtype=dtype)
 
 
+@pytest.mark.slow
 def test_trace_op_takes_a_dtype(tmp_path):
     root = os.path.join(os.path.dirname(__file__), "..")
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")

@@ -437,10 +437,12 @@ def test_expert_ops_refuse_fp8_with_the_way_out(mesh1d, rng):
         run_sharded(mesh1d, lambda x, w: ficco_jax.a2a_matmul(x, w, "tp"), ((P("tp"), P("tp")), P("tp")), x, w)
 
 
-WRAP_SCHEDULES = ["xla/ring/c2", "xla/direct/c1"] + (["dma/direct/c1", "dma/direct/c2/grouped", "dma/direct/c2/columns"]
-                                                     if extension.available() else [])
+# The fast tier runs the first two: one on XLA's collectives, one on copy engines.
+WRAP_SCHEDULES = ["xla/ring/c2"] + (["dma/direct/c2/columns", "dma/direct/c1", "dma/direct/c2/grouped"]
+                                    if extension.available() else []) + ["xla/direct/c1"]
 
 
+@pytest.mark.sweep(first=2)
 @pytest.mark.parametrize("schedule", WRAP_SCHEDULES)
 def test_wrap_orders_of_a_mixed_precision_step(mesh1d, rng, schedule):
     """The README's two wrap orders for bf16 weights with f32 accumulation, on a training step
@@ -528,6 +530,7 @@ def _moe_layer(mesh, widened: bool):
     return jax.shard_map(body, mesh=mesh, in_specs=(P("tp"),) * 3, out_specs=P("tp"))
 
 
+@pytest.mark.sweep(first=1)
 @pytest.mark.parametrize("schedule", ["xla/direct/c2"] + (["dma/direct/c1"] if extension.available() else []))
 def test_wrap_orders_of_a_mixed_precision_moe_step(mesh1d, rng, schedule):
     """The expert-parallel ops likewise: JAX's backward of a bf16 MoE layer with f32 accumulation
