@@ -5,8 +5,9 @@ Two tiers. `python -m pytest tests` runs the fast one (minutes on two cores): ev
     that together name every part of its ids once (`sweep_cover`: each op, dtype, mesh, chunk count,
     order, transfer... at least once); of one marked `sweep(first=k)`, its first k cases (a program
     started in a child process with one argument after another: one start is enough there);
-  * no test marked `slow` (more starts of a program that another test already starts in a child
-    process, long fits and loads);
+  * no test marked `slow`: more starts of a program that another test already starts in a child
+    process (the benchmark suites, peers and checks count as starts of benchmarks/run.py, whose
+    trace suite stays), long fits and loads;
   * at most FAST_EXAMPLES examples per Hypothesis test (the "fast" settings profile; every
     Hypothesis test names its count through helpers.examples, and carries the `hypothesis` mark).
 `--tier=full` runs everything, each Hypothesis test with its own example count; `--tier=rest` runs

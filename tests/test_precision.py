@@ -612,6 +612,7 @@ def _fp8_sin_grads(call):
     return jax.grad(lambda *v: jnp.sum(jnp.sin(call(*v).astype(F32))), argnums=(0, 1, 2, 3))
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("in_axes", [(0, None), (1, None), (0, 0)], ids=["batch-0", "batch-1", "batched-weights"])
 @pytest.mark.parametrize("op", list(OPS))
 def test_fp8_under_vmap(mesh2d, rng, op, in_axes):

@@ -193,6 +193,7 @@ def test_compare_starts_without_an_earlier_runs_files(tmp_path):
     assert note.argv is None and "leaves no time for the peers" in note.note
 
 
+@pytest.mark.slow
 def test_the_compare_suite_runs_on_cpu(tmp_path):
     """`run.py compare --cpu`: bench at a tiny shape, the peers skipped saying why, the table, the summary."""
     done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "run.py"), "compare", "--cpu", "--out",
