@@ -101,6 +101,7 @@ def stacked(mesh, params, x, layers):
     return x
 
 
+@pytest.mark.slow
 def test_python_int_static_under_jit_and_as_fn_needs_it_outside(mesh1d):
     params, x = mlp_inputs(9)
     fn = lambda params, x, layers: stacked(mesh1d, params, x, layers)
