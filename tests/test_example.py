@@ -173,6 +173,7 @@ def test_default_tp_fits_the_device_count():
     assert [tp_transformer.fit_tp(tiny, n) for n in (1, 2, 3, 4, 6, 8)] == [1, 2, 1, 4, 2, 4]
 
 
+@pytest.mark.slow
 def test_global_view_trains_alike_with_and_without_overlap():
     """The same model on global arrays with explicit shardings: overlap finds each block's sequence
     gathers and scatters (forward and backward) in the layer scan, and the data-parallel sums of two
@@ -228,6 +229,7 @@ def test_global_view_reports_the_communication_free_bound():
     assert "communication-free step" in done.stdout
 
 
+@pytest.mark.slow
 def test_per_site_kind_overlaps_each_kind_alone(capsys):
     """--per-site-kind trains with each site kind overlapped alone: that run rewrites only its kind."""
     cfg = dataclasses.replace(tp_transformer.PRESETS["tiny"], steps=2, dtype="float32", schedule=OVERLAP_SCHEDULE,

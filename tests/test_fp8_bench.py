@@ -113,6 +113,7 @@ def test_cpu_gemm_shapes_follow_the_anchors():
 # ------------------------------------------------------------------------------------------------
 # bench --dtype fp8
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 @needs_ffi
 def test_bench_fp8_verifies_every_variant_beside_bf16(tmp_path):
     result = bench.run(["ag_matmul", "matmul_rs"], {"t": (64, 32, 64)}, "float8_e4m3fn", "xla/ring/c2,dma/direct/c2",

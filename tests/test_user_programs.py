@@ -185,6 +185,7 @@ def test_plain_path_when_the_model_predicts_no_gain(mesh1d, monkeypatch):
     assert all(r.note == "" for r in forced.sites), str(forced)
 
 
+@pytest.mark.slow
 def test_autotune_shows_the_pick_or_when_it_is_measured(mesh1d, monkeypatch, tmp_path, caplog):
     params, x = mlp_inputs(6)
     mlp = lambda p, x: megatron_mlp(mesh1d, p, x)
@@ -383,6 +384,7 @@ def test_bfloat16_sites_are_still_rewritten(mesh1d):
 # --------------------------------------------------------------------------------------------
 # Never slower: a site whose schedule is the plain path is left exactly as written
 # --------------------------------------------------------------------------------------------
+@pytest.mark.sweep(first=1)
 @pytest.mark.parametrize("schedule", ["auto", "none"])
 def test_plain_path_sites_are_left_as_written(mesh1d, schedule):
     # On CPU (and on a group of one device) auto keeps the plain path: the rewritten function must
