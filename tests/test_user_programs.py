@@ -208,6 +208,7 @@ def test_autotune_shows_the_pick_or_when_it_is_measured(mesh1d, monkeypatch, tmp
                    for r in report.sites), str(report)
 
 
+@pytest.mark.sweep(first=1)
 @pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs"])
 def test_an_explicit_op_autotuned_inside_shard_map_measures_outside_the_trace(mesh1d, monkeypatch, tmp_path, op):
     """schedule="autotune" on an op called in the user's shard_map: its candidates are programs of
@@ -296,6 +297,7 @@ def test_one_function_under_two_meshes_is_traced_for_each(mesh1d):
             assert [r.op for r in explain(fused, x, w).sites] == ["ag_matmul"]
 
 
+@pytest.mark.sweep(first=1)
 @pytest.mark.parametrize("schedule", [XLA, Schedule.parse("dma/direct/c2")])
 def test_overlap_of_a_shard_map_body(mesh1d, schedule):
     """``shard_map(overlap(block))``: `block` is traced under the shard_map's manual axes, so its
