@@ -1,10 +1,13 @@
 """Shared test helpers: shard_map wrappers for the ops on 1-D and 2-D meshes, error metrics, and what
 a compiled program holds (executor calls, what writes a copy-engine matmul's weight)."""
+import functools
 import re
+import zlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from hypothesis import settings
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 #: Tolerances by dtype: relative Frobenius error against a float32 reference of the same inputs.
@@ -15,6 +18,13 @@ def ffi_position(axis_name: str = "tp"):
     """The position operand a raw copy-engine FFI call takes first (xla_ffi/runtime/placement.h):
     the device's partition id, which on a one-axis mesh is its index along that axis."""
     return jax.lax.axis_index(axis_name).astype(jnp.uint32)
+
+
+def examples(count: int) -> int:
+    """A Hypothesis test's example count: `count` in the full tier, at most conftest.FAST_EXAMPLES in
+    the fast one (the max_examples of the settings profile the tier loaded). Every Hypothesis test
+    names its count through this, so the fast tier's cap is set in one place."""
+    return min(count, settings().max_examples)
 
 
 def runs_given(site, schedule: str) -> bool:
@@ -60,6 +70,21 @@ def _jitted(mesh, body, specs, args):
 def run_sharded(mesh, body, specs, *args):
     f, placed = _jitted(mesh, body, specs, args)
     return f(*placed)
+
+
+@functools.cache
+def operands_and_reference(mesh, reference, specs, shapes, dtype: str):
+    """(inputs, reference result) shared by every case of a sweep that compares schedules: random
+    inputs of the global `shapes` in `dtype` (the same for each (mesh, shapes, dtype)), and
+    `reference` (the plain-JAX meaning, a function of the inputs alone) run by shard_map with `specs`
+    (in_specs, out_specs) on those inputs in float32, so a bf16 result is compared with the exact
+    product of its rounded inputs. Computed, and the reference compiled, once per distinct arguments:
+    each case then compiles only its own program. `reference` must be the same object from case to
+    case (a module-level function, not a lambda made per case)."""
+    rng = np.random.default_rng(zlib.crc32(repr((mesh.shape, mesh.axis_names, shapes, dtype)).encode()))
+    args = tuple(random(rng, shape, dtype) for shape in shapes)
+    want = run_sharded(mesh, reference, specs, *[a.astype(jnp.float32) for a in args])
+    return args, want
 
 
 def mixed_precision_mlp(mesh):

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ficco_jax
 from ficco_jax import Schedule, dma
-from helpers import TOLERANCE, random, rel_err
+from helpers import TOLERANCE, operands_and_reference, random, rel_err
 
 pytestmark = pytest.mark.skipif(not dma.available(), reason="the ficco_jax extension is not built")
 
@@ -75,19 +75,23 @@ def _both(fns):
     return body
 
 
-def _both_sharded(mesh, fns):
+def _both_specs(mesh):
     in_specs, out_spec = _specs(mesh)
-    return jax.jit(jax.shard_map(_both(fns), mesh=mesh, in_specs=in_specs * 2, out_specs=(out_spec, out_spec)))
+    return in_specs * 2, (out_spec, out_spec)
 
 
-@functools.lru_cache(maxsize=None)
+def _both_sharded(mesh, fns):
+    return jax.jit(jax.shard_map(_both(fns), mesh=mesh, in_specs=_both_specs(mesh)[0], out_specs=_both_specs(mesh)[1]))
+
+
+#: Both references in one program: one object, which helpers.operands_and_reference computes once per
+#: mesh and dtype (inputs of both ops, and the float32 reference from the same rounded inputs).
+BOTH_REFERENCES = _both([_fn(op)[1] for op in OPS])
+
+
 def _operands_and_reference(mesh, dtype):
-    """Inputs of both ops (fixed per mesh and dtype) and the float32 reference from the same
-    rounded inputs: computed once, every schedule is compared with it."""
-    rng = np.random.default_rng(sum(map(ord, dtype)) + mesh.devices.size * mesh.shape["tp"])
-    args = [random(rng, s, dtype) for op in OPS for s in _global_shapes(op, mesh)]
-    want = _both_sharded(mesh, [_fn(op)[1] for op in OPS])(*[a.astype(jnp.float32) for a in args])
-    return args, want
+    shapes = tuple(tuple(s) for op in OPS for s in _global_shapes(op, mesh))
+    return operands_and_reference(mesh, BOTH_REFERENCES, _both_specs(mesh), shapes, dtype)
 
 
 def _forward_cases():
@@ -100,6 +104,7 @@ def _forward_cases():
             yield pytest.param(*case.values, "bfloat16", id=f"{case.id}-bfloat16")
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("tp,sched,dtype", list(_forward_cases()))
 def test_every_schedule_matches_reference(request, tp, sched, dtype):
     mesh = _mesh(request, tp)
@@ -124,6 +129,7 @@ def _gradient_cases():
 
 
 # Gradients (the backward ops reuse the forward's schedule).
+@pytest.mark.sweep
 @pytest.mark.parametrize("tp,sched", list(_gradient_cases()))
 def test_gradients_match_reference(mesh2d, rng, tp, sched):
     mesh = mesh2d
@@ -252,6 +258,7 @@ def _origin_coded(mesh, shape_per_device, dtype):
     return jnp.asarray(np.concatenate(blocks, axis=0), dtype)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("split_axis,concat_axis,sched", [
     (0, 0, None), (1, 0, None), (0, 2, None), (2, 1, "dma/ring/c1"), (1, 1, "dma/direct/c2/s2"),
     (0, 0, "dma/direct/c4/s4"), (1, 1, "dma/direct/c2/s2/push"), (0, 0, "dma/ring/c4/push"),

@@ -15,6 +15,7 @@ from ficco_jax.runtime import extension as _ext
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "peers" / "collectives_vs_nccl.py"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _ext.available(), reason="ficco_jax._ffi is not built")
 def test_a2a_vs_nccl_script_on_cpu(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
@@ -51,6 +52,7 @@ def test_a2a_vs_nccl_script_on_cpu(tmp_path):
     assert tail[-1].startswith("| 0.0625 |") and "| block MiB | NCCL ms | dma schedule |" in done.stdout
 
 
+@pytest.mark.sweep(first=1)
 @pytest.mark.skipif(not _ext.available(), reason="ficco_jax._ffi is not built")
 @pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter"])
 def test_the_script_times_all_gather_and_reduce_scatter_pulled_and_pushed(tmp_path, collective):

@@ -64,6 +64,7 @@ def test_judge_flags_a_pick_slower_than_sequential():
     assert case["verdict"] == "ok" and case["chosen_vs_seq"] == 1.0
 
 
+@pytest.mark.slow
 def test_fit_to_ops_recovers_the_profile_that_made_the_times():
     truth = {**cost_model.default_profile(), "executor_gemm_slowdown": 1.08, "dma_call_us": 30.0,
              "dma_host_us": 150.0, "dma_host_copy_us": 10.0, "dma_latency_us": 15.0, "contention_dma": 0.04,
@@ -269,6 +270,7 @@ def test_confirm_keeps_a_real_miss(monkeypatch):
     assert "1.110 †" in text and "re-timed" in text
 
 
+@pytest.mark.slow
 def test_accuracy_cli_rejects_counts_out_of_range():
     proc = subprocess.run([sys.executable, "-m", "ficco_jax", "accuracy", "--confirm-rounds", "-1"],
                           capture_output=True, text=True, timeout=300)
@@ -319,6 +321,7 @@ def test_replay_ignores_unverified_rows_and_names_a_foreign_json():
         accuracy.replay([{"something": 1}])
 
 
+@pytest.mark.slow
 def test_replay_cli_uses_autos_profile_rule_by_default(tmp_path):
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(_recorded({"jax_seq": 1.2, "ficco:dma/direct/c1": 1.0, "ficco:dma/direct/c2": 1.01})))
@@ -330,6 +333,7 @@ def test_replay_cli_uses_autos_profile_rule_by_default(tmp_path):
     assert bad.returncode != 0 and "no machine profile 'no_such_profile'" in bad.stderr
 
 
+@pytest.mark.slow
 def test_accuracy_measures_only_the_ops_asked_for(tmp_path):
     """`--op matmul_rs`: the held-out check of one op (after a change to its executor, the other op's
     cases stay valid); an op it does not know is refused before anything is measured."""
@@ -345,6 +349,7 @@ def test_accuracy_measures_only_the_ops_asked_for(tmp_path):
         accuracy.run(str(tmp_path / "none"), axis_size=2, shapes={"s": (64, 32, 64)}, ops=("a2a_matmul",))
 
 
+@pytest.mark.slow
 def test_accuracy_resume_measures_only_the_missing_cases(tmp_path):
     """A budget-cut held-out check goes on in a later call: the earlier cases are kept (with their
     commit), only the missing ones are measured, and the summary covers all of them."""

@@ -18,6 +18,7 @@ from ficco_jax.tuning import timing
 ROW_KEYS = {"op", "shape", "M", "K", "N", "variant", "median_ms", "spread_ms", "verified", "rel_err", "selected", "note"}
 
 
+@pytest.mark.slow
 def test_bench_writes_verified_json_and_table(tmp_path):
     result = bench.run(["ag_matmul", "matmul_rs"], {"t": (64, 32, 64)}, "float32",
                        "xla/ring/c2,xla/direct/c1,none", str(tmp_path), windowed=False)
@@ -132,12 +133,14 @@ def test_cli_benches_the_all_reduced_matmul_against_matmul_plus_psum(tmp_path):
     assert "| matmul_psum |" in (tmp_path / "bench.md").read_text()
 
 
+@pytest.mark.slow
 def test_cli_rejects_bad_shape():
     out = subprocess.run([sys.executable, "-m", "ficco_jax", "bench", "--shape", "1,2"], capture_output=True, text=True,
                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert out.returncode != 0 and "expected M,K,N" in out.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedules,match", [("auto,dma/direct/c1", "'auto', 'all', 'dma' and 'xla' stand alone"),
                                               ("dma/direct/c2/pushy", "unknown part 'pushy'")])
 def test_cli_rejects_a_bad_schedule_list_before_compiling(schedules, match):
@@ -146,6 +149,7 @@ def test_cli_rejects_a_bad_schedule_list_before_compiling(schedules, match):
     assert out.returncode != 0 and match in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_bench_moe_ops_verified_side_by_side(tmp_path):
     result = bench.run(["a2a_matmul", "matmul_a2a"], {}, "float32", "xla/direct/c2,dma/direct/c1", str(tmp_path),
                        windowed=False, moe_shapes={"t": (32, 16, 24, 8, 2)})
@@ -341,6 +345,7 @@ def test_a_listed_schedule_that_does_not_fit_the_shape_is_a_row_saying_why(tmp_p
     assert steps[-1][0] == steps[-1][1] == len(steps), steps  # the skipped schedule takes no step
 
 
+@pytest.mark.slow
 def test_a_time_budget_stops_new_cases_and_resume_completes_the_run(tmp_path, monkeypatch):
     """--budget-s: no case starts once the budget is spent (here a fake clock spends it after the first
     case), the rest are listed in the JSON and the table; --resume keeps the measured rows, with their
@@ -401,6 +406,7 @@ def test_rounds_time_every_variant_and_bound_interleaved(tmp_path, monkeypatch, 
         bench.run([op], shapes or {}, "float32", "none", str(tmp_path / "again"), windowed=False, resume=result)
 
 
+@pytest.mark.slow
 def test_cli_rejects_zero_rounds(tmp_path):
     done = subprocess.run([sys.executable, "-m", "ficco_jax", "bench", "--op", "ag_matmul", "--shape", "64,32,64",
                            "--rounds", "0", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
@@ -446,6 +452,7 @@ def test_the_gemm_bound_runs_every_device_s_matmul_in_one_program(monkeypatch):
     assert not any(c in text for c in ("all_gather", "all-gather", "reduce_scatter", "all_reduce", "psum"))
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_run_of_another_kind(tmp_path):
     earlier = bench.run(["ag_matmul"], {"a": (64, 32, 64)}, "float32", "none", str(tmp_path / "one"), windowed=False)
     for key, other in (("n_devices", 2), ("dtype", "bfloat16"), ("device", "NVIDIA H100 80GB HBM3")):
@@ -497,6 +504,7 @@ def _stub_child(monkeypatch, code: str):
     return started
 
 
+@pytest.mark.slow
 def test_a_windowed_child_that_never_answers_is_killed_and_later_cases_are_skipped(monkeypatch):
     import time
 
@@ -553,6 +561,7 @@ def test_a_timeline_runs_the_program_the_bench_times(mesh1d, dtype, target):
     bench.record_timeline(mesh1d, "ag_matmul", Schedule.parse("dma/direct/c1"), 64, 32, 64, 2, None, dtype=dtype)
 
 
+@pytest.mark.slow
 def test_trace_op_takes_a_dtype(tmp_path):
     root = os.path.join(os.path.dirname(__file__), "..")
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")

@@ -33,6 +33,7 @@ def _entry_module():
     return run
 
 
+@pytest.mark.slow
 def test_the_capture_suite_runs_on_cpu(tmp_path):
     """Every schedule of each case runs, and symmetric calls meet nobody after their sites' first calls."""
     done = _run("capture", "--cpu", "--out", str(tmp_path), timeout=300)
@@ -47,6 +48,7 @@ def test_the_capture_suite_runs_on_cpu(tmp_path):
     assert "| capture | 0 |" in done.stdout and "symmetric" in done.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not extension.available(), reason="ficco_jax._ffi is not built")
 def test_the_collectives_suite_runs_on_cpu(tmp_path):
     """The three collectives, pulled and symmetric, each verified and timed at both tiny sizes, then the
@@ -75,6 +77,7 @@ def test_the_collectives_suite_lets_xla_capture_its_small_loop_bodies_on_gpus():
     assert all(not step.env for step in cpu)  # the CPU run's device count stays in XLA_FLAGS
 
 
+@pytest.mark.slow
 def test_lists_every_suite():
     done = _run("--list")
     assert done.returncode == 0, done.stderr
@@ -82,17 +85,20 @@ def test_lists_every_suite():
         assert f"| {name} |" in done.stdout, name
 
 
+@pytest.mark.slow
 def test_unknown_suite_is_a_clear_error():
     done = _run("demo", "benchmark-everything")
     assert done.returncode == 2
     assert "unknown suite benchmark-everything" in done.stderr and "known: build, tests" in done.stderr
 
 
+@pytest.mark.slow
 def test_no_suite_is_a_clear_error():
     done = _run()
     assert done.returncode == 2 and "name at least one suite" in done.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag,value", [("--limit", "3"), ("--limit", "0"), ("--budget", "-1"), ("--budget", "nan")])
 def test_a_limit_too_short_to_run_in_is_a_clear_error(flag, value):
     done = _run("demo", "--cpu", flag, value)
@@ -100,6 +106,7 @@ def test_a_limit_too_short_to_run_in_is_a_clear_error(flag, value):
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.sweep(first=1)
 @pytest.mark.parametrize("script,argv,says", [
     ("peers/torch_tp.py", ["--iters", "0"], "time at least one iteration"),
     ("suites/timing_check.py", ["--long", "0"], "argument --long: expected an integer >= 2, found '0'"),
@@ -110,6 +117,7 @@ def test_a_benchmark_script_refuses_a_count_it_cannot_time(script, argv, says):
     assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_gpu_suites_are_skipped_on_a_cpu_machine(tmp_path):
     done = _run("accuracy", "soak", "characterize", "--cpu", "--out", str(tmp_path))
     assert done.returncode == 0, done.stdout + done.stderr
@@ -166,6 +174,7 @@ def test_options_go_to_suites_that_take_them(tmp_path, monkeypatch):
     assert not run.catalog.SUITES["e2e"].takes_options
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not extension.available(), reason="ficco_jax._ffi is not built")
 def test_the_host_suite_times_calls_meeting_and_on_the_channel_on_cpu(tmp_path):
     done = _run("host", "--cpu", "--out", str(tmp_path), timeout=300)
@@ -199,6 +208,7 @@ def test_the_timeline_suite_traces_the_llama_layer_on_gpus_unless_options_replac
     assert step.argv[-3:] == ["--preset", "tiny", "--global-view"] and "llama70b-layer" not in step.argv
 
 
+@pytest.mark.slow
 def test_the_timeline_suite_runs_on_cpu_and_says_there_is_no_device_lane(tmp_path):
     done = _run("timeline", "--cpu", "--out", str(tmp_path), timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
@@ -227,6 +237,7 @@ def test_the_torch_peer_says_why_it_skips(tmp_path):
     assert "torch" in json.loads((tmp_path / "torch_tp.json").read_text())["skipped"]
 
 
+@pytest.mark.slow
 def test_the_jax_peers_on_cpu(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
     done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "peers" / "jax_tp.py"), "--out", str(tmp_path)],
@@ -243,6 +254,7 @@ def test_the_jax_peers_on_cpu(tmp_path):
     assert done.stdout.strip().splitlines()[-1].startswith("| tiny_M64_K32_N64 |")
 
 
+@pytest.mark.slow
 def test_the_timing_check_times_each_program_both_ways_on_cpu(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
     done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "suites" / "timing_check.py"), "matmul_rs",

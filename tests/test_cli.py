@@ -156,6 +156,7 @@ def test_demo_on_one_device_says_there_is_nothing_to_overlap(tmp_path):
     assert result["n_devices"] == 1 and all(r["verified"] for r in result["rows"]) and len(result["rows"]) == 4
 
 
+@pytest.mark.slow  # the demo runs every schedule on 8 devices: minutes of compiles (the one-device run starts it)
 def test_demo_readme_command_on_eight_cpu_devices(tmp_path):
     done = _cli("demo", "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]

@@ -375,6 +375,7 @@ def test_auto_keeps_the_plain_path_on_cpu():
     assert policy.choose("matmul_psum", shapes, "bfloat16", 4) == Schedule(comm="none")
 
 
+@pytest.mark.sweep(first=1)
 @pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs", "matmul_psum"])
 def test_rank_cli_chooses_none_for_one_device(op):
     import subprocess

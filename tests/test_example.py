@@ -173,6 +173,7 @@ def test_default_tp_fits_the_device_count():
     assert [tp_transformer.fit_tp(tiny, n) for n in (1, 2, 3, 4, 6, 8)] == [1, 2, 1, 4, 2, 4]
 
 
+@pytest.mark.slow
 def test_global_view_trains_alike_with_and_without_overlap():
     """The same model on global arrays with explicit shardings: overlap finds each block's sequence
     gathers and scatters (forward and backward) in the layer scan, and the data-parallel sums of two
@@ -191,6 +192,7 @@ def test_global_view_trains_alike_with_and_without_overlap():
     assert all(r.schedule == OVERLAP_SCHEDULE for r in in_layers)
 
 
+@pytest.mark.sweep(first=1)
 @pytest.mark.parametrize("view", [[], ["--global-view"]], ids=["shard_map", "global"])
 def test_compare_on_one_device_runs_the_plain_model_both_ways(view):
     import os
@@ -243,6 +245,7 @@ def test_step_program_leaves_out_source_locations_only():
     assert "different programs" in note(one, dict(other, program="b"), "cpu")
 
 
+@pytest.mark.slow
 def test_global_view_reports_the_communication_free_bound():
     """The global view writes no collective to take out; its bound is the shard_map view's step
     without communication, reported beside both modes with tokens/s."""
@@ -260,6 +263,7 @@ def test_global_view_reports_the_communication_free_bound():
     assert "communication-free step" in done.stdout
 
 
+@pytest.mark.slow
 def test_per_site_kind_overlaps_each_kind_alone(capsys):
     """--per-site-kind trains with each site kind overlapped alone: that run rewrites only its kind."""
     cfg = dataclasses.replace(tp_transformer.PRESETS["tiny"], steps=2, dtype="float32", schedule=OVERLAP_SCHEDULE,

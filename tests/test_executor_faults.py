@@ -152,6 +152,7 @@ OPS_AND_TRANSFERS = [(op, transfer) for op in ("ag_matmul", "matmul_rs", "all_ga
                      for transfer in ("pull", "push")] + [("matmul_rs on its channel", "pull")]
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("mesh_kind", ["1d", "2d"])
 @pytest.mark.parametrize("op, transfer", OPS_AND_TRANSFERS)
 @pytest.mark.parametrize("mode", ["skip", "fail"])
@@ -257,6 +258,7 @@ def test_repeated_faults_do_not_accumulate(short_timeout, inject_fault):
     assert time.monotonic() - start < TIMEOUT_S, "healthy launches after faults waited on something"
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("op, transfer", OPS_AND_TRANSFERS[:-1])
 @pytest.mark.parametrize("at", [2, 4, 7])
 def test_a_transfer_failing_midway_returns_only_after_xlas_stream_waits_for_what_was_enqueued(

@@ -172,6 +172,7 @@ def test_a_profile_that_cannot_be_measured_falls_back_once(cache, capsys):
     assert not list(cache.iterdir())
 
 
+@pytest.mark.sweep(first=1)
 @pytest.mark.parametrize("where", ["jit", "jit under set_mesh", "shard_map under set_mesh"])
 def test_probe_programs_run_inside_a_trace(cache, where):
     """Every kind of probe builds and runs (tiny sizes, CPU devices), also when the first op is

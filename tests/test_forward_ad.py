@@ -108,6 +108,7 @@ def _assert_close(got, want, rtol=RTOL):
 # ------------------------------------------------------------------------------------------------
 # jvp and jacfwd
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.sweep
 @pytest.mark.parametrize("op,sched", list(_cases()))
 def test_jvp_matches_reference(mesh2d, rng, op, sched):
     """Tangents in both operands, in the input alone and in the weight alone (symbolic zeros)."""
@@ -118,6 +119,7 @@ def test_jvp_matches_reference(mesh2d, rng, op, sched):
     _assert_close(jax.jvp(lambda w: got_fn(a, w), (w,), (dw,)), jax.jvp(lambda w: want_fn(a, w), (w,), (dw,)))
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("op,sched", list(_cases(first_only=True)))
 def test_jacfwd_matches_reference(mesh2d, rng, op, sched):
     """jacfwd vmaps the tangents: the tangent equation runs once per basis direction."""
@@ -126,6 +128,7 @@ def test_jacfwd_matches_reference(mesh2d, rng, op, sched):
     _assert_close(jax.jacfwd(got_fn, argnums=(0, 1))(a, w), jax.jacfwd(want_fn, argnums=(0, 1))(a, w))
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("op,sched", list(_cases(first_only=True)))
 def test_linearize_evaluates(mesh2d, rng, op, sched):
     a, w, da, dw = _operands(mesh2d, op, rng, 4)
@@ -141,6 +144,7 @@ def _loss(fn):
     return lambda a, w: jnp.sum(jnp.sin(fn(a, w)))
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("op,sched", list(_cases()))
 def test_hvp_matches_reference(mesh2d, rng, op, sched):
     """Hessian-vector product: jvp of grad, through a loss that is not quadratic in the output."""
@@ -153,6 +157,7 @@ def test_hvp_matches_reference(mesh2d, rng, op, sched):
     _assert_close(hvp(got_fn), hvp(want_fn))
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("op,sched", list(_cases(comms=("xla", "dma"), first_only=True)))
 def test_second_order_compositions(mesh2d, rng, op, sched):
     """grad of grad, jvp of jvp and grad of jvp (reverse over forward)."""
@@ -304,6 +309,7 @@ def _batched_operands(mesh, op, rng, in_axes):
     return random(rng, a_shape, "float32"), random(rng, w_shape, "float32")
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("op,sched", list(_cases(comms=("xla", "dma"), first_only=True)))
 def test_vmap_matches_reference(mesh2d, rng, op, sched):
     """A batch of inputs against one weight: the batch folds into the rows of one call of the op
@@ -322,6 +328,7 @@ def test_vmap_matches_reference(mesh2d, rng, op, sched):
         assert ffi_calls(lowered.compile().as_text()) == len(TARGETS.get(op, (op,)))
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("in_axes", [(1, None), (0, 0)], ids=["batch-not-leading", "batched-weights"])
 @pytest.mark.parametrize("op,sched", list(_cases(comms=("xla", "dma"), first_only=True)))
 def test_vmap_folds_or_loops(mesh2d, rng, op, sched, in_axes):
@@ -335,6 +342,7 @@ def test_vmap_folds_or_loops(mesh2d, rng, op, sched, in_axes):
     assert loops == (in_axes[1] is not None)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("op,sched", list(_cases(comms=("xla", "dma"), first_only=True)))
 def test_grad_of_vmap_folds(mesh2d, rng, op, sched):
     """grad of vmap, a batch of inputs against one weight: the tangent map, whose residuals (the

@@ -77,6 +77,7 @@ def test_the_fp8_suite_script_writes_json_and_prints_its_table(tmp_path):
     assert catalog._fp8_result(str(tmp_path)).endswith("over 2 shapes; verified 10/10")
 
 
+@pytest.mark.slow
 @needs_ffi
 def test_the_fp8_suite_times_only_the_variants_asked_for(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
@@ -96,6 +97,7 @@ def test_the_fp8_suite_times_only_the_variants_asked_for(tmp_path):
     assert bad.returncode == 2 and "--variants nope" in bad.stderr and "jax_bf16" in bad.stderr
 
 
+@pytest.mark.slow
 def test_the_fp8_suite_rejects_bad_repeats():
     done = subprocess.run([sys.executable, "benchmarks/suites/fp8_gemm.py", "--repeats", "6,2"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
@@ -111,6 +113,7 @@ def test_cpu_gemm_shapes_follow_the_anchors():
 # ------------------------------------------------------------------------------------------------
 # bench --dtype fp8
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 @needs_ffi
 def test_bench_fp8_verifies_every_variant_beside_bf16(tmp_path):
     result = bench.run(["ag_matmul", "matmul_rs"], {"t": (64, 32, 64)}, "float8_e4m3fn", "xla/ring/c2,dma/direct/c2",

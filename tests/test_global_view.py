@@ -100,6 +100,7 @@ def _loss(block):
 # --------------------------------------------------------------------------------------------
 # Sites found and rewritten: values, gradients and types as written
 # --------------------------------------------------------------------------------------------
+@pytest.mark.sweep
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("block, make_args", [(megatron_mlp, _mlp_args), (attention_projections, _attention_args)],

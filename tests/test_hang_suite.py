@@ -24,6 +24,7 @@ def _hang_module():
     return module
 
 
+@pytest.mark.sweep(first=1)
 @pytest.mark.parametrize("program, outcome, steps", [
     ("print('step 1/3', flush=True); import time; time.sleep(60)", "hung", 1),
     ("import sys, time; print('step 1/3', flush=True); time.sleep(3); sys.exit(134)",

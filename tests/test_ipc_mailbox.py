@@ -127,6 +127,7 @@ def test_every_rank_sees_every_post_of_its_group_in_order(job):
         _assert_posts(res, members, posts)
 
 
+@pytest.mark.slow
 def test_a_missing_rank_is_named_within_the_timeout_and_a_late_one_fails_at_once(job):
     n, timeout_s = 3, 1.0
     members = [0, 1, 2]
@@ -145,6 +146,7 @@ def test_a_missing_rank_is_named_within_the_timeout_and_a_late_one_fails_at_once
     assert "already gave up" in error["message"] and error["after_s"] < 5.0, error
 
 
+@pytest.mark.slow
 def test_two_groups_of_one_job_do_not_mix(job):
     """Groups [0, 1] and [2, 3] post concurrently in one segment; each sees only its own."""
     posts = 50
@@ -305,6 +307,7 @@ print(json.dumps({"stats": [dict(d) for d in _ffi.ipc_stats()]}))
 """
 
 
+@pytest.mark.slow
 def test_the_staging_buffer_without_a_gpu_is_an_error_not_a_crash():
     """ipc.staging_info() (the first step of benchmarks/suites/multiprocess.py) on a machine without a usable GPU:
     a RuntimeError naming the call, in a process that goes on (the GPU run's processes died

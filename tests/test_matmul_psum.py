@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 import ficco_jax
 from ficco_jax import Schedule
 from ficco_jax.runtime import extension
-from helpers import TOLERANCE, psum_specs, random, rel_err, run_sharded
+from helpers import TOLERANCE, operands_and_reference, psum_specs, random, rel_err, run_sharded
 
 M_ROWS, INNER, K = 16, 12, 8  # y [tp*M_ROWS, INNER] per device, w [INNER, K]
 needs_extension = pytest.mark.skipif(not extension.available(), reason="ficco_jax._ffi is not built")
@@ -25,11 +25,15 @@ def _mesh(request, tp):
     return request.getfixturevalue("mesh1d" if tp == 8 else "mesh2d")
 
 
-def _operands(rng, mesh, dtype="float32", rows=None):
+def _shapes(mesh, rows=None):
     """Global y [dp*rows, tp*INNER], w [tp*INNER, K]: per device y [rows, INNER] (rows = tp*M_ROWS)."""
     tp, dp = mesh.shape["tp"], mesh.devices.size // mesh.shape["tp"]
     rows = tp * M_ROWS if rows is None else rows
-    return random(rng, (dp * rows, tp * INNER), dtype), random(rng, (tp * INNER, K), dtype)
+    return (dp * rows, tp * INNER), (tp * INNER, K)
+
+
+def _operands(rng, mesh, dtype="float32", rows=None):
+    return tuple(random(rng, shape, dtype) for shape in _shapes(mesh, rows))
 
 
 def _op(sched, **kwargs):
@@ -38,6 +42,9 @@ def _op(sched, **kwargs):
 
 def _ref(**kwargs):
     return lambda y, w: ficco_jax.matmul_psum_ref(y, w, "tp", **kwargs)
+
+
+REFERENCE = _ref()  # one object: helpers.operands_and_reference computes it once per mesh and dtype
 
 
 def _dma_cases():
@@ -67,14 +74,14 @@ def test_sum_of_origin_coded_blocks_is_exact(mesh1d, sched):
 # ------------------------------------------------------------------------------------------------
 # Every copy-engine schedule, random f32 / bf16
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.sweep
 @needs_extension
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("tp,sched", list(_dma_cases()))
-def test_copy_engine_schedule_matches_reference(request, rng, tp, sched, dtype):
+def test_copy_engine_schedule_matches_reference(request, tp, sched, dtype):
     mesh = _mesh(request, tp)
-    y, w = _operands(rng, mesh, dtype)
+    (y, w), want = operands_and_reference(mesh, REFERENCE, psum_specs(mesh), _shapes(mesh), dtype)
     got = run_sharded(mesh, _op(sched), psum_specs(mesh), y, w)
-    want = run_sharded(mesh, _ref(), psum_specs(mesh), y.astype(jnp.float32), w.astype(jnp.float32))
     assert got.dtype == jnp.dtype(dtype)
     assert rel_err(got, want) < TOLERANCE[dtype]
 
@@ -99,6 +106,7 @@ def _shard_mapped(mesh, body, check_vma):
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=check_vma)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("check_vma", [True, False])
 @pytest.mark.parametrize("sched", GRAD_SCHEDULES)
 def test_reverse_mode_matches_jax_psum_transpose(mesh2d, rng, sched, check_vma):

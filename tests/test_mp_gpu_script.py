@@ -44,6 +44,7 @@ def test_launcher_on_cpu_with_a_timeline(tmp_path):
     assert shown.returncode == 0 and "events of" in shown.stdout, shown.stderr[-2000:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,message", [
     (["--trace", "ag_matmul:dma/direct/c1"], "expected OP:SCHEDULE:M,K,N"),
     (["--trace", "conv:dma/direct/c1:8,8,8"], "OP must be one of"),

@@ -190,6 +190,7 @@ def assert_rewritten(form, schedule, mesh):
     assert all(runs_given(r, schedule) for r in report.sites), str(report)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("form", list(FORMS))
 def test_training_forms_match_plain(mesh2d, form, schedule):

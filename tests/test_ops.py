@@ -13,14 +13,17 @@ import pytest
 import ficco_jax
 from ficco_jax import Schedule
 from ficco_jax.ops import table
-from helpers import (TOLERANCE, ag_specs, global_shapes, lowered_text, prefer_copy_engines, psum_specs, random,
-                     rel_err, rs_specs, run_sharded)
+from helpers import (TOLERANCE, ag_specs, global_shapes, lowered_text, operands_and_reference, prefer_copy_engines,
+                     psum_specs, random, rel_err, rs_specs, run_sharded)
 
 OPS = {
     "ag_matmul": (ficco_jax.ag_matmul, ficco_jax.ag_matmul_ref, ag_specs),
     "matmul_rs": (ficco_jax.matmul_rs, ficco_jax.matmul_rs_ref, rs_specs),
     "matmul_psum": (ficco_jax.matmul_psum, ficco_jax.matmul_psum_ref, psum_specs),
 }
+#: Each op's reference as a function of its operands: one object per op, which
+#: helpers.operands_and_reference computes once per mesh and dtype.
+REFERENCES = {op: functools.partial(lambda ref, a, w: ref(a, w, "tp"), ref) for op, (_, ref, _) in OPS.items()}
 #: The executor's calls an op's copy-engine schedule makes, where they are not one of its own name.
 TARGETS = {"matmul_psum": ("matmul_rs", "all_gather")}
 # Rows per device chosen so every enumerated chunk count divides them.
@@ -38,22 +41,22 @@ def _mesh(request, tp):
     return request.getfixturevalue("mesh1d" if tp == 8 else "mesh2d")
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("op,tp,sched", list(_cases()))
-def test_schedule_matches_reference(request, rng, op, tp, sched, dtype):
+def test_schedule_matches_reference(request, op, tp, sched, dtype):
     mesh = _mesh(request, tp)
-    fn, ref, specs = OPS[op]
-    a_shape, w_shape = global_shapes(op, mesh, M_ROWS, K, N_COLS)
-    a, w = random(rng, a_shape, dtype), random(rng, w_shape, dtype)
-    got = run_sharded(mesh, lambda a, w: fn(a, w, "tp", schedule=sched), specs(mesh), a, w)
+    fn, _, specs = OPS[op]
     # The reference in float32 from the same (rounded) inputs: bf16 results must be within
     # bf16 rounding of it, f32 results within f32 rounding.
-    want = run_sharded(mesh, lambda a, w: ref(a, w, "tp"), specs(mesh),
-                       a.astype(jnp.float32), w.astype(jnp.float32))
+    (a, w), want = operands_and_reference(mesh, REFERENCES[op], specs(mesh),
+                                          global_shapes(op, mesh, M_ROWS, K, N_COLS), dtype)
+    got = run_sharded(mesh, lambda a, w: fn(a, w, "tp", schedule=sched), specs(mesh), a, w)
     assert got.dtype == jnp.dtype(dtype)
     assert rel_err(got, want) < TOLERANCE[dtype]
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("op,tp,sched", [c for c in _cases() if c.values[1] == 4])
 def test_gradients_match_reference(request, rng, op, tp, sched):
     mesh = _mesh(request, tp)

@@ -55,6 +55,7 @@ def _fp8_specs(op, mesh):
 # ------------------------------------------------------------------------------------------------
 # mixed precision
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.sweep
 @pytest.mark.parametrize("op,sched", CASES)
 def test_mixed_precision_matches_f32_reference(mesh2d, rng, op, sched):
     fn, ref, specs = OPS[op]
@@ -67,6 +68,7 @@ def test_mixed_precision_matches_f32_reference(mesh2d, rng, op, sched):
     assert rel_err(got, want) < TOLERANCE["float32"]
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("op,sched", [c for c in CASES if "c1" in c.values[1]])
 def test_mixed_precision_gradients(mesh2d, rng, op, sched):
     fn, ref, specs = OPS[op]
@@ -105,6 +107,7 @@ def test_mixed_precision_forward_mode(mesh2d, rng):
     assert got.dtype == F32 and rel_err(got, want) < TOLERANCE["float32"]
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("op", list(OPS) + ["matmul_psum", "a2a_matmul", "matmul_a2a"])
 @pytest.mark.parametrize("sched", ["xla/ring/c2", "none"])
 def test_results_rounded_to_fewer_bits_keep_float32_gradients(mesh1d, rng, op, sched):
@@ -216,6 +219,7 @@ def _fp8_reference_f32(op, out_dtype):
     return lambda a, w, sa, sw: ref(a, w, "tp", out_dtype=out_dtype, x_scale=sa, w_scale=sw)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("out_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("op,sched", CASES)
 def test_fp8_matches_reference(mesh2d, rng, op, sched, out_dtype):
@@ -227,6 +231,7 @@ def test_fp8_matches_reference(mesh2d, rng, op, sched, out_dtype):
     assert rel_err(got, want) < TOLERANCE[out_dtype]
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("op,sched", [c for c in CASES if "c1" in c.values[1]])
 def test_fp8_gradients(mesh2d, rng, op, sched):
     """Scales' gradients within f32 rounding of the reference's; the FP8 operands' gradients are
@@ -432,10 +437,12 @@ def test_expert_ops_refuse_fp8_with_the_way_out(mesh1d, rng):
         run_sharded(mesh1d, lambda x, w: ficco_jax.a2a_matmul(x, w, "tp"), ((P("tp"), P("tp")), P("tp")), x, w)
 
 
-WRAP_SCHEDULES = ["xla/ring/c2", "xla/direct/c1"] + (["dma/direct/c1", "dma/direct/c2/grouped", "dma/direct/c2/columns"]
-                                                     if extension.available() else [])
+# The fast tier runs the first two: one on XLA's collectives, one on copy engines.
+WRAP_SCHEDULES = ["xla/ring/c2"] + (["dma/direct/c2/columns", "dma/direct/c1", "dma/direct/c2/grouped"]
+                                    if extension.available() else []) + ["xla/direct/c1"]
 
 
+@pytest.mark.sweep(first=2)
 @pytest.mark.parametrize("schedule", WRAP_SCHEDULES)
 def test_wrap_orders_of_a_mixed_precision_step(mesh1d, rng, schedule):
     """The README's two wrap orders for bf16 weights with f32 accumulation, on a training step
@@ -523,6 +530,7 @@ def _moe_layer(mesh, widened: bool):
     return jax.shard_map(body, mesh=mesh, in_specs=(P("tp"),) * 3, out_specs=P("tp"))
 
 
+@pytest.mark.sweep(first=1)
 @pytest.mark.parametrize("schedule", ["xla/direct/c2"] + (["dma/direct/c1"] if extension.available() else []))
 def test_wrap_orders_of_a_mixed_precision_moe_step(mesh1d, rng, schedule):
     """The expert-parallel ops likewise: JAX's backward of a bf16 MoE layer with f32 accumulation
@@ -604,6 +612,7 @@ def _fp8_sin_grads(call):
     return jax.grad(lambda *v: jnp.sum(jnp.sin(call(*v).astype(F32))), argnums=(0, 1, 2, 3))
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("in_axes", [(0, None), (1, None), (0, 0)], ids=["batch-0", "batch-1", "batched-weights"])
 @pytest.mark.parametrize("op", list(OPS))
 def test_fp8_under_vmap(mesh2d, rng, op, in_axes):

@@ -52,6 +52,7 @@ def test_trace_op_with_jax_profiler_and_its_timeline(tmp_path):
     assert any(re.match(r"\s+\d+ x +[\d.]+ us = +[\d.]+ us ", line) for line in lines), lines[:20]
 
 
+@pytest.mark.sweep(first=1)
 @pytest.mark.parametrize("channel", [True, False])
 def test_host_time_splits_a_call_into_handler_and_meetings(tmp_path, channel):
     # benchmarks/suites/host_time.py on 2 CPU devices: every handler counted, meetings inside it; on

@@ -2,7 +2,8 @@
 the plain-JAX references on 8 CPU devices; NaN and Inf propagate exactly as in the reference.
 
 Reproducible and bounded for CI: `derandomize=True` (examples derived from the test's name, no
-example database) and a small `max_examples` per test; each example compiles one program holding
+example database) and a small `max_examples` per test (at most conftest.FAST_EXAMPLES in the fast
+tier: helpers.examples); each example compiles one program holding
 both our op and its reference, so the budget below is mostly XLA compile time (about 1.5 minutes
 for the whole file on 2 cores). Invalid combinations are never generated: shapes are drawn as
 multiples of the drawn schedule's chunk count, and schedules come from `Schedule.enumerate`.
@@ -23,7 +24,7 @@ from ficco_jax import config  # noqa: E402
 from ficco_jax.runtime import extension as _ext  # noqa: E402
 from ficco_jax.tuning import select  # noqa: E402
 from ficco_jax.schedule import COMMS, Schedule  # noqa: E402
-from helpers import TOLERANCE, ag_specs, rel_err, rs_specs, run_sharded  # noqa: E402
+from helpers import TOLERANCE, ag_specs, examples, rel_err, rs_specs, run_sharded  # noqa: E402
 
 COMMS_HERE = COMMS if _ext.available() else ("none", "xla")
 
@@ -44,7 +45,7 @@ def _meshes() -> dict:
 
 MESHES = _meshes()
 DTYPES = ("float32", "bfloat16", "float16")
-PROPERTY = settings(max_examples=60, deadline=None, derandomize=True, database=None, print_blob=True,
+PROPERTY = settings(max_examples=examples(60), deadline=None, derandomize=True, database=None, print_blob=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 OPS = {
@@ -96,15 +97,17 @@ def _check_op(op, case, seed):
 
 # Every mesh gets its own examples (9 each, so every mesh is drawn as often as the others); dp8xtp1
 # (groups of one device, the collectives do nothing) is one mesh among them, not a fifth of the draws.
+@pytest.mark.sweep(first=3)
 @pytest.mark.parametrize("mesh_name", sorted(MESHES))
-@settings(PROPERTY, max_examples=9)
+@settings(PROPERTY, max_examples=examples(9))
 @given(data=st.data(), seed=st.integers(0, 2**16))
 def test_ag_matmul_equals_reference(mesh_name, data, seed):
     _check_op("ag_matmul", data.draw(op_cases("ag_matmul", mesh_name)), seed)
 
 
+@pytest.mark.sweep(first=3)
 @pytest.mark.parametrize("mesh_name", sorted(MESHES))
-@settings(PROPERTY, max_examples=9)
+@settings(PROPERTY, max_examples=examples(9))
 @given(data=st.data(), seed=st.integers(0, 2**16))
 def test_matmul_rs_equals_reference(mesh_name, data, seed):
     _check_op("matmul_rs", data.draw(op_cases("matmul_rs", mesh_name)), seed)
@@ -113,9 +116,10 @@ def test_matmul_rs_equals_reference(mesh_name, data, seed):
 # ------------------------------------------------------------------------------------------------
 # Gradients (fewer examples: each compiles a forward and a backward program)
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.sweep
 @pytest.mark.parametrize("mesh_name", sorted(MESHES))
 @pytest.mark.parametrize("op", sorted(OPS))
-@settings(PROPERTY, max_examples=4)
+@settings(PROPERTY, max_examples=examples(4))
 @given(data=st.data(), seed=st.integers(0, 2**16))
 def test_gradients_equal_reference(op, mesh_name, data, seed):
     mesh_name, sched, _, (a_shape, w_shape) = data.draw(op_cases(op, mesh_name))
@@ -145,7 +149,7 @@ GATHER_DTYPES = ("float32", "bfloat16", "float16", "int8", "int32", "uint16", "b
 
 
 @pytest.mark.skipif(not _ext.available(), reason="ficco_jax._ffi is not built")
-@settings(PROPERTY, max_examples=40)
+@settings(PROPERTY, max_examples=examples(40))
 @given(data=st.data(), seed=st.integers(0, 2**16))
 def test_collectives_equal_lax(data, seed):
     mesh_name = data.draw(st.sampled_from(sorted(MESHES)))
@@ -187,7 +191,7 @@ def test_collectives_equal_lax(data, seed):
 # ------------------------------------------------------------------------------------------------
 # The cost model's pick is always valid (no compile: cheap, so many examples)
 # ------------------------------------------------------------------------------------------------
-@settings(PROPERTY, max_examples=300)
+@settings(PROPERTY, max_examples=examples(300))
 @given(op=st.sampled_from(sorted(OPS)), n=st.integers(1, 8), rows=st.integers(1, 5000),
        k=st.integers(1, 16384), cols=st.integers(1, 16384),
        dtype=st.sampled_from(("float32", "bfloat16", "float16", "float64")))
@@ -221,6 +225,7 @@ def _nonfinite_cases():
             yield pytest.param(op, mesh_name, Schedule(comm="none"), id=f"{op}-{mesh_name}-none")
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("op,mesh_name,sched", list(_nonfinite_cases()))
 def test_nan_and_inf_propagate_as_in_the_reference(op, mesh_name, sched):
     mesh = MESHES[mesh_name]

@@ -40,7 +40,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P, resh
 from ficco_jax import explain, overlap  # noqa: E402
 from ficco_jax.rewrite.overlap import Report  # noqa: E402
 from ficco_jax.runtime import extension  # noqa: E402
-from helpers import TOLERANCE, rel_err, runs_given  # noqa: E402
+from helpers import TOLERANCE, examples, rel_err, runs_given  # noqa: E402
 
 _PERMUTED = [5, 2, 7, 0, 3, 6, 1, 4]  # device ordinals differ from ranks
 MESH_LAYOUTS = {  # name -> (shape, axis names, device order)
@@ -56,7 +56,7 @@ DTYPES = (("float32", False), ("bfloat16", False), ("bfloat16", True))  # (opera
 # schedule a site's shapes refuse falls back to "auto" there.
 SCHEDULES = ("xla/ring/c1", "xla/ring/c2", "xla/bidirectional/c2",
              *(("dma/direct/c1", "dma/ring/c2", "dma/direct/c2/columns") if extension.available() else ()))
-PROGRAMS = settings(max_examples=25, deadline=None, derandomize=True, database=None, print_blob=True,
+PROGRAMS = settings(max_examples=examples(25), deadline=None, derandomize=True, database=None, print_blob=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
@@ -388,11 +388,15 @@ def overlapped_sites(programs, schedules=SCHEDULES, examples=PROGRAMS) -> list:
     return found
 
 
+@pytest.mark.hypothesis
+@pytest.mark.sweep(first=2)
 @pytest.mark.parametrize("mesh_name", sorted(MESH_LAYOUTS))
 def test_global_view_programs(mesh_name):
     assert overlapped_sites(global_programs(mesh_name)), "no drawn program had a site that overlapped"
 
 
+@pytest.mark.hypothesis
+@pytest.mark.sweep(first=2)
 @pytest.mark.parametrize("mesh_name", sorted(MESH_LAYOUTS))
 def test_shard_map_programs(mesh_name):
     assert overlapped_sites(shard_map_programs(mesh_name)), "no drawn program had a site that overlapped"
@@ -405,6 +409,8 @@ def _has_channel_site(program) -> bool:
             and int(np.prod([program.mesh.shape[a] for a in _axes(program.axis)])) > 1)
 
 
+@pytest.mark.hypothesis
+@pytest.mark.sweep(first=2)
 @pytest.mark.skipif(not extension.available(), reason="ficco_jax._ffi is not built")
 @pytest.mark.parametrize("mesh_name", sorted(MESH_LAYOUTS))
 def test_shard_map_programs_with_group_channels(mesh_name, monkeypatch):
@@ -417,7 +423,7 @@ def test_shard_map_programs_with_group_channels(mesh_name, monkeypatch):
     monkeypatch.setattr(config, "CHANNEL_BYTES", 8 << 20)
     on_channel = []
 
-    @settings(PROGRAMS, max_examples=10)
+    @settings(PROGRAMS, max_examples=examples(10))
     @given(data=st.data(), schedule=st.sampled_from(("dma/direct/c1", "dma/ring/c2", "dma/direct/c2/grouped")),
            seed=st.integers(0, 2**16))
     def check(data, schedule, seed):

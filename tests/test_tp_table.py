@@ -117,6 +117,7 @@ def test_cpu_times_draw_no_ratio():
     assert "| n/a | n/a |" in text and "On CPU the times are host loops" in text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("other", [{"device": "NVIDIA H200"}, {"n": 4}, {"dtype": "float8_e4m3fn"}, {"M": 4096}])
 def test_files_of_another_machine_or_problem_are_refused(tmp_path, other):
     (tmp_path / "bench.json").write_text(json.dumps(_bench()))
@@ -126,6 +127,7 @@ def test_files_of_another_machine_or_problem_are_refused(tmp_path, other):
     assert done.returncode == 2 and "one table holds one" in done.stderr and done.stdout == ""
 
 
+@pytest.mark.slow
 def test_a_file_in_the_wrong_place_is_named(tmp_path):
     (tmp_path / "bench.json").write_text(json.dumps(_bench()))
     done = subprocess.run([sys.executable, str(TABLE), str(tmp_path / "bench.json"), "--windowed",
@@ -175,6 +177,7 @@ def test_run_prints_the_compare_suites_table(tmp_path):
         "auto the fastest in 1 of 2 cases, within its spread of the fastest in 0 more; peers: torch_tp"
 
 
+@pytest.mark.slow
 def test_compare_starts_without_an_earlier_runs_files(tmp_path):
     sys.path.insert(0, str(REPO / "benchmarks"))
     import catalog  # noqa: PLC0415 - benchmarks/ is not a package
@@ -190,6 +193,7 @@ def test_compare_starts_without_an_earlier_runs_files(tmp_path):
     assert note.argv is None and "leaves no time for the peers" in note.note
 
 
+@pytest.mark.slow
 def test_the_compare_suite_runs_on_cpu(tmp_path):
     """`run.py compare --cpu`: bench at a tiny shape, the peers skipped saying why, the table, the summary."""
     done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "run.py"), "compare", "--cpu", "--out",

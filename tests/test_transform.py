@@ -172,6 +172,7 @@ def _forms_fn(mesh, body, x_shape, w_shape):
     return fn, x, w
 
 
+@pytest.mark.sweep(first=2)
 @pytest.mark.parametrize("form", AG_FORMS, ids=[f[0] for f in AG_FORMS])
 def test_ag_einsum_forms(mesh, form):
     spec, axis, x_shape, w_shape = form
@@ -184,6 +185,7 @@ def test_ag_einsum_forms(mesh, form):
     assert_close(overlap(fn, schedule=XLA)(x, w), fn(x, w))
 
 
+@pytest.mark.sweep(first=2)
 @pytest.mark.parametrize("form", RS_FORMS, ids=[f[0] for f in RS_FORMS])
 def test_rs_einsum_forms(mesh, form):
     spec, axis, y_shape, w_shape = form
@@ -231,6 +233,7 @@ def scan_outside_loss(mesh, remat=False):
     return loss
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("remat", [False, True], ids=["plain", "checkpoint"])
 @pytest.mark.parametrize("make", [scan_inside_loss, scan_outside_loss], ids=["scan_in_shard_map", "scan_of_shard_maps"])
 def test_scan_over_layers(mesh, make, remat):

@@ -101,6 +101,7 @@ def stacked(mesh, params, x, layers):
     return x
 
 
+@pytest.mark.slow
 def test_python_int_static_under_jit_and_as_fn_needs_it_outside(mesh1d):
     params, x = mlp_inputs(9)
     fn = lambda params, x, layers: stacked(mesh1d, params, x, layers)
@@ -184,6 +185,7 @@ def test_plain_path_when_the_model_predicts_no_gain(mesh1d, monkeypatch):
     assert all(r.note == "" for r in forced.sites), str(forced)
 
 
+@pytest.mark.slow
 def test_autotune_shows_the_pick_or_when_it_is_measured(mesh1d, monkeypatch, tmp_path, caplog):
     params, x = mlp_inputs(6)
     mlp = lambda p, x: megatron_mlp(mesh1d, p, x)
@@ -206,6 +208,7 @@ def test_autotune_shows_the_pick_or_when_it_is_measured(mesh1d, monkeypatch, tmp
                    for r in report.sites), str(report)
 
 
+@pytest.mark.sweep(first=1)
 @pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs"])
 def test_an_explicit_op_autotuned_inside_shard_map_measures_outside_the_trace(mesh1d, monkeypatch, tmp_path, op):
     """schedule="autotune" on an op called in the user's shard_map: its candidates are programs of
@@ -294,6 +297,7 @@ def test_one_function_under_two_meshes_is_traced_for_each(mesh1d):
             assert [r.op for r in explain(fused, x, w).sites] == ["ag_matmul"]
 
 
+@pytest.mark.sweep(first=1)
 @pytest.mark.parametrize("schedule", [XLA, Schedule.parse("dma/direct/c2")])
 def test_overlap_of_a_shard_map_body(mesh1d, schedule):
     """``shard_map(overlap(block))``: `block` is traced under the shard_map's manual axes, so its
@@ -382,6 +386,7 @@ def test_bfloat16_sites_are_still_rewritten(mesh1d):
 # --------------------------------------------------------------------------------------------
 # Never slower: a site whose schedule is the plain path is left exactly as written
 # --------------------------------------------------------------------------------------------
+@pytest.mark.sweep(first=1)
 @pytest.mark.parametrize("schedule", ["auto", "none"])
 def test_plain_path_sites_are_left_as_written(mesh1d, schedule):
     # On CPU (and on a group of one device) auto keeps the plain path: the rewritten function must

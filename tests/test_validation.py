@@ -423,6 +423,7 @@ def test_every_environment_variable_is_named_in_config():
     assert python <= in_config, f"read outside config.py and not named there: {sorted(python - in_config)}"
 
 
+@pytest.mark.sweep(first=1)
 @pytest.mark.parametrize("name,raw,expected", [
     ("FICCO_CHANNEL_BYTES", "inf", "expected a whole number of bytes from 0 to"),
     ("FICCO_CHANNEL_BYTES", "abc", "expected a whole number of bytes"),

@@ -38,6 +38,7 @@ def run_program(op, schedule, *extra, fault="stall:1", watchdog_s=WATCHDOG_S, de
     return done, time.monotonic() - start
 
 
+@pytest.mark.sweep(first=1)
 @pytest.mark.parametrize("op, schedule, target, channel", [
     ("ag_matmul", "dma/direct/c2", "ficco_ag_matmul", False),
     ("ag_matmul", "dma/ring/c4/grouped", "ficco_ag_matmul", False),
@@ -77,6 +78,7 @@ def test_a_stalled_peer_is_reported_and_ends_the_process(op, schedule, target, c
     assert "ending the process" in err and "FICCO_WATCHDOG_S" in err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("op, schedule", [("ag_matmul", "dma/direct/c2/symmetric"),
                                           ("matmul_rs", "dma/direct/c1/s2/symmetric")])
 def test_a_stalled_peer_of_a_symmetric_site_is_reported(op, schedule):
@@ -101,6 +103,7 @@ def test_a_stalled_peer_of_a_symmetric_site_is_reported(op, schedule):
     assert "ending the process" in err
 
 
+@pytest.mark.slow
 def test_the_report_comes_after_the_limit_not_before():
     """The limit counts from the start of the call's device work: with a 6 s limit the report
     cannot come before 6 s (nor much after: it ends the process)."""
@@ -111,6 +114,7 @@ def test_the_report_comes_after_the_limit_not_before():
     assert seconds >= 6.0
 
 
+@pytest.mark.slow
 def test_healthy_calls_are_never_reported():
     """Many back-to-back launches with a 1 s limit: every call finishes, nothing is reported."""
     done, _ = run_program("matmul_rs", "dma/direct/c4/grouped", "--calls", "200", fault="")
@@ -119,6 +123,7 @@ def test_healthy_calls_are_never_reported():
     assert re.search(r"result -?[\d.e+-]+", done.stdout)
 
 
+@pytest.mark.slow
 def test_watchdog_off_waits_instead_of_reporting():
     """FICCO_WATCHDOG_S=0: the stalled call waits (here until this test stops it), with no report:
     the program reached the call, and well past the 1 s limit of the other tests it still waits."""
@@ -138,6 +143,7 @@ def test_watchdog_off_waits_instead_of_reporting():
     assert "result" not in out and "watchdog" not in err, err[-2000:]
 
 
+@pytest.mark.slow
 def test_a_failing_call_writes_its_error_to_stderr():
     """A call that fails says so on stderr at once, besides the exception JAX raises later (which a
     peer stuck in one of XLA's own collectives could keep from ever coming)."""

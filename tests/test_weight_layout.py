@@ -136,6 +136,7 @@ _NUMERIC_CASES = [(op, sched) for op, scheds in {
 }.items() for sched in scheds]
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("op,sched", _NUMERIC_CASES)
 def test_w_col_major_matches_the_reference(mesh, rng, op, sched):
     fn = functools.partial(getattr(ficco_jax, op), schedule=sched, w_col_major=True)
@@ -283,6 +284,7 @@ _TRANSPOSED_WEIGHTS = {
 }
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("wrap", ["overlap(grad)", "grad(overlap)"])
 @pytest.mark.parametrize("name", list(_TRANSPOSED_WEIGHTS))
 def test_overlap_of_transposed_weights_matches_the_plain_program(mesh, rng, name, wrap):

@@ -10,11 +10,9 @@ from typing import Any, Sequence
 import jax
 import jax.extend.core as jex
 import numpy as np
+from jax.extend import source_info_util as _source_info
 
-try:  # where an equation was written; private to jax, so a missing one degrades to no source line / name
-    from jax._src import source_info_util as _source_info
-except ImportError:  # pragma: no cover - depends on the jax version
-    _source_info = None
+from .. import jax_compat
 
 
 def fmt(aval) -> str:
@@ -48,10 +46,10 @@ def source_line(eqn) -> str:
     """`file:line:column (function)` of the user code that wrote `eqn`: the innermost frame outside jax,
     the model frameworks and ficco_jax; "" where the jaxpr kept none."""
     info = getattr(eqn, "source_info", None)
-    if info is None or _source_info is None:
+    if info is None:
         return ""
     try:
-        frames = list(_source_info.user_frames(info.traceback))
+        frames = list(jax_compat.user_frames(info.traceback))
         excluded = _framework_dirs()
         user = [f for f in frames if not os.path.abspath(f.file_name).startswith(excluded)]
         frame = (user or frames or [None])[0]
@@ -70,7 +68,7 @@ def written_as(eqn) -> contextlib.ExitStack:
     program name its operations as the program as written does."""
     stack = contextlib.ExitStack()
     info = getattr(eqn, "source_info", None)
-    if _source_info is not None and info is not None:
+    if info is not None:
         names = _source_info.current_name_stack() + info.name_stack
         stack.enter_context(_source_info.user_context(info.traceback, name_stack=names))
     stack.enter_context(eqn.ctx.manager)

@@ -49,6 +49,7 @@ import jax
 import jax.extend.core as jex
 import numpy as np
 
+from .. import jax_compat
 from ..runtime import topology
 from ..schedule import Schedule
 from .arguments import CallArgs
@@ -519,17 +520,7 @@ def _trace_context() -> tuple:
     partitioning, dtype promotion...: the key jax.jit itself retraces on). A function called under
     another mesh or flags is traced again, as jax.jit retraces it."""
     return (topology.context_mesh(), jax.sharding.get_abstract_mesh(), jax.config.jax_default_matmul_precision,
-            _jax_trace_flags())
-
-
-def _jax_trace_flags() -> tuple:
-    # jax keeps the flags its jit cache is keyed by in one internal tuple (jax._src.config.trace_context);
-    # in a jax without it, the flags that most change a trace.
-    from jax._src import config as jax_config
-    if hasattr(jax_config, "trace_context"):
-        return jax_config.trace_context()
-    return tuple(getattr(jax.config, name, None) for name in ("jax_enable_x64", "jax_threefry_partitionable",
-                                                               "jax_default_prng_impl", "jax_numpy_dtype_promotion"))
+            jax_compat.trace_flags())
 
 
 def _manual_axes() -> dict | None:

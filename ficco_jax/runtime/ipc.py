@@ -28,7 +28,7 @@ import threading
 
 import jax
 
-from .. import config
+from .. import config, jax_compat
 from . import extension as _ext
 
 log = logging.getLogger("ficco_jax")
@@ -81,9 +81,7 @@ def job_id() -> int:
     with _lock:
         if _job is not None:
             return _job
-        from jax._src import distributed  # the client of jax.distributed.initialize; no public getter
-
-        client = distributed.global_state.client
+        client = jax_compat.distributed_client()
         if client is None:
             raise RuntimeError(
                 "ficco_jax: comm='dma' across processes needs jax.distributed.initialize(...) (its key-value "

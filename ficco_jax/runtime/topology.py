@@ -30,9 +30,8 @@ from typing import Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
-from jax._src import mesh as _jax_mesh
 
-from .. import config
+from .. import config, jax_compat
 
 log = logging.getLogger("ficco_jax")
 
@@ -161,12 +160,12 @@ def context_mesh() -> jax.sharding.Mesh | None:
     ``jax.sharding.get_mesh()`` answers outside tracing (and while a program is lowered), but
     refuses while a function is traced, pointing at the abstract mesh, which has no devices. A
     site's topology is made of devices, so while tracing this reads the same context through the
-    getter it wraps (``jax._src.mesh.get_concrete_mesh``, in jax 0.10 and 0.11 alike).
+    getter it wraps (``jax_compat.concrete_mesh_while_tracing``).
     """
     try:
         mesh = jax.sharding.get_mesh()
     except ValueError:  # inside a trace
-        mesh = _jax_mesh.get_concrete_mesh()
+        mesh = jax_compat.concrete_mesh_while_tracing()
     return mesh if isinstance(mesh, jax.sharding.Mesh) and not mesh.empty else None
 
 
@@ -245,9 +244,7 @@ def host_ids(processes: Sequence[int]) -> dict[int, str]:
 
 
 def _kv_client():
-    from jax._src import distributed  # the client of jax.distributed.initialize; no public getter
-
-    return distributed.global_state.client
+    return jax_compat.distributed_client()
 
 
 def _publish(client, here: int) -> None:

@@ -33,6 +33,9 @@ class EventPool {
   // How many events the pool has made so far (it makes one whenever none is free): stays bounded
   // while calls give their events back.
   virtual int64_t Made() = 0;
+  // How many of those are in the pool now, free to reuse; the others belong to calls in flight, to
+  // finished calls the watchdog has not swept yet, or, for good, to failed calls.
+  virtual int64_t Free() = 0;
 };
 
 // Copy streams of one device: 0 .. kMaxCopyStreams-1 carry a schedule's transfers; one more,

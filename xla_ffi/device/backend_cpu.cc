@@ -53,6 +53,11 @@ class HostEventPool final : public EventPool {
     return static_cast<int64_t>(owned_.size());
   }
 
+  int64_t Free() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return static_cast<int64_t>(free_.size());
+  }
+
  private:
   std::mutex mu_;
   std::vector<HostEvent*> free_;

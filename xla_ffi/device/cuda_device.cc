@@ -99,6 +99,11 @@ bool CudaDevice::Done(Event event) {
   return event == nullptr || cudaEventQuery(static_cast<cudaEvent_t>(event)) != cudaErrorNotReady;
 }
 
+int64_t CudaDevice::Free() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int64_t>(cuda_.free_events.size() + cuda_.free_ipc_events.size());  // as Made() counts
+}
+
 void CudaDevice::Release(const std::vector<Event>& events) {
   std::vector<cudaEvent_t> cuda_events;
   for (Event event : events) cuda_events.push_back(static_cast<cudaEvent_t>(event));

@@ -93,6 +93,7 @@ class CudaDevice final : public EventPool {
   bool Done(Event event) override;
   void Release(const std::vector<Event>& events) override;
   int64_t Made() override { return made_.load(std::memory_order_relaxed); }
+  int64_t Free() override;
   // `stream` blocks until the process ends (the stall fault's peer that never records its event):
   // a host function that never returns. Not a kernel: one that never ends holds part of the
   // device, and on 2 x H100 the stalled rank's own handler then never returned.

@@ -144,7 +144,6 @@ void Watchdog::Loop() {
     }
     std::string site_headline;
     if (SweepSites(&site_headline)) ReportAndAbort(site_headline);
-    ReleasePending();
     lock.lock();
   }
 }
@@ -228,11 +227,19 @@ std::shared_ptr<WatchedCall> Watchdog::Sweep() {
       stuck = call;
     }
   }
+  // Before the swept calls stop being watched: once every rank of a group returned, all announced,
+  // so by the time no call is watched (Watched() == 0) their events are back.
+  ReleasePending();
   if (!done.empty()) {
     std::lock_guard<std::mutex> lock(mu_);
     for (const std::shared_ptr<WatchedCall>& call : done) calls_.remove(call);
   }
   return stuck;
+}
+
+int64_t Watchdog::Watched() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int64_t>(calls_.size());
 }
 
 void Watchdog::ReleasePending() {

@@ -130,6 +130,10 @@ class Watchdog {
  public:
   // Registers a call (starts the watchdog's thread on first use).
   void Watch(std::shared_ptr<WatchedCall> call);
+  // How many calls it watches: 0 once every call of the process has been swept, and then each
+  // finished call's events are back in their pool, except those held for a group that never
+  // announced its release (a peer failed).
+  int64_t Watched();
   // Registers rank `config.rank`'s symmetric site, whose calls post into `started` and `finished`, and
   // whose receivers write `parted` where a peer's data came from another launch (reported at once).
   void WatchSite(const OpConfig& config, std::shared_ptr<SymmetricSite> state, const uint32_t* started,

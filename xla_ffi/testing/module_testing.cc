@@ -114,6 +114,16 @@ int64_t EventsMade(int ordinal) {
 #endif
 }
 
+// How many of those events are back in the pool, free to reuse (same ordinals as EventsMade).
+int64_t EventsFree(int ordinal) {
+  if (ordinal < 0) return Registry::Get().host_events().Free();
+#ifdef FICCO_WITH_CUDA
+  return Registry::Get().Device(ordinal).cuda().Free();
+#else
+  throw std::invalid_argument("events_free(" + std::to_string(ordinal) + "): this build has no CUDA backend");
+#endif
+}
+
 }  // namespace
 
 void DefineTestingModule(nb::module_& m) {
@@ -148,6 +158,14 @@ void DefineTestingModule(nb::module_& m) {
   testing.def("events_made", &EventsMade, nb::arg("ordinal") = -1,
               "How many events the pool of a device has made so far: -1 for the CPU devices' shared pool, "
               "else a GPU's ordinal. It stays bounded while calls give their events back.");
+  testing.def("events_free", &EventsFree, nb::arg("ordinal") = -1,
+              "How many of the events events_made() counts are in the pool now, free to reuse: the others "
+              "belong to calls in flight, to finished calls the watchdog has not swept yet, or, for good, to "
+              "failed calls.");
+  testing.def("watched_calls", [] { return Registry::Get().watchdog().Watched(); },
+              "How many copy-engine calls of this process the watchdog watches: 0 once it has swept every "
+              "call, and then every finished call's events are back in their pool (events_free), except "
+              "those held for a group whose peer failed before releasing them.");
   testing.def("backend_calls",
               [] {
                 const BackendCalls c = BackendCallTotals();
