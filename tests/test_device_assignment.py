@@ -132,6 +132,7 @@ def _check(ours, ref, mesh, args):
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("op,transfer", CASES)
 def test_a_jitted_program_is_right_under_every_device_order(op, transfer):
     ours, ref, shapes = _programs(op, transfer, "op")
@@ -140,6 +141,7 @@ def test_a_jitted_program_is_right_under_every_device_order(op, transfer):
         _check(ours, ref, _mesh(ids), args)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("op,transfer", [c for c in CASES if c[0] in ("ag_matmul", "matmul_rs", "all_gather")])
 def test_a_stage_runs_on_every_submesh_of_its_shape(op, transfer):
     ours, ref, shapes = _programs(op, transfer, "op", submesh=True)
@@ -148,6 +150,7 @@ def test_a_stage_runs_on_every_submesh_of_its_shape(op, transfer):
         _check(ours, ref, _mesh(ids, ("tp",)), args)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs", "matmul_psum"])
 @pytest.mark.parametrize("transfer", ["pull", "symmetric"])
 def test_overlap_of_a_shard_map_body_is_right_under_every_device_order(op, transfer):

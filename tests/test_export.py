@@ -88,6 +88,7 @@ def _load_and_call(tmp_path, path, ids, names):
     assert "equal on devices" in done.stdout
 
 
+@pytest.mark.sweep(first=1)
 @pytest.mark.parametrize("schedule", ["dma/direct/c2", "dma/direct/c1/symmetric"])
 def test_an_exported_step_is_right_on_permuted_devices_in_a_fresh_process(tmp_path, schedule):
     names = ("dp", "tp")
@@ -96,6 +97,7 @@ def test_an_exported_step_is_right_on_permuted_devices_in_a_fresh_process(tmp_pa
         _load_and_call(tmp_path, path, ids, names)
 
 
+@pytest.mark.slow
 def test_an_exported_stage_runs_on_another_submesh_in_a_fresh_process(tmp_path):
     names = ("tp",)
     path = _export(tmp_path, names, [0, 1, 2, 3], "dma/direct/c2")
