@@ -233,7 +233,8 @@ def weight_writers(hlo: str) -> dict:
                 continue
             col_major = re.search(r"w_col_major = (\d)", line)
             col_major = int(col_major.group(1)) if col_major else 0
-            w = re.findall(r"%([\w.\-]+)", m["args"])[1]
+            # Operand 0 is the call's position (xla_ffi/runtime/placement.h), 1 the activation, 2 w.
+            w = re.findall(r"%([\w.\-]+)", m["args"])[2]
             while comp[w][0]["op"] == "bitcast":
                 w = re.match(r"%([\w.\-]+)", comp[w][0]["args"]).group(1)
             wm, wline = comp[w]

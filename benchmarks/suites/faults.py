@@ -252,7 +252,8 @@ def child_partial(timeout_s, margin_s) -> None:
 
     def gather(a):
         call = jax.ffi.ffi_call("ficco_all_gather", jax.ShapeDtypeStruct((n * a.shape[0], a.shape[1]), a.dtype))
-        return call(a, **attrs)
+        # Every call's first operand is its position, XLA's partition id (xla_ffi/runtime/placement.h).
+        return call(jax.lax.axis_index("tp").astype(jnp.uint32), a, **attrs)
 
     f = jax.jit(jax.shard_map(gather, mesh=launched, in_specs=P("tp"), out_specs=P("tp"), check_vma=False))
     x = jnp.zeros((half * 2, 3), jnp.float32)
