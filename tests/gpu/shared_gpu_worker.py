@@ -53,20 +53,28 @@ def main(process_id: int, port: int, out_path: str, chain_launches: int = 6) -> 
         local = jax.device_put(shard(process_id, tag, shape), me)
         return jax.make_array_from_single_device_arrays(tuple(gshape), NamedSharding(mesh, spec), [local])
 
-    def run(name, fn, specs, out_spec, args, expected):
+    def check(name, body):
+        """Runs `body` (which raises where a result is wrong) and records it as check `name`."""
         try:
-            f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=out_spec, check_vma=False))
-            for i in range(10):  # repeated calls: a stale block of an earlier call would show
-                scaled = [a * (1 + i) for a in args]
-                got = np.asarray(f(*scaled).addressable_shards[0].data)
-                want = expected * (1 + i) ** len(args)
-                err = float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30))
-                if err > 1e-4:
-                    raise AssertionError(f"call {i}: relative error {err:.2e}")
+            body()
             checks[name] = "ok"
         except Exception:  # noqa: BLE001
             checks[name] = traceback.format_exc()[-1500:]
         print(f"[p{process_id}] {name}: {'ok' if checks[name] == 'ok' else 'FAIL'}", file=sys.stderr, flush=True)
+
+    def expect_close(got, want, what):
+        err = float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30))
+        if err > 1e-4:
+            raise AssertionError(f"{what}: relative error {err:.2e}")
+
+    def run(name, fn, specs, out_spec, args, expected):
+        def body():
+            f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=out_spec, check_vma=False))
+            for i in range(10):  # repeated calls: a stale block of an earlier call would show
+                scaled = [a * (1 + i) for a in args]
+                got = np.asarray(f(*scaled).addressable_shards[0].data)
+                expect_close(got, expected * (1 + i) ** len(args), f"call {i}")
+        check(name, body)
 
     m, k, n = 64, 96, 32
     x0, x1 = shard(0, 1, (m, k)), shard(1, 1, (m, k))
@@ -92,7 +100,7 @@ def main(process_id: int, port: int, out_path: str, chain_launches: int = 6) -> 
     # another device order; process p then holds position order.index(p), and each call must give the
     # reference of its own order (the group's ranks and peers come from the run, not the trace).
     def in_both_orders(name, fn, specs, out_spec, tags_shapes, expected_for):
-        try:
+        def body():
             f = jax.jit(jax.shard_map(fn, in_specs=specs, out_specs=out_spec, check_vma=False))
             for order in ([0, 1], [1, 0], [0, 1], [1, 0]):
                 ordered = Mesh(np.array(jax.devices())[order], ("tp",))
@@ -102,14 +110,8 @@ def main(process_id: int, port: int, out_path: str, chain_launches: int = 6) -> 
                     for (tag, shape), spec in zip(tags_shapes, specs)]
                 with jax.set_mesh(ordered):
                     got = np.asarray(f(*args).addressable_shards[0].data)
-                want = expected_for(order, order.index(process_id))
-                err = float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30))
-                if err > 1e-4:
-                    raise AssertionError(f"order {order}: relative error {err:.2e}")
-            checks[name] = "ok"
-        except Exception:  # noqa: BLE001
-            checks[name] = traceback.format_exc()[-1500:]
-        print(f"[p{process_id}] {name}: {'ok' if checks[name] == 'ok' else 'FAIL'}", file=sys.stderr, flush=True)
+                expect_close(got, expected_for(order, order.index(process_id)), f"order {order}")
+        check(name, body)
 
     for sched in ("dma/direct/c1", "dma/direct/c2/symmetric"):
         in_both_orders(f"all_gather {sched}, both device orders", lambda a: dma.all_gather(a, "tp", schedule=sched),
